@@ -1,0 +1,100 @@
+"""`edgerun bench single`: one engine on one machine, prefill and decode speed against memory bandwidth.
+
+Each engine runs in a fresh process so that its peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from edgerun.model.generate import make_engine
+from edgerun.model.loader import load_model
+from edgerun.profile.memory import memory_read_bandwidth
+
+BENCH_TEXT = (
+    "Distributed inference splits one model across several machines. Each machine holds part of the "
+    "weights, computes its share of every token, and exchanges activations with the others. "
+)
+
+
+@dataclass(frozen=True)
+class SingleResult:
+    engine: str
+    model: str
+    threads: int
+    prompt_tokens: int
+    decode_tokens: int
+    load_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    weight_bytes: int  # read once per decode step
+    weight_read_gb_s: float
+    memory_read_gb_s: float  # this machine, same thread count, measured in the same run
+    bandwidth_share: float  # weight_read / memory_read
+    peak_rss_mb: float
+
+
+def _run_engine(engine: str, model_path: str | None, threads: int, prompt_tokens: int,
+                decode_tokens: int) -> dict[str, float]:
+    start = time.perf_counter()
+    model = load_model(model_path)
+    eng = make_engine(engine, model, prompt_tokens + decode_tokens + 1, threads=threads)
+    load_s = time.perf_counter() - start
+    ids = model.tokenizer.encode(BENCH_TEXT * (prompt_tokens // 20 + 1))[:prompt_tokens]
+    eng.reset()
+    eng.step(ids[:8])  # warm-up: first-run allocations stay out of the timings
+    eng.reset()
+    start = time.perf_counter()
+    logits = eng.step(ids)
+    prefill_s = time.perf_counter() - start
+    token = int(logits.argmax())
+    start = time.perf_counter()
+    for _ in range(decode_tokens):
+        token = int(eng.step([token]).argmax())
+    decode_s = time.perf_counter() - start
+    return {
+        "load_s": load_s,
+        "prefill_tok_s": len(ids) / prefill_s,
+        "decode_tok_s": decode_tokens / decode_s,
+        "weight_bytes": eng.weight_bytes,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def bench_single(engines: list[str], model_path: Path | None, threads: int, prompt_tokens: int,
+                 decode_tokens: int) -> list[SingleResult]:
+    memory_bw = memory_read_bandwidth(threads)
+    ctx = multiprocessing.get_context("spawn")
+    results = []
+    for engine in engines:
+        with ctx.Pool(1) as pool:
+            r = pool.apply(_run_engine, (engine, None if model_path is None else str(model_path), threads,
+                                         prompt_tokens, decode_tokens))
+        read = r["weight_bytes"] * r["decode_tok_s"]
+        results.append(SingleResult(
+            engine=engine,
+            model=str(model_path or "default"), threads=threads, prompt_tokens=prompt_tokens,
+            decode_tokens=decode_tokens, load_s=r["load_s"], prefill_tok_s=r["prefill_tok_s"],
+            decode_tok_s=r["decode_tok_s"], weight_bytes=int(r["weight_bytes"]), weight_read_gb_s=read / 1e9,
+            memory_read_gb_s=memory_bw / 1e9, bandwidth_share=read / memory_bw, peak_rss_mb=r["peak_rss_mb"],
+        ))
+    return results
+
+
+def results_table(results: list[SingleResult]) -> str:
+    head = f"{'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'weights MB':>10} " \
+           f"{'read GB/s':>9} {'mem GB/s':>8} {'share':>6} {'peak RSS MB':>11}"
+    rows = [head]
+    for r in results:
+        rows.append(f"{r.engine:<10} {r.prefill_tok_s:>13.1f} {r.decode_tok_s:>12.2f} {r.weight_bytes / 1e6:>10.1f} "
+                    f"{r.weight_read_gb_s:>9.2f} {r.memory_read_gb_s:>8.2f} {r.bandwidth_share:>6.0%} "
+                    f"{r.peak_rss_mb:>11.0f}")
+    return "\n".join(rows)
+
+
+def results_json(results: list[SingleResult]) -> list[dict[str, object]]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,217 @@
+"""The `edgerun` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from edgerun.errors import EdgerunError
+
+DEFAULT_THREADS = os.cpu_count() or 1
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="a GGUF file or a Hugging Face directory (default: the shipped SmolLM2-135M-Instruct)")
+
+
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help=f"compute threads for onnxruntime (default: {DEFAULT_THREADS}, this machine's cores)")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from edgerun.model.generate import generate, make_engine
+    from edgerun.model.loader import load_model
+    from edgerun.model.sampling import Sampler, SamplingParams
+
+    if not args.prompt.strip():
+        raise EdgerunError("the prompt is empty")
+    if args.max_tokens < 1:
+        raise EdgerunError("--max-tokens must be at least 1")
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise EdgerunError(str(e)) from e
+    model = load_model(args.model)
+    tok = model.tokenizer
+    text = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        try:
+            text = tok.apply_chat_template(messages)
+        except ValueError as e:
+            raise EdgerunError(f"--chat: {e}") from e
+    prompt = tok.encode(text)
+    max_len = min(model.config.context_length, len(prompt) + args.max_tokens + 1)
+    engine = make_engine(args.engine, model, max_len, threads=args.threads)
+    stream = tok.stream_decoder()
+
+    def emit(token: int) -> None:
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    result = generate(engine, prompt, args.max_tokens, Sampler(params), tok.stop_ids, on_token=emit)
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    if not args.quiet:
+        print(f"[{args.engine}] {result.prompt_tokens} prompt tokens at "
+              f"{result.prompt_tokens / result.prefill_s:.1f} tok/s, {len(result.tokens)} generated at "
+              f"{result.decode_tok_s:.1f} tok/s, stopped by {result.stop_reason}", file=sys.stderr)
+
+
+def cmd_model_synth(args: argparse.Namespace) -> None:
+    from edgerun.model.quant import WRITABLE_QTYPES
+    from edgerun.model.synth import SynthSpec, custom_shape, write_synthetic
+
+    if args.quant not in WRITABLE_QTYPES:
+        raise EdgerunError(f"unknown quant type {args.quant} (choose from {', '.join(WRITABLE_QTYPES)})")
+    if args.format == "hf" and args.quant not in ("F32", "F16", "BF16"):
+        raise EdgerunError("a Hugging Face directory holds F32, F16 or BF16 weights; use --format gguf to quantize")
+    try:
+        config = custom_shape(args.shape, architecture=args.arch, n_layers=args.layers, hidden=args.hidden,
+                              ffn=args.ffn, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                              vocab_size=args.vocab, tied_embeddings=args.tied,
+                              qkv_bias=None if args.arch is None else args.arch == "qwen2")
+        spec = SynthSpec(config, args.quant, args.seed)
+        print(f"writing {config.n_params() / 1e9:.2f}B-parameter {config.architecture} model ({args.quant}) "
+              f"to {args.out}", file=sys.stderr)
+        write_synthetic(spec, args.out, args.format)
+    except ValueError as e:
+        raise EdgerunError(str(e)) from e
+    print(args.out)
+
+
+def cmd_model_info(args: argparse.Namespace) -> None:
+    from collections import Counter
+
+    from edgerun.model.loader import load_model
+
+    model = load_model(args.model)
+    qtypes = Counter(t.qtype for layer in model.weights.layers for _, t in layer.matrices())
+    info = {
+        "path": str(model.path),
+        "format": model.format,
+        "config": model.config.to_dict(),
+        "parameters": model.config.n_params(),
+        "matrix_bytes": model.weights.matrix_bytes(),
+        "layer_quant_types": dict(qtypes),
+        "embedding_quant_type": model.weights.token_embd.qtype,
+        "vocab_size": model.tokenizer.vocab_size,
+        "has_chat_template": model.tokenizer.chat_template is not None,
+    }
+    print(json.dumps(info, indent=2))
+
+
+def cmd_bench_single(args: argparse.Namespace) -> None:
+    from edgerun.bench.single import bench_single, results_json, results_table
+    from edgerun.model.generate import ENGINES
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in engines:
+        if e not in ENGINES:
+            raise EdgerunError(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
+    if args.model is not None and not args.model.exists():
+        raise EdgerunError(f"model not found: {args.model}")
+    print(f"measuring memory bandwidth and {len(engines)} engine(s) with {args.threads} thread(s)...",
+          file=sys.stderr)
+    results = bench_single(engines, args.model, args.threads, args.prompt_tokens, args.decode_tokens)
+    print(json.dumps(results_json(results), indent=2) if args.json else results_table(results))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from edgerun import __version__
+    from edgerun.model.generate import ENGINES
+
+    parser = argparse.ArgumentParser(
+        prog="edgerun",
+        description="Run one LLM across several small, unequal devices on a lossy network.",
+    )
+    parser.add_argument("--version", action="version", version=f"edgerun {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="generate text on this machine",
+                       description="Generate text from a prompt on this machine, streaming tokens to stdout.")
+    p.add_argument("prompt", help="the prompt text")
+    _model_arg(p)
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); higher is more random")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                   "probabilities sum to p (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat (default: the template's own)")
+    p.add_argument("--engine", choices=ENGINES, default="onnx",
+                   help="onnx: onnxruntime (fast, default); onnx-int8: int8 activations (faster, approximate); "
+                        "numpy: the reference forward pass")
+    _threads_arg(p)
+    p.add_argument("--quiet", action="store_true", help="do not print speed on stderr")
+    p.set_defaults(func=cmd_generate)
+
+    model = sub.add_parser("model", help="inspect or create model files").add_subparsers(
+        dest="model_command", required=True, metavar="SUBCOMMAND")
+    p = model.add_parser("info", help="print a model's shape, quant types and sizes as JSON")
+    _model_arg(p)
+    p.set_defaults(func=cmd_model_info)
+    p = model.add_parser("synth", help="write a model with seeded random weights",
+                         description="Write a valid model of any Llama or Qwen2 shape with seeded random weights. "
+                                     "Named shapes: tiny (tests), 1b, 3b (Llama 3.2), 8b (Llama 3.1); the "
+                                     "dimension options override the named shape.")
+    p.add_argument("--shape", default="tiny", help="tiny, 1b, 3b or 8b (default: tiny)")
+    p.add_argument("--arch", choices=("llama", "qwen2"), default=None, help="architecture (default: llama)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--ffn", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to "
+                   "the embedding")
+    p.add_argument("--quant", default="Q4_0", help="F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K "
+                   "(default: Q4_0)")
+    p.add_argument("--format", choices=("gguf", "hf"), default="gguf",
+                   help="gguf file (default) or Hugging Face directory (float types only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True, help="output file (gguf) or directory (hf)")
+    p.set_defaults(func=cmd_model_synth)
+
+    bench = sub.add_parser("bench", help="measure speed").add_subparsers(
+        dest="bench_command", required=True, metavar="SUBCOMMAND")
+    p = bench.add_parser("single", help="single-node prefill and decode speed against memory bandwidth",
+                         description="Prefill tok/s, decode tok/s, effective weight-read bandwidth and peak RSS "
+                                     "per engine, beside this machine's memory-read bandwidth measured in the "
+                                     "same run with the same thread count.")
+    _model_arg(p)
+    p.add_argument("--engines", default="onnx,numpy", help=f"comma-separated, from {', '.join(ENGINES)} "
+                   "(default: onnx,numpy)")
+    _threads_arg(p)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_bench_single)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except EdgerunError as e:
+        print(f"edgerun: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("edgerun: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model files, tokenizer, the numpy reference forward pass and the ONNX graph builder."""

@@ -1,0 +1,189 @@
+"""Reading and writing GGUF model files (through the `gguf` package)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from edgerun.model.config import ModelConfig
+from edgerun.model.quant import QuantTensor, check_qtype
+from edgerun.model.tokenizer import Vocabulary
+from edgerun.model.weights import (
+    LayerWeights,
+    ModelWeights,
+    rope_rows_from_interleaved,
+    rope_rows_to_interleaved,
+)
+
+# LayerWeights field -> GGUF tensor name within "blk.N.".
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "bq": "attn_q.bias",
+    "bk": "attn_k.bias",
+    "bv": "attn_v.bias",
+    "ffn_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+OPTIONAL_LAYER_TENSORS = ("bq", "bk", "bv")
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: object = None) -> object:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(reader: gguf.GGUFReader) -> ModelConfig:
+    arch = str(_field(reader, "general.architecture", ""))
+    tensor_names = {t.name for t in reader.tensors}
+
+    def meta(key: str, default: object = None) -> object:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        if isinstance(value, list):
+            raise ValueError(f"per-layer {arch}.{key} is not supported")
+        return value
+
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"RoPE scaling {scaling!r} is not supported")
+    n_heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    return ModelConfig(
+        architecture=arch,
+        n_layers=int(meta("block_count")),
+        hidden=hidden,
+        ffn=int(meta("feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
+        head_dim=int(meta("attention.key_length", hidden // n_heads)),
+        vocab_size=vocab,
+        rope_base=float(meta("rope.freq_base", 10000.0)),
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(meta("context_length", 4096)),
+        tied_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+def _tensor(t: gguf.ReaderTensor) -> QuantTensor:
+    qtype = t.tensor_type.name
+    check_qtype(qtype)
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    data = np.asarray(t.data)
+    raw = data.reshape(-1).view(np.uint8).reshape(*shape[:-1], -1)
+    return QuantTensor(qtype, shape, raw)
+
+
+def read_weights(reader: gguf.GGUFReader, config: ModelConfig) -> ModelWeights:
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> QuantTensor:
+        if name not in tensors:
+            raise ValueError(f"GGUF file lacks tensor {name}")
+        return _tensor(tensors[name])
+
+    def vector(name: str) -> np.ndarray:
+        return get(name).dequantize()
+
+    # llama.cpp stores Llama's Q and K rows interleaved for its pairwise RoPE; Qwen2 keeps them as is.
+    interleaved = config.architecture == "llama"
+    q_rows = rope_rows_from_interleaved(config.n_heads, config.q_dim) if interleaved else None
+    k_rows = rope_rows_from_interleaved(config.n_kv_heads, config.kv_dim) if interleaved else None
+    layers = []
+    for i in range(config.n_layers):
+        fields: dict[str, object] = {}
+        for field, suffix in LAYER_TENSORS.items():
+            name = f"blk.{i}.{suffix}"
+            if field in OPTIONAL_LAYER_TENSORS:
+                fields[field] = vector(name) if name in tensors else None
+            elif field.endswith("norm"):
+                fields[field] = vector(name)
+            else:
+                fields[field] = get(name)
+        if interleaved:
+            fields["wq"] = fields["wq"].take_rows(q_rows)
+            fields["wk"] = fields["wk"].take_rows(k_rows)
+            if fields["bq"] is not None:
+                fields["bq"] = fields["bq"][q_rows]
+                fields["bk"] = fields["bk"][k_rows]
+        layers.append(LayerWeights(**fields))
+    embd = get("token_embd.weight")
+    return ModelWeights(
+        token_embd=embd,
+        layers=tuple(layers),
+        output_norm=vector("output_norm.weight"),
+        output=embd if config.tied_embeddings else get("output.weight"),
+    )
+
+
+def _add_matrix(writer: gguf.GGUFWriter, name: str, t: QuantTensor) -> None:
+    if t.qtype == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(t.raw).view(np.float32).reshape(t.shape))
+    elif t.qtype == "F16":
+        writer.add_tensor(name, np.ascontiguousarray(t.raw).view(np.float16).reshape(t.shape))
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(t.raw), raw_dtype=gguf.GGMLQuantizationType[t.qtype])
+
+
+def write_gguf(path: Path, config: ModelConfig, weights: ModelWeights, vocab: Vocabulary, name: str) -> None:
+    arch = config.architecture
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_block_count(config.n_layers)
+    writer.add_context_length(config.context_length)
+    writer.add_embedding_length(config.hidden)
+    writer.add_feed_forward_length(config.ffn)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_base)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos_id)
+    writer.add_eos_token_id(vocab.eos_id)
+    writer.add_add_bos_token(vocab.add_bos)
+    if vocab.chat_template:
+        writer.add_chat_template(vocab.chat_template)
+
+    interleave = arch == "llama"
+    q_rows = rope_rows_to_interleaved(config.n_heads, config.q_dim)
+    k_rows = rope_rows_to_interleaved(config.n_kv_heads, config.kv_dim)
+    _add_matrix(writer, "token_embd.weight", weights.token_embd)
+    for i, layer in enumerate(weights.layers):
+        for field, suffix in LAYER_TENSORS.items():
+            value = getattr(layer, field)
+            if value is None:
+                continue
+            if interleave and field in ("wq", "bq"):
+                value = value.take_rows(q_rows) if field == "wq" else value[q_rows]
+            if interleave and field in ("wk", "bk"):
+                value = value.take_rows(k_rows) if field == "wk" else value[k_rows]
+            if isinstance(value, QuantTensor):
+                _add_matrix(writer, f"blk.{i}.{suffix}", value)
+            else:
+                writer.add_tensor(f"blk.{i}.{suffix}", np.asarray(value, np.float32))
+    writer.add_tensor("output_norm.weight", np.asarray(weights.output_norm, np.float32))
+    if not config.tied_embeddings:
+        _add_matrix(writer, "output.weight", weights.output)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

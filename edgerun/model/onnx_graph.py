@@ -1,0 +1,272 @@
+"""Building ONNX graphs of a model, or of a contiguous range of its layers (a pipeline stage).
+
+A graph takes the embedded hidden state and per-layer KV buffers and returns either the next
+hidden state or, for the last stage, the logits of the last position. Attention is onnxruntime's
+GroupQueryAttention with RoPE inside it; the KV buffers are preallocated to the context length and
+bound as both the past and the present tensor, so a step writes only its new rows.
+Quantized matrices become MatMulNBits (4-bit or 8-bit codes with per-block scales), holding exactly
+the values the file holds; other types become float32 MatMul.
+
+Initializers are written straight to an external data file as the graph is built, so models
+larger than protobuf's 2 GB limit build without holding a second copy in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from edgerun.model.config import ModelConfig
+from edgerun.model.quant import AffineBlocks, QuantTensor, to_affine_blocks
+from edgerun.model.reference import rope_tables
+from edgerun.model.weights import ModelWeights
+
+# Bump when the graph layout changes, so cached graphs are rebuilt.
+GRAPH_VERSION = 2
+OPSET = 17
+IR_VERSION = 10
+WEIGHTS_FILE = "weights.bin"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    first_layer: int
+    end_layer: int  # exclusive
+    lm_head: bool  # the stage ends with the final norm and the LM head
+    accuracy_level: int = 0  # MatMulNBits: 0 computes in float32, 4 quantizes activations to int8
+
+    def check(self, config: ModelConfig) -> None:
+        if not 0 <= self.first_layer < self.end_layer <= config.n_layers:
+            raise ValueError(f"layer range [{self.first_layer}, {self.end_layer}) outside 0..{config.n_layers}")
+        if self.lm_head and self.end_layer != config.n_layers:
+            raise ValueError("only the stage holding the last layer can hold the LM head")
+
+
+def kv_names(layer: int) -> tuple[str, str, str, str]:
+    return f"past_key_{layer}", f"past_value_{layer}", f"present_key_{layer}", f"present_value_{layer}"
+
+
+class _GraphWriter:
+    """Collects nodes and writes initializers to the external data file."""
+
+    def __init__(self, data_path: Path) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self.data = data_path.open("wb")
+        self.data_name = data_path.name
+        self.weight_bytes = 0
+        self._count = 0
+
+    def name(self, stem: str) -> str:
+        self._count += 1
+        return f"{stem}_{self._count}"
+
+    def constant(self, stem: str, array: np.ndarray, weight: bool = False) -> str:
+        array = np.ascontiguousarray(array)
+        name = self.name(stem)
+        tensor = TensorProto(name=name, dims=list(array.shape),
+                             data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        if array.nbytes < 1024:
+            tensor.raw_data = array.tobytes()
+        else:
+            self.data.write(b"\0" * (-self.data.tell() % 64))  # aligned, so onnxruntime can map it
+            offset = self.data.tell()
+            self.data.write(array.tobytes())
+            tensor.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", self.data_name), ("offset", str(offset)), ("length", str(array.nbytes))):
+                tensor.external_data.add(key=key, value=value)
+        if weight:
+            self.weight_bytes += array.nbytes
+        self.initializers.append(tensor)
+        return name
+
+    def node(self, op: str, inputs: list[str], n_outputs: int = 1, domain: str = "", **attrs: object) -> list[str]:
+        outputs = [self.name(op.lower()) for _ in range(n_outputs)]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=self.name(op), domain=domain, **attrs))
+        return outputs
+
+    def linear(self, x: str, tensors: list[QuantTensor], accuracy_level: int) -> list[str]:
+        """x @ W.T for each W; matrices sharing one block format run as one fused product."""
+        forms = [to_affine_blocks(t) for t in tensors]
+        if len(tensors) > 1 and _fusable(forms):
+            (y,) = self._affine_product(x, _fuse(forms), accuracy_level)
+            sizes = self.constant("split", np.array([t.rows for t in tensors], np.int64))
+            return self.node("Split", [y, sizes], n_outputs=len(tensors), axis=-1)
+        outputs = []
+        for t, form in zip(tensors, forms, strict=True):
+            if form is None:
+                w = self.constant("weight", t.dequantize().T, weight=True)
+                outputs += self.node("MatMul", [x, w])
+            else:
+                outputs += self._affine_product(x, form, accuracy_level)
+        return outputs
+
+    def _affine_product(self, x: str, form: AffineBlocks, accuracy_level: int) -> list[str]:
+        n, k = form.codes.shape
+        if form.bits == 4 or accuracy_level == 4:
+            (y,) = self._matmul_nbits(x, form.bits, form.block, form.codes, form.scales, None, accuracy_level)
+        else:
+            # onnxruntime's float32 kernels take 4-bit codes only: split each 8-bit code into its high
+            # and low nibble, s*(c - 128) = 16s*(hi - 8) + s*(lo - 0), one product over both halves.
+            codes = np.concatenate([form.codes >> 4, form.codes & 15])
+            scales = np.concatenate([16 * form.scales, form.scales])
+            zero_points = np.concatenate([np.full(form.scales.shape, 8, np.uint8),
+                                          np.zeros(form.scales.shape, np.uint8)])
+            (both,) = self._matmul_nbits(x, 4, form.block, codes, scales, zero_points, accuracy_level)
+            halves = self.constant("split", np.array([n, n], np.int64))
+            (y,) = self.node("Add", self.node("Split", [both, halves], n_outputs=2, axis=-1))
+        if form.offsets is None:
+            return [y]
+        # The offsets' share: each block's sum of x times that block's offset.
+        shape = self.constant("shape", np.array([0, 0, k // form.block, form.block], np.int64))
+        (blocks,) = self.node("Reshape", [x, shape])
+        (sums,) = self.node("ReduceSum", [blocks, self.constant("axes", np.array([-1], np.int64))], keepdims=0)
+        (offset,) = self.node("MatMul", [sums, self.constant("offsets", form.offsets.T, weight=True)])
+        return self.node("Add", [y, offset])
+
+    def _matmul_nbits(self, x: str, bits: int, block: int, codes: np.ndarray, scales: np.ndarray,
+                      zero_points: np.ndarray | None, accuracy_level: int) -> list[str]:
+        n, k = codes.shape
+        nblocks = k // block
+        codes = codes.reshape(n, nblocks, block)
+        if bits == 4:
+            codes = _pack_nibbles(codes)
+        inputs = [x, self.constant("codes", codes, weight=True),
+                  self.constant("scales", scales.reshape(-1), weight=True)]
+        if zero_points is not None:
+            inputs.append(self.constant("zero_points", _pack_nibbles(zero_points).reshape(-1), weight=True))
+        return self.node("MatMulNBits", inputs, domain="com.microsoft", K=k, N=n, bits=bits,
+                         block_size=block, accuracy_level=accuracy_level)
+
+
+def _pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """Two 4-bit values per byte along the last axis, element 2i in the low nibble (padded to even)."""
+    if values.shape[-1] % 2:
+        values = np.concatenate([values, np.zeros((*values.shape[:-1], 1), values.dtype)], axis=-1)
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _fusable(forms: list[AffineBlocks | None]) -> bool:
+    first = forms[0]
+    return first is not None and all(f is not None and f.bits == first.bits and f.block == first.block
+                                     for f in forms)
+
+
+def _fuse(forms: list[AffineBlocks]) -> AffineBlocks:
+    offsets = None
+    if any(f.offsets is not None for f in forms):
+        offsets = np.concatenate([np.zeros_like(f.scales) if f.offsets is None else f.offsets for f in forms])
+    return AffineBlocks(forms[0].bits, forms[0].block, np.concatenate([f.codes for f in forms]),
+                        np.concatenate([f.scales for f in forms]), offsets)
+
+
+def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out_dir: Path) -> dict[str, object]:
+    """Write model.onnx and its weights into out_dir; return the stage's metadata."""
+    spec.check(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    g = _GraphWriter(out_dir / WEIGHTS_FILE)
+    f32 = TensorProto.FLOAT
+    inputs = [
+        helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
+    ]
+    outputs = []
+    cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(config.context_length))
+    cos_name, sin_name = g.constant("rope_cos", cos), g.constant("rope_sin", sin)
+    kv_shape = [1, config.n_kv_heads, "max_len", config.head_dim]
+    eps = config.norm_eps
+
+    residual, pending = "hidden", None
+    for i in range(spec.first_layer, spec.end_layer):
+        layer = weights.layers[i]
+        past_k, past_v, present_k, present_v = kv_names(i)
+        inputs += [helper.make_tensor_value_info(n, f32, kv_shape) for n in (past_k, past_v)]
+        outputs += [helper.make_tensor_value_info(n, f32, kv_shape) for n in (present_k, present_v)]
+
+        xn, residual = _norm(g, residual, pending, layer.attn_norm, eps)
+        q, k, v = g.linear(xn, [layer.wq, layer.wk, layer.wv], spec.accuracy_level)
+        if layer.bq is not None:
+            q, k, v = (g.node("Add", [t, g.constant("bias", b)])[0] for t, b in
+                       ((q, layer.bq), (k, layer.bk), (v, layer.bv)))
+        g.nodes.append(helper.make_node(
+            "GroupQueryAttention", [q, k, v, past_k, past_v, "seqlens_k", "total_seq_len", cos_name, sin_name],
+            [f"attn_{i}", present_k, present_v], name=f"attention_{i}", domain="com.microsoft",
+            num_heads=config.n_heads, kv_num_heads=config.n_kv_heads, do_rotary=1, rotary_interleaved=0,
+        ))
+        (pending,) = g.linear(f"attn_{i}", [layer.wo], spec.accuracy_level)
+
+        xn, residual = _norm(g, residual, pending, layer.ffn_norm, eps)
+        gate, up = g.linear(xn, [layer.w_gate, layer.w_up], spec.accuracy_level)
+        (sig,) = g.node("Sigmoid", [gate])
+        (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
+        (pending,) = g.linear(act, [layer.w_down], spec.accuracy_level)
+
+    if spec.lm_head:
+        # Only the last position's logits are needed: slice before the final norm and the head.
+        last = [g.constant("start", np.array([-1], np.int64)), g.constant("end", np.array([2**62], np.int64)),
+                g.constant("axis", np.array([1], np.int64))]
+        (r_last,) = g.node("Slice", [residual, *last])
+        (p_last,) = g.node("Slice", [pending, *last])
+        xn, _ = _norm(g, r_last, p_last, weights.output_norm, eps)
+        (logits,) = g.linear(xn, [weights.output], spec.accuracy_level)
+        g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
+        outputs.insert(0, helper.make_tensor_value_info("logits", f32, [1, 1, config.vocab_size]))
+    else:
+        g.nodes.append(helper.make_node("Add", [residual, pending], ["hidden_out"], name="hidden_out"))
+        outputs.insert(0, helper.make_tensor_value_info("hidden_out", f32, [1, "seq", config.hidden]))
+
+    g.data.close()
+    graph = helper.make_graph(g.nodes, "edgerun_stage", inputs, outputs, g.initializers)
+    model = helper.make_model(graph, ir_version=IR_VERSION,
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save_model(model, str(out_dir / "model.onnx"))
+    meta = {"spec": asdict(spec), "config": config.to_dict(), "weight_bytes": g.weight_bytes,
+            "graph_version": GRAPH_VERSION}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _norm(g: _GraphWriter, residual: str, pending: str | None, weight: np.ndarray, eps: float) -> tuple[str, str]:
+    """RMS-normalize residual + pending; return (normalized, new residual)."""
+    w = g.constant("norm", np.asarray(weight, np.float32))
+    if pending is None:
+        (y,) = g.node("SimplifiedLayerNormalization", [residual, w], axis=-1, epsilon=eps)
+        return y, residual
+    y, _, _, total = g.node("SkipSimplifiedLayerNormalization", [pending, residual, w], n_outputs=4,
+                            domain="com.microsoft", epsilon=eps)
+    return y, total
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EDGERUN_CACHE", Path.home() / ".cache" / "edgerun"))
+
+
+def cached_stage(model_path: Path, config: ModelConfig, weights: ModelWeights, spec: StageSpec) -> Path:
+    """The directory of a built stage graph, building it once per model file and spec."""
+    st = model_path.stat()
+    ident = json.dumps([str(model_path.resolve()), st.st_size, st.st_mtime_ns, asdict(spec), GRAPH_VERSION])
+    out = cache_root() / "onnx" / hashlib.sha256(ident.encode()).hexdigest()[:24]
+    if (out / "meta.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".build-"))
+    try:
+        build_stage(config, weights, spec, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process built it first
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

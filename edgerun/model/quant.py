@@ -1,0 +1,170 @@
+"""Weight tensors that stay in their file's quantized format until a kernel needs them.
+
+A `QuantTensor` holds the raw bytes of a GGML-typed tensor (memory-mapped where the file allows),
+row-major: one row is one output feature, the blocks run along the input dimension. Rows can be
+selected and reordered without touching the blocks, which is how heads and neuron groups are cut
+out of a matrix and how GGUF's interleaved Q/K rows are put back in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from edgerun.model import kquants
+
+# Types a model file may hold; every one is dequantized by the gguf package.
+SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Types `quantize` can write (synthetic models).
+WRITABLE_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+
+
+def check_qtype(name: str) -> GGMLQuantizationType:
+    if name not in SUPPORTED_QTYPES:
+        raise ValueError(f"unsupported quant type {name} (supported: {', '.join(SUPPORTED_QTYPES)})")
+    return GGMLQuantizationType[name]
+
+
+def block_shape(qtype: str) -> tuple[int, int]:
+    """(elements per block, bytes per block)."""
+    return GGML_QUANT_SIZES[check_qtype(qtype)]
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    qtype: str
+    shape: tuple[int, ...]  # numpy order: (rows, cols) for matrices, (n,) for vectors
+    raw: np.ndarray  # uint8, (rows, bytes per row) for matrices, (bytes,) for vectors
+
+    def __post_init__(self) -> None:
+        block, size = block_shape(self.qtype)
+        cols = self.shape[-1]
+        if cols % block:
+            raise ValueError(f"{self.qtype} row length {cols} is not a multiple of its block size {block}")
+        expected = (*self.shape[:-1], cols // block * size)
+        if self.raw.dtype != np.uint8 or self.raw.shape != expected:
+            raise ValueError(f"raw bytes {self.raw.dtype}{self.raw.shape} do not match {self.qtype}{self.shape}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def dequantize(self) -> np.ndarray:
+        qtype = check_qtype(self.qtype)
+        if self.qtype == "F32":
+            return np.ascontiguousarray(self.raw).view(np.float32).reshape(self.shape)
+        if self.qtype == "F16":
+            return np.ascontiguousarray(self.raw).view(np.float16).reshape(self.shape).astype(np.float32)
+        return quants.dequantize(np.asarray(self.raw), qtype).reshape(self.shape).astype(np.float32, copy=False)
+
+    def take_rows(self, index: np.ndarray | slice) -> QuantTensor:
+        raw = self.raw[index]
+        return QuantTensor(self.qtype, (raw.shape[0], *self.shape[1:]), raw)
+
+    def dequantize_rows(self, index: np.ndarray) -> np.ndarray:
+        """Dequantize only some rows (embedding lookups)."""
+        return self.take_rows(np.asarray(index)).dequantize()
+
+
+def quantize(x: np.ndarray, qtype: str) -> QuantTensor:
+    """Quantize float data row-wise into a GGML type."""
+    if qtype not in WRITABLE_QTYPES:
+        raise ValueError(f"cannot write quant type {qtype} (writable: {', '.join(WRITABLE_QTYPES)})")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == "F32":
+        raw = x.view(np.uint8)
+    elif qtype == "F16":
+        raw = x.astype(np.float16).view(np.uint8)
+    elif qtype == "Q4_K":
+        raw = kquants.quantize_q4_k(x.reshape(-1, x.shape[-1]))
+    elif qtype == "Q6_K":
+        raw = kquants.quantize_q6_k(x.reshape(-1, x.shape[-1]))
+    else:
+        raw = quants.quantize(x, GGMLQuantizationType[qtype])
+    block, size = block_shape(qtype)
+    return QuantTensor(qtype, x.shape, raw.reshape(*x.shape[:-1], x.shape[-1] // block * size))
+
+
+@dataclass(frozen=True)
+class AffineBlocks:
+    """A matrix as integer codes with a scale and an offset per block along each row:
+    w[r, c] = scales[r, b] * (codes[r, c] - 2**(bits-1)) + offsets[r, b], with b = c // block.
+
+    Symmetric codes around the midpoint are what onnxruntime's fast MatMulNBits kernels take; the
+    per-block offset (Q4_1, Q4_K) is a separate, 32 times smaller product (see onnx_graph).
+    `offsets` is None where every block's offset is zero.
+    """
+
+    bits: int
+    block: int
+    codes: np.ndarray  # uint8 (rows, cols), values below 2**bits
+    scales: np.ndarray  # float32 (rows, cols // block)
+    offsets: np.ndarray | None  # float32 (rows, cols // block)
+
+
+def _f16(raw: np.ndarray, start: int) -> np.ndarray:
+    """Read the little-endian f16 at byte `start` of every block as float32."""
+    return np.ascontiguousarray(raw[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _codes(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: int, mid: int) -> np.ndarray:
+    """Recover the codes from values = scale * (code - mid) + offset, block by block."""
+    rows, cols = values.shape
+    v = values.reshape(rows, cols // block, block)
+    safe = np.where(scales == 0, 1.0, scales)[..., None]
+    q = np.rint((v - offsets[..., None]) / safe) + mid
+    # A zero scale makes the block constant (its offset); any code will do.
+    q = np.where(scales[..., None] == 0, mid, q)
+    return q.reshape(rows, cols).astype(np.uint8)
+
+
+def to_affine_blocks(t: QuantTensor) -> AffineBlocks | None:
+    """The exact affine-block form of a quantized matrix, or None when it has none
+    (float types; Q5_1 and Q5_K, whose 5-bit codes have offsets no 8-bit kernel takes)."""
+    if len(t.shape) != 2:
+        raise ValueError("only matrices have an affine-block form")
+    rows, cols = t.shape
+    nblocks = cols // block_shape(t.qtype)[0]
+    values = t.dequantize()
+    if t.qtype in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
+        raw = t.raw.reshape(rows, nblocks, -1)
+        d = _f16(raw, 0)
+        if t.qtype == "Q4_1":  # w = d*q + m = d*(q - 8) + (m + 8d)
+            offsets = _f16(raw, 2) + 8 * d
+            return AffineBlocks(4, 32, _codes(values, d, offsets, 32, 8), d, offsets)
+        # Symmetric types: w = d * (q - mid); 5-bit codes go to the 8-bit kernel.
+        bits = 4 if t.qtype == "Q4_0" else 8
+        zero = np.zeros_like(d)
+        return AffineBlocks(bits, 32, _codes(values, d, zero, 32, 2 ** (bits - 1)), d, None)
+    if t.qtype == "Q4_K":  # w = d*sc*q - dmin*m per 32-element sub-block
+        raw = t.raw.reshape(rows, nblocks, 144)
+        d, dmin = _f16(raw, 0), _f16(raw, 2)
+        sc, m = _q4_k_scales_mins(raw[..., 4:16])
+        scales = (d[..., None] * sc).reshape(rows, nblocks * 8)
+        offsets = 8 * scales - (dmin[..., None] * m).reshape(rows, nblocks * 8)
+        return AffineBlocks(4, 32, _codes(values, scales, offsets, 32, 8), scales, offsets)
+    if t.qtype == "Q6_K":  # w = d*sc*(q - 32) per 16-element sub-block
+        raw = t.raw.reshape(rows, nblocks, 210)
+        d = _f16(raw, 208)
+        sc = raw[..., 192:208].view(np.int8).astype(np.float32)
+        scales = (d[..., None] * sc).reshape(rows, nblocks * 16)
+        return AffineBlocks(8, 16, _codes(values, scales, np.zeros_like(scales), 16, 128), scales, None)
+    return None
+
+
+def _q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack Q4_K's twelve bytes of 6-bit sub-block scales and mins (8 each)."""
+    p = packed.astype(np.uint8)
+    sc = np.empty((*p.shape[:-1], 8), np.float32)
+    m = np.empty_like(sc)
+    sc[..., :4] = p[..., 0:4] & 63
+    m[..., :4] = p[..., 4:8] & 63
+    sc[..., 4:] = (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)
+    return sc, m

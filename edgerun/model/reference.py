@@ -1,0 +1,190 @@
+"""The numpy reference forward pass: the oracle every distributed mode is checked against.
+
+Weights are dequantized to float32 once at start-up, so the arithmetic is plain and easy to read.
+Each block can report its input and its output split into the parts that tensor-parallel nodes
+compute: one part per attention head (that head's slice of the output projection) and one part
+per MLP neuron group (`group_size` intermediate rows of gate/up with the matching columns of
+down). The parts sum to the block's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgerun.model.config import ModelConfig
+from edgerun.model.weights import LayerWeights, ModelWeights
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope_tables(head_dim: int, base: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin, (len(positions), head_dim/2), for rotate-half RoPE."""
+    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x: (seq, heads, head_dim), pairs (i, i + head_dim/2) rotate together."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def n_groups(ffn: int, group_size: int) -> int:
+    return -(-ffn // group_size)
+
+
+class BlockHooks:
+    """Receives what each block sees and produces; subclass and override what you need.
+
+    Partial outputs are only computed when `wants_partials` is true: they cost a matmul per part.
+    """
+
+    wants_partials = False
+
+    def attention_input(self, layer: int, x_norm: np.ndarray) -> None:
+        """The normalized hidden state entering attention, (seq, hidden)."""
+
+    def mlp_input(self, layer: int, x_norm: np.ndarray) -> None:
+        """The normalized hidden state entering the MLP, (seq, hidden)."""
+
+    def head_outputs(self, layer: int, parts: np.ndarray) -> None:
+        """Each attention head's contribution to the block output, (n_heads, seq, hidden)."""
+
+    def group_outputs(self, layer: int, parts: np.ndarray) -> None:
+        """Each MLP neuron group's contribution to the block output, (n_groups, seq, hidden)."""
+
+
+@dataclass
+class DenseLayer:
+    """One layer's weights dequantized to float32."""
+
+    attn_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    bq: np.ndarray | None
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    ffn_norm: np.ndarray
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+
+    @classmethod
+    def from_weights(cls, w: LayerWeights) -> DenseLayer:
+        return cls(
+            attn_norm=w.attn_norm, wq=w.wq.dequantize(), wk=w.wk.dequantize(), wv=w.wv.dequantize(),
+            wo=w.wo.dequantize(), bq=w.bq, bk=w.bk, bv=w.bv, ffn_norm=w.ffn_norm,
+            w_gate=w.w_gate.dequantize(), w_up=w.w_up.dequantize(), w_down=w.w_down.dequantize(),
+        )
+
+
+class KVCache:
+    """Keys and values per layer, (n_kv_heads, max_len, head_dim), filled up to `length`."""
+
+    def __init__(self, config: ModelConfig, max_len: int) -> None:
+        shape = (config.n_layers, config.n_kv_heads, max_len, config.head_dim)
+        self.k = np.zeros(shape, np.float32)
+        self.v = np.zeros(shape, np.float32)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class ReferenceModel:
+    """Prefill and decode with a KV cache, in numpy."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, group_size: int = 256) -> None:
+        self.config = config
+        self.group_size = group_size
+        self.layers = [DenseLayer.from_weights(layer) for layer in weights.layers]
+        self.token_embd = weights.token_embd
+        self.output_norm = weights.output_norm
+        self.output = weights.output.dequantize()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of float32 matrices one decode step reads."""
+        per_layer = sum(getattr(self.layers[0], f).nbytes for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+        return per_layer * len(self.layers) + self.output.nbytes
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(self.config, max_len)
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        return self.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+
+    def forward(self, tokens: Sequence[int], cache: KVCache, hooks: BlockHooks | None = None,
+                all_logits: bool = False) -> np.ndarray:
+        """Run `tokens` after what the cache holds; return logits for the last token, (vocab,),
+        or for every token, (seq, vocab), with `all_logits`."""
+        start = cache.length
+        if start + len(tokens) > cache.max_len:
+            raise ValueError(f"context of {cache.max_len} tokens exceeded")
+        x = self.embed(tokens)
+        positions = np.arange(start, start + len(tokens))
+        cos, sin = rope_tables(self.config.head_dim, self.config.rope_base, positions)
+        for i, layer in enumerate(self.layers):
+            x = x + self.attention(i, layer, rms_norm(x, layer.attn_norm, self.config.norm_eps), cache, cos, sin, hooks)
+            x = x + self.mlp(i, layer, rms_norm(x, layer.ffn_norm, self.config.norm_eps), hooks)
+        cache.length = start + len(tokens)
+        if not all_logits:
+            x = x[-1:]
+        logits = rms_norm(x, self.output_norm, self.config.norm_eps) @ self.output.T
+        return logits if all_logits else logits[0]
+
+    def attention(self, index: int, layer: DenseLayer, x: np.ndarray, cache: KVCache,
+                  cos: np.ndarray, sin: np.ndarray, hooks: BlockHooks | None) -> np.ndarray:
+        c = self.config
+        seq = x.shape[0]
+        if hooks:
+            hooks.attention_input(index, x)
+        q, k, v = x @ layer.wq.T, x @ layer.wk.T, x @ layer.wv.T
+        if layer.bq is not None:
+            q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+        q = apply_rope(q.reshape(seq, c.n_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(seq, c.n_kv_heads, c.head_dim), cos, sin)
+        start = cache.length
+        end = start + seq
+        cache.k[index, :, start:end] = k.transpose(1, 0, 2)
+        cache.v[index, :, start:end] = v.reshape(seq, c.n_kv_heads, c.head_dim).transpose(1, 0, 2)
+        keys, values = cache.k[index, :, :end], cache.v[index, :, :end]
+        # Heads h = kv * heads_per_kv + g share KV head kv.
+        qg = q.reshape(seq, c.n_kv_heads, c.heads_per_kv, c.head_dim).transpose(1, 2, 0, 3)
+        scores = qg @ keys[:, None].transpose(0, 1, 3, 2) / np.sqrt(c.head_dim)
+        causal = np.arange(end)[None, :] > (start + np.arange(seq))[:, None]
+        scores = np.where(causal, -np.inf, scores)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        heads = (probs @ values[:, None]).reshape(c.n_heads, seq, c.head_dim)  # (head, seq, dim)
+        out = heads.transpose(1, 0, 2).reshape(seq, c.q_dim) @ layer.wo.T
+        if hooks and hooks.wants_partials:
+            wo = layer.wo.reshape(c.hidden, c.n_heads, c.head_dim)
+            hooks.head_outputs(index, np.einsum("hsd,ohd->hso", heads, wo))
+        return out
+
+    def mlp(self, index: int, layer: DenseLayer, x: np.ndarray, hooks: BlockHooks | None) -> np.ndarray:
+        if hooks:
+            hooks.mlp_input(index, x)
+        act = silu(x @ layer.w_gate.T) * (x @ layer.w_up.T)
+        out = act @ layer.w_down.T
+        if hooks and hooks.wants_partials:
+            g = self.group_size
+            parts = [act[:, j:j + g] @ layer.w_down[:, j:j + g].T for j in range(0, self.config.ffn, g)]
+            hooks.group_outputs(index, np.stack(parts))
+        return out

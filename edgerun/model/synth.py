@@ -1,0 +1,127 @@
+"""Synthetic models: any Llama or Qwen2 shape with seeded random weights, written as GGUF or as a
+Hugging Face directory, for tests and for speed benchmarks at real sizes.
+
+The vocabulary is byte-level with no merges (every byte is a token), plus the chat tokens and
+unused filler tokens up to the vocabulary size, so any text encodes and the chat template works.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from edgerun.model import gguf_file, hf_dir
+from edgerun.model.config import ModelConfig
+from edgerun.model.quant import quantize
+from edgerun.model.tokenizer import Tokenizer, Vocabulary
+from edgerun.model.weights import LayerWeights, ModelWeights
+
+# Llama 3.2 1B / 3B and Llama 3.1 8B shapes; "tiny" is for tests (every dimension a multiple of
+# 256, so K-quants apply).
+SHAPES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig("llama", 2, 256, 512, 4, 2, 64, 512, 10000.0, 1e-5, 512, True, False),
+    "1b": ModelConfig("llama", 16, 2048, 8192, 32, 8, 64, 128256, 500000.0, 1e-5, 8192, True, False),
+    "3b": ModelConfig("llama", 28, 3072, 8192, 24, 8, 128, 128256, 500000.0, 1e-5, 8192, True, False),
+    "8b": ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0, 1e-5, 8192, False, False),
+}
+CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    config: ModelConfig
+    qtype: str = "Q4_0"
+    seed: int = 0
+    std: float = 0.02  # weight scale, as in common initializations
+
+
+def byte_symbols() -> list[str]:
+    """Byte-level BPE's printable stand-in for each byte value (GPT-2's byte-to-unicode table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def synth_vocabulary(vocab_size: int) -> Vocabulary:
+    if vocab_size < 256 + len(CHAT_TOKENS):
+        raise ValueError(f"vocabulary of {vocab_size} is too small: needs {256 + len(CHAT_TOKENS)} or more")
+    tokens = byte_symbols() + list(CHAT_TOKENS)
+    types = [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * len(CHAT_TOKENS)
+    fill = vocab_size - len(tokens)
+    tokens += [f"<|unused_{i}|>" for i in range(fill)]
+    types += [TOKEN_UNUSED] * fill
+    return Vocabulary(tokens=tokens, token_types=types, merges=[], pre="default", bos_id=256, eos_id=258,
+                      chat_template=CHAT_TEMPLATE)
+
+
+def synth_weights(spec: SynthSpec) -> ModelWeights:
+    c = spec.config
+    rng = np.random.default_rng(spec.seed)
+
+    def matrix(rows: int, cols: int, qtype: str = spec.qtype):
+        return quantize(rng.standard_normal((rows, cols), dtype=np.float32) * spec.std, qtype)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def bias(n: int) -> np.ndarray | None:
+        return (0.1 * rng.standard_normal(n)).astype(np.float32) if c.qkv_bias else None
+
+    layers = tuple(
+        LayerWeights(
+            attn_norm=norm(c.hidden), wq=matrix(c.q_dim, c.hidden), wk=matrix(c.kv_dim, c.hidden),
+            wv=matrix(c.kv_dim, c.hidden), wo=matrix(c.hidden, c.q_dim), bq=bias(c.q_dim), bk=bias(c.kv_dim),
+            bv=bias(c.kv_dim), ffn_norm=norm(c.hidden), w_gate=matrix(c.ffn, c.hidden),
+            w_up=matrix(c.ffn, c.hidden), w_down=matrix(c.hidden, c.ffn),
+        )
+        for _ in range(c.n_layers)
+    )
+    # Embeddings scaled up so that random logits are not flat.
+    embd = quantize(rng.standard_normal((c.vocab_size, c.hidden), dtype=np.float32), _embedding_qtype(spec.qtype))
+    output = embd if c.tied_embeddings else matrix(c.vocab_size, c.hidden)
+    return ModelWeights(token_embd=embd, layers=layers, output_norm=norm(c.hidden), output=output)
+
+
+def _embedding_qtype(qtype: str) -> str:
+    # As llama.cpp does, the embedding of a 4-bit model keeps more precision.
+    return "Q8_0" if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K") else qtype
+
+
+def write_synthetic(spec: SynthSpec, out: Path, fmt: str) -> None:
+    """Write a synthetic model as "gguf" (one file) or "hf" (a directory, float types only)."""
+    vocab = synth_vocabulary(spec.config.vocab_size)
+    weights = synth_weights(spec)
+    name = f"synthetic-{spec.config.architecture}-{spec.config.n_layers}L-{spec.config.hidden}-{spec.qtype}"
+    if fmt == "gguf":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        gguf_file.write_gguf(out, spec.config, weights, vocab, name)
+    elif fmt == "hf":
+        hf_dir.write_hf_dir(out, spec.config, weights)
+        Tokenizer.from_vocabulary(vocab).backend.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": vocab.tokens[vocab.bos_id], "eos_token": vocab.tokens[vocab.eos_id],
+            "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+        }, indent=2) + "\n")
+    else:
+        raise ValueError(f"unknown output format {fmt!r} (gguf or hf)")
+
+
+def custom_shape(base: str, **overrides: object) -> ModelConfig:
+    """A named shape with some dimensions replaced (None values are ignored)."""
+    if base not in SHAPES:
+        raise ValueError(f"unknown shape {base!r} (choose from {', '.join(SHAPES)})")
+    return replace(SHAPES[base], **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,1 @@
+"""Wire formats, channels, codecs, authentication and loss emulation."""

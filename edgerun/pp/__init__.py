@@ -1,0 +1,1 @@
+"""Pipeline-parallel master and node engines over WebSocket."""

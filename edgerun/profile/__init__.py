@@ -1,0 +1,1 @@
+"""Measuring a device: compute, memory, network."""

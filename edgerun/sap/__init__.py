@@ -1,0 +1,1 @@
+"""Semantic-aware predictors: activation collection, training, runtime."""

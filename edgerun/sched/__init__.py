@@ -1,0 +1,1 @@
+"""Pure planning: device and model profiles in, plans out."""

@@ -1,0 +1,1 @@
+"""Tensor-parallel master and node engines (HALO)."""
