@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
@@ -115,6 +116,48 @@ def cmd_model_fetch(args: argparse.Namespace) -> None:
     print(fetch_qwen(args.out))
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EdgerunError(f"expected HOST:PORT, not {text!r}")
+    return host, int(port)
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    from edgerun.net.probe import ProbeResponder
+    from edgerun.profile.device import measure_device
+
+    if args.serve_probes is not None:
+        responder = ProbeResponder(port=args.serve_probes).start()
+        print(f"answering link probes on port {responder.port} (UDP echo and TCP transfers); Ctrl-C stops",
+              file=sys.stderr)
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            responder.close()
+    master = _host_port(args.master) if args.master else None
+    if args.seconds <= 0:
+        raise EdgerunError("--seconds must be positive")
+    steps = ["memory bandwidth", "matrix multiply", "decode speed on the model", "disk read", "link"]
+
+    def progress(stage: str) -> None:
+        done = next((i for i, s in enumerate(steps) if stage.startswith(s)), len(steps) - 1)
+        print(f"[{done + 1}/{len(steps)}] measuring {stage}...", file=sys.stderr)
+
+    try:
+        profile = measure_device(name=args.name, model_path=args.model, master=master, budget_mb=args.memory_budget,
+                                 threads=args.threads, seconds=args.seconds, progress=progress)
+    except OSError as e:
+        raise EdgerunError(f"link probe failed: {e}") from e
+    text = json.dumps(profile.to_json(), indent=2) + "\n"
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+
+
 def cmd_bench_single(args: argparse.Namespace) -> None:
     from edgerun.bench.single import bench_single, results_json, results_table
     from edgerun.model.generate import ENGINES
@@ -160,6 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     _threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="do not print speed on stderr")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("profile", help="measure this device into a device profile (JSON)",
+                       description="Measure this machine's compute (matmul and decode on the model), memory, disk "
+                                   "and, with --master, its link to the master (RTT, bandwidth both ways, packet "
+                                   "loss from UDP echo bursts). Takes about --seconds. The output is the device "
+                                   "profile the planners take (edgerun plan --devices ...).")
+    _model_arg(p)
+    p.add_argument("--master", default=None, help="HOST:PORT of a master or of `edgerun profile --serve-probes`")
+    p.add_argument("--name", default=None, help="device name (default: the host name)")
+    p.add_argument("--memory-budget", type=float, default=None, help="MB edgerun may use (default: 80%% of "
+                   "available memory)")
+    _threads_arg(p)
+    p.add_argument("--seconds", type=float, default=30.0, help="measurement time (default: 30)")
+    p.add_argument("--out", type=Path, default=None, help="write the profile here (default: stdout)")
+    p.add_argument("--serve-probes", type=int, default=None, metavar="PORT",
+                   help="instead of measuring, answer other devices' link probes on PORT (0: any free port)")
+    p.set_defaults(func=cmd_profile)
 
     model = sub.add_parser("model", help="inspect or create model files").add_subparsers(
         dest="model_command", required=True, metavar="SUBCOMMAND")
