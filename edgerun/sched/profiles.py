@@ -177,7 +177,8 @@ class ModelProfile:
     mlp_group: UnitCost  # a full group; the last may be shorter, which the planners ignore
     vocab_unit: UnitCost
     # Pipeline units: one per transformer layer, the embedding in the first and the head in the last.
-    layer_weight_bytes: tuple[float, ...]
+    layer_weight_bytes: tuple[float, ...]  # held (and downloaded) by the stage
+    layer_read_bytes: tuple[float, ...]  # streamed per token: the embedding table is only indexed
     layer_flops: tuple[float, ...]
     kv_bytes_per_token_per_layer: float
     activation_bytes_per_token: float  # a hidden state crossing a cut
@@ -210,6 +211,8 @@ def model_profile(name: str, config: ModelConfig, weights: ModelWeights, context
     vocab_bytes = weights.output.nbytes * vocab_block / c.vocab_size
     kv_per_unit = 2 * c.head_dim * ACTIVATION_BYTES
     layer_bytes = [float(sum(t.nbytes for _, t in lw.matrices())) for lw in weights.layers]
+    read_bytes = list(layer_bytes)
+    read_bytes[-1] += weights.output.nbytes
     layer_flops = [2.0 * (attn_params * c.n_kv_heads + 3 * c.hidden * c.ffn)] * c.n_layers
     layer_bytes[0] += weights.token_embd.nbytes
     layer_bytes[-1] += weights.output.nbytes  # tied or not, the last stage needs the LM head
@@ -221,7 +224,7 @@ def model_profile(name: str, config: ModelConfig, weights: ModelWeights, context
         attn_unit=UnitCost(attn_bytes, 2.0 * attn_params, kv_per_unit),
         mlp_group=UnitCost(mlp_bytes, 2.0 * 3 * c.hidden * group_size),
         vocab_unit=UnitCost(vocab_bytes, 2.0 * vocab_block * c.hidden),
-        layer_weight_bytes=tuple(layer_bytes), layer_flops=tuple(layer_flops),
+        layer_weight_bytes=tuple(layer_bytes), layer_read_bytes=tuple(read_bytes), layer_flops=tuple(layer_flops),
         kv_bytes_per_token_per_layer=kv_per_unit * c.n_kv_heads,
         activation_bytes_per_token=c.hidden * ACTIVATION_BYTES,
     )

@@ -1,0 +1,236 @@
+"""Every byte edgerun puts on the network is defined here.
+
+Datagrams and stream frames share one fixed header:
+
+    magic "ER" | version u8 | type u8 | session u32 | position u32 | layer u16 | block u8 | node u8 |
+    fragment index u16 | fragment count u16 | codec u8 | flags u8 | element offset u32 | payload length u32
+
+followed by the payload and a 16-byte keyed BLAKE2b MAC over header and payload. Little-endian.
+A vector too long for one datagram is cut into fragments at codec-block boundaries; each fragment
+names its element offset, so fragments decode independently and a lost one leaves zeros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from dataclasses import dataclass, replace
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"ER"
+VERSION = 1
+MAC_SIZE = 16
+HEADER = struct.Struct("<2sBBIIHBBHHBBII")
+MAX_FRAME = 64 * 1024 * 1024  # stream frames larger than this are refused
+Q8_BLOCK = 32
+Q8_BLOCK_BYTES = 2 + Q8_BLOCK  # f16 scale + 32 int8
+
+
+class WireError(ValueError):
+    """A packet or frame that must be dropped: malformed, forged, or of another version."""
+
+
+class MsgType(IntEnum):
+    ACTIVATION = 1  # master -> node: a block's normalized input
+    PARTIAL = 2  # node -> master: the node's partial block output
+    FETCH = 3  # node -> master: resend an input the node missed
+    CONTROL = 4  # JSON control message on the reliable channel
+    HEARTBEAT = 5
+
+
+class Block(IntEnum):
+    ATTN = 0
+    MLP = 1
+    HEAD = 2  # LM head
+
+
+class Codec(IntEnum):
+    F32 = 0
+    F16 = 1
+    Q8 = 2  # blocks of 32 int8 with one f16 scale
+
+
+@dataclass(frozen=True)
+class Header:
+    type: MsgType
+    session: int
+    position: int = 0
+    layer: int = 0
+    block: int = 0
+    node: int = 0
+    frag_index: int = 0
+    frag_count: int = 1
+    codec: Codec = Codec.F32
+    flags: int = 0
+    offset: int = 0  # element offset of this fragment within the vector
+    length: int = 0  # payload bytes
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, self.type, self.session, self.position, self.layer, self.block, self.node,
+                           self.frag_index, self.frag_count, self.codec, self.flags, self.offset, self.length)
+
+
+def cluster_mac(key: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, key=key[:64], digest_size=MAC_SIZE).digest()
+
+
+def derive_key(secret: str | None) -> bytes:
+    """The MAC key from the cluster secret; without one every node uses the same public key, which still
+    rejects corrupted and foreign packets but not forged ones."""
+    return hashlib.sha256(b"edgerun cluster key\0" + (secret or "").encode()).digest()
+
+
+def seal(header: Header, payload: bytes, key: bytes) -> bytes:
+    body = replace(header, length=len(payload)).pack() + payload
+    return body + cluster_mac(key, body)
+
+
+def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
+    """Check and split one datagram or frame; raise WireError for anything not to be trusted."""
+    if len(data) < HEADER.size + MAC_SIZE:
+        raise WireError(f"too short ({len(data)} bytes)")
+    body, mac = data[:-MAC_SIZE], data[-MAC_SIZE:]
+    if not hmac.compare_digest(mac, cluster_mac(key, body)):
+        raise WireError("bad MAC")
+    magic, version, mtype, session, position, layer, block, node, index, count, codec, flags, offset, length = \
+        HEADER.unpack_from(body)
+    if magic != MAGIC:
+        raise WireError("bad magic")
+    if version != VERSION:
+        raise WireError(f"protocol version {version}, expected {VERSION}")
+    if length != len(body) - HEADER.size:
+        raise WireError(f"payload length {length} does not match {len(body) - HEADER.size}")
+    try:
+        header = Header(MsgType(mtype), session, position, layer, block, node, index, count, Codec(codec), flags,
+                        offset, length)
+    except ValueError as e:
+        raise WireError(str(e)) from e
+    if count == 0 or index >= count:
+        raise WireError(f"fragment {index} of {count}")
+    return header, body[HEADER.size:]
+
+
+def encode_vector(x: np.ndarray, codec: Codec) -> bytes:
+    x = np.ascontiguousarray(x, np.float32).reshape(-1)
+    if codec == Codec.F32:
+        return x.astype("<f4").tobytes()
+    if codec == Codec.F16:
+        return x.astype("<f2").tobytes()
+    pad = -x.size % Q8_BLOCK
+    blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, Q8_BLOCK)
+    scale = np.abs(blocks).max(axis=1) / 127.0
+    safe = np.where(scale == 0, 1.0, scale)
+    q = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
+    out = np.empty((blocks.shape[0], Q8_BLOCK_BYTES), np.uint8)
+    out[:, :2] = scale.astype("<f2").view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = q.view(np.uint8)
+    return out.tobytes()
+
+
+def decode_vector(payload: bytes, codec: Codec, n: int) -> np.ndarray:
+    """Decode n elements; raise WireError when the payload does not hold exactly that many."""
+    if codec == Codec.F32 or codec == Codec.F16:
+        size = 4 if codec == Codec.F32 else 2
+        if len(payload) != n * size:
+            raise WireError(f"{len(payload)} bytes for {n} {codec.name} values")
+        return np.frombuffer(payload, "<f4" if size == 4 else "<f2").astype(np.float32)
+    nblocks = -(-n // Q8_BLOCK)
+    if len(payload) != nblocks * Q8_BLOCK_BYTES:
+        raise WireError(f"{len(payload)} bytes for {n} Q8 values")
+    raw = np.frombuffer(payload, np.uint8).reshape(nblocks, Q8_BLOCK_BYTES)
+    scale = raw[:, :2].copy().view("<f2").astype(np.float32)
+    q = raw[:, 2:].copy().view(np.int8).astype(np.float32)
+    return (q * scale).reshape(-1)[:n]
+
+
+def elements_per_fragment(codec: Codec, mtu_payload: int) -> int:
+    """The most elements one datagram carries, a whole number of codec blocks."""
+    room = mtu_payload - HEADER.size - MAC_SIZE
+    if codec == Codec.Q8:
+        return max(1, room // Q8_BLOCK_BYTES) * Q8_BLOCK
+    return max(1, room // (4 if codec == Codec.F32 else 2))
+
+
+def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472) -> list[bytes]:
+    """A vector as sealed datagrams that each fit `mtu_payload` bytes (1472: a 1500-byte Ethernet MTU
+    less IPv4 and UDP headers)."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    per = elements_per_fragment(header.codec, mtu_payload)
+    count = max(1, -(-x.size // per))
+    return [seal(replace(header, frag_index=i, frag_count=count, offset=i * per),
+                 encode_vector(x[i * per:(i + 1) * per], header.codec), key)
+            for i in range(count)]
+
+
+def fragment_size(header: Header, total: int, mtu_payload: int = 1472) -> int:
+    """Elements in fragment `header.frag_index` of a `total`-element vector."""
+    per = elements_per_fragment(header.codec, mtu_payload)
+    return max(0, min(per, total - header.frag_index * per))
+
+
+class Reassembly:
+    """Collects one vector's fragments; what never arrives stays zero."""
+
+    def __init__(self, total: int, mtu_payload: int = 1472) -> None:
+        self.vector = np.zeros(total, np.float32)
+        self.total = total
+        self.mtu_payload = mtu_payload
+        self.received: set[int] = set()
+        self.count: int | None = None
+
+    def add(self, header: Header, payload: bytes) -> bool:
+        """Take a fragment; False for a duplicate. Raise WireError if it does not fit this vector."""
+        if self.count is not None and header.frag_count != self.count:
+            raise WireError(f"fragment count {header.frag_count}, expected {self.count}")
+        n = fragment_size(header, self.total, self.mtu_payload)
+        per = elements_per_fragment(header.codec, self.mtu_payload)
+        if n == 0 or header.offset != header.frag_index * per or header.frag_count != -(-self.total // per):
+            raise WireError(f"fragment {header.frag_index}/{header.frag_count} at {header.offset} "
+                            f"does not fit a vector of {self.total}")
+        if header.frag_index in self.received:
+            return False
+        self.vector[header.offset:header.offset + n] = decode_vector(payload, header.codec, n)
+        self.received.add(header.frag_index)
+        self.count = header.frag_count
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self.count is not None and len(self.received) == self.count
+
+
+def control_frame(session: int, message: dict[str, Any], key: bytes, payload: bytes = b"") -> bytes:
+    """A length-prefixed control frame: JSON, then an optional binary payload; the header's offset field
+    holds the JSON length."""
+    text = json.dumps(message, separators=(",", ":")).encode()
+    if len(text) > 0xFF_FF:
+        raise ValueError("control message too long")
+    return _length_prefixed(seal(Header(MsgType.CONTROL, session, offset=len(text)), text + payload, key))
+
+
+def parse_control(header: Header, body: bytes) -> tuple[dict[str, Any], bytes]:
+    if header.type != MsgType.CONTROL or header.offset > len(body):
+        raise WireError("not a control frame")
+    try:
+        message = json.loads(body[:header.offset])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"bad control JSON: {e}") from e
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise WireError("control message without an op")
+    return message, body[header.offset:]
+
+
+def _length_prefixed(packet: bytes) -> bytes:
+    return struct.pack("<I", len(packet)) + packet
+
+
+def frame_length(prefix: bytes) -> int:
+    (n,) = struct.unpack("<I", prefix)
+    if not HEADER.size + MAC_SIZE <= n <= MAX_FRAME:
+        raise WireError(f"frame length {n} out of range")
+    return n

@@ -1,0 +1,65 @@
+"""Readable tables of plans, for `edgerun plan`: what will run where, before anything runs."""
+
+from __future__ import annotations
+
+from edgerun.sched.pp_plan import PPPlan
+from edgerun.sched.profiles import DeviceProfile, ModelProfile
+from edgerun.sched.tp_plan import TPPlan
+
+
+def _ranges(indices: tuple[int, ...]) -> str:
+    """Compact 0-based index lists: (0, 1, 2, 5) -> "0-2,5"."""
+    if not indices:
+        return "-"
+    parts, start, prev = [], indices[0], indices[0]
+    for i in (*indices[1:], None):
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
+
+
+def tp_table(plan: TPPlan, model: ModelProfile) -> str:
+    """Per device: its units (layer 0's priority indices and totals), memory, compute and sync time."""
+    counts = plan.counts()
+    rows = [f"plan {plan.strategy} for {plan.model}: {len(plan.devices)} devices, {model.n_layers} layers, "
+            f"{model.n_attn_units} attention units + {model.n_mlp_groups} MLP groups per layer, "
+            f"{model.n_vocab_blocks} LM-head blocks"]
+    head = f"{'device':<20} {'PLR':>6} {'attn (layer 0)':>14} {'mlp (layer 0)':>14} {'head':>9} " \
+           f"{'units':>6} {'memory MB':>10} {'budget MB':>10} {'compute ms':>10}"
+    rows.append(head)
+    for i, name in enumerate(plan.devices):
+        units = sum(layer[i] for layer in counts.attn) + sum(layer[i] for layer in counts.mlp) + counts.vocab[i]
+        rows.append(f"{name:<20} {plan.plrs[i]:>6.3f} {_ranges(plan.attn[0][i]):>14} {_ranges(plan.mlp[0][i]):>14} "
+                    f"{_ranges(plan.vocab[i]):>9} {units:>6} {plan.memory_bytes[i] / 1e6:>10.1f} "
+                    f"{plan.budget_bytes[i] / 1e6:>10.1f} {plan.compute_s[i] * 1e3:>10.2f}")
+    syncs = 2 * model.n_layers * (sum(1 for i in range(len(plan.devices)) if plan.memory_bytes[i] > 0) - 1)
+    rows.append(f"synchronization {plan.t_c_s * 1e3:.3f} ms x {max(syncs, 0)} per token; predicted "
+                f"{plan.time_per_token_s * 1e3:.2f} ms per token (Eq. 1); solved in {plan.solve_seconds * 1e3:.1f} ms"
+                + (f", ILP {plan.ilp_status}" if plan.ilp_status else ""))
+    for o in plan.oom_devices:
+        rows.append(f"OUT OF MEMORY: {o.name} needs {o.needed_mb:.1f} MB, budget {o.budget_mb:.1f} MB")
+    return "\n".join(rows)
+
+
+def pp_table(plan: PPPlan, devices: list[DeviceProfile], model: ModelProfile) -> str:
+    budgets = {d.name: d.memory.budget_mb for d in devices}
+    memory = model.layer_memory_bytes
+    rows = [f"plan dp ({plan.objective} objective) for {plan.model}: {len(plan.stages)} stages over "
+            f"{len(devices)} devices, {plan.n_layers} layers; order found by {plan.method} search"]
+    rows.append(f"{'stage':>5} {'device':<20} {'layers':>9} {'memory MB':>10} {'budget MB':>10} "
+                f"{'compute ms':>10} {'network ms':>10}")
+    for k, s in enumerate(plan.stages):
+        used = sum(memory[s.first_layer:s.end_layer]) / 1e6
+        rows.append(f"{k:>5} {s.worker:<20} {f'{s.first_layer}-{s.end_layer - 1}':>9} {used:>10.1f} "
+                    f"{budgets[s.worker]:>10.1f} {plan.stage_compute_s[k] * 1e3:>10.2f} "
+                    f"{plan.stage_network_s[k] * 1e3:>10.2f}")
+    unused = [d.name for d in devices if d.name not in {s.worker for s in plan.stages}]
+    if unused:
+        rows.append(f"unused: {', '.join(unused)}")
+    rows.append(f"predicted {plan.exec_s_per_token * 1e3:.2f} ms per token; solved in "
+                f"{plan.solve_seconds * 1e3:.1f} ms")
+    return "\n".join(rows)
