@@ -197,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     else:
         try:
             plan = plan_tp(profile, devices, args.plan)
-        except InsufficientMemory as e:
+        except (InsufficientMemory, RuntimeError) as e:  # RuntimeError: the ILP found nothing in its time limit
             raise EdgerunError(str(e)) from e
         print(tp_table(plan, profile))
         if plan.oom_devices:

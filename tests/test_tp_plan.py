@@ -83,12 +83,12 @@ def brute_force(model: ModelProfile, devices: list[DeviceProfile]) -> float | No
 @st.composite
 def instances(draw: st.DrawFn, max_devices: int = 4, max_layers: int = 3, max_units: tuple[int, int, int] = (4, 6, 3),
               kv: bool = True, links: bool = True) -> tuple[ModelProfile, list[DeviceProfile]]:
-    """A small model and 1..max_devices devices whose budgets together hold it, with some slack."""
+    """A small model and 2..max_devices devices whose budgets together hold it, with some slack."""
     n_layers = draw(st.integers(1, max_layers))
     units = [draw(st.integers(1, m)) for m in max_units]
     sizes = [draw(st.sampled_from([1.0, 2.0, 3.0, 5.0])) for _ in range(3)]
     model = make_model(n_layers, *units, *sizes, kv_mb=draw(st.sampled_from([0.0, 0.5])) if kv else 0.0)
-    n = draw(st.integers(2 if max_devices > 1 else 1, max_devices))
+    n = draw(st.integers(2, max_devices))
     weights = [draw(st.floats(0.05, 1.0)) for _ in range(n)]
     total = model.total_tp_memory() / MB * draw(st.floats(1.001, 2.0))
     devices = []
@@ -238,6 +238,16 @@ def test_bad_arguments() -> None:
         plan_tp(model, [device("a", 1.0, 10.0)], "fastest")
     with pytest.raises(ValueError, match="unique"):
         plan_tp(model, [device("a", 1.0, 10.0), device("a", 1.0, 10.0)], "halo")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_device_holds_everything(strategy: str) -> None:
+    model = make_model(3, 2, 5, 2, 1.0, 2.0, 3.0, kv_mb=0.5)
+    plan = plan_tp(model, [device("solo", 2.0, 100.0, rtt_ms=5.0, mbit=10.0)], strategy)
+    check_indices(plan, model)
+    work_mb = 3 * (2 * 1.0 + 5 * 2.0) + 2 * 3.0
+    assert plan.time_per_token_s == pytest.approx(work_mb * MB / 2e9)  # no synchronization
+    assert plan.memory_bytes[0] == pytest.approx(model.total_tp_memory())
 
 
 def test_halo_sync_time() -> None:
