@@ -48,7 +48,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise EdgerunError(f"--chat: {e}") from e
     prompt = tok.encode(text)
-    max_len = min(model.config.context_length, len(prompt) + args.max_tokens + 1)
+    if len(prompt) + args.max_tokens > model.config.context_length:
+        raise EdgerunError(f"prompt ({len(prompt)} tokens) plus --max-tokens {args.max_tokens} exceeds the model's "
+                           f"context of {model.config.context_length} tokens")
+    max_len = len(prompt) + args.max_tokens + 1
     engine = make_engine(args.engine, model, max_len, threads=args.threads)
     stream = tok.stream_decoder()
 

@@ -245,9 +245,6 @@ def test_hooks_without_partials_get_no_partials(tiny_spec: TinySpec) -> None:
     assert len(hooks.attention_inputs) == spec.config.n_layers
 
 
-@pytest.mark.xfail(strict=True, reason="bug: reference.py:169 divides float32 scores by np.sqrt(head_dim), a "
-                   "numpy float64 scalar; under numpy 2 promotion everything after the first attention is float64, "
-                   "so every matmul casts its float32 weight matrix to float64 (~14x slower gemv)")
 def test_reference_computes_in_float32(tiny_spec: TinySpec) -> None:
     spec = tiny_spec()
     ref = ReferenceModel(spec.config, synth_weights(spec))
@@ -327,8 +324,6 @@ def test_onnx_reset_restarts_the_sequence(tiny_spec: TinySpec, synth_gguf: Synth
     np.testing.assert_array_equal(engine.step([3, 4, 5]), first)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: OnnxEngine.step returns a view of onnxruntime's bound output "
-                   "buffer (onnx_engine.py, last line), which the next step() overwrites")
 def test_onnx_step_result_survives_the_next_step(tiny_spec: TinySpec, synth_gguf: SynthGguf) -> None:
     engine = make_engine("onnx", load_model(synth_gguf(tiny_spec(tied=False))), 16)
     first = engine.step([3, 4, 5])
@@ -593,8 +588,6 @@ def test_invalid_sampling_params_raise(kwargs: dict[str, float]) -> None:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: SamplingParams accepts temperature=nan (nan < 0 is False); "
-                   "sampling then fails with numpy's 'Probabilities contain NaN'")
 def test_nan_temperature_is_rejected() -> None:
     with pytest.raises(ValueError):
         SamplingParams(temperature=math.nan)

@@ -38,6 +38,15 @@ class SingleResult:
     peak_rss_mb: float
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak RSS. ru_maxrss would do, but Linux carries it over from the parent across
+    fork and exec; VmHWM belongs to the process's own address space."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _run_engine(engine: str, model_path: str | None, threads: int, prompt_tokens: int,
                 decode_tokens: int) -> dict[str, float]:
     start = time.perf_counter()
@@ -61,7 +70,7 @@ def _run_engine(engine: str, model_path: str | None, threads: int, prompt_tokens
         "prefill_tok_s": len(ids) / prefill_s,
         "decode_tok_s": decode_tokens / decode_s,
         "weight_bytes": eng.weight_bytes,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 

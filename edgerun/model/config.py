@@ -29,6 +29,9 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        for name in ("n_layers", "hidden", "ffn", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "context_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads} attention heads do not divide into {self.n_kv_heads} KV heads")
         if self.head_dim % 2:

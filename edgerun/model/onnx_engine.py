@@ -64,4 +64,5 @@ class OnnxEngine:
         self.binding.bind_cpu_input("total_seq_len", np.array(total, np.int32))
         self.session.run_with_iobinding(self.binding)
         self.position = total
-        return self.binding.get_outputs()[0].numpy()[0, 0]
+        # A copy: onnxruntime reuses the output buffer on the next run.
+        return self.binding.get_outputs()[0].numpy()[0, 0].copy()

@@ -77,6 +77,9 @@ def quantize(x: np.ndarray, qtype: str) -> QuantTensor:
     if qtype not in WRITABLE_QTYPES:
         raise ValueError(f"cannot write quant type {qtype} (writable: {', '.join(WRITABLE_QTYPES)})")
     x = np.ascontiguousarray(x, dtype=np.float32)
+    block = block_shape(qtype)[0]
+    if x.shape[-1] % block:
+        raise ValueError(f"{qtype} needs rows of a multiple of {block} values, not {x.shape[-1]}")
     if qtype == "F32":
         raw = x.view(np.uint8)
     elif qtype == "F16":
@@ -87,7 +90,7 @@ def quantize(x: np.ndarray, qtype: str) -> QuantTensor:
         raw = kquants.quantize_q6_k(x.reshape(-1, x.shape[-1]))
     else:
         raw = quants.quantize(x, GGMLQuantizationType[qtype])
-    block, size = block_shape(qtype)
+    size = block_shape(qtype)[1]
     return QuantTensor(qtype, x.shape, raw.reshape(*x.shape[:-1], x.shape[-1] // block * size))
 
 

@@ -166,7 +166,8 @@ class ReferenceModel:
         keys, values = cache.k[index, :, :end], cache.v[index, :, :end]
         # Heads h = kv * heads_per_kv + g share KV head kv.
         qg = q.reshape(seq, c.n_kv_heads, c.heads_per_kv, c.head_dim).transpose(1, 2, 0, 3)
-        scores = qg @ keys[:, None].transpose(0, 1, 3, 2) / np.sqrt(c.head_dim)
+        # A float32 scale: a numpy float64 scalar would turn everything after it into float64.
+        scores = qg @ keys[:, None].transpose(0, 1, 3, 2) / np.float32(np.sqrt(c.head_dim))
         causal = np.arange(end)[None, :] > (start + np.arange(seq))[:, None]
         scores = np.where(causal, -np.inf, scores)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,11 +16,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be 0 (greedy) or positive")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError("temperature must be 0 (greedy) or a positive number")
         if self.top_k < 0:
             raise ValueError("top-k must be 0 (off) or positive")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:  # also rejects nan
             raise ValueError("top-p must lie in (0, 1]")
 
 

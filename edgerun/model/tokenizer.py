@@ -221,7 +221,10 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: pathlib.Path) -> Tokenizer:
         """Build the tokenizer of a Hugging Face model directory (tokenizer.json and its configs)."""
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers package raises plain Exception for missing and malformed files
+            raise ValueError(f"cannot read {path / 'tokenizer.json'}: {e}") from e
         config = _read_json(path / "tokenizer_config.json")
         generation = _read_json(path / "generation_config.json")
 
