@@ -96,6 +96,27 @@ def synth_weights(spec: SynthSpec) -> ModelWeights:
     return ModelWeights(token_embd=embd, layers=layers, output_norm=norm(c.hidden), output=output)
 
 
+def shape_only_weights(config: ModelConfig, qtype: str) -> ModelWeights:
+    """Weights with the right types and sizes but no data (zero-stride views): enough for planning
+    and memory arithmetic at shapes too large to generate, such as 8B."""
+    from edgerun.model.quant import QuantTensor, block_shape
+
+    def matrix(rows: int, cols: int, t: str = qtype) -> QuantTensor:
+        block, size = block_shape(t)
+        return QuantTensor(t, (rows, cols), np.broadcast_to(np.zeros(1, np.uint8), (rows, cols // block * size)))
+
+    c = config
+    ones = np.ones(c.hidden, np.float32)
+    bias = (lambda n: np.zeros(n, np.float32)) if c.qkv_bias else (lambda n: None)
+    layer = LayerWeights(attn_norm=ones, wq=matrix(c.q_dim, c.hidden), wk=matrix(c.kv_dim, c.hidden),
+                         wv=matrix(c.kv_dim, c.hidden), wo=matrix(c.hidden, c.q_dim), bq=bias(c.q_dim),
+                         bk=bias(c.kv_dim), bv=bias(c.kv_dim), ffn_norm=ones, w_gate=matrix(c.ffn, c.hidden),
+                         w_up=matrix(c.ffn, c.hidden), w_down=matrix(c.hidden, c.ffn))
+    embd = matrix(c.vocab_size, c.hidden, _embedding_qtype(qtype))
+    output = embd if c.tied_embeddings else matrix(c.vocab_size, c.hidden)
+    return ModelWeights(token_embd=embd, layers=(layer,) * c.n_layers, output_norm=ones, output=output)
+
+
 def _embedding_qtype(qtype: str) -> str:
     # As llama.cpp does, the embedding of a 4-bit model keeps more precision.
     return "Q8_0" if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K") else qtype
