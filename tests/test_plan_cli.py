@@ -149,3 +149,4 @@ def test_profile_measures_this_machine(tmp_path: Path) -> None:
     assert profile.name == "me" and profile.memory.budget_mb == 1000
     assert profile.compute.weight_bytes_per_s > 1e6 and profile.compute.matmul_gflops > 0
     assert profile.memory.bandwidth_gb_s > 0 and profile.link.loss_rate == 0.0 and profile.measured_at
+    assert profile.compute.layer_ms > 0 and profile.compute.layer_model.endswith(".gguf")

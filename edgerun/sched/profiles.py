@@ -27,6 +27,8 @@ class Compute:
     matmul_gflops: float  # float32 matrix-multiply throughput
     weight_bytes_per_s: float  # decode throughput: weight bytes a forward pass streams per second
     session_overhead_ms: float = 0.2  # fixed cost per stage run, whatever its size
+    layer_ms: float = 0.0  # measured decode time of one layer of `layer_model` (0: not measured)
+    layer_model: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ def device_from_json(data: Any) -> DeviceProfile:
         kind=str(data.get("kind", "unknown")),
         cores=int(_number(data, "cores", "device", 1)),
         compute=Compute(_number(c, "matmul_gflops", "compute", 0), _number(c, "weight_bytes_per_s", "compute", 1),
-                        _number(c, "session_overhead_ms", "compute", 0, default=0.2)),
+                        _number(c, "session_overhead_ms", "compute", 0, default=0.2),
+                        _number(c, "layer_ms", "compute", 0, default=0.0), str(c.get("layer_model", ""))),
         memory=memory,
         link=Link(_number(n, "rtt_ms", "link", 0), _number(n, "up_mbit", "link", 1e-3),
                   _number(n, "down_mbit", "link", 1e-3), _number(n, "loss_rate", "link", 0, 1)),
