@@ -210,6 +210,82 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}", file=sys.stderr)
 
 
+def _cluster_key(args: argparse.Namespace) -> bytes:
+    from edgerun.net.wire import derive_key
+
+    secret = args.key or os.environ.get("EDGERUN_KEY")
+    if not secret:
+        print("edgerun: warning: no --key or EDGERUN_KEY: packets are checked, but anyone can forge them",
+              file=sys.stderr)
+    return derive_key(secret)
+
+
+def _loss(args: argparse.Namespace):
+    from edgerun.net.loss import parse_loss
+
+    try:
+        return parse_loss(args.loss, seed=args.loss_seed)
+    except ValueError as e:
+        raise EdgerunError(f"--loss: {e}") from e
+
+
+def cmd_node(args: argparse.Namespace) -> None:
+    from edgerun.tp.node import run_node
+
+    master = _host_port(args.master)
+    if args.memory_budget <= 0 or args.speed <= 0:
+        raise EdgerunError("--memory-budget and --speed must be positive")
+    try:
+        run_node(master, args.model, _cluster_key(args), args.name or f"node-{os.getpid()}", args.memory_budget,
+                 args.speed, _loss(args))
+    except OSError as e:
+        raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
+
+
+def cmd_master(args: argparse.Namespace) -> None:
+    from edgerun.model.loader import load_model
+    from edgerun.model.sampling import Sampler, SamplingParams
+    from edgerun.net.wire import Codec
+    from edgerun.tp.master import Master
+
+    if args.expect < 0:
+        raise EdgerunError("--expect must be 0 or more")
+    model = load_model(args.model)
+    master = Master(model, _cluster_key(args), strategy=args.plan, host=args.host, port=args.port,
+                    transport=args.transport, codec=Codec[args.codec.upper()],
+                    timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
+                    max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
+                    log=lambda m: print(f"[master] {m}", file=sys.stderr, flush=True))
+    print(f"[master] listening on port {master.port}; waiting for {args.expect} node(s)", file=sys.stderr, flush=True)
+    try:
+        master.wait_for_nodes(args.expect)
+        master.replan()
+        prompts = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in sys.stdin)
+        tok = model.tokenizer
+        for text in prompts:
+            if not text.strip():
+                continue
+            if args.chat:
+                text = tok.apply_chat_template([{"role": "user", "content": text}])
+            stream = tok.stream_decoder()
+
+            def emit(token: int, stream=stream) -> None:
+                sys.stdout.write(stream.push(token))
+                sys.stdout.flush()
+
+            start = time.perf_counter()
+            tokens = master.generate(tok.encode(text), args.max_tokens, Sampler(SamplingParams(args.temperature,
+                                     seed=args.seed)), tok.stop_ids, on_token=emit)
+            sys.stdout.write(stream.flush() + "\n")
+            elapsed = time.perf_counter() - start
+            s = master.stats
+            print(f"[master] {len(tokens)} tokens in {elapsed:.2f} s; compute {s.compute_s:.2f} s, waiting "
+                  f"{s.wait_s:.2f} s; {s.blocks_incomplete} of {s.blocks} blocks incomplete, {s.late_packets} late "
+                  f"packets, {master.counters.total()} rejected", file=sys.stderr)
+    finally:
+        master.close()
+
+
 def cmd_bench_single(args: argparse.Namespace) -> None:
     from edgerun.bench.single import bench_single, results_json, results_table
     from edgerun.model.generate import ENGINES
@@ -293,6 +369,49 @@ def build_parser() -> argparse.ArgumentParser:
                         "first deploys (default: execution time only, the steady state)")
     p.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
     p.set_defaults(func=cmd_plan)
+
+    def cluster_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--key", default=None, help="cluster secret that authenticates every packet "
+                       "(default: $EDGERUN_KEY)")
+        p.add_argument("--loss", default="0", help="in-process packet loss on this side's UDP sends: 5%%, "
+                       "bernoulli:0.05, ge:0.05[:burst] (Gilbert-Elliott bursts); default 0")
+        p.add_argument("--loss-seed", type=int, default=None, help="seed for --loss")
+
+    p = sub.add_parser("master", help="run a model tensor-parallel over nodes (HALO)",
+                       description="Wait for --expect nodes, plan who computes which attention units and MLP "
+                                   "neuron groups, then generate: from --prompt, or one prompt per line of stdin.")
+    _model_arg(p)
+    p.add_argument("--plan", choices=PLANS[:-1], default="halo", help="tensor-parallel planner (default: halo)")
+    p.add_argument("--expect", type=int, default=1, help="nodes to wait for (default: 1)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=7000, help="TCP port nodes connect to (default: 7000)")
+    p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
+                   help="udp: partial results over UDP with a timeout (default); tcp: wait for every node")
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire")
+    p.add_argument("--timeout-ms", type=float, default=10.0, help="UDP merge timeout (default: 10, as HALO)")
+    p.add_argument("--adaptive-timeout", action="store_true", help="learn the timeout from arrival times")
+    p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
+    p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
+    p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
+    p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    cluster_args(p)
+    p.set_defaults(func=cmd_master)
+
+    p = sub.add_parser("node", help="serve as one device of a tensor-parallel cluster",
+                       description="Join a master, load the share of the model it assigns from the local model "
+                                   "file, and compute it for every token until the master shuts down.")
+    p.add_argument("--master", required=True, help="HOST:PORT of the master")
+    _model_arg(p)
+    p.add_argument("--name", default=None, help="node name (default: node-PID)")
+    p.add_argument("--memory-budget", type=float, default=2048.0, help="MB this node may use (default: 2048)")
+    p.add_argument("--speed", type=float, default=1e9, help="decode speed in weight bytes/s, from `edgerun "
+                   "profile` (default: 1e9; equal speeds give equal shares)")
+    cluster_args(p)
+    p.set_defaults(func=cmd_node)
 
     model = sub.add_parser("model", help="inspect or create model files").add_subparsers(
         dest="model_command", required=True, metavar="SUBCOMMAND")

@@ -123,7 +123,8 @@ def encode_vector(x: np.ndarray, codec: Codec) -> bytes:
         return x.astype("<f2").tobytes()
     pad = -x.size % Q8_BLOCK
     blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, Q8_BLOCK)
-    scale = np.abs(blocks).max(axis=1) / 127.0
+    # The scale travels as f16: quantize with the rounded value so the receiver's scale is the one used.
+    scale = (np.abs(blocks).max(axis=1) / 127.0).astype("<f2").astype(np.float32)
     safe = np.where(scale == 0, 1.0, scale)
     q = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
     out = np.empty((blocks.shape[0], Q8_BLOCK_BYTES), np.uint8)
@@ -182,11 +183,14 @@ class Reassembly:
         self.mtu_payload = mtu_payload
         self.received: set[int] = set()
         self.count: int | None = None
+        self.codec: Codec | None = None
 
     def add(self, header: Header, payload: bytes) -> bool:
         """Take a fragment; False for a duplicate. Raise WireError if it does not fit this vector."""
         if self.count is not None and header.frag_count != self.count:
             raise WireError(f"fragment count {header.frag_count}, expected {self.count}")
+        if self.codec is not None and header.codec != self.codec:
+            raise WireError(f"codec {header.codec.name}, expected {self.codec.name}")
         n = fragment_size(header, self.total, self.mtu_payload)
         per = elements_per_fragment(header.codec, self.mtu_payload)
         if n == 0 or header.offset != header.frag_index * per or header.frag_count != -(-self.total // per):
@@ -197,6 +201,7 @@ class Reassembly:
         self.vector[header.offset:header.offset + n] = decode_vector(payload, header.codec, n)
         self.received.add(header.frag_index)
         self.count = header.frag_count
+        self.codec = header.codec
         return True
 
     @property
@@ -218,8 +223,8 @@ def parse_control(header: Header, body: bytes) -> tuple[dict[str, Any], bytes]:
         raise WireError("not a control frame")
     try:
         message = json.loads(body[:header.offset])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"bad control JSON: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WireError(f"bad control JSON: {str(e)[:80]}") from e
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise WireError("control message without an op")
     return message, body[header.offset:]

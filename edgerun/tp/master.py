@@ -1,0 +1,428 @@
+"""`edgerun master`: runs one model tensor-parallel over its nodes and itself (HALO).
+
+Per token, for each attention and MLP block the master normalizes the hidden state, sends it to the
+nodes holding units of that block, computes its own share, and sums what has arrived when every
+node's partial is complete or the timeout expires (a missing fragment contributes zero). The first
+layer, the LM head and prefill steps go over TCP. Sampling happens here. A node that dies is dropped: the master
+replans over the devices left and re-prefills the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.model.loader import Model
+from edgerun.model.reference import rms_norm
+from edgerun.model.sampling import Sampler
+from edgerun.net.channel import Counters, LossyUdp, ReliableChannel
+from edgerun.net.loss import LossModel
+from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, WireError, fragment
+from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
+from edgerun.sched.tp_plan import TPPlan, plan_tp
+from edgerun.tp.node import uses_reliable
+from edgerun.tp.shard import Shard, ShardSpec
+
+NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
+
+
+class NodeLost(Exception):
+    """A node died while the master waited on its reliable reply."""
+
+
+@dataclass
+class NodeConn:
+    index: int
+    name: str
+    channel: ReliableChannel
+    host: str
+    udp_port: int
+    budget_mb: float
+    speed: float
+    alive: bool = True
+    last_heard: float = field(default_factory=time.monotonic)
+    ready: threading.Event = field(default_factory=threading.Event)
+    spec: ShardSpec | None = None
+    rejected: int = 0  # packets the node refused, as its last heartbeat said
+
+
+@dataclass
+class StepStats:
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    blocks: int = 0
+    blocks_incomplete: int = 0  # lossy blocks merged without some node's full partial
+    late_packets: int = 0
+    max_overshoot_s: float = 0.0  # the longest a lossy block's wait ran past its deadline
+
+
+class AdaptiveTimeout:
+    """Twice the 90th percentile of recent completion times, within [floor, ceiling]."""
+
+    def __init__(self, fixed_s: float | None, floor_s: float = 0.002, ceiling_s: float = 0.05) -> None:
+        self.fixed_s, self.floor_s, self.ceiling_s = fixed_s, floor_s, ceiling_s
+        self.samples: deque[float] = deque(maxlen=64)
+
+    def observe(self, seconds: float) -> None:
+        self.samples.append(seconds)
+
+    def current(self) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if len(self.samples) < 8:
+            return self.ceiling_s
+        return min(self.ceiling_s, max(self.floor_s, 2 * float(np.percentile(self.samples, 90))))
+
+
+def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int) -> ShardSpec:
+    """Device i's units. Priority index p maps to unit p until predictors rank units (static order)."""
+    return ShardSpec(attn_units=tuple(tuple(sorted(layer[i])) for layer in plan.attn),
+                     mlp_groups=tuple(tuple(sorted(layer[i])) for layer in plan.mlp),
+                     vocab_blocks=tuple(sorted(plan.vocab[i])), group_size=group_size, vocab_block=vocab_block)
+
+
+def vocab_rows(blocks: Sequence[int], block_rows: int, vocab: int) -> np.ndarray:
+    """LM-head rows of the given vocabulary blocks, in block order (the order a shard returns them)."""
+    return np.concatenate([np.arange(b * block_rows, min((b + 1) * block_rows, vocab)) for b in blocks]
+                          or [np.zeros(0, np.int64)])
+
+
+def _spec_json(spec: ShardSpec) -> dict:
+    return {"attn_units": [list(x) for x in spec.attn_units], "mlp_groups": [list(x) for x in spec.mlp_groups],
+            "vocab_blocks": list(spec.vocab_blocks), "group_size": spec.group_size, "vocab_block": spec.vocab_block}
+
+
+class Master:
+    def __init__(self, model: Model, key: bytes, *, strategy: str = "halo", host: str = "0.0.0.0", port: int = 0,
+                 transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
+                 loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
+                 group_size: int = 256, vocab_block: int = 4096, log: Callable[[str], None] = lambda _: None) -> None:
+        self.model, self.key, self.strategy = model, key, strategy
+        self.transport, self.codec, self.max_len = transport, codec, max_len
+        self.budget_mb, self.speed = budget_mb, speed
+        self.group_size, self.vocab_block = group_size, vocab_block
+        self.timeout = AdaptiveTimeout(None if timeout_ms is None else timeout_ms / 1000)
+        self.log = log
+        self.listener = socket.create_server((host, port), reuse_port=False)
+        self.port = self.listener.getsockname()[1]
+        self.udp = LossyUdp(key, host, 0, loss)
+        self.counters = Counters()
+        self.cond = threading.Condition()
+        self.nodes: list[NodeConn] = []
+        self.session = 0
+        self.shard: Shard | None = None
+        self.plan: TPPlan | None = None
+        self.recent_inputs: dict[tuple[int, int, int, int], bytes] = {}
+        self.pending_fetch: dict[tuple[int, int, int, int], list[NodeConn]] = {}
+        self.wait_key: tuple[int, int, int, int] | None = None
+        self.partials: dict[int, Reassembly | np.ndarray] = {}
+        self.stats = StepStats()
+        self.running = True
+        for target in (self._accept, self._receive_udp, self._watch):
+            threading.Thread(target=target, daemon=True).start()
+
+    # --- membership ----------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while self.running:
+            try:
+                sock, addr = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve_node, args=(sock, addr), daemon=True).start()
+
+    def _serve_node(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        channel = ReliableChannel(sock, self.key)
+        node: NodeConn | None = None
+        try:
+            sock.settimeout(10)
+            message, _ = channel.receive()
+            if message.get("op") != "register":
+                raise WireError("first message must register")
+            sock.settimeout(None)
+            with self.cond:
+                node = NodeConn(len(self.nodes) + 1, str(message["name"]), channel, addr[0], int(message["udp_port"]),
+                                float(message["budget_mb"]), float(message["speed"]))
+                self.nodes.append(node)
+                self.cond.notify_all()
+            self.log(f"node {node.name} joined from {addr[0]}")
+            while self.running:
+                message, payload = channel.receive()
+                node.last_heard = time.monotonic()
+                self._node_message(node, message, payload)
+        except (ConnectionError, OSError, WireError, KeyError, ValueError) as e:
+            if node is None:
+                self.counters.reject("registration")
+            else:
+                self.log(f"node {node.name} lost ({e})")
+        finally:
+            channel.close()
+            if node is not None:
+                with self.cond:
+                    node.alive = False
+                    self.cond.notify_all()
+
+    def _watch(self) -> None:
+        while self.running:
+            time.sleep(0.5)
+            for node in list(self.nodes):
+                if node.alive and time.monotonic() - node.last_heard > NODE_SILENT_S:
+                    self.log(f"node {node.name} silent for {NODE_SILENT_S} s")
+                    node.channel.close()  # its reader thread then marks it dead
+
+    def _node_message(self, node: NodeConn, message: dict, payload: bytes) -> None:
+        op = message["op"]
+        if op == "ready":
+            node.ready.set()
+        elif op == "heartbeat":
+            node.rejected = int(message.get("rejected", 0))
+        elif op == "fetch":
+            key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
+            with self.cond:
+                data = self.recent_inputs.get(key)
+                if data is None:
+                    self.pending_fetch.setdefault(key, []).append(node)
+                    return
+            self._send_input(node, key, data)
+        elif op == "partial":
+            key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
+            with self.cond:
+                if key == self.wait_key and node.index in self.partials:
+                    self.partials[node.index] = np.frombuffer(payload, "<f4").astype(np.float32)
+                    self.cond.notify_all()
+                else:
+                    self.stats.late_packets += 1
+
+    def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes) -> None:
+        session, position, layer, block = key
+        with contextlib.suppress(OSError):
+            node.channel.send({"op": "input", "session": session, "position": position, "layer": layer,
+                               "block": block}, data)
+
+    def _receive_udp(self) -> None:
+        while self.running:
+            got = self.udp.receive(self.counters)
+            if got is None:
+                return
+            header, payload, _ = got
+            if header.type != MsgType.PARTIAL:
+                self.counters.reject("unexpected")
+                continue
+            with self.cond:
+                key = (header.session, header.position, header.layer, header.block)
+                target = self.partials.get(header.node)
+                if key != self.wait_key or not isinstance(target, Reassembly):
+                    self.stats.late_packets += 1
+                    continue
+                try:
+                    target.add(header, payload)
+                except WireError:
+                    self.counters.reject("misfit")
+                    continue
+                if target.complete:
+                    self.cond.notify_all()
+
+    def wait_for_nodes(self, n: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while sum(node.alive for node in self.nodes) < n:
+                if not self.cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise EdgerunError(f"only {sum(nd.alive for nd in self.nodes)} of {n} nodes joined "
+                                       f"within {timeout_s:.0f} s")
+
+    # --- planning --------------------------------------------------------------------------------
+    def _device(self, name: str, budget_mb: float, speed: float) -> DeviceProfile:
+        return DeviceProfile(name=name, kind="node", cores=1, compute=Compute(0.0, speed),
+                             memory=Memory(budget_mb, budget_mb, budget_mb, 0.0), link=Link(0.1, 1000.0, 1000.0, 0.0))
+
+    def replan(self) -> TPPlan:
+        """Plan over the master and every live node, hand out shares, wait until all are loaded."""
+        alive = [n for n in self.nodes if n.alive]
+        devices = [self._device("master", self.budget_mb, self.speed)] + \
+                  [self._device(n.name, n.budget_mb, n.speed) for n in alive]
+        profile = model_profile(self.model.name, self.model.config, self.model.weights, context=self.max_len,
+                                group_size=self.group_size, vocab_block=self.vocab_block)
+        try:
+            plan = plan_tp(profile, devices, self.strategy)
+        except ValueError as e:
+            raise EdgerunError(str(e)) from e
+        if plan.oom_devices:
+            raise EdgerunError(f"plan {self.strategy} runs out of memory on "
+                               f"{', '.join(o.name for o in plan.oom_devices)}")
+        with self.cond:
+            self.session += 1
+            self.plan = plan
+            self.shard = Shard(self.model.config, self.model.weights,
+                               spec_for_device(plan, 0, self.group_size, self.vocab_block), self.max_len)
+        for i, node in enumerate(alive, start=1):
+            node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block)
+            node.index = i
+            node.ready.clear()
+            node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
+                               "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
+                               "udp_port": self.udp.port})
+        for node in alive:
+            if not node.ready.wait(120):
+                raise EdgerunError(f"node {node.name} did not load its share within 120 s")
+        self.log(f"plan {self.strategy}: " + ", ".join(
+            f"{name} {mem / 1e6:.1f} MB" for name, mem in zip(plan.devices, plan.memory_bytes, strict=True)))
+        return plan
+
+    # --- generation ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        with self.cond:
+            self.session += 1
+            self.recent_inputs.clear()
+            self.pending_fetch.clear()
+            self.shard.truncate(0)
+        for node in self.nodes:
+            if node.alive:
+                node.channel.send({"op": "reset", "session": self.session})
+        self.position = 0
+
+    def _participants(self, layer: int, block: Block) -> list[NodeConn]:
+        def holds(spec: ShardSpec) -> bool:
+            if block == Block.HEAD:
+                return bool(spec.vocab_blocks)
+            return bool((spec.attn_units if block == Block.ATTN else spec.mlp_groups)[layer])
+
+        return [n for n in self.nodes if n.alive and n.spec is not None and holds(n.spec)]
+
+    def _block(self, layer: int, block: Block, x: np.ndarray, start: int) -> np.ndarray:
+        """This block's output: the master's share plus every node's partial that arrived in time."""
+        seq = x.shape[0]
+        key = (self.session, start, layer, int(block))
+        nodes = self._participants(layer, block)
+        reliable = uses_reliable(self.transport, layer, block, seq)
+        data = np.ascontiguousarray(x, "<f4").tobytes()
+        with self.cond:
+            self.wait_key = key
+            self.partials = {n.index: self._expected(n, block, seq) for n in nodes}
+            self.recent_inputs[key] = data
+            waiting = self.pending_fetch.pop(key, [])
+        for node in waiting:
+            self._send_input(node, key, data)
+        sent = time.perf_counter()
+        for node in nodes:
+            if reliable:
+                self._send_input(node, key, data)
+            else:
+                header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0, codec=self.codec, flags=seq)
+                self.udp.send_all(fragment(header, x.reshape(-1), self.key), (node.host, node.udp_port))
+        compute_start = time.perf_counter()
+        if block == Block.ATTN:
+            out = self.shard.attention(layer, x, start)
+        elif block == Block.MLP:
+            out = self.shard.mlp(layer, x)
+        else:
+            out = None
+        self.stats.compute_s += time.perf_counter() - compute_start
+        wait_start = time.perf_counter()
+        deadline = None if reliable else sent + self.timeout.current()
+        with self.cond:
+            while not all(self._done(i) for i in self.partials):
+                lost = [n for n in nodes if not n.alive]
+                if lost:  # its units are gone for every later step too: replan
+                    self.wait_key = None
+                    raise NodeLost(lost[0].name)
+                remaining = None if deadline is None else deadline - time.perf_counter()
+                if remaining is not None and remaining <= 0:
+                    break
+                self.cond.wait(remaining if remaining is not None else 0.5)
+            complete = all(self._done(i) for i in self.partials)
+            partials = dict(self.partials)
+            self.wait_key = None
+        ended = time.perf_counter()
+        self.stats.wait_s += ended - wait_start
+        if deadline is not None:
+            self.stats.max_overshoot_s = max(self.stats.max_overshoot_s, ended - deadline)
+        self.stats.blocks += 1
+        if complete and not reliable:
+            self.timeout.observe(time.perf_counter() - sent)
+        if not complete:
+            self.stats.blocks_incomplete += 1
+        if block == Block.HEAD:
+            return self._assemble_logits(x, nodes, partials)
+        for part in partials.values():
+            vector = part.vector if isinstance(part, Reassembly) else part
+            out = out + vector.reshape(out.shape)
+        return out
+
+    def _expected(self, node: NodeConn, block: Block, seq: int) -> Reassembly | None:
+        """What the node's reply is collected in: a reassembly for datagrams; None until a TCP reply lands."""
+        if block == Block.HEAD:
+            return None
+        return Reassembly(seq * self.model.config.hidden)
+
+    def _done(self, index: int) -> bool:
+        part = self.partials.get(index)
+        return isinstance(part, np.ndarray) or (isinstance(part, Reassembly) and part.complete)
+
+    def _assemble_logits(self, x: np.ndarray, nodes: list[NodeConn], partials: dict) -> np.ndarray:
+        logits = np.zeros(self.model.config.vocab_size, np.float32)
+        rows, own = self.shard.logits(x[-1:])
+        logits[rows] = own[-1]
+        for node in nodes:
+            node_rows = vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.config.vocab_size)
+            logits[node_rows] = partials[node.index].reshape(-1)[-len(node_rows):]
+        return logits
+
+    def step(self, tokens: Sequence[int]) -> np.ndarray:
+        """Run tokens after those already seen; the last token's logits."""
+        c = self.model.config
+        x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+        start = self.position
+        weights = self.model.weights
+        for layer in range(c.n_layers):
+            lw = weights.layers[layer]
+            x = x + self._block(layer, Block.ATTN, rms_norm(x, lw.attn_norm, c.norm_eps), start)
+            x = x + self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start)
+        self.position = start + len(tokens)
+        with self.cond:  # inputs older than this step are no longer fetched
+            self.recent_inputs = {k: v for k, v in self.recent_inputs.items() if k[1] >= start}
+        return self._block(0, Block.HEAD, rms_norm(x[-1:], weights.output_norm, c.norm_eps), start)
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
+                 stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
+        """Greedy or sampled generation; a node lost midway triggers a replan and a re-prefill of
+        the prompt and the tokens so far, and generation goes on."""
+        if len(prompt) + max_tokens > self.max_len:
+            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.max_len}")
+        tokens: list[int] = []
+        while True:
+            try:
+                self.reset()
+                logits = self.step(list(prompt) + tokens)
+                while len(tokens) < max_tokens:
+                    token = sampler(logits)
+                    if token in stop_ids:
+                        return tokens
+                    tokens.append(token)
+                    if on_token:
+                        on_token(token)
+                    if len(tokens) < max_tokens:
+                        logits = self.step([token])
+                return tokens
+            except NodeLost as e:
+                self.log(f"node {e} lost mid-generation: replanning and re-prefilling {len(prompt) + len(tokens)} "
+                         "tokens")
+                self.replan()
+
+    def lost_nodes(self) -> list[str]:
+        return [n.name for n in self.nodes if not n.alive and n.spec is not None]
+
+    def close(self) -> None:
+        self.running = False
+        for node in self.nodes:
+            if node.alive:
+                with contextlib.suppress(OSError):
+                    node.channel.send({"op": "shutdown"})
+        self.listener.close()
+        self.udp.close()

@@ -1,0 +1,254 @@
+"""One device's share of every block in tensor-parallel mode, computed in numpy.
+
+A device holds some attention units (one KV head with the query heads that share it), some MLP
+neuron groups (`group_size` intermediate rows of gate/up with the matching columns of down) and
+some LM-head vocabulary blocks. For each block it returns a partial output; the partial outputs of
+all devices sum to the reference block output, because the output projections are linear in the
+per-head and per-neuron activations. The master adds the residuals and applies the norms, so a
+shard holds no norm weights.
+
+Only the rows and columns a device needs are dequantized to float32. Row slices (wq, wk, wv,
+gate, up, LM head) come from `QuantTensor.take_rows`. Column slices (wo, w_down) are cut from the
+quantized bytes of every row: quant blocks run along the columns, so the blocks that cover a column
+range are dequantized and trimmed to it, and a whole matrix is never dequantized unless the device
+holds all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgerun.model.config import ModelConfig
+from edgerun.model.quant import QuantTensor, block_shape
+from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
+from edgerun.model.weights import LayerWeights, ModelWeights
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What one device computes, in unit indices (not priority indices)."""
+
+    attn_units: tuple[tuple[int, ...], ...]  # per layer: KV-head indices
+    mlp_groups: tuple[tuple[int, ...], ...]  # per layer: MLP group indices
+    vocab_blocks: tuple[int, ...]  # LM-head block indices
+    group_size: int = 256
+    vocab_block: int = 4096
+
+
+def full_spec(config: ModelConfig, group_size: int = 256, vocab_block: int = 4096) -> ShardSpec:
+    """Every unit on one device."""
+    attn = tuple(range(config.n_kv_heads))
+    mlp = tuple(range(n_groups(config.ffn, group_size)))
+    return ShardSpec((attn,) * config.n_layers, (mlp,) * config.n_layers,
+                     tuple(range(n_groups(config.vocab_size, vocab_block))), group_size, vocab_block)
+
+
+def split_spec(config: ModelConfig, n: int, group_size: int = 256, vocab_block: int = 4096) -> list[ShardSpec]:
+    """Units dealt round-robin over n devices. In layer l unit u goes to device (u + l) mod n, so
+    with fewer units than devices a different device sits a layer out each time."""
+    if n < 1:
+        raise ValueError(f"need at least one device, not {n}")
+    n_attn, n_mlp = config.n_kv_heads, n_groups(config.ffn, group_size)
+    n_vocab = n_groups(config.vocab_size, vocab_block)
+
+    def deal(count: int, offset: int, device: int) -> tuple[int, ...]:
+        return tuple(u for u in range(count) if (u + offset) % n == device)
+
+    return [
+        ShardSpec(
+            attn_units=tuple(deal(n_attn, layer, d) for layer in range(config.n_layers)),
+            mlp_groups=tuple(deal(n_mlp, layer, d) for layer in range(config.n_layers)),
+            vocab_blocks=deal(n_vocab, 0, d),
+            group_size=group_size,
+            vocab_block=vocab_block,
+        )
+        for d in range(n)
+    ]
+
+
+def dequantize_columns(t: QuantTensor, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Columns [start, stop) of each range of a quantized matrix, side by side, as float32.
+
+    Each row's quant blocks run along the columns, so only the blocks covering a range are
+    dequantized; a range that does not start or end on a block boundary (a 128-column head in a
+    256-wide K-quant block) is trimmed after dequantizing its end blocks.
+    """
+    rows, cols = t.shape
+    block, size = block_shape(t.qtype)
+    parts = []
+    for start, stop in ranges:
+        if not 0 <= start < stop <= cols:
+            raise ValueError(f"column range [{start}, {stop}) is outside 0..{cols}")
+        first, last = start // block, -(-stop // block)
+        raw = np.ascontiguousarray(t.raw[:, first * size:last * size])
+        values = QuantTensor(t.qtype, (rows, (last - first) * block), raw).dequantize()
+        parts.append(values[:, start - first * block:stop - first * block])
+    if not parts:
+        return np.zeros((rows, 0), np.float32)
+    return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
+
+
+def _row_index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    return np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else np.zeros(0, np.int64)
+
+
+def _check_units(units: Sequence[int], count: int, where: str) -> None:
+    if len(set(units)) != len(units) or any(not 0 <= u < count for u in units):
+        raise ValueError(f"{where} must be distinct indices in 0..{count - 1}, not {list(units)}")
+
+
+@dataclass
+class _AttnShard:
+    wq: np.ndarray  # (units * heads_per_kv * head_dim, hidden)
+    wk: np.ndarray  # (units * head_dim, hidden)
+    wv: np.ndarray
+    wo: np.ndarray  # (hidden, units * heads_per_kv * head_dim)
+    bq: np.ndarray | None
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    k: np.ndarray  # cache, (units, max_len, head_dim)
+    v: np.ndarray
+
+    @property
+    def n_units(self) -> int:
+        return self.k.shape[0]
+
+    def weight_bytes(self) -> int:
+        arrays = (self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+@dataclass
+class _MlpShard:
+    w_gate: np.ndarray  # (rows, hidden)
+    w_up: np.ndarray
+    w_down: np.ndarray  # (hidden, rows)
+
+    def weight_bytes(self) -> int:
+        return self.w_gate.nbytes + self.w_up.nbytes + self.w_down.nbytes
+
+
+class Shard:
+    """One device's attention units, MLP groups and vocabulary blocks, with the KV cache of its
+    KV heads. Every method returns this device's partial result; the caller sums them."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int) -> None:
+        c = config
+        if len(spec.attn_units) != c.n_layers or len(spec.mlp_groups) != c.n_layers:
+            raise ValueError(f"the spec must list units for each of the {c.n_layers} layers")
+        if spec.group_size < 1 or spec.vocab_block < 1 or max_len < 1:
+            raise ValueError("group_size, vocab_block and max_len must be positive")
+        self.config = config
+        self.spec = spec
+        self.max_len = max_len
+        n_mlp = n_groups(c.ffn, spec.group_size)
+        self.attn: list[_AttnShard | None] = []
+        self.mlp_parts: list[_MlpShard | None] = []
+        for layer, w in enumerate(weights.layers):
+            units, groups = spec.attn_units[layer], spec.mlp_groups[layer]
+            _check_units(units, c.n_kv_heads, f"layer {layer} attention units")
+            _check_units(groups, n_mlp, f"layer {layer} MLP groups")
+            self.attn.append(self._attn_shard(w, units) if units else None)
+            if groups:
+                ranges = [(g * spec.group_size, min((g + 1) * spec.group_size, c.ffn)) for g in groups]
+                rows = _row_index(ranges)
+                self.mlp_parts.append(_MlpShard(w.w_gate.take_rows(rows).dequantize(),
+                                                w.w_up.take_rows(rows).dequantize(),
+                                                dequantize_columns(w.w_down, ranges)))
+            else:
+                self.mlp_parts.append(None)
+        _check_units(spec.vocab_blocks, n_groups(c.vocab_size, spec.vocab_block), "vocab blocks")
+        self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
+                                      for b in spec.vocab_blocks]).astype(np.int64)
+        self.output = (weights.output.take_rows(self.vocab_rows).dequantize() if len(self.vocab_rows)
+                       else np.zeros((0, c.hidden), np.float32))
+        # Positions cached per layer: a layer's attention may only continue from what it holds.
+        self.lengths = [0] * c.n_layers
+
+    def _attn_shard(self, w: LayerWeights, units: Sequence[int]) -> _AttnShard:
+        c = self.config
+        q_width = c.heads_per_kv * c.head_dim  # query rows (and wo columns) of one unit
+        q_ranges = [(u * q_width, (u + 1) * q_width) for u in units]
+        kv_ranges = [(u * c.head_dim, (u + 1) * c.head_dim) for u in units]
+        q_rows, kv_rows = _row_index(q_ranges), _row_index(kv_ranges)
+        # Qwen2's Q/K/V biases go with the rows they are added to.
+        return _AttnShard(
+            wq=w.wq.take_rows(q_rows).dequantize(), wk=w.wk.take_rows(kv_rows).dequantize(),
+            wv=w.wv.take_rows(kv_rows).dequantize(), wo=dequantize_columns(w.wo, q_ranges),
+            bq=None if w.bq is None else w.bq[q_rows], bk=None if w.bk is None else w.bk[kv_rows],
+            bv=None if w.bv is None else w.bv[kv_rows],
+            k=np.zeros((len(units), self.max_len, c.head_dim), np.float32),
+            v=np.zeros((len(units), self.max_len, c.head_dim), np.float32),
+        )
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of float32 weights held (matrices and biases; the KV cache not included)."""
+        parts = [a.weight_bytes() for a in self.attn if a] + [m.weight_bytes() for m in self.mlp_parts if m]
+        return sum(parts) + self.output.nbytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
+
+    def attention(self, layer: int, x_norm: np.ndarray, start: int) -> np.ndarray:
+        """Partial attention output, (seq, hidden), for tokens at positions start..start+seq-1.
+
+        Caches K and V of this device's KV heads at those positions first; positions after them
+        are forgotten, so calling again from an earlier start re-runs from there.
+        """
+        c = self.config
+        x_norm = np.asarray(x_norm, np.float32)
+        seq = x_norm.shape[0]
+        end = start + seq
+        if not 0 <= start <= self.lengths[layer]:
+            raise ValueError(f"layer {layer} holds {self.lengths[layer]} positions; cannot continue at {start}")
+        if end > self.max_len:
+            raise ValueError(f"context of {self.max_len} tokens exceeded")
+        self.lengths[layer] = end
+        a = self.attn[layer]
+        if a is None:
+            return np.zeros((seq, c.hidden), np.float32)
+        n, g, d = a.n_units, c.heads_per_kv, c.head_dim
+        q, k, v = x_norm @ a.wq.T, x_norm @ a.wk.T, x_norm @ a.wv.T
+        if a.bq is not None:
+            q, k, v = q + a.bq, k + a.bk, v + a.bv
+        cos, sin = rope_tables(d, c.rope_base, np.arange(start, end))
+        q = apply_rope(q.reshape(seq, n * g, d), cos, sin)
+        k = apply_rope(k.reshape(seq, n, d), cos, sin)
+        a.k[:, start:end] = k.transpose(1, 0, 2)
+        a.v[:, start:end] = v.reshape(seq, n, d).transpose(1, 0, 2)
+        keys, values = a.k[:, :end], a.v[:, :end]
+        # The same arithmetic as the reference, restricted to this device's KV heads.
+        qg = q.reshape(seq, n, g, d).transpose(1, 2, 0, 3)  # (unit, head in unit, seq, dim)
+        # A float32 scale: a numpy float64 scalar would turn everything after it into float64.
+        scores = qg @ keys[:, None].transpose(0, 1, 3, 2) / np.float32(np.sqrt(d))
+        causal = np.arange(end)[None, :] > (start + np.arange(seq))[:, None]
+        scores = np.where(causal, -np.inf, scores)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        heads = (probs @ values[:, None]).reshape(n * g, seq, d)
+        return heads.transpose(1, 0, 2).reshape(seq, n * g * d) @ a.wo.T
+
+    def mlp(self, layer: int, x_norm: np.ndarray) -> np.ndarray:
+        """Partial MLP output, (seq, hidden), of this device's neuron groups."""
+        x_norm = np.asarray(x_norm, np.float32)
+        m = self.mlp_parts[layer]
+        if m is None:
+            return np.zeros((x_norm.shape[0], self.config.hidden), np.float32)
+        act = silu(x_norm @ m.w_gate.T) * (x_norm @ m.w_up.T)
+        return act @ m.w_down.T
+
+    def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(vocabulary indices, logits (seq, len(indices))) of this device's LM-head blocks, for
+        the hidden state after the output norm."""
+        return self.vocab_rows, np.asarray(x_norm, np.float32) @ self.output.T
+
+    def truncate(self, length: int) -> None:
+        """Forget cached positions >= length in every layer."""
+        if length < 0:
+            raise ValueError(f"length must not be negative, not {length}")
+        self.lengths = [min(n, length) for n in self.lengths]

@@ -1,0 +1,299 @@
+"""Tensor-parallel shards against the numpy reference: the partial outputs of every device sum to
+the reference block outputs, KV cache included, and a master loop over shards decodes the same
+greedy tokens as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import pytest
+
+from edgerun.model.config import ModelConfig
+from edgerun.model.quant import quantize
+from edgerun.model.reference import DenseLayer, KVCache, ReferenceModel, n_groups, rms_norm
+from edgerun.model.synth import SynthSpec, custom_shape, synth_weights
+from edgerun.model.weights import ModelWeights
+from edgerun.tp.shard import Shard, ShardSpec, dequantize_columns, full_spec, split_spec
+
+MAX_LEN = 32
+PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, "
+DECODE_STEPS = 4
+VOCAB_BLOCK = 100  # 512 = 5 * 100 + 12: the last block is short
+
+# Block outputs are sums of a few hundred float32 products whose order differs between one big
+# matmul and a sum of per-device partials; errors of a few float32 ulps of the output's scale.
+RTOL, ATOL = 1e-5, 1e-6
+
+MODELS = {
+    # 4 KV heads of 2 query heads each; ffn 704 leaves a short last group for group sizes 128 and 192.
+    "llama": (custom_shape("tiny", tied_embeddings=False, n_heads=8, n_kv_heads=4, head_dim=32, ffn=704), "Q4_0"),
+    # Q, K and V biases; 2 KV heads, so with 3 or 4 devices some hold no attention unit in a layer.
+    "qwen2": (custom_shape("tiny", architecture="qwen2", qkv_bias=True, tied_embeddings=False), "Q4_0"),
+    # K-quant blocks are 256 wide: a 128-column head or a 192-column group cuts through a block.
+    "llama-q4k": (custom_shape("tiny", tied_embeddings=False), "Q4_K"),
+}
+
+
+@cache
+def model(name: str) -> tuple[ModelConfig, ModelWeights]:
+    config, qtype = MODELS[name]
+    return config, synth_weights(SynthSpec(config, qtype, seed=1))
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: str  # "attn" or "mlp"
+    layer: int
+    x_norm: np.ndarray
+    start: int
+    out: np.ndarray
+
+
+class RecordingReference(ReferenceModel):
+    """The reference, noting every block's normalized input, start position and output."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, group_size: int = 256) -> None:
+        super().__init__(config, weights, group_size)
+        self.calls: list[Call] = []
+
+    def attention(self, index: int, layer: DenseLayer, x: np.ndarray, cache: KVCache,
+                  cos: np.ndarray, sin: np.ndarray, hooks: object) -> np.ndarray:
+        out = super().attention(index, layer, x, cache, cos, sin, None)
+        # The reference advances cache.length after the last layer, so here it is the start.
+        self.calls.append(Call("attn", index, x, cache.length, out))
+        return out
+
+    def mlp(self, index: int, layer: DenseLayer, x: np.ndarray, hooks: object) -> np.ndarray:
+        out = super().mlp(index, layer, x, None)
+        self.calls.append(Call("mlp", index, x, -1, out))
+        return out
+
+
+@cache
+def reference_run(name: str) -> tuple[list[Call], list[int], list[np.ndarray]]:
+    """Block calls, greedy tokens and last-token logits of a prefill then DECODE_STEPS decode steps."""
+    config, weights = model(name)
+    ref = RecordingReference(config, weights)
+    kv = ref.new_cache(MAX_LEN)
+    tokens, all_logits = [], []
+    feed = PROMPT
+    for _ in range(DECODE_STEPS + 1):
+        logits = ref.forward(feed, kv)
+        all_logits.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        feed = [tokens[-1]]
+    return ref.calls, tokens, all_logits
+
+
+def summed(parts: Sequence[np.ndarray]) -> np.ndarray:
+    return np.sum(np.stack(parts), axis=0)
+
+
+def replay(shards: Sequence[Shard], call: Call) -> np.ndarray:
+    if call.kind == "attn":
+        return summed([s.attention(call.layer, call.x_norm, call.start) for s in shards])
+    return summed([s.mlp(call.layer, call.x_norm) for s in shards])
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.dtype == np.float32 and actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("group_size", [128, 192])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_partials_sum_to_reference_blocks(name: str, group_size: int, n: int) -> None:
+    config, weights = model(name)
+    calls, _, _ = reference_run(name)
+    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, n, group_size, VOCAB_BLOCK)]
+    assert len(calls) == 2 * config.n_layers * (DECODE_STEPS + 1)
+    for call in calls:
+        assert_close(replay(shards, call), call.out)
+
+
+def test_kquant_blocks_cut_by_units() -> None:
+    config, weights = model("llama-q4k")
+    calls, _, _ = reference_run("llama-q4k")
+    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, 2, 192, VOCAB_BLOCK)]
+    for call in calls:
+        assert_close(replay(shards, call), call.out)
+
+
+def run_master(config: ModelConfig, weights: ModelWeights, shards: Sequence[Shard], prompt: list[int],
+               steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy decoding with the master's part done here (embedding, residuals, norms, argmax) and
+    every block's output summed from the shards' partials."""
+    eps = config.norm_eps
+    tokens, all_logits = [], []
+    feed, pos = prompt, 0
+    for _ in range(steps):
+        x = weights.token_embd.dequantize_rows(np.asarray(feed, np.int64))
+        for i, layer in enumerate(weights.layers):
+            h = rms_norm(x, layer.attn_norm, eps)
+            x = x + summed([s.attention(i, h, pos) for s in shards])
+            h = rms_norm(x, layer.ffn_norm, eps)
+            x = x + summed([s.mlp(i, h) for s in shards])
+        pos += len(feed)
+        h = rms_norm(x[-1:], weights.output_norm, eps)
+        logits = np.full(config.vocab_size, np.nan, np.float32)
+        for s in shards:
+            rows, part = s.logits(h)
+            logits[rows] = part[0]
+        all_logits.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        feed = [tokens[-1]]
+    return tokens, all_logits
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_master_loop_matches_reference_greedy(name: str, n: int) -> None:
+    config, weights = model(name)
+    ref = ReferenceModel(config, weights)
+    kv = ref.new_cache(MAX_LEN)
+    want_tokens, want_logits = [], []
+    feed = PROMPT
+    for _ in range(8):
+        logits = ref.forward(feed, kv)
+        want_logits.append(logits)
+        want_tokens.append(int(np.argmax(logits)))
+        feed = [want_tokens[-1]]
+    assert len(set(want_tokens)) > 1, "a constant greedy sequence would not test much"
+
+    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, n, 192, VOCAB_BLOCK)]
+    tokens, logits = run_master(config, weights, shards, PROMPT, 8)
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits, strict=True):
+        # Logits are of order 1 (measured differences: a few 1e-7), ten times the block outputs' scale.
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_logit_rows_reassemble_the_lm_head(n: int) -> None:
+    config, weights = model("llama")
+    ref = ReferenceModel(config, weights)
+    x = rms_norm(np.random.default_rng(0).standard_normal((3, config.hidden), dtype=np.float32),
+                 weights.output_norm, config.norm_eps)
+    rows, parts = [], []
+    for spec in split_spec(config, n, 128, VOCAB_BLOCK):
+        r, p = Shard(config, weights, spec, MAX_LEN).logits(x)
+        assert r.dtype == np.int64 and p.shape == (3, len(r)) and p.dtype == np.float32
+        rows.append(r)
+        parts.append(p)
+    index = np.concatenate(rows)
+    assert np.array_equal(np.sort(index), np.arange(config.vocab_size))
+    logits = np.empty((3, config.vocab_size), np.float32)
+    logits[:, index] = np.concatenate(parts, axis=1)
+    np.testing.assert_allclose(logits, x @ ref.output.T, rtol=RTOL, atol=1e-5)
+
+
+def test_truncate_then_rerun_is_identical() -> None:
+    config, weights = model("qwen2")
+    calls, _, _ = reference_run("qwen2")
+    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, 2, 128, VOCAB_BLOCK)]
+    first = [replay(shards, call) for call in calls]
+    # Calls per forward pass: attention and MLP of each layer. Keep the prefill and one decode step.
+    per_pass = 2 * config.n_layers
+    kept = len(PROMPT) + 1
+    for s in shards:
+        s.truncate(kept)
+    # Overwrite the positions after the cut with other inputs, then cut again: none of it may stay.
+    rng = np.random.default_rng(1)
+    for call in calls[2 * per_pass:]:
+        other = rng.standard_normal(call.x_norm.shape, dtype=np.float32)
+        replay(shards, Call(call.kind, call.layer, other, call.start, call.out))
+    for s in shards:
+        s.truncate(kept)
+    again = [replay(shards, call) for call in calls[2 * per_pass:]]
+    for got, want in zip(again, first[2 * per_pass:], strict=True):
+        assert np.array_equal(got, want)
+    # And from the start: a re-prefill after truncate(0) reproduces everything.
+    for s in shards:
+        s.truncate(0)
+    for call, want in zip(calls, first, strict=True):
+        assert np.array_equal(replay(shards, call), want)
+
+
+def test_device_without_units_returns_zeros() -> None:
+    config, weights = model("qwen2")
+    spec = ShardSpec(attn_units=((1,), ()), mlp_groups=((), (0, 2)), vocab_blocks=(), group_size=192,
+                     vocab_block=VOCAB_BLOCK)
+    shard = Shard(config, weights, spec, MAX_LEN)
+    x = np.random.default_rng(2).standard_normal((5, config.hidden), dtype=np.float32)
+    for out in (shard.attention(1, x, 0), shard.mlp(0, x)):
+        assert out.shape == (5, config.hidden) and out.dtype == np.float32 and not out.any()
+    assert shard.attention(0, x, 0).any() and shard.mlp(1, x).any()
+    # An empty layer still follows the positions, so decoding continues past the prefill.
+    assert not shard.attention(1, x[:1], 5).any()
+    rows, logits = shard.logits(x)
+    assert rows.shape == (0,) and logits.shape == (5, 0)
+    # Round-robin with more devices than KV heads: some device sits out every layer.
+    for spec in split_spec(config, 4, 192, VOCAB_BLOCK):
+        s = Shard(config, weights, spec, MAX_LEN)
+        for layer in range(config.n_layers):
+            if not spec.attn_units[layer]:
+                assert not s.attention(layer, x, 0).any()
+
+
+def test_specs_cover_every_unit_once() -> None:
+    config, _ = model("llama")
+    assert split_spec(config, 1, 192, VOCAB_BLOCK) == [full_spec(config, 192, VOCAB_BLOCK)]
+    specs = split_spec(config, 3, 192, VOCAB_BLOCK)
+    for layer in range(config.n_layers):
+        attn = sorted(u for s in specs for u in s.attn_units[layer])
+        mlp = sorted(g for s in specs for g in s.mlp_groups[layer])
+        assert attn == list(range(config.n_kv_heads))
+        assert mlp == list(range(n_groups(config.ffn, 192)))
+    assert sorted(b for s in specs for b in s.vocab_blocks) == list(range(6))
+
+
+def test_weight_bytes() -> None:
+    config, weights = model("qwen2")
+    ref = ReferenceModel(config, weights)
+    full = Shard(config, weights, full_spec(config, 128, VOCAB_BLOCK), MAX_LEN)
+    biases = config.n_layers * (config.q_dim + 2 * config.kv_dim) * 4
+    assert full.weight_bytes == ref.weight_bytes + biases
+    parts = [Shard(config, weights, s, MAX_LEN) for s in split_spec(config, 3, 128, VOCAB_BLOCK)]
+    assert sum(p.weight_bytes for p in parts) == full.weight_bytes
+    # One attention unit in one layer: its query heads' rows of wq and columns of wo, one KV head's
+    # rows of wk and wv, and the biases of those rows.
+    one = Shard(config, weights, ShardSpec(((0,), ()), ((), ()), ()), MAX_LEN)
+    q, kv = config.heads_per_kv * config.head_dim, config.head_dim
+    assert one.weight_bytes == 4 * (2 * q * config.hidden + 2 * kv * config.hidden + q + 2 * kv)
+    assert one.cache_bytes == 2 * MAX_LEN * kv * 4
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_dequantize_columns_matches_full_dequantize(qtype: str) -> None:
+    t = quantize(np.random.default_rng(3).standard_normal((6, 768), dtype=np.float32), qtype)
+    full = t.dequantize()
+    ranges = [(0, 128), (192, 320), (700, 768), (256, 512), (5, 6)]
+    got = dequantize_columns(t, ranges)
+    assert got.dtype == np.float32 and got.flags.c_contiguous
+    assert np.array_equal(got, np.concatenate([full[:, a:b] for a, b in ranges], axis=1))
+    assert dequantize_columns(t, []).shape == (6, 0)
+    with pytest.raises(ValueError):
+        dequantize_columns(t, [(700, 800)])
+
+
+def test_rejects_bad_specs_and_positions() -> None:
+    config, weights = model("qwen2")
+    with pytest.raises(ValueError, match="each of the 2 layers"):
+        Shard(config, weights, ShardSpec(((0,),), ((0,),), ()), MAX_LEN)
+    with pytest.raises(ValueError, match="attention units"):
+        Shard(config, weights, ShardSpec(((0, 0), ()), ((), ()), ()), MAX_LEN)
+    with pytest.raises(ValueError, match="MLP groups"):
+        Shard(config, weights, ShardSpec(((), ()), ((2,), ()), (), group_size=256), MAX_LEN)
+    with pytest.raises(ValueError, match="vocab blocks"):
+        Shard(config, weights, ShardSpec(((), ()), ((), ()), (6,), vocab_block=VOCAB_BLOCK), MAX_LEN)
+    shard = Shard(config, weights, full_spec(config), 8)
+    x = np.zeros((4, config.hidden), np.float32)
+    with pytest.raises(ValueError, match="cannot continue at 2"):
+        shard.attention(0, x, 2)
+    shard.attention(0, x, 0)
+    with pytest.raises(ValueError, match="context of 8"):
+        shard.attention(0, np.zeros((5, config.hidden), np.float32), 4)
