@@ -302,6 +302,23 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
     print(json.dumps(results_json(results), indent=2) if args.json else results_table(results))
 
 
+def cmd_bench_tp(args: argparse.Namespace) -> None:
+    from edgerun.bench.tp import bench_tp, tp_json, tp_table
+
+    if args.nodes < 1 or args.tokens < 1:
+        raise EdgerunError("--nodes and --tokens must be at least 1")
+    if args.model is not None and not args.model.exists():
+        raise EdgerunError(f"model not found: {args.model}")
+    results = []
+    for transport in args.transport.split(","):
+        if transport not in ("udp", "tcp"):
+            raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
+        print(f"local cluster: master + {args.nodes} node(s), {transport}, loss {args.plr}...", file=sys.stderr)
+        results.append(bench_tp(args.model, args.nodes, args.plr, transport, args.plan, args.tokens,
+                                None if args.adaptive_timeout else args.timeout_ms, args.codec))
+    print(json.dumps(tp_json(results), indent=2) if args.json else tp_table(results))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from edgerun import __version__
     from edgerun.model.generate import ENGINES
@@ -462,6 +479,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_single)
+    p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
+                         description="Start a master in this process and --nodes node processes on loopback, "
+                                     "generate --tokens tokens greedily, and report the time per output token "
+                                     "split into the master's compute, waiting for partials and the rest, with "
+                                     "blocks merged incomplete and packets lost or late. In-process loss (--plr) "
+                                     "applies to every UDP send; kernel loss comes from `edgerun testbed`.")
+    _model_arg(p)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--plr", default="0", help="loss on every UDP send: 5%%, ge:0.05[:burst] ... (default: 0)")
+    p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
+    p.add_argument("--plan", choices=PLANS[:-1], default="halo")
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--timeout-ms", type=float, default=10.0)
+    p.add_argument("--adaptive-timeout", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_bench_tp)
     return parser
 
 

@@ -169,3 +169,39 @@ def test_fuzzed_datagrams_are_counted_and_nothing_breaks(model: Model, reference
         assert master.counters.total() + master.stats.late_packets - before >= n
         assert node.rejected >= n * 0.9  # node: all but datagrams that arrived while it was busy
         assert master.generate(prompt, 16, GREEDY) == reference_tokens[:16]
+
+
+def test_node_without_the_masters_model_fetches_it(tiny_spec, synth_gguf) -> None:
+    """The node's local file is another model: it downloads the master's over HTTP, checks its sha256,
+    and the cluster then equals the reference of the master's model."""
+    masters = load_model(synth_gguf(tiny_spec(tied=False, seed=1)))
+    other = synth_gguf(tiny_spec(tied=False, seed=2))
+    prompt = masters.tokenizer.encode("Hello there")
+    expected = generate(ReferenceEngine(masters, 64), prompt, 12, GREEDY).tokens
+    master = Master(masters, KEY, host="127.0.0.1", port=0, max_len=64, timeout_ms=2000)
+    node = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
+                             "--key", SECRET, "--model", str(other)], stderr=subprocess.PIPE, text=True)
+    try:
+        master.wait_for_nodes(1, timeout_s=120)
+        master.replan()
+        assert master.generate(prompt, 12, GREEDY) == expected
+    finally:
+        master.close()
+        node.kill()
+        _, err = node.communicate()
+    assert "fetching it" in err and "downloading model: 100%" in err
+
+
+def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from edgerun.cli import main
+
+    path = synth_gguf(tiny_spec(tied=False))
+    assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
+                 "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["transport"] for r in results] == ["udp", "tcp"]
+    for r in results:
+        assert r["tokens"] == 4 and r["ms_per_token"] > 0 and r["blocks"] > 0
+        assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01

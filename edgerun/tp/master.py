@@ -25,6 +25,7 @@ from edgerun.model.reference import rms_norm
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, LossyUdp, ReliableChannel
 from edgerun.net.loss import LossModel
+from edgerun.net.model_files import ModelServer, model_sha256
 from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, WireError, fragment
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
@@ -111,6 +112,8 @@ class Master:
         self.group_size, self.vocab_block = group_size, vocab_block
         self.timeout = AdaptiveTimeout(None if timeout_ms is None else timeout_ms / 1000)
         self.log = log
+        self.model_sha256 = model_sha256(model.path)
+        self.model_server = ModelServer(model.path, self.model_sha256, host)
         self.listener = socket.create_server((host, port), reuse_port=False)
         self.port = self.listener.getsockname()[1]
         self.udp = LossyUdp(key, host, 0, loss)
@@ -147,6 +150,7 @@ class Master:
             if message.get("op") != "register":
                 raise WireError("first message must register")
             sock.settimeout(None)
+            channel.send({"op": "welcome", "model_sha256": self.model_sha256, "http_port": self.model_server.port})
             with self.cond:
                 node = NodeConn(len(self.nodes) + 1, str(message["name"]), channel, addr[0], int(message["udp_port"]),
                                 float(message["budget_mb"]), float(message["speed"]))
@@ -426,3 +430,4 @@ class Master:
                     node.channel.send({"op": "shutdown"})
         self.listener.close()
         self.udp.close()
+        self.model_server.close()

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
 from edgerun.net.channel import Counters, LossyUdp, ReliableChannel
 from edgerun.net.loss import LossModel
+from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, WireError, fragment
 from edgerun.tp.shard import Shard, ShardSpec
 
@@ -64,7 +66,7 @@ class _Input:
 
 
 class Node:
-    def __init__(self, master: tuple[str, int], model: Model, key: bytes, name: str, budget_mb: float,
+    def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
                  speed: float, loss: LossModel | None = None, log=print) -> None:
         self.master = master
         self.model = model
@@ -94,8 +96,11 @@ class Node:
         sock.settimeout(None)
         self.channel = ReliableChannel(sock, self.key)
         self.channel.send({"op": "register", "name": self.name, "budget_mb": self.budget_mb, "speed": self.speed,
-                           "udp_port": self.udp.port, "model": self.model.name,
-                           "model_bytes": self.model.path.stat().st_size})
+                           "udp_port": self.udp.port})
+        welcome, _ = self.channel.receive()
+        if welcome.get("op") != "welcome":
+            raise WireError(f"expected welcome, got {welcome.get('op')}")
+        self._use_masters_model(str(welcome["model_sha256"]), int(welcome["http_port"]))
         threading.Thread(target=self._receive_udp, daemon=True).start()
         threading.Thread(target=self._heartbeat, daemon=True).start()
         worker = threading.Thread(target=self._work, daemon=True)
@@ -111,6 +116,13 @@ class Node:
             with self.cond:
                 self.cond.notify_all()
             self.udp.close()
+
+    def _use_masters_model(self, sha256: str, http_port: int) -> None:
+        """Keep the local model if it is the master's file; otherwise fetch the master's copy."""
+        if self.model is not None and model_sha256(self.model.path) == sha256:
+            return
+        self.log(f"node {self.name}: the local model is not the master's ({sha256[:12]}); fetching it")
+        self.model = load_model(fetch_model(self.master[0], http_port, sha256))
 
     def _heartbeat(self) -> None:
         while self.running:
@@ -253,7 +265,11 @@ class Node:
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
              speed: float, loss: LossModel | None) -> None:
-    model = load_model(model_path)
+    try:
+        model = load_model(model_path)
+    except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
+        print(f"{e}; will fetch the master's model", file=sys.stderr)
+        model = None
     node = Node(master, model, key, name, budget_mb, speed, loss,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
     node.run()

@@ -1,0 +1,98 @@
+"""Model files named by content: hashing (cached), serving a file over HTTP, fetching it.
+
+Nodes load their share from their own copy of the model file. The master names its file by sha256;
+a node whose copy differs, or that has none, downloads the master's over HTTP into its cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from edgerun.model.onnx_graph import cache_root
+
+
+def _hash_file(path: Path, digest: hashlib._Hash) -> None:
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+
+
+def model_sha256(path: Path) -> str:
+    """sha256 of a model file (or of a directory's files in name order), remembered per size and mtime."""
+    path = path.resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    ident = json.dumps([[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+    index = cache_root() / "hashes.json"
+    known = json.loads(index.read_text()) if index.is_file() else {}
+    if ident in known:
+        return known[ident]
+    digest = hashlib.sha256()
+    for p in files:
+        _hash_file(p, digest)
+    known[ident] = digest.hexdigest()
+    index.parent.mkdir(parents=True, exist_ok=True)
+    index.write_text(json.dumps(known))
+    return known[ident]
+
+
+class ModelServer:
+    """Serves exactly one file at /model/<sha256>; everything else is 404."""
+
+    def __init__(self, path: Path, sha256: str, host: str = "0.0.0.0", port: int = 0) -> None:
+        served, name = path, f"/model/{sha256}"
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path != name or not served.is_file():
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(served.stat().st_size))
+                self.end_headers()
+                with served.open("rb") as f:
+                    shutil.copyfileobj(f, self.wfile)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def fetch_model(host: str, port: int, sha256: str, suffix: str = ".gguf") -> Path:
+    """The master's model file, from the cache or downloaded (with progress) and checked."""
+    out = cache_root() / "models" / f"{sha256}{suffix}"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(f"http://{host}:{port}/model/{sha256}", timeout=60) as response, \
+            partial.open("wb") as f:
+        total = int(response.headers.get("Content-Length", 0))
+        done, shown = 0, -1
+        while chunk := response.read(1 << 20):
+            f.write(chunk)
+            digest.update(chunk)
+            done += len(chunk)
+            percent = done * 100 // total if total else 0
+            if percent // 10 != shown:
+                shown = percent // 10
+                print(f"downloading model: {percent}% of {total / 1e6:.0f} MB", file=sys.stderr, flush=True)
+    if digest.hexdigest() != sha256:
+        partial.unlink()
+        raise OSError("downloaded model does not match its sha256")
+    partial.rename(out)
+    return out
