@@ -205,3 +205,26 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     for r in results:
         assert r["tokens"] == 4 and r["ms_per_token"] > 0 and r["blocks"] > 0
         assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01
+
+
+def test_measured_loss_puts_the_lossy_node_on_the_least_important_groups(tiny_spec, synth_gguf) -> None:
+    """HALO's Algorithm 3 with the loss measured at join: a node behind 30% loss holds no unit of
+    priority 0 (the most important), while it does compute some units."""
+    model = load_model(synth_gguf(tiny_spec(tied=False)))
+    master = Master(model, KEY, host="127.0.0.1", port=0, max_len=64, group_size=128, timeout_ms=2000)
+    procs = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
+                               "--key", SECRET, "--model", str(synth_gguf(tiny_spec(tied=False))), "--name", name,
+                               "--loss", loss, "--loss-seed", "3"], stderr=subprocess.DEVNULL)
+             for name, loss in (("clean", "0"), ("lossy", "30%"))]
+    try:
+        master.wait_for_nodes(2, timeout_s=120)
+        plan = master.replan()
+        lossy = plan.devices.index("lossy")
+        assert plan.plrs[lossy] > 0.1 and plan.plrs[plan.devices.index("clean")] < 0.05
+        held = [i for layer in plan.mlp for i in layer[lossy]]
+        assert held and 0 not in held
+    finally:
+        master.close()
+        for p in procs:
+            p.kill()
+            p.wait()

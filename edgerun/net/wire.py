@@ -43,6 +43,9 @@ class MsgType(IntEnum):
     HEARTBEAT = 5
 
 
+PROBE_FLAG = 0xA5  # flags of a HEARTBEAT datagram that asks to be echoed (link loss probes)
+
+
 class Block(IntEnum):
     ATTN = 0
     MLP = 1

@@ -26,7 +26,7 @@ from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, LossyUdp, ReliableChannel
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_sha256
-from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, WireError, fragment
+from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
 from edgerun.tp.node import uses_reliable
@@ -53,6 +53,10 @@ class NodeConn:
     ready: threading.Event = field(default_factory=threading.Event)
     spec: ShardSpec | None = None
     rejected: int = 0  # packets the node refused, as its last heartbeat said
+    link: Link | None = None  # measured when it joined
+    pong: threading.Event = field(default_factory=threading.Event)
+    pongs: list[float] = field(default_factory=list)
+    echoes: int = 0
 
 
 @dataclass
@@ -150,7 +154,8 @@ class Master:
             if message.get("op") != "register":
                 raise WireError("first message must register")
             sock.settimeout(None)
-            channel.send({"op": "welcome", "model_sha256": self.model_sha256, "http_port": self.model_server.port})
+            channel.send({"op": "welcome", "model_sha256": self.model_sha256, "http_port": self.model_server.port,
+                          "udp_port": self.udp.port})
             with self.cond:
                 node = NodeConn(len(self.nodes) + 1, str(message["name"]), channel, addr[0], int(message["udp_port"]),
                                 float(message["budget_mb"]), float(message["speed"]))
@@ -185,6 +190,9 @@ class Master:
         op = message["op"]
         if op == "ready":
             node.ready.set()
+        elif op == "pong":
+            node.pongs.append(time.perf_counter())
+            node.pong.set()
         elif op == "heartbeat":
             node.rejected = int(message.get("rejected", 0))
         elif op == "fetch":
@@ -216,6 +224,12 @@ class Master:
             if got is None:
                 return
             header, payload, _ = got
+            if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
+                with self.cond:
+                    for node in self.nodes:
+                        if node.index == header.node:
+                            node.echoes += 1
+                continue
             if header.type != MsgType.PARTIAL:
                 self.counters.reject("unexpected")
                 continue
@@ -242,15 +256,41 @@ class Master:
                                        f"within {timeout_s:.0f} s")
 
     # --- planning --------------------------------------------------------------------------------
-    def _device(self, name: str, budget_mb: float, speed: float) -> DeviceProfile:
+    def measure_link(self, node: NodeConn, pings: int = 7, probes: int = 200) -> Link:
+        """RTT: median of TCP pings. Loss: UDP probes the node echoes; a probe is lost if either
+        direction drops it, so the one-way rate is 1 - sqrt(1 - round-trip rate)."""
+        rtts = []
+        for seq in range(pings):
+            node.pong.clear()
+            sent = time.perf_counter()
+            node.channel.send({"op": "ping", "seq": seq})
+            if node.pong.wait(2.0):
+                rtts.append(node.pongs[-1] - sent)
+        node.echoes = 0
+        for seq in range(probes):
+            header = Header(MsgType.HEARTBEAT, 0, seq, node=node.index, flags=PROBE_FLAG)
+            self.udp.send_all([seal(header, b"", self.key)], (node.host, node.udp_port))
+            time.sleep(0.0005)
+        time.sleep(0.2)
+        round_trip = 1.0 - min(node.echoes, probes) / probes
+        rtt_ms = float(np.median(rtts)) * 1e3 if rtts else 1000.0
+        return Link(rtt_ms=rtt_ms, up_mbit=1000.0, down_mbit=1000.0, loss_rate=1.0 - (1.0 - round_trip) ** 0.5)
+
+    def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
+        # Bandwidth is not measured at join; the planners' sync time uses RTT and 1 Gbit/s.
         return DeviceProfile(name=name, kind="node", cores=1, compute=Compute(0.0, speed),
-                             memory=Memory(budget_mb, budget_mb, budget_mb, 0.0), link=Link(0.1, 1000.0, 1000.0, 0.0))
+                             memory=Memory(budget_mb, budget_mb, budget_mb, 0.0),
+                             link=link or Link(0.0, 10_000.0, 10_000.0, 0.0))
 
     def replan(self) -> TPPlan:
         """Plan over the master and every live node, hand out shares, wait until all are loaded."""
         alive = [n for n in self.nodes if n.alive]
+        for node in alive:
+            if node.link is None:
+                node.link = self.measure_link(node)
+                self.log(f"node {node.name}: RTT {node.link.rtt_ms:.2f} ms, loss {node.link.loss_rate:.1%}")
         devices = [self._device("master", self.budget_mb, self.speed)] + \
-                  [self._device(n.name, n.budget_mb, n.speed) for n in alive]
+                  [self._device(n.name, n.budget_mb, n.speed, n.link) for n in alive]
         profile = model_profile(self.model.name, self.model.config, self.model.weights, context=self.max_len,
                                 group_size=self.group_size, vocab_block=self.vocab_block)
         try:

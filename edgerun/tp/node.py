@@ -24,7 +24,7 @@ from edgerun.model.loader import Model, load_model
 from edgerun.net.channel import Counters, LossyUdp, ReliableChannel
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
-from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, WireError, fragment
+from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
 from edgerun.tp.shard import Shard, ShardSpec
 
 HEARTBEAT_S = 0.5
@@ -100,6 +100,7 @@ class Node:
         welcome, _ = self.channel.receive()
         if welcome.get("op") != "welcome":
             raise WireError(f"expected welcome, got {welcome.get('op')}")
+        self.master_udp_port = int(welcome["udp_port"])
         self._use_masters_model(str(welcome["model_sha256"]), int(welcome["http_port"]))
         threading.Thread(target=self._receive_udp, daemon=True).start()
         threading.Thread(target=self._heartbeat, daemon=True).start()
@@ -157,6 +158,8 @@ class Node:
                 if entry is not None:
                     entry.full = vector
                     self.cond.notify_all()
+        elif op == "ping":
+            self.channel.send({"op": "pong", "seq": message["seq"]})
         elif op == "shutdown":
             self.running = False
 
@@ -186,6 +189,10 @@ class Node:
             if got is None:
                 return
             header, payload, _ = got
+            if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
+                # A link probe from the master: echo it, through this side's loss like any datagram.
+                self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
+                continue
             if header.type != MsgType.ACTIVATION or header.block not in (Block.ATTN, Block.MLP):
                 self.counters.reject("unexpected")
                 continue
