@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,8 +99,8 @@ class LossyUdp:
                 with self._lock:
                     self.dropped += 1
 
-    def receive(self, counters: Counters) -> tuple[Header, bytes, tuple[str, int]] | None:
-        """The next authentic datagram; None when the socket is closed."""
+    def packets(self, counters: Counters) -> Iterator[tuple[Header, bytes, tuple[str, int]]]:
+        """Authentic datagrams as they arrive, until the socket is closed."""
         while not self.closed:
             try:
                 data, addr = self.sock.recvfrom(65535)
@@ -112,8 +113,7 @@ class LossyUdp:
             except WireError as e:
                 counters.reject(str(e).split(" ")[0])
                 continue
-            return header, payload, addr
-        return None
+            yield header, payload, addr
 
     def close(self) -> None:
         self.closed = True

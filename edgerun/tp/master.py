@@ -219,11 +219,7 @@ class Master:
                                "block": block}, data)
 
     def _receive_udp(self) -> None:
-        while self.running:
-            got = self.udp.receive(self.counters)
-            if got is None:
-                return
-            header, payload, _ = got
+        for header, payload, _ in self.udp.packets(self.counters):
             if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
                 with self.cond:
                     for node in self.nodes:

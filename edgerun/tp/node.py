@@ -184,11 +184,7 @@ class Node:
 
     def _receive_udp(self) -> None:
         hidden = self.model.config.hidden
-        while self.running:
-            got = self.udp.receive(self.counters)
-            if got is None:
-                return
-            header, payload, _ = got
+        for header, payload, _ in self.udp.packets(self.counters):
             if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
                 # A link probe from the master: echo it, through this side's loss like any datagram.
                 self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
