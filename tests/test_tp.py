@@ -226,6 +226,8 @@ def test_measured_loss_puts_the_lossy_node_on_the_least_important_groups(tiny_sp
         assert plan.plrs[lossy] > 0.1 and plan.plrs[plan.devices.index("clean")] < 0.05
         held = [i for layer in plan.mlp for i in layer[lossy]]
         assert held and 0 not in held
+        for node in master.nodes:  # RTT and bandwidth were measured too
+            assert 0 < node.link.rtt_ms < 1000 and node.link.up_mbit > 10
     finally:
         master.close()
         for p in procs:

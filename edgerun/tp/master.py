@@ -32,7 +32,8 @@ from edgerun.sched.tp_plan import TPPlan, plan_tp
 from edgerun.tp.node import uses_reliable
 from edgerun.tp.shard import Shard, ShardSpec
 
-NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
+NODE_SILENT_S = 3.0
+BW_PROBE_BYTES = 2 * 1024 * 1024  # no heartbeat for this long: the node is gone
 
 
 class NodeLost(Exception):
@@ -190,7 +191,7 @@ class Master:
         op = message["op"]
         if op == "ready":
             node.ready.set()
-        elif op == "pong":
+        elif op in ("pong", "bw_reply"):
             node.pongs.append(time.perf_counter())
             node.pong.set()
         elif op == "heartbeat":
@@ -254,7 +255,8 @@ class Master:
     # --- planning --------------------------------------------------------------------------------
     def measure_link(self, node: NodeConn, pings: int = 7, probes: int = 200) -> Link:
         """RTT: median of TCP pings. Loss: UDP probes the node echoes; a probe is lost if either
-        direction drops it, so the one-way rate is 1 - sqrt(1 - round-trip rate)."""
+        direction drops it, so the one-way rate is 1 - sqrt(1 - round-trip rate). Bandwidth: a timed
+        TCP exchange, taken as symmetric."""
         rtts = []
         for seq in range(pings):
             node.pong.clear()
@@ -270,10 +272,17 @@ class Master:
         time.sleep(0.2)
         round_trip = 1.0 - min(node.echoes, probes) / probes
         rtt_ms = float(np.median(rtts)) * 1e3 if rtts else 1000.0
-        return Link(rtt_ms=rtt_ms, up_mbit=1000.0, down_mbit=1000.0, loss_rate=1.0 - (1.0 - round_trip) ** 0.5)
+        # Bandwidth: a payload each way over TCP; the node answers "bw" with a payload of the size asked.
+        node.pong.clear()
+        sent = time.perf_counter()
+        node.channel.send({"op": "bw", "reply_bytes": BW_PROBE_BYTES}, bytes(BW_PROBE_BYTES))
+        if not node.pong.wait(30.0):
+            return Link(rtt_ms=rtt_ms, up_mbit=1.0, down_mbit=1.0, loss_rate=1.0 - (1.0 - round_trip) ** 0.5)
+        # Two transfers and one round trip in that time; each direction gets half.
+        mbit = 2 * BW_PROBE_BYTES * 8 / max(node.pongs[-1] - sent - rtt_ms / 1e3, 1e-6) / 1e6
+        return Link(rtt_ms=rtt_ms, up_mbit=mbit, down_mbit=mbit, loss_rate=1.0 - (1.0 - round_trip) ** 0.5)
 
     def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
-        # Bandwidth is not measured at join; the planners' sync time uses RTT and 1 Gbit/s.
         return DeviceProfile(name=name, kind="node", cores=1, compute=Compute(0.0, speed),
                              memory=Memory(budget_mb, budget_mb, budget_mb, 0.0),
                              link=link or Link(0.0, 10_000.0, 10_000.0, 0.0))
@@ -284,7 +293,8 @@ class Master:
         for node in alive:
             if node.link is None:
                 node.link = self.measure_link(node)
-                self.log(f"node {node.name}: RTT {node.link.rtt_ms:.2f} ms, loss {node.link.loss_rate:.1%}")
+                self.log(f"node {node.name}: RTT {node.link.rtt_ms:.2f} ms, loss {node.link.loss_rate:.1%}, "
+                         f"{node.link.up_mbit:.0f} Mbit/s")
         devices = [self._device("master", self.budget_mb, self.speed)] + \
                   [self._device(n.name, n.budget_mb, n.speed, n.link) for n in alive]
         profile = model_profile(self.model.name, self.model.config, self.model.weights, context=self.max_len,

@@ -160,6 +160,8 @@ class Node:
                     self.cond.notify_all()
         elif op == "ping":
             self.channel.send({"op": "pong", "seq": message["seq"]})
+        elif op == "bw":
+            self.channel.send({"op": "bw_reply"}, bytes(min(int(message["reply_bytes"]), 64 << 20)))
         elif op == "shutdown":
             self.running = False
 
