@@ -164,7 +164,7 @@ def test_fuzzed_datagrams_are_counted_and_nothing_breaks(model: Model, reference
             if i % 200 == 0:
                 time.sleep(0.002)  # paced, so the kernel's receive buffers do not overflow and drop some
             packet = mutate(rng.choice(valid), rng)
-            sock.sendto(packet, ("127.0.0.1", master.udp.port))
+            sock.sendto(packet, ("127.0.0.1", master.udp_port))
             sock.sendto(packet, ("127.0.0.1", node.udp_port))
         with socket.create_connection(("127.0.0.1", master.port)) as junk:  # an unauthenticated "node"
             junk.sendall(b"\x40\x00\x00\x00" + bytes(64))

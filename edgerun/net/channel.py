@@ -1,55 +1,19 @@
-"""Sockets carrying wire-format packets: a reliable framed TCP stream and a lossy UDP sender."""
+"""Sockets carrying wire-format packets on an event loop (uvloop where installed): reliable framed
+TCP streams, an authenticating UDP receiver, and a lossy UDP sender usable from any thread."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.wire import Header, WireError, control_frame, frame_length, open_packet, parse_control
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ConnectionError("connection closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-class ReliableChannel:
-    """Length-prefixed, MAC-checked control frames over one TCP connection; sends are thread-safe."""
-
-    def __init__(self, sock: socket.socket, key: bytes, session: int = 0) -> None:
-        self.sock = sock
-        self.key = key
-        self.session = session
-        self._send_lock = threading.Lock()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def send(self, message: dict[str, Any], payload: bytes = b"") -> None:
-        frame = control_frame(self.session, message, self.key, payload)
-        with self._send_lock:
-            self.sock.sendall(frame)
-
-    def receive(self) -> tuple[dict[str, Any], bytes]:
-        """The next control message; ConnectionError when the peer is gone, WireError for a bad frame
-        (after which the stream cannot be trusted and should be closed)."""
-        n = frame_length(_recv_exact(self.sock, 4))
-        header, body = open_packet(_recv_exact(self.sock, n), self.key)
-        return parse_control(header, body)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+T = TypeVar("T")
 
 
 @dataclass
@@ -69,16 +33,13 @@ class Counters:
 
 
 class LossyUdp:
-    """A UDP socket whose sends pass through an in-process loss model (real kernel loss comes from
-    the testbed); received datagrams are authenticated, the rest counted and dropped."""
+    """A UDP socket for sending, through an in-process loss model (real kernel loss comes from the
+    testbed). Datagrams are received by `listen_datagrams` on the event loop."""
 
     def __init__(self, key: bytes, host: str = "0.0.0.0", port: int = 0, loss: LossModel | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.bind((host, port))
-        # A short timeout lets the receiving thread notice close(), which does not wake recvfrom.
-        self.sock.settimeout(0.2)
-        self.closed = False
         self.port = self.sock.getsockname()[1]
         self.key = key
         self.loss = loss or NoLoss()
@@ -99,22 +60,97 @@ class LossyUdp:
                 with self._lock:
                     self.dropped += 1
 
-    def packets(self, counters: Counters) -> Iterator[tuple[Header, bytes, tuple[str, int]]]:
-        """Authentic datagrams as they arrive, until the socket is closed."""
-        while not self.closed:
-            try:
-                data, addr = self.sock.recvfrom(65535)
-            except TimeoutError:
-                continue
-            except OSError:
-                return None
-            try:
-                header, payload = open_packet(data, self.key)
-            except WireError as e:
-                counters.reject(str(e).split(" ")[0])
-                continue
-            yield header, payload, addr
+    def close(self) -> None:
+        self.sock.close()
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed, asyncio's own otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class EventLoopThread:
+    """An event loop running in its own thread: the network side of a master or node. Other threads
+    (generation, compute) hand it coroutines with `run` and send through thread-safe channels."""
+
+    def __init__(self) -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class AsyncChannel:
+    """Length-prefixed, MAC-checked control frames over one TCP stream; `send` and `close` may be
+    called from any thread."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
+                 loop: asyncio.AbstractEventLoop, session: int = 0) -> None:
+        self.reader, self.writer, self.key, self.loop, self.session = reader, writer, key, loop, session
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def send(self, message: dict[str, Any], payload: bytes = b"") -> None:
+        frame = control_frame(self.session, message, self.key, payload)
+        if self.writer.is_closing():
+            raise ConnectionError("channel closed")
+        if self._on_loop():
+            self.writer.write(frame)
+        else:
+            self.loop.call_soon_threadsafe(self.writer.write, frame)
+
+    async def receive(self) -> tuple[dict[str, Any], bytes]:
+        try:
+            n = frame_length(await self.reader.readexactly(4))
+            header, body = open_packet(await self.reader.readexactly(n), self.key)
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionError("connection closed") from e
+        return parse_control(header, body)
 
     def close(self) -> None:
-        self.closed = True
-        self.sock.close()
+        if self._on_loop():
+            self.writer.close()
+        else:
+            self.loop.call_soon_threadsafe(self.writer.close)
+
+
+class DatagramReceiver(asyncio.DatagramProtocol):
+    """Hands authentic datagrams to a callback on the loop thread; counts and drops the rest."""
+
+    def __init__(self, key: bytes, counters: Counters,
+                 on_packet: Callable[[Header, bytes, tuple[str, int]], None]) -> None:
+        self.key, self.counters, self.on_packet = key, counters, on_packet
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        try:
+            header, payload = open_packet(data, self.key)
+        except WireError as e:
+            self.counters.reject(str(e).split(" ")[0])
+            return
+        self.on_packet(header, payload, addr)
+
+
+async def listen_datagrams(host: str, key: bytes, counters: Counters,
+                           on_packet: Callable[[Header, bytes, tuple[str, int]], None]) -> asyncio.DatagramTransport:
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(lambda: DatagramReceiver(key, counters, on_packet),
+                                                       local_addr=(host, 0))
+    sock = transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    return transport

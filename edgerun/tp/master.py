@@ -9,8 +9,8 @@ replans over the devices left and re-prefills the request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections import deque
@@ -23,7 +23,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.model.reference import rms_norm
 from edgerun.model.sampling import Sampler
-from edgerun.net.channel import Counters, LossyUdp, ReliableChannel
+from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, listen_datagrams
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_sha256
 from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
@@ -44,7 +44,7 @@ class NodeLost(Exception):
 class NodeConn:
     index: int
     name: str
-    channel: ReliableChannel
+    channel: AsyncChannel
     host: str
     udp_port: int
     budget_mb: float
@@ -119,9 +119,7 @@ class Master:
         self.log = log
         self.model_sha256 = model_sha256(model.path)
         self.model_server = ModelServer(model.path, self.model_sha256, host)
-        self.listener = socket.create_server((host, port), reuse_port=False)
-        self.port = self.listener.getsockname()[1]
-        self.udp = LossyUdp(key, host, 0, loss)
+        self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on the event loop's endpoint
         self.counters = Counters()
         self.cond = threading.Condition()
         self.nodes: list[NodeConn] = []
@@ -134,29 +132,29 @@ class Master:
         self.partials: dict[int, Reassembly | np.ndarray] = {}
         self.stats = StepStats()
         self.running = True
-        for target in (self._accept, self._receive_udp, self._watch):
-            threading.Thread(target=target, daemon=True).start()
+        # Network I/O runs on one event loop (uvloop where installed); generation runs in the
+        # caller's thread and meets it through self.cond.
+        self.net = EventLoopThread()
+        self.server, self.datagrams = self.net.run(self._listen(host, port))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.udp_port = self.datagrams.get_extra_info("sockname")[1]
+
+    async def _listen(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport]:
+        server = await asyncio.start_server(self._serve_node, host, port)
+        self.watch_task = asyncio.get_running_loop().create_task(self._watch())
+        return server, await listen_datagrams(host, self.key, self.counters, self._on_datagram)
 
     # --- membership ----------------------------------------------------------------------------
-    def _accept(self) -> None:
-        while self.running:
-            try:
-                sock, addr = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve_node, args=(sock, addr), daemon=True).start()
-
-    def _serve_node(self, sock: socket.socket, addr: tuple[str, int]) -> None:
-        channel = ReliableChannel(sock, self.key)
+    async def _serve_node(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        channel = AsyncChannel(reader, writer, self.key, self.net.loop)
+        addr = writer.get_extra_info("peername")
         node: NodeConn | None = None
         try:
-            sock.settimeout(10)
-            message, _ = channel.receive()
+            message, _ = await asyncio.wait_for(channel.receive(), 10)
             if message.get("op") != "register":
                 raise WireError("first message must register")
-            sock.settimeout(None)
             channel.send({"op": "welcome", "model_sha256": self.model_sha256, "http_port": self.model_server.port,
-                          "udp_port": self.udp.port})
+                          "udp_port": self.udp_port})
             with self.cond:
                 node = NodeConn(len(self.nodes) + 1, str(message["name"]), channel, addr[0], int(message["udp_port"]),
                                 float(message["budget_mb"]), float(message["speed"]))
@@ -164,10 +162,10 @@ class Master:
                 self.cond.notify_all()
             self.log(f"node {node.name} joined from {addr[0]}")
             while self.running:
-                message, payload = channel.receive()
+                message, payload = await channel.receive()
                 node.last_heard = time.monotonic()
                 self._node_message(node, message, payload)
-        except (ConnectionError, OSError, WireError, KeyError, ValueError) as e:
+        except (ConnectionError, OSError, WireError, KeyError, ValueError, TimeoutError) as e:
             if node is None:
                 self.counters.reject("registration")
             else:
@@ -179,9 +177,9 @@ class Master:
                     node.alive = False
                     self.cond.notify_all()
 
-    def _watch(self) -> None:
+    async def _watch(self) -> None:
         while self.running:
-            time.sleep(0.5)
+            await asyncio.sleep(0.5)
             for node in list(self.nodes):
                 if node.alive and time.monotonic() - node.last_heard > NODE_SILENT_S:
                     self.log(f"node {node.name} silent for {NODE_SILENT_S} s")
@@ -219,30 +217,29 @@ class Master:
             node.channel.send({"op": "input", "session": session, "position": position, "layer": layer,
                                "block": block}, data)
 
-    def _receive_udp(self) -> None:
-        for header, payload, _ in self.udp.packets(self.counters):
-            if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
-                with self.cond:
-                    for node in self.nodes:
-                        if node.index == header.node:
-                            node.echoes += 1
-                continue
-            if header.type != MsgType.PARTIAL:
-                self.counters.reject("unexpected")
-                continue
+    def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
+        if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
             with self.cond:
-                key = (header.session, header.position, header.layer, header.block)
-                target = self.partials.get(header.node)
-                if key != self.wait_key or not isinstance(target, Reassembly):
-                    self.stats.late_packets += 1
-                    continue
-                try:
-                    target.add(header, payload)
-                except WireError:
-                    self.counters.reject("misfit")
-                    continue
-                if target.complete:
-                    self.cond.notify_all()
+                for node in self.nodes:
+                    if node.index == header.node:
+                        node.echoes += 1
+            return
+        if header.type != MsgType.PARTIAL:
+            self.counters.reject("unexpected")
+            return
+        with self.cond:
+            key = (header.session, header.position, header.layer, header.block)
+            target = self.partials.get(header.node)
+            if key != self.wait_key or not isinstance(target, Reassembly):
+                self.stats.late_packets += 1
+                return
+            try:
+                target.add(header, payload)
+            except WireError:
+                self.counters.reject("misfit")
+                return
+            if target.complete:
+                self.cond.notify_all()
 
     def wait_for_nodes(self, n: int, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -317,7 +314,7 @@ class Master:
             node.ready.clear()
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
-                               "udp_port": self.udp.port})
+                               "udp_port": self.udp_port})
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
@@ -474,6 +471,14 @@ class Master:
             if node.alive:
                 with contextlib.suppress(OSError):
                     node.channel.send({"op": "shutdown"})
-        self.listener.close()
+        self.net.run(self._close_listeners())
+        self.net.stop()
         self.udp.close()
         self.model_server.close()
+
+    async def _close_listeners(self) -> None:
+        self.watch_task.cancel()
+        self.server.close()
+        self.datagrams.close()
+        for node in self.nodes:
+            node.channel.close()

@@ -9,7 +9,7 @@ over TCP (its partial output then arrives too late to count, which the master to
 
 from __future__ import annotations
 
-import socket
+import asyncio
 import sys
 import threading
 import time
@@ -21,7 +21,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
-from edgerun.net.channel import Counters, LossyUdp, ReliableChannel
+from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, listen_datagrams
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
@@ -75,7 +75,7 @@ class Node:
         self.budget_mb = budget_mb
         self.speed = speed
         self.log = log
-        self.udp = LossyUdp(key, loss=loss)
+        self.udp = LossyUdp(key, loss=loss)  # sends; datagrams arrive on the event loop's endpoint
         self.counters = Counters()
         self.cond = threading.Condition()
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
@@ -87,29 +87,19 @@ class Node:
         self.codec = Codec.F32
         self.transport = "udp"
         self.running = True
-        self.channel: ReliableChannel | None = None
+        self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
+        # Network I/O on an event loop (uvloop where installed); compute in the worker thread.
+        self.net = EventLoopThread()
 
-    # --- threads -------------------------------------------------------------------------------
     def run(self) -> None:
-        sock = socket.create_connection(self.master, timeout=30)
-        sock.settimeout(None)
-        self.channel = ReliableChannel(sock, self.key)
-        self.channel.send({"op": "register", "name": self.name, "budget_mb": self.budget_mb, "speed": self.speed,
-                           "udp_port": self.udp.port})
-        welcome, _ = self.channel.receive()
-        if welcome.get("op") != "welcome":
-            raise WireError(f"expected welcome, got {welcome.get('op')}")
+        welcome = self.net.run(self._join(), timeout=60)
         self.master_udp_port = int(welcome["udp_port"])
+        heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.net.loop)
         self._use_masters_model(str(welcome["model_sha256"]), int(welcome["http_port"]))
-        threading.Thread(target=self._receive_udp, daemon=True).start()
-        threading.Thread(target=self._heartbeat, daemon=True).start()
-        worker = threading.Thread(target=self._work, daemon=True)
-        worker.start()
+        threading.Thread(target=self._work, daemon=True).start()
         try:
-            while self.running:
-                message, payload = self.channel.receive()
-                self._control(message, payload)
+            self.net.run(self._control_loop())
         except (ConnectionError, OSError, WireError) as e:
             self.log(f"node {self.name}: master connection ended ({e})")
         finally:
@@ -117,6 +107,27 @@ class Node:
             with self.cond:
                 self.cond.notify_all()
             self.udp.close()
+            heartbeat.cancel()
+            self.net.stop()
+
+    async def _join(self) -> dict:
+        reader, writer = await asyncio.open_connection(*self.master)
+        self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
+        self.datagrams = await listen_datagrams("0.0.0.0", self.key, self.counters, self._on_datagram)
+        self.channel.send({"op": "register", "name": self.name, "budget_mb": self.budget_mb, "speed": self.speed,
+                           "udp_port": self.datagrams.get_extra_info("sockname")[1]})
+        welcome, _ = await self.channel.receive()
+        if welcome.get("op") != "welcome":
+            raise WireError(f"expected welcome, got {welcome.get('op')}")
+        return welcome
+
+    async def _control_loop(self) -> None:
+        while self.running:
+            message, payload = await self.channel.receive()
+            if message["op"] == "assign":  # loading a share takes a while: keep the loop (heartbeats) going
+                await asyncio.get_running_loop().run_in_executor(None, self._control, message, payload)
+            else:
+                self._control(message, payload)
 
     def _use_masters_model(self, sha256: str, http_port: int) -> None:
         """Keep the local model if it is the master's file; otherwise fetch the master's copy."""
@@ -125,12 +136,12 @@ class Node:
         self.log(f"node {self.name}: the local model is not the master's ({sha256[:12]}); fetching it")
         self.model = load_model(fetch_model(self.master[0], http_port, sha256))
 
-    def _heartbeat(self) -> None:
+    async def _heartbeat(self) -> None:
         while self.running:
-            time.sleep(HEARTBEAT_S)
+            await asyncio.sleep(HEARTBEAT_S)
             try:
                 self.channel.send({"op": "heartbeat", "rejected": self.counters.total()})
-            except OSError:
+            except (OSError, ConnectionError):
                 return
 
     def _control(self, message: dict, payload: bytes) -> None:
@@ -184,28 +195,26 @@ class Node:
         self.latest_seen = max(self.latest_seen, (header.position, header.layer, header.block))
         return entry
 
-    def _receive_udp(self) -> None:
-        hidden = self.model.config.hidden
-        for header, payload, _ in self.udp.packets(self.counters):
-            if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
-                # A link probe from the master: echo it, through this side's loss like any datagram.
-                self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
-                continue
-            if header.type != MsgType.ACTIVATION or header.block not in (Block.ATTN, Block.MLP):
-                self.counters.reject("unexpected")
-                continue
-            with self.cond:
-                # Activations carry the step's token count in the flags byte.
-                entry = self._entry(header, header.flags * hidden) if header.flags else None
-                if entry is None:
-                    self.counters.reject("stale")
-                    continue
-                try:
-                    entry.reassembly.add(header, payload)
-                except WireError:
-                    self.counters.reject("misfit")
-                    continue
-                self.cond.notify_all()
+    def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
+        if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
+            # A link probe from the master: echo it, through this side's loss like any datagram.
+            self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
+            return
+        if header.type != MsgType.ACTIVATION or header.block not in (Block.ATTN, Block.MLP) or self.model is None:
+            self.counters.reject("unexpected")
+            return
+        with self.cond:
+            # Activations carry the step's token count in the flags byte.
+            entry = self._entry(header, header.flags * self.model.config.hidden) if header.flags else None
+            if entry is None:
+                self.counters.reject("stale")
+                return
+            try:
+                entry.reassembly.add(header, payload)
+            except WireError:
+                self.counters.reject("misfit")
+                return
+            self.cond.notify_all()
 
     def _work(self) -> None:
         while self.running:
