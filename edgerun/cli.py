@@ -24,6 +24,28 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
                    help=f"compute threads for onnxruntime (default: {DEFAULT_THREADS}, this machine's cores)")
 
 
+def _limit_blas_threads(threads: int) -> None:
+    """Cap numpy's BLAS threads: several processes on one machine, each spinning a thread per core,
+    slow each other down."""
+    from threadpoolctl import threadpool_limits
+
+    if threads < 1:
+        raise EdgerunError(f"--threads must be at least 1, not {threads}")
+    threadpool_limits(threads)
+
+
+def _rto_min_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tcp-rto-min-ms", type=float, default=None,
+                   help="minimum TCP retransmission timeout of the reliable channel, Linux 6.15+ (default: 5 with "
+                        "--transport udp, where TCP carries per-token traffic; the kernel's 200 with tcp, as "
+                        "distributed-llama; 0: the kernel's)")
+
+
+def _blas_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--threads", type=int, default=default,
+                   help=f"numpy (BLAS) threads per process (default: {default})")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from edgerun.model.generate import generate, make_engine
     from edgerun.model.loader import load_model
@@ -230,6 +252,7 @@ def _loss(args: argparse.Namespace):
 
 
 def cmd_node(args: argparse.Namespace) -> None:
+    _limit_blas_threads(args.threads)
     from edgerun.tp.node import run_node
 
     master = _host_port(args.master)
@@ -243,6 +266,7 @@ def cmd_node(args: argparse.Namespace) -> None:
 
 
 def cmd_master(args: argparse.Namespace) -> None:
+    _limit_blas_threads(args.threads)
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler, SamplingParams
     from edgerun.net.wire import Codec
@@ -255,6 +279,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                     transport=args.transport, codec=Codec[args.codec.upper()],
                     timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
+                    rto_min_ms=args.tcp_rto_min_ms,
                     log=lambda m: print(f"[master] {m}", file=sys.stderr, flush=True))
     print(f"[master] listening on port {master.port}; waiting for {args.expect} node(s)", file=sys.stderr, flush=True)
     try:
@@ -303,20 +328,33 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_tp(args: argparse.Namespace) -> None:
-    from edgerun.bench.tp import bench_tp, tp_json, tp_table
+    _limit_blas_threads(args.threads)
+    from edgerun.bench.tp import bench_tp, tp_json, tp_ratios, tp_table
 
-    if args.nodes < 1 or args.tokens < 1:
-        raise EdgerunError("--nodes and --tokens must be at least 1")
-    if args.model is not None and not args.model.exists():
-        raise EdgerunError(f"model not found: {args.model}")
-    results = []
-    for transport in args.transport.split(","):
+    def split(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    try:
+        node_counts = [int(n) for n in split(args.nodes)]
+    except ValueError:
+        raise EdgerunError(f"--nodes takes counts separated by commas, not {args.nodes!r}") from None
+    if not node_counts or min(node_counts) < 0 or args.tokens < 1:
+        raise EdgerunError("--nodes must be 0 or more and --tokens at least 1")
+    transports = split(args.transport)
+    for transport in transports:
         if transport not in ("udp", "tcp"):
             raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
-        print(f"local cluster: master + {args.nodes} node(s), {transport}, loss {args.plr}...", file=sys.stderr)
-        results.append(bench_tp(args.model, args.nodes, args.plr, transport, args.plan, args.tokens,
-                                None if args.adaptive_timeout else args.timeout_ms, args.codec))
-    print(json.dumps(tp_json(results), indent=2) if args.json else tp_table(results))
+    if args.model is not None and not args.model.exists():
+        raise EdgerunError(f"model not found: {args.model}")
+    results = bench_tp(args.model, node_counts, split(args.plr) or ["0"], transports, args.loss_at, args.plan,
+                       args.tokens, None if args.adaptive_timeout else args.timeout_ms, args.codec,
+                       args.tcp_rto_min_ms,
+                       progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(tp_json(results), indent=2))
+    else:
+        print(tp_table(results))
+        print(tp_ratios(results))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -407,8 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire")
     p.add_argument("--timeout-ms", type=float, default=10.0, help="UDP merge timeout (default: 10, as HALO)")
     p.add_argument("--adaptive-timeout", action="store_true", help="learn the timeout from arrival times")
+    _rto_min_arg(p)
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
+    _blas_threads_arg(p, DEFAULT_THREADS)
     p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
     p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
@@ -427,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=float, default=2048.0, help="MB this node may use (default: 2048)")
     p.add_argument("--speed", type=float, default=1e9, help="decode speed in weight bytes/s, from `edgerun "
                    "profile` (default: 1e9; equal speeds give equal shares)")
+    _blas_threads_arg(p, DEFAULT_THREADS)
     cluster_args(p)
     p.set_defaults(func=cmd_node)
 
@@ -480,20 +521,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_single)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
-                         description="Start a master in this process and --nodes node processes on loopback, "
-                                     "generate --tokens tokens greedily, and report the time per output token "
-                                     "split into the master's compute, waiting for partials and the rest, with "
-                                     "blocks merged incomplete and packets lost or late. In-process loss (--plr) "
-                                     "applies to every UDP send; kernel loss comes from `edgerun testbed`.")
+                         description="Start a master in this process and node processes on loopback, generate "
+                                     "--tokens tokens greedily for every combination of --nodes, --plr and "
+                                     "--transport, and report the time per output token split into the master's "
+                                     "compute, waiting for partials and the rest, with blocks merged incomplete "
+                                     "and packets lost or late; then udp's slowdown under loss and tcp against udp. "
+                                     "--loss-at process drops UDP sends in-process (TCP is untouched); --loss-at "
+                                     "kernel drops the cluster's packets on loopback with nftables (root), so TCP "
+                                     "retransmits as on a real lossy link (HALO Table I).")
     _model_arg(p)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--plr", default="0", help="loss on every UDP send: 5%%, ge:0.05[:burst] ... (default: 0)")
+    p.add_argument("--nodes", default="2", help="node processes besides the master, comma-separated: 0,1,2,4 "
+                   "(0: the master alone; default: 2)")
+    p.add_argument("--plr", default="0", help="loss rates, comma-separated: 0,1%%,2%%,5%% (in-process also "
+                   "ge:0.05[:burst]; default: 0)")
+    p.add_argument("--loss-at", choices=("process", "kernel"), default="process",
+                   help="where packets are lost (default: process)")
     p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
     p.add_argument("--plan", choices=PLANS[:-1], default="halo")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--timeout-ms", type=float, default=10.0)
-    p.add_argument("--adaptive-timeout", action="store_true")
+    p.add_argument("--tokens", type=int, default=32, help="tokens measured per combination (default: 32)")
+    p.add_argument("--timeout-ms", type=float, default=10.0, help="UDP merge timeout (default: 10, as HALO)")
+    p.add_argument("--adaptive-timeout", action="store_true", help="learn the timeout from arrival times")
+    _rto_min_arg(p)
+    _blas_threads_arg(p, 1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
     return parser

@@ -15,6 +15,11 @@ from edgerun.net.wire import Header, WireError, control_frame, frame_length, ope
 
 T = TypeVar("T")
 
+# Linux 6.15+ lets a socket lower TCP's minimum retransmission timeout (default 200 ms), which is
+# also what a lone lost segment waits before its tail-loss probe.
+TCP_RTO_MIN_US = 45
+KERNEL_RTO_MIN_MS = 200.0
+
 
 @dataclass
 class Counters:
@@ -85,6 +90,14 @@ class EventLoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run a plain function on the loop thread and return its result."""
+
+        async def call() -> T:
+            return fn()
+
+        return self.run(call())
+
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
@@ -99,6 +112,18 @@ class AsyncChannel:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def set_rto_min(self, ms: float | None) -> bool:
+        """Lower (or with None restore) this connection's minimum TCP retransmission timeout; False
+        where the kernel does not offer it (before Linux 6.15)."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US, int((ms or KERNEL_RTO_MIN_MS) * 1000))
+        except OSError:
+            return False
+        return True
 
     def _on_loop(self) -> bool:
         try:

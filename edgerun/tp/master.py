@@ -3,8 +3,12 @@
 Per token, for each attention and MLP block the master normalizes the hidden state, sends it to the
 nodes holding units of that block, computes its own share, and sums what has arrived when every
 node's partial is complete or the timeout expires (a missing fragment contributes zero). The first
-layer, the LM head and prefill steps go over TCP. Sampling happens here. A node that dies is dropped: the master
-replans over the devices left and re-prefills the request.
+layer, the LM head and prefill steps go over TCP. Sampling happens here. A node that dies is dropped:
+the master replans over the devices left and re-prefills the request.
+
+Generation runs as a coroutine on the same event loop that receives the nodes' packets, so a
+partial that arrives is merged without any thread hand-off; only planning, which blocks on replies,
+runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,12 +35,70 @@ from edgerun.sched.tp_plan import TPPlan, plan_tp
 from edgerun.tp.node import uses_reliable
 from edgerun.tp.shard import Shard, ShardSpec
 
-NODE_SILENT_S = 3.0
-BW_PROBE_BYTES = 2 * 1024 * 1024  # no heartbeat for this long: the node is gone
+NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
+BW_PROBE_BYTES = 2 * 1024 * 1024
+# Inputs of this many recent positions are kept for nodes that missed one and fetch it: a node may
+# lag behind by a TCP retransmission timeout or more, which is several tokens on a fast cluster.
+KEPT_POSITIONS = 64
+# With --transport udp the reliable channel carries only the first layer, the LM head and fetches,
+# all on the per-token path: a lost segment there should cost milliseconds, not the kernel's 200 ms
+# minimum retransmission timeout. The strict tcp baseline keeps the kernel's (as distributed-llama).
+FAST_RTO_MIN_MS = 5.0
+
+
+def tcp_rto_min_ms(transport: str, override: float | None) -> float | None:
+    """The reliable channel's minimum retransmission timeout: `override` (0: the kernel's), else
+    FAST_RTO_MIN_MS for udp and the kernel's for tcp. None means the kernel's."""
+    if override is not None:
+        return override or None
+    return FAST_RTO_MIN_MS if transport == "udp" else None
 
 
 class NodeLost(Exception):
-    """A node died while the master waited on its reliable reply."""
+    """A node died while the master waited on its reply."""
+
+
+class ArrivalEstimator:
+    """When a node's partial arrives after the master sends the block's input, estimated as TCP
+    estimates its retransmission timeout (RFC 6298): smoothed mean plus `k` mean deviations. Only
+    partials that arrived whole are sampled: a lost one says nothing of the time (Karn's rule)."""
+
+    def __init__(self, k: float = 4.0) -> None:
+        self.k = k
+        self.mean: float | None = None
+        self.deviation = 0.0
+        self.samples = 0
+
+    def observe(self, seconds: float) -> None:
+        self.samples += 1
+        if self.mean is None:
+            self.mean, self.deviation = seconds, seconds / 2
+            return
+        self.deviation += (abs(seconds - self.mean) - self.deviation) / 4
+        self.mean += (seconds - self.mean) / 8
+
+    def bound(self) -> float | None:
+        return None if self.mean is None else self.mean + self.k * self.deviation
+
+
+@dataclass
+class Timeouts:
+    """The merge deadline of a lossy block: `fixed_s`, or adaptive: the latest of the participating
+    nodes' estimated arrivals, within [floor_s, ceiling_s]; `initial_s` until each has `warmup` samples."""
+
+    fixed_s: float | None
+    initial_s: float = 0.010
+    floor_s: float = 0.001  # event-loop timers have millisecond resolution
+    ceiling_s: float = 1.0
+    warmup: int = 8
+
+    def for_nodes(self, estimators: Sequence[ArrivalEstimator]) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        bounds = [e.bound() for e in estimators]
+        if any(b is None for b in bounds) or any(e.samples < self.warmup for e in estimators):
+            return self.initial_s
+        return min(self.ceiling_s, max(self.floor_s, *bounds))
 
 
 @dataclass
@@ -55,6 +116,7 @@ class NodeConn:
     spec: ShardSpec | None = None
     rejected: int = 0  # packets the node refused, as its last heartbeat said
     link: Link | None = None  # measured when it joined
+    arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)
     pong: threading.Event = field(default_factory=threading.Event)
     pongs: list[float] = field(default_factory=list)
     echoes: int = 0
@@ -70,22 +132,30 @@ class StepStats:
     max_overshoot_s: float = 0.0  # the longest a lossy block's wait ran past its deadline
 
 
-class AdaptiveTimeout:
-    """Twice the 90th percentile of recent completion times, within [floor, ceiling]."""
+@dataclass
+class _Wait:
+    """The block the master is merging: what each participant's reply is collected in (a reassembly
+    for datagrams, None until a TCP reply lands), and a future resolved when all are in, a node is
+    lost, or the deadline passes."""
 
-    def __init__(self, fixed_s: float | None, floor_s: float = 0.002, ceiling_s: float = 0.05) -> None:
-        self.fixed_s, self.floor_s, self.ceiling_s = fixed_s, floor_s, ceiling_s
-        self.samples: deque[float] = deque(maxlen=64)
+    key: tuple[int, int, int, int]
+    parts: dict[int, Reassembly | np.ndarray | None]
+    future: asyncio.Future
+    sent: float
+    outstanding: int
+    arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
 
-    def observe(self, seconds: float) -> None:
-        self.samples.append(seconds)
+    def arrive(self, index: int) -> None:
+        if index in self.arrived:
+            return
+        self.arrived[index] = time.perf_counter() - self.sent
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self.finish()
 
-    def current(self) -> float:
-        if self.fixed_s is not None:
-            return self.fixed_s
-        if len(self.samples) < 8:
-            return self.ceiling_s
-        return min(self.ceiling_s, max(self.floor_s, 2 * float(np.percentile(self.samples, 90))))
+    def finish(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int) -> ShardSpec:
@@ -110,30 +180,31 @@ class Master:
     def __init__(self, model: Model, key: bytes, *, strategy: str = "halo", host: str = "0.0.0.0", port: int = 0,
                  transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
-                 group_size: int = 256, vocab_block: int = 4096, log: Callable[[str], None] = lambda _: None) -> None:
+                 group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
+                 log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
+        self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
         self.budget_mb, self.speed = budget_mb, speed
         self.group_size, self.vocab_block = group_size, vocab_block
-        self.timeout = AdaptiveTimeout(None if timeout_ms is None else timeout_ms / 1000)
+        self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000)
         self.log = log
         self.model_sha256 = model_sha256(model.path)
         self.model_server = ModelServer(model.path, self.model_sha256, host)
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on the event loop's endpoint
         self.counters = Counters()
-        self.cond = threading.Condition()
+        self.cond = threading.Condition()  # membership: nodes joining and leaving
         self.nodes: list[NodeConn] = []
         self.session = 0
+        self.position = 0
         self.shard: Shard | None = None
         self.plan: TPPlan | None = None
+        # Loop-thread state: inputs kept for fetches, fetches of inputs not sent yet, the block in merge.
         self.recent_inputs: dict[tuple[int, int, int, int], bytes] = {}
         self.pending_fetch: dict[tuple[int, int, int, int], list[NodeConn]] = {}
-        self.wait_key: tuple[int, int, int, int] | None = None
-        self.partials: dict[int, Reassembly | np.ndarray] = {}
+        self.wait: _Wait | None = None
         self.stats = StepStats()
         self.running = True
-        # Network I/O runs on one event loop (uvloop where installed); generation runs in the
-        # caller's thread and meets it through self.cond.
         self.net = EventLoopThread()
         self.server, self.datagrams = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
@@ -176,6 +247,8 @@ class Master:
                 with self.cond:
                     node.alive = False
                     self.cond.notify_all()
+                if self.wait is not None and node.index in self.wait.parts:
+                    self.wait.finish()  # the block's coroutine sees the loss and replans
 
     async def _watch(self) -> None:
         while self.running:
@@ -183,7 +256,7 @@ class Master:
             for node in list(self.nodes):
                 if node.alive and time.monotonic() - node.last_heard > NODE_SILENT_S:
                     self.log(f"node {node.name} silent for {NODE_SILENT_S} s")
-                    node.channel.close()  # its reader thread then marks it dead
+                    node.channel.close()  # its reader then ends and marks it dead
 
     def _node_message(self, node: NodeConn, message: dict, payload: bytes) -> None:
         op = message["op"]
@@ -196,50 +269,50 @@ class Master:
             node.rejected = int(message.get("rejected", 0))
         elif op == "fetch":
             key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
-            with self.cond:
-                data = self.recent_inputs.get(key)
-                if data is None:
-                    self.pending_fetch.setdefault(key, []).append(node)
-                    return
-            self._send_input(node, key, data)
+            data = self.recent_inputs.get(key)
+            if data is None:  # not sent yet (or long gone): answered when it is sent
+                self.pending_fetch.setdefault(key, []).append(node)
+            else:
+                self._send_input(node, key, data)
         elif op == "partial":
             key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
-            with self.cond:
-                if key == self.wait_key and node.index in self.partials:
-                    self.partials[node.index] = np.frombuffer(payload, "<f4").astype(np.float32)
-                    self.cond.notify_all()
-                else:
-                    self.stats.late_packets += 1
+            w = self.wait
+            if w is not None and key == w.key and node.index in w.parts and node.index not in w.arrived:
+                w.parts[node.index] = np.frombuffer(payload, "<f4").astype(np.float32)
+                w.arrive(node.index)
+            else:
+                self.stats.late_packets += 1
 
     def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes) -> None:
         session, position, layer, block = key
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ConnectionError):
             node.channel.send({"op": "input", "session": session, "position": position, "layer": layer,
                                "block": block}, data)
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
         if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
-            with self.cond:
-                for node in self.nodes:
-                    if node.index == header.node:
-                        node.echoes += 1
+            for node in self.nodes:
+                if node.index == header.node:
+                    node.echoes += 1
             return
         if header.type != MsgType.PARTIAL:
             self.counters.reject("unexpected")
             return
-        with self.cond:
-            key = (header.session, header.position, header.layer, header.block)
-            target = self.partials.get(header.node)
-            if key != self.wait_key or not isinstance(target, Reassembly):
-                self.stats.late_packets += 1
-                return
-            try:
-                target.add(header, payload)
-            except WireError:
-                self.counters.reject("misfit")
-                return
-            if target.complete:
-                self.cond.notify_all()
+        w = self.wait
+        key = (header.session, header.position, header.layer, header.block)
+        target = None if w is None or key != w.key else w.parts.get(header.node)
+        if not isinstance(target, Reassembly):
+            self.stats.late_packets += 1
+            return
+        try:
+            fresh = target.add(header, payload)
+        except WireError:
+            self.counters.reject("misfit")
+            return
+        if not fresh:
+            self.counters.reject("duplicate")
+        elif target.complete:
+            w.arrive(header.node)
 
     def wait_for_nodes(self, n: int, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -249,7 +322,7 @@ class Master:
                     raise EdgerunError(f"only {sum(nd.alive for nd in self.nodes)} of {n} nodes joined "
                                        f"within {timeout_s:.0f} s")
 
-    # --- planning --------------------------------------------------------------------------------
+    # --- planning (blocks on the nodes' replies: never on the loop thread) -------------------------
     def measure_link(self, node: NodeConn, pings: int = 7, probes: int = 200) -> Link:
         """RTT: median of TCP pings. Loss: UDP probes the node echoes; a probe is lost if either
         direction drops it, so the one-way rate is 1 - sqrt(1 - round-trip rate). Bandwidth: a timed
@@ -268,16 +341,17 @@ class Master:
             time.sleep(0.0005)
         time.sleep(0.2)
         round_trip = 1.0 - min(node.echoes, probes) / probes
+        loss_rate = 1.0 - (1.0 - round_trip) ** 0.5
         rtt_ms = float(np.median(rtts)) * 1e3 if rtts else 1000.0
         # Bandwidth: a payload each way over TCP; the node answers "bw" with a payload of the size asked.
         node.pong.clear()
         sent = time.perf_counter()
         node.channel.send({"op": "bw", "reply_bytes": BW_PROBE_BYTES}, bytes(BW_PROBE_BYTES))
         if not node.pong.wait(30.0):
-            return Link(rtt_ms=rtt_ms, up_mbit=1.0, down_mbit=1.0, loss_rate=1.0 - (1.0 - round_trip) ** 0.5)
+            return Link(rtt_ms=rtt_ms, up_mbit=1.0, down_mbit=1.0, loss_rate=loss_rate)
         # Two transfers and one round trip in that time; each direction gets half.
         mbit = 2 * BW_PROBE_BYTES * 8 / max(node.pongs[-1] - sent - rtt_ms / 1e3, 1e-6) / 1e6
-        return Link(rtt_ms=rtt_ms, up_mbit=mbit, down_mbit=mbit, loss_rate=1.0 - (1.0 - round_trip) ** 0.5)
+        return Link(rtt_ms=rtt_ms, up_mbit=mbit, down_mbit=mbit, loss_rate=loss_rate)
 
     def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
         return DeviceProfile(name=name, kind="node", cores=1, compute=Compute(0.0, speed),
@@ -303,18 +377,20 @@ class Master:
         if plan.oom_devices:
             raise EdgerunError(f"plan {self.strategy} runs out of memory on "
                                f"{', '.join(o.name for o in plan.oom_devices)}")
-        with self.cond:
-            self.session += 1
-            self.plan = plan
-            self.shard = Shard(self.model.config, self.model.weights,
-                               spec_for_device(plan, 0, self.group_size, self.vocab_block), self.max_len)
+        self.session += 1
+        self.plan = plan
+        self.shard = Shard(self.model.config, self.model.weights,
+                           spec_for_device(plan, 0, self.group_size, self.vocab_block), self.max_len)
+        rto_min = tcp_rto_min_ms(self.transport, self.rto_min_override)
         for i, node in enumerate(alive, start=1):
             node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block)
+            node.channel.set_rto_min(rto_min)
             node.index = i
+            node.arrival = ArrivalEstimator()  # a new share computes in another time
             node.ready.clear()
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
-                               "udp_port": self.udp_port})
+                               "udp_port": self.udp_port, "rto_min_ms": rto_min})
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
@@ -322,16 +398,16 @@ class Master:
             f"{name} {mem / 1e6:.1f} MB" for name, mem in zip(plan.devices, plan.memory_bytes, strict=True)))
         return plan
 
-    # --- generation ------------------------------------------------------------------------------
-    def reset(self) -> None:
-        with self.cond:
-            self.session += 1
-            self.recent_inputs.clear()
-            self.pending_fetch.clear()
-            self.shard.truncate(0)
+    # --- generation (on the loop thread) ------------------------------------------------------------
+    def _reset(self) -> None:
+        self.session += 1
+        self.recent_inputs.clear()
+        self.pending_fetch.clear()
+        self.shard.truncate(0)
         for node in self.nodes:
             if node.alive:
-                node.channel.send({"op": "reset", "session": self.session})
+                with contextlib.suppress(OSError, ConnectionError):
+                    node.channel.send({"op": "reset", "session": self.session})
         self.position = 0
 
     def _participants(self, layer: int, block: Block) -> list[NodeConn]:
@@ -342,21 +418,20 @@ class Master:
 
         return [n for n in self.nodes if n.alive and n.spec is not None and holds(n.spec)]
 
-    def _block(self, layer: int, block: Block, x: np.ndarray, start: int) -> np.ndarray:
+    async def _block(self, layer: int, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         """This block's output: the master's share plus every node's partial that arrived in time."""
+        loop = asyncio.get_running_loop()
         seq = x.shape[0]
         key = (self.session, start, layer, int(block))
         nodes = self._participants(layer, block)
         reliable = uses_reliable(self.transport, layer, block, seq)
         data = np.ascontiguousarray(x, "<f4").tobytes()
-        with self.cond:
-            self.wait_key = key
-            self.partials = {n.index: self._expected(n, block, seq) for n in nodes}
-            self.recent_inputs[key] = data
-            waiting = self.pending_fetch.pop(key, [])
-        for node in waiting:
+        self.recent_inputs[key] = data
+        for node in self.pending_fetch.pop(key, []):
             self._send_input(node, key, data)
         sent = time.perf_counter()
+        w = self.wait = _Wait(key, {n.index: None if reliable else Reassembly(seq * self.model.config.hidden)
+                                    for n in nodes}, loop.create_future(), sent, len(nodes))
         for node in nodes:
             if reliable:
                 self._send_input(node, key, data)
@@ -370,83 +445,69 @@ class Master:
             out = self.shard.mlp(layer, x)
         else:
             out = None
-        self.stats.compute_s += time.perf_counter() - compute_start
         wait_start = time.perf_counter()
-        deadline = None if reliable else sent + self.timeout.current()
-        with self.cond:
-            while not all(self._done(i) for i in self.partials):
-                lost = [n for n in nodes if not n.alive]
-                if lost:  # its units are gone for every later step too: replan
-                    self.wait_key = None
-                    raise NodeLost(lost[0].name)
-                remaining = None if deadline is None else deadline - time.perf_counter()
-                if remaining is not None and remaining <= 0:
-                    break
-                self.cond.wait(remaining if remaining is not None else 0.5)
-            complete = all(self._done(i) for i in self.partials)
-            partials = dict(self.partials)
-            self.wait_key = None
+        self.stats.compute_s += wait_start - compute_start
+        deadline = None if reliable else sent + self.timeouts.for_nodes([n.arrival for n in nodes])
+        if w.outstanding and not any(not n.alive for n in nodes):
+            timer = None
+            if deadline is not None:
+                timer = loop.call_later(max(0.0, deadline - time.perf_counter()), w.finish)
+            await w.future
+            if timer is not None:
+                timer.cancel()
+        self.wait = None
         ended = time.perf_counter()
         self.stats.wait_s += ended - wait_start
-        if deadline is not None:
+        lost = [n for n in nodes if not n.alive]
+        if lost:  # its units are gone for every later step too: replan
+            raise NodeLost(lost[0].name)
+        if deadline is not None and w.outstanding:
             self.stats.max_overshoot_s = max(self.stats.max_overshoot_s, ended - deadline)
         self.stats.blocks += 1
-        if complete and not reliable:
-            self.timeout.observe(time.perf_counter() - sent)
-        if not complete:
+        if w.outstanding:
             self.stats.blocks_incomplete += 1
+        if not reliable:
+            for node in nodes:
+                if node.index in w.arrived:
+                    node.arrival.observe(w.arrived[node.index])
         if block == Block.HEAD:
-            return self._assemble_logits(x, nodes, partials)
-        for part in partials.values():
-            vector = part.vector if isinstance(part, Reassembly) else part
-            out = out + vector.reshape(out.shape)
+            return self._assemble_logits(x, nodes, w.parts)
+        for part in w.parts.values():
+            if part is not None:
+                vector = part.vector if isinstance(part, Reassembly) else part
+                out = out + vector.reshape(out.shape)
         return out
 
-    def _expected(self, node: NodeConn, block: Block, seq: int) -> Reassembly | None:
-        """What the node's reply is collected in: a reassembly for datagrams; None until a TCP reply lands."""
-        if block == Block.HEAD:
-            return None
-        return Reassembly(seq * self.model.config.hidden)
-
-    def _done(self, index: int) -> bool:
-        part = self.partials.get(index)
-        return isinstance(part, np.ndarray) or (isinstance(part, Reassembly) and part.complete)
-
-    def _assemble_logits(self, x: np.ndarray, nodes: list[NodeConn], partials: dict) -> np.ndarray:
+    def _assemble_logits(self, x: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:
         logits = np.zeros(self.model.config.vocab_size, np.float32)
         rows, own = self.shard.logits(x[-1:])
         logits[rows] = own[-1]
         for node in nodes:
             node_rows = vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.config.vocab_size)
-            logits[node_rows] = partials[node.index].reshape(-1)[-len(node_rows):]
+            logits[node_rows] = parts[node.index].reshape(-1)[-len(node_rows):]
         return logits
 
-    def step(self, tokens: Sequence[int]) -> np.ndarray:
-        """Run tokens after those already seen; the last token's logits."""
+    async def _step(self, tokens: Sequence[int]) -> np.ndarray:
         c = self.model.config
         x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
         start = self.position
         weights = self.model.weights
         for layer in range(c.n_layers):
             lw = weights.layers[layer]
-            x = x + self._block(layer, Block.ATTN, rms_norm(x, lw.attn_norm, c.norm_eps), start)
-            x = x + self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start)
+            x = x + await self._block(layer, Block.ATTN, rms_norm(x, lw.attn_norm, c.norm_eps), start)
+            x = x + await self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start)
         self.position = start + len(tokens)
-        with self.cond:  # inputs older than this step are no longer fetched
-            self.recent_inputs = {k: v for k, v in self.recent_inputs.items() if k[1] >= start}
-        return self._block(0, Block.HEAD, rms_norm(x[-1:], weights.output_norm, c.norm_eps), start)
+        oldest = self.position - KEPT_POSITIONS
+        self.recent_inputs = {k: v for k, v in self.recent_inputs.items() if k[1] >= oldest}
+        return await self._block(0, Block.HEAD, rms_norm(x[-1:], weights.output_norm, c.norm_eps), start)
 
-    def generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
-                 stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
-        """Greedy or sampled generation; a node lost midway triggers a replan and a re-prefill of
-        the prompt and the tokens so far, and generation goes on."""
-        if len(prompt) + max_tokens > self.max_len:
-            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.max_len}")
+    async def _generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler, stop_ids: frozenset[int],
+                        on_token: Callable[[int], None] | None) -> list[int]:
         tokens: list[int] = []
         while True:
             try:
-                self.reset()
-                logits = self.step(list(prompt) + tokens)
+                self._reset()
+                logits = await self._step(list(prompt) + tokens)
                 while len(tokens) < max_tokens:
                     token = sampler(logits)
                     if token in stop_ids:
@@ -455,12 +516,29 @@ class Master:
                     if on_token:
                         on_token(token)
                     if len(tokens) < max_tokens:
-                        logits = self.step([token])
+                        logits = await self._step([token])
                 return tokens
             except NodeLost as e:
                 self.log(f"node {e} lost mid-generation: replanning and re-prefilling {len(prompt) + len(tokens)} "
                          "tokens")
-                self.replan()
+                await asyncio.get_running_loop().run_in_executor(None, self.replan)
+
+    # --- the blocking interface, for callers outside the loop -------------------------------------
+    def reset(self) -> None:
+        """Start a new request: every device forgets its KV cache."""
+        self.net.call(self._reset)
+
+    def step(self, tokens: Sequence[int]) -> np.ndarray:
+        """Run tokens after those already seen; the last token's logits."""
+        return self.net.run(self._step(tokens))
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
+                 stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
+        """Greedy or sampled generation; a node lost midway triggers a replan and a re-prefill of
+        the prompt and the tokens so far, and generation goes on. `on_token` runs on the loop thread."""
+        if len(prompt) + max_tokens > self.max_len:
+            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.max_len}")
+        return self.net.run(self._generate(prompt, max_tokens, sampler, stop_ids, on_token))
 
     def lost_nodes(self) -> list[str]:
         return [n.name for n in self.nodes if not n.alive and n.spec is not None]
@@ -469,7 +547,7 @@ class Master:
         self.running = False
         for node in self.nodes:
             if node.alive:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, ConnectionError):
                     node.channel.send({"op": "shutdown"})
         self.net.run(self._close_listeners())
         self.net.stop()

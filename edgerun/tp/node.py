@@ -2,18 +2,22 @@
 
 The node registers with the master over TCP, receives its share (a ShardSpec) and then, for every
 block it holds a unit of, waits for the master's normalized input, computes its partial output and
-sends it back: over UDP for the lossy layers, over TCP for the first layer and the LM head. Inputs
-are processed strictly in order so the KV cache stays whole; an input that went missing is fetched
-over TCP (its partial output then arrives too late to count, which the master tolerates).
+sends it back: over UDP for the lossy layers, over TCP for the first layer and the LM head.
+
+Only attention has state (the KV cache), and only per layer: attention at position p of layer l
+needs the cache of layer l up to p, nothing of other layers. So an attention input that went
+missing holds back that layer alone: it is fetched over TCP and run for its keys and values only
+(its output would arrive too late to count), and inputs of that layer queued behind it follow.
+A missing MLP input is simply skipped: the MLP is stateless and its contribution is lost either way.
+
+Everything runs on one event loop: a datagram that completes an input is computed on and answered
+in the same callback, with no thread hand-off on the per-token path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +32,6 @@ from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassemb
 from edgerun.tp.shard import Shard, ShardSpec
 
 HEARTBEAT_S = 0.5
-# An input with some fragments but not all after this long is fetched: the rest is not coming.
-FETCH_AFTER_S = 0.05
 
 
 def uses_reliable(transport: str, layer: int, block: Block, seq: int) -> bool:
@@ -46,23 +48,16 @@ def shard_spec_from_json(data: dict) -> ShardSpec:
                      vocab_block=int(data["vocab_block"]))
 
 
-def block_sequence(spec: ShardSpec) -> Iterator[tuple[int, Block]]:
-    """The blocks this device computes in one step, in the order the master sends them."""
-    for layer in range(len(spec.attn_units)):
-        if spec.attn_units[layer]:
-            yield layer, Block.ATTN
-        if spec.mlp_groups[layer]:
-            yield layer, Block.MLP
-    if spec.vocab_blocks:
-        yield 0, Block.HEAD
-
-
 @dataclass
 class _Input:
     reassembly: Reassembly
-    first_seen: float
     fetched: bool = False
     full: np.ndarray | None = None  # set when it came whole over TCP
+
+    def value(self) -> np.ndarray | None:
+        if self.full is not None:
+            return self.full
+        return self.reassembly.vector if self.reassembly.complete else None
 
 
 class Node:
@@ -77,19 +72,19 @@ class Node:
         self.log = log
         self.udp = LossyUdp(key, loss=loss)  # sends; datagrams arrive on the event loop's endpoint
         self.counters = Counters()
-        self.cond = threading.Condition()
-        self.inputs: dict[tuple[int, int, int, int], _Input] = {}
-        self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # (position, layer, block) of any input of the session
-        self.session = -1
+        # Loop-thread state: the share, the session, and the inputs not computed yet.
         self.spec: ShardSpec | None = None
         self.shard: Shard | None = None
+        self.attn_layers: list[int] = []  # layers where this node holds attention units
+        self.session = -1
+        self.inputs: dict[tuple[int, int, int, int], _Input] = {}
+        self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
         self.transport = "udp"
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
-        # Network I/O on an event loop (uvloop where installed); compute in the worker thread.
         self.net = EventLoopThread()
 
     def run(self) -> None:
@@ -97,15 +92,12 @@ class Node:
         self.master_udp_port = int(welcome["udp_port"])
         heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.net.loop)
         self._use_masters_model(str(welcome["model_sha256"]), int(welcome["http_port"]))
-        threading.Thread(target=self._work, daemon=True).start()
         try:
             self.net.run(self._control_loop())
         except (ConnectionError, OSError, WireError) as e:
             self.log(f"node {self.name}: master connection ended ({e})")
         finally:
             self.running = False
-            with self.cond:
-                self.cond.notify_all()
             self.udp.close()
             heartbeat.cancel()
             self.net.stop()
@@ -122,10 +114,14 @@ class Node:
         return welcome
 
     async def _control_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while self.running:
             message, payload = await self.channel.receive()
             if message["op"] == "assign":  # loading a share takes a while: keep the loop (heartbeats) going
-                await asyncio.get_running_loop().run_in_executor(None, self._control, message, payload)
+                spec = shard_spec_from_json(message["spec"])
+                shard = await loop.run_in_executor(None, Shard, self.model.config, self.model.weights, spec,
+                                                   int(message["max_len"]))
+                self._assign(message, spec, shard)
             else:
                 self._control(message, payload)
 
@@ -144,31 +140,30 @@ class Node:
             except (OSError, ConnectionError):
                 return
 
+    def _assign(self, message: dict, spec: ShardSpec, shard: Shard) -> None:
+        self.spec, self.shard = spec, shard
+        self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
+        self.index = int(message["index"])
+        self.codec = Codec(message["codec"])
+        self.transport = message["transport"]
+        self.master_udp_port = int(message["udp_port"])
+        rto_min = message.get("rto_min_ms")
+        self.channel.set_rto_min(None if rto_min is None else float(rto_min))
+        self._new_session(int(message["session"]))
+        self.channel.send({"op": "ready", "session": self.session, "weight_bytes": shard.weight_bytes})
+
     def _control(self, message: dict, payload: bytes) -> None:
         op = message["op"]
-        if op == "assign":
-            spec = shard_spec_from_json(message["spec"])
-            shard = Shard(self.model.config, self.model.weights, spec, int(message["max_len"]))
-            with self.cond:
-                self.spec, self.shard = spec, shard
-                self.index = int(message["index"])
-                self.codec = Codec(message["codec"])
-                self.transport = message["transport"]
-                self.master_udp_port = int(message["udp_port"])
-                self._new_session(int(message["session"]))
-            self.channel.send({"op": "ready", "session": self.session, "weight_bytes": shard.weight_bytes})
-        elif op == "reset":
-            with self.cond:
-                self._new_session(int(message["session"]))
+        if op == "reset":
+            self._new_session(int(message["session"]))
         elif op == "input":
             header = Header(MsgType.ACTIVATION, int(message["session"]), int(message["position"]),
                             int(message["layer"]), int(message["block"]))
             vector = np.frombuffer(payload, "<f4").astype(np.float32)
-            with self.cond:
-                entry = self._entry(header, vector.size)
-                if entry is not None:
-                    entry.full = vector
-                    self.cond.notify_all()
+            entry = self._entry(header, vector.size)
+            if entry is not None:
+                entry.full = vector
+                self._take(header.position, header.layer, Block(header.block), entry)
         elif op == "ping":
             self.channel.send({"op": "pong", "seq": message["seq"]})
         elif op == "bw":
@@ -182,17 +177,23 @@ class Node:
         self.latest_seen = (-1, -1, -1)
         if self.shard is not None:
             self.shard.truncate(0)
-        self.cond.notify_all()
+
+    def _order(self, position: int, layer: int, block: int) -> tuple[int, int, int]:
+        """Where an input falls in the master's sending order: the LM head comes after every layer."""
+        return position, self.model.config.n_layers if block == Block.HEAD else layer, block
 
     def _entry(self, header: Header, total: int) -> _Input | None:
         """The input record for a header of the current session (created on first sight)."""
-        if header.session != self.session:
+        if header.session != self.session or self.shard is None:
             return None
         key = (header.session, header.position, header.layer, header.block)
         entry = self.inputs.get(key)
         if entry is None:
-            entry = self.inputs[key] = _Input(Reassembly(total), time.monotonic())
-        self.latest_seen = max(self.latest_seen, (header.position, header.layer, header.block))
+            entry = self.inputs[key] = _Input(Reassembly(total))
+        order = self._order(header.position, header.layer, header.block)
+        if order > self.latest_seen:
+            self.latest_seen = order
+            self._fetch_missing()
         return entry
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
@@ -203,78 +204,80 @@ class Node:
         if header.type != MsgType.ACTIVATION or header.block not in (Block.ATTN, Block.MLP) or self.model is None:
             self.counters.reject("unexpected")
             return
-        with self.cond:
-            # Activations carry the step's token count in the flags byte.
-            entry = self._entry(header, header.flags * self.model.config.hidden) if header.flags else None
+        # Activations carry the step's token count in the flags byte.
+        entry = self._entry(header, header.flags * self.model.config.hidden) if header.flags else None
+        if entry is None:
+            self.counters.reject("stale")
+            return
+        try:
+            fresh = entry.reassembly.add(header, payload)
+        except WireError:
+            self.counters.reject("misfit")
+            return
+        if not fresh:
+            self.counters.reject("duplicate")
+        elif entry.reassembly.complete:
+            self._take(header.position, header.layer, Block(header.block), entry)
+
+    def _take(self, position: int, layer: int, block: Block, entry: _Input) -> None:
+        """An input is complete: compute on it, or queue it behind a missing attention input."""
+        key = (self.session, position, layer, int(block))
+        if block != Block.ATTN:  # stateless: compute now
+            self.inputs.pop(key, None)
+            self._compute_and_send(position, layer, block, entry.value())
+            return
+        lengths = self.shard.lengths
+        if position < lengths[layer]:  # already cached (a copy that came both ways)
+            self.inputs.pop(key, None)
+        while position == lengths[layer]:
+            entry = self.inputs.get(key)
+            x = None if entry is None else entry.value()
+            if x is None:
+                return
+            del self.inputs[key]
+            self._compute_and_send(position, layer, block, x, output=not entry.fetched)
+            position = lengths[layer]
+            key = (self.session, position, layer, int(block))
+
+    def _fetch_missing(self) -> None:
+        """Fetch each layer's next attention input once the master has clearly moved past it."""
+        for layer in self.attn_layers:
+            position = self.shard.lengths[layer]
+            if self._order(position, layer, Block.ATTN) >= self.latest_seen:
+                continue
+            key = (self.session, position, layer, int(Block.ATTN))
+            entry = self.inputs.get(key)
             if entry is None:
-                self.counters.reject("stale")
-                return
-            try:
-                entry.reassembly.add(header, payload)
-            except WireError:
-                self.counters.reject("misfit")
-                return
-            self.cond.notify_all()
+                entry = self.inputs[key] = _Input(Reassembly(1))
+            if entry.fetched or entry.value() is not None:
+                continue
+            entry.fetched = True
+            self.channel.send({"op": "fetch", "session": self.session, "position": position, "layer": layer,
+                               "block": int(Block.ATTN)})
+        # Incomplete stateless inputs of finished steps, and stray fragments of cached attention
+        # inputs, will never be computed.
+        now, lengths = self.latest_seen[0], self.shard.lengths
+        self.inputs = {k: v for k, v in self.inputs.items()
+                       if (k[1] >= lengths[k[2]] if k[3] == Block.ATTN else k[1] >= now)}
 
-    def _work(self) -> None:
-        while self.running:
-            with self.cond:
-                while self.running and self.shard is None:
-                    self.cond.wait()
-                session, spec = self.session, self.spec
-            position = 0
-            while self.running:
-                steps = 0  # the step's token count, from its first block (the LM head sees only the last)
-                for layer, block in block_sequence(spec):
-                    x = self._wait_input(session, position, layer, block)
-                    if x is None:
-                        break
-                    seq = self._compute_and_send(session, position, layer, block, x)
-                    steps = steps or seq
-                else:
-                    position += steps
-                    continue
-                break  # a new session or shutdown: start over
-
-    def _wait_input(self, session: int, position: int, layer: int, block: Block) -> np.ndarray | None:
-        key = (session, position, layer, block)
-        with self.cond:
-            while self.running and self.session == session:
-                entry = self.inputs.get(key)
-                if entry is not None and entry.full is not None:
-                    return entry.full
-                if entry is not None and entry.reassembly.complete:
-                    return entry.reassembly.vector
-                moved_on = self.latest_seen > (position, layer, int(block))
-                stalled = entry is not None and time.monotonic() - entry.first_seen > FETCH_AFTER_S
-                if (moved_on or stalled) and not (entry and entry.fetched):
-                    if entry is not None:
-                        entry.fetched = True
-                    else:
-                        self.inputs[key] = _Input(Reassembly(1), time.monotonic(), fetched=True)
-                    self.channel.send({"op": "fetch", "session": session, "position": position, "layer": layer,
-                                       "block": int(block)})
-                self.cond.wait(FETCH_AFTER_S)
-        return None
-
-    def _compute_and_send(self, session: int, position: int, layer: int, block: Block, x: np.ndarray) -> int:
-        hidden = self.model.config.hidden
-        x = x.reshape(-1, hidden)
+    def _compute_and_send(self, position: int, layer: int, block: Block, x: np.ndarray, output: bool = True) -> None:
+        x = x.reshape(-1, self.model.config.hidden)
         if block == Block.ATTN:
-            out = self.shard.attention(layer, x, position)
+            out = self.shard.attention(layer, x, position, output=output)
+            if out is None:
+                return
         elif block == Block.MLP:
             out = self.shard.mlp(layer, x)
         else:
             _, out = self.shard.logits(x[-1:])
-        message = {"op": "partial", "session": session, "position": position, "layer": layer, "block": int(block)}
-        reliable = uses_reliable(self.transport, layer, block, x.shape[0])
-        if reliable:
+        if uses_reliable(self.transport, layer, block, x.shape[0]):
+            message = {"op": "partial", "session": self.session, "position": position, "layer": layer,
+                       "block": int(block)}
             self.channel.send(message, np.ascontiguousarray(out, "<f4").tobytes())
         else:
-            header = Header(MsgType.PARTIAL, session, position, layer, block, self.index, codec=self.codec,
+            header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index, codec=self.codec,
                             flags=x.shape[0])
             self.udp.send_all(fragment(header, out.reshape(-1), self.key), (self.master[0], self.master_udp_port))
-        return x.shape[0]
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,

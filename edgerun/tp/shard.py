@@ -194,11 +194,12 @@ class Shard:
     def cache_bytes(self) -> int:
         return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
 
-    def attention(self, layer: int, x_norm: np.ndarray, start: int) -> np.ndarray:
+    def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True) -> np.ndarray | None:
         """Partial attention output, (seq, hidden), for tokens at positions start..start+seq-1.
 
         Caches K and V of this device's KV heads at those positions first; positions after them
-        are forgotten, so calling again from an earlier start re-runs from there.
+        are forgotten, so calling again from an earlier start re-runs from there. With output=False
+        only the cache is filled (catching up on an input whose output would arrive too late).
         """
         c = self.config
         x_norm = np.asarray(x_norm, np.float32)
@@ -211,16 +212,20 @@ class Shard:
         self.lengths[layer] = end
         a = self.attn[layer]
         if a is None:
-            return np.zeros((seq, c.hidden), np.float32)
+            return np.zeros((seq, c.hidden), np.float32) if output else None
         n, g, d = a.n_units, c.heads_per_kv, c.head_dim
-        q, k, v = x_norm @ a.wq.T, x_norm @ a.wk.T, x_norm @ a.wv.T
-        if a.bq is not None:
-            q, k, v = q + a.bq, k + a.bk, v + a.bv
+        k, v = x_norm @ a.wk.T, x_norm @ a.wv.T
+        if a.bk is not None:
+            k, v = k + a.bk, v + a.bv
         cos, sin = rope_tables(d, c.rope_base, np.arange(start, end))
-        q = apply_rope(q.reshape(seq, n * g, d), cos, sin)
-        k = apply_rope(k.reshape(seq, n, d), cos, sin)
-        a.k[:, start:end] = k.transpose(1, 0, 2)
+        a.k[:, start:end] = apply_rope(k.reshape(seq, n, d), cos, sin).transpose(1, 0, 2)
         a.v[:, start:end] = v.reshape(seq, n, d).transpose(1, 0, 2)
+        if not output:
+            return None
+        q = x_norm @ a.wq.T
+        if a.bq is not None:
+            q = q + a.bq
+        q = apply_rope(q.reshape(seq, n * g, d), cos, sin)
         keys, values = a.k[:, :end], a.v[:, :end]
         # The same arithmetic as the reference, restricted to this device's KV heads.
         qg = q.reshape(seq, n, g, d).transpose(1, 2, 0, 3)  # (unit, head in unit, seq, dim)
