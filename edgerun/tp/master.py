@@ -98,7 +98,7 @@ class Timeouts:
         bounds = [e.bound() for e in estimators]
         if any(b is None for b in bounds) or any(e.samples < self.warmup for e in estimators):
             return self.initial_s
-        return min(self.ceiling_s, max(self.floor_s, *bounds))
+        return min(self.ceiling_s, max([self.floor_s, *bounds]))
 
 
 @dataclass
