@@ -34,6 +34,15 @@ def _limit_blas_threads(threads: int) -> None:
     threadpool_limits(threads)
 
 
+def _timeout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout-ms", type=float, default=10.0, help="UDP merge timeout (default: 10, as HALO)")
+    p.add_argument("--adaptive-timeout", action="store_true",
+                   help="learn the timeout from each node's arrival times and lag behind its peers")
+    p.add_argument("--timeout-deviations", type=float, default=4.0,
+                   help="adaptive timeout: give up on a partial k mean deviations after its expected time (default: "
+                        "4, as TCP; smaller waits less for lost packets and drops more late ones)")
+
+
 def _rto_min_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tcp-rto-min-ms", type=float, default=None,
                    help="minimum TCP retransmission timeout of the reliable channel, Linux 6.15+ (default: 5 with "
@@ -279,7 +288,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                     transport=args.transport, codec=Codec[args.codec.upper()],
                     timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
-                    rto_min_ms=args.tcp_rto_min_ms,
+                    rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
                     log=lambda m: print(f"[master] {m}", file=sys.stderr, flush=True))
     print(f"[master] listening on port {master.port}; waiting for {args.expect} node(s)", file=sys.stderr, flush=True)
     try:
@@ -348,7 +357,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
         raise EdgerunError(f"model not found: {args.model}")
     results = bench_tp(args.model, node_counts, split(args.plr) or ["0"], transports, args.loss_at, args.plan,
                        args.tokens, None if args.adaptive_timeout else args.timeout_ms, args.codec,
-                       args.tcp_rto_min_ms,
+                       args.tcp_rto_min_ms, args.timeout_deviations,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(tp_json(results), indent=2))
@@ -443,8 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
                    help="udp: partial results over UDP with a timeout (default); tcp: wait for every node")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire")
-    p.add_argument("--timeout-ms", type=float, default=10.0, help="UDP merge timeout (default: 10, as HALO)")
-    p.add_argument("--adaptive-timeout", action="store_true", help="learn the timeout from arrival times")
+    _timeout_args(p)
     _rto_min_arg(p)
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
@@ -540,8 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", choices=PLANS[:-1], default="halo")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
     p.add_argument("--tokens", type=int, default=32, help="tokens measured per combination (default: 32)")
-    p.add_argument("--timeout-ms", type=float, default=10.0, help="UDP merge timeout (default: 10, as HALO)")
-    p.add_argument("--adaptive-timeout", action="store_true", help="learn the timeout from arrival times")
+    _timeout_args(p)
     _rto_min_arg(p)
     _blas_threads_arg(p, 1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
     p.add_argument("--timeout-ms", type=float, default=None, help="fixed UDP timeout (default: adaptive)")
+    p.add_argument("--timeout-deviations", type=float, default=4.0, help="adaptive timeout's k (default: 4)")
     p.add_argument("--out", type=Path, required=True, help="folder for table1.csv and table1.md")
     args = p.parse_args()
     reason = loss_supported()
@@ -37,7 +38,8 @@ def main() -> None:
         print(f"no kernel loss ({reason}): using in-process loss, which TCP does not feel", file=sys.stderr)
     results = bench_tp(args.model, [int(n) for n in args.nodes.split(",")], args.plr.split(","),
                        args.transport.split(","), loss_at, tokens=args.tokens, timeout_ms=args.timeout_ms,
-                       codec=args.codec, progress=lambda m: print(f"{m}...", file=sys.stderr, flush=True))
+                       codec=args.codec, timeout_deviations=args.timeout_deviations,
+                       progress=lambda m: print(f"{m}...", file=sys.stderr, flush=True))
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "table1.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))

@@ -65,10 +65,12 @@ def kernel_rate(spec: str) -> float:
 
 @contextlib.contextmanager
 def local_cluster(model: Model, model_path: Path | None, nodes: int, loss: str, plan: str, codec: str,
-                  timeout_ms: float | None, rto_min_ms: float | None = None) -> Iterator[Master]:
+                  timeout_ms: float | None, rto_min_ms: float | None = None,
+                  timeout_deviations: float = 4.0) -> Iterator[Master]:
     """A master in this process and `nodes` node processes (one BLAS thread each) on loopback."""
     master = Master(model, derive_key(SECRET), strategy=plan, host="127.0.0.1", port=0, codec=Codec[codec.upper()],
-                    timeout_ms=timeout_ms, loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=rto_min_ms)
+                    timeout_ms=timeout_ms, loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=rto_min_ms,
+                    timeout_deviations=timeout_deviations)
     model_args = [] if model_path is None else ["--model", str(model_path)]
     procs = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
                                "--name", f"bench-{i}", "--key", SECRET, "--loss", loss, "--loss-seed", str(i + 1),
@@ -112,7 +114,7 @@ def _measure(master: Master, model: Model, tokens: int, nodes: int, loss: str, l
 
 def bench_tp(model_path: Path | None, node_counts: list[int], losses: list[str], transports: list[str],
              loss_at: str = "process", plan: str = "halo", tokens: int = 32, timeout_ms: float | None = 10.0,
-             codec: str = "f32", rto_min_ms: float | None = None,
+             codec: str = "f32", rto_min_ms: float | None = None, timeout_deviations: float = 4.0,
              progress: Callable[[str], None] = lambda _: None) -> list[TpResult]:
     """Every (nodes, loss, transport) combination. With kernel loss one cluster per node count serves
     every loss rate (links are measured before any loss); in-process loss is set when a node starts,
@@ -126,7 +128,8 @@ def bench_tp(model_path: Path | None, node_counts: list[int], losses: list[str],
         groups = [losses] if loss_at == "kernel" else [[loss] for loss in losses]
         for group in groups:
             start_loss = "0" if loss_at == "kernel" else group[0]
-            with local_cluster(model, model_path, nodes, start_loss, plan, codec, timeout_ms, rto_min_ms) as master:
+            with local_cluster(model, model_path, nodes, start_loss, plan, codec, timeout_ms, rto_min_ms,
+                               timeout_deviations) as master:
                 for loss in group:
                     for transport in transports:
                         progress(f"master + {nodes} node(s), {transport}, {loss_at} loss {loss}")

@@ -60,11 +60,10 @@ class NodeLost(Exception):
 
 class ArrivalEstimator:
     """When a node's partial arrives after the master sends the block's input, estimated as TCP
-    estimates its retransmission timeout (RFC 6298): smoothed mean plus `k` mean deviations. Only
+    estimates its retransmission timeout (RFC 6298): smoothed mean plus k mean deviations. Only
     partials that arrived whole are sampled: a lost one says nothing of the time (Karn's rule)."""
 
-    def __init__(self, k: float = 4.0) -> None:
-        self.k = k
+    def __init__(self) -> None:
         self.mean: float | None = None
         self.deviation = 0.0
         self.samples = 0
@@ -77,28 +76,39 @@ class ArrivalEstimator:
         self.deviation += (abs(seconds - self.mean) - self.deviation) / 4
         self.mean += (seconds - self.mean) / 8
 
-    def bound(self) -> float | None:
-        return None if self.mean is None else self.mean + self.k * self.deviation
+    def bound(self, k: float) -> float | None:
+        return None if self.mean is None else self.mean + k * self.deviation
 
 
 @dataclass
 class Timeouts:
-    """The merge deadline of a lossy block: `fixed_s`, or adaptive: the latest of the participating
-    nodes' estimated arrivals, within [floor_s, ceiling_s]; `initial_s` until each has `warmup` samples."""
+    """When a lossy block stops waiting. Fixed: `fixed_s` after sending. Adaptive: at the latest of
+    the participants' estimated arrivals after sending, and, once the first partial is in, at the
+    latest of their estimated lags behind the first one. Most delay is common to all nodes (the
+    master's own compute, a busy machine, a slow network), so lags are tighter than arrivals: a
+    partial that is lost is given up on soon after its peers arrived. Both are kept within
+    [floor_s, ceiling_s]; `initial_s` applies until every participant has `warmup` samples."""
 
     fixed_s: float | None
+    deviations: float = 4.0  # k of the estimators' mean + k deviations (TCP's is 4)
     initial_s: float = 0.010
     floor_s: float = 0.001  # event-loop timers have millisecond resolution
     ceiling_s: float = 1.0
     warmup: int = 8
 
-    def for_nodes(self, estimators: Sequence[ArrivalEstimator]) -> float:
+    def _bound(self, estimators: Sequence[ArrivalEstimator]) -> float | None:
+        if self.fixed_s is not None or any(e.samples < self.warmup for e in estimators):
+            return None
+        return min(self.ceiling_s, max([self.floor_s, *(e.bound(self.deviations) for e in estimators)]))
+
+    def after_send(self, arrivals: Sequence[ArrivalEstimator]) -> float:
         if self.fixed_s is not None:
             return self.fixed_s
-        bounds = [e.bound() for e in estimators]
-        if any(b is None for b in bounds) or any(e.samples < self.warmup for e in estimators):
-            return self.initial_s
-        return min(self.ceiling_s, max([self.floor_s, *bounds]))
+        bound = self._bound(arrivals)
+        return self.initial_s if bound is None else bound
+
+    def after_first(self, lags: Sequence[ArrivalEstimator]) -> float | None:
+        return self._bound(lags)
 
 
 @dataclass
@@ -116,7 +126,8 @@ class NodeConn:
     spec: ShardSpec | None = None
     rejected: int = 0  # packets the node refused, as its last heartbeat said
     link: Link | None = None  # measured when it joined
-    arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)
+    arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the master sent
+    lag: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the block's first partial
     pong: threading.Event = field(default_factory=threading.Event)
     pongs: list[float] = field(default_factory=list)
     echoes: int = 0
@@ -136,26 +147,43 @@ class StepStats:
 class _Wait:
     """The block the master is merging: what each participant's reply is collected in (a reassembly
     for datagrams, None until a TCP reply lands), and a future resolved when all are in, a node is
-    lost, or the deadline passes."""
+    lost, or the deadline passes. The deadline moves earlier when the first partial arrives."""
 
     key: tuple[int, int, int, int]
     parts: dict[int, Reassembly | np.ndarray | None]
     future: asyncio.Future
     sent: float
     outstanding: int
+    lag_bound: float | None = None  # how long after the first partial the others may still come
+    deadline: float | None = None  # perf_counter time; None: wait for every reply
+    timer: asyncio.TimerHandle | None = None
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
 
     def arrive(self, index: int) -> None:
         if index in self.arrived:
             return
-        self.arrived[index] = time.perf_counter() - self.sent
+        now = time.perf_counter()
+        self.arrived[index] = now - self.sent
         self.outstanding -= 1
         if self.outstanding == 0:
             self.finish()
+        elif len(self.arrived) == 1 and self.lag_bound is not None and self.deadline is not None:
+            self.expire_at(min(self.deadline, now + self.lag_bound))
+
+    def expire_at(self, deadline: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.deadline = deadline
+        self.timer = self.future.get_loop().call_later(max(0.0, deadline - time.perf_counter()), self.finish)
 
     def finish(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
         if not self.future.done():
             self.future.set_result(None)
+
+    def first(self) -> float:
+        return min(self.arrived.values())
 
 
 def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int) -> ShardSpec:
@@ -181,13 +209,14 @@ class Master:
                  transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
+                 timeout_deviations: float = 4.0,
                  log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
         self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
         self.budget_mb, self.speed = budget_mb, speed
         self.group_size, self.vocab_block = group_size, vocab_block
-        self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000)
+        self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000, timeout_deviations)
         self.log = log
         self.model_sha256 = model_sha256(model.path)
         self.model_server = ModelServer(model.path, self.model_sha256, host)
@@ -203,6 +232,7 @@ class Master:
         self.recent_inputs: dict[tuple[int, int, int, int], bytes] = {}
         self.pending_fetch: dict[tuple[int, int, int, int], list[NodeConn]] = {}
         self.wait: _Wait | None = None
+        self.merged: _Wait | None = None  # the block merged last, whose late partials still teach lags
         self.stats = StepStats()
         self.running = True
         self.net = EventLoopThread()
@@ -303,6 +333,7 @@ class Master:
         target = None if w is None or key != w.key else w.parts.get(header.node)
         if not isinstance(target, Reassembly):
             self.stats.late_packets += 1
+            self._late(key, header, payload)
             return
         try:
             fresh = target.add(header, payload)
@@ -313,6 +344,20 @@ class Master:
             self.counters.reject("duplicate")
         elif target.complete:
             w.arrive(header.node)
+
+    def _late(self, key: tuple[int, int, int, int], header: Header, payload: bytes) -> None:
+        """A partial of the block just merged that completes late still teaches its node's lag, so the
+        estimate is not made only of partials that beat the deadline (which would shrink it)."""
+        w = self.merged
+        target = None if w is None or key != w.key or not w.arrived else w.parts.get(header.node)
+        if not isinstance(target, Reassembly) or header.node in w.arrived:
+            return
+        with contextlib.suppress(WireError):
+            if target.add(header, payload) and target.complete:
+                lag = time.perf_counter() - w.sent - w.first()
+                for node in self.nodes:
+                    if node.index == header.node:
+                        node.lag.observe(lag)
 
     def wait_for_nodes(self, n: int, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -386,7 +431,7 @@ class Master:
             node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block)
             node.channel.set_rto_min(rto_min)
             node.index = i
-            node.arrival = ArrivalEstimator()  # a new share computes in another time
+            node.arrival, node.lag = ArrivalEstimator(), ArrivalEstimator()  # a new share takes another time
             node.ready.clear()
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
@@ -432,12 +477,14 @@ class Master:
         sent = time.perf_counter()
         w = self.wait = _Wait(key, {n.index: None if reliable else Reassembly(seq * self.model.config.hidden)
                                     for n in nodes}, loop.create_future(), sent, len(nodes))
-        for node in nodes:
-            if reliable:
+        if reliable:
+            for node in nodes:
                 self._send_input(node, key, data)
-            else:
-                header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0, codec=self.codec, flags=seq)
-                self.udp.send_all(fragment(header, x.reshape(-1), self.key), (node.host, node.udp_port))
+        elif nodes:  # every node gets the same datagrams: encode and seal them once
+            header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0, codec=self.codec, flags=seq)
+            datagrams = fragment(header, x.reshape(-1), self.key)
+            for node in nodes:
+                self.udp.send_all(datagrams, (node.host, node.udp_port))
         compute_start = time.perf_counter()
         if block == Block.ATTN:
             out = self.shard.attention(layer, x, start)
@@ -447,29 +494,29 @@ class Master:
             out = None
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
-        deadline = None if reliable else sent + self.timeouts.for_nodes([n.arrival for n in nodes])
+        if not reliable:
+            w.lag_bound = self.timeouts.after_first([n.lag for n in nodes])
+            w.expire_at(sent + self.timeouts.after_send([n.arrival for n in nodes]))
         if w.outstanding and not any(not n.alive for n in nodes):
-            timer = None
-            if deadline is not None:
-                timer = loop.call_later(max(0.0, deadline - time.perf_counter()), w.finish)
             await w.future
-            if timer is not None:
-                timer.cancel()
-        self.wait = None
+        w.finish()
+        self.wait, self.merged = None, w
         ended = time.perf_counter()
         self.stats.wait_s += ended - wait_start
         lost = [n for n in nodes if not n.alive]
         if lost:  # its units are gone for every later step too: replan
             raise NodeLost(lost[0].name)
-        if deadline is not None and w.outstanding:
-            self.stats.max_overshoot_s = max(self.stats.max_overshoot_s, ended - deadline)
+        if w.deadline is not None and w.outstanding:
+            self.stats.max_overshoot_s = max(self.stats.max_overshoot_s, ended - w.deadline)
         self.stats.blocks += 1
         if w.outstanding:
             self.stats.blocks_incomplete += 1
-        if not reliable:
+        if not reliable and w.arrived:
+            first = w.first()
             for node in nodes:
                 if node.index in w.arrived:
                     node.arrival.observe(w.arrived[node.index])
+                    node.lag.observe(w.arrived[node.index] - first)
         if block == Block.HEAD:
             return self._assemble_logits(x, nodes, w.parts)
         for part in w.parts.values():

@@ -1,0 +1,30 @@
+"""`edgerun bench tp --loss-at kernel`: real kernel loss on loopback reaches both transports."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgerun.bench.tp import bench_tp
+from edgerun.net.kernel_loss import loss_supported
+
+
+def test_kernel_loss_reaches_udp_and_tcp(tiny_spec, synth_gguf) -> None:
+    reason = loss_supported()
+    if reason is not None:
+        pytest.skip(reason)
+    path = synth_gguf(tiny_spec(tied=False))
+    results = bench_tp(path, [1], ["0", "20%"], ["udp", "tcp"], "kernel", tokens=8, timeout_ms=None)
+    by = {(r.transport, r.loss): r for r in results}
+    assert set(by) == {("udp", "0"), ("tcp", "0"), ("udp", "20%"), ("tcp", "20%")}
+    for r in results:
+        assert r.tokens == 8 and r.loss_at == "kernel" and r.timeout == "adaptive"
+    assert by[("udp", "0")].kernel_matched == 0  # no table at rate 0
+    for transport in ("udp", "tcp"):
+        lossy = by[(transport, "20%")]
+        assert lossy.kernel_matched > 0
+        # 20% of the cluster's packets, within 6 binomial standard deviations
+        share = lossy.kernel_dropped / lossy.kernel_matched
+        sigma = (0.2 * 0.8 / lossy.kernel_matched) ** 0.5
+        assert abs(share - 0.2) < 6 * sigma + 0.01, (transport, share)
+    assert by[("tcp", "20%")].blocks_incomplete == 0  # tcp waits for everything
+    assert by[("udp", "20%")].blocks_incomplete > 0  # udp gives up on what was lost

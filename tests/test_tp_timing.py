@@ -1,0 +1,128 @@
+"""Loss handling inside the tensor-parallel engines, without a cluster: the adaptive timeout's
+estimators, and a node that misses an attention input keeping its KV cache whole."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from edgerun.model.loader import load_model
+from edgerun.net.wire import Block, Header, MsgType, derive_key, fragment, open_packet
+from edgerun.tp.master import ArrivalEstimator, Timeouts
+from edgerun.tp.node import Node
+from edgerun.tp.shard import Shard, full_spec
+
+KEY = derive_key("timing")
+
+
+def test_arrival_estimator_follows_rfc6298() -> None:
+    e = ArrivalEstimator()
+    assert e.bound(4) is None
+    e.observe(0.010)
+    assert e.mean == pytest.approx(0.010) and e.deviation == pytest.approx(0.005)
+    e.observe(0.020)
+    # deviation += (|20 - 10| - 5) / 4; mean += (20 - 10) / 8
+    assert e.deviation == pytest.approx(0.00625) and e.mean == pytest.approx(0.01125)
+    assert e.bound(4) == pytest.approx(0.01125 + 4 * 0.00625)
+
+
+def test_timeouts_fixed_warmup_and_lag() -> None:
+    fixed = Timeouts(0.010)
+    steady = [ArrivalEstimator() for _ in range(2)]
+    for e in steady:
+        for _ in range(10):
+            e.observe(0.004)
+    assert fixed.after_send(steady) == 0.010 and fixed.after_first(steady) is None
+    adaptive = Timeouts(None)
+    cold = ArrivalEstimator()
+    assert adaptive.after_send([cold]) == adaptive.initial_s  # until every participant has samples
+    assert adaptive.after_first([cold]) is None
+    # Steady arrivals converge on their time; the floor keeps the timer above its resolution.
+    assert adaptive.after_send(steady) == pytest.approx(0.004, abs=0.002)
+    lags = ArrivalEstimator()
+    for _ in range(10):
+        lags.observe(0.0)
+    assert adaptive.after_first([lags]) == adaptive.floor_s
+    # The slowest participant sets the bound, and fewer deviations give a tighter one.
+    jittery = ArrivalEstimator()
+    for t in (0.004, 0.012) * 5:
+        jittery.observe(t)
+    assert adaptive.after_send([*steady, jittery]) > adaptive.after_send(steady)
+    assert Timeouts(None, deviations=1).after_send([jittery]) < adaptive.after_send([jittery])
+
+
+class _Recorder:
+    """Stands in for the node's TCP channel: records what the node sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, message: dict, payload: bytes = b"") -> None:
+        self.sent.append(message)
+
+    def set_rto_min(self, ms: float | None) -> bool:
+        return True
+
+
+def test_node_fetches_a_lost_attention_input_and_keeps_its_cache_whole(tiny_spec, synth_gguf) -> None:
+    """Decode step at position 3: the UDP input of layer 1's attention never arrives. When the next
+    input (layer 1's MLP) comes, the node asks for it over TCP; the fetched input fills the cache
+    (no output: it would be too late); the cache then equals that of a shard that saw every input,
+    and the next step computes layer 1's attention normally."""
+    model = load_model(synth_gguf(tiny_spec(tied=False)))
+    c = model.config
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the "master's" UDP port
+    sink.bind(("127.0.0.1", 0))
+    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node.channel = _Recorder()
+    spec = full_spec(c, group_size=128)
+    node._assign({"index": 1, "codec": 0, "transport": "udp", "udp_port": sink.getsockname()[1], "session": 5},
+                 spec, Shard(c, model.weights, spec, 64))
+    reference = Shard(c, model.weights, spec, 64)
+    rng = np.random.default_rng(0)
+
+    def tcp_input(position: int, layer: int, block: Block, x: np.ndarray) -> None:
+        node._control({"op": "input", "session": 5, "position": position, "layer": layer, "block": int(block)},
+                      x.astype("<f4").tobytes())
+
+    def udp_input(position: int, layer: int, block: Block, x: np.ndarray) -> None:
+        header = Header(MsgType.ACTIVATION, 5, position, layer, block, 0, flags=1)
+        for datagram in fragment(header, x.reshape(-1), KEY):
+            node._on_datagram(*open_packet(datagram, KEY), ("127.0.0.1", 0))
+
+    prefill = rng.standard_normal((3, c.hidden)).astype(np.float32)
+    for layer in range(c.n_layers):  # prefill goes over TCP
+        tcp_input(0, layer, Block.ATTN, prefill)
+        reference.attention(layer, prefill, 0)
+    step = [rng.standard_normal((1, c.hidden)).astype(np.float32) for _ in range(c.n_layers)]
+    tcp_input(3, 0, Block.ATTN, step[0])  # the first layer is reliable
+    reference.attention(0, step[0], 3)
+    assert not any(m["op"] == "fetch" for m in node.channel.sent)
+    udp_input(3, 1, Block.MLP, step[1])  # layer 1's attention input was lost: this reveals it
+    fetches = [m for m in node.channel.sent if m["op"] == "fetch"]
+    assert fetches == [{"op": "fetch", "session": 5, "position": 3, "layer": 1, "block": int(Block.ATTN)}]
+    assert node.shard.lengths[1] == 3
+    tcp_input(3, 1, Block.ATTN, step[1])  # the master's reply
+    reference.attention(1, step[1], 3)
+    assert node.shard.lengths == [4] * c.n_layers
+    for layer in range(c.n_layers):
+        np.testing.assert_array_equal(node.shard.attn[layer].k[:, :4], reference.attn[layer].k[:, :4])
+        np.testing.assert_array_equal(node.shard.attn[layer].v[:, :4], reference.attn[layer].v[:, :4])
+    # The next step's attention of layer 1 arrives by UDP and is computed and answered at once.
+    sink.settimeout(2.0)
+    while True:  # drain what the node answered so far
+        sink.setblocking(False)
+        try:
+            sink.recv(65536)
+        except BlockingIOError:
+            break
+    sink.settimeout(2.0)
+    udp_input(4, 1, Block.ATTN, rng.standard_normal((1, c.hidden)).astype(np.float32))
+    header, _ = open_packet(sink.recv(65536), KEY)
+    assert (header.type, header.position, header.layer, header.block) == (MsgType.PARTIAL, 4, 1, Block.ATTN)
+    assert node.shard.lengths[1] == 5
+    node.udp.close()
+    node.net.stop()
+    sink.close()
