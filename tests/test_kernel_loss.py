@@ -80,7 +80,7 @@ def test_udp_loss_rate_and_untouched_port(nft_ok: None) -> None:
     got_lossy: set[int] = set()
     got_clean: set[int] = set()
     try:
-        with loopback_loss(rate, [], [lossy.getsockname()[1]], seed_tag="test udp") as table:
+        with loopback_loss(rate, [], [lossy.getsockname()[1]], label="test udp") as table:
             assert table.startswith(TABLE_PREFIX) and table.endswith("_test_udp")
             assert table in tables()
             for i in range(n):

@@ -9,8 +9,8 @@ Drops happen on the input hook (receiving side): a drop on the output hook makes
 which a sender sees as an error instead of as a silent loss. Everything sent over loopback passes input, so
 one input rule on the ports of a TCP listener covers both directions of its connections.
 
-The kernel's `numgen random` cannot be seeded, so kernel loss is not reproducible run to run; `seed_tag`
-only labels the table (it is appended to the table's name) so that a table can be traced to its run.
+The kernel's `numgen random` cannot be seeded, so kernel loss is not reproducible run to run; `label`
+names the table (it is appended to the table's name) so that a table can be traced to its run.
 
 Needs root (CAP_NET_ADMIN) and the `nft` binary: found on PATH (and /usr/sbin, /sbin), or given as a path
 in the environment variable EDGERUN_NFT for machines where nftables is unpacked outside PATH.
@@ -115,19 +115,19 @@ def _ruleset(table: str, threshold: int, tcp_ports: list[int], udp_ports: list[i
             f"}}\n")
 
 
-def _table_name(seed_tag: str | None) -> str:
+def _table_name(label: str | None) -> str:
     # pid and a per-process counter keep concurrent contexts (also of other processes) apart; the pid also lets
     # remove_stale_tables tell a crashed owner from a live one.
     name = f"{TABLE_PREFIX}{os.getpid()}_{next(_counter)}"
-    if seed_tag:
+    if label:
         # nft table names are identifiers: keep letters, digits and underscores.
-        name += "_" + re.sub(r"[^A-Za-z0-9_]", "_", seed_tag)[:32]
+        name += "_" + re.sub(r"[^A-Za-z0-9_]", "_", label)[:32]
     return name
 
 
 @contextmanager
 def loopback_loss(rate: float, tcp_ports: Sequence[int], udp_ports: Sequence[int],
-                  seed_tag: str | None = None) -> Iterator[str]:
+                  label: str | None = None) -> Iterator[str]:
     """Drop packets arriving on lo with probability `rate` while the context is open; yields the table's name.
 
     Dropped: TCP segments with source or destination port in `tcp_ports` (both directions of those
@@ -143,7 +143,7 @@ def loopback_loss(rate: float, tcp_ports: Sequence[int], udp_ports: Sequence[int
         return
     if os.geteuid() != 0:
         raise EdgerunError("kernel loss needs root (CAP_NET_ADMIN to change nftables)")
-    table = _table_name(seed_tag)
+    table = _table_name(label)
     _nft("-f", "-", script=_ruleset(table, threshold, tcp, udp))
     try:
         yield table

@@ -192,8 +192,11 @@ class Node:
             entry = self.inputs[key] = _Input(Reassembly(total))
         order = self._order(header.position, header.layer, header.block)
         if order > self.latest_seen:
+            new_step = order[0] > self.latest_seen[0]
             self.latest_seen = order
             self._fetch_missing()
+            if new_step:
+                self._drop_stale_inputs()
         return entry
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
@@ -254,8 +257,10 @@ class Node:
             entry.fetched = True
             self.channel.send({"op": "fetch", "session": self.session, "position": position, "layer": layer,
                                "block": int(Block.ATTN)})
-        # Incomplete stateless inputs of finished steps, and stray fragments of cached attention
-        # inputs, will never be computed.
+
+    def _drop_stale_inputs(self) -> None:
+        """Forget incomplete stateless inputs of finished steps and stray fragments of cached
+        attention inputs: they will never be computed. Once a step, not on every block."""
         now, lengths = self.latest_seen[0], self.shard.lengths
         self.inputs = {k: v for k, v in self.inputs.items()
                        if (k[1] >= lengths[k[2]] if k[3] == Block.ATTN else k[1] >= now)}
