@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
     p.add_argument("--timeout-ms", type=float, default=None, help="fixed UDP timeout (default: adaptive)")
     p.add_argument("--timeout-deviations", type=float, default=4.0, help="adaptive timeout's k (default: 4)")
+    p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True,
+                   help="an XOR parity fragment after every UDP vector (default: on)")
     p.add_argument("--out", type=Path, required=True, help="folder for table1.csv and table1.md")
     args = p.parse_args()
     reason = loss_supported()
@@ -39,7 +41,7 @@ def main() -> None:
     results = bench_tp(args.model, [int(n) for n in args.nodes.split(",")], args.plr.split(","),
                        args.transport.split(","), loss_at, tokens=args.tokens, timeout_ms=args.timeout_ms,
                        codec=args.codec, timeout_deviations=args.timeout_deviations,
-                       progress=lambda m: print(f"{m}...", file=sys.stderr, flush=True))
+                       parity=args.parity, progress=lambda m: print(f"{m}...", file=sys.stderr, flush=True))
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "table1.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
@@ -47,7 +49,8 @@ def main() -> None:
         writer.writerows(asdict(r) for r in results)
     model = args.model.name if args.model else "SmolLM2-135M-Instruct Q4_1"
     summary = (f"# Time per output token, tcp against udp with a timeout ({model}, {loss_at} loss, codec "
-               f"{args.codec}, timeout {results[0].timeout})\n\n```\n{tp_table(results)}\n```\n\n"
+               f"{args.codec}, timeout {results[0].timeout}, parity {'on' if args.parity else 'off'})\n\n"
+               f"```\n{tp_table(results)}\n```\n\n"
                f"```\n{tp_ratios(results)}\n```\n")
     (args.out / "table1.md").write_text(summary)
     print(summary)

@@ -22,6 +22,7 @@ from edgerun.net.wire import (
     Q8_BLOCK,
     Q8_BLOCK_BYTES,
     VERSION,
+    Added,
     Block,
     Codec,
     Header,
@@ -37,6 +38,7 @@ from edgerun.net.wire import (
     fragment,
     fragment_size,
     frame_length,
+    is_parity,
     open_packet,
     parse_control,
     seal,
@@ -266,8 +268,9 @@ def test_fragment_reassemble(n: int, codec: Codec, mtu: int) -> None:
     whole = Reassembly(n, mtu)
     for k, i in enumerate(order):
         assert not whole.complete
-        assert whole.add(*opened[i]) is True
-        assert whole.complete == (k == len(order) - 1)
+        last = k == len(order) - 1
+        assert whole.add(*opened[i]) is (Added.COMPLETED if last else Added.STORED)
+        assert whole.complete == last
     assert np.array_equal(whole.vector, expected)
 
     # Some fragments lost: exactly their element ranges stay zero.
@@ -278,7 +281,7 @@ def test_fragment_reassemble(n: int, codec: Codec, mtu: int) -> None:
     partial = Reassembly(n, mtu)
     for i in order:
         if i not in lost:
-            assert partial.add(*opened[i]) is True
+            assert partial.add(*opened[i]) is (Added.COMPLETED if not lost else Added.STORED)
     want = expected.copy()
     for i in lost:
         want[i * per:(i + 1) * per] = 0.0
@@ -290,11 +293,67 @@ def test_fragment_reassemble(n: int, codec: Codec, mtu: int) -> None:
     before, received = partial.vector.copy(), set(partial.received)
     for i in sorted(received)[:5]:
         h, body = opened[i]
-        assert partial.add(h, body) is False
+        assert partial.add(h, body) is Added.DUPLICATE
         other = encode_vector(np.full(fragment_size(h, n, mtu), 9.0, np.float32), codec)
-        assert partial.add(*open_packet(seal(h, other, KEY), KEY)) is False
+        assert partial.add(*open_packet(seal(h, other, KEY), KEY)) is Added.DUPLICATE
     assert np.array_equal(partial.vector, before)
     assert partial.received == received
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("n", [1, 31, 576, 713, 714, 2048, 5000])
+def test_parity_rebuilds_any_one_lost_fragment(n: int, codec: Codec) -> None:
+    mtu = 1472
+    x = (np.random.default_rng(n + codec).standard_normal(n) * 3).astype(np.float32)
+    expected = round_trip(x, codec)
+    header = Header(MsgType.PARTIAL, session=1, position=9, layer=2, block=Block.MLP, node=1, codec=codec, flags=1)
+    opened = [open_packet(p, KEY) for p in fragment(header, x, KEY, mtu, parity=True)]
+    count = len(opened) - 1
+    assert count == -(-n // elements_per_fragment(codec, mtu))
+    assert opened[-1][0].frag_index == count == opened[-1][0].frag_count and opened[-1][0].offset == 0
+
+    for lost in range(count):  # every data fragment but one, then the parity: rebuilt exactly
+        r = Reassembly(n, mtu)
+        rest = [p for i, p in enumerate(opened) if i != lost]
+        for k, (h, body) in enumerate(rest):
+            assert r.add(h, body) is (Added.COMPLETED if k == len(rest) - 1 else Added.STORED)
+        assert r.recovered and r.complete
+        assert np.array_equal(r.vector, expected)
+        # The lost fragment coming late changes nothing and does not complete the vector twice.
+        assert r.add(*opened[lost]) is Added.STORED
+        assert np.array_equal(r.vector, expected)
+
+    # The parity after a complete vector is taken silently; a second copy is a duplicate.
+    r = Reassembly(n, mtu)
+    for h, body in opened[:-1]:
+        r.add(h, body)
+    assert r.complete and not r.recovered
+    assert r.add(*opened[-1]) is Added.STORED
+    assert r.add(*opened[-1]) is Added.DUPLICATE
+    assert np.array_equal(r.vector, expected)
+
+    if count >= 2:  # two lost: the parity cannot help, their ranges stay zero
+        r = Reassembly(n, mtu)
+        for h, body in [opened[0], *opened[3:]]:
+            r.add(h, body)
+        assert not r.complete and not r.recovered
+        per = elements_per_fragment(codec, mtu)
+        assert not r.vector[per:3 * per].any()
+        assert np.array_equal(r.vector[:per], expected[:per])
+
+
+def test_malformed_parity_is_refused() -> None:
+    n = 1000
+    header = Header(MsgType.PARTIAL, session=1, codec=Codec.F32, flags=1)
+    packets = [open_packet(p, KEY) for p in fragment(header, np.ones(n, np.float32), KEY, parity=True)]
+    parity_h, parity_body = packets[-1]
+    for h, body in [(replace(parity_h, offset=4), parity_body),  # parity sits at offset 0
+                    (parity_h, parity_body[:-4]),  # shorter than the first fragment
+                    (replace(parity_h, frag_index=parity_h.frag_count + 1), parity_body)]:
+        r = Reassembly(n)
+        with pytest.raises(WireError):
+            r.add(*open_packet(seal(h, body, KEY), KEY))
+        assert not r.payloads and not r.received
 
 
 def test_fragment_stays_in_header_range() -> None:
@@ -349,7 +408,7 @@ def test_reject_truncated_and_extended() -> None:
     ("codec", max(Codec) + 1, "Codec"),
     ("codec", 255, "Codec"),
     ("frag_count", 0, "fragment"),
-    ("frag_index", 1, "fragment"),  # of frag_count 1
+    ("frag_index", 2, "fragment"),  # of frag_count 1
     ("frag_index", 0xFFFF, "fragment"),
 ])
 def test_reject_authentic_but_invalid_header(field: str, value: object, message: str) -> None:
@@ -361,11 +420,14 @@ def test_reject_authentic_but_invalid_header(field: str, value: object, message:
         open_packet(pack_sealed(fields, payload), KEY)
 
 
-def test_reject_index_equal_to_count() -> None:
+def test_index_equal_to_count_is_the_parity_and_beyond_is_refused() -> None:
     header, payload, _ = valid_packet()
     with pytest.raises(WireError):
-        open_packet(seal(replace(header, frag_index=4, frag_count=4), payload, KEY), KEY)
-    assert open_packet(seal(replace(header, frag_index=3, frag_count=4), payload, KEY), KEY)[0].frag_index == 3
+        open_packet(seal(replace(header, frag_index=5, frag_count=4), payload, KEY), KEY)
+    parity, _ = open_packet(seal(replace(header, frag_index=4, frag_count=4), payload, KEY), KEY)
+    assert is_parity(parity)
+    data, _ = open_packet(seal(replace(header, frag_index=3, frag_count=4), payload, KEY), KEY)
+    assert data.frag_index == 3 and not is_parity(data)
 
 
 @pytest.mark.parametrize("delta", [-1, 1, 100, -8])
@@ -408,7 +470,7 @@ def test_reject_fragments_that_do_not_fit() -> None:
 
     # Once a fragment is in, the fragment count is fixed: a whole-vector F16 fragment cannot join.
     reassembly = Reassembly(n, mtu)
-    assert reassembly.add(*packets[1])
+    assert reassembly.add(*packets[1]) is Added.STORED
     f16 = seal(replace(base, codec=Codec.F16, frag_count=1), encode_vector(x, Codec.F16), KEY)
     before = reassembly.vector.copy()
     with pytest.raises(WireError, match="fragment count"):
@@ -494,8 +556,8 @@ def fuzz_corpus() -> list[bytes]:
     corpus: list[bytes] = []
     for codec in Codec:
         header = Header(MsgType.ACTIVATION, session=5, position=2, layer=3, codec=codec)
-        corpus += fragment(header, rng.standard_normal(FUZZ_TOTAL).astype(np.float32), KEY)
-        corpus += fragment(header, rng.standard_normal(FUZZ_TOTAL).astype(np.float32), KEY, 512)
+        corpus += fragment(header, rng.standard_normal(FUZZ_TOTAL).astype(np.float32), KEY, parity=True)
+        corpus += fragment(header, rng.standard_normal(FUZZ_TOTAL).astype(np.float32), KEY, 512, parity=True)
         corpus += fragment(header, rng.standard_normal(1000).astype(np.float32), KEY)
     corpus.append(control_frame(5, {"op": "ping"}, KEY, b"\x01\x02")[4:])
     corpus.append(seal(Header(MsgType.HEARTBEAT, 5), b"", KEY))
@@ -601,7 +663,8 @@ def receive(data: bytes, reassembly: Reassembly) -> str:
         return "rejected: Reassembly.add"
     assert reassembly.count == header.frag_count
     assert reassembly.received <= set(range(header.frag_count))
-    return "accepted" if added else "duplicate"
+    assert set(reassembly.payloads) <= set(range(header.frag_count + 1))
+    return "duplicate" if added is Added.DUPLICATE else "accepted"
 
 
 def test_fuzz_receive_path() -> None:

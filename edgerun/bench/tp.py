@@ -37,6 +37,7 @@ class TpResult:
     loss_at: str  # "process" or "kernel"
     codec: str
     timeout: str  # "10 ms" or "adaptive"
+    parity: bool  # an XOR parity fragment after every UDP vector
     plan: str
     tokens: int
     ms_per_token: float
@@ -45,6 +46,7 @@ class TpResult:
     other_ms_per_token: float  # norms, sends, sums, sampling
     blocks: int
     blocks_incomplete: int
+    partials_rebuilt: int  # from a parity fragment
     datagrams_sent: int
     datagrams_dropped: int  # by the in-process loss model on the master's side
     kernel_matched: int  # cluster packets the kernel saw (kernel loss only)
@@ -66,11 +68,11 @@ def kernel_rate(spec: str) -> float:
 @contextlib.contextmanager
 def local_cluster(model: Model, model_path: Path | None, nodes: int, loss: str, plan: str, codec: str,
                   timeout_ms: float | None, rto_min_ms: float | None = None,
-                  timeout_deviations: float = 4.0) -> Iterator[Master]:
+                  timeout_deviations: float = 4.0, parity: bool = True) -> Iterator[Master]:
     """A master in this process and `nodes` node processes (one BLAS thread each) on loopback."""
     master = Master(model, derive_key(SECRET), strategy=plan, host="127.0.0.1", port=0, codec=Codec[codec.upper()],
                     timeout_ms=timeout_ms, loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=rto_min_ms,
-                    timeout_deviations=timeout_deviations)
+                    timeout_deviations=timeout_deviations, parity=parity)
     model_args = [] if model_path is None else ["--model", str(model_path)]
     procs = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
                                "--name", f"bench-{i}", "--key", SECRET, "--loss", loss, "--loss-seed", str(i + 1),
@@ -103,10 +105,12 @@ def _measure(master: Master, model: Model, tokens: int, nodes: int, loss: str, l
     fixed = master.timeouts.fixed_s
     return TpResult(
         nodes=nodes, transport=master.transport, loss=loss, loss_at=loss_at, codec=codec,
-        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", plan=plan, tokens=len(generated),
+        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=plan,
+        tokens=len(generated),
         ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=s.blocks - before["blocks"],
         blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
+        partials_rebuilt=s.partials_rebuilt - before["partials_rebuilt"],
         datagrams_sent=master.udp.sent - sent, datagrams_dropped=master.udp.dropped - dropped,
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
         late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected)
@@ -115,7 +119,7 @@ def _measure(master: Master, model: Model, tokens: int, nodes: int, loss: str, l
 def bench_tp(model_path: Path | None, node_counts: list[int], losses: list[str], transports: list[str],
              loss_at: str = "process", plan: str = "halo", tokens: int = 32, timeout_ms: float | None = 10.0,
              codec: str = "f32", rto_min_ms: float | None = None, timeout_deviations: float = 4.0,
-             progress: Callable[[str], None] = lambda _: None) -> list[TpResult]:
+             parity: bool = True, progress: Callable[[str], None] = lambda _: None) -> list[TpResult]:
     """Every (nodes, loss, transport) combination. With kernel loss one cluster per node count serves
     every loss rate (links are measured before any loss); in-process loss is set when a node starts,
     so each rate gets its own cluster."""
@@ -129,7 +133,7 @@ def bench_tp(model_path: Path | None, node_counts: list[int], losses: list[str],
         for group in groups:
             start_loss = "0" if loss_at == "kernel" else group[0]
             with local_cluster(model, model_path, nodes, start_loss, plan, codec, timeout_ms, rto_min_ms,
-                               timeout_deviations) as master:
+                               timeout_deviations, parity) as master:
                 for loss in group:
                     for transport in transports:
                         progress(f"master + {nodes} node(s), {transport}, {loss_at} loss {loss}")
@@ -144,11 +148,11 @@ def bench_tp(model_path: Path | None, node_counts: list[int], losses: list[str],
 
 def tp_table(results: list[TpResult]) -> str:
     rows = [f"{'nodes':>5} {'transport':>9} {'loss':>6} {'ms/token':>9} {'compute':>8} {'wait':>8} {'other':>8} "
-            f"{'incomplete blocks':>17} {'late pkts':>9} {'kernel drops':>12}"]
+            f"{'incomplete blocks':>17} {'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12}"]
     for r in results:
         rows.append(f"{r.nodes:>5} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} {r.compute_ms_per_token:>8.1f} "
                     f"{r.wait_ms_per_token:>8.1f} {r.other_ms_per_token:>8.1f} "
-                    f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.late_packets:>9} "
+                    f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12}")
     return "\n".join(rows)
 

@@ -8,6 +8,12 @@ Datagrams and stream frames share one fixed header:
 followed by the payload and a 16-byte keyed BLAKE2b MAC over header and payload. Little-endian.
 A vector too long for one datagram is cut into fragments at codec-block boundaries; each fragment
 names its element offset, so fragments decode independently and a lost one leaves zeros.
+
+A vector may be followed by one parity fragment, whose index equals the fragment count: the XOR of
+the data fragments' payloads, each zero-padded to the first one's length (offset 0). Any one lost
+data fragment is rebuilt from the parity and the others. Losses are mostly independent, so a vector
+of k fragments is then lost only when two of its k + 1 datagrams are: at 5 % loss and k = 1 about
+0.25 % of vectors instead of 5 %.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import hmac
 import json
 import struct
 from dataclasses import dataclass, replace
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any
 
 import numpy as np
@@ -113,7 +119,7 @@ def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
                         offset, length)
     except ValueError as e:
         raise WireError(str(e)) from e
-    if count == 0 or index >= count:
+    if count == 0 or index > count:  # index == count: the parity fragment
         raise WireError(f"fragment {index} of {count}")
     return header, body[HEADER.size:]
 
@@ -136,16 +142,20 @@ def encode_vector(x: np.ndarray, codec: Codec) -> bytes:
     return out.tobytes()
 
 
+def payload_bytes(codec: Codec, n: int) -> int:
+    """Bytes that n elements take in a codec."""
+    if codec == Codec.Q8:
+        return -(-n // Q8_BLOCK) * Q8_BLOCK_BYTES
+    return n * (4 if codec == Codec.F32 else 2)
+
+
 def decode_vector(payload: bytes, codec: Codec, n: int) -> np.ndarray:
     """Decode n elements; raise WireError when the payload does not hold exactly that many."""
+    if len(payload) != payload_bytes(codec, n):
+        raise WireError(f"{len(payload)} bytes for {n} {codec.name} values")
     if codec == Codec.F32 or codec == Codec.F16:
-        size = 4 if codec == Codec.F32 else 2
-        if len(payload) != n * size:
-            raise WireError(f"{len(payload)} bytes for {n} {codec.name} values")
-        return np.frombuffer(payload, "<f4" if size == 4 else "<f2").astype(np.float32)
+        return np.frombuffer(payload, "<f4" if codec == Codec.F32 else "<f2").astype(np.float32)
     nblocks = -(-n // Q8_BLOCK)
-    if len(payload) != nblocks * Q8_BLOCK_BYTES:
-        raise WireError(f"{len(payload)} bytes for {n} Q8 values")
     raw = np.frombuffer(payload, np.uint8).reshape(nblocks, Q8_BLOCK_BYTES)
     scale = raw[:, :2].copy().view("<f2").astype(np.float32)
     q = raw[:, 2:].copy().view(np.int8).astype(np.float32)
@@ -160,21 +170,44 @@ def elements_per_fragment(codec: Codec, mtu_payload: int) -> int:
     return max(1, room // (4 if codec == Codec.F32 else 2))
 
 
-def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472) -> list[bytes]:
+def is_parity(header: Header) -> bool:
+    return header.frag_index == header.frag_count
+
+
+def _xor(payloads: list[bytes], size: int) -> bytes:
+    out = np.zeros(size, np.uint8)
+    for p in payloads:
+        out[:len(p)] ^= np.frombuffer(p, np.uint8)
+    return out.tobytes()
+
+
+def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472, parity: bool = False) -> list[bytes]:
     """A vector as sealed datagrams that each fit `mtu_payload` bytes (1472: a 1500-byte Ethernet MTU
-    less IPv4 and UDP headers)."""
+    less IPv4 and UDP headers), the parity fragment last if asked for."""
     x = np.asarray(x, np.float32).reshape(-1)
     per = elements_per_fragment(header.codec, mtu_payload)
     count = max(1, -(-x.size // per))
-    return [seal(replace(header, frag_index=i, frag_count=count, offset=i * per),
-                 encode_vector(x[i * per:(i + 1) * per], header.codec), key)
-            for i in range(count)]
+    payloads = [encode_vector(x[i * per:(i + 1) * per], header.codec) for i in range(count)]
+    datagrams = [seal(replace(header, frag_index=i, frag_count=count, offset=i * per), p, key)
+                 for i, p in enumerate(payloads)]
+    if parity:
+        datagrams.append(seal(replace(header, frag_index=count, frag_count=count, offset=0),
+                              _xor(payloads, len(payloads[0])), key))
+    return datagrams
 
 
 def fragment_size(header: Header, total: int, mtu_payload: int = 1472) -> int:
-    """Elements in fragment `header.frag_index` of a `total`-element vector."""
+    """Elements in data fragment `header.frag_index` of a `total`-element vector."""
     per = elements_per_fragment(header.codec, mtu_payload)
     return max(0, min(per, total - header.frag_index * per))
+
+
+class Added(Enum):
+    """What a fragment did to a reassembly."""
+
+    DUPLICATE = "duplicate"  # seen before
+    STORED = "stored"  # kept; the vector is not complete yet, or was already
+    COMPLETED = "completed"  # the vector is complete now (reported once per vector)
 
 
 class Reassembly:
@@ -184,28 +217,48 @@ class Reassembly:
         self.vector = np.zeros(total, np.float32)
         self.total = total
         self.mtu_payload = mtu_payload
-        self.received: set[int] = set()
+        self.received: set[int] = set()  # data fragments in the vector, rebuilt ones included
+        self.payloads: dict[int, bytes] = {}  # payloads as they came, parity included, for a rebuild
         self.count: int | None = None
         self.codec: Codec | None = None
+        self.recovered = False  # a data fragment was rebuilt from the parity
 
-    def add(self, header: Header, payload: bytes) -> bool:
-        """Take a fragment; False for a duplicate. Raise WireError if it does not fit this vector."""
+    def add(self, header: Header, payload: bytes) -> Added:
+        """Take a fragment. Raise WireError if it does not fit this vector."""
         if self.count is not None and header.frag_count != self.count:
             raise WireError(f"fragment count {header.frag_count}, expected {self.count}")
         if self.codec is not None and header.codec != self.codec:
             raise WireError(f"codec {header.codec.name}, expected {self.codec.name}")
-        n = fragment_size(header, self.total, self.mtu_payload)
         per = elements_per_fragment(header.codec, self.mtu_payload)
-        if n == 0 or header.offset != header.frag_index * per or header.frag_count != -(-self.total // per):
+        parity = is_parity(header)
+        n = min(per, self.total) if parity else fragment_size(header, self.total, self.mtu_payload)
+        offset = 0 if parity else header.frag_index * per
+        if n == 0 or header.offset != offset or header.frag_count != -(-self.total // per):
             raise WireError(f"fragment {header.frag_index}/{header.frag_count} at {header.offset} "
                             f"does not fit a vector of {self.total}")
-        if header.frag_index in self.received:
-            return False
-        self.vector[header.offset:header.offset + n] = decode_vector(payload, header.codec, n)
-        self.received.add(header.frag_index)
+        if header.frag_index in self.payloads:
+            return Added.DUPLICATE
+        was_complete = self.complete
+        if parity:
+            if len(payload) != payload_bytes(header.codec, n):
+                raise WireError(f"parity of {len(payload)} bytes, expected {payload_bytes(header.codec, n)}")
+        else:
+            self.vector[header.offset:header.offset + n] = decode_vector(payload, header.codec, n)
+            self.received.add(header.frag_index)
+        self.payloads[header.frag_index] = payload
         self.count = header.frag_count
         self.codec = header.codec
-        return True
+        if not self.complete and header.frag_count in self.payloads and len(self.received) == self.count - 1:
+            self._rebuild(per)
+        return Added.COMPLETED if self.complete and not was_complete else Added.STORED
+
+    def _rebuild(self, per: int) -> None:
+        (missing,) = set(range(self.count)) - self.received
+        n = min(per, self.total - missing * per)
+        data = _xor(list(self.payloads.values()), len(self.payloads[self.count]))
+        self.vector[missing * per:missing * per + n] = decode_vector(data[:payload_bytes(self.codec, n)], self.codec, n)
+        self.received.add(missing)
+        self.recovered = True
 
     @property
     def complete(self) -> bool:

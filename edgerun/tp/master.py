@@ -29,7 +29,19 @@ from edgerun.model.sampling import Sampler
 from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, listen_datagrams
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_sha256
-from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
+from edgerun.net.wire import (
+    PROBE_FLAG,
+    Added,
+    Block,
+    Codec,
+    Header,
+    MsgType,
+    Reassembly,
+    WireError,
+    fragment,
+    is_parity,
+    seal,
+)
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
 from edgerun.tp.node import uses_reliable
@@ -139,6 +151,7 @@ class StepStats:
     wait_s: float = 0.0
     blocks: int = 0
     blocks_incomplete: int = 0  # lossy blocks merged without some node's full partial
+    partials_rebuilt: int = 0  # partials that lost a fragment and were rebuilt from the parity
     late_packets: int = 0
     max_overshoot_s: float = 0.0  # the longest a lossy block's wait ran past its deadline
 
@@ -209,11 +222,12 @@ class Master:
                  transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
-                 timeout_deviations: float = 4.0,
+                 timeout_deviations: float = 4.0, parity: bool = True,
                  log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
         self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
+        self.parity = parity  # a parity fragment after every vector sent over UDP, both ways
         self.budget_mb, self.speed = budget_mb, speed
         self.group_size, self.vocab_block = group_size, vocab_block
         self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000, timeout_deviations)
@@ -332,17 +346,18 @@ class Master:
         key = (header.session, header.position, header.layer, header.block)
         target = None if w is None or key != w.key else w.parts.get(header.node)
         if not isinstance(target, Reassembly):
-            self.stats.late_packets += 1
+            if not is_parity(header):  # the parity of a partial already merged is expected, not late
+                self.stats.late_packets += 1
             self._late(key, header, payload)
             return
         try:
-            fresh = target.add(header, payload)
+            added = target.add(header, payload)
         except WireError:
             self.counters.reject("misfit")
             return
-        if not fresh:
+        if added is Added.DUPLICATE:
             self.counters.reject("duplicate")
-        elif target.complete:
+        elif added is Added.COMPLETED:
             w.arrive(header.node)
 
     def _late(self, key: tuple[int, int, int, int], header: Header, payload: bytes) -> None:
@@ -353,7 +368,7 @@ class Master:
         if not isinstance(target, Reassembly) or header.node in w.arrived:
             return
         with contextlib.suppress(WireError):
-            if target.add(header, payload) and target.complete:
+            if target.add(header, payload) is Added.COMPLETED:
                 lag = time.perf_counter() - w.sent - w.first()
                 for node in self.nodes:
                     if node.index == header.node:
@@ -435,7 +450,7 @@ class Master:
             node.ready.clear()
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
-                               "udp_port": self.udp_port, "rto_min_ms": rto_min})
+                               "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": self.parity})
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
@@ -482,7 +497,7 @@ class Master:
                 self._send_input(node, key, data)
         elif nodes:  # every node gets the same datagrams: encode and seal them once
             header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0, codec=self.codec, flags=seq)
-            datagrams = fragment(header, x.reshape(-1), self.key)
+            datagrams = fragment(header, x.reshape(-1), self.key, parity=self.parity)
             for node in nodes:
                 self.udp.send_all(datagrams, (node.host, node.udp_port))
         compute_start = time.perf_counter()
@@ -511,6 +526,7 @@ class Master:
         self.stats.blocks += 1
         if w.outstanding:
             self.stats.blocks_incomplete += 1
+        self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values())
         if not reliable and w.arrived:
             first = w.first()
             for node in nodes:

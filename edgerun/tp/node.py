@@ -28,7 +28,7 @@ from edgerun.model.loader import Model, load_model
 from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, listen_datagrams
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
-from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
+from edgerun.net.wire import PROBE_FLAG, Added, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
 from edgerun.tp.shard import Shard, ShardSpec
 
 HEARTBEAT_S = 0.5
@@ -82,6 +82,7 @@ class Node:
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
         self.transport = "udp"
+        self.parity = False  # send a parity fragment after every partial (the master says)
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
@@ -146,6 +147,7 @@ class Node:
         self.index = int(message["index"])
         self.codec = Codec(message["codec"])
         self.transport = message["transport"]
+        self.parity = bool(message.get("parity", False))
         self.master_udp_port = int(message["udp_port"])
         rto_min = message.get("rto_min_ms")
         self.channel.set_rto_min(None if rto_min is None else float(rto_min))
@@ -213,20 +215,20 @@ class Node:
             self.counters.reject("stale")
             return
         try:
-            fresh = entry.reassembly.add(header, payload)
+            added = entry.reassembly.add(header, payload)
         except WireError:
             self.counters.reject("misfit")
             return
-        if not fresh:
+        if added is Added.DUPLICATE:
             self.counters.reject("duplicate")
-        elif entry.reassembly.complete:
+        elif added is Added.COMPLETED:
             self._take(header.position, header.layer, Block(header.block), entry)
 
     def _take(self, position: int, layer: int, block: Block, entry: _Input) -> None:
         """An input is complete: compute on it, or queue it behind a missing attention input."""
         key = (self.session, position, layer, int(block))
-        if block != Block.ATTN:  # stateless: compute now
-            self.inputs.pop(key, None)
+        if block != Block.ATTN:  # stateless: compute now; the entry stays till the step ends, so a parity
+            # fragment that comes after the data finds it complete instead of starting it anew
             self._compute_and_send(position, layer, block, entry.value())
             return
         lengths = self.shard.lengths
@@ -282,7 +284,8 @@ class Node:
         else:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index, codec=self.codec,
                             flags=x.shape[0])
-            self.udp.send_all(fragment(header, out.reshape(-1), self.key), (self.master[0], self.master_udp_port))
+            self.udp.send_all(fragment(header, out.reshape(-1), self.key, parity=self.parity),
+                              (self.master[0], self.master_udp_port))
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
