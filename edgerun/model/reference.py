@@ -59,11 +59,13 @@ class BlockHooks:
     def mlp_input(self, layer: int, x_norm: np.ndarray) -> None:
         """The normalized hidden state entering the MLP, (seq, hidden)."""
 
-    def head_outputs(self, layer: int, parts: np.ndarray) -> None:
-        """Each attention head's contribution to the block output, (n_heads, seq, hidden)."""
+    def head_outputs(self, layer: int, parts: np.ndarray) -> np.ndarray | None:
+        """Each attention head's contribution to the block output, (n_heads, seq, hidden). Return an
+        output to use instead of the full one (to model lost parts), or None."""
 
-    def group_outputs(self, layer: int, parts: np.ndarray) -> None:
-        """Each MLP neuron group's contribution to the block output, (n_groups, seq, hidden)."""
+    def group_outputs(self, layer: int, parts: np.ndarray) -> np.ndarray | None:
+        """Each MLP neuron group's contribution to the block output, (n_groups, seq, hidden). Return
+        an output to use instead of the full one, or None."""
 
 
 @dataclass
@@ -176,7 +178,9 @@ class ReferenceModel:
         out = heads.transpose(1, 0, 2).reshape(seq, c.q_dim) @ layer.wo.T
         if hooks and hooks.wants_partials:
             wo = layer.wo.reshape(c.hidden, c.n_heads, c.head_dim)
-            hooks.head_outputs(index, np.einsum("hsd,ohd->hso", heads, wo))
+            replaced = hooks.head_outputs(index, np.einsum("hsd,ohd->hso", heads, wo))
+            if replaced is not None:
+                return replaced
         return out
 
     def mlp(self, index: int, layer: DenseLayer, x: np.ndarray, hooks: BlockHooks | None) -> np.ndarray:
@@ -187,5 +191,7 @@ class ReferenceModel:
         if hooks and hooks.wants_partials:
             g = self.group_size
             parts = [act[:, j:j + g] @ layer.w_down[:, j:j + g].T for j in range(0, self.config.ffn, g)]
-            hooks.group_outputs(index, np.stack(parts))
+            replaced = hooks.group_outputs(index, np.stack(parts))
+            if replaced is not None:
+                return replaced
         return out

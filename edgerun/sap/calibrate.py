@@ -1,0 +1,96 @@
+"""`edgerun sap calibrate`: run the reference model over calibration text and record, per layer and
+token, the normalized input of attention (what a predictor reads one layer ahead) and the L2 norm of
+each attention head's and each MLP neuron group's contribution to the block output (what it learns
+to predict). SwiGLU MLPs are rarely exactly zero, so importance is this graded norm, not a label."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.model.loader import Model
+from edgerun.model.reference import BlockHooks, ReferenceModel
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per token: attention inputs (layers, tokens, hidden) as float16, head norms (layers, tokens,
+    heads) and group norms (layers, tokens, groups) as float32."""
+
+    model_sha256: str
+    group_size: int
+    inputs: np.ndarray
+    head_norms: np.ndarray
+    group_norms: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.shape[1]
+
+    def save(self, path: Path) -> None:
+        np.savez(path, model_sha256=np.array(self.model_sha256), group_size=np.array(self.group_size),
+                 inputs=self.inputs, head_norms=self.head_norms, group_norms=self.group_norms)
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                return cls(str(f["model_sha256"]), int(f["group_size"]), f["inputs"], f["head_norms"],
+                           f["group_norms"])
+        except (OSError, KeyError, ValueError) as e:
+            raise EdgerunError(f"{path}: not a calibration file ({e})") from e
+
+
+class _Recorder(BlockHooks):
+    wants_partials = True
+
+    def __init__(self, n_layers: int) -> None:
+        self.inputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        self.heads: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        self.groups: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+
+    def attention_input(self, layer: int, x_norm: np.ndarray) -> None:
+        self.inputs[layer].append(x_norm.astype(np.float16))
+
+    def head_outputs(self, layer: int, parts: np.ndarray) -> None:
+        self.heads[layer].append(np.linalg.norm(parts, axis=-1).T)  # (seq, heads)
+
+    def group_outputs(self, layer: int, parts: np.ndarray) -> None:
+        self.groups[layer].append(np.linalg.norm(parts, axis=-1).T)  # (seq, groups)
+
+
+def token_chunks(model: Model, texts: Sequence[str], chunk: int, max_tokens: int) -> Iterator[list[int]]:
+    """Texts tokenized end to end, cut into independent sequences of `chunk` tokens."""
+    buffer: list[int] = []
+    produced = 0
+    for text in texts:
+        buffer += model.tokenizer.encode(text + "\n\n")
+        while len(buffer) >= chunk and produced < max_tokens:
+            yield buffer[:chunk]
+            buffer = buffer[chunk:]
+            produced += chunk
+        if produced >= max_tokens:
+            return
+
+
+def calibrate(model: Model, model_sha256: str, texts: Sequence[str], group_size: int = 256, tokens: int = 4096,
+              chunk: int = 256, progress: Callable[[int, int], None] = lambda done, total: None) -> Calibration:
+    if tokens < chunk or chunk < 2:
+        raise EdgerunError(f"calibrate at least one chunk of {chunk} tokens (asked for {tokens})")
+    reference = ReferenceModel(model.config, model.weights, group_size)
+    recorder = _Recorder(model.config.n_layers)
+    done = 0
+    for sequence in token_chunks(model, texts, chunk, tokens):
+        reference.forward(sequence, reference.new_cache(chunk), recorder)
+        done += len(sequence)
+        progress(done, tokens)
+    if done == 0:
+        raise EdgerunError(f"the calibration text is shorter than one chunk of {chunk} tokens")
+    return Calibration(model_sha256, group_size,
+                       np.stack([np.concatenate(x) for x in recorder.inputs]),
+                       np.stack([np.concatenate(x) for x in recorder.heads]).astype(np.float32),
+                       np.stack([np.concatenate(x) for x in recorder.groups]).astype(np.float32))
