@@ -288,12 +288,29 @@ def cmd_master(args: argparse.Namespace) -> None:
     if args.expect < 0:
         raise EdgerunError("--expect must be 0 or more")
     model = load_model(args.model)
+    unit_order = None
+    if args.mapping == "static":
+        from edgerun.net.wire import Block
+        from edgerun.sap.predictor import PredictorSet, default_path
+        from edgerun.tp.master import UnitOrder
+
+        path = args.sap or default_path(model.path)
+        if not path.exists():
+            raise EdgerunError(f"--mapping static needs predictors at {path}: run `edgerun sap calibrate` and "
+                               "`edgerun sap train`, or give --sap FILE")
+        sap = PredictorSet.load(path)
+        if sap.group_size != args.group_size:
+            raise EdgerunError(f"{path} ranks groups of {sap.group_size}, not --group-size {args.group_size}")
+        c = model.config
+        unit_order = UnitOrder(sap.static_order(Block.ATTN, c.n_layers, c.n_heads),
+                               sap.static_order(Block.MLP, c.n_layers, -(-c.ffn // args.group_size)))
     master = Master(model, _cluster_key(args), strategy=args.plan, host=args.host, port=args.port,
                     transport=args.transport, codec=Codec[args.codec.upper()],
                     timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                     rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
-                    parity=args.parity, log=lambda m: print(f"[master] {m}", file=sys.stderr, flush=True))
+                    parity=args.parity, unit_order=unit_order,
+                    log=lambda m: print(f"[master] {m}", file=sys.stderr, flush=True))
     print(f"[master] listening on port {master.port}; waiting for {args.expect} node(s)", file=sys.stderr, flush=True)
     try:
         master.wait_for_nodes(args.expect)
@@ -368,6 +385,97 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     else:
         print(tp_table(results))
         print(tp_ratios(results))
+
+
+def _shares(text: str, name: str) -> list[float]:
+    """Comma-separated shares: 0.05 or 5%."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = float(item[:-1]) / 100 if item.endswith("%") else float(item)
+        except ValueError:
+            raise EdgerunError(f"{name} takes shares such as 0.05 or 5%, not {item!r}") from None
+        if not 0.0 <= value <= 1.0:
+            raise EdgerunError(f"{name}: {item} is not a share between 0 and 1")
+        out.append(value)
+    if not out:
+        raise EdgerunError(f"{name} is empty")
+    return out
+
+
+def _progress_line(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_sap_calibrate(args: argparse.Namespace) -> None:
+    from edgerun.model.loader import load_model
+    from edgerun.net.model_files import model_sha256
+    from edgerun.sap.calibrate import calibrate, default_calibration_path
+    from edgerun.sap.text import calibration_text
+
+    _limit_blas_threads(args.threads)
+    model = load_model(args.model)
+    out = args.out or default_calibration_path(model.path)
+    calibration = calibrate(model, model_sha256(model.path), calibration_text(), args.group_size, args.tokens,
+                            args.chunk, lambda done, total: _progress_line(f"calibrated {done}/{total} tokens"))
+    calibration.save(out)
+    print(f"{calibration.tokens} tokens of {model.config.n_layers} layers -> {out}")
+
+
+def cmd_sap_train(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from edgerun.model.loader import resolve_model_path
+    from edgerun.sap.calibrate import Calibration, default_calibration_path
+    from edgerun.sap.predictor import default_path, train
+
+    _limit_blas_threads(args.threads)
+    model_path = resolve_model_path(args.model)
+    source = args.calibration or default_calibration_path(model_path)
+    if not source.exists():
+        raise EdgerunError(f"no calibration at {source}: run `edgerun sap calibrate` first")
+    predictors, qualities = train(Calibration.load(source), args.kind, args.width, args.validation, args.seed,
+                                  progress=_progress_line)
+    out = args.out or default_path(model_path)
+    predictors.save(out)
+    for block in ("attention", "mlp"):
+        q = [x for x in qualities if x.block == block]
+        print(f"{block:9}: mean relative error {np.mean([x.relative_error for x in q]):.1%}, top-{q[0].k} of "
+              f"{q[0].units} recall {np.mean([x.recall for x in q]):.1%} (chance {q[0].k / q[0].units:.0%})")
+    per_token = predictors.cost_per_token_s()
+    print(f"predictors ({args.kind}) -> {out}; {per_token * 1e3:.2f} ms per token for all layers on this machine")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from edgerun.model.loader import load_model
+    from edgerun.sap.evaluate import POLICIES, eval_json, eval_table, evaluate
+    from edgerun.sap.predictor import PredictorSet, default_path
+    from edgerun.sap.text import evaluation_text
+
+    _limit_blas_threads(args.threads)
+    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
+    for policy in policies:
+        if policy not in POLICIES:
+            raise EdgerunError(f"unknown policy {policy!r} ({', '.join(POLICIES)})")
+    model = load_model(args.model)
+    predictors = None
+    if "sap" in policies:
+        path = args.sap or default_path(model.path)
+        if not path.exists():
+            raise EdgerunError(f"no predictors at {path}: run `edgerun sap calibrate` and `edgerun sap train`, "
+                               "or leave out policy sap")
+        predictors = PredictorSet.load(path)
+    if args.text is None:
+        texts = evaluation_text()
+    else:
+        try:
+            texts = [args.text.read_text()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgerunError(f"cannot read {args.text}: {e}") from e
+    group_size = predictors.group_size if predictors is not None else args.group_size
+    results = evaluate(model, texts, _shares(args.plr, "--plr"), _shares(args.nglr, "--nglr"), policies, predictors,
+                       group_size, args.tokens, args.chunk, seed=args.seed, progress=_progress_line)
+    print(json.dumps(eval_json(results), indent=2) if args.json else eval_table(results))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -460,6 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     _rto_min_arg(p)
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
+    p.add_argument("--mapping", choices=("index", "static"), default="index",
+                   help="which units the most reliable devices compute: index (unit order) or static (the "
+                        "calibration's most important units, from the predictor file; default: index)")
+    p.add_argument("--sap", type=Path, default=None, help="predictor file for --mapping static "
+                   "(default: MODEL.sap.npz)")
     _blas_threads_arg(p, DEFAULT_THREADS)
     p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
     p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
@@ -557,6 +670,61 @@ def build_parser() -> argparse.ArgumentParser:
     _blas_threads_arg(p, 1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
+
+    sap = sub.add_parser("sap", help="semantic-aware predictors: which neuron groups matter").add_subparsers(
+        dest="sap_command", required=True, metavar="SUBCOMMAND")
+    p = sap.add_parser("calibrate", help="record block inputs and group output norms over calibration text",
+                       description="Run the reference model over calibration text (standard-library docstrings, "
+                                   "present on every machine with Python) and record, per layer and token, the "
+                                   "attention input and the L2 norm of each attention head's and MLP neuron "
+                                   "group's output. Written beside the model unless --out says otherwise.")
+    _model_arg(p)
+    p.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default: 4096)")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per independent sequence (default: 256)")
+    p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256, as master)")
+    p.add_argument("--out", type=Path, default=None, help="calibration file (default: MODEL.calib.npz)")
+    _blas_threads_arg(p, DEFAULT_THREADS)
+    p.set_defaults(func=cmd_sap_calibrate)
+    p = sap.add_parser("train", help="train the per-layer predictors on a calibration",
+                       description="Per layer and block, fit a regressor from the attention input one layer "
+                                   "ahead to the log norms of the layer's heads or neuron groups; hold out the "
+                                   "last --validation share of tokens and report the relative error and the "
+                                   "top-k recall of the truly most important units.")
+    _model_arg(p)
+    p.add_argument("--calibration", type=Path, default=None, help="calibration file (default: MODEL.calib.npz)")
+    p.add_argument("--kind", choices=("linear", "mlp"), default="linear",
+                   help="ridge regression, or an MLP with one hidden layer of --width (default: linear)")
+    p.add_argument("--width", type=int, default=256, help="hidden width of the mlp kind (default: 256)")
+    p.add_argument("--validation", type=float, default=0.2, help="held-out share of tokens (default: 0.2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="predictor file (default: MODEL.sap.npz)")
+    _blas_threads_arg(p, DEFAULT_THREADS)
+    p.set_defaults(func=cmd_sap_train)
+
+    p = sub.add_parser("eval", help="what packet loss does to the model's output",
+                       description="Inject deterministic loss at the level of the neuron groups a tensor-parallel "
+                                   "cluster would lose (NGLR: share of groups on lossy devices; PLR: chance that "
+                                   "such a device loses a block) and report perplexity, top-1 agreement with the "
+                                   "lossless model, mean KL divergence to it and the exact-match rate of greedy "
+                                   "continuations, per policy for placing groups on lossy devices. The default "
+                                   "text (Python's language reference) is not the calibration text.")
+    _model_arg(p)
+    p.add_argument("--text", type=Path, default=None, help="evaluation text file (default: Python's language "
+                   "reference topics)")
+    p.add_argument("--plr", default="0.01,0.02,0.05", help="packet loss rates (default: 0.01,0.02,0.05)")
+    p.add_argument("--nglr", default="0.25,0.5,0.75,0.875", help="neuron-group loss ratios (default: "
+                   "0.25,0.5,0.75,0.875)")
+    p.add_argument("--policy", default="none,random,sap,oracle",
+                   help="none, random, sap, oracle, high-norm, comma-separated (default: none,random,sap,oracle)")
+    p.add_argument("--sap", type=Path, default=None, help="predictor file (default: MODEL.sap.npz)")
+    p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size without predictors "
+                   "(default: 256; with them, theirs)")
+    p.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (default: 1024)")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per independent sequence (default: 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the loss events")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _blas_threads_arg(p, DEFAULT_THREADS)
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

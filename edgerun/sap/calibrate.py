@@ -45,6 +45,10 @@ class Calibration:
             raise EdgerunError(f"{path}: not a calibration file ({e})") from e
 
 
+def default_calibration_path(model_path: Path) -> Path:
+    return model_path.with_name(model_path.name + ".calib.npz")
+
+
 class _Recorder(BlockHooks):
     wants_partials = True
 

@@ -27,7 +27,8 @@ KINDS = ("mlp", "linear")
 @dataclass(frozen=True)
 class Predictor:
     """log-norms = relu(x' @ w1 + b1) @ w2 + b2 (no hidden layer when w1 is empty), with x' the input
-    standardized by x_mean and x_scale."""
+    standardized by x_mean and x_scale. mean_norm: each unit's average norm over the calibration,
+    the static importance order."""
 
     x_mean: np.ndarray
     x_scale: np.ndarray
@@ -35,6 +36,7 @@ class Predictor:
     b1: np.ndarray
     w2: np.ndarray  # (width or hidden, units)
     b2: np.ndarray
+    mean_norm: np.ndarray
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """Predicted log norms, (seq, units), for inputs (seq, hidden)."""
@@ -52,16 +54,42 @@ class PredictorSet:
     attention: dict[int, Predictor]  # layer -> predictor of its heads' norms
     mlp: dict[int, Predictor]  # layer -> predictor of its groups' norms
 
+    def static_order(self, block: Block, n_layers: int, units: int) -> tuple[tuple[int, ...], ...]:
+        """Per layer, units from the most to the least important on average over the calibration
+        (priority index p is unit order[p]); layer 0, which has no predictor, keeps index order."""
+        table = self.attention if block == Block.ATTN else self.mlp
+        orders = []
+        for layer in range(n_layers):
+            if layer in table:
+                if table[layer].mean_norm.size != units:
+                    raise EdgerunError(f"the predictors know {table[layer].mean_norm.size} units in layer {layer}, "
+                                       f"the model has {units}")
+                orders.append(tuple(int(u) for u in np.argsort(-table[layer].mean_norm, kind="stable")))
+            else:
+                orders.append(tuple(range(units)))
+        return tuple(orders)
+
     def predict(self, layer: int, block: Block, x_prev: np.ndarray) -> np.ndarray:
         """Predicted log norms of layer's units from the attention input of layer - 1."""
         return (self.attention if block == Block.ATTN else self.mlp)[layer](x_prev)
+
+    def cost_per_token_s(self, repeats: int = 20) -> float:
+        """Time to predict every layer's units for one token, on this machine."""
+        hidden = next(iter(self.attention.values())).x_mean.size
+        x = np.zeros((1, hidden), np.float32)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for table in (self.attention, self.mlp):
+                for predictor in table.values():
+                    predictor(x)
+        return (time.perf_counter() - start) / repeats
 
     def save(self, path: Path) -> None:
         arrays: dict[str, np.ndarray] = {"model_sha256": np.array(self.model_sha256),
                                          "group_size": np.array(self.group_size), "kind": np.array(self.kind)}
         for name, table in (("attn", self.attention), ("mlp", self.mlp)):
             for layer, p in table.items():
-                for field in ("x_mean", "x_scale", "w1", "b1", "w2", "b2"):
+                for field in ("x_mean", "x_scale", "w1", "b1", "w2", "b2", "mean_norm"):
                     arrays[f"{name}.{layer}.{field}"] = getattr(p, field)
         try:
             np.savez(path, **arrays)
@@ -107,7 +135,7 @@ def top_k_recall(predicted: np.ndarray, true: np.ndarray, k: int) -> float:
     return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(p, t, strict=True)]))
 
 
-def _fit(x: np.ndarray, y: np.ndarray, kind: str, width: int, seed: int) -> Predictor:
+def _fit(x: np.ndarray, y: np.ndarray, mean_norm: np.ndarray, kind: str, width: int, seed: int) -> Predictor:
     x = x.astype(np.float32)
     x_mean, x_scale = x.mean(axis=0), x.std(axis=0) + 1e-6
     xs = (x - x_mean) / x_scale
@@ -118,7 +146,7 @@ def _fit(x: np.ndarray, y: np.ndarray, kind: str, width: int, seed: int) -> Pred
         penalty[-1, -1] = 0.0
         w = np.linalg.solve(a.T @ a + penalty, a.T @ y)
         return Predictor(x_mean, x_scale, np.zeros((0, 0), np.float32), np.zeros(0, np.float32),
-                         w[:-1].astype(np.float32), w[-1].astype(np.float32))
+                         w[:-1].astype(np.float32), w[-1].astype(np.float32), mean_norm)
     from sklearn.neural_network import MLPRegressor
 
     net = MLPRegressor(hidden_layer_sizes=(width,), alpha=1e-3, learning_rate_init=1e-3, max_iter=200,
@@ -126,7 +154,7 @@ def _fit(x: np.ndarray, y: np.ndarray, kind: str, width: int, seed: int) -> Pred
     net.fit(xs, y)
     (w1, w2), (b1, b2) = net.coefs_, net.intercepts_
     return Predictor(x_mean, x_scale, w1.astype(np.float32), b1.astype(np.float32), w2.astype(np.float32),
-                     b2.astype(np.float32))
+                     b2.astype(np.float32), mean_norm)
 
 
 def train(calibration: Calibration, kind: str = "mlp", width: int = 256, validation: float = 0.2, seed: int = 0,
@@ -148,7 +176,7 @@ def train(calibration: Calibration, kind: str = "mlp", width: int = 256, validat
         for name, norms in (("attention", calibration.head_norms), ("mlp", calibration.group_norms)):
             start = time.perf_counter()
             y = np.log(norms[layer] + 1e-6)
-            predictor = _fit(x[:split], y[:split], kind, width, seed)
+            predictor = _fit(x[:split], y[:split], norms[layer][:split].mean(axis=0), kind, width, seed)
             predicted = np.exp(predictor(x[split:]))
             true = norms[layer][split:]
             k = max(1, -(-true.shape[1] // 4))

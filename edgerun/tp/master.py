@@ -199,10 +199,26 @@ class _Wait:
         return min(self.arrived.values())
 
 
-def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int) -> ShardSpec:
-    """Device i's units. Priority index p maps to unit p until predictors rank units (static order)."""
-    return ShardSpec(attn_units=tuple(tuple(sorted(layer[i])) for layer in plan.attn),
-                     mlp_groups=tuple(tuple(sorted(layer[i])) for layer in plan.mlp),
+@dataclass(frozen=True)
+class UnitOrder:
+    """Per layer, the unit at each priority index (priority 0: the most important). The plan gives
+    the most reliable devices the lowest priority indices (HALO Alg. 3)."""
+
+    attn: tuple[tuple[int, ...], ...]
+    mlp: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def index(cls, n_layers: int, heads: int, groups: int) -> UnitOrder:
+        """Priority p is unit p: no knowledge of importance."""
+        return cls((tuple(range(heads)),) * n_layers, (tuple(range(groups)),) * n_layers)
+
+
+def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int, order: UnitOrder) -> ShardSpec:
+    """Device i's units: its priority indices through the unit order."""
+    def units(layers: tuple, orders: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(sorted(o[p] for p in layer[i])) for layer, o in zip(layers, orders, strict=True))
+
+    return ShardSpec(attn_units=units(plan.attn, order.attn), mlp_groups=units(plan.mlp, order.mlp),
                      vocab_blocks=tuple(sorted(plan.vocab[i])), group_size=group_size, vocab_block=vocab_block)
 
 
@@ -222,12 +238,14 @@ class Master:
                  transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
-                 timeout_deviations: float = 4.0, parity: bool = True,
+                 timeout_deviations: float = 4.0, parity: bool = True, unit_order: UnitOrder | None = None,
                  log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
         self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
         self.parity = parity  # a parity fragment after every vector sent over UDP, both ways
+        c = model.config
+        self.unit_order = unit_order or UnitOrder.index(c.n_layers, c.n_heads, -(-c.ffn // group_size))
         self.budget_mb, self.speed = budget_mb, speed
         self.group_size, self.vocab_block = group_size, vocab_block
         self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000, timeout_deviations)
@@ -440,10 +458,10 @@ class Master:
         self.session += 1
         self.plan = plan
         self.shard = Shard(self.model.config, self.model.weights,
-                           spec_for_device(plan, 0, self.group_size, self.vocab_block), self.max_len)
+                           spec_for_device(plan, 0, self.group_size, self.vocab_block, self.unit_order), self.max_len)
         rto_min = tcp_rto_min_ms(self.transport, self.rto_min_override)
         for i, node in enumerate(alive, start=1):
-            node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block)
+            node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block, self.unit_order)
             node.channel.set_rto_min(rto_min)
             node.index = i
             node.arrival, node.lag = ArrivalEstimator(), ArrivalEstimator()  # a new share takes another time
