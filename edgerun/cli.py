@@ -302,7 +302,7 @@ def cmd_master(args: argparse.Namespace) -> None:
         if sap.group_size != args.group_size:
             raise EdgerunError(f"{path} ranks groups of {sap.group_size}, not --group-size {args.group_size}")
         c = model.config
-        unit_order = UnitOrder(sap.static_order(Block.ATTN, c.n_layers, c.n_heads),
+        unit_order = UnitOrder(sap.static_order(Block.ATTN, c.n_layers, c.n_kv_heads),
                                sap.static_order(Block.MLP, c.n_layers, -(-c.ffn // args.group_size)))
     master = Master(model, _cluster_key(args), strategy=args.plan, host=args.host, port=args.port,
                     transport=args.transport, codec=Codec[args.codec.upper()],

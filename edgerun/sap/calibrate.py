@@ -1,7 +1,9 @@
 """`edgerun sap calibrate`: run the reference model over calibration text and record, per layer and
 token, the normalized input of attention (what a predictor reads one layer ahead) and the L2 norm of
-each attention head's and each MLP neuron group's contribution to the block output (what it learns
-to predict). SwiGLU MLPs are rarely exactly zero, so importance is this graded norm, not a label."""
+each unit's contribution to the block output (what it learns to predict). Units are what the
+tensor-parallel engine hands out: an attention unit is one KV head with the query heads that share
+it, an MLP unit a neuron group. SwiGLU MLPs are rarely exactly zero, so importance is this graded
+norm, not a label."""
 
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ from edgerun.model.reference import BlockHooks, ReferenceModel
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per token: attention inputs (layers, tokens, hidden) as float16, head norms (layers, tokens,
-    heads) and group norms (layers, tokens, groups) as float32."""
+    """Per token: attention inputs (layers, tokens, hidden) as float16, attention-unit norms (layers,
+    tokens, KV heads) and group norms (layers, tokens, groups) as float32."""
 
     model_sha256: str
     group_size: int
     inputs: np.ndarray
-    head_norms: np.ndarray
+    attn_norms: np.ndarray
     group_norms: np.ndarray
 
     @property
@@ -33,16 +35,23 @@ class Calibration:
 
     def save(self, path: Path) -> None:
         np.savez(path, model_sha256=np.array(self.model_sha256), group_size=np.array(self.group_size),
-                 inputs=self.inputs, head_norms=self.head_norms, group_norms=self.group_norms)
+                 inputs=self.inputs, attn_norms=self.attn_norms, group_norms=self.group_norms)
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         try:
             with np.load(path, allow_pickle=False) as f:
-                return cls(str(f["model_sha256"]), int(f["group_size"]), f["inputs"], f["head_norms"],
+                return cls(str(f["model_sha256"]), int(f["group_size"]), f["inputs"], f["attn_norms"],
                            f["group_norms"])
         except (OSError, KeyError, ValueError) as e:
             raise EdgerunError(f"{path}: not a calibration file ({e})") from e
+
+
+def attention_units(head_parts: np.ndarray, n_kv_heads: int) -> np.ndarray:
+    """Per-head contributions (heads, seq, hidden) summed into per-unit ones (KV heads, seq, hidden):
+    head h belongs to KV head h // (heads / KV heads)."""
+    heads, seq, hidden = head_parts.shape
+    return head_parts.reshape(n_kv_heads, heads // n_kv_heads, seq, hidden).sum(axis=1)
 
 
 def default_calibration_path(model_path: Path) -> Path:
@@ -52,7 +61,8 @@ def default_calibration_path(model_path: Path) -> Path:
 class _Recorder(BlockHooks):
     wants_partials = True
 
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, n_kv_heads: int) -> None:
+        self.n_kv_heads = n_kv_heads
         self.inputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.heads: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.groups: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
@@ -61,7 +71,7 @@ class _Recorder(BlockHooks):
         self.inputs[layer].append(x_norm.astype(np.float16))
 
     def head_outputs(self, layer: int, parts: np.ndarray) -> None:
-        self.heads[layer].append(np.linalg.norm(parts, axis=-1).T)  # (seq, heads)
+        self.heads[layer].append(np.linalg.norm(attention_units(parts, self.n_kv_heads), axis=-1).T)  # (seq, units)
 
     def group_outputs(self, layer: int, parts: np.ndarray) -> None:
         self.groups[layer].append(np.linalg.norm(parts, axis=-1).T)  # (seq, groups)
@@ -86,7 +96,7 @@ def calibrate(model: Model, model_sha256: str, texts: Sequence[str], group_size:
     if tokens < chunk or chunk < 2:
         raise EdgerunError(f"calibrate at least one chunk of {chunk} tokens (asked for {tokens})")
     reference = ReferenceModel(model.config, model.weights, group_size)
-    recorder = _Recorder(model.config.n_layers)
+    recorder = _Recorder(model.config.n_layers, model.config.n_kv_heads)
     done = 0
     for sequence in token_chunks(model, texts, chunk, tokens):
         reference.forward(sequence, reference.new_cache(chunk), recorder)

@@ -1,8 +1,9 @@
 """`edgerun eval`: what packet loss does to the model's output, with deterministic loss injected at
-the level of the neuron groups the tensor-parallel engine would lose.
+the level of the units the tensor-parallel engine would lose.
 
 The model of a lossy cluster (HALO §V-B, Fig. 7): in every block of layers 1 and up, a share NGLR of
-the units (attention heads, MLP neuron groups) sits on lossy devices, split evenly over
+the units (attention units, each a KV head with its query heads, and MLP neuron groups) sits on
+lossy devices, split evenly over
 D = max(1, round(NGLR / (1 − NGLR))) of them (NGLR 0.75: 3 lossy devices and a reliable master);
 each lossy device loses its whole contribution to a block with probability PLR. Layer 0 and the LM
 head travel over TCP and are never lost. The policy decides which units go to the lossy devices:
@@ -28,7 +29,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.model.reference import BlockHooks, ReferenceModel
 from edgerun.net.wire import Block
-from edgerun.sap.calibrate import token_chunks
+from edgerun.sap.calibrate import attention_units, token_chunks
 from edgerun.sap.predictor import PredictorSet
 
 POLICIES = ("none", "random", "sap", "oracle", "high-norm")
@@ -45,7 +46,7 @@ class LossInjector(BlockHooks):
     wants_partials = True
 
     def __init__(self, policy: str, plr: float, nglr: float, predictors: PredictorSet | None, seed: int,
-                 sequence: int, max_len: int) -> None:
+                 sequence: int, max_len: int, n_kv_heads: int) -> None:
         if policy not in POLICIES:
             raise EdgerunError(f"unknown policy {policy!r} ({', '.join(POLICIES)})")
         if policy == "sap" and predictors is None:
@@ -55,6 +56,7 @@ class LossInjector(BlockHooks):
         self.policy, self.plr, self.nglr, self.predictors = policy, plr, nglr, predictors
         self.seed, self.sequence, self.max_len = seed, sequence, max_len
         self.devices = lossy_devices(nglr)
+        self.n_kv_heads = n_kv_heads
         self.start = 0
         self.previous_input: np.ndarray | None = None  # attention input of the layer before
         self.current_input: np.ndarray | None = None
@@ -68,7 +70,7 @@ class LossInjector(BlockHooks):
         self.previous_input, self.current_input = self.current_input, x_norm
 
     def head_outputs(self, layer: int, parts: np.ndarray) -> np.ndarray | None:
-        return self._drop(layer, Block.ATTN, parts)
+        return self._drop(layer, Block.ATTN, attention_units(parts, self.n_kv_heads))
 
     def group_outputs(self, layer: int, parts: np.ndarray) -> np.ndarray | None:
         return self._drop(layer, Block.MLP, parts)
@@ -169,7 +171,7 @@ def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: S
         ref_continuation = _greedy(reference, ids[:prompt_tokens], continuation, max_len, None)
         for s in settings:
             plr, nglr, policy = s
-            hooks = LossInjector(policy, plr, nglr, predictors, seed, sequence, max_len)
+            hooks = LossInjector(policy, plr, nglr, predictors, seed, sequence, max_len, model.config.n_kv_heads)
             lossy = _log_softmax(reference.forward(ids, reference.new_cache(max_len), hooks, all_logits=True)[:-1])
             nll[s] -= float(lossy[np.arange(len(targets)), targets].sum())
             agree[s] += int((lossy.argmax(axis=-1) == ref_top).sum())
@@ -177,7 +179,8 @@ def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: S
             lost[s][0] += hooks.lost_units
             lost[s][1] += hooks.units_seen
             # Greedy continuations draw their loss events from another sequence number than the scoring pass.
-            hooks = LossInjector(policy, plr, nglr, predictors, seed, len(chunks) + sequence, max_len)
+            hooks = LossInjector(policy, plr, nglr, predictors, seed, len(chunks) + sequence, max_len,
+                                 model.config.n_kv_heads)
             matches[s] += _greedy(reference, ids[:prompt_tokens], continuation, max_len, hooks) == ref_continuation
         scored += len(targets)
         sequences += 1

@@ -1,7 +1,7 @@
 """Semantic-aware predictors (HALO §III-B2): per layer l ≥ 1 and block, a small regressor from the
-normalized attention input of layer l − 1 to the log L2 norms of layer l's attention heads or MLP
-neuron groups. Reading one layer ahead lets the prediction overlap the previous layer's
-communication. Layer 0 has none: it travels over TCP, nothing of it may be lost.
+normalized attention input of layer l − 1 to the log L2 norms of layer l's attention units (a KV
+head with its query heads) or MLP neuron groups. Reading one layer ahead lets the prediction
+overlap the previous layer's communication. Layer 0 has none: it travels over TCP, nothing of it may be lost.
 
 Two kinds: `mlp` (scikit-learn MLPRegressor, one hidden layer of 256 or 512, as HALO) and `linear`
 (ridge regression). Either is stored as plain numpy arrays and runs as two matmuls, no sklearn needed
@@ -51,7 +51,7 @@ class PredictorSet:
     model_sha256: str
     group_size: int
     kind: str
-    attention: dict[int, Predictor]  # layer -> predictor of its heads' norms
+    attention: dict[int, Predictor]  # layer -> predictor of its attention units' norms
     mlp: dict[int, Predictor]  # layer -> predictor of its groups' norms
 
     def static_order(self, block: Block, n_layers: int, units: int) -> tuple[tuple[int, ...], ...]:
@@ -173,7 +173,7 @@ def train(calibration: Calibration, kind: str = "mlp", width: int = 256, validat
     qualities = []
     for layer in range(1, calibration.inputs.shape[0]):
         x = calibration.inputs[layer - 1]
-        for name, norms in (("attention", calibration.head_norms), ("mlp", calibration.group_norms)):
+        for name, norms in (("attention", calibration.attn_norms), ("mlp", calibration.group_norms)):
             start = time.perf_counter()
             y = np.log(norms[layer] + 1e-6)
             predictor = _fit(x[:split], y[:split], norms[layer][:split].mean(axis=0), kind, width, seed)

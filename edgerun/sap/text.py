@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 
 # Modules whose docstrings are plain English prose rather than tables or code.
 CALIBRATION_MODULES = (
@@ -26,9 +27,12 @@ def calibration_text(min_chars: int = 200) -> list[str]:
     out = []
     for name in CALIBRATION_MODULES:
         module = importlib.import_module(name)
-        objects = [module, *(v for _, v in sorted(vars(module).items()) if inspect.isclass(v) or inspect.isfunction(v))]
-        for obj in objects:
-            doc = obj.__doc__
+        with warnings.catch_warnings():  # deprecated aliases (typing.io) warn when looked at
+            warnings.simplefilter("ignore", DeprecationWarning)
+            objects = [module, *(v for _, v in sorted(vars(module).items())
+                                 if inspect.isclass(v) or inspect.isfunction(v))]
+            docs = [obj.__doc__ for obj in objects]
+        for doc in docs:
             if not isinstance(doc, str):  # some classes carry a descriptor named __doc__
                 continue
             doc = inspect.cleandoc(doc)

@@ -208,9 +208,9 @@ class UnitOrder:
     mlp: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def index(cls, n_layers: int, heads: int, groups: int) -> UnitOrder:
+    def index(cls, n_layers: int, attn_units: int, groups: int) -> UnitOrder:
         """Priority p is unit p: no knowledge of importance."""
-        return cls((tuple(range(heads)),) * n_layers, (tuple(range(groups)),) * n_layers)
+        return cls((tuple(range(attn_units)),) * n_layers, (tuple(range(groups)),) * n_layers)
 
 
 def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int, order: UnitOrder) -> ShardSpec:
@@ -245,7 +245,7 @@ class Master:
         self.transport, self.codec, self.max_len = transport, codec, max_len
         self.parity = parity  # a parity fragment after every vector sent over UDP, both ways
         c = model.config
-        self.unit_order = unit_order or UnitOrder.index(c.n_layers, c.n_heads, -(-c.ffn // group_size))
+        self.unit_order = unit_order or UnitOrder.index(c.n_layers, c.n_kv_heads, -(-c.ffn // group_size))
         self.budget_mb, self.speed = budget_mb, speed
         self.group_size, self.vocab_block = group_size, vocab_block
         self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000, timeout_deviations)
