@@ -342,6 +342,26 @@ def test_parity_rebuilds_any_one_lost_fragment(n: int, codec: Codec) -> None:
         assert np.array_equal(r.vector[:per], expected[:per])
 
 
+@pytest.mark.parametrize("codec", list(Codec))
+def test_prefix_travels_in_every_fragment_and_survives_a_rebuild(codec: Codec) -> None:
+    n, prefix = 2048, bytes([2, 0, 1, 5, 4, 3])
+    x = np.random.default_rng(codec).standard_normal(n).astype(np.float32)
+    expected = round_trip(x, codec)
+    header = Header(MsgType.ACTIVATION, session=1, position=3, layer=4, block=Block.MLP, codec=codec, flags=1)
+    opened = [open_packet(p, KEY) for p in fragment(header, x, KEY, parity=True, prefix=prefix)]
+    assert all(len(p) <= 1472 for p in fragment(header, x, KEY, parity=True, prefix=prefix))
+    assert all(body[:len(prefix)] == prefix for _, body in opened[:-1])  # data fragments
+    count = len(opened) - 1
+    assert count == -(-n // elements_per_fragment(codec, 1472, len(prefix)))
+    for lost in range(count):
+        r = Reassembly(n, prefix=len(prefix))
+        for i, (h, body) in enumerate(opened):
+            if i != lost:
+                r.add(h, body)
+        assert r.complete and r.prefix_bytes == prefix
+        assert np.array_equal(r.vector, expected)
+
+
 def test_malformed_parity_is_refused() -> None:
     n = 1000
     header = Header(MsgType.PARTIAL, session=1, codec=Codec.F32, flags=1)

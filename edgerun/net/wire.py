@@ -9,6 +9,10 @@ followed by the payload and a 16-byte keyed BLAKE2b MAC over header and payload.
 A vector too long for one datagram is cut into fragments at codec-block boundaries; each fragment
 names its element offset, so fragments decode independently and a lost one leaves zeros.
 
+With dynamic unit mapping, every fragment of an activation starts with a prefix: the block's unit
+ranking, one byte per unit (the unit at priority 0, 1, ...), so that each node learns which units to
+compute from any fragment it receives. Both sides know the prefix length from the assignment.
+
 A vector may be followed by one parity fragment, whose index equals the fragment count: the XOR of
 the data fragments' payloads, each zero-padded to the first one's length (offset 0). Any one lost
 data fragment is rebuilt from the parity and the others. Losses are mostly independent, so a vector
@@ -162,9 +166,10 @@ def decode_vector(payload: bytes, codec: Codec, n: int) -> np.ndarray:
     return (q * scale).reshape(-1)[:n]
 
 
-def elements_per_fragment(codec: Codec, mtu_payload: int) -> int:
-    """The most elements one datagram carries, a whole number of codec blocks."""
-    room = mtu_payload - HEADER.size - MAC_SIZE
+def elements_per_fragment(codec: Codec, mtu_payload: int, prefix: int = 0) -> int:
+    """The most elements one datagram carries after a prefix of `prefix` bytes, a whole number of
+    codec blocks."""
+    room = mtu_payload - HEADER.size - MAC_SIZE - prefix
     if codec == Codec.Q8:
         return max(1, room // Q8_BLOCK_BYTES) * Q8_BLOCK
     return max(1, room // (4 if codec == Codec.F32 else 2))
@@ -181,13 +186,15 @@ def _xor(payloads: list[bytes], size: int) -> bytes:
     return out.tobytes()
 
 
-def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472, parity: bool = False) -> list[bytes]:
+def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472, parity: bool = False,
+             prefix: bytes = b"") -> list[bytes]:
     """A vector as sealed datagrams that each fit `mtu_payload` bytes (1472: a 1500-byte Ethernet MTU
-    less IPv4 and UDP headers), the parity fragment last if asked for."""
+    less IPv4 and UDP headers), each payload starting with `prefix`, the parity fragment last if
+    asked for."""
     x = np.asarray(x, np.float32).reshape(-1)
-    per = elements_per_fragment(header.codec, mtu_payload)
+    per = elements_per_fragment(header.codec, mtu_payload, len(prefix))
     count = max(1, -(-x.size // per))
-    payloads = [encode_vector(x[i * per:(i + 1) * per], header.codec) for i in range(count)]
+    payloads = [prefix + encode_vector(x[i * per:(i + 1) * per], header.codec) for i in range(count)]
     datagrams = [seal(replace(header, frag_index=i, frag_count=count, offset=i * per), p, key)
                  for i, p in enumerate(payloads)]
     if parity:
@@ -196,9 +203,9 @@ def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472,
     return datagrams
 
 
-def fragment_size(header: Header, total: int, mtu_payload: int = 1472) -> int:
+def fragment_size(header: Header, total: int, mtu_payload: int = 1472, prefix: int = 0) -> int:
     """Elements in data fragment `header.frag_index` of a `total`-element vector."""
-    per = elements_per_fragment(header.codec, mtu_payload)
+    per = elements_per_fragment(header.codec, mtu_payload, prefix)
     return max(0, min(per, total - header.frag_index * per))
 
 
@@ -211,12 +218,15 @@ class Added(Enum):
 
 
 class Reassembly:
-    """Collects one vector's fragments; what never arrives stays zero."""
+    """Collects one vector's fragments; what never arrives stays zero. With `prefix` > 0 every
+    fragment starts with that many bytes, kept in `prefix_bytes` from the first fragment in."""
 
-    def __init__(self, total: int, mtu_payload: int = 1472) -> None:
+    def __init__(self, total: int, mtu_payload: int = 1472, prefix: int = 0) -> None:
         self.vector = np.zeros(total, np.float32)
         self.total = total
         self.mtu_payload = mtu_payload
+        self.prefix = prefix
+        self.prefix_bytes: bytes | None = None
         self.received: set[int] = set()  # data fragments in the vector, rebuilt ones included
         self.payloads: dict[int, bytes] = {}  # payloads as they came, parity included, for a rebuild
         self.count: int | None = None
@@ -229,9 +239,9 @@ class Reassembly:
             raise WireError(f"fragment count {header.frag_count}, expected {self.count}")
         if self.codec is not None and header.codec != self.codec:
             raise WireError(f"codec {header.codec.name}, expected {self.codec.name}")
-        per = elements_per_fragment(header.codec, self.mtu_payload)
+        per = elements_per_fragment(header.codec, self.mtu_payload, self.prefix)
         parity = is_parity(header)
-        n = min(per, self.total) if parity else fragment_size(header, self.total, self.mtu_payload)
+        n = min(per, self.total) if parity else fragment_size(header, self.total, self.mtu_payload, self.prefix)
         offset = 0 if parity else header.frag_index * per
         if n == 0 or header.offset != offset or header.frag_count != -(-self.total // per):
             raise WireError(f"fragment {header.frag_index}/{header.frag_count} at {header.offset} "
@@ -240,11 +250,11 @@ class Reassembly:
             return Added.DUPLICATE
         was_complete = self.complete
         if parity:
-            if len(payload) != payload_bytes(header.codec, n):
-                raise WireError(f"parity of {len(payload)} bytes, expected {payload_bytes(header.codec, n)}")
+            if len(payload) != self.prefix + payload_bytes(header.codec, n):
+                raise WireError(f"parity of {len(payload)} bytes, expected "
+                                f"{self.prefix + payload_bytes(header.codec, n)}")
         else:
-            self.vector[header.offset:header.offset + n] = decode_vector(payload, header.codec, n)
-            self.received.add(header.frag_index)
+            self._take_data(header.frag_index, payload, n, header.codec, per)
         self.payloads[header.frag_index] = payload
         self.count = header.frag_count
         self.codec = header.codec
@@ -252,12 +262,20 @@ class Reassembly:
             self._rebuild(per)
         return Added.COMPLETED if self.complete and not was_complete else Added.STORED
 
+    def _take_data(self, index: int, payload: bytes, n: int, codec: Codec, per: int) -> None:
+        """Decode data fragment `index` of n elements, after the prefix if there is one."""
+        if len(payload) < self.prefix:
+            raise WireError(f"{len(payload)} bytes cannot hold a prefix of {self.prefix}")
+        self.vector[index * per:index * per + n] = decode_vector(payload[self.prefix:], codec, n)
+        if self.prefix and self.prefix_bytes is None:
+            self.prefix_bytes = payload[:self.prefix]
+        self.received.add(index)
+
     def _rebuild(self, per: int) -> None:
         (missing,) = set(range(self.count)) - self.received
         n = min(per, self.total - missing * per)
         data = _xor(list(self.payloads.values()), len(self.payloads[self.count]))
-        self.vector[missing * per:missing * per + n] = decode_vector(data[:payload_bytes(self.codec, n)], self.codec, n)
-        self.received.add(missing)
+        self._take_data(missing, data[:self.prefix + payload_bytes(self.codec, n)], n, self.codec, per)
         self.recovered = True
 
     @property
