@@ -297,3 +297,38 @@ def test_rejects_bad_specs_and_positions() -> None:
     shard.attention(0, x, 0)
     with pytest.raises(ValueError, match="context of 8"):
         shard.attention(0, np.zeros((5, config.hidden), np.float32), 4)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_selected_units_of_full_shards_sum_to_reference_blocks(name: str) -> None:
+    """Dynamic mapping: every device holds every unit and computes the ones it is handed per call;
+    handing each unit to exactly one device still sums to the reference, token after token, with
+    each device's KV cache kept for all KV heads."""
+    config, weights = model(name)
+    calls, _, _ = reference_run(name)
+    group_size = 192  # ffn 704 or 512: a short last group
+    spec = full_spec(config, group_size, VOCAB_BLOCK)
+    shards = [Shard(config, weights, spec, MAX_LEN) for _ in range(3)]
+    rng = np.random.default_rng(0)
+    n_mlp = n_groups(config.ffn, group_size)
+    for call in calls:
+        count = config.n_kv_heads if call.kind == "attn" else n_mlp
+        owner = rng.integers(0, 3, count)  # a fresh random hand-out every call
+        picks = [[int(u) for u in rng.permutation(np.flatnonzero(owner == d))] for d in range(3)]
+        if call.kind == "attn":
+            out = summed([s.attention(call.layer, call.x_norm, call.start, units=p) for s, p in zip(shards, picks,
+                                                                                                   strict=True)])
+        else:
+            out = summed([s.mlp(call.layer, call.x_norm, groups=p) for s, p in zip(shards, picks, strict=True)])
+        assert_close(out, call.out)
+
+
+def test_selecting_units_a_shard_does_not_hold_fails() -> None:
+    config, weights = model("llama")
+    shard = Shard(config, weights, split_spec(config, 2, 192, VOCAB_BLOCK)[0], MAX_LEN)
+    held = shard.spec.mlp_groups[0]
+    other = next(g for g in range(n_groups(config.ffn, 192)) if g not in held)
+    x = np.ones((1, config.hidden), np.float32)
+    with pytest.raises(ValueError, match="not held"):
+        shard.mlp(0, x, groups=[other])
+    assert not shard.mlp(0, x, groups=[]).any()

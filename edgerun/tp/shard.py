@@ -194,12 +194,15 @@ class Shard:
     def cache_bytes(self) -> int:
         return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
 
-    def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True) -> np.ndarray | None:
+    def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
+                  units: Sequence[int] | None = None) -> np.ndarray | None:
         """Partial attention output, (seq, hidden), for tokens at positions start..start+seq-1.
 
         Caches K and V of this device's KV heads at those positions first; positions after them
         are forgotten, so calling again from an earlier start re-runs from there. With output=False
         only the cache is filled (catching up on an input whose output would arrive too late).
+        `units` (KV-head indices this shard holds) limits the output to those units, while the
+        cache is still filled for all of them (dynamic mapping hands out other units next token).
         """
         c = self.config
         x_norm = np.asarray(x_norm, np.float32)
@@ -222,11 +225,17 @@ class Shard:
         a.v[:, start:end] = v.reshape(seq, n, d).transpose(1, 0, 2)
         if not output:
             return None
-        q = x_norm @ a.wq.T
+        if units is not None and not len(units):
+            return np.zeros((seq, c.hidden), np.float32)
+        local = self._local(self.spec.attn_units[layer], units)
+        q_rows = (local[:, None] * g * d + np.arange(g * d)).reshape(-1)
+        wq, wo = a.wq[q_rows], a.wo[:, q_rows]
+        q = x_norm @ wq.T
         if a.bq is not None:
-            q = q + a.bq
+            q = q + a.bq[q_rows]
+        n = len(local)
         q = apply_rope(q.reshape(seq, n * g, d), cos, sin)
-        keys, values = a.k[:, :end], a.v[:, :end]
+        keys, values = a.k[local, :end], a.v[local, :end]
         # The same arithmetic as the reference, restricted to this device's KV heads.
         qg = q.reshape(seq, n, g, d).transpose(1, 2, 0, 3)  # (unit, head in unit, seq, dim)
         # A float32 scale: a numpy float64 scalar would turn everything after it into float64.
@@ -236,16 +245,35 @@ class Shard:
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
         heads = (probs @ values[:, None]).reshape(n * g, seq, d)
-        return heads.transpose(1, 0, 2).reshape(seq, n * g * d) @ a.wo.T
+        return heads.transpose(1, 0, 2).reshape(seq, n * g * d) @ wo.T
 
-    def mlp(self, layer: int, x_norm: np.ndarray) -> np.ndarray:
-        """Partial MLP output, (seq, hidden), of this device's neuron groups."""
+    @staticmethod
+    def _local(held: Sequence[int], wanted: Sequence[int] | None) -> np.ndarray:
+        """Positions within `held` of the `wanted` units (all of them for None)."""
+        if wanted is None:
+            return np.arange(len(held))
+        where = {u: i for i, u in enumerate(held)}
+        missing = [u for u in wanted if u not in where]
+        if missing:
+            raise ValueError(f"units {missing} are not held here ({list(held)})")
+        return np.array([where[u] for u in wanted], np.int64)
+
+    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
+        """Partial MLP output, (seq, hidden), of this device's neuron groups, or of the `groups`
+        among them."""
         x_norm = np.asarray(x_norm, np.float32)
         m = self.mlp_parts[layer]
-        if m is None:
+        if m is None or (groups is not None and not len(groups)):
             return np.zeros((x_norm.shape[0], self.config.hidden), np.float32)
-        act = silu(x_norm @ m.w_gate.T) * (x_norm @ m.w_up.T)
-        return act @ m.w_down.T
+        if groups is None:
+            gate, up, down = m.w_gate, m.w_up, m.w_down
+        else:
+            held, size, ffn = self.spec.mlp_groups[layer], self.spec.group_size, self.config.ffn
+            starts = np.cumsum([0] + [min(size, ffn - g * size) for g in held])  # row offset of each held group
+            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in self._local(held, groups)])
+            gate, up, down = m.w_gate[rows], m.w_up[rows], m.w_down[:, rows]
+        act = silu(x_norm @ gate.T) * (x_norm @ up.T)
+        return act @ down.T
 
     def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(vocabulary indices, logits (seq, len(indices))) of this device's LM-head blocks, for
