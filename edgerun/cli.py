@@ -288,28 +288,21 @@ def cmd_master(args: argparse.Namespace) -> None:
     if args.expect < 0:
         raise EdgerunError("--expect must be 0 or more")
     model = load_model(args.model)
-    unit_order = None
-    if args.mapping == "static":
-        from edgerun.net.wire import Block
+    predictors = None
+    if args.mapping != "index":
         from edgerun.sap.predictor import PredictorSet, default_path
-        from edgerun.tp.master import UnitOrder
 
         path = args.sap or default_path(model.path)
         if not path.exists():
-            raise EdgerunError(f"--mapping static needs predictors at {path}: run `edgerun sap calibrate` and "
-                               "`edgerun sap train`, or give --sap FILE")
-        sap = PredictorSet.load(path)
-        if sap.group_size != args.group_size:
-            raise EdgerunError(f"{path} ranks groups of {sap.group_size}, not --group-size {args.group_size}")
-        c = model.config
-        unit_order = UnitOrder(sap.static_order(Block.ATTN, c.n_layers, c.n_kv_heads),
-                               sap.static_order(Block.MLP, c.n_layers, -(-c.ffn // args.group_size)))
+            raise EdgerunError(f"--mapping {args.mapping} needs predictors at {path}: run `edgerun sap calibrate` "
+                               "and `edgerun sap train`, or give --sap FILE")
+        predictors = PredictorSet.load(path)
     master = Master(model, _cluster_key(args), strategy=args.plan, host=args.host, port=args.port,
                     transport=args.transport, codec=Codec[args.codec.upper()],
                     timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                     rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
-                    parity=args.parity, unit_order=unit_order,
+                    parity=args.parity, mapping=args.mapping, predictors=predictors,
                     log=lambda m: print(f"[master] {m}", file=sys.stderr, flush=True))
     print(f"[master] listening on port {master.port}; waiting for {args.expect} node(s)", file=sys.stderr, flush=True)
     try:
@@ -568,10 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
     _rto_min_arg(p)
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
-    p.add_argument("--mapping", choices=("index", "static"), default="index",
-                   help="which units the most reliable devices compute: index (unit order) or static (the "
-                        "calibration's most important units, from the predictor file; default: index)")
-    p.add_argument("--sap", type=Path, default=None, help="predictor file for --mapping static "
+    p.add_argument("--mapping", choices=("index", "static", "dynamic"), default="index",
+                   help="which units the most reliable devices compute: index (unit order), static (the "
+                        "calibration's most important ones) or dynamic (re-ranked by the predictors every token; "
+                        "every device then holds the whole model; default: index)")
+    p.add_argument("--sap", type=Path, default=None, help="predictor file for --mapping static or dynamic "
                    "(default: MODEL.sap.npz)")
     _blas_threads_arg(p, DEFAULT_THREADS)
     p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")

@@ -18,7 +18,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,11 +42,13 @@ from edgerun.net.wire import (
     is_parity,
     seal,
 )
+from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
 from edgerun.tp.node import uses_reliable
-from edgerun.tp.shard import Shard, ShardSpec
+from edgerun.tp.shard import Shard, ShardSpec, full_spec
 
+MAPPINGS = ("index", "static", "dynamic")
 NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
 BW_PROBE_BYTES = 2 * 1024 * 1024
 # Inputs of this many recent positions are kept for nodes that missed one and fetch it: a node may
@@ -136,6 +138,7 @@ class NodeConn:
     last_heard: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
     spec: ShardSpec | None = None
+    priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None  # dynamic mapping
     rejected: int = 0  # packets the node refused, as its last heartbeat said
     link: Link | None = None  # measured when it joined
     arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the master sent
@@ -200,6 +203,14 @@ class _Wait:
 
 
 @dataclass(frozen=True)
+class Assignment:
+    """Dynamic mapping of one block at one position."""
+
+    ranking: tuple[int, ...]  # units from the most to the least important (priority index -> unit)
+    units: dict[str, tuple[int, ...]]  # device name -> the units it was handed
+
+
+@dataclass(frozen=True)
 class UnitOrder:
     """Per layer, the unit at each priority index (priority 0: the most important). The plan gives
     the most reliable devices the lowest priority indices (HALO Alg. 3)."""
@@ -211,6 +222,26 @@ class UnitOrder:
     def index(cls, n_layers: int, attn_units: int, groups: int) -> UnitOrder:
         """Priority p is unit p: no knowledge of importance."""
         return cls((tuple(range(attn_units)),) * n_layers, (tuple(range(groups)),) * n_layers)
+
+
+def unit_order_for(model: Model, sha256: str, mapping: str, predictors: PredictorSet | None,
+                   group_size: int) -> UnitOrder:
+    """The priority order of units: by index, or by the calibration's average importance."""
+    c = model.config
+    groups = -(-c.ffn // group_size)
+    if mapping not in MAPPINGS:
+        raise EdgerunError(f"unknown mapping {mapping!r} ({', '.join(MAPPINGS)})")
+    if mapping == "index":
+        return UnitOrder.index(c.n_layers, c.n_kv_heads, groups)
+    if predictors is None:
+        raise EdgerunError(f"mapping {mapping} needs predictors: run `edgerun sap calibrate` and `edgerun sap train`")
+    if predictors.model_sha256 != sha256:
+        raise EdgerunError(f"the predictors were trained on another model ({predictors.model_sha256[:12]}, not "
+                           f"{sha256[:12]}): calibrate and train on this one")
+    if predictors.group_size != group_size:
+        raise EdgerunError(f"the predictors rank groups of {predictors.group_size}, not {group_size}")
+    return UnitOrder(predictors.static_order(Block.ATTN, c.n_layers, c.n_kv_heads),
+                     predictors.static_order(Block.MLP, c.n_layers, groups))
 
 
 def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int, order: UnitOrder) -> ShardSpec:
@@ -238,19 +269,22 @@ class Master:
                  transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
-                 timeout_deviations: float = 4.0, parity: bool = True, unit_order: UnitOrder | None = None,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 timeout_deviations: float = 4.0, parity: bool = True, mapping: str = "index",
+                 predictors: PredictorSet | None = None, log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
         self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
         self.parity = parity  # a parity fragment after every vector sent over UDP, both ways
-        c = model.config
-        self.unit_order = unit_order or UnitOrder.index(c.n_layers, c.n_kv_heads, -(-c.ffn // group_size))
+        self.mapping, self.predictors = mapping, predictors
+        self.model_sha256 = model_sha256(model.path)
+        self.unit_order = unit_order_for(model, self.model_sha256, mapping, predictors, group_size)
+        # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
+        self.assignments: dict[tuple[int, int, int, int], Assignment] = {}
+        self.own_priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = ((), ())
         self.budget_mb, self.speed = budget_mb, speed
         self.group_size, self.vocab_block = group_size, vocab_block
         self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000, timeout_deviations)
         self.log = log
-        self.model_sha256 = model_sha256(model.path)
         self.model_server = ModelServer(model.path, self.model_sha256, host)
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on the event loop's endpoint
         self.counters = Counters()
@@ -331,11 +365,11 @@ class Master:
             node.rejected = int(message.get("rejected", 0))
         elif op == "fetch":
             key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
-            data = self.recent_inputs.get(key)
-            if data is None:  # not sent yet (or long gone): answered when it is sent
+            kept = self.recent_inputs.get(key)
+            if kept is None:  # not sent yet (or long gone): answered when it is sent
                 self.pending_fetch.setdefault(key, []).append(node)
             else:
-                self._send_input(node, key, data)
+                self._send_input(node, key, *kept)
         elif op == "partial":
             key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
             w = self.wait
@@ -345,11 +379,14 @@ class Master:
             else:
                 self.stats.late_packets += 1
 
-    def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes) -> None:
+    def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes,
+                    ranking: tuple[int, ...] | None) -> None:
         session, position, layer, block = key
+        message = {"op": "input", "session": session, "position": position, "layer": layer, "block": block}
+        if ranking is not None:
+            message["ranking"] = list(ranking)
         with contextlib.suppress(OSError, ConnectionError):
-            node.channel.send({"op": "input", "session": session, "position": position, "layer": layer,
-                               "block": block}, data)
+            node.channel.send(message, data)
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
         if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
@@ -457,18 +494,26 @@ class Master:
                                f"{', '.join(o.name for o in plan.oom_devices)}")
         self.session += 1
         self.plan = plan
-        self.shard = Shard(self.model.config, self.model.weights,
-                           spec_for_device(plan, 0, self.group_size, self.vocab_block, self.unit_order), self.max_len)
+        own = spec_for_device(plan, 0, self.group_size, self.vocab_block, self.unit_order)
+        if self.mapping == "dynamic":  # every device holds every unit and computes those it is handed
+            full = full_spec(self.model.config, self.group_size, self.vocab_block)
+            own = replace(full, vocab_blocks=own.vocab_blocks)
+            self.own_priorities = (tuple(layer[0] for layer in plan.attn), tuple(layer[0] for layer in plan.mlp))
+        self.shard = Shard(self.model.config, self.model.weights, own, self.max_len)
         rto_min = tcp_rto_min_ms(self.transport, self.rto_min_override)
         for i, node in enumerate(alive, start=1):
             node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block, self.unit_order)
+            node.priorities = ((tuple(layer[i] for layer in plan.attn), tuple(layer[i] for layer in plan.mlp))
+                               if self.mapping == "dynamic" else None)
             node.channel.set_rto_min(rto_min)
             node.index = i
             node.arrival, node.lag = ArrivalEstimator(), ArrivalEstimator()  # a new share takes another time
             node.ready.clear()
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
-                               "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": self.parity})
+                               "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": self.parity,
+                               "priorities": None if node.priorities is None else
+                               {"attn": node.priorities[0], "mlp": node.priorities[1]}})
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
@@ -489,14 +534,29 @@ class Master:
         self.position = 0
 
     def _participants(self, layer: int, block: Block) -> list[NodeConn]:
-        def holds(spec: ShardSpec) -> bool:
+        def holds(node: NodeConn) -> bool:
             if block == Block.HEAD:
-                return bool(spec.vocab_blocks)
-            return bool((spec.attn_units if block == Block.ATTN else spec.mlp_groups)[layer])
+                return bool(node.spec.vocab_blocks)
+            if node.priorities is not None:
+                return bool(node.priorities[0 if block == Block.ATTN else 1][layer])
+            return bool((node.spec.attn_units if block == Block.ATTN else node.spec.mlp_groups)[layer])
 
-        return [n for n in self.nodes if n.alive and n.spec is not None and holds(n.spec)]
+        return [n for n in self.nodes if n.alive and n.spec is not None and holds(n)]
 
-    async def _block(self, layer: int, block: Block, x: np.ndarray, start: int) -> np.ndarray:
+    def _rank(self, layer: int, block: Block, previous_input: np.ndarray | None) -> tuple[int, ...] | None:
+        """Dynamic mapping: the block's units from the most to the least important, predicted from
+        the attention input one layer ahead (HALO's Pred); the static order where there is none.
+        A multi-token step takes one ranking, from the predictions' mean over its tokens."""
+        if self.mapping != "dynamic":
+            return None
+        order = self.unit_order.attn[layer] if block == Block.ATTN else self.unit_order.mlp[layer]
+        if layer == 0 or previous_input is None:
+            return order
+        scores = self.predictors.predict(layer, block, previous_input).mean(axis=0)
+        return tuple(int(u) for u in np.argsort(-scores, kind="stable"))
+
+    async def _block(self, layer: int, block: Block, x: np.ndarray, start: int,
+                     ranking: tuple[int, ...] | None = None) -> np.ndarray:
         """This block's output: the master's share plus every node's partial that arrived in time."""
         loop = asyncio.get_running_loop()
         seq = x.shape[0]
@@ -504,25 +564,32 @@ class Master:
         nodes = self._participants(layer, block)
         reliable = uses_reliable(self.transport, layer, block, seq)
         data = np.ascontiguousarray(x, "<f4").tobytes()
-        self.recent_inputs[key] = data
+        self.recent_inputs[key] = (data, ranking)
         for node in self.pending_fetch.pop(key, []):
-            self._send_input(node, key, data)
+            self._send_input(node, key, data, ranking)
+        own_units = None
+        if ranking is not None:
+            kind = 0 if block == Block.ATTN else 1
+            own_units = tuple(ranking[p] for p in self.own_priorities[kind][layer])
+            self.assignments[key] = Assignment(ranking, {"master": own_units} | {
+                n.name: tuple(ranking[p] for p in n.priorities[kind][layer]) for n in nodes})
         sent = time.perf_counter()
         w = self.wait = _Wait(key, {n.index: None if reliable else Reassembly(seq * self.model.config.hidden)
                                     for n in nodes}, loop.create_future(), sent, len(nodes))
         if reliable:
             for node in nodes:
-                self._send_input(node, key, data)
+                self._send_input(node, key, data, ranking)
         elif nodes:  # every node gets the same datagrams: encode and seal them once
             header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0, codec=self.codec, flags=seq)
-            datagrams = fragment(header, x.reshape(-1), self.key, parity=self.parity)
+            datagrams = fragment(header, x.reshape(-1), self.key, parity=self.parity,
+                                 prefix=b"" if ranking is None else bytes(ranking))
             for node in nodes:
                 self.udp.send_all(datagrams, (node.host, node.udp_port))
         compute_start = time.perf_counter()
         if block == Block.ATTN:
-            out = self.shard.attention(layer, x, start)
+            out = self.shard.attention(layer, x, start, units=own_units)
         elif block == Block.MLP:
-            out = self.shard.mlp(layer, x)
+            out = self.shard.mlp(layer, x, groups=own_units)
         else:
             out = None
         wait_start = time.perf_counter()
@@ -573,13 +640,19 @@ class Master:
         x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
         start = self.position
         weights = self.model.weights
+        previous_input = None  # the attention input of the layer before, which the predictors read
         for layer in range(c.n_layers):
             lw = weights.layers[layer]
-            x = x + await self._block(layer, Block.ATTN, rms_norm(x, lw.attn_norm, c.norm_eps), start)
-            x = x + await self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start)
+            attn_input = rms_norm(x, lw.attn_norm, c.norm_eps)
+            attn_ranking = self._rank(layer, Block.ATTN, previous_input)
+            mlp_ranking = self._rank(layer, Block.MLP, previous_input)
+            x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking)
+            x = x + await self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start, mlp_ranking)
+            previous_input = attn_input
         self.position = start + len(tokens)
         oldest = self.position - KEPT_POSITIONS
         self.recent_inputs = {k: v for k, v in self.recent_inputs.items() if k[1] >= oldest}
+        self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
         return await self._block(0, Block.HEAD, rms_norm(x[-1:], weights.output_norm, c.norm_eps), start)
 
     async def _generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler, stop_ids: frozenset[int],

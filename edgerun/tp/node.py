@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUd
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import PROBE_FLAG, Added, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
-from edgerun.tp.shard import Shard, ShardSpec
+from edgerun.tp.shard import Shard, ShardSpec, full_spec
 
 HEARTBEAT_S = 0.5
 
@@ -48,11 +48,19 @@ def shard_spec_from_json(data: dict) -> ShardSpec:
                      vocab_block=int(data["vocab_block"]))
 
 
+def valid_ranking(ranking: bytes | list | tuple | None, units: int) -> tuple[int, ...] | None:
+    """A block's unit ranking if it is a permutation of its units, else None."""
+    if ranking is None or len(ranking) != units or sorted(int(u) for u in ranking) != list(range(units)):
+        return None
+    return tuple(int(u) for u in ranking)
+
+
 @dataclass
 class _Input:
     reassembly: Reassembly
     fetched: bool = False
     full: np.ndarray | None = None  # set when it came whole over TCP
+    ranking: tuple[int, ...] | None = None  # dynamic mapping: the unit at each priority index, if it came over TCP
 
     def value(self) -> np.ndarray | None:
         if self.full is not None:
@@ -83,6 +91,9 @@ class Node:
         self.codec = Codec.F32
         self.transport = "udp"
         self.parity = False  # send a parity fragment after every partial (the master says)
+        # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
+        # per block, the units the master's ranking puts at those indices. None: static shares.
+        self.priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
@@ -120,6 +131,9 @@ class Node:
             message, payload = await self.channel.receive()
             if message["op"] == "assign":  # loading a share takes a while: keep the loop (heartbeats) going
                 spec = shard_spec_from_json(message["spec"])
+                if message.get("priorities") is not None:  # dynamic mapping: hold every unit
+                    full = full_spec(self.model.config, spec.group_size, spec.vocab_block)
+                    spec = replace(full, vocab_blocks=spec.vocab_blocks)
                 shard = await loop.run_in_executor(None, Shard, self.model.config, self.model.weights, spec,
                                                    int(message["max_len"]))
                 self._assign(message, spec, shard)
@@ -148,6 +162,10 @@ class Node:
         self.codec = Codec(message["codec"])
         self.transport = message["transport"]
         self.parity = bool(message.get("parity", False))
+        priorities = message.get("priorities")
+        self.priorities = None if priorities is None else (
+            tuple(tuple(int(p) for p in layer) for layer in priorities["attn"]),
+            tuple(tuple(int(p) for p in layer) for layer in priorities["mlp"]))
         self.master_udp_port = int(message["udp_port"])
         rto_min = message.get("rto_min_ms")
         self.channel.set_rto_min(None if rto_min is None else float(rto_min))
@@ -165,6 +183,7 @@ class Node:
             entry = self._entry(header, vector.size)
             if entry is not None:
                 entry.full = vector
+                entry.ranking = valid_ranking(message.get("ranking"), self._units(Block(header.block)))
                 self._take(header.position, header.layer, Block(header.block), entry)
         elif op == "ping":
             self.channel.send({"op": "pong", "seq": message["seq"]})
@@ -184,6 +203,14 @@ class Node:
         """Where an input falls in the master's sending order: the LM head comes after every layer."""
         return position, self.model.config.n_layers if block == Block.HEAD else layer, block
 
+    def _units(self, block: Block) -> int:
+        c = self.model.config
+        return c.n_kv_heads if block == Block.ATTN else -(-c.ffn // self.spec.group_size)
+
+    def _prefix(self, block: int) -> int:
+        """Bytes of unit ranking before each activation fragment's vector."""
+        return self._units(Block(block)) if self.priorities is not None and block != Block.HEAD else 0
+
     def _entry(self, header: Header, total: int) -> _Input | None:
         """The input record for a header of the current session (created on first sight)."""
         if header.session != self.session or self.shard is None:
@@ -191,7 +218,7 @@ class Node:
         key = (header.session, header.position, header.layer, header.block)
         entry = self.inputs.get(key)
         if entry is None:
-            entry = self.inputs[key] = _Input(Reassembly(total))
+            entry = self.inputs[key] = _Input(Reassembly(total, prefix=self._prefix(header.block)))
         order = self._order(header.position, header.layer, header.block)
         if order > self.latest_seen:
             new_step = order[0] > self.latest_seen[0]
@@ -229,7 +256,7 @@ class Node:
         key = (self.session, position, layer, int(block))
         if block != Block.ATTN:  # stateless: compute now; the entry stays till the step ends, so a parity
             # fragment that comes after the data finds it complete instead of starting it anew
-            self._compute_and_send(position, layer, block, entry.value())
+            self._compute_and_send(position, layer, block, entry.value(), ranking=self._ranking(entry, block))
             return
         lengths = self.shard.lengths
         if position < lengths[layer]:  # already cached (a copy that came both ways)
@@ -240,7 +267,8 @@ class Node:
             if x is None:
                 return
             del self.inputs[key]
-            self._compute_and_send(position, layer, block, x, output=not entry.fetched)
+            self._compute_and_send(position, layer, block, x, output=not entry.fetched,
+                                   ranking=self._ranking(entry, block))
             position = lengths[layer]
             key = (self.session, position, layer, int(block))
 
@@ -267,14 +295,31 @@ class Node:
         self.inputs = {k: v for k, v in self.inputs.items()
                        if (k[1] >= lengths[k[2]] if k[3] == Block.ATTN else k[1] >= now)}
 
-    def _compute_and_send(self, position: int, layer: int, block: Block, x: np.ndarray, output: bool = True) -> None:
+    def _ranking(self, entry: _Input, block: Block) -> tuple[int, ...] | None:
+        if self.priorities is None or block == Block.HEAD:
+            return None
+        if entry.ranking is not None:
+            return entry.ranking
+        return valid_ranking(entry.reassembly.prefix_bytes, self._units(block))
+
+    def _compute_and_send(self, position: int, layer: int, block: Block, x: np.ndarray, output: bool = True,
+                          ranking: tuple[int, ...] | None = None) -> None:
         x = x.reshape(-1, self.model.config.hidden)
+        units = None
+        if self.priorities is not None and block != Block.HEAD:
+            if ranking is None:  # a forged or garbled ranking: compute only the cache, send nothing
+                self.counters.reject("ranking")
+                output = False
+            else:
+                units = [ranking[p] for p in self.priorities[0 if block == Block.ATTN else 1][layer]]
         if block == Block.ATTN:
-            out = self.shard.attention(layer, x, position, output=output)
+            out = self.shard.attention(layer, x, position, output=output, units=units)
             if out is None:
                 return
         elif block == Block.MLP:
-            out = self.shard.mlp(layer, x)
+            if not output:
+                return
+            out = self.shard.mlp(layer, x, groups=units)
         else:
             _, out = self.shard.logits(x[-1:])
         if uses_reliable(self.transport, layer, block, x.shape[0]):
