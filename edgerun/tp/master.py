@@ -519,6 +519,9 @@ class Master:
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
         self.log(f"plan {self.strategy}: " + ", ".join(
             f"{name} {mem / 1e6:.1f} MB" for name, mem in zip(plan.devices, plan.memory_bytes, strict=True)))
+        if self.mapping == "dynamic":
+            self.log(f"dynamic mapping: every device holds every unit ({self.shard.weight_bytes / 1e6:.0f} MB of "
+                     "float32 weights) and computes the share above of the units ranked for each token")
         return plan
 
     # --- generation (on the loop thread) ------------------------------------------------------------
