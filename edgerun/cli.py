@@ -268,26 +268,81 @@ def cmd_node(args: argparse.Namespace) -> None:
     _limit_blas_threads(args.threads)
     from edgerun.tp.node import run_node
 
-    master = _host_port(args.master)
     if args.memory_budget <= 0 or args.speed <= 0:
         raise EdgerunError("--memory-budget and --speed must be positive")
+    name = args.name or f"node-{os.getpid()}"
+    if args.mode == "pp":
+        import asyncio
+
+        from edgerun.pp.worker import PipelineWorker
+
+        url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
+        worker = PipelineWorker(url, _cluster_key(args), name, args.memory_budget, args.speed, args.threads,
+                                log=lambda m: print(m, file=sys.stderr, flush=True))
+        try:
+            asyncio.run(worker.run())
+        except OSError as e:
+            raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
+        return
+    master = _host_port(args.master)
     try:
-        run_node(master, args.model, _cluster_key(args), args.name or f"node-{os.getpid()}", args.memory_budget,
-                 args.speed, _loss(args))
+        run_node(master, args.model, _cluster_key(args), name, args.memory_budget, args.speed, _loss(args))
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
+
+
+def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
+    """Generate for --prompt, or for each line of stdin, streaming tokens; `generate(ids, on_token)`
+    returns the tokens and a line of statistics."""
+    prompts = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in sys.stdin)
+    tok = model.tokenizer
+    for text in prompts:
+        if not text.strip():
+            continue
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": text}])
+        stream = tok.stream_decoder()
+
+        def emit(token: int, stream=stream) -> None:
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+
+        start = time.perf_counter()
+        tokens, stats = generate(tok.encode(text), emit)
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[master] {len(tokens)} tokens in {time.perf_counter() - start:.2f} s; {stats}", file=sys.stderr)
 
 
 def cmd_master(args: argparse.Namespace) -> None:
     _limit_blas_threads(args.threads)
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler, SamplingParams
-    from edgerun.net.wire import Codec
-    from edgerun.tp.master import Master
 
     if args.expect < 0:
         raise EdgerunError("--expect must be 0 or more")
     model = load_model(args.model)
+    params = SamplingParams(args.temperature, seed=args.seed)
+    log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.plan == "dp":
+        from edgerun.pp.master import PipelineMaster
+
+        pipeline = PipelineMaster(model, _cluster_key(args), host=args.host, port=args.port,
+                                  max_len=args.max_context, log=log)
+        log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
+            f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
+        try:
+            pipeline.wait_for_workers(args.expect)
+            pipeline.start()
+            _serve_prompts(args, model, lambda ids, emit: (
+                pipeline.generate(ids, args.max_tokens, params, model.tokenizer.stop_ids, emit),
+                f"state {pipeline.state}, {len(pipeline.recovery_seconds)} recoveries"))
+        finally:
+            pipeline.close()
+        return
+
+    from edgerun.net.wire import Codec
+    from edgerun.tp.master import Master
+
     predictors = None
     if args.mapping != "index":
         from edgerun.sap.predictor import PredictorSet, default_path
@@ -302,34 +357,20 @@ def cmd_master(args: argparse.Namespace) -> None:
                     timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                     rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
-                    parity=args.parity, mapping=args.mapping, predictors=predictors,
-                    log=lambda m: print(f"[master] {m}", file=sys.stderr, flush=True))
-    print(f"[master] listening on port {master.port}; waiting for {args.expect} node(s)", file=sys.stderr, flush=True)
+                    parity=args.parity, mapping=args.mapping, predictors=predictors, log=log)
+    log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
+
+    def run(ids: list[int], emit) -> tuple[list[int], str]:
+        tokens = master.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, on_token=emit)
+        s = master.stats
+        return tokens, (f"compute {s.compute_s:.2f} s, waiting {s.wait_s:.2f} s; {s.blocks_incomplete} of "
+                        f"{s.blocks} blocks incomplete, {s.late_packets} late packets, {master.counters.total()} "
+                        "rejected")
+
     try:
         master.wait_for_nodes(args.expect)
         master.replan()
-        prompts = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in sys.stdin)
-        tok = model.tokenizer
-        for text in prompts:
-            if not text.strip():
-                continue
-            if args.chat:
-                text = tok.apply_chat_template([{"role": "user", "content": text}])
-            stream = tok.stream_decoder()
-
-            def emit(token: int, stream=stream) -> None:
-                sys.stdout.write(stream.push(token))
-                sys.stdout.flush()
-
-            start = time.perf_counter()
-            tokens = master.generate(tok.encode(text), args.max_tokens, Sampler(SamplingParams(args.temperature,
-                                     seed=args.seed)), tok.stop_ids, on_token=emit)
-            sys.stdout.write(stream.flush() + "\n")
-            elapsed = time.perf_counter() - start
-            s = master.stats
-            print(f"[master] {len(tokens)} tokens in {elapsed:.2f} s; compute {s.compute_s:.2f} s, waiting "
-                  f"{s.wait_s:.2f} s; {s.blocks_incomplete} of {s.blocks} blocks incomplete, {s.late_packets} late "
-                  f"packets, {master.counters.total()} rejected", file=sys.stderr)
+        _serve_prompts(args, model, run)
     finally:
         master.close()
 
@@ -550,8 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Wait for --expect nodes, plan who computes which attention units and MLP "
                                    "neuron groups, then generate: from --prompt, or one prompt per line of stdin.")
     _model_arg(p)
-    p.add_argument("--plan", choices=PLANS[:-1], default="halo", help="tensor-parallel planner (default: halo)")
-    p.add_argument("--expect", type=int, default=1, help="nodes to wait for (default: 1)")
+    p.add_argument("--plan", choices=PLANS, default="halo", help="tensor-parallel planner, or dp: pipeline layer "
+                   "ranges over WebSocket workers and browser pages (default: halo)")
+    p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=7000, help="TCP port nodes connect to (default: 7000)")
     p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
@@ -577,10 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_args(p)
     p.set_defaults(func=cmd_master)
 
-    p = sub.add_parser("node", help="serve as one device of a tensor-parallel cluster",
-                       description="Join a master, load the share of the model it assigns from the local model "
-                                   "file, and compute it for every token until the master shuts down.")
-    p.add_argument("--master", required=True, help="HOST:PORT of the master")
+    p = sub.add_parser("node", help="serve as one device of a tensor-parallel or pipeline cluster",
+                       description="Join a master and compute what it assigns until it shuts down: with --mode tp, "
+                                   "a share of every layer from the local model file; with --mode pp, a range of "
+                                   "layers as an ONNX stage downloaded from the master.")
+    p.add_argument("--master", required=True, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws)")
+    p.add_argument("--mode", choices=("tp", "pp"), default="tp",
+                   help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp)")
     _model_arg(p)
     p.add_argument("--name", default=None, help="node name (default: node-PID)")
     p.add_argument("--memory-budget", type=float, default=2048.0, help="MB this node may use (default: 2048)")

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edgerun.model.config import ModelConfig
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import StageSpec, cached_stage, kv_names
 
@@ -23,6 +24,50 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return so
 
 
+class StageSession:
+    """One stage graph (a layer range) in onnxruntime, with its layers' KV buffers bound as both past
+    and present, so the attention kernel appends in place. Used whole by OnnxEngine and per stage by
+    pipeline workers."""
+
+    def __init__(self, graph_dir: Path, config: ModelConfig, first_layer: int, end_layer: int, max_len: int,
+                 threads: int | None = None) -> None:
+        self.config, self.layers, self.max_len = config, range(first_layer, end_layer), max_len
+        self.session = ort.InferenceSession(str(Path(graph_dir) / "model.onnx"), session_options(threads),
+                                            providers=["CPUExecutionProvider"])
+        self.input_name = self.session.get_inputs()[0].name  # "input_ids" or "hidden"
+        self.output_name = self.session.get_outputs()[0].name  # "logits" or "hidden_out"
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every cached position."""
+        c = self.config
+        self.position = 0
+        shape = (1, c.n_kv_heads, self.max_len, c.head_dim)
+        self.binding = self.session.io_binding()
+        self.binding.bind_output(self.output_name)  # first, so it is output 0
+        for i in self.layers:
+            past_k, past_v, present_k, present_v = kv_names(i)
+            for past, present in ((past_k, present_k), (past_v, present_v)):
+                buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+                self.binding.bind_ortvalue_input(past, buffer)
+                self.binding.bind_ortvalue_output(present, buffer)
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """Run token ids (1, seq) or hidden states (1, seq, hidden) after the positions cached; return
+        the stage's output (a copy: onnxruntime reuses its buffer)."""
+        total = self.position + x.shape[1]
+        if total > self.max_len:
+            raise ValueError(f"context of {self.max_len} tokens exceeded")
+        dtype = np.int64 if self.input_name == "input_ids" else np.float32
+        self.binding.bind_cpu_input(self.input_name, np.ascontiguousarray(x, dtype))
+        self.binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        self.binding.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        self.binding.bind_output(self.output_name)  # allocated per run: its shape follows the step's length
+        self.session.run_with_iobinding(self.binding)
+        self.position = total
+        return self.binding.get_outputs()[0].numpy().copy()
+
+
 class OnnxEngine:
     """The whole model as one onnxruntime graph; KV buffers live in onnxruntime and are updated in place."""
 
@@ -35,34 +80,16 @@ class OnnxEngine:
         spec = StageSpec(0, model.config.n_layers, lm_head=True, accuracy_level=accuracy_level)
         graph_dir = cached_stage(model.path, model.config, model.weights, spec)
         self.weight_bytes = int(json.loads((graph_dir / "meta.json").read_text())["weight_bytes"])
-        self.session = ort.InferenceSession(str(Path(graph_dir) / "model.onnx"), session_options(threads),
-                                            providers=["CPUExecutionProvider"])
-        self.reset()
+        self.stage = StageSession(graph_dir, model.config, 0, model.config.n_layers, max_len, threads)
+
+    @property
+    def position(self) -> int:
+        return self.stage.position
 
     def reset(self) -> None:
-        c = self.config
-        self.position = 0
-        shape = (1, c.n_kv_heads, self.max_len, c.head_dim)
-        self.binding = self.session.io_binding()
-        self.binding.bind_output("logits")  # first, so it is output 0
-        for i in range(c.n_layers):
-            past_k, past_v, present_k, present_v = kv_names(i)
-            for past, present in ((past_k, present_k), (past_v, present_v)):
-                buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
-                # One buffer as both past and present: the attention kernel appends in place.
-                self.binding.bind_ortvalue_input(past, buffer)
-                self.binding.bind_ortvalue_output(present, buffer)
+        self.stage.reset()
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens after those already seen; return the last token's logits, (vocab,)."""
-        total = self.position + len(tokens)
-        if total > self.max_len:
-            raise ValueError(f"context of {self.max_len} tokens exceeded")
         hidden = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))[None]
-        self.binding.bind_cpu_input("hidden", np.ascontiguousarray(hidden, np.float32))
-        self.binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
-        self.binding.bind_cpu_input("total_seq_len", np.array(total, np.int32))
-        self.session.run_with_iobinding(self.binding)
-        self.position = total
-        # A copy: onnxruntime reuses the output buffer on the next run.
-        return self.binding.get_outputs()[0].numpy()[0, 0].copy()
+        return self.stage.run(hidden)[0, 0]

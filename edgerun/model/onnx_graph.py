@@ -1,7 +1,8 @@
 """Building ONNX graphs of a model, or of a contiguous range of its layers (a pipeline stage).
 
-A graph takes the embedded hidden state and per-layer KV buffers and returns either the next
-hidden state or, for the last stage, the logits of the last position. Attention is onnxruntime's
+A graph takes the embedded hidden state (or, for a first stage with `embed`, the token ids) and
+per-layer KV buffers, and returns either the next hidden state or, for the last stage, the logits
+of the last position. Attention is onnxruntime's
 GroupQueryAttention with RoPE inside it; the KV buffers are preallocated to the context length and
 bound as both the past and the present tensor, so a step writes only its new rows.
 Quantized matrices become MatMulNBits (4-bit or 8-bit codes with per-block scales), holding exactly
@@ -43,10 +44,13 @@ class StageSpec:
     end_layer: int  # exclusive
     lm_head: bool  # the stage ends with the final norm and the LM head
     accuracy_level: int = 0  # MatMulNBits: 0 computes in float32, 4 quantizes activations to int8
+    embed: bool = False  # the stage starts from token ids (input_ids) with the embedding inside
 
     def check(self, config: ModelConfig) -> None:
         if not 0 <= self.first_layer < self.end_layer <= config.n_layers:
             raise ValueError(f"layer range [{self.first_layer}, {self.end_layer}) outside 0..{config.n_layers}")
+        if self.embed and self.first_layer != 0:
+            raise ValueError("only the stage holding layer 0 can hold the embedding")
         if self.lm_head and self.end_layer != config.n_layers:
             raise ValueError("only the stage holding the last layer can hold the LM head")
 
@@ -176,6 +180,7 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
     g = _GraphWriter(out_dir / WEIGHTS_FILE)
     f32 = TensorProto.FLOAT
     inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "seq"]) if spec.embed else
         helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
         helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
@@ -187,6 +192,9 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
     eps = config.norm_eps
 
     residual, pending = "hidden", None
+    if spec.embed:  # float32 rows, exactly the reference's dequantized embedding
+        table = g.constant("token_embd", weights.token_embd.dequantize(), weight=True)
+        (residual,) = g.node("Gather", [table, "input_ids"], axis=0)
     for i in range(spec.first_layer, spec.end_layer):
         layer = weights.layers[i]
         past_k, past_v, present_k, present_v = kv_names(i)

@@ -313,3 +313,102 @@ def frame_length(prefix: bytes) -> int:
     if not HEADER.size + MAC_SIZE <= n <= MAX_FRAME:
         raise WireError(f"frame length {n} out of range")
     return n
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pipeline frames: one WebSocket binary message each, between the pipeline master and its workers
+# (native processes and browser pages alike, so the MAC is HMAC-SHA256, which browsers compute with
+# WebCrypto):
+#
+#     magic "EP" | version u8 | type u8 | request u32 | JSON length u32 | payload length u32
+#
+# then the JSON message, the payload (tensors' raw little-endian bytes, described in the JSON under
+# "tensors": {name: {"dtype", "shape", "offset", "bytes"}}), and 16 bytes of HMAC-SHA256 over all of it.
+
+PP_MAGIC = b"EP"
+PP_VERSION = 1
+PP_HEADER = struct.Struct("<2sBBIII")
+PP_MAX_FRAME = 256 * 1024 * 1024  # the largest message a master or worker accepts
+PP_DTYPES = {"float32": "<f4", "int64": "<i8", "int32": "<i4"}
+
+
+class PpMsg(IntEnum):
+    """The messages of seed 000 §4.4.2, plus ERROR (a worker's report of a failed request)."""
+
+    INIT = 1  # master -> worker: shared state; answered by CONNECT
+    CONNECT = 2  # worker -> master: name, memory, speed, capabilities, cached files
+    DOWNLOAD_LAYERS = 3  # master -> worker: fetch these files ahead of an assignment
+    LAYER_DOWNLOAD = 4  # worker -> master: one file fetched, and how long it took
+    PREPARE_MODEL = 5  # master -> worker: the stage's layer range and file URLs
+    PREPARE_DONE = 6
+    COMMIT_MODEL = 7  # master -> worker: load the stage (an inference session)
+    COMMIT_DONE = 8
+    COMPUTATION = 9  # master -> worker: input tensors of a forward pass
+    COMPUTATION_RESULT = 10  # worker -> master: output tensors (or the token id) and the time taken
+    INVALIDATE_CACHE = 11  # master -> worker: forget a request's KV cache
+    RELEASE_SESSION = 12  # master -> worker: drop the stage and every cache
+    ERROR = 13  # worker -> master: a message it could not carry out, and why
+
+
+def pp_mac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()[:MAC_SIZE]
+
+
+def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,
+             tensors: dict[str, np.ndarray] | None = None) -> bytes:
+    """A sealed pipeline frame; `tensors` travel in the payload, described in message["tensors"]."""
+    described, chunks, offset = {}, [], 0
+    for name, array in (tensors or {}).items():
+        dtype = str(array.dtype)
+        if dtype not in PP_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {dtype} does not travel (only {', '.join(PP_DTYPES)})")
+        raw = np.ascontiguousarray(array, PP_DTYPES[dtype]).tobytes()
+        described[name] = {"dtype": dtype, "shape": list(array.shape), "offset": offset, "bytes": len(raw)}
+        chunks.append(raw)
+        offset += len(raw)
+    text = json.dumps({**message, "tensors": described} if tensors else message, separators=(",", ":")).encode()
+    payload = b"".join(chunks)
+    body = PP_HEADER.pack(PP_MAGIC, PP_VERSION, kind, request, len(text), len(payload)) + text + payload
+    return body + pp_mac(key, body)
+
+
+def open_pp_frame(data: bytes, key: bytes) -> tuple[PpMsg, int, dict[str, Any], dict[str, np.ndarray]]:
+    """Check and split one pipeline frame; raise WireError for anything not to be trusted."""
+    if len(data) < PP_HEADER.size + MAC_SIZE:
+        raise WireError(f"frame too short ({len(data)} bytes)")
+    if len(data) > PP_MAX_FRAME:
+        raise WireError(f"frame of {len(data)} bytes exceeds {PP_MAX_FRAME}")
+    body, mac = data[:-MAC_SIZE], data[-MAC_SIZE:]
+    if not hmac.compare_digest(mac, pp_mac(key, body)):
+        raise WireError("bad MAC (wrong cluster key?)")
+    magic, version, kind, request, text_len, payload_len = PP_HEADER.unpack_from(body)
+    if magic != PP_MAGIC:
+        raise WireError("bad magic")
+    if version != PP_VERSION:
+        raise WireError(f"pipeline protocol version {version}, expected {PP_VERSION}")
+    if PP_HEADER.size + text_len + payload_len != len(body):
+        raise WireError("lengths do not match the frame")
+    try:
+        kind = PpMsg(kind)
+        message = json.loads(body[PP_HEADER.size:PP_HEADER.size + text_len])
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"bad frame: {str(e)[:80]}") from e
+    if not isinstance(message, dict):
+        raise WireError("the message is not a JSON object")
+    payload = body[PP_HEADER.size + text_len:]
+    tensors = {}
+    described = message.get("tensors", {})
+    if not isinstance(described, dict):
+        raise WireError("tensors must be described by name")
+    for name, d in described.items():
+        try:
+            dtype, shape, offset, size = PP_DTYPES[d["dtype"]], tuple(int(n) for n in d["shape"]), int(d["offset"]), \
+                int(d["bytes"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"tensor {name!r}: bad description") from e
+        count = int(np.prod(shape)) if shape else 1
+        if min(shape, default=0) < 0 or offset < 0 or size != count * np.dtype(dtype).itemsize or \
+                offset + size > len(payload):
+            raise WireError(f"tensor {name!r} does not fit the payload")
+        tensors[name] = np.frombuffer(payload, dtype, count, offset).reshape(shape)
+    return kind, request, message, tensors

@@ -1,0 +1,331 @@
+"""`edgerun master --plan dp`: pipeline-parallel generation over WebSocket workers.
+
+The master serves HTTP and WebSocket on one port: workers (native processes, browser pages) connect
+to `/ws`, download stage files from `/files/<sha256>`, and browsers load the node page from `/node`.
+It plans contiguous layer ranges with the DP planner (memory budgets are hard limits), hands each
+stage to a worker (PREPARE_MODEL, then COMMIT_MODEL), and relays every forward pass through the
+stages in turn; the last stage samples and returns only the token id.
+
+State (seed 000 §5.3): Down (no complete plan), Preparing (workers fetching files), Committing
+(workers loading sessions), Up (serving). When a worker leaves mid-request, the master replans over
+the workers left and re-prefills the prompt and the tokens generated so far; since every stage is
+deterministic and sampling is seeded per position, the output equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from edgerun.errors import EdgerunError
+from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import StageSpec, cached_stage
+from edgerun.model.sampling import SamplingParams
+from edgerun.net.channel import EventLoopThread
+from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
+from edgerun.sched.pp_plan import PPPlan, plan_pp
+from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
+
+CONNECT_TIMEOUT_S = 10.0
+PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
+COMPUTE_TIMEOUT_S = 120.0
+STATES = ("Down", "Preparing", "Committing", "Up")
+GREEDY = SamplingParams()
+
+
+class WorkerLost(Exception):
+    """A worker closed its connection or failed a request."""
+
+
+@dataclass
+class WorkerConn:
+    name: str
+    ws: ServerConnection
+    memory_mb: float
+    speed: float  # weight bytes per second
+    capabilities: dict[str, Any]
+    cached: set[str]
+    alive: bool = True
+    pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    served: int = 0  # forward passes answered
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class PipelineMaster:
+    def __init__(self, model: Model, key: bytes, host: str = "0.0.0.0", port: int = 0, max_len: int = 1024,
+                 objective: str = "sum", log: Callable[[str], None] = lambda _: None) -> None:
+        self.model, self.key, self.max_len, self.objective, self.log = model, key, max_len, objective, log
+        self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
+        self.workers: dict[str, WorkerConn] = {}
+        self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
+        self.plan: PPPlan | None = None
+        self.state = "Down"
+        self.recovery_seconds: list[float] = []  # from losing a worker to the next token, per recovery
+        self.requests = itertools.count(1)
+        self.membership = asyncio.Event()  # set whenever a worker joins or leaves
+        self.net = EventLoopThread()
+        self.server = self.net.run(self._listen(host, port))
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _listen(self, host: str, port: int):
+        return await serve(self._serve_worker, host, port, process_request=self._http, max_size=PP_MAX_FRAME,
+                           compression=None)
+
+    # --- HTTP: stage files ------------------------------------------------------------------------------
+    def _http(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == "/ws":
+            return None  # the WebSocket handshake goes on
+        if path.startswith("/files/") and path[len("/files/"):] in self.files:
+            body = self.files[path[len("/files/"):]].read_bytes()
+            return Response(200, "OK", Headers({"Content-Type": "application/octet-stream",
+                                                "Content-Length": str(len(body))}), body)
+        if path == "/status":
+            return connection.respond(HTTPStatus.OK, self.status_text())
+        return connection.respond(HTTPStatus.NOT_FOUND, f"nothing at {path}\n")
+
+    def status_text(self) -> str:
+        lines = [f"state {self.state}"]
+        stages = {s.worker: s for s in self.plan.stages} if self.plan else {}
+        for w in self.workers.values():
+            s = stages.get(w.name)
+            layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
+            lines.append(f"  {w.name}: {w.capabilities.get('kind', '?')}, {w.memory_mb:.0f} MB, {layers}, "
+                         f"{w.served} passes served")
+        return "\n".join(lines) + "\n"
+
+    # --- workers ------------------------------------------------------------------------------------------
+    async def _serve_worker(self, ws: ServerConnection) -> None:
+        worker = None
+        try:
+            await ws.send(pp_frame(PpMsg.INIT, 0, {"config": self.model.config.to_dict(), "max_len": self.max_len},
+                                   self.key))
+            kind, _, message, _ = open_pp_frame(await asyncio.wait_for(ws.recv(), CONNECT_TIMEOUT_S), self.key)
+            if kind != PpMsg.CONNECT:
+                raise WireError(f"expected CONNECT, got {kind.name}")
+            name = str(message["name"])
+            if name in self.workers and self.workers[name].alive:
+                raise WireError(f"a worker named {name} is already connected")
+            worker = WorkerConn(name, ws, float(message["memory_mb"]), float(message["speed"]),
+                                dict(message.get("capabilities", {})), set(message.get("cached", [])))
+            self.workers[name] = worker
+            self.log(f"worker {name} connected ({worker.capabilities.get('kind', '?')}, {worker.memory_mb:.0f} MB)")
+            self.membership.set()
+            async for data in ws:
+                if isinstance(data, bytes):
+                    self._reply(worker, data)
+        except (WireError, KeyError, ValueError, TypeError, TimeoutError, ConnectionClosed) as e:
+            self.log(f"worker {worker.name if worker else '?'} refused or lost: {e}")
+        finally:
+            if worker is not None:
+                worker.alive = False
+                for future in worker.pending.values():
+                    if not future.done():
+                        future.set_exception(WorkerLost(worker.name))
+                self.log(f"worker {worker.name} disconnected")
+                self.membership.set()
+
+    def _reply(self, worker: WorkerConn, data: bytes) -> None:
+        try:
+            kind, request, message, tensors = open_pp_frame(data, self.key)
+        except WireError as e:
+            self.log(f"worker {worker.name}: dropped a frame ({e})")
+            return
+        future = worker.pending.pop(request, None)
+        if kind == PpMsg.LAYER_DOWNLOAD:
+            worker.cached.add(str(message.get("sha256")))
+            if future is not None:
+                worker.pending[request] = future  # more downloads follow
+            return
+        if future is None or future.done():
+            return
+        if kind == PpMsg.ERROR:
+            self.log(f"worker {worker.name}: {message.get('error')}")
+            future.set_exception(WorkerLost(worker.name))
+        else:
+            future.set_result((kind, message, tensors))
+
+    async def _call(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any], expect: PpMsg, timeout: float,
+                    tensors: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        if not worker.alive:
+            raise WorkerLost(worker.name)
+        request = next(self.requests)
+        future = asyncio.get_running_loop().create_future()
+        worker.pending[request] = future
+        try:
+            await worker.ws.send(pp_frame(kind, request, message, self.key, tensors))
+            got, reply, out = await asyncio.wait_for(future, timeout)
+        except (ConnectionClosed, TimeoutError) as e:
+            raise WorkerLost(worker.name) from e
+        finally:
+            worker.pending.pop(request, None)
+        if got != expect:
+            raise WorkerLost(f"{worker.name} answered {got.name} to {kind.name}")
+        return reply, out
+
+    # --- planning --------------------------------------------------------------------------------------
+    def _devices(self) -> list[DeviceProfile]:
+        return [DeviceProfile(name=w.name, kind=str(w.capabilities.get("kind", "native")), cores=1,
+                              compute=Compute(0.0, w.speed), memory=Memory(w.memory_mb, w.memory_mb, w.memory_mb, 0.0),
+                              link=Link(1.0, 1000.0, 1000.0, 0.0))
+                for w in self.workers.values() if w.alive]
+
+    def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
+        """Build (or reuse) a stage's graph and register its files for download by sha256."""
+        directory = cached_stage(self.model.path, self.model.config, self.model.weights, spec)
+        files = []
+        for name in ("model.onnx", "weights.bin"):
+            path = directory / name
+            sha_file = directory / f"{name}.sha256"
+            if not sha_file.exists():
+                sha_file.write_text(_file_sha256(path))
+            sha = sha_file.read_text().strip()
+            self.files[sha] = path
+            files.append({"name": name, "sha256": sha})
+        return files
+
+    async def replan(self) -> PPPlan:
+        """Plan over the live workers, prepare and commit every stage; the state ends Up, or Down with
+        an EdgerunError when no plan fits."""
+        loop = asyncio.get_running_loop()
+        self.state = "Down"
+        devices = self._devices()
+        if not devices:
+            raise EdgerunError("no workers connected")
+        plan = await loop.run_in_executor(None, lambda: plan_pp(self.profile, devices, objective=self.objective))
+        if not plan.complete:
+            raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.profile.n_layers} layers "
+                               "within their memory budgets")
+        self.log("plan: " + ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages))
+        self.state = "Preparing"
+        last = self.model.config.n_layers
+        prepared = []
+        for s in plan.stages:
+            spec = StageSpec(s.first_layer, s.end_layer, lm_head=s.end_layer == last, embed=s.first_layer == 0)
+            files = await loop.run_in_executor(None, self._stage_files, spec)
+            worker = self.workers[s.worker]
+            stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
+            prepared.append(self._call(worker, PpMsg.PREPARE_MODEL, {"stage": stage, "files": files},
+                                       PpMsg.PREPARE_DONE, PREPARE_TIMEOUT_S))
+        await asyncio.gather(*prepared)
+        self.state = "Committing"
+        await asyncio.gather(*(self._call(self.workers[s.worker], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
+                                          PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S) for s in plan.stages))
+        self.plan, self.state = plan, "Up"
+        self.log("state Up")
+        return plan
+
+    # --- generation ------------------------------------------------------------------------------------
+    async def _forward(self, tokens: Sequence[int], position: int, sampling: dict[str, Any]) -> int:
+        """One pass through every stage; the last stage's sampled token."""
+        tensors = {"input_ids": np.asarray([tokens], np.int64)}
+        for i, s in enumerate(self.plan.stages):
+            worker = self.workers[s.worker]
+            last = i == len(self.plan.stages) - 1
+            message = {"position": position, **({"sampling": sampling} if last else {})}
+            reply, out = await self._call(worker, PpMsg.COMPUTATION, message, PpMsg.COMPUTATION_RESULT,
+                                          COMPUTE_TIMEOUT_S, tensors)
+            worker.served += 1
+            if last:
+                return int(reply["token"])
+            if "hidden" not in out:
+                raise WorkerLost(f"{worker.name} returned no hidden state")
+            tensors = {"hidden": out["hidden"]}
+        raise AssertionError("a plan has at least one stage")
+
+    async def _generate(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams,
+                        stop_ids: frozenset[int], on_token: Callable[[int], None] | None) -> list[int]:
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                    "seed": params.seed or 0}
+        tokens: list[int] = []
+        recoveries = 0
+        lost_at: float | None = None
+        while True:
+            try:
+                if self.state != "Up" or any(not self.workers[s.worker].alive for s in self.plan.stages):
+                    await self.replan()
+                context = list(prompt) + tokens
+                token = await self._forward(context, 0, sampling)
+                if lost_at is not None:  # recovered: the re-prefill produced the next token
+                    self.recovery_seconds.append(time.perf_counter() - lost_at)
+                    lost_at = None
+                position = len(context)
+                while True:
+                    if token in stop_ids:
+                        return tokens
+                    tokens.append(token)
+                    if on_token:
+                        on_token(token)
+                    if len(tokens) >= max_tokens:
+                        return tokens
+                    token = await self._forward([token], position, sampling)
+                    position += 1
+            except WorkerLost as e:
+                recoveries += 1
+                lost_at = lost_at or time.perf_counter()
+                self.log(f"worker {e} lost mid-request: replanning and re-prefilling {len(prompt) + len(tokens)} "
+                         "tokens")
+                self.state = "Down"
+                if recoveries > 8:
+                    raise EdgerunError("the pipeline keeps losing workers; giving up on this request") from e
+
+    # --- the blocking interface ------------------------------------------------------------------------
+    def wait_for_workers(self, n: int, timeout_s: float = 600.0) -> None:
+        async def wait() -> None:
+            while sum(w.alive for w in self.workers.values()) < n:
+                self.membership.clear()
+                await self.membership.wait()
+
+        try:
+            self.net.run(asyncio.wait_for(wait(), timeout_s))
+        except TimeoutError:
+            raise EdgerunError(f"only {sum(w.alive for w in self.workers.values())} of {n} workers connected "
+                               f"within {timeout_s:.0f} s") from None
+
+    def start(self) -> PPPlan:
+        """Plan and load the stages, retrying over the workers left while some fail."""
+        async def start() -> PPPlan:
+            while True:
+                try:
+                    return await self.replan()
+                except WorkerLost as e:
+                    self.log(f"worker {e} failed while loading; replanning")
+
+        return self.net.run(start())
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams = GREEDY,
+                 stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
+        if len(prompt) + max_tokens > self.max_len:
+            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.max_len}")
+        return self.net.run(self._generate(prompt, max_tokens, params, stop_ids, on_token))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for w in self.workers.values():
+                with contextlib.suppress(ConnectionClosed):
+                    await w.ws.close()
+            self.server.close()
+
+        self.net.run(stop())
+        self.net.stop()

@@ -1,0 +1,176 @@
+"""`edgerun node --mode pp`: a native pipeline worker.
+
+It connects to the master's WebSocket, says what it is (CONNECT), and then only reacts: it downloads
+the files of the stage it is given (named by sha256, cached across restarts), loads the stage into
+onnxruntime, and runs forward passes on what the master sends. A last stage samples the next token
+itself, so only the token id goes back. Sampling is seeded per position, so a request replayed after
+a recovery draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import websockets
+
+from edgerun.model.config import ModelConfig
+from edgerun.model.onnx_engine import StageSession
+from edgerun.model.onnx_graph import cache_root
+from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
+
+
+def files_dir() -> Path:
+    return cache_root() / "pp" / "files"
+
+
+def cached_files() -> list[str]:
+    d = files_dir()
+    return sorted(p.name for p in d.iterdir() if len(p.name) == 64) if d.is_dir() else []
+
+
+def download(base_url: str, sha256: str) -> tuple[Path, float, int]:
+    """The file with this sha256, from the cache or the master; (path, seconds, bytes fetched)."""
+    target = files_dir() / sha256
+    if target.is_file():
+        return target, 0.0, 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    partial = target.with_name(f".{sha256}.{os.getpid()}")
+    with urllib.request.urlopen(f"{base_url}/files/{sha256}", timeout=60) as response, open(partial, "wb") as out:
+        while chunk := response.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != sha256:
+        partial.unlink()
+        raise ValueError(f"file {sha256[:12]} arrived with another hash")
+    partial.rename(target)
+    return target, time.perf_counter() - start, target.stat().st_size
+
+
+@dataclass
+class _Stage:
+    first_layer: int
+    end_layer: int
+    lm_head: bool
+    directory: Path
+    session: StageSession | None = None
+
+
+class PipelineWorker:
+    def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
+                 log=print) -> None:
+        self.url, self.key, self.name = url, key, name
+        self.memory_mb, self.speed, self.threads = memory_mb, speed, threads
+        self.log = log
+        scheme, _, rest = url.partition("://")
+        self.base_url = f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}"  # files come over HTTP
+        self.config: ModelConfig | None = None
+        self.stage: _Stage | None = None
+        self.max_len = 0
+
+    async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
+        """Connect, retrying for `wait_s` while the master is not up yet."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await websockets.connect(self.url, max_size=PP_MAX_FRAME, compression=None)
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
+
+    async def run(self) -> None:
+        async with await self.connect() as ws:
+            self.ws = ws
+            async for data in ws:
+                if not isinstance(data, bytes):
+                    continue
+                try:
+                    kind, request, message, tensors = open_pp_frame(data, self.key)
+                except WireError as e:
+                    self.log(f"worker {self.name}: dropped a frame ({e})")
+                    continue
+                try:
+                    await self._handle(kind, request, message, tensors)
+                except Exception as e:  # onnxruntime raises its own kinds: report it, the master decides
+                    await self._send(PpMsg.ERROR, request, {"error": f"{type(e).__name__}: {e}"})
+
+    async def _send(self, kind: PpMsg, request: int, message: dict[str, Any],
+                    tensors: dict[str, np.ndarray] | None = None) -> None:
+        await self.ws.send(pp_frame(kind, request, message, self.key, tensors))
+
+    async def _handle(self, kind: PpMsg, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+        loop = asyncio.get_running_loop()
+        if kind == PpMsg.INIT:
+            self.config = ModelConfig(**message["config"])
+            await self._send(PpMsg.CONNECT, request, {
+                "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
+                "capabilities": {"kind": "native", "runtime": "onnxruntime"}, "cached": cached_files()})
+        elif kind == PpMsg.DOWNLOAD_LAYERS:
+            for sha in message["files"]:
+                _, seconds, size = await loop.run_in_executor(None, download, self.base_url, sha)
+                await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": sha, "seconds": seconds, "bytes": size})
+        elif kind == PpMsg.PREPARE_MODEL:
+            self._release()
+            stage = message["stage"]
+            directory = cache_root() / "pp" / "stages" / hashlib.sha256(
+                "".join(f["sha256"] for f in message["files"]).encode()).hexdigest()[:24]
+            directory.mkdir(parents=True, exist_ok=True)
+            for f in message["files"]:
+                path, _, _ = await loop.run_in_executor(None, download, self.base_url, f["sha256"])
+                link = directory / f["name"]
+                if not link.exists():
+                    link.symlink_to(path)
+            self.stage = _Stage(int(stage["first_layer"]), int(stage["end_layer"]), bool(stage["lm_head"]), directory)
+            await self._send(PpMsg.PREPARE_DONE, request, {})
+        elif kind == PpMsg.COMMIT_MODEL:
+            if self.stage is None:
+                raise ValueError("commit before prepare")
+            start = time.perf_counter()
+            self.max_len = int(message["max_len"])
+            s = self.stage
+            s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
+                                                   s.end_layer, self.max_len, self.threads)
+            await self._send(PpMsg.COMMIT_DONE, request, {"seconds": time.perf_counter() - start})
+        elif kind == PpMsg.COMPUTATION:
+            await self._compute(request, message, tensors)
+        elif kind == PpMsg.INVALIDATE_CACHE:
+            if self.stage is not None and self.stage.session is not None:
+                self.stage.session.reset()
+        elif kind == PpMsg.RELEASE_SESSION:
+            self._release()
+
+    def _release(self) -> None:
+        self.stage = None
+
+    async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+        s = self.stage
+        if s is None or s.session is None:
+            raise ValueError("no stage loaded")
+        position = int(message["position"])
+        if position == 0:
+            s.session.reset()
+        if position != s.session.position:
+            raise ValueError(f"input at position {position}, but the cache holds {s.session.position}")
+        x = tensors["input_ids"] if "input_ids" in tensors else tensors["hidden"]
+        start = time.perf_counter()
+        out = await asyncio.get_running_loop().run_in_executor(None, s.session.run, x)
+        seconds = time.perf_counter() - start
+        if s.lm_head:
+            p = message.get("sampling", {})
+            params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
+                                    top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)) + position + x.shape[1])
+            token = Sampler(params)(out[0, -1])
+            await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": token, "seconds": seconds})
+        else:
+            await self._send(PpMsg.COMPUTATION_RESULT, request, {"seconds": seconds}, {"hidden": out})
