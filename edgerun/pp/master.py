@@ -74,8 +74,10 @@ def _file_sha256(path: Path) -> str:
 
 class PipelineMaster:
     def __init__(self, model: Model, key: bytes, host: str = "0.0.0.0", port: int = 0, max_len: int = 1024,
-                 objective: str = "sum", log: Callable[[str], None] = lambda _: None) -> None:
+                 objective: str = "sum", max_frame: int = PP_MAX_FRAME,
+                 log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.max_len, self.objective, self.log = model, key, max_len, objective, log
+        self.max_frame = max_frame
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
         self.workers: dict[str, WorkerConn] = {}
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
@@ -89,7 +91,7 @@ class PipelineMaster:
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _listen(self, host: str, port: int):
-        return await serve(self._serve_worker, host, port, process_request=self._http, max_size=PP_MAX_FRAME,
+        return await serve(self._serve_worker, host, port, process_request=self._http, max_size=self.max_frame,
                            compression=None)
 
     # --- HTTP: stage files ------------------------------------------------------------------------------
@@ -184,6 +186,14 @@ class PipelineMaster:
             raise WorkerLost(f"{worker.name} answered {got.name} to {kind.name}")
         return reply, out
 
+    async def _expel(self, worker: WorkerConn, reason: str) -> None:
+        """Drop a worker that broke the protocol; the request then recovers without it."""
+        self.log(f"worker {worker.name} expelled: {reason}")
+        worker.alive = False
+        with contextlib.suppress(ConnectionClosed):
+            await worker.ws.close(1008, "protocol violation")
+        raise WorkerLost(worker.name)
+
     # --- planning --------------------------------------------------------------------------------------
     def _devices(self) -> list[DeviceProfile]:
         return [DeviceProfile(name=w.name, kind=str(w.capabilities.get("kind", "native")), cores=1,
@@ -248,9 +258,14 @@ class PipelineMaster:
                                           COMPUTE_TIMEOUT_S, tensors)
             worker.served += 1
             if last:
-                return int(reply["token"])
-            if "hidden" not in out:
-                raise WorkerLost(f"{worker.name} returned no hidden state")
+                token = reply.get("token")
+                if not isinstance(token, int) or not 0 <= token < self.model.config.vocab_size:
+                    await self._expel(worker, f"returned token {token!r}")
+                return token
+            expected = (1, len(tokens), self.model.config.hidden)
+            if "hidden" not in out or out["hidden"].shape != expected or out["hidden"].dtype != np.float32:
+                got = {k: v.shape for k, v in out.items()}
+                await self._expel(worker, f"returned {got} where a float32 hidden state of shape {expected} was due")
             tensors = {"hidden": out["hidden"]}
         raise AssertionError("a plan has at least one stage")
 

@@ -90,6 +90,13 @@ class PipelineWorker:
                 await asyncio.sleep(1.0)
 
     async def run(self) -> None:
+        """Serve until the master closes the connection."""
+        try:
+            await self._serve()
+        except websockets.ConnectionClosed as e:
+            self.log(f"worker {self.name}: the master closed the connection ({e})")
+
+    async def _serve(self) -> None:
         async with await self.connect() as ws:
             self.ws = ws
             async for data in ws:

@@ -1,0 +1,180 @@
+"""Pipeline mode end to end: a master in this process and native workers as real processes over
+WebSocket on loopback, checked against the single-process reference."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from edgerun.model.generate import ReferenceEngine, generate
+from edgerun.model.loader import Model, load_model
+from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net.wire import PP_HEADER, PpMsg, derive_key, open_pp_frame, pp_frame, pp_mac
+from edgerun.pp.master import PipelineMaster
+from edgerun.pp.worker import PipelineWorker
+
+SECRET = "pipeline-test"
+KEY = derive_key(SECRET)
+PROMPT = "The capital of France is"
+N_TOKENS = 64
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Stage graphs (master) and downloaded files (workers) in a fresh cache."""
+    old = os.environ.get("EDGERUN_CACHE")
+    os.environ["EDGERUN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["EDGERUN_CACHE"]
+    else:
+        os.environ["EDGERUN_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(model: Model) -> list[int]:
+    return generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS,
+                    Sampler(SamplingParams())).tokens
+
+
+def start_workers(port: int, budgets: list[float], prefix: str = "w") -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
+                              f"127.0.0.1:{port}", "--key", SECRET, "--name", f"{prefix}{i}", "--memory-budget",
+                              str(budget), "--threads", "1"], stderr=subprocess.DEVNULL)
+            for i, budget in enumerate(budgets)]
+
+
+@contextlib.contextmanager
+def pipeline(model: Model, budgets: list[float], **kwargs: object) -> Iterator[tuple[PipelineMaster, list]]:
+    logs: list[str] = []
+    master = PipelineMaster(model, KEY, host="127.0.0.1", port=0, max_len=256, log=logs.append, **kwargs)
+    master.logs = logs
+    workers = start_workers(master.port, budgets)
+    try:
+        master.wait_for_workers(len(budgets), timeout_s=120)
+        yield master, workers
+    finally:
+        master.close()
+        for p in workers:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("budgets, stages", [([80, 80], 2), ([50, 50, 50], 3)])
+def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_tokens: list[int],
+                                                      budgets: list[float], stages: int) -> None:
+    """The shipped model (126 MB by the planner's count) does not fit one worker's budget."""
+    with pipeline(model, budgets) as (master, _):
+        plan = master.start()
+        assert len(plan.stages) == stages and master.state == "Up"
+        assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
+        assert "layers" in master.status_text() and "state Up" in master.status_text()
+
+
+def test_killing_a_worker_mid_generation_recovers_identically(model: Model, reference_tokens: list[int]) -> None:
+    with pipeline(model, [80, 80, 80]) as (master, workers):
+        plan = master.start()
+        victim = workers[int(plan.stages[0].worker[1:])]
+
+        def kill_at_ten(_: int, seen: list[int] = []) -> None:  # noqa: B006 - a counter across calls
+            seen.append(1)
+            if len(seen) == 10:
+                victim.send_signal(signal.SIGKILL)
+
+        tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten)
+        assert tokens == reference_tokens
+        assert len(master.recovery_seconds) == 1 and master.state == "Up"
+        assert plan.stages[0].worker not in {s.worker for s in master.plan.stages}
+        print(f"recovered in {master.recovery_seconds[0]:.2f} s")
+
+
+class WrongShapeWorker(PipelineWorker):
+    """Loads its stage like any worker, then answers every computation with garbage."""
+
+    async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+        await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": 10**9, "seconds": 0.0},
+                         {"hidden": np.zeros((1, 3, 7), np.float32)})
+
+
+def test_bad_input_is_rejected_while_the_master_keeps_serving(model: Model, reference_tokens: list[int]) -> None:
+    with pipeline(model, [80, 80], max_frame=1 << 20) as (master, _):
+        url = f"ws://127.0.0.1:{master.port}/ws"
+        # An unauthenticated worker, a wrong protocol version, an oversized frame: refused with a reason.
+        with connect(url, max_size=None) as ws:
+            ws.recv()
+            ws.send(pp_frame(PpMsg.CONNECT, 0, {"name": "intruder", "memory_mb": 1e6, "speed": 1e12},
+                             derive_key("wrong secret")))
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+        with connect(url, max_size=None) as ws:
+            ws.recv()
+            frame = bytearray(pp_frame(PpMsg.CONNECT, 0, {"name": "future", "memory_mb": 1e6, "speed": 1e12}, KEY))
+            frame[2] = 9  # version
+            body = bytes(frame[:-16])
+            ws.send(body + pp_mac(KEY, body))
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+        with connect(url, max_size=None) as ws:
+            ws.recv()
+            with pytest.raises(ConnectionClosed):
+                ws.send(b"\0" * (2 << 20))
+                ws.recv(timeout=10)
+        assert {"intruder", "future"}.isdisjoint(master.workers)
+        assert any("bad MAC" in line for line in master.logs), master.logs
+        assert any("version 9" in line for line in master.logs), master.logs
+
+        # A worker that returns tensors of the wrong shape is expelled; the request recovers without it.
+        liar = WrongShapeWorker(url, KEY, "liar", 80, 1e12, 1, log=lambda _: None)
+        thread = threading.Thread(target=lambda: asyncio.run(liar.run()), daemon=True)
+        thread.start()
+        master.wait_for_workers(3, timeout_s=60)
+        master.start()
+        assert "liar" in {s.worker for s in master.plan.stages}  # the fastest: it gets a stage
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
+        assert "liar" not in {s.worker for s in master.plan.stages}
+        assert any("liar expelled" in line for line in master.logs), master.logs
+        thread.join(timeout=10)
+
+
+def test_frames_round_trip_and_refuse_tampering() -> None:
+    tensors = {"hidden": np.arange(12, dtype=np.float32).reshape(1, 3, 4), "input_ids": np.array([[5, 6]])}
+    frame = pp_frame(PpMsg.COMPUTATION, 42, {"position": 7}, KEY, tensors)
+    kind, request, message, out = open_pp_frame(frame, KEY)
+    assert (kind, request, message["position"]) == (PpMsg.COMPUTATION, 42, 7)
+    assert np.array_equal(out["hidden"], tensors["hidden"]) and out["input_ids"].dtype == np.int64
+    assert PP_HEADER.size == 16
+    from edgerun.net.wire import WireError
+
+    for i in (0, 3, 20, len(frame) - 20, len(frame) - 1):
+        tampered = bytearray(frame)
+        tampered[i] ^= 1
+        with pytest.raises(WireError):
+            open_pp_frame(bytes(tampered), KEY)
+    with pytest.raises(WireError, match="MAC"):
+        open_pp_frame(frame, derive_key("other"))
+    # Authentic but lying about a tensor: refused, never read out of bounds.
+    lie = pp_frame(PpMsg.COMPUTATION, 1, {"tensors": {"x": {"dtype": "float32", "shape": [1000], "offset": 0,
+                                                              "bytes": 4000}}}, KEY)
+    with pytest.raises(WireError, match="does not fit"):
+        open_pp_frame(lie, KEY)
+    time.sleep(0)
