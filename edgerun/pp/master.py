@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from edgerun.sched.pp_plan import PPPlan, plan_pp
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 
 CONNECT_TIMEOUT_S = 10.0
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript", ".mjs": "text/javascript",
+                 ".wasm": "application/wasm"}
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
 COMPUTE_TIMEOUT_S = 120.0
 STATES = ("Down", "Preparing", "Committing", "Up")
@@ -62,6 +65,25 @@ class WorkerConn:
     alive: bool = True
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     served: int = 0  # forward passes answered
+
+
+def browser_dir() -> Path:
+    """The browser node page and its npm packages: $EDGERUN_BROWSER_DIR, else browser/ of this checkout."""
+    return Path(os.environ.get("EDGERUN_BROWSER_DIR", Path(__file__).resolve().parents[2] / "browser"))
+
+
+def _static_file(path: str) -> Path | None:
+    """The file behind a page URL, if it is one the master serves."""
+    root = browser_dir()
+    if path == "/node":
+        return root / "node.html"
+    if path in ("/node.js", "/frames.js"):
+        return root / path[1:]
+    if path.startswith("/ort/"):
+        name = path[len("/ort/"):]
+        if "/" not in name and not name.startswith("."):
+            return root / "node_modules" / "onnxruntime-web" / "dist" / name
+    return None
 
 
 def _file_sha256(path: Path) -> str:
@@ -105,6 +127,15 @@ class PipelineMaster:
                                                 "Content-Length": str(len(body))}), body)
         if path == "/status":
             return connection.respond(HTTPStatus.OK, self.status_text())
+        static = _static_file(path)
+        if static is not None:
+            if not static.is_file():
+                return connection.respond(HTTPStatus.NOT_FOUND, f"{static} is missing: run `npm install --prefix "
+                                          f"{browser_dir()}` for the browser node's packages\n")
+            body = static.read_bytes()
+            content_type = CONTENT_TYPES.get(static.suffix, "application/octet-stream")
+            return Response(200, "OK", Headers({"Content-Type": content_type, "Content-Length": str(len(body)),
+                                                "Cache-Control": "no-cache"}), body)
         return connection.respond(HTTPStatus.NOT_FOUND, f"nothing at {path}\n")
 
     def status_text(self) -> str:

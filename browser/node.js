@@ -1,0 +1,181 @@
+// edgerun browser node: a pipeline worker in a web page.
+//
+// It speaks the pipeline frames of edgerun/net/wire.py over the master's WebSocket, downloads the
+// stage it is given (ONNX graph and weights, named by sha256), runs it with onnxruntime-web (WebGPU
+// where the browser has it, WebAssembly otherwise) and answers each forward pass; as the last stage
+// it returns only the greedy token id. The cluster secret comes from the page's fragment (#key=...),
+// which never reaches the server.
+
+import * as ort from "/ort/ort.all.min.mjs";
+import {Msg, clusterKey, hex, openFrame, packFrame, sha256} from "/frames.js";
+
+ort.env.wasm.wasmPaths = "/ort/";
+ort.env.wasm.numThreads = 1; // threads need cross-origin isolation; one is enough for a share
+
+const params = new URLSearchParams(location.search);
+const secret = new URLSearchParams(location.hash.slice(1)).get("key") || "";
+const key = clusterKey(secret);
+// WebGPU where the browser has an adapter for it (navigator.gpu alone may have none), WebAssembly otherwise.
+const adapter = navigator.gpu ? await navigator.gpu.requestAdapter().catch(() => null) : null;
+const status = {connected: false, backend: adapter ? "webgpu" : "wasm", layers: "-", passes: 0,
+                lastMs: 0, error: ""};
+window.edgerunStatus = status;
+
+function show() {
+  const el = document.getElementById("status");
+  if (el) {
+    el.textContent = `connected: ${status.connected}\nbackend: ${status.backend}\nlayers: ${status.layers}\n` +
+      `passes served: ${status.passes}\nlast pass: ${status.lastMs.toFixed(1)} ms\n` +
+      (status.error ? `error: ${status.error}\n` : "");
+  }
+}
+
+async function fetchFile(sha) {
+  const url = `/files/${sha}`;
+  const cache = "caches" in window ? await caches.open("edgerun-files") : null; // across restarts
+  let response = cache ? await cache.match(url) : undefined;
+  if (!response) {
+    response = await fetch(url);
+    if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+    if (cache) await cache.put(url, response.clone());
+  }
+  const bytes = new Uint8Array(await response.arrayBuffer());
+  if (hex(sha256(bytes)) !== sha) throw new Error(`file ${sha.slice(0, 12)} arrived with another hash`);
+  return bytes;
+}
+
+class Stage {
+  constructor(spec, config, maxLen) {
+    this.spec = spec;
+    this.config = config;
+    this.maxLen = maxLen;
+    this.position = 0;
+    this.kv = {};
+  }
+
+  reset() {
+    this.position = 0;
+    const c = this.config, size = c.n_kv_heads * this.maxLen * c.head_dim;
+    for (let i = this.spec.first_layer; i < this.spec.end_layer; i++) {
+      for (const kind of ["key", "value"]) {
+        this.kv[`past_${kind}_${i}`] = new ort.Tensor("float32", new Float32Array(size),
+                                                      [1, c.n_kv_heads, this.maxLen, c.head_dim]);
+      }
+    }
+  }
+
+  async load(files) {
+    const providers = status.backend === "webgpu" ? ["webgpu", "wasm"] : ["wasm"];
+    this.session = await ort.InferenceSession.create(files["model.onnx"], {
+      executionProviders: providers, externalData: [{path: "weights.bin", data: files["weights.bin"]}]});
+    this.reset();
+  }
+
+  async run(x) { // x: {dtype, shape, data}
+    const total = this.position + x.shape[1];
+    if (total > this.maxLen) throw new Error(`context of ${this.maxLen} tokens exceeded`);
+    const feeds = {...this.kv};
+    feeds[this.session.inputNames[0]] = new ort.Tensor(x.dtype, x.data, x.shape);
+    feeds.seqlens_k = new ort.Tensor("int32", new Int32Array([total - 1]), [1]);
+    feeds.total_seq_len = new ort.Tensor("int32", new Int32Array([total]), []);
+    const out = await this.session.run(feeds);
+    for (let i = this.spec.first_layer; i < this.spec.end_layer; i++) { // present becomes the next past
+      this.kv[`past_key_${i}`] = out[`present_key_${i}`];
+      this.kv[`past_value_${i}`] = out[`present_value_${i}`];
+    }
+    this.position = total;
+    return out[this.session.outputNames[0]];
+  }
+}
+
+function argmaxLast(logits) {
+  const vocab = logits.dims[logits.dims.length - 1], data = logits.data, start = data.length - vocab;
+  let best = 0;
+  for (let i = 1; i < vocab; i++) if (data[start + i] > data[start + best]) best = i;
+  return best;
+}
+
+function start() {
+  const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
+  ws.binaryType = "arraybuffer";
+  let config = null, maxLen = 0, prepared = null, stage = null;
+  const send = (type, request, message, tensors) => ws.send(packFrame(key, type, request, message, tensors));
+  ws.onopen = () => { status.connected = true; show(); };
+  ws.onclose = () => { status.connected = false; show(); };
+  let queue = Promise.resolve(); // messages are handled one at a time, in order
+  ws.onmessage = (event) => {
+    queue = queue.then(() => handle(event.data)).catch((e) => { status.error = String(e); show(); });
+  };
+
+  async function handle(data) {
+    let frame;
+    try { frame = openFrame(key, data); } catch (e) { status.error = `dropped a frame: ${e.message}`; show(); return; }
+    const {type, request, message, tensors} = frame;
+    try {
+      if (type === Msg.INIT) {
+        config = message.config;
+        maxLen = message.max_len;
+        const memory = Number(params.get("memory") || (navigator.deviceMemory || 2) * 1024);
+        send(Msg.CONNECT, request, {name: params.get("name") || `browser-${Math.floor(Math.random() * 1e6)}`,
+          memory_mb: memory, speed: Number(params.get("speed") || 2e8),
+          capabilities: {kind: "browser", runtime: "onnxruntime-web", backend: status.backend}, cached: []});
+      } else if (type === Msg.DOWNLOAD_LAYERS) {
+        for (const sha of message.files) {
+          const started = performance.now();
+          const bytes = await fetchFile(sha);
+          send(Msg.LAYER_DOWNLOAD, request, {sha256: sha, seconds: (performance.now() - started) / 1000,
+                                             bytes: bytes.length});
+        }
+      } else if (type === Msg.PREPARE_MODEL) {
+        const files = {};
+        for (const f of message.files) files[f.name] = await fetchFile(f.sha256);
+        prepared = {spec: message.stage, files};
+        stage = null;
+        status.layers = `${message.stage.first_layer}-${message.stage.end_layer - 1}`;
+        show();
+        send(Msg.PREPARE_DONE, request, {});
+      } else if (type === Msg.COMMIT_MODEL) {
+        const started = performance.now();
+        stage = new Stage(prepared.spec, config, Number(message.max_len || maxLen));
+        await stage.load(prepared.files);
+        send(Msg.COMMIT_DONE, request, {seconds: (performance.now() - started) / 1000});
+      } else if (type === Msg.COMPUTATION) {
+        if (!stage) throw new Error("no stage loaded");
+        if (message.position === 0) stage.reset();
+        if (message.position !== stage.position) {
+          throw new Error(`input at position ${message.position}, but the cache holds ${stage.position}`);
+        }
+        const sampling = message.sampling || {};
+        if (stage.spec.lm_head && (sampling.temperature || 0) > 0) {
+          throw new Error("the browser node samples greedily only");
+        }
+        const started = performance.now();
+        const out = await stage.run(tensors.input_ids || tensors.hidden);
+        const seconds = (performance.now() - started) / 1000;
+        status.passes += 1;
+        status.lastMs = seconds * 1000;
+        show();
+        if (stage.spec.lm_head) {
+          send(Msg.COMPUTATION_RESULT, request, {token: argmaxLast(out), seconds});
+        } else {
+          send(Msg.COMPUTATION_RESULT, request, {seconds},
+               {hidden: {dtype: "float32", shape: out.dims, data: out.data}});
+        }
+      } else if (type === Msg.INVALIDATE_CACHE) {
+        if (stage) stage.reset();
+      } else if (type === Msg.RELEASE_SESSION) {
+        stage = null;
+        prepared = null;
+        status.layers = "-";
+        show();
+      }
+    } catch (e) {
+      status.error = String(e.message || e);
+      show();
+      send(Msg.ERROR, request, {error: status.error});
+    }
+  }
+}
+
+show();
+start();

@@ -1,0 +1,118 @@
+"""The browser node page in a real headless Chromium (Debian's, driven by Playwright): one native
+worker and one browser worker run the shipped model as a two-stage pipeline and produce the
+reference tokens. Also: the page's JavaScript frames and HMAC agree with edgerun/net/wire.py."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgerun.model.generate import ReferenceEngine, generate
+from edgerun.model.loader import load_model
+from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
+from edgerun.pp.master import PipelineMaster, browser_dir
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--no-first-run"]
+SECRET = "browser-test"
+PROMPT = "The capital of France is"
+N_TOKENS = 64
+
+
+def missing() -> str | None:
+    """What this machine lacks for the browser tests; CI installs all of it, so there it is a failure."""
+    if not Path(CHROMIUM).exists():
+        return "Debian's chromium is not installed (apt-get install chromium chromium-driver)"
+    if not (browser_dir() / "node_modules" / "onnxruntime-web" / "dist").is_dir():
+        return f"onnxruntime-web is not installed (npm install --prefix {browser_dir()})"
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -e '.[test]')"
+    return None
+
+
+def require_browser() -> None:
+    reason = missing()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def test_javascript_frames_match_python(tmp_path: Path) -> None:
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("CI"):
+            pytest.fail("node is not installed")
+        pytest.skip("node is not installed")
+    script = tmp_path / "frames.mjs"
+    script.write_text(f"""
+import {{clusterKey, hex, openFrame, packFrame, sha256}} from "{(browser_dir() / 'frames.js').as_posix()}";
+const key = clusterKey("{SECRET}");
+console.log(hex(sha256(new Uint8Array(1000).fill(7))));
+const out = packFrame(key, 10, 9, {{seconds: 0.25}},
+                      {{hidden: {{dtype: "float32", shape: [1, 3], data: new Float32Array([1, -2.5, 3])}}}});
+console.log(Buffer.from(out).toString("base64"));
+const input = openFrame(key, Buffer.from(process.argv[2], "base64"));
+console.log(JSON.stringify({{type: input.type, request: input.request, ids: Array.from(input.tensors.input_ids.data,
+                                                                                    Number)}}));
+""")
+    python_frame = pp_frame(PpMsg.COMPUTATION, 77, {"position": 3}, derive_key(SECRET),
+                            {"input_ids": np.array([[11, 12, 13]], np.int64)})
+    result = subprocess.run([node, str(script), base64.b64encode(python_frame).decode()], capture_output=True,
+                            text=True, check=True)
+    digest, frame, parsed = result.stdout.split()
+    assert digest == hashlib.sha256(bytes([7]) * 1000).hexdigest()
+    kind, request, message, tensors = open_pp_frame(base64.b64decode(frame), derive_key(SECRET))
+    assert (kind, request, message["seconds"]) == (PpMsg.COMPUTATION_RESULT, 9, 0.25)
+    assert np.array_equal(tensors["hidden"], np.array([[1, -2.5, 3]], np.float32))
+    assert parsed == '{"type":9,"request":77,"ids":[11,12,13]}'
+
+
+@pytest.mark.slow
+def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    model = load_model()
+    reference = generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS,
+                         Sampler(SamplingParams())).tokens
+    monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))  # stage graphs here, files in the workers'
+    env = dict(os.environ)
+    logs: list[str] = []
+    master = PipelineMaster(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=256, log=logs.append)
+    native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
+                               f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
+                               "80", "--threads", "1"], env=env, stderr=subprocess.DEVNULL)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=80#key={SECRET}")
+            master.wait_for_workers(2, timeout_s=120)
+            assert master.workers["browser"].capabilities["kind"] == "browser"
+            plan = master.start()
+            assert {s.worker for s in plan.stages} == {"native", "browser"}  # neither holds the model alone
+            tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS)
+            status = page.inner_text("#status")
+            browser.close()
+        assert tokens == reference
+        assert not errors, errors
+        assert "connected: true" in status and f"passes served: {N_TOKENS}" in status, status
+    finally:
+        master.close()
+        native.kill()
+        native.wait()
