@@ -512,6 +512,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(json.dumps(eval_json(results), indent=2) if args.json else eval_table(results))
 
 
+def cmd_status(args: argparse.Namespace) -> None:
+    import urllib.request
+
+    url = f"http://{args.master}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            sys.stdout.write(response.read().decode())
+    except OSError as e:
+        raise EdgerunError(f"cannot reach the pipeline master at {url}: {e}") from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     from edgerun import __version__
     from edgerun.model.generate import ENGINES
@@ -709,6 +720,12 @@ def build_parser() -> argparse.ArgumentParser:
     _blas_threads_arg(p, 1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
+
+    p = sub.add_parser("status", help="a pipeline master's state and workers",
+                       description="Print a running pipeline master's state (Down, Preparing, Committing, Up) and "
+                                   "each worker's kind, memory, layers and passes served.")
+    p.add_argument("--master", default="127.0.0.1:7000", help="HOST:PORT of the master (default: 127.0.0.1:7000)")
+    p.set_defaults(func=cmd_status)
 
     sap = sub.add_parser("sap", help="semantic-aware predictors: which neuron groups matter").add_subparsers(
         dest="sap_command", required=True, metavar="SUBCOMMAND")

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -42,6 +43,9 @@ from edgerun.sched.pp_plan import PPPlan, plan_pp
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 
 CONNECT_TIMEOUT_S = 10.0
+SPEED_SAMPLES = 15  # live compute speed: the median of this many recent decode passes (seed 003)
+PINGS = 7  # latency: the median of this many idle WebSocket pings at join (seed 003)
+DEFAULT_MBIT = 1000.0  # until a download says otherwise
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript", ".mjs": "text/javascript",
                  ".wasm": "application/wasm"}
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
@@ -65,6 +69,14 @@ class WorkerConn:
     alive: bool = True
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     served: int = 0  # forward passes answered
+    rtt_ms: float = 1.0
+    mbit: float = DEFAULT_MBIT
+    speeds: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_SAMPLES))  # weight bytes/s, decode
+
+    @property
+    def measured_speed(self) -> float:
+        """The median of the recent decode passes, or the speed the worker reported until there are 3."""
+        return float(np.median(self.speeds)) if len(self.speeds) >= 3 else self.speed
 
 
 def browser_dir() -> Path:
@@ -162,8 +174,13 @@ class PipelineMaster:
                 raise WireError(f"a worker named {name} is already connected")
             worker = WorkerConn(name, ws, float(message["memory_mb"]), float(message["speed"]),
                                 dict(message.get("capabilities", {})), set(message.get("cached", [])))
+            rtts = []
+            for _ in range(PINGS):
+                rtts.append(await asyncio.wait_for(await ws.ping(), CONNECT_TIMEOUT_S))
+            worker.rtt_ms = float(np.median(rtts)) * 1e3
             self.workers[name] = worker
-            self.log(f"worker {name} connected ({worker.capabilities.get('kind', '?')}, {worker.memory_mb:.0f} MB)")
+            self.log(f"worker {name} connected ({worker.capabilities.get('kind', '?')}, {worker.memory_mb:.0f} MB, "
+                     f"RTT {worker.rtt_ms:.2f} ms)")
             self.membership.set()
             async for data in ws:
                 if isinstance(data, bytes):
@@ -188,6 +205,9 @@ class PipelineMaster:
         future = worker.pending.pop(request, None)
         if kind == PpMsg.LAYER_DOWNLOAD:
             worker.cached.add(str(message.get("sha256")))
+            with contextlib.suppress(TypeError, ValueError, ZeroDivisionError):
+                if float(message["bytes"]) > 1 << 20:  # a download big enough to time: the link's bandwidth
+                    worker.mbit = float(message["bytes"]) * 8 / float(message["seconds"]) / 1e6
             if future is not None:
                 worker.pending[request] = future  # more downloads follow
             return
@@ -228,8 +248,9 @@ class PipelineMaster:
     # --- planning --------------------------------------------------------------------------------------
     def _devices(self) -> list[DeviceProfile]:
         return [DeviceProfile(name=w.name, kind=str(w.capabilities.get("kind", "native")), cores=1,
-                              compute=Compute(0.0, w.speed), memory=Memory(w.memory_mb, w.memory_mb, w.memory_mb, 0.0),
-                              link=Link(1.0, 1000.0, 1000.0, 0.0))
+                              compute=Compute(0.0, w.measured_speed),
+                              memory=Memory(w.memory_mb, w.memory_mb, w.memory_mb, 0.0),
+                              link=Link(w.rtt_ms, w.mbit, w.mbit, 0.0))
                 for w in self.workers.values() if w.alive]
 
     def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
@@ -288,6 +309,9 @@ class PipelineMaster:
             reply, out = await self._call(worker, PpMsg.COMPUTATION, message, PpMsg.COMPUTATION_RESULT,
                                           COMPUTE_TIMEOUT_S, tensors)
             worker.served += 1
+            seconds = reply.get("seconds")
+            if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: the speed planned with
+                worker.speeds.append(sum(self.profile.layer_read_bytes[s.first_layer:s.end_layer]) / seconds)
             if last:
                 token = reply.get("token")
                 if not isinstance(token, int) or not 0 <= token < self.model.config.vocab_size:

@@ -134,7 +134,10 @@ class PipelineWorker:
                 "".join(f["sha256"] for f in message["files"]).encode()).hexdigest()[:24]
             directory.mkdir(parents=True, exist_ok=True)
             for f in message["files"]:
-                path, _, _ = await loop.run_in_executor(None, download, self.base_url, f["sha256"])
+                path, seconds, size = await loop.run_in_executor(None, download, self.base_url, f["sha256"])
+                if size:  # fetched now (not from the cache): the master learns the link's bandwidth from it
+                    await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": f["sha256"], "seconds": seconds,
+                                                                     "bytes": size})
                 link = directory / f["name"]
                 if not link.exists():
                     link.symlink_to(path)
