@@ -178,3 +178,20 @@ def test_frames_round_trip_and_refuse_tampering() -> None:
     with pytest.raises(WireError, match="does not fit"):
         open_pp_frame(lie, KEY)
     time.sleep(0)
+
+
+def test_a_better_worker_joining_is_taken_by_a_repartition(model: Model, reference_tokens: list[int]) -> None:
+    with pipeline(model, [80, 80]) as (master, workers):
+        master.start()
+        assert len(master.plan.stages) == 2
+        big = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
+                                f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "big", "--memory-budget", "400",
+                                "--speed", "1e12", "--threads", "1"], stderr=subprocess.DEVNULL)
+        workers.append(big)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (master.state == "Up" and master.plan is not None and
+                                                   "big" in {s.worker for s in master.plan.stages}):
+            time.sleep(0.5)
+        assert [s.worker for s in master.plan.stages] == ["big"], master.logs
+        assert any("repartitioning (a better plan)" in line for line in master.logs), master.logs
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens

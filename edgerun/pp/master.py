@@ -39,13 +39,14 @@ from edgerun.model.onnx_graph import StageSpec, cached_stage
 from edgerun.model.sampling import SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
-from edgerun.sched.pp_plan import PPPlan, plan_pp
+from edgerun.sched.pp_plan import PPPlan, accept, plan_pp
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 
 CONNECT_TIMEOUT_S = 10.0
 SPEED_SAMPLES = 15  # live compute speed: the median of this many recent decode passes (seed 003)
 PINGS = 7  # latency: the median of this many idle WebSocket pings at join (seed 003)
 DEFAULT_MBIT = 1000.0  # until a download says otherwise
+REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan this often
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript", ".mjs": "text/javascript",
                  ".wasm": "application/wasm"}
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
@@ -119,12 +120,17 @@ class PipelineMaster:
         self.state = "Down"
         self.recovery_seconds: list[float] = []  # from losing a worker to the next token, per recovery
         self.requests = itertools.count(1)
-        self.membership = asyncio.Event()  # set whenever a worker joins or leaves
+        self.membership = asyncio.Event()  # set whenever a worker joins or leaves (for wait_for_workers)
+        self.changed = asyncio.Event()  # the same, for the repartition loop
+        self.busy = False  # a request is in flight: it deals with lost workers itself
+        self.deploying = asyncio.Lock()
+        self.deployed_at = time.monotonic()
         self.net = EventLoopThread()
         self.server = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _listen(self, host: str, port: int):
+        self.repartitioner = asyncio.get_running_loop().create_task(self._repartition_loop())
         return await serve(self._serve_worker, host, port, process_request=self._http, max_size=self.max_frame,
                            compression=None)
 
@@ -182,6 +188,7 @@ class PipelineMaster:
             self.log(f"worker {name} connected ({worker.capabilities.get('kind', '?')}, {worker.memory_mb:.0f} MB, "
                      f"RTT {worker.rtt_ms:.2f} ms)")
             self.membership.set()
+            self.changed.set()
             async for data in ws:
                 if isinstance(data, bytes):
                     self._reply(worker, data)
@@ -195,6 +202,7 @@ class PipelineMaster:
                         future.set_exception(WorkerLost(worker.name))
                 self.log(f"worker {worker.name} disconnected")
                 self.membership.set()
+                self.changed.set()
 
     def _reply(self, worker: WorkerConn, data: bytes) -> None:
         try:
@@ -267,18 +275,48 @@ class PipelineMaster:
             files.append({"name": name, "sha256": sha})
         return files
 
-    async def replan(self) -> PPPlan:
-        """Plan over the live workers, prepare and commit every stage; the state ends Up, or Down with
-        an EdgerunError when no plan fits."""
-        loop = asyncio.get_running_loop()
-        self.state = "Down"
-        devices = self._devices()
+    async def _repartition_loop(self) -> None:
+        """Between requests, on a join, a leave, or every REPARTITION_PERIOD_S: deploy a better plan if
+        the acceptance rule (seed 003 §5.2.4: C_total(new) < τ·C_exec(current)) takes it."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), REPARTITION_PERIOD_S)
+            self.changed.clear()
+            if self.busy or self.plan is None:
+                continue
+            try:
+                devices = self._devices()
+                lost = any(not self.workers[s.worker].alive for s in self.plan.stages)
+                candidate = await self._plan(devices, current=None if lost else self.plan)
+                if lost or accept(candidate, self.plan, self.profile, devices):
+                    self.log(f"repartitioning ({'a worker left' if lost else 'a better plan'})")
+                    await self.replan(candidate)
+            except (EdgerunError, WorkerLost) as e:
+                self.state = "Down"
+                self.log(f"repartition failed: {e}")
+
+    async def _plan(self, devices: list[DeviceProfile], current: PPPlan | None = None) -> PPPlan:
         if not devices:
             raise EdgerunError("no workers connected")
-        plan = await loop.run_in_executor(None, lambda: plan_pp(self.profile, devices, objective=self.objective))
+        since = time.monotonic() - self.deployed_at
+        plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_pp(
+            self.profile, devices, objective=self.objective, current=current, seconds_since_redistribution=since,
+            server_up=self.state == "Up"))
         if not plan.complete:
             raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.profile.n_layers} layers "
                                "within their memory budgets")
+        return plan
+
+    async def replan(self, plan: PPPlan | None = None) -> PPPlan:
+        """Plan over the live workers (unless given a plan), prepare and commit every stage; the state
+        ends Up, or Down with an EdgerunError when no plan fits."""
+        async with self.deploying:  # one deployment at a time (a request's recovery, the repartition loop)
+            return await self._deploy(plan)
+
+    async def _deploy(self, plan: PPPlan | None) -> PPPlan:
+        loop = asyncio.get_running_loop()
+        self.state = "Down"
+        plan = plan or await self._plan(self._devices())
         self.log("plan: " + ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages))
         self.state = "Preparing"
         last = self.model.config.n_layers
@@ -294,7 +332,12 @@ class PipelineMaster:
         self.state = "Committing"
         await asyncio.gather(*(self._call(self.workers[s.worker], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
                                           PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S) for s in plan.stages))
-        self.plan, self.state = plan, "Up"
+        for name in {s.worker for s in self.plan.stages} - {s.worker for s in plan.stages} if self.plan else ():
+            worker = self.workers[name]
+            if worker.alive:  # out of the plan: its session and caches go
+                with contextlib.suppress(ConnectionClosed):
+                    await worker.ws.send(pp_frame(PpMsg.RELEASE_SESSION, 0, {}, self.key))
+        self.plan, self.state, self.deployed_at = plan, "Up", time.monotonic()
         self.log("state Up")
         return plan
 
@@ -328,6 +371,15 @@ class PipelineMaster:
                         stop_ids: frozenset[int], on_token: Callable[[int], None] | None) -> list[int]:
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "seed": params.seed or 0}
+        self.busy = True
+        try:
+            return await self._generate_busy(prompt, max_tokens, sampling, stop_ids, on_token)
+        finally:
+            self.busy = False
+            self.changed.set()  # joins and leaves during the request are looked at now
+
+    async def _generate_busy(self, prompt: Sequence[int], max_tokens: int, sampling: dict[str, Any],
+                             stop_ids: frozenset[int], on_token: Callable[[int], None] | None) -> list[int]:
         tokens: list[int] = []
         recoveries = 0
         lost_at: float | None = None
@@ -392,6 +444,7 @@ class PipelineMaster:
 
     def close(self) -> None:
         async def stop() -> None:
+            self.repartitioner.cancel()
             for w in self.workers.values():
                 with contextlib.suppress(ConnectionClosed):
                     await w.ws.close()
