@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from edgerun.bench.pp import SECRET, local_pipeline, start_worker
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
@@ -25,7 +24,6 @@ from edgerun.net.wire import PP_HEADER, PpMsg, derive_key, open_pp_frame, pp_fra
 from edgerun.pp.master import PipelineMaster
 from edgerun.pp.worker import PipelineWorker
 
-SECRET = "pipeline-test"
 KEY = derive_key(SECRET)
 PROMPT = "The capital of France is"
 N_TOKENS = 64
@@ -56,27 +54,13 @@ def reference_tokens(model: Model) -> list[int]:
                     Sampler(SamplingParams())).tokens
 
 
-def start_workers(port: int, budgets: list[float], prefix: str = "w") -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
-                              f"127.0.0.1:{port}", "--key", SECRET, "--name", f"{prefix}{i}", "--memory-budget",
-                              str(budget), "--threads", "1"], stderr=subprocess.DEVNULL)
-            for i, budget in enumerate(budgets)]
-
-
 @contextlib.contextmanager
-def pipeline(model: Model, budgets: list[float], **kwargs: object) -> Iterator[tuple[PipelineMaster, list]]:
+def pipeline(model: Model, budgets: list[float], **options: object) -> Iterator[tuple[PipelineMaster, list]]:
+    """A local pipeline whose master keeps its log lines in `master.logs`."""
     logs: list[str] = []
-    master = PipelineMaster(model, KEY, host="127.0.0.1", port=0, max_len=256, log=logs.append, **kwargs)
-    master.logs = logs
-    workers = start_workers(master.port, budgets)
-    try:
-        master.wait_for_workers(len(budgets), timeout_s=120)
+    with local_pipeline(model, budgets, 256, logs.append, **options) as (master, workers):
+        master.logs = logs
         yield master, workers
-    finally:
-        master.close()
-        for p in workers:
-            p.kill()
-            p.wait()
 
 
 @pytest.mark.parametrize("budgets, stages", [([80, 80], 2), ([50, 50, 50], 3)])
@@ -184,10 +168,7 @@ def test_a_better_worker_joining_is_taken_by_a_repartition(model: Model, referen
     with pipeline(model, [80, 80]) as (master, workers):
         master.start()
         assert len(master.plan.stages) == 2
-        big = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
-                                f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "big", "--memory-budget", "400",
-                                "--speed", "1e12", "--threads", "1"], stderr=subprocess.DEVNULL)
-        workers.append(big)
+        workers.append(start_worker(master.port, "big", 400, speed=1e12))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (master.state == "Up" and master.plan is not None and
                                                    "big" in {s.worker for s in master.plan.stages}):

@@ -1,0 +1,160 @@
+"""Pipeline benchmarks on a local cluster (master in this process, workers as processes on loopback):
+the cost model's predicted time per token against the measured one, and serving under churn."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.model.loader import Model
+from edgerun.net.wire import derive_key
+from edgerun.pp.master import PipelineMaster
+
+SECRET = "edgerun-bench"
+PROMPT = "Distributed inference splits one model across several machines because"
+
+
+def start_worker(port: int, name: str, budget_mb: float, speed: float | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master", f"127.0.0.1:{port}", "--key",
+            SECRET, "--name", name, "--memory-budget", str(budget_mb), "--threads", "1"]
+    return subprocess.Popen(args + (["--speed", str(speed)] if speed else []), stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def local_pipeline(model: Model, budgets: Sequence[float], max_len: int = 512,
+                   log: Callable[[str], None] = lambda _: None,
+                   **options: object) -> Iterator[tuple[PipelineMaster, list]]:
+    """A pipeline master and one worker process per memory budget (w0, w1, ...), all connected."""
+    master = PipelineMaster(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=max_len, log=log,
+                            **options)
+    workers = [start_worker(master.port, f"w{i}", budget) for i, budget in enumerate(budgets)]
+    try:
+        master.wait_for_workers(len(budgets), timeout_s=120)
+        yield master, workers
+    finally:
+        master.close()
+        for p in workers:
+            p.kill()
+            p.wait()
+
+
+@dataclass(frozen=True)
+class CostResult:
+    budgets: tuple[float, ...]
+    stages: int
+    predicted_ms: float  # the plan's exec_s_per_token, with live worker speeds
+    measured_ms: float  # decode time per token
+
+    @property
+    def error(self) -> float:
+        return abs(self.predicted_ms - self.measured_ms) / self.measured_ms
+
+
+def cost_model_accuracy(model: Model, configs: Sequence[Sequence[float]], tokens: int = 32,
+                        progress: Callable[[str], None] = lambda _: None) -> list[CostResult]:
+    """Per configuration of worker budgets: warm up (filling each worker's speed samples), replan with
+    the measured speeds, then compare the plan's predicted time per token with the measured one."""
+    prompt = model.tokenizer.encode(PROMPT)
+    results = []
+    for budgets in configs:
+        progress(f"workers with {', '.join(f'{b:g}' for b in budgets)} MB")
+        with local_pipeline(model, budgets) as (master, _):
+            master.start()
+            master.generate(prompt, 24)  # speed samples for every worker in the plan
+            plan = master.start()  # replanned with the measured speeds
+            master.generate(prompt, 8)  # the new stages warmed up
+            timings: list[float] = []
+            start = time.perf_counter()
+            master.generate(prompt, tokens, on_token=lambda _, t=timings: t.append(time.perf_counter()))
+            decode = np.diff([start, *timings])[1:]  # the first token includes the prompt
+            results.append(CostResult(tuple(budgets), len(plan.stages), plan.exec_s_per_token * 1e3,
+                                      float(np.mean(decode)) * 1e3))
+    return results
+
+
+def cost_table(results: Sequence[CostResult]) -> str:
+    rows = [f"{'budgets (MB)':>16} {'stages':>6} {'predicted ms':>12} {'measured ms':>11} {'error':>6}"]
+    for r in results:
+        rows.append(f"{','.join(f'{b:g}' for b in r.budgets):>16} {r.stages:>6} {r.predicted_ms:>12.1f} "
+                    f"{r.measured_ms:>11.1f} {r.error:>6.1%}")
+    rows.append(f"MAPE {np.mean([r.error for r in results]):.1%} over {len(results)} configurations")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class ChurnResult:
+    seconds: float
+    up_share: float  # share of samples (every 100 ms) with the master Up
+    tokens: int
+    requests: int
+    departures: int
+    recoveries: int
+    mean_recovery_s: float
+
+
+def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: float, rejoin_s: float = 2.0,
+          tokens_per_request: int = 32, seed: int = 0, progress: Callable[[str], None] = lambda _: None) -> ChurnResult:
+    """Workers leave (SIGKILL) after exponential lifetimes of mean `mttf_s` and rejoin `rejoin_s` later,
+    while requests run back to back for `duration_s` (seed 000 Table 6.8's analogue)."""
+    rng = np.random.default_rng(seed)
+    prompt = model.tokenizer.encode(PROMPT)
+    with local_pipeline(model, budgets) as (master, workers):
+        master.start()
+        stop = threading.Event()
+        up_samples: list[bool] = []
+        departures = 0
+
+        def sample() -> None:
+            while not stop.is_set():
+                up_samples.append(master.state == "Up")
+                time.sleep(0.1)
+
+        def chaos() -> None:
+            nonlocal departures
+            deaths = {i: time.monotonic() + rng.exponential(mttf_s) for i in range(len(workers))}
+            rejoins: dict[int, float] = {}
+            while not stop.is_set():
+                now = time.monotonic()
+                for i, at in list(deaths.items()):
+                    if now >= at:
+                        workers[i].kill()
+                        workers[i].wait()
+                        departures += 1
+                        progress(f"w{i} left")
+                        del deaths[i]
+                        rejoins[i] = now + rejoin_s
+                for i, at in list(rejoins.items()):
+                    if now >= at:
+                        workers[i] = start_worker(master.port, f"w{i}", budgets[i])
+                        progress(f"w{i} rejoined")
+                        del rejoins[i]
+                        deaths[i] = now + rng.exponential(mttf_s)
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=sample, daemon=True), threading.Thread(target=chaos, daemon=True)]
+        for t in threads:
+            t.start()
+        tokens = requests = 0
+        start = time.monotonic()
+        while time.monotonic() - start < duration_s:
+            try:
+                tokens += len(master.generate(prompt, tokens_per_request))
+                requests += 1
+            except EdgerunError as e:  # too few workers for a plan right now: try again shortly
+                progress(f"request failed: {e}")
+                time.sleep(0.5)
+        seconds = time.monotonic() - start
+        stop.set()
+        for t in threads:
+            t.join()
+        recoveries = master.recovery_seconds
+        return ChurnResult(seconds, float(np.mean(up_samples)) if up_samples else 0.0, tokens, requests, departures,
+                           len(recoveries), float(np.mean(recoveries)) if recoveries else 0.0)
