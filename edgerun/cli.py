@@ -327,7 +327,7 @@ def cmd_master(args: argparse.Namespace) -> None:
         from edgerun.pp.master import PipelineMaster
 
         pipeline = PipelineMaster(model, _cluster_key(args), host=args.host, port=args.port,
-                                  max_len=args.max_context, log=log)
+                                  max_len=args.max_context, replicas=args.replicas, log=log)
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:
@@ -605,6 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", choices=PLANS, default="halo", help="tensor-parallel planner, or dp: pipeline layer "
                    "ranges over WebSocket workers and browser pages (default: halo)")
     p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
+    p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "
+                   "where spare ones can hold it and take the first answer (hedged replicas; default: 1)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=7000, help="TCP port nodes connect to (default: 7000)")
     p.add_argument("--transport", choices=("udp", "tcp"), default="udp",

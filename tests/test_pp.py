@@ -176,3 +176,20 @@ def test_a_better_worker_joining_is_taken_by_a_repartition(model: Model, referen
         assert [s.worker for s in master.plan.stages] == ["big"], master.logs
         assert any("repartitioning (a better plan)" in line for line in master.logs), master.logs
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
+
+
+def test_hedged_replicas_keep_serving_through_a_loss_without_recovery(model: Model,
+                                                                      reference_tokens: list[int]) -> None:
+    with pipeline(model, [80, 80, 80, 80], replicas=2) as (master, workers):
+        plan = master.start()
+        assert len(plan.stages) == 2 and all(len(names) == 2 for names in master.stage_workers)
+        victim = workers[int(plan.stages[0].worker[1:])]
+
+        def kill_at_ten(_: int, seen: list[int] = []) -> None:  # noqa: B006 - a counter across calls
+            seen.append(1)
+            if len(seen) == 10:
+                victim.send_signal(signal.SIGKILL)
+
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten) == reference_tokens
+        assert master.recovery_seconds == []  # the replica answered: no replan, no re-prefill
+        assert not master.workers[plan.stages[0].worker].alive

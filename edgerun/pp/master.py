@@ -109,10 +109,15 @@ def _file_sha256(path: Path) -> str:
 
 class PipelineMaster:
     def __init__(self, model: Model, key: bytes, host: str = "0.0.0.0", port: int = 0, max_len: int = 1024,
-                 objective: str = "sum", max_frame: int = PP_MAX_FRAME,
+                 objective: str = "sum", max_frame: int = PP_MAX_FRAME, replicas: int = 1,
                  log: Callable[[str], None] = lambda _: None) -> None:
+        if replicas < 1:
+            raise EdgerunError(f"--replicas must be at least 1, not {replicas}")
         self.model, self.key, self.max_len, self.objective, self.log = model, key, max_len, objective, log
         self.max_frame = max_frame
+        self.replicas = replicas
+        self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
+        self.stragglers: set[asyncio.Task] = set()  # replicas' answers that lost the race, still arriving
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
         self.workers: dict[str, WorkerConn] = {}
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
@@ -286,12 +291,12 @@ class PipelineMaster:
                 continue
             try:
                 devices = self._devices()
-                lost = any(not self.workers[s.worker].alive for s in self.plan.stages)
+                lost = any(not self.workers[name].alive for names in self.stage_workers for name in names)
                 candidate = await self._plan(devices, current=None if lost else self.plan)
                 if lost or accept(candidate, self.plan, self.profile, devices):
                     self.log(f"repartitioning ({'a worker left' if lost else 'a better plan'})")
                     await self.replan(candidate)
-            except (EdgerunError, WorkerLost) as e:
+            except (EdgerunError, WorkerLost, ValueError, KeyError) as e:  # the next request replans again
                 self.state = "Down"
                 self.log(f"repartition failed: {e}")
 
@@ -320,37 +325,79 @@ class PipelineMaster:
         self.log("plan: " + ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages))
         self.state = "Preparing"
         last = self.model.config.n_layers
+        stage_workers = self._with_replicas(plan)
         prepared = []
-        for s in plan.stages:
+        for s, names in zip(plan.stages, stage_workers, strict=True):
             spec = StageSpec(s.first_layer, s.end_layer, lm_head=s.end_layer == last, embed=s.first_layer == 0)
             files = await loop.run_in_executor(None, self._stage_files, spec)
-            worker = self.workers[s.worker]
             stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
-            prepared.append(self._call(worker, PpMsg.PREPARE_MODEL, {"stage": stage, "files": files},
-                                       PpMsg.PREPARE_DONE, PREPARE_TIMEOUT_S))
+            prepared += [self._call(self.workers[name], PpMsg.PREPARE_MODEL, {"stage": stage, "files": files},
+                                    PpMsg.PREPARE_DONE, PREPARE_TIMEOUT_S) for name in names]
         await asyncio.gather(*prepared)
         self.state = "Committing"
-        await asyncio.gather(*(self._call(self.workers[s.worker], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
-                                          PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S) for s in plan.stages))
-        for name in {s.worker for s in self.plan.stages} - {s.worker for s in plan.stages} if self.plan else ():
+        await asyncio.gather(*(self._call(self.workers[name], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
+                                          PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S)
+                               for names in stage_workers for name in names))
+        in_use = {name for names in stage_workers for name in names}
+        for name in {name for names in self.stage_workers for name in names} - in_use:
             worker = self.workers[name]
             if worker.alive:  # out of the plan: its session and caches go
                 with contextlib.suppress(ConnectionClosed):
                     await worker.ws.send(pp_frame(PpMsg.RELEASE_SESSION, 0, {}, self.key))
-        self.plan, self.state, self.deployed_at = plan, "Up", time.monotonic()
+        self.plan, self.stage_workers = plan, stage_workers
+        self.state, self.deployed_at = "Up", time.monotonic()
         self.log("state Up")
         return plan
+
+    def _with_replicas(self, plan: PPPlan) -> list[list[str]]:
+        """Each stage's worker, then up to replicas - 1 spare workers that can hold it (the fastest
+        first): hedged replicas (MoEx) compute the same stage and the first answer is taken."""
+        spare = sorted((w for w in self.workers.values() if w.alive and w.name not in {s.worker for s in plan.stages}),
+                       key=lambda w: -w.measured_speed)
+        out = []
+        for s in plan.stages:
+            need = sum(self.profile.layer_weight_bytes[s.first_layer:s.end_layer]) / 1e6
+            extra = [w for w in spare if w.memory_mb >= need][:self.replicas - 1]
+            spare = [w for w in spare if w not in extra]
+            out.append([s.worker] + [w.name for w in extra])
+        if self.replicas > 1:
+            self.log("replicas: " + "; ".join(", ".join(names) for names in out))
+        return out
+
+    def _stages_alive(self) -> bool:
+        return all(any(self.workers[name].alive for name in names) for names in self.stage_workers)
+
+    async def _hedged(self, names: list[str], message: dict[str, Any],
+                      tensors: dict[str, np.ndarray]) -> tuple[WorkerConn, dict[str, Any], dict[str, np.ndarray]]:
+        """The first answer from the stage's live workers; the others still compute (their KV caches
+        must keep up) and their answers are dropped when they come."""
+        calls = {asyncio.ensure_future(self._call(self.workers[name], PpMsg.COMPUTATION, message,
+                                                  PpMsg.COMPUTATION_RESULT, COMPUTE_TIMEOUT_S, tensors)): name
+                 for name in names if self.workers[name].alive}
+        pending = set(calls)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is None:
+                    for straggler in pending:
+                        self.stragglers.add(straggler)
+                        straggler.add_done_callback(self._forget_straggler)
+                    return self.workers[calls[task]], *task.result()
+        raise WorkerLost(", ".join(names))
+
+    def _forget_straggler(self, task: asyncio.Task) -> None:
+        self.stragglers.discard(task)
+        if not task.cancelled():
+            task.exception()  # a replica lost meanwhile is seen by the next pass
 
     # --- generation ------------------------------------------------------------------------------------
     async def _forward(self, tokens: Sequence[int], position: int, sampling: dict[str, Any]) -> int:
         """One pass through every stage; the last stage's sampled token."""
         tensors = {"input_ids": np.asarray([tokens], np.int64)}
         for i, s in enumerate(self.plan.stages):
-            worker = self.workers[s.worker]
             last = i == len(self.plan.stages) - 1
             message = {"position": position, **({"sampling": sampling} if last else {})}
-            reply, out = await self._call(worker, PpMsg.COMPUTATION, message, PpMsg.COMPUTATION_RESULT,
-                                          COMPUTE_TIMEOUT_S, tensors)
+            worker, reply, out = await self._hedged(self.stage_workers[i], message, tensors)
             worker.served += 1
             seconds = reply.get("seconds")
             if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: the speed planned with
@@ -385,7 +432,7 @@ class PipelineMaster:
         lost_at: float | None = None
         while True:
             try:
-                if self.state != "Up" or any(not self.workers[s.worker].alive for s in self.plan.stages):
+                if self.state != "Up" or not self._stages_alive():
                     await self.replan()
                 context = list(prompt) + tokens
                 token = await self._forward(context, 0, sampling)
