@@ -53,6 +53,20 @@ class Stage {
     this.kv = {};
   }
 
+  savePrefix() {
+    const rows = {}, c = this.config;
+    for (const [name, tensor] of Object.entries(this.kv)) rows[name] = tensor.data.slice();
+    this.prefix = {length: this.position, rows, shape: [1, c.n_kv_heads, this.maxLen, c.head_dim]};
+  }
+
+  restorePrefix() {
+    if (!this.prefix) throw new Error("no prefix saved");
+    for (const [name, data] of Object.entries(this.prefix.rows)) {
+      this.kv[name] = new ort.Tensor("float32", data.slice(), this.prefix.shape);
+    }
+    this.position = this.prefix.length;
+  }
+
   reset() {
     this.position = 0;
     const c = this.config, size = c.n_kv_heads * this.maxLen * c.head_dim;
@@ -141,7 +155,8 @@ function start() {
         send(Msg.COMMIT_DONE, request, {seconds: (performance.now() - started) / 1000});
       } else if (type === Msg.COMPUTATION) {
         if (!stage) throw new Error("no stage loaded");
-        if (message.position === 0) stage.reset();
+        if (message.prefix === "restore") stage.restorePrefix();
+        else if (message.position === 0) stage.reset();
         if (message.position !== stage.position) {
           throw new Error(`input at position ${message.position}, but the cache holds ${stage.position}`);
         }
@@ -152,6 +167,7 @@ function start() {
         const started = performance.now();
         const out = await stage.run(tensors.input_ids || tensors.hidden);
         const seconds = (performance.now() - started) / 1000;
+        if (message.prefix === "save") stage.savePrefix();
         status.passes += 1;
         status.lastMs = seconds * 1000;
         show();

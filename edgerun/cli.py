@@ -324,10 +324,11 @@ def cmd_master(args: argparse.Namespace) -> None:
     params = SamplingParams(args.temperature, seed=args.seed)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.plan == "dp":
-        from edgerun.pp.master import PipelineMaster
+        from edgerun.pp.master import PipelineMaster, chat_template_prefix
 
+        prefix = chat_template_prefix(model.tokenizer) if args.chat else []
         pipeline = PipelineMaster(model, _cluster_key(args), host=args.host, port=args.port,
-                                  max_len=args.max_context, replicas=args.replicas, log=log)
+                                  max_len=args.max_context, replicas=args.replicas, prefix=prefix, log=log)
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:

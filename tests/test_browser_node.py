@@ -19,7 +19,7 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
-from edgerun.pp.master import PipelineMaster, browser_dir
+from edgerun.pp.master import PipelineMaster, browser_dir, chat_template_prefix
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -91,7 +91,11 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
     monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))  # stage graphs here, files in the workers'
     env = dict(os.environ)
     logs: list[str] = []
-    master = PipelineMaster(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=256, log=logs.append)
+    prefix = chat_template_prefix(model.tokenizer)  # the page saves and restores the prefix's KV too
+    chat = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."}]))
+    chat_reference = generate(ReferenceEngine(model, 256), chat, 16, Sampler(SamplingParams())).tokens
+    master = PipelineMaster(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=256, prefix=prefix,
+                            log=logs.append)
     native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
                                f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
                                "80", "--threads", "1"], env=env, stderr=subprocess.DEVNULL)
@@ -107,11 +111,14 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
             plan = master.start()
             assert {s.worker for s in plan.stages} == {"native", "browser"}  # neither holds the model alone
             tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS)
+            chat_tokens = master.generate(chat, 16)
             status = page.inner_text("#status")
             browser.close()
         assert tokens == reference
+        assert chat_tokens == chat_reference
         assert not errors, errors
-        assert "connected: true" in status and f"passes served: {N_TOKENS}" in status, status
+        # The prefix pass, the plain request's passes, then the chat request's.
+        assert "connected: true" in status and f"passes served: {1 + N_TOKENS + 16}" in status, status
     finally:
         master.close()
         native.kill()

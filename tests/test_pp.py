@@ -21,7 +21,7 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_HEADER, PpMsg, derive_key, open_pp_frame, pp_frame, pp_mac
-from edgerun.pp.master import PipelineMaster
+from edgerun.pp.master import PipelineMaster, chat_template_prefix
 from edgerun.pp.worker import PipelineWorker
 
 KEY = derive_key(SECRET)
@@ -193,3 +193,21 @@ def test_hedged_replicas_keep_serving_through_a_loss_without_recovery(model: Mod
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten) == reference_tokens
         assert master.recovery_seconds == []  # the replica answered: no replan, no re-prefill
         assert not master.workers[plan.stages[0].worker].alive
+
+
+def test_prefix_cache_serves_chat_prompts_exactly(model: Model) -> None:
+    tok = model.tokenizer
+    prefix = chat_template_prefix(tok)
+    assert len(prefix) > 10 and tok.decode(prefix).count("user") == 1
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a large river."}]))
+    assert prompt[:len(prefix)] == prefix
+    reference = generate(ReferenceEngine(model, 256), prompt, 24, Sampler(SamplingParams())).tokens
+    with pipeline(model, [80, 80], prefix=prefix) as (master, _):
+        master.start()
+        for _ in range(2):  # the second request restores the prefix after the first moved past it
+            assert master.generate(prompt, 24) == reference
+        assert master.generate(model.tokenizer.encode(PROMPT), 8) == reference_run(model, PROMPT, 8)
+
+
+def reference_run(model: Model, text: str, n: int) -> list[int]:
+    return generate(ReferenceEngine(model, 256), model.tokenizer.encode(text), n, Sampler(SamplingParams())).tokens

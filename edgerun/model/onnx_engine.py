@@ -36,6 +36,8 @@ class StageSession:
                                             providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name  # "input_ids" or "hidden"
         self.output_name = self.session.get_outputs()[0].name  # "logits" or "hidden_out"
+        self.kv: dict[str, np.ndarray] = {}  # the bound KV buffers (onnxruntime shares their memory)
+        self.prefix: tuple[int, dict[str, np.ndarray]] | None = None  # a saved prefix's length and KV rows
         self.reset()
 
     def reset(self) -> None:
@@ -48,9 +50,24 @@ class StageSession:
         for i in self.layers:
             past_k, past_v, present_k, present_v = kv_names(i)
             for past, present in ((past_k, present_k), (past_v, present_v)):
-                buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+                self.kv[past] = np.zeros(shape, np.float32)
+                buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
                 self.binding.bind_ortvalue_input(past, buffer)
                 self.binding.bind_ortvalue_output(present, buffer)
+
+    def save_prefix(self) -> None:
+        """Keep the KV rows of every position cached so far (a shared prompt prefix)."""
+        self.prefix = (self.position, {name: a[:, :, :self.position].copy() for name, a in self.kv.items()})
+
+    def restore_prefix(self) -> int:
+        """Continue from the saved prefix, whatever ran since; returns its length."""
+        if self.prefix is None:
+            raise ValueError("no prefix saved")
+        length, rows = self.prefix
+        for name, a in self.kv.items():
+            a[:, :, :length] = rows[name]
+        self.position = length
+        return length
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """Run token ids (1, seq) or hidden states (1, seq, hidden) after the positions cached; return

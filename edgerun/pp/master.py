@@ -80,6 +80,16 @@ class WorkerConn:
         return float(np.median(self.speeds)) if len(self.speeds) >= 3 else self.speed
 
 
+def chat_template_prefix(tokenizer) -> list[int]:
+    """The tokens every chat-templated prompt starts with (the system prompt and the user header)."""
+    a = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "x"}]))
+    b = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "something else"}]))
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
 def browser_dir() -> Path:
     """The browser node page and its npm packages: $EDGERUN_BROWSER_DIR, else browser/ of this checkout."""
     return Path(os.environ.get("EDGERUN_BROWSER_DIR", Path(__file__).resolve().parents[2] / "browser"))
@@ -110,12 +120,15 @@ def _file_sha256(path: Path) -> str:
 class PipelineMaster:
     def __init__(self, model: Model, key: bytes, host: str = "0.0.0.0", port: int = 0, max_len: int = 1024,
                  objective: str = "sum", max_frame: int = PP_MAX_FRAME, replicas: int = 1,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 prefix: Sequence[int] = (), log: Callable[[str], None] = lambda _: None) -> None:
         if replicas < 1:
             raise EdgerunError(f"--replicas must be at least 1, not {replicas}")
         self.model, self.key, self.max_len, self.objective, self.log = model, key, max_len, objective, log
         self.max_frame = max_frame
         self.replicas = replicas
+        # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV
+        # rows; a request that starts with them sends only the rest.
+        self.prefix = list(prefix)
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
         self.stragglers: set[asyncio.Task] = set()  # replicas' answers that lost the race, still arriving
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
@@ -345,6 +358,8 @@ class PipelineMaster:
                 with contextlib.suppress(ConnectionClosed):
                     await worker.ws.send(pp_frame(PpMsg.RELEASE_SESSION, 0, {}, self.key))
         self.plan, self.stage_workers = plan, stage_workers
+        if self.prefix:
+            await self._forward(self.prefix, 0, {}, prefix="save")
         self.state, self.deployed_at = "Up", time.monotonic()
         self.log("state Up")
         return plan
@@ -391,12 +406,15 @@ class PipelineMaster:
             task.exception()  # a replica lost meanwhile is seen by the next pass
 
     # --- generation ------------------------------------------------------------------------------------
-    async def _forward(self, tokens: Sequence[int], position: int, sampling: dict[str, Any]) -> int:
-        """One pass through every stage; the last stage's sampled token."""
+    async def _forward(self, tokens: Sequence[int], position: int, sampling: dict[str, Any],
+                       prefix: str | None = None) -> int:
+        """One pass through every stage; the last stage's sampled token. `prefix`: "save" keeps the
+        KV of this pass on every worker, "restore" continues from it."""
         tensors = {"input_ids": np.asarray([tokens], np.int64)}
         for i, s in enumerate(self.plan.stages):
             last = i == len(self.plan.stages) - 1
-            message = {"position": position, **({"sampling": sampling} if last else {})}
+            message = {"position": position, **({"sampling": sampling} if last else {}),
+                       **({"prefix": prefix} if prefix else {})}
             worker, reply, out = await self._hedged(self.stage_workers[i], message, tensors)
             worker.served += 1
             seconds = reply.get("seconds")
@@ -435,7 +453,11 @@ class PipelineMaster:
                 if self.state != "Up" or not self._stages_alive():
                     await self.replan()
                 context = list(prompt) + tokens
-                token = await self._forward(context, 0, sampling)
+                n = len(self.prefix)
+                if n and len(context) > n and context[:n] == self.prefix:
+                    token = await self._forward(context[n:], n, sampling, prefix="restore")
+                else:
+                    token = await self._forward(context, 0, sampling)
                 if lost_at is not None:  # recovered: the re-prefill produced the next token
                     self.recovery_seconds.append(time.perf_counter() - lost_at)
                     lost_at = None

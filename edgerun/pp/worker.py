@@ -168,7 +168,9 @@ class PipelineWorker:
         if s is None or s.session is None:
             raise ValueError("no stage loaded")
         position = int(message["position"])
-        if position == 0:
+        if message.get("prefix") == "restore":  # the request starts with the saved prefix
+            s.session.restore_prefix()
+        elif position == 0:
             s.session.reset()
         if position != s.session.position:
             raise ValueError(f"input at position {position}, but the cache holds {s.session.position}")
@@ -176,6 +178,8 @@ class PipelineWorker:
         start = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(None, s.session.run, x)
         seconds = time.perf_counter() - start
+        if message.get("prefix") == "save":
+            s.session.save_prefix()
         if s.lm_head:
             p = message.get("sampling", {})
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
