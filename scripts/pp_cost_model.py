@@ -16,7 +16,7 @@ from edgerun.bench.pp import cost_model_accuracy, cost_table
 from edgerun.model.loader import load_model
 
 # Memory budgets (MB) per worker: one to four stages of the shipped model (126 MB by the planner's count).
-CONFIGS = "400;200,60;80,80;120,50;50,50,50;60,45,45;40,40,40,40"
+CONFIGS = "400;200,60;80,80;120,50;60,50,50;70,50,50;40,40,40,40"
 
 
 def main() -> None:

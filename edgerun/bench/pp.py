@@ -67,7 +67,11 @@ def cost_model_accuracy(model: Model, configs: Sequence[Sequence[float]], tokens
     for budgets in configs:
         progress(f"workers with {', '.join(f'{b:g}' for b in budgets)} MB")
         with local_pipeline(model, budgets) as (master, _):
-            master.start()
+            try:
+                master.start()
+            except EdgerunError as e:
+                progress(f"skipped: {e}")
+                continue
             master.generate(prompt, 24)  # speed samples for every worker in the plan
             plan = master.start()  # replanned with the measured speeds
             master.generate(prompt, 8)  # the new stages warmed up
