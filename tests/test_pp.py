@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from edgerun.bench.pp import SECRET, local_pipeline, start_worker
+from edgerun.cli import main
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
@@ -65,14 +66,18 @@ def pipeline(model: Model, budgets: list[float], **options: object) -> Iterator[
 
 @pytest.mark.parametrize("budgets, stages", [([80, 80], 2), ([50, 50, 50], 3)])
 def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_tokens: list[int],
-                                                      budgets: list[float], stages: int) -> None:
+                                                      budgets: list[float], stages: int,
+                                                      capsys: pytest.CaptureFixture) -> None:
     """The shipped model (126 MB by the planner's count) does not fit one worker's budget."""
     with pipeline(model, budgets) as (master, _):
         plan = master.start()
         assert len(plan.stages) == stages and master.state == "Up"
         assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
-        assert "layers" in master.status_text() and "state Up" in master.status_text()
+        assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
+        shown = capsys.readouterr().out
+        assert shown.startswith("state Up") and all(f"{s.worker}: native" in shown for s in plan.stages), shown
+        assert f"layers 0-{plan.stages[0].end_layer - 1}" in shown
 
 
 def test_killing_a_worker_mid_generation_recovers_identically(model: Model, reference_tokens: list[int]) -> None:
