@@ -39,7 +39,7 @@ from edgerun.model.onnx_graph import StageSpec, cached_stage
 from edgerun.model.sampling import SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
-from edgerun.sched.pp_plan import PPPlan, accept, plan_pp
+from edgerun.sched.pp_plan import CostParams, PPPlan, accept, plan_pp
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 
 CONNECT_TIMEOUT_S = 10.0
@@ -131,6 +131,7 @@ class PipelineMaster:
         self.prefix = list(prefix)
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
         self.stragglers: set[asyncio.Task] = set()  # replicas' answers that lost the race, still arriving
+        self.overheads: deque[float] = deque(maxlen=SPEED_SAMPLES)  # seconds per stage pass beyond compute
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
         self.workers: dict[str, WorkerConn] = {}
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
@@ -306,20 +307,27 @@ class PipelineMaster:
                 devices = self._devices()
                 lost = any(not self.workers[name].alive for names in self.stage_workers for name in names)
                 candidate = await self._plan(devices, current=None if lost else self.plan)
-                if lost or accept(candidate, self.plan, self.profile, devices):
+                if lost or accept(candidate, self.plan, self.profile, devices, params=self.cost_params()):
                     self.log(f"repartitioning ({'a worker left' if lost else 'a better plan'})")
                     await self.replan(candidate)
             except (EdgerunError, WorkerLost, ValueError, KeyError) as e:  # the next request replans again
                 self.state = "Down"
                 self.log(f"repartition failed: {e}")
 
+    def cost_params(self) -> CostParams:
+        """The cost model's constants, with δ measured once there are decode passes to measure."""
+        if len(self.overheads) < 3:
+            return CostParams()
+        return CostParams(delta_us=float(np.median(self.overheads)) * 1e6)
+
     async def _plan(self, devices: list[DeviceProfile], current: PPPlan | None = None) -> PPPlan:
         if not devices:
             raise EdgerunError("no workers connected")
         since = time.monotonic() - self.deployed_at
+        params = self.cost_params()
         plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_pp(
             self.profile, devices, objective=self.objective, current=current, seconds_since_redistribution=since,
-            server_up=self.state == "Up"))
+            server_up=self.state == "Up", params=params))
         if not plan.complete:
             raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.profile.n_layers} layers "
                                "within their memory budgets")
@@ -415,11 +423,15 @@ class PipelineMaster:
             last = i == len(self.plan.stages) - 1
             message = {"position": position, **({"sampling": sampling} if last else {}),
                        **({"prefix": prefix} if prefix else {})}
+            sent = time.perf_counter()
             worker, reply, out = await self._hedged(self.stage_workers[i], message, tensors)
+            wall = time.perf_counter() - sent
             worker.served += 1
             seconds = reply.get("seconds")
-            if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: the speed planned with
+            if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: what plans are priced by
                 worker.speeds.append(sum(self.profile.layer_read_bytes[s.first_layer:s.end_layer]) / seconds)
+                # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
+                self.overheads.append(max(0.0, wall - seconds - worker.rtt_ms / 1e3))
             if last:
                 token = reply.get("token")
                 if not isinstance(token, int) or not 0 <= token < self.model.config.vocab_size:
