@@ -18,8 +18,8 @@ from edgerun.model.loader import load_model
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
-    p.add_argument("--budgets", default="80,80,80", help="worker memory budgets in MB (default: 80,80,80: any two "
-                   "hold the model)")
+    p.add_argument("--budgets", default="80,80,80,80", help="worker memory budgets in MB (default: 80,80,80,80: "
+                   "any two hold the model)")
     p.add_argument("--mttf", type=float, default=10.0, help="mean time to failure of a worker, s (default: 10)")
     p.add_argument("--rejoin", type=float, default=2.0, help="seconds before a departed worker restarts")
     p.add_argument("--seconds", type=float, default=120.0)
