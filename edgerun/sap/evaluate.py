@@ -148,6 +148,8 @@ def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: S
              tokens: int = 1024, chunk: int = 256, prompt_tokens: int = 32, continuation: int = 16, seed: int = 0,
              progress: Callable[[str], None] = lambda _: None) -> list[EvalResult]:
     """Every (PLR, NGLR, policy) over the same text and the same loss events."""
+    if tokens < chunk or chunk < 2:
+        raise EdgerunError(f"evaluate at least one sequence of {chunk} tokens (asked for {tokens})")
     if predictors is not None and predictors.group_size != group_size:
         raise EdgerunError(f"the predictors were trained for groups of {predictors.group_size}, not {group_size}")
     reference = ReferenceModel(model.config, model.weights, group_size)
