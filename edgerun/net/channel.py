@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from edgerun.net.loss import LossModel, NoLoss
-from edgerun.net.wire import Header, WireError, control_frame, frame_length, open_packet, parse_control
+from edgerun.net.wire import (
+    Added,
+    Header,
+    Reassembly,
+    WireError,
+    control_frame,
+    frame_length,
+    open_packet,
+    parse_control,
+)
 
 T = TypeVar("T")
 
@@ -35,6 +44,19 @@ class Counters:
     def total(self) -> int:
         with self.lock:
             return sum(self.rejected.values())
+
+
+def add_fragment(reassembly: Reassembly, header: Header, payload: bytes, counters: Counters) -> bool:
+    """Take one fragment into its vector, counting a misfit or a duplicate as rejected; True the one
+    time the fragment completes the vector."""
+    try:
+        added = reassembly.add(header, payload)
+    except WireError:
+        counters.reject("misfit")
+        return False
+    if added is Added.DUPLICATE:
+        counters.reject("duplicate")
+    return added is Added.COMPLETED
 
 
 class LossyUdp:

@@ -229,15 +229,13 @@ class PipelineMaster:
         except WireError as e:
             self.log(f"worker {worker.name}: dropped a frame ({e})")
             return
-        future = worker.pending.pop(request, None)
-        if kind == PpMsg.LAYER_DOWNLOAD:
+        if kind == PpMsg.LAYER_DOWNLOAD:  # progress on a request, not its answer
             worker.cached.add(str(message.get("sha256")))
             with contextlib.suppress(TypeError, ValueError, ZeroDivisionError):
                 if float(message["bytes"]) > 1 << 20:  # a download big enough to time: the link's bandwidth
                     worker.mbit = float(message["bytes"]) * 8 / float(message["seconds"]) / 1e6
-            if future is not None:
-                worker.pending[request] = future  # more downloads follow
             return
+        future = worker.pending.pop(request, None)
         if future is None or future.done():
             return
         if kind == PpMsg.ERROR:

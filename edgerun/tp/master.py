@@ -26,7 +26,14 @@ from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.model.reference import rms_norm
 from edgerun.model.sampling import Sampler
-from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, listen_datagrams
+from edgerun.net.channel import (
+    AsyncChannel,
+    Counters,
+    EventLoopThread,
+    LossyUdp,
+    add_fragment,
+    listen_datagrams,
+)
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_sha256
 from edgerun.net.wire import (
@@ -405,14 +412,7 @@ class Master:
                 self.stats.late_packets += 1
             self._late(key, header, payload)
             return
-        try:
-            added = target.add(header, payload)
-        except WireError:
-            self.counters.reject("misfit")
-            return
-        if added is Added.DUPLICATE:
-            self.counters.reject("duplicate")
-        elif added is Added.COMPLETED:
+        if add_fragment(target, header, payload, self.counters):
             w.arrive(header.node)
 
     def _late(self, key: tuple[int, int, int, int], header: Header, payload: bytes) -> None:

@@ -25,10 +25,10 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
-from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, listen_datagrams
+from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, add_fragment, listen_datagrams
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
-from edgerun.net.wire import PROBE_FLAG, Added, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
+from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
 from edgerun.tp.shard import Shard, ShardSpec, full_spec
 
 HEARTBEAT_S = 0.5
@@ -241,14 +241,7 @@ class Node:
         if entry is None:
             self.counters.reject("stale")
             return
-        try:
-            added = entry.reassembly.add(header, payload)
-        except WireError:
-            self.counters.reject("misfit")
-            return
-        if added is Added.DUPLICATE:
-            self.counters.reject("duplicate")
-        elif added is Added.COMPLETED:
+        if add_fragment(entry.reassembly, header, payload, self.counters):
             self._take(header.position, header.layer, Block(header.block), entry)
 
     def _take(self, position: int, layer: int, block: Block, entry: _Input) -> None:
