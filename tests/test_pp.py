@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -64,6 +65,18 @@ def pipeline(model: Model, budgets: list[float], **options: object) -> Iterator[
         yield master, workers
 
 
+def kill_after(n: int, victim: subprocess.Popen) -> Callable[[int], None]:
+    """An on_token callback that kills -9 the victim when the n-th token is out."""
+    seen: list[int] = []
+
+    def on_token(token: int) -> None:
+        seen.append(token)
+        if len(seen) == n:
+            victim.send_signal(signal.SIGKILL)
+
+    return on_token
+
+
 @pytest.mark.parametrize("budgets, stages", [([80, 80], 2), ([50, 50, 50], 3)])
 def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_tokens: list[int],
                                                       budgets: list[float], stages: int,
@@ -83,13 +96,7 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
 def test_killing_a_worker_mid_generation_recovers_identically(model: Model, reference_tokens: list[int]) -> None:
     with pipeline(model, [80, 80, 80]) as (master, workers):
         plan = master.start()
-        victim = workers[int(plan.stages[0].worker[1:])]
-
-        def kill_at_ten(_: int, seen: list[int] = []) -> None:  # noqa: B006 - a counter across calls
-            seen.append(1)
-            if len(seen) == 10:
-                victim.send_signal(signal.SIGKILL)
-
+        kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
         tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten)
         assert tokens == reference_tokens
         assert len(master.recovery_seconds) == 1 and master.state == "Up"
@@ -188,13 +195,7 @@ def test_hedged_replicas_keep_serving_through_a_loss_without_recovery(model: Mod
     with pipeline(model, [80, 80, 80, 80], replicas=2) as (master, workers):
         plan = master.start()
         assert len(plan.stages) == 2 and all(len(names) == 2 for names in master.stage_workers)
-        victim = workers[int(plan.stages[0].worker[1:])]
-
-        def kill_at_ten(_: int, seen: list[int] = []) -> None:  # noqa: B006 - a counter across calls
-            seen.append(1)
-            if len(seen) == 10:
-                victim.send_signal(signal.SIGKILL)
-
+        kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten) == reference_tokens
         assert master.recovery_seconds == []  # the replica answered: no replan, no re-prefill
         assert not master.workers[plan.stages[0].worker].alive
