@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from edgerun.errors import EdgerunError
+from edgerun.net.netns import preexec
 
 NFT_ENV = "EDGERUN_NFT"
 TABLE_PREFIX = "edgerun_loss_"
@@ -55,11 +56,13 @@ def nft_binary() -> str:
     return found
 
 
-def _nft(*args: str, script: str | None = None) -> str:
-    """Run nft with arguments (and a ruleset on stdin for `-f -`); its stdout, or EdgerunError with its stderr."""
+def nft(*args: str, script: str | None = None, netns: str | None = None) -> str:
+    """Run nft with arguments (and a ruleset on stdin for `-f -`), inside network namespace `netns` if given;
+    its stdout, or EdgerunError with its stderr."""
     cmd = [nft_binary(), *args]
     try:
-        done = subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+        done = subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False,
+                              preexec_fn=preexec(netns))
     except OSError as e:  # not executable, wrong architecture, missing interpreter of a wrapper script
         raise EdgerunError(f"cannot run {cmd[0]}: {e}") from e
     except subprocess.TimeoutExpired as e:
@@ -78,8 +81,8 @@ def loss_supported() -> str | None:
     try:
         # Listing proves the binary runs, its libraries load and the kernel answers nf_tables requests; the
         # check-only load (-c: the kernel validates the batch, then aborts it) proves it has every expression used.
-        _nft("list", "ruleset")
-        _nft("-c", "-f", "-", script=_ruleset(f"{TABLE_PREFIX}probe", 1, [1], [1]))
+        nft("list", "ruleset")
+        nft("-c", "-f", "-", script=_ruleset(f"{TABLE_PREFIX}probe", 1, [1], [1]))
     except EdgerunError as e:
         return str(e)
     return None
@@ -144,19 +147,19 @@ def loopback_loss(rate: float, tcp_ports: Sequence[int], udp_ports: Sequence[int
     if os.geteuid() != 0:
         raise EdgerunError("kernel loss needs root (CAP_NET_ADMIN to change nftables)")
     table = _table_name(label)
-    _nft("-f", "-", script=_ruleset(table, threshold, tcp, udp))
+    nft("-f", "-", script=_ruleset(table, threshold, tcp, udp))
     try:
         yield table
     finally:
         # A failure here raises with the body's exception (if any) chained as its context, so neither is lost.
-        _nft("delete", "table", "inet", table)
+        nft("delete", "table", "inet", table)
 
 
 def loss_counters(table: str) -> tuple[int, int]:
     """(packets that matched the ports, packets dropped) so far in an open loopback_loss table; (0, 0) for ""."""
     if not table:
         return 0, 0
-    listing = _nft("list", "chain", "inet", table, "lossy")
+    listing = nft("list", "chain", "inet", table, "lossy")
     counts = [int(n) for n in re.findall(r"counter packets (\d+)", listing)]
     if len(counts) != 2:
         raise EdgerunError(f"unexpected listing of {table}: {listing!r}")
@@ -176,7 +179,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_tables() -> list[str]:
     """Delete the loss tables whose owning process is gone (a crash skipped their deletion); their names."""
     removed = []
-    for line in _nft("list", "tables").splitlines():
+    for line in nft("list", "tables").splitlines():
         parts = line.split()  # "table inet edgerun_loss_1234_0"
         if len(parts) != 3 or parts[0] != "table" or not parts[2].startswith(TABLE_PREFIX):
             continue
@@ -186,6 +189,6 @@ def remove_stale_tables() -> list[str]:
         # of no known owner, so it counts as stale.
         if pid.isdigit() and _pid_alive(int(pid)):
             continue
-        _nft("delete", "table", family, name)
+        nft("delete", "table", family, name)
         removed.append(name)
     return removed
