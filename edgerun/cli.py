@@ -394,7 +394,7 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
 
 def cmd_bench_tp(args: argparse.Namespace) -> None:
     _limit_blas_threads(args.threads)
-    from edgerun.bench.tp import bench_tp, tp_json, tp_ratios, tp_table
+    from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_json, tp_ratios, tp_table
 
     def split(text: str) -> list[str]:
         return [x.strip() for x in text.split(",") if x.strip()]
@@ -403,17 +403,19 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
         node_counts = [int(n) for n in split(args.nodes)]
     except ValueError:
         raise EdgerunError(f"--nodes takes counts separated by commas, not {args.nodes!r}") from None
-    if not node_counts or min(node_counts) < 0 or args.tokens < 1:
-        raise EdgerunError("--nodes must be 0 or more and --tokens at least 1")
+    if not node_counts or min(node_counts) < 0:
+        raise EdgerunError("--nodes must be 0 or more")
     transports = split(args.transport)
     for transport in transports:
         if transport not in ("udp", "tcp"):
             raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
     if args.model is not None and not args.model.exists():
         raise EdgerunError(f"model not found: {args.model}")
-    results = bench_tp(args.model, node_counts, split(args.plr) or ["0"], transports, args.loss_at, args.plan,
-                       args.tokens, None if args.adaptive_timeout else args.timeout_ms, args.codec,
-                       args.tcp_rto_min_ms, args.timeout_deviations, args.parity,
+    config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
+                           None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
+                           args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
+                           tuple(args.cpu_quota or ()))
+    results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(tp_json(results), indent=2))
@@ -838,14 +840,20 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and packets lost or late; then udp's slowdown under loss and tcp against udp. "
                                      "--loss-at process drops UDP sends in-process (TCP is untouched); --loss-at "
                                      "kernel drops the cluster's packets on loopback with nftables (root), so TCP "
-                                     "retransmits as on a real lossy link (HALO Table I).")
+                                     "retransmits as on a real lossy link (HALO Table I); --loss-at testbed puts "
+                                     "every node in a network namespace of its own, with --rate and --cpu-quota.")
     _model_arg(p)
     p.add_argument("--nodes", default="2", help="node processes besides the master, comma-separated: 0,1,2,4 "
                    "(0: the master alone; default: 2)")
     p.add_argument("--plr", default="0", help="loss rates, comma-separated: 0,1%%,2%%,5%% (in-process also "
                    "ge:0.05[:burst]; default: 0)")
-    p.add_argument("--loss-at", choices=("process", "kernel"), default="process",
-                   help="where packets are lost (default: process)")
+    p.add_argument("--loss-at", choices=("process", "kernel", "testbed"), default="process",
+                   help="where packets are lost: in-process, nftables on loopback, or a testbed of network "
+                        "namespaces (root; default: process)")
+    p.add_argument("--rate", type=float, default=None, help="testbed link rate in Mbit/s (default: unlimited)")
+    p.add_argument("--delay", type=float, default=0.0, help="testbed one-way delay in ms (needs sch_netem)")
+    p.add_argument("--cpu-quota", type=float, nargs="+", default=None, metavar="CORES",
+                   help="testbed CPU cores per node: one for all, or one per node")
     p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
     p.add_argument("--plan", choices=PLANS[:-1], default="halo")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")

@@ -2,13 +2,15 @@
 node counts, loss rates and transports, with the time per output token split into the master's
 compute, waiting for partials, and the rest.
 
-Loss comes from the in-process loss model (every UDP send, TCP untouched) or from the kernel
-(nftables drops on loopback, which also make TCP retransmit: HALO Table I's comparison).
+Loss comes from the in-process loss model (every UDP send, TCP untouched) or from the kernel, which also
+makes TCP retransmit (HALO Table I's comparison): nftables drops on loopback, or a testbed of network
+namespaces whose links also take a rate limit, and whose nodes take CPU quotas.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -19,8 +21,10 @@ from pathlib import Path
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net import testbed
 from edgerun.net.kernel_loss import loopback_loss, loss_counters
 from edgerun.net.loss import Bernoulli, NoLoss, parse_loss
+from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.tp.master import Master
 
@@ -34,11 +38,12 @@ class TpResult:
     nodes: int
     transport: str
     loss: str
-    loss_at: str  # "process" or "kernel"
+    loss_at: str  # "process", "kernel" or "testbed"
     codec: str
     timeout: str  # "10 ms" or "adaptive"
     parity: bool  # an XOR parity fragment after every UDP vector
     plan: str
+    rate_mbit: float | None  # testbed links (None: unlimited)
     tokens: int
     ms_per_token: float
     compute_ms_per_token: float  # the master's own share
@@ -65,48 +70,97 @@ def kernel_rate(spec: str) -> float:
     return model.rate
 
 
+@dataclass(frozen=True)
+class TpBenchConfig:
+    """How a benchmark cluster runs; the sweep (node counts, loss rates, transports) is given beside it.
+
+    loss_at: "process" (the in-process loss model, UDP only), "kernel" (nftables on loopback) or "testbed"
+    (every node in its own network namespace, the links shaped by the kernel: loss, rate_mbit, delay_ms,
+    and cpu_quotas, one value for all nodes or one per node). node_speeds: what each node reports to the
+    planner, in weight bytes per second (empty: the node's default)."""
+    model_path: Path | None = None
+    plan: str = "halo"
+    tokens: int = 32
+    codec: str = "f32"
+    timeout_ms: float | None = 10.0  # None: adaptive
+    timeout_deviations: float = 4.0
+    rto_min_ms: float | None = None
+    parity: bool = True
+    loss_at: str = "process"
+    rate_mbit: float | None = None
+    delay_ms: float = 0.0
+    cpu_quotas: tuple[float, ...] = ()
+    node_speeds: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.loss_at not in LOSS_AT:
+            raise EdgerunError(f"loss is applied in {', '.join(LOSS_AT)}, not {self.loss_at!r}")
+        if self.loss_at != "testbed" and (self.rate_mbit is not None or self.delay_ms or self.cpu_quotas):
+            raise EdgerunError("rate, delay and CPU quotas need --loss-at testbed")
+        if self.tokens < 1:
+            raise EdgerunError("--tokens must be at least 1")
+
+
+LOSS_AT = ("process", "kernel", "testbed")
+
+
+def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[str]:
+    argv = [sys.executable, "-m", "edgerun.cli", "node", "--master", master, "--name", f"bench-{i}", "--key",
+            SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", "1"]
+    if config.model_path is not None:
+        argv += ["--model", str(config.model_path)]
+    if config.node_speeds:
+        argv += ["--speed", str(config.node_speeds[i % len(config.node_speeds)])]
+    return argv
+
+
 @contextlib.contextmanager
-def local_cluster(model: Model, model_path: Path | None, nodes: int, loss: str, plan: str, codec: str,
-                  timeout_ms: float | None, rto_min_ms: float | None = None,
-                  timeout_deviations: float = 4.0, parity: bool = True) -> Iterator[Master]:
-    """A master in this process and `nodes` node processes (one BLAS thread each) on loopback."""
-    master = Master(model, derive_key(SECRET), strategy=plan, host="127.0.0.1", port=0, codec=Codec[codec.upper()],
-                    timeout_ms=timeout_ms, loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=rto_min_ms,
-                    timeout_deviations=timeout_deviations, parity=parity)
-    model_args = [] if model_path is None else ["--model", str(model_path)]
-    procs = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
-                               "--name", f"bench-{i}", "--key", SECRET, "--loss", loss, "--loss-seed", str(i + 1),
-                               "--threads", "1", *model_args], stderr=subprocess.DEVNULL) for i in range(nodes)]
-    try:
-        master.wait_for_nodes(nodes, timeout_s=300)
-        yield master
-    finally:
-        master.close()
-        for p in procs:
-            p.kill()
-            p.wait()
+def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
+                  bed: testbed.TestbedSpec | None = None) -> Iterator[Master]:
+    """A master in this process and `nodes` node processes (one BLAS thread each): on loopback, or with `bed`
+    the master in the testbed's master namespace (this thread stays there while the cluster runs) and node i
+    in node namespace i + 1."""
+    with entered(None if bed is None else bed.master_ns):
+        address = "127.0.0.1" if bed is None else bed.master_address
+        master = Master(model, derive_key(SECRET), strategy=config.plan, host=address, port=0,
+                        codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
+                        loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=config.rto_min_ms,
+                        timeout_deviations=config.timeout_deviations, parity=config.parity)
+        procs = []
+        try:
+            for i in range(nodes):
+                argv = _node_argv(config, f"{address}:{master.port}", i, loss)
+                procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL) if bed is None else
+                             testbed.popen(bed, i + 1, argv, stderr=subprocess.DEVNULL))
+            master.wait_for_nodes(nodes, timeout_s=300)
+            yield master
+        finally:
+            master.close()
+            for p in procs:
+                p.kill()
+                p.wait()
 
 
-def _measure(master: Master, model: Model, tokens: int, nodes: int, loss: str, loss_at: str, codec: str,
-             plan: str, table: str) -> TpResult:
+def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, loss: str,
+             kernel_counters: Callable[[], tuple[int, int]]) -> TpResult:
     prompt = model.tokenizer.encode(BENCH_PROMPT)
     greedy = Sampler(SamplingParams())
     master.generate(prompt, WARMUP_TOKENS, greedy)
     s, sent, dropped, rejected = master.stats, master.udp.sent, master.udp.dropped, master.counters.total()
     before = dict(s.__dict__)
-    matched0, kdropped0 = loss_counters(table)
+    matched0, kdropped0 = kernel_counters()
     start = time.perf_counter()
-    generated = master.generate(prompt, tokens, greedy)
+    generated = master.generate(prompt, config.tokens, greedy)
     elapsed = time.perf_counter() - start
-    matched1, kdropped1 = loss_counters(table)
+    matched1, kdropped1 = kernel_counters()
     n = max(1, len(generated))
     compute = (s.compute_s - before["compute_s"]) / n
     wait = (s.wait_s - before["wait_s"]) / n
     fixed = master.timeouts.fixed_s
     return TpResult(
-        nodes=nodes, transport=master.transport, loss=loss, loss_at=loss_at, codec=codec,
-        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=plan,
-        tokens=len(generated),
+        nodes=nodes, transport=master.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
+        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=config.plan,
+        rate_mbit=config.rate_mbit, tokens=len(generated),
         ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=s.blocks - before["blocks"],
         blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
@@ -116,34 +170,55 @@ def _measure(master: Master, model: Model, tokens: int, nodes: int, loss: str, l
         late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected)
 
 
-def bench_tp(model_path: Path | None, node_counts: list[int], losses: list[str], transports: list[str],
-             loss_at: str = "process", plan: str = "halo", tokens: int = 32, timeout_ms: float | None = 10.0,
-             codec: str = "f32", rto_min_ms: float | None = None, timeout_deviations: float = 4.0,
-             parity: bool = True, progress: Callable[[str], None] = lambda _: None) -> list[TpResult]:
-    """Every (nodes, loss, transport) combination. With kernel loss one cluster per node count serves
-    every loss rate (links are measured before any loss); in-process loss is set when a node starts,
-    so each rate gets its own cluster."""
-    if loss_at not in ("process", "kernel"):
-        raise EdgerunError(f"loss must be applied in the process or the kernel, not {loss_at!r}")
-    rates = {loss: kernel_rate(loss) for loss in losses} if loss_at == "kernel" else {}
-    model = load_model(model_path)
+def _testbed_for(config: TpBenchConfig, nodes: int) -> testbed.TestbedSpec:
+    quotas = config.cpu_quotas if len(config.cpu_quotas) <= 1 else config.cpu_quotas[:nodes]
+    return testbed.TestbedSpec(nodes=nodes, rate_mbit=config.rate_mbit, delay_ms=config.delay_ms,
+                               cpu_quotas=quotas, name=f"bench{os.getpid()}")
+
+
+def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], transports: list[str],
+             progress: Callable[[str], None] = lambda _: None) -> list[TpResult]:
+    """Every (nodes, loss, transport) combination. With kernel or testbed loss one cluster per node count
+    serves every loss rate (links are measured and assignments sent before any loss); in-process loss is set
+    when a node starts, so each rate gets its own cluster."""
+    in_kernel = config.loss_at != "process"
+    rates = {loss: kernel_rate(loss) for loss in losses} if in_kernel else {}
+    if config.loss_at == "testbed" and 0 in node_counts:
+        raise EdgerunError("a testbed needs at least one node (the master alone has no links)")
+    model = load_model(config.model_path)
     results = []
     for nodes in node_counts:
-        groups = [losses] if loss_at == "kernel" else [[loss] for loss in losses]
-        for group in groups:
-            start_loss = "0" if loss_at == "kernel" else group[0]
-            with local_cluster(model, model_path, nodes, start_loss, plan, codec, timeout_ms, rto_min_ms,
-                               timeout_deviations, parity) as master:
-                for loss in group:
-                    for transport in transports:
-                        progress(f"master + {nodes} node(s), {transport}, {loss_at} loss {loss}")
-                        master.transport = transport
-                        master.replan()  # before the loss: assignments and link probes travel clean
-                        tcp_ports = [master.port]
-                        udp_ports = [master.udp_port] + [n.udp_port for n in master.nodes]
-                        with loopback_loss(rates.get(loss, 0.0), tcp_ports, udp_ports) as table:
-                            results.append(_measure(master, model, tokens, nodes, loss, loss_at, codec, plan, table))
+        with contextlib.ExitStack() as stack:
+            bed = stack.enter_context(testbed.running(_testbed_for(config, nodes))) \
+                if config.loss_at == "testbed" else None
+            for group in ([losses] if in_kernel else [[loss] for loss in losses]):
+                with local_cluster(model, config, nodes, "0" if in_kernel else group[0], bed) as master:
+                    for loss in group:
+                        for transport in transports:
+                            progress(f"master + {nodes} node(s), {transport}, {config.loss_at} loss {loss}")
+                            master.transport = transport
+                            master.replan()  # before the loss: assignments and link probes travel clean
+                            with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
+                                results.append(_measure(master, model, config, nodes, loss, counters))
     return results
+
+
+@contextlib.contextmanager
+def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | None,
+           rate: float) -> Iterator[Callable[[], tuple[int, int]]]:
+    """Loss at `rate` where the config puts it, for the length of the context; yields its kernel counters."""
+    if bed is not None:
+        testbed.set_loss(bed, rate)
+        try:
+            yield lambda: testbed.measured_loss(bed)
+        finally:
+            testbed.set_loss(bed, 0.0)
+    elif config.loss_at == "kernel":
+        udp_ports = [master.udp_port] + [n.udp_port for n in master.nodes]
+        with loopback_loss(rate, [master.port], udp_ports) as table:
+            yield lambda: loss_counters(table)
+    else:
+        yield lambda: (0, 0)
 
 
 def tp_table(results: list[TpResult]) -> str:

@@ -1,0 +1,202 @@
+"""The loss testbed: network namespaces with real kernel loss, rate limits and CPU quotas (root only), and a
+tensor-parallel cluster over it checked against the reference."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pyroute2 import netns
+
+from edgerun.bench.tp import SECRET, TpBenchConfig, local_cluster
+from edgerun.cli import main
+from edgerun.errors import EdgerunError
+from edgerun.model.generate import ReferenceEngine, generate
+from edgerun.model.loader import load_model
+from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net import shaping, testbed
+from edgerun.net.netns import entered
+from edgerun.net.testbed import TestbedSpec as Spec
+
+REASON = testbed.missing_support()
+needs_root = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def test_spec_refuses_bad_input() -> None:
+    with pytest.raises(EdgerunError, match="1 to 250 nodes"):
+        Spec(nodes=0)
+    with pytest.raises(EdgerunError, match="loss must be in"):
+        Spec(nodes=2, loss=1.5)
+    with pytest.raises(EdgerunError, match="one CPU quota for all nodes or one per node"):
+        Spec(nodes=3, cpu_quotas=(1.0, 0.5))
+    with pytest.raises(EdgerunError, match="above 0"):
+        Spec(nodes=1, cpu_quotas=(0.0,))
+    with pytest.raises(EdgerunError, match="testbed name"):
+        Spec(nodes=1, name="Bad Name")
+    with pytest.raises(EdgerunError, match="subnet"):
+        Spec(nodes=1, subnet="10.300.0")
+    spec = Spec(nodes=3, cpu_quotas=(1.0, 0.5, 0.25), name="tb")
+    assert spec.namespaces == ["tb-master", "tb-node1", "tb-node2", "tb-node3"]
+    assert (spec.master_address, spec.node_address(3), spec.cpu_quota(2)) == ("10.77.0.1", "10.77.0.4", 0.5)
+
+
+def _leftovers(name: str) -> list[str]:
+    """Everything of testbed `name` that still exists: namespaces, cgroups, the state file."""
+    found = [ns for ns in netns.listnetns() if ns.startswith(f"{name}-")]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"**/edgerun-testbed-{name}")]
+    if (testbed.STATE_DIR / f"{name}.json").exists():
+        found.append("state file")
+    return found
+
+
+def _udp_exchange(spec: Spec, k: int, count: int) -> tuple[int, int]:
+    """`count` datagrams from node k to the master and `count` back, paced; (received by master, by node)."""
+    port = 9300 + k
+    with entered(spec.master_ns):
+        master = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    master.bind((spec.master_address, port))
+    master.settimeout(1.0)
+    echo = ("import socket, sys, time\n"
+            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"s.bind(('{spec.node_address(k)}', {port}))\n"
+            f"for i in range({count}):\n"
+            f"    s.sendto(b'u' * 256, ('{spec.master_address}', {port})); time.sleep(0.0002)\n"
+            "s.settimeout(1.5)\nn = 0\n"
+            "try:\n    while True:\n        s.recv(512); n += 1\nexcept OSError:\n    pass\nprint(n)\n")
+    node = testbed.popen(spec, k, [sys.executable, "-c", echo], stdout=subprocess.PIPE, text=True)
+    got = 0
+    try:
+        while True:
+            master.recv(512)
+            got += 1
+    except TimeoutError:
+        pass
+    for _ in range(count):
+        master.sendto(b"d" * 256, (spec.node_address(k), port))
+        time.sleep(0.0002)
+    out, _ = node.communicate(timeout=30)
+    master.close()
+    return got, int(out)
+
+
+@needs_root
+def test_testbed_loses_the_requested_share_and_down_leaves_nothing() -> None:
+    """CI's small testbed: 3 namespaces at 5 % loss. The loss the kernel applies (its counters) and the loss
+    the sockets see both lie within 1 percentage point of 5 % (over 12,000 datagrams a binomial standard
+    deviation is 0.2 points)."""
+    spec = Spec(nodes=3, loss=0.05, rate_mbit=100, cpu_quotas=(1.0, 0.5, 0.5), name="tbtest")
+    testbed.down(spec.name)  # a leftover of an earlier crashed run
+    try:
+        testbed.up(spec)
+        with pytest.raises(EdgerunError, match="already up"):
+            testbed.up(spec)
+        assert all(r.qdiscs[0] == "tbf" for r in testbed.status(spec))
+        received0, dropped0 = testbed.measured_loss(spec)
+        sent = 2000
+        delivered = [_udp_exchange(spec, k, sent) for k in range(1, 4)]
+        received, dropped = testbed.measured_loss(spec)
+        kernel_share = (dropped - dropped0) / (received - received0)
+        socket_share = 1 - sum(a + b for a, b in delivered) / (2 * 3 * sent)
+        assert abs(kernel_share - 0.05) < 0.01, kernel_share
+        assert abs(socket_share - 0.05) < 0.01, socket_share
+        # Each node runs in its own cgroup under its quota.
+        sleeper = testbed.popen(spec, 2, ["sleep", "60"])
+        cgroup = testbed.node_cgroup(spec, 2)
+        assert cgroup is not None and str(sleeper.pid) in (cgroup / "cgroup.procs").read_text().split()
+    finally:
+        removed = testbed.down(spec.name)
+    assert sorted(removed.namespaces) == sorted(spec.namespaces)
+    assert removed.processes == 1  # the sleeper
+    assert sleeper.wait(timeout=10) == -9
+    assert _leftovers(spec.name) == []
+    # nft tables lived inside the namespaces; none was made in this one.
+    assert not shaping.loss_tables()
+
+
+@needs_root
+def test_down_after_a_crash_finds_everything_by_name() -> None:
+    spec = Spec(nodes=2, loss=0.1, cpu_quotas=(0.5,), name="tbcrash")
+    testbed.down(spec.name)
+    testbed.up(spec)
+    (testbed.STATE_DIR / f"{spec.name}.json").unlink()  # as if the state file were lost
+    testbed.popen(spec, 1, ["sleep", "60"])
+    assert main(["testbed", "down", "--name", spec.name]) == 0
+    assert _leftovers(spec.name) == []
+
+
+@needs_root
+def test_tensor_parallel_over_the_testbed(tiny_spec, synth_gguf) -> None:
+    """Lossless: the reference's greedy tokens exactly. At 5 % kernel loss on every link: generation completes,
+    and the kernel really dropped packets of the cluster."""
+    path = synth_gguf(tiny_spec(tied=False))
+    model = load_model(path)
+    prompt = [1, 5, 9, 3]
+    expected = generate(ReferenceEngine(model, 64), prompt, 16, Sampler(SamplingParams())).tokens
+    spec = Spec(nodes=3, rate_mbit=1000, name="tbtp")
+    testbed.down(spec.name)
+    config = TpBenchConfig(path, timeout_ms=None, loss_at="testbed")
+    with testbed.running(spec), local_cluster(model, config, 3, "0", spec) as master:
+        assert sorted(n.host for n in master.nodes) == [spec.node_address(k) for k in (1, 2, 3)]
+        master.replan()
+        assert master.generate(prompt, 16, Sampler(SamplingParams())) == expected
+        testbed.set_loss(spec, 0.05)
+        received0, dropped0 = testbed.measured_loss(spec)
+        before = master.stats.blocks
+        assert len(master.generate(prompt, 24, Sampler(SamplingParams()))) == 24
+        received, dropped = testbed.measured_loss(spec)
+        assert master.stats.blocks > before and dropped > dropped0 and received - received0 > 500
+    assert _leftovers(spec.name) == []
+
+
+@needs_root
+def test_cli_run_starts_nodes_in_their_namespaces(tmp_path: Path, tiny_spec, synth_gguf) -> None:
+    path = synth_gguf(tiny_spec(tied=False))
+    name = "tbcli"
+    testbed.down(name)
+    assert main(["testbed", "up", "--name", name, "--nodes", "2", "--plr", "2%"]) == 0
+    try:
+        # --in: a command in one node's namespace sees that node's address.
+        probe = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                 "s.connect(('10.77.0.1', 9)); print(s.getsockname()[0])")
+        out = subprocess.run([sys.executable, "-m", "edgerun.cli", "testbed", "run", "--name", name, "--in", "node2",
+                              "--", sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == "10.77.0.3", out.stderr
+        env = os.environ | {"EDGERUN_KEY": SECRET}
+        run = subprocess.run(
+            [sys.executable, "-m", "edgerun.cli", "testbed", "run", "--name", name, "--port", "7100",
+             "--node-cmd", f"edgerun node --master {{master}}:{{port}} --name {{name}} --model {path} --threads 1",
+             "--", "edgerun", "master", "--model", str(path), "--port", "7100", "--expect", "2",
+             "--max-tokens", "8", "--prompt", "hello", "--threads", "1"],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "node node1 joined from 10.77.0.2" in run.stderr and "node node2 joined from 10.77.0.3" in run.stderr
+        assert "8 tokens in" in run.stderr
+    finally:
+        assert main(["testbed", "down", "--name", name]) == 0
+    assert _leftovers(name) == []
+
+
+@needs_root
+def test_netem_command_shapes_and_clears_an_interface() -> None:
+    """`edgerun netem` on a veth of a scratch namespace: loss table and tbf appear, a delay without sch_netem is
+    refused with the reason, --clear removes both."""
+    spec = Spec(nodes=1, name="tbnetem")
+    testbed.down(spec.name)
+    with testbed.running(spec), entered(spec.node_ns(1)):
+        assert main(["netem", "--dev", "eth0", "--loss", "5%", "--rate", "100", "--direction", "both"]) == 0
+        assert shaping.qdisc_kinds("eth0")[0] == "tbf"
+        assert sorted(shaping.loss_tables()) == sorted(shaping.loss_table("eth0", h) for h in shaping.HOOKS)
+        try:
+            shaping.set_qdiscs("eth0", shaping.LinkShape(delay_ms=2))
+        except EdgerunError as e:  # a kernel without sch_netem
+            assert "netem" in str(e)
+        else:
+            assert shaping.qdisc_kinds("eth0")[0] == "netem"
+        assert main(["netem", "--dev", "eth0", "--clear"]) == 0
+        assert shaping.loss_tables() == [] and "tbf" not in shaping.qdisc_kinds("eth0")
+        assert main(["netem", "--dev", "nosuch0", "--loss", "5%"]) == 2
