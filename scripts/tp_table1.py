@@ -1,59 +1,69 @@
 """HALO Table I's analogue: time per output token of strict TCP against UDP with a timeout, at several
-packet-loss rates, for several cluster sizes, on a local cluster (master + node processes on loopback).
+packet-loss rates and cluster sizes, with real kernel loss on the links of a testbed (every node in a network
+namespace of its own; in-process loss where this process may not make one, which TCP does not feel).
+Writes table1.csv (every measurement), table1.md (the table and the ratios) and table1.png into --out.
 
-Loss is real kernel loss (nftables drops on loopback, so TCP retransmits) where this process may
-change nftables, in-process loss otherwise (which TCP does not feel: the table then says so).
-Writes table1.csv (every measurement) and table1.md (the table and the ratios) into --out.
-
-    python scripts/tp_table1.py --nodes 2,4 --plr 0,1%,2%,5% --out out/table1
+    sudo python scripts/tp_table1.py --nodes 2,4 --plr 0,1%,2%,5% --out out/table1
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from edgerun.bench.tp import bench_tp, tp_ratios, tp_table
-from edgerun.net.kernel_loss import loss_supported
+from edgerun.bench.report import best_loss_at, model_for, model_label, progress, write_tp_results
+from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate, tp_ratios, tp_table
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the shipped SmolLM2-135M)")
+    p.add_argument("--model", default="shipped", help="shipped, a synthetic shape (1b) or a GGUF file")
     p.add_argument("--nodes", default="2", help="node processes besides the master, comma-separated")
     p.add_argument("--plr", default="0,1%,2%,5%", help="loss rates, comma-separated")
     p.add_argument("--transport", default="udp,tcp")
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f16")
+    p.add_argument("--rate", type=float, default=1000.0, help="testbed link rate in Mbit/s (default: 1000, "
+                   "HALO's gigabit switch)")
     p.add_argument("--timeout-ms", type=float, default=None, help="fixed UDP timeout (default: adaptive)")
     p.add_argument("--timeout-deviations", type=float, default=4.0, help="adaptive timeout's k (default: 4)")
     p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True,
                    help="an XOR parity fragment after every UDP vector (default: on)")
-    p.add_argument("--out", type=Path, required=True, help="folder for table1.csv and table1.md")
+    p.add_argument("--loss-at", choices=("testbed", "kernel", "process"), default=None,
+                   help="where loss happens (default: testbed where possible, else process)")
+    p.add_argument("--out", type=Path, required=True, help="folder for table1.csv, table1.md, table1.png")
     args = p.parse_args()
-    reason = loss_supported()
-    loss_at = "kernel" if reason is None else "process"
-    if reason:
-        print(f"no kernel loss ({reason}): using in-process loss, which TCP does not feel", file=sys.stderr)
-    results = bench_tp(args.model, [int(n) for n in args.nodes.split(",")], args.plr.split(","),
-                       args.transport.split(","), loss_at, tokens=args.tokens, timeout_ms=args.timeout_ms,
-                       codec=args.codec, timeout_deviations=args.timeout_deviations,
-                       parity=args.parity, progress=lambda m: print(f"{m}...", file=sys.stderr, flush=True))
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "table1.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in results)
-    model = args.model.name if args.model else "SmolLM2-135M-Instruct Q4_1"
-    summary = (f"# Time per output token, tcp against udp with a timeout ({model}, {loss_at} loss, codec "
-               f"{args.codec}, timeout {results[0].timeout}, parity {'on' if args.parity else 'off'})\n\n"
-               f"```\n{tp_table(results)}\n```\n\n"
-               f"```\n{tp_ratios(results)}\n```\n")
+    loss_at = args.loss_at or best_loss_at()
+    config = TpBenchConfig(model_for(args.model, args.out), tokens=args.tokens, codec=args.codec,
+                           timeout_ms=args.timeout_ms, timeout_deviations=args.timeout_deviations,
+                           parity=args.parity, loss_at=loss_at,
+                           rate_mbit=args.rate if loss_at == "testbed" else None)
+    results = bench_tp(config, [int(n) for n in args.nodes.split(",")], args.plr.split(","),
+                       args.transport.split(","), progress=progress)
+    write_tp_results(results, args.out / "table1.csv")
+    link = f", links {args.rate:g} Mbit/s" if loss_at == "testbed" else ""
+    title = (f"Time per output token, tcp against udp with a timeout ({model_label(args.model)}, {loss_at} loss{link}, "
+             f"codec {args.codec}, timeout {results[0].timeout}, parity {'on' if args.parity else 'off'})")
+    summary = f"# {title}\n\n```\n{tp_table(results)}\n```\n\n```\n{tp_ratios(results)}\n```\n"
     (args.out / "table1.md").write_text(summary)
     print(summary)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for nodes in sorted({r.nodes for r in results}):
+        for transport in sorted({r.transport for r in results}):
+            rows = [r for r in results if r.nodes == nodes and r.transport == transport]
+            ax.plot([100 * kernel_rate(r.loss) for r in rows], [r.ms_per_token for r in rows], marker="o",
+                    linestyle="-" if transport == "udp" else "--", label=f"{transport}, {nodes} nodes")
+    ax.set_xlabel("packet loss rate (%)")
+    ax.set_ylabel("time per output token (ms)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "table1.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@ written as CSV, markdown and a PNG plot."""
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from edgerun.bench.report import write_csv
 from edgerun.model.loader import Model
 from edgerun.net.model_files import model_sha256
 from edgerun.sap.calibrate import calibrate
@@ -35,12 +35,7 @@ def predictors_for(model: Model, out: Path, group_size: int, tokens: int, kind: 
 
 def write_results(results: Sequence[EvalResult], out: Path, name: str, title: str) -> str:
     """name.csv and name.md in `out`; returns the markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    rows = eval_json(results)
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(eval_json(results), out / f"{name}.csv")
     summary = f"# {title}\n\n```\n{eval_table(results)}\n```\n"
     (out / f"{name}.md").write_text(summary)
     return summary

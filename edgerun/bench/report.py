@@ -1,0 +1,61 @@
+"""Writing experiment results: CSV rows, a markdown summary, and choosing where a tensor-parallel experiment's
+loss comes from."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from edgerun.bench.tp import TpResult
+
+
+def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
+    """Rows of one shape as CSV, the first row's keys as the header; the folder is made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_tp_results(results: Sequence[TpResult], path: Path) -> None:
+    write_csv([asdict(r) for r in results], path)
+
+
+def best_loss_at() -> str:
+    """The most faithful loss this process can apply: a testbed (kernel loss on links between namespaces),
+    else in-process loss (which TCP does not feel); says why on stderr when it falls back."""
+    from edgerun.net.testbed import missing_support
+
+    reason = missing_support()
+    if reason is None:
+        return "testbed"
+    print(f"no testbed ({reason}): using in-process loss, which TCP does not feel", file=sys.stderr)
+    return "process"
+
+
+def progress(message: str) -> None:
+    print(f"{message}...", file=sys.stderr, flush=True)
+
+
+def model_for(name: str, folder: Path) -> Path | None:
+    """`shipped` (None: the shipped model), a synthetic shape (`1b`, ...: written into `folder` once, Q4_0 with
+    seeded weights), or a model file's path."""
+    from edgerun.model.synth import SHAPES, SynthSpec, custom_shape, write_synthetic
+
+    if name == "shipped":
+        return None
+    if name in SHAPES:
+        path = folder / f"synthetic-{name}-q4_0.gguf"
+        if not path.exists():
+            progress(f"writing a synthetic {name} model to {path}")
+            write_synthetic(SynthSpec(custom_shape(name), "Q4_0", 0), path, "gguf")
+        return path
+    return Path(name)
+
+
+def model_label(name: str) -> str:
+    return "SmolLM2-135M" if name == "shipped" else Path(name).name
