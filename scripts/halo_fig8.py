@@ -26,13 +26,14 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1000.0, help="link rate in Mbit/s (default: 1000)")
     p.add_argument("--loss-at", choices=("testbed", "kernel", "process"), default=None,
                    help="where loss happens (default: testbed where possible, else process)")
+    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
     losses = args.plr.split(",")
     rows, speedups = [], []
     for name in args.models.split(","):
-        config = TpBenchConfig(model_for(name, args.out), tokens=args.tokens, codec=args.codec, timeout_ms=None,
+        config = TpBenchConfig(model_for(name, args.synth_dir or args.out), tokens=args.tokens, codec=args.codec, timeout_ms=None,
                                loss_at=loss_at, rate_mbit=args.rate if loss_at == "testbed" else None)
         results = bench_tp(config, [int(n) for n in args.nodes.split(",")], losses, ["udp", "tcp"],
                            progress=lambda m, name=name: progress(f"{model_label(name)}: {m}"))

@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if best_loss_at() != "testbed":
@@ -58,7 +59,7 @@ def main() -> None:
             quotas = tuple(f / FASTEST_GHZ for f in ghz)
             for rate in rates:
                 for plan in plans:
-                    config = TpBenchConfig(model_for(args.model, args.out), plan=plan, tokens=args.tokens,
+                    config = TpBenchConfig(model_for(args.model, args.synth_dir or args.out), plan=plan, tokens=args.tokens,
                                            codec=args.codec, timeout_ms=None, loss_at="testbed", rate_mbit=rate,
                                            cpu_quotas=quotas, node_speeds=tuple(BASE_SPEED * q for q in quotas))
                     tag = f"{nodes} nodes, scenario {scenario + 1} ({' '.join(f'{f:.1f}' for f in ghz)} GHz)"

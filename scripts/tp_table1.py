@@ -31,10 +31,11 @@ def main() -> None:
                    help="an XOR parity fragment after every UDP vector (default: on)")
     p.add_argument("--loss-at", choices=("testbed", "kernel", "process"), default=None,
                    help="where loss happens (default: testbed where possible, else process)")
+    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
     p.add_argument("--out", type=Path, required=True, help="folder for table1.csv, table1.md, table1.png")
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
-    config = TpBenchConfig(model_for(args.model, args.out), tokens=args.tokens, codec=args.codec,
+    config = TpBenchConfig(model_for(args.model, args.synth_dir or args.out), tokens=args.tokens, codec=args.codec,
                            timeout_ms=args.timeout_ms, timeout_deviations=args.timeout_deviations,
                            parity=args.parity, loss_at=loss_at,
                            rate_mbit=args.rate if loss_at == "testbed" else None)

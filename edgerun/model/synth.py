@@ -23,6 +23,8 @@ from edgerun.model.weights import LayerWeights, ModelWeights
 # 256, so K-quants apply).
 SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig("llama", 2, 256, 512, 4, 2, 64, 512, 10000.0, 1e-5, 512, True, False),
+    # The shipped model's shape, for machines where the shipped file is absent.
+    "smollm2": ModelConfig("llama", 30, 576, 1536, 9, 3, 64, 49152, 100000.0, 1e-5, 8192, True, False),
     "1b": ModelConfig("llama", 16, 2048, 8192, 32, 8, 64, 128256, 500000.0, 1e-5, 8192, True, False),
     "3b": ModelConfig("llama", 28, 3072, 8192, 24, 8, 128, 128256, 500000.0, 1e-5, 8192, True, False),
     "8b": ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0, 1e-5, 8192, False, False),
