@@ -52,6 +52,7 @@ def main() -> None:
                          "experiment")
     rng = random.Random(args.seed)
     plans, rates = args.plans.split(","), [float(r) for r in args.rates.split(",")]
+    model = model_for(args.model, args.synth_dir or args.out)
     rows = []
     for nodes in (int(n) for n in args.nodes.split(",")):
         for scenario in range(args.scenarios):
@@ -59,7 +60,7 @@ def main() -> None:
             quotas = tuple(f / FASTEST_GHZ for f in ghz)
             for rate in rates:
                 for plan in plans:
-                    config = TpBenchConfig(model_for(args.model, args.synth_dir or args.out), plan=plan, tokens=args.tokens,
+                    config = TpBenchConfig(model, plan=plan, tokens=args.tokens,
                                            codec=args.codec, timeout_ms=None, loss_at="testbed", rate_mbit=rate,
                                            cpu_quotas=quotas, node_speeds=tuple(BASE_SPEED * q for q in quotas))
                     tag = f"{nodes} nodes, scenario {scenario + 1} ({' '.join(f'{f:.1f}' for f in ghz)} GHz)"
