@@ -59,14 +59,13 @@ def main() -> None:
             ghz = frequencies(nodes, rng)
             quotas = tuple(f / FASTEST_GHZ for f in ghz)
             for rate in rates:
-                for plan in plans:
-                    config = TpBenchConfig(model, plan=plan, tokens=args.tokens,
-                                           codec=args.codec, timeout_ms=None, loss_at="testbed", rate_mbit=rate,
-                                           cpu_quotas=quotas, node_speeds=tuple(BASE_SPEED * q for q in quotas))
-                    tag = f"{nodes} nodes, scenario {scenario + 1} ({' '.join(f'{f:.1f}' for f in ghz)} GHz)"
-                    (result,) = bench_tp(config, [nodes], [args.plr], ["udp"],
-                                         progress=lambda m, tag=tag, plan=plan: progress(f"{tag}, {plan}: {m}"))
-                    rows.append(asdict(result) | {"scenario": scenario + 1, "ghz": " ".join(map(str, ghz))})
+                config = TpBenchConfig(model, tokens=args.tokens, codec=args.codec, timeout_ms=None,
+                                       loss_at="testbed", rate_mbit=rate, cpu_quotas=quotas,
+                                       node_speeds=tuple(BASE_SPEED * q for q in quotas))
+                tag = f"{nodes} nodes, scenario {scenario + 1} ({' '.join(f'{f:.1f}' for f in ghz)} GHz)"
+                results = bench_tp(config, [nodes], [args.plr], ["udp"], plans=plans,
+                                   progress=lambda m, tag=tag: progress(f"{tag}: {m}"))
+                rows += [asdict(r) | {"scenario": scenario + 1, "ghz": " ".join(map(str, ghz))} for r in results]
     baseline = {(r["nodes"], r["scenario"], r["rate_mbit"]): r["ms_per_token"] for r in rows if r["plan"] == "galaxy"}
     for r in rows:
         key = (r["nodes"], r["scenario"], r["rate_mbit"])

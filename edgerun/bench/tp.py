@@ -10,11 +10,12 @@ namespaces whose links also take a rate limit, and whose nodes take CPU quotas.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     fixed = master.timeouts.fixed_s
     return TpResult(
         nodes=nodes, transport=master.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
-        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=config.plan,
+        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=master.strategy,
         rate_mbit=config.rate_mbit, tokens=len(generated),
         ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=s.blocks - before["blocks"],
@@ -177,10 +178,10 @@ def _testbed_for(config: TpBenchConfig, nodes: int) -> testbed.TestbedSpec:
 
 
 def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], transports: list[str],
-             progress: Callable[[str], None] = lambda _: None) -> list[TpResult]:
-    """Every (nodes, loss, transport) combination. With kernel or testbed loss one cluster per node count
-    serves every loss rate (links are measured and assignments sent before any loss); in-process loss is set
-    when a node starts, so each rate gets its own cluster."""
+             progress: Callable[[str], None] = lambda _: None, plans: Sequence[str] = ()) -> list[TpResult]:
+    """Every (nodes, loss, plan, transport) combination; plans default to config.plan. With kernel or testbed
+    loss one cluster per node count serves every loss rate (links are measured and assignments sent before any
+    loss); in-process loss is set when a node starts, so each rate gets its own cluster."""
     in_kernel = config.loss_at != "process"
     rates = {loss: kernel_rate(loss) for loss in losses} if in_kernel else {}
     if config.loss_at == "testbed" and 0 in node_counts:
@@ -193,13 +194,12 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                 if config.loss_at == "testbed" else None
             for group in ([losses] if in_kernel else [[loss] for loss in losses]):
                 with local_cluster(model, config, nodes, "0" if in_kernel else group[0], bed) as master:
-                    for loss in group:
-                        for transport in transports:
-                            progress(f"master + {nodes} node(s), {transport}, {config.loss_at} loss {loss}")
-                            master.transport = transport
-                            master.replan()  # before the loss: assignments and link probes travel clean
-                            with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
-                                results.append(_measure(master, model, config, nodes, loss, counters))
+                    for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
+                        progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
+                        master.strategy, master.transport = plan, transport
+                        master.replan()  # before the loss: assignments and link probes travel clean
+                        with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
+                            results.append(_measure(master, model, config, nodes, loss, counters))
     return results
 
 
