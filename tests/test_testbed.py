@@ -34,7 +34,7 @@ def test_spec_refuses_bad_input() -> None:
         Spec(nodes=2, loss=1.5)
     with pytest.raises(EdgerunError, match="one CPU quota for all nodes or one per node"):
         Spec(nodes=3, cpu_quotas=(1.0, 0.5))
-    with pytest.raises(EdgerunError, match="above 0"):
+    with pytest.raises(EdgerunError, match=r"at least 0\.1"):
         Spec(nodes=1, cpu_quotas=(0.0,))
     with pytest.raises(EdgerunError, match="testbed name"):
         Spec(nodes=1, name="Bad Name")

@@ -38,7 +38,10 @@ from edgerun.net.netns import NETNS_DIR, entered, preexec
 
 STATE_DIR = Path(os.environ.get("EDGERUN_TESTBED_STATE", "/run/edgerun/testbed"))
 MAX_NODES = 250  # node K takes address SUBNET.(K+1) of a /24
-CFS_PERIOD_US = 100_000
+# A short CFS period makes a quota act like a slower CPU: with the default 100 ms a node at 0.6 cores runs at full
+# speed for 60 ms and then stalls for 40, which a 10 ms synchronization timeout sees as a dead node.
+CFS_PERIOD_US = 10_000
+MIN_CPU_QUOTA = 0.1  # the kernel refuses quotas below 1 ms per period
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,15}$")
 
 
@@ -64,8 +67,9 @@ class TestbedSpec:
         if len(self.cpu_quotas) not in (0, 1, self.nodes):
             raise EdgerunError(f"give one CPU quota for all nodes or one per node ({self.nodes}), "
                                f"not {len(self.cpu_quotas)}")
-        if any(not q > 0 for q in self.cpu_quotas):
-            raise EdgerunError(f"CPU quotas are cores above 0 (0.5: half a core), got {list(self.cpu_quotas)}")
+        if any(not q >= MIN_CPU_QUOTA for q in self.cpu_quotas):
+            raise EdgerunError(f"CPU quotas are cores, at least {MIN_CPU_QUOTA} (0.5: half a core), got "
+                               f"{list(self.cpu_quotas)}")
         parts = self.subnet.split(".")
         if len(parts) != 3 or not all(p.isdigit() and int(p) < 256 for p in parts):
             raise EdgerunError(f"subnet is the first three numbers of a /24, like 10.77.0, not {self.subnet!r}")
@@ -156,7 +160,7 @@ def _make_cgroups(spec: TestbedSpec) -> None:
         assert quota is not None
         d = top / f"node{k}"
         d.mkdir(exist_ok=True)
-        quota_us = max(1000, round(quota * CFS_PERIOD_US))  # the kernel refuses quotas below 1 ms
+        quota_us = round(quota * CFS_PERIOD_US)
         if root.v2:
             (d / "cpu.max").write_text(f"{quota_us} {CFS_PERIOD_US}")
         else:
