@@ -200,3 +200,27 @@ def test_netem_command_shapes_and_clears_an_interface() -> None:
         assert main(["netem", "--dev", "eth0", "--clear"]) == 0
         assert shaping.loss_tables() == [] and "tbf" not in shaping.qdisc_kinds("eth0")
         assert main(["netem", "--dev", "nosuch0", "--loss", "5%"]) == 2
+
+
+@needs_root
+def test_experiment_scripts_run_on_a_small_testbed(tmp_path: Path, tiny_spec, synth_gguf) -> None:
+    """Table I and Fig. 9 end to end on a tiny model: every row measured, CSV, markdown and PNG written."""
+    path = str(synth_gguf(tiny_spec(tied=False)))
+    root = Path(__file__).parent.parent / "scripts"
+
+    def script(name: str, *args: str) -> str:
+        done = subprocess.run([sys.executable, str(root / name), "--model", path, "--tokens", "4",
+                               "--out", str(tmp_path / name), *args], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    out = script("tp_table1.py", "--nodes", "1", "--plr", "0,5%")
+    assert "testbed loss" in out and "1 node(s), loss 5%: udp" in out
+    rows = (tmp_path / "tp_table1.py" / "table1.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4  # header + (udp, tcp) x (0, 5%)
+    out = script("halo_fig9.py", "--nodes", "2", "--scenarios", "1", "--plans", "minmax,galaxy", "--rates", "100")
+    assert "speedup over Galaxy" in out
+    for name, stem in (("tp_table1.py", "table1"), ("halo_fig9.py", "fig9")):
+        for suffix in ("csv", "md", "png"):
+            assert (tmp_path / name / f"{stem}.{suffix}").stat().st_size > 0
+    assert not [name for name in testbed.names() if name.startswith("bench")]  # the scripts' testbeds are gone

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -20,6 +21,7 @@ from edgerun.sap.calibrate import calibrate
 from edgerun.sap.predictor import PredictorSet, train
 from edgerun.sap.text import calibration_text
 from edgerun.tp.master import Master
+from edgerun.tp.node import HEARTBEAT_S
 
 SECRET = "mapping-test"
 PROMPT = "The capital of France is"
@@ -124,3 +126,23 @@ def test_predictors_of_another_model_or_group_size_are_refused(model: Model, pre
     other = replace(predictors, model_sha256="0" * 64)
     with pytest.raises(EdgerunError, match="another model"):
         Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="static", predictors=other)
+
+
+@pytest.mark.parametrize("overlap", [(), ("load",)])
+def test_overlaps_keep_the_reference_tokens(model: Model, predictors: PredictorSet, reference_tokens: list[int],
+                                            overlap: tuple[str, ...]) -> None:
+    """Without overlaps, and with nodes gathering the next layer's weights ahead (load): the reference's
+    tokens. Nodes predict the master's ranking from the same input, so their prefetched weights are used
+    (the heartbeat reports how often); without the load overlap nothing is prefetched."""
+    prompt = model.tokenizer.encode(PROMPT)
+    for master in cluster(model, ["0", "0"], mapping="dynamic", predictors=predictors, timeout_ms=2000,
+                          overlap=overlap):
+        assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
+        time.sleep(2 * HEARTBEAT_S + 0.5)
+        hits = sum(n.prefetched[0] for n in master.nodes)
+        misses = sum(n.prefetched[1] for n in master.nodes)
+        if "load" in overlap:
+            assert hits > N_TOKENS and misses <= hits // 10, (hits, misses)
+        else:
+            assert hits == misses == 0
+        assert master.stats.pred_s > 0

@@ -10,6 +10,7 @@ at run time.
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,13 @@ class PredictorSet:
         """Predicted log norms of layer's units from the attention input of layer - 1."""
         return (self.attention if block == Block.ATTN else self.mlp)[layer](x_prev)
 
+    def rank(self, layer: int, block: Block, x_prev: np.ndarray) -> tuple[int, ...]:
+        """Layer's units from the most to the least important, predicted from the attention input of layer - 1
+        (one ranking for a multi-token step, from the mean prediction over its tokens). Master and nodes
+        call this same function on the same input, so a node can predict the master's ranking ahead."""
+        scores = self.predict(layer, block, x_prev).mean(axis=0)
+        return tuple(int(u) for u in np.argsort(-scores, kind="stable"))
+
     def cost_per_token_s(self, repeats: int = 20) -> float:
         """Time to predict every layer's units for one token, on this machine."""
         hidden = next(iter(self.attention.values())).x_mean.size
@@ -84,20 +92,33 @@ class PredictorSet:
                     predictor(x)
         return (time.perf_counter() - start) / repeats
 
+    def to_bytes(self) -> bytes:
+        """The predictor file's content, for sending to nodes."""
+        buffer = io.BytesIO()
+        np.savez(buffer, **self._arrays())
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PredictorSet:
+        return cls.load(io.BytesIO(data))
+
     def save(self, path: Path) -> None:
+        try:
+            np.savez(path, **self._arrays())
+        except OSError as e:
+            raise EdgerunError(f"cannot write predictors to {path} ({e.strerror}); choose another with --out") from e
+
+    def _arrays(self) -> dict[str, np.ndarray]:
         arrays: dict[str, np.ndarray] = {"model_sha256": np.array(self.model_sha256),
                                          "group_size": np.array(self.group_size), "kind": np.array(self.kind)}
         for name, table in (("attn", self.attention), ("mlp", self.mlp)):
             for layer, p in table.items():
                 for field in ("x_mean", "x_scale", "w1", "b1", "w2", "b2", "mean_norm"):
                     arrays[f"{name}.{layer}.{field}"] = getattr(p, field)
-        try:
-            np.savez(path, **arrays)
-        except OSError as e:
-            raise EdgerunError(f"cannot write predictors to {path} ({e.strerror}); choose another with --out") from e
+        return arrays
 
     @classmethod
-    def load(cls, path: Path) -> PredictorSet:
+    def load(cls, path: Path | io.BytesIO) -> PredictorSet:
         try:
             with np.load(path, allow_pickle=False) as f:
                 tables: dict[str, dict[int, dict[str, np.ndarray]]] = {"attn": {}, "mlp": {}}

@@ -61,6 +61,7 @@ BW_PROBE_BYTES = 2 * 1024 * 1024
 # Inputs of this many recent positions are kept for nodes that missed one and fetch it: a node may
 # lag behind by a TCP retransmission timeout or more, which is several tokens on a fast cluster.
 KEPT_POSITIONS = 64
+OVERLAPS = ("pred", "load")
 # With --transport udp the reliable channel carries only the first layer, the LM head and fetches,
 # all on the per-token path: a lost segment there should cost milliseconds, not the kernel's 200 ms
 # minimum retransmission timeout. The strict tcp baseline keeps the kernel's (as distributed-llama).
@@ -147,6 +148,7 @@ class NodeConn:
     spec: ShardSpec | None = None
     priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None  # dynamic mapping
     rejected: int = 0  # packets the node refused, as its last heartbeat said
+    prefetched: tuple[int, int] = (0, 0)  # load overlap: (weights used, gathered for the wrong units), as said
     link: Link | None = None  # measured when it joined
     arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the master sent
     lag: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the block's first partial
@@ -158,6 +160,7 @@ class NodeConn:
 @dataclass
 class StepStats:
     compute_s: float = 0.0
+    pred_s: float = 0.0  # dynamic mapping: ranking units with the predictors
     wait_s: float = 0.0
     blocks: int = 0
     blocks_incomplete: int = 0  # lossy blocks merged without some node's full partial
@@ -277,8 +280,16 @@ class Master:
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
                  timeout_deviations: float = 4.0, parity: bool = True, mapping: str = "index",
-                 predictors: PredictorSet | None = None, log: Callable[[str], None] = lambda _: None) -> None:
+                 predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS,
+                 log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
+        unknown = set(overlap) - set(OVERLAPS)
+        if unknown:
+            raise EdgerunError(f"unknown overlap {sorted(unknown)} (choose from {', '.join(OVERLAPS)})")
+        # Dynamic mapping's two overlaps (HALO Fig. 5): pred ranks the next layer while this one's partials
+        # travel; load has nodes predict the next layer's ranking themselves and gather their units' weights
+        # while this layer computes.
+        self.overlap = frozenset(overlap)
         self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
         self.parity = parity  # a parity fragment after every vector sent over UDP, both ways
@@ -370,6 +381,7 @@ class Master:
             node.pong.set()
         elif op == "heartbeat":
             node.rejected = int(message.get("rejected", 0))
+            node.prefetched = (int(message.get("prefetch_hits", 0)), int(message.get("prefetch_misses", 0)))
         elif op == "fetch":
             key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
             kept = self.recent_inputs.get(key)
@@ -501,6 +513,8 @@ class Master:
             self.own_priorities = (tuple(layer[0] for layer in plan.attn), tuple(layer[0] for layer in plan.mlp))
         self.shard = Shard(self.model.config, self.model.weights, own, self.max_len)
         rto_min = tcp_rto_min_ms(self.transport, self.rto_min_override)
+        prefetch = self.mapping == "dynamic" and "load" in self.overlap
+        predictor_bytes = self.predictors.to_bytes() if prefetch and self.predictors is not None else b""
         for i, node in enumerate(alive, start=1):
             node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block, self.unit_order)
             node.priorities = ((tuple(layer[i] for layer in plan.attn), tuple(layer[i] for layer in plan.mlp))
@@ -513,7 +527,8 @@ class Master:
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
                                "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": self.parity,
                                "priorities": None if node.priorities is None else
-                               {"attn": node.priorities[0], "mlp": node.priorities[1]}})
+                               {"attn": node.priorities[0], "mlp": node.priorities[1]}, "prefetch": prefetch},
+                              predictor_bytes)
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
@@ -555,12 +570,17 @@ class Master:
         order = self.unit_order.attn[layer] if block == Block.ATTN else self.unit_order.mlp[layer]
         if layer == 0 or previous_input is None:
             return order
-        scores = self.predictors.predict(layer, block, previous_input).mean(axis=0)
-        return tuple(int(u) for u in np.argsort(-scores, kind="stable"))
+        started = time.perf_counter()
+        ranking = self.predictors.rank(layer, block, previous_input)
+        self.stats.pred_s += time.perf_counter() - started
+        return ranking
 
     async def _block(self, layer: int, block: Block, x: np.ndarray, start: int,
-                     ranking: tuple[int, ...] | None = None) -> np.ndarray:
-        """This block's output: the master's share plus every node's partial that arrived in time."""
+                     ranking: tuple[int, ...] | None = None,
+                     while_waiting: Callable[[], None] | None = None) -> np.ndarray:
+        """This block's output: the master's share plus every node's partial that arrived in time.
+        `while_waiting` runs after the inputs are sent and the master's share is computed, before waiting
+        for the nodes (HALO's Pred overlapped with Comm)."""
         loop = asyncio.get_running_loop()
         seq = x.shape[0]
         key = (self.session, start, layer, int(block))
@@ -597,6 +617,8 @@ class Master:
             out = None
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
+        if while_waiting is not None:
+            while_waiting()
         if not reliable:
             w.lag_bound = self.timeouts.after_first([n.lag for n in nodes])
             w.expire_at(sent + self.timeouts.after_send([n.arrival for n in nodes]))
@@ -644,13 +666,24 @@ class Master:
         start = self.position
         weights = self.model.weights
         previous_input = None  # the attention input of the layer before, which the predictors read
+        # Dynamic mapping: the rankings of the layer about to run. With the pred overlap they are predicted
+        # while the previous layer's MLP partials travel; without it, on the path before the layer's sends.
+        rankings = {0: (self._rank(0, Block.ATTN, None), self._rank(0, Block.MLP, None))}
         for layer in range(c.n_layers):
             lw = weights.layers[layer]
             attn_input = rms_norm(x, lw.attn_norm, c.norm_eps)
-            attn_ranking = self._rank(layer, Block.ATTN, previous_input)
-            mlp_ranking = self._rank(layer, Block.MLP, previous_input)
+            if layer not in rankings:
+                rankings[layer] = (self._rank(layer, Block.ATTN, previous_input),
+                                   self._rank(layer, Block.MLP, previous_input))
+            attn_ranking, mlp_ranking = rankings.pop(layer)
+
+            def predict_next(layer: int = layer + 1, features: np.ndarray = attn_input) -> None:
+                rankings[layer] = (self._rank(layer, Block.ATTN, features), self._rank(layer, Block.MLP, features))
+
+            ahead = "pred" in self.overlap and self.mapping == "dynamic" and layer + 1 < c.n_layers
             x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking)
-            x = x + await self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start, mlp_ranking)
+            x = x + await self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start, mlp_ranking,
+                                      while_waiting=predict_next if ahead else None)
             previous_input = attn_input
         self.position = start + len(tokens)
         oldest = self.position - KEPT_POSITIONS

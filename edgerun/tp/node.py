@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUd
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
-from edgerun.tp.shard import Shard, ShardSpec, full_spec
+from edgerun.sap.predictor import PredictorSet
+from edgerun.tp.shard import AttnWeights, MlpWeights, Shard, ShardSpec, full_spec
 
 HEARTBEAT_S = 0.5
 
@@ -68,6 +70,53 @@ class _Input:
         return self.reassembly.vector if self.reassembly.complete else None
 
 
+class Prefetcher:
+    """HALO's Load overlapped with Comp, under dynamic mapping: when a layer's attention input arrives, this
+    node predicts the next layer's rankings itself (the master's predictors, on the same input) and gathers
+    the weights of the units its priority indices will get, in a thread of its own, while the layer computes.
+    The master's ranking stays the authority: weights gathered for other units are not used."""
+
+    def __init__(self, shard: Shard, predictors: PredictorSet,
+                 priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]) -> None:
+        self.shard, self.predictors, self.priorities = shard, predictors, priorities
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self.loading: dict[tuple[int, int], Future] = {}  # (position, layer) -> {block: (units, weights)}
+        self.hits = self.misses = 0
+
+    def start(self, position: int, layer: int, features: np.ndarray) -> None:
+        """Begin loading layer + 1's units for the step at `position`, from layer's attention input."""
+        self.loading = {k: f for k, f in self.loading.items() if k[0] >= position}  # steps left behind
+        if layer + 1 < len(self.priorities[0]):
+            self.loading[(position, layer + 1)] = self.pool.submit(self._load, layer + 1, features)
+
+    def _load(self, layer: int, features: np.ndarray) -> dict[Block, tuple[list[int], AttnWeights | MlpWeights]]:
+        loaded: dict[Block, tuple[list[int], AttnWeights | MlpWeights]] = {}
+        for kind, block in enumerate((Block.ATTN, Block.MLP)):
+            ranking = self.predictors.rank(layer, block, features)
+            units = [ranking[p] for p in self.priorities[kind][layer]]
+            if units:
+                gather = self.shard.attention_weights if block == Block.ATTN else self.shard.mlp_weights
+                loaded[block] = (units, gather(layer, units))
+        return loaded
+
+    def take(self, position: int, layer: int, block: Block, units: list[int]) -> AttnWeights | MlpWeights | None:
+        """The gathered weights for exactly these units, if they were predicted; None otherwise."""
+        future = self.loading.get((position, layer))
+        if future is None:
+            return None
+        if block == Block.MLP:
+            del self.loading[(position, layer)]
+        loaded = future.result().get(block)
+        if loaded is not None and loaded[0] == units:
+            self.hits += 1
+            return loaded[1]
+        self.misses += 1
+        return None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
                  speed: float, loss: LossModel | None = None, log=print) -> None:
@@ -94,6 +143,7 @@ class Node:
         # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
         # per block, the units the master's ranking puts at those indices. None: static shares.
         self.priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
+        self.prefetcher: Prefetcher | None = None  # dynamic mapping with the load overlap
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
@@ -112,6 +162,8 @@ class Node:
             self.running = False
             self.udp.close()
             heartbeat.cancel()
+            if self.prefetcher is not None:
+                self.prefetcher.close()
             self.net.stop()
 
     async def _join(self) -> dict:
@@ -136,7 +188,7 @@ class Node:
                     spec = replace(full, vocab_blocks=spec.vocab_blocks)
                 shard = await loop.run_in_executor(None, Shard, self.model.config, self.model.weights, spec,
                                                    int(message["max_len"]))
-                self._assign(message, spec, shard)
+                self._assign(message, spec, shard, payload)
             else:
                 self._control(message, payload)
 
@@ -151,11 +203,14 @@ class Node:
         while self.running:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                self.channel.send({"op": "heartbeat", "rejected": self.counters.total()})
+                p = self.prefetcher
+                self.channel.send({"op": "heartbeat", "rejected": self.counters.total(),
+                                   "prefetch_hits": 0 if p is None else p.hits,
+                                   "prefetch_misses": 0 if p is None else p.misses})
             except (OSError, ConnectionError):
                 return
 
-    def _assign(self, message: dict, spec: ShardSpec, shard: Shard) -> None:
+    def _assign(self, message: dict, spec: ShardSpec, shard: Shard, predictor_bytes: bytes = b"") -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
         self.index = int(message["index"])
@@ -166,6 +221,11 @@ class Node:
         self.priorities = None if priorities is None else (
             tuple(tuple(int(p) for p in layer) for layer in priorities["attn"]),
             tuple(tuple(int(p) for p in layer) for layer in priorities["mlp"]))
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.prefetcher = None
+        if message.get("prefetch") and self.priorities is not None and predictor_bytes:
+            self.prefetcher = Prefetcher(shard, PredictorSet.from_bytes(predictor_bytes), self.priorities)
         self.master_udp_port = int(message["udp_port"])
         rto_min = message.get("rto_min_ms")
         self.channel.set_rto_min(None if rto_min is None else float(rto_min))
@@ -305,14 +365,21 @@ class Node:
                 output = False
             else:
                 units = [ranking[p] for p in self.priorities[0 if block == Block.ATTN else 1][layer]]
+        weights = None
+        if self.prefetcher is not None and block != Block.HEAD:
+            if block == Block.ATTN and output:
+                self.prefetcher.start(position, layer, x)
+            if output and units:
+                weights = self.prefetcher.take(position, layer, block, units)
         if block == Block.ATTN:
-            out = self.shard.attention(layer, x, position, output=output, units=units)
+            out = self.shard.attention(layer, x, position, output=output, units=units,
+                                       weights=weights if isinstance(weights, AttnWeights) else None)
             if out is None:
                 return
         elif block == Block.MLP:
             if not output:
                 return
-            out = self.shard.mlp(layer, x, groups=units)
+            out = self.shard.mlp(layer, x, groups=units, weights=weights if isinstance(weights, MlpWeights) else None)
         else:
             _, out = self.shard.logits(x[-1:])
         if uses_reliable(self.transport, layer, block, x.shape[0]):

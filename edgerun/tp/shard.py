@@ -100,6 +100,23 @@ def _check_units(units: Sequence[int], count: int, where: str) -> None:
         raise ValueError(f"{where} must be distinct indices in 0..{count - 1}, not {list(units)}")
 
 
+@dataclass(frozen=True)
+class AttnWeights:
+    """Gathered query/output weights of some attention units (see Shard.attention_weights)."""
+    local: np.ndarray  # positions of the units among those the shard holds
+    wq: np.ndarray
+    wo: np.ndarray
+    bq: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    """Gathered weights of some MLP neuron groups (see Shard.mlp_weights)."""
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+
+
 @dataclass
 class _AttnShard:
     wq: np.ndarray  # (units * heads_per_kv * head_dim, hidden)
@@ -194,8 +211,18 @@ class Shard:
     def cache_bytes(self) -> int:
         return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
 
+    def attention_weights(self, layer: int, units: Sequence[int] | None) -> AttnWeights:
+        """The query and output weights of `units` (all held for None), gathered into arrays of their own:
+        HALO's Load step, which a node may run ahead of time in another thread."""
+        a, c = self.attn[layer], self.config
+        assert a is not None
+        local = self._local(self.spec.attn_units[layer], units)
+        width = c.heads_per_kv * c.head_dim
+        q_rows = (local[:, None] * width + np.arange(width)).reshape(-1)
+        return AttnWeights(local, a.wq[q_rows], a.wo[:, q_rows], None if a.bq is None else a.bq[q_rows])
+
     def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
-                  units: Sequence[int] | None = None) -> np.ndarray | None:
+                  units: Sequence[int] | None = None, weights: AttnWeights | None = None) -> np.ndarray | None:
         """Partial attention output, (seq, hidden), for tokens at positions start..start+seq-1.
 
         Caches K and V of this device's KV heads at those positions first; positions after them
@@ -203,6 +230,7 @@ class Shard:
         only the cache is filled (catching up on an input whose output would arrive too late).
         `units` (KV-head indices this shard holds) limits the output to those units, while the
         cache is still filled for all of them (dynamic mapping hands out other units next token).
+        `weights`, from attention_weights(layer, units), saves gathering them here.
         """
         c = self.config
         x_norm = np.asarray(x_norm, np.float32)
@@ -227,12 +255,12 @@ class Shard:
             return None
         if units is not None and not len(units):
             return np.zeros((seq, c.hidden), np.float32)
-        local = self._local(self.spec.attn_units[layer], units)
-        q_rows = (local[:, None] * g * d + np.arange(g * d)).reshape(-1)
-        wq, wo = a.wq[q_rows], a.wo[:, q_rows]
-        q = x_norm @ wq.T
-        if a.bq is not None:
-            q = q + a.bq[q_rows]
+        if weights is None:
+            weights = self.attention_weights(layer, units)
+        q = x_norm @ weights.wq.T
+        if weights.bq is not None:
+            q = q + weights.bq
+        local, wo = weights.local, weights.wo
         n = len(local)
         q = apply_rope(q.reshape(seq, n * g, d), cos, sin)
         keys, values = a.k[local, :end], a.v[local, :end]
@@ -258,22 +286,27 @@ class Shard:
             raise ValueError(f"units {missing} are not held here ({list(held)})")
         return np.array([where[u] for u in wanted], np.int64)
 
-    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
-        """Partial MLP output, (seq, hidden), of this device's neuron groups, or of the `groups`
-        among them."""
-        x_norm = np.asarray(x_norm, np.float32)
+    def mlp_weights(self, layer: int, groups: Sequence[int] | None) -> MlpWeights:
+        """Gate, up and down weights of `groups` (all held for None), gathered: the MLP's Load step."""
         m = self.mlp_parts[layer]
-        if m is None or (groups is not None and not len(groups)):
-            return np.zeros((x_norm.shape[0], self.config.hidden), np.float32)
+        assert m is not None
         if groups is None:
-            gate, up, down = m.w_gate, m.w_up, m.w_down
-        else:
-            held, size, ffn = self.spec.mlp_groups[layer], self.spec.group_size, self.config.ffn
-            starts = np.cumsum([0] + [min(size, ffn - g * size) for g in held])  # row offset of each held group
-            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in self._local(held, groups)])
-            gate, up, down = m.w_gate[rows], m.w_up[rows], m.w_down[:, rows]
-        act = silu(x_norm @ gate.T) * (x_norm @ up.T)
-        return act @ down.T
+            return MlpWeights(m.w_gate, m.w_up, m.w_down)
+        held, size, ffn = self.spec.mlp_groups[layer], self.spec.group_size, self.config.ffn
+        starts = np.cumsum([0] + [min(size, ffn - g * size) for g in held])  # row offset of each held group
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in self._local(held, groups)])
+        return MlpWeights(m.w_gate[rows], m.w_up[rows], m.w_down[:, rows])
+
+    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None,
+            weights: MlpWeights | None = None) -> np.ndarray:
+        """Partial MLP output, (seq, hidden), of this device's neuron groups, or of the `groups`
+        among them (`weights`, from mlp_weights(layer, groups), saves gathering them here)."""
+        x_norm = np.asarray(x_norm, np.float32)
+        if self.mlp_parts[layer] is None or (groups is not None and not len(groups)):
+            return np.zeros((x_norm.shape[0], self.config.hidden), np.float32)
+        w = weights if weights is not None else self.mlp_weights(layer, groups)
+        act = silu(x_norm @ w.gate.T) * (x_norm @ w.up.T)
+        return act @ w.down.T
 
     def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(vocabulary indices, logits (seq, len(indices))) of this device's LM-head blocks, for
