@@ -358,7 +358,8 @@ def cmd_master(args: argparse.Namespace) -> None:
                     timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                     rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
-                    parity=args.parity, mapping=args.mapping, predictors=predictors, log=log)
+                    parity=args.parity, mapping=args.mapping, predictors=predictors,
+                    overlap=_overlaps(args.overlap), log=log)
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
 
     def run(ids: list[int], emit) -> tuple[list[int], str]:
@@ -654,6 +655,23 @@ def cmd_status(args: argparse.Namespace) -> None:
         raise EdgerunError(f"cannot reach the pipeline master at {url}: {e}") from e
 
 
+def _overlap_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overlap", default="pred,load",
+                   help="dynamic mapping's overlaps (HALO Fig. 5): pred (rank the next layer while partials "
+                        "travel), load (nodes gather the next layer's weights while computing), both, or none "
+                        "(default: pred,load)")
+
+
+def _overlaps(text: str) -> tuple[str, ...]:
+    from edgerun.tp.master import OVERLAPS
+
+    chosen = tuple(x.strip() for x in text.split(",") if x.strip() and x.strip() != "none")
+    for x in chosen:
+        if x not in OVERLAPS:
+            raise EdgerunError(f"--overlap takes {', '.join(OVERLAPS)} or none, not {x!r}")
+    return chosen
+
+
 def _testbed_name_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="edgerun", help="testbed name, prefix of its namespaces (default: edgerun)")
 
@@ -757,6 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every device then holds the whole model; default: index)")
     p.add_argument("--sap", type=Path, default=None, help="predictor file for --mapping static or dynamic "
                    "(default: MODEL.sap.npz)")
+    _overlap_arg(p)
     _blas_threads_arg(p, DEFAULT_THREADS)
     p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
     p.add_argument("--prompt", default=None, help="generate for this prompt and exit")

@@ -27,7 +27,8 @@ from edgerun.net.kernel_loss import loopback_loss, loss_counters
 from edgerun.net.loss import Bernoulli, NoLoss, parse_loss
 from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
-from edgerun.tp.master import Master
+from edgerun.sap.predictor import PredictorSet
+from edgerun.tp.master import OVERLAPS, Master
 
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
 SECRET = "edgerun-bench"
@@ -44,10 +45,13 @@ class TpResult:
     timeout: str  # "10 ms" or "adaptive"
     parity: bool  # an XOR parity fragment after every UDP vector
     plan: str
+    mapping: str
+    overlap: str  # dynamic mapping's overlaps, "pred+load", "none", ...
     rate_mbit: float | None  # testbed links (None: unlimited)
     tokens: int
     ms_per_token: float
     compute_ms_per_token: float  # the master's own share
+    pred_ms_per_token: float  # dynamic mapping: ranking units with the predictors
     wait_ms_per_token: float  # waiting for the nodes' partials
     other_ms_per_token: float  # norms, sends, sums, sampling
     blocks: int
@@ -92,6 +96,9 @@ class TpBenchConfig:
     delay_ms: float = 0.0
     cpu_quotas: tuple[float, ...] = ()
     node_speeds: tuple[float, ...] = ()
+    mapping: str = "index"
+    sap: Path | None = None  # predictors, for static and dynamic mapping
+    overlap: tuple[str, ...] = OVERLAPS
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -126,7 +133,9 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
         master = Master(model, derive_key(SECRET), strategy=config.plan, host=address, port=0,
                         codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
                         loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=config.rto_min_ms,
-                        timeout_deviations=config.timeout_deviations, parity=config.parity)
+                        timeout_deviations=config.timeout_deviations, parity=config.parity,
+                        mapping=config.mapping, overlap=config.overlap,
+                        predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:
             for i in range(nodes):
@@ -161,8 +170,10 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     return TpResult(
         nodes=nodes, transport=master.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
         timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=master.strategy,
+        mapping=master.mapping, overlap="+".join(sorted(master.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
-        ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3, wait_ms_per_token=wait * 1e3,
+        ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3,
+        pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=s.blocks - before["blocks"],
         blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
         partials_rebuilt=s.partials_rebuilt - before["partials_rebuilt"],

@@ -1,0 +1,79 @@
+"""HALO Table VI's analogue: the overlap ablation of dynamic mapping. Time per output token with neither
+overlap, with Pred overlapped with Comm only (the master ranks the next layer while this layer's partials
+travel), with Load overlapped with Comp only (nodes predict the next layer's ranking themselves and gather
+their units' weights in a thread while this layer computes), and with both; beside them the upper bound
+without Pred and Load at all (index mapping: fixed shares, weights gathered once). Predictors are calibrated
+and trained into --out if missing there. Writes table6.csv, table6.md and table6.png into --out.
+
+    sudo python scripts/halo_table6.py --nodes 4 --out out/table6
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+from pathlib import Path
+
+from edgerun.bench.report import best_loss_at, model_for, model_label, progress, write_csv
+from edgerun.bench.tp import TpBenchConfig, bench_tp
+from edgerun.model.loader import load_model
+from edgerun.sap.report import predictors_for
+
+ROWS = (("baseline (no overlap)", "dynamic", ()), ("pred-comm overlap only", "dynamic", ("pred",)),
+        ("load-comp overlap only", "dynamic", ("load",)), ("both overlaps", "dynamic", ("pred", "load")),
+        ("upper bound (no pred, no load)", "index", ()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="shipped", help="shipped, a synthetic shape (1b) or a GGUF file")
+    p.add_argument("--nodes", type=int, default=4, help="nodes besides the master (default: 4)")
+    p.add_argument("--plr", default="0", help="loss rate on every link (default: 0)")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32",
+                   help="f32 (default) gives nodes the master's exact input, so their own predictions match")
+    p.add_argument("--calibration-tokens", type=int, default=1024)
+    p.add_argument("--loss-at", choices=("testbed", "kernel", "process"), default=None,
+                   help="where loss happens (default: testbed where possible, else process)")
+    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    loss_at = args.loss_at or best_loss_at()
+    path = model_for(args.model, args.synth_dir or args.out)
+    predictors = predictors_for(load_model(path), args.out, 256, args.calibration_tokens, "linear", progress)
+    sap = args.out / "table6.sap.npz"
+    predictors.save(sap)
+    rows = []
+    for label, mapping, overlap in ROWS:
+        config = TpBenchConfig(path, tokens=args.tokens, codec=args.codec, timeout_ms=None, loss_at=loss_at,
+                               mapping=mapping, sap=sap if mapping != "index" else None, overlap=overlap)
+        (result,) = bench_tp(config, [args.nodes], [args.plr], ["udp"],
+                             progress=lambda m, label=label: progress(f"{label}: {m}"))
+        rows.append(asdict(result) | {"design": label})
+    base = rows[0]["ms_per_token"]
+    for r in rows:
+        r["speedup"] = base / r["ms_per_token"]
+    write_csv(rows, args.out / "table6.csv")
+    lines = [f"{'design':<32} {'ms/token':>9} {'pred ms':>8} {'speedup':>8}"]
+    lines += [f"{r['design']:<32} {r['ms_per_token']:>9.1f} {r['pred_ms_per_token']:>8.2f} {r['speedup']:>7.2f}x"
+              for r in rows]
+    summary = (f"# Overlap ablation of dynamic mapping ({model_label(args.model)}, master + {args.nodes} nodes, "
+               f"{loss_at} loss {args.plr}, codec {args.codec})\n\n```\n" + "\n".join(lines) + "\n```\n")
+    (args.out / "table6.md").write_text(summary)
+    print(summary)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.barh([r["design"] for r in rows][::-1], [r["speedup"] for r in rows][::-1])
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("speedup over no overlap (x)")
+    fig.tight_layout()
+    fig.savefig(args.out / "table6.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
