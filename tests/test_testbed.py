@@ -207,6 +207,7 @@ def test_experiment_scripts_run_on_a_small_testbed(tmp_path: Path, tiny_spec, sy
     """Table I and Fig. 9 end to end on a tiny model: every row measured, CSV, markdown and PNG written."""
     path = str(synth_gguf(tiny_spec(tied=False)))
     root = Path(__file__).parent.parent / "scripts"
+    before = set(testbed.names())
 
     def script(name: str, *args: str) -> str:
         done = subprocess.run([sys.executable, str(root / name), "--model", path, "--tokens", "4",
@@ -223,4 +224,4 @@ def test_experiment_scripts_run_on_a_small_testbed(tmp_path: Path, tiny_spec, sy
     for name, stem in (("tp_table1.py", "table1"), ("halo_fig9.py", "fig9")):
         for suffix in ("csv", "md", "png"):
             assert (tmp_path / name / f"{stem}.{suffix}").stat().st_size > 0
-    assert not [name for name in testbed.names() if name.startswith("bench")]  # the scripts' testbeds are gone
+    assert set(testbed.names()) == before  # the scripts' testbeds are gone

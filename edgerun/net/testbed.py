@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -331,12 +332,22 @@ def listening(spec: TestbedSpec, port: int) -> bool:
 
 @contextmanager
 def running(spec: TestbedSpec) -> Iterator[TestbedSpec]:
-    """A testbed for the length of the context, removed afterwards whatever happens."""
+    """A testbed for the length of the context, removed afterwards whatever happens: also on SIGTERM (as from
+    `kill` or a job runner), which would otherwise end the process without unwinding."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     up(spec)
     try:
         yield spec
     finally:
         down(spec.name)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @dataclass(frozen=True)
