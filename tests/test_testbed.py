@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from pyroute2 import netns
 
 from edgerun.bench.tp import SECRET, TpBenchConfig, local_cluster
 from edgerun.cli import main
@@ -19,7 +18,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
 from edgerun.model.sampling import Sampler, SamplingParams
-from edgerun.net import shaping, testbed
+from edgerun.net import netns, shaping, testbed
 from edgerun.net.netns import entered
 from edgerun.net.testbed import TestbedSpec as Spec
 
@@ -47,7 +46,7 @@ def test_spec_refuses_bad_input() -> None:
 
 def _leftovers(name: str) -> list[str]:
     """Everything of testbed `name` that still exists: namespaces, cgroups, the state file."""
-    found = [ns for ns in netns.listnetns() if ns.startswith(f"{name}-")]
+    found = [ns for ns in netns.names() if ns.startswith(f"{name}-")]
     found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"**/edgerun-testbed-{name}")]
     if (testbed.STATE_DIR / f"{name}.json").exists():
         found.append("state file")

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from edgerun.errors import EdgerunError
-from edgerun.net.netns import preexec
+from edgerun.net.netns import entered
 
 NFT_ENV = "EDGERUN_NFT"
 TABLE_PREFIX = "edgerun_loss_"
@@ -61,8 +61,8 @@ def nft(*args: str, script: str | None = None, netns: str | None = None) -> str:
     its stdout, or EdgerunError with its stderr."""
     cmd = [nft_binary(), *args]
     try:
-        done = subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False,
-                              preexec_fn=preexec(netns))
+        with entered(netns):
+            done = subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
     except OSError as e:  # not executable, wrong architecture, missing interpreter of a wrapper script
         raise EdgerunError(f"cannot run {cmd[0]}: {e}") from e
     except subprocess.TimeoutExpired as e:

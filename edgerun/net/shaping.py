@@ -19,11 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pyroute2 import IPRoute, NetNS
+from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from edgerun.errors import EdgerunError
 from edgerun.net.kernel_loss import SCALE, nft
+from edgerun.net.netns import entered
 
 TABLE_PREFIX = "edgerun_link_"
 HOOKS = ("ingress", "egress")
@@ -110,11 +111,10 @@ def clear_loss(device: str, netns: str | None = None) -> list[str]:
 
 @contextmanager
 def _ipr(netns: str | None) -> Iterator[Any]:
-    ipr = IPRoute() if netns is None else NetNS(netns)
-    try:
+    # A netlink socket belongs to the namespace it was opened in. (pyroute2's NetNS would fork a helper,
+    # which can hang in a process that has threads.)
+    with entered(netns), IPRoute() as ipr:
         yield ipr
-    finally:
-        ipr.close()
 
 
 def _index(ipr: Any, device: str) -> int:

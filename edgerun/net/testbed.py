@@ -29,13 +29,13 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pyroute2 import NetNS, netns
+from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from edgerun.errors import EdgerunError
-from edgerun.net import shaping
+from edgerun.net import netns, shaping
 from edgerun.net.kernel_loss import loss_supported
-from edgerun.net.netns import NETNS_DIR, entered, preexec
+from edgerun.net.netns import NETNS_DIR, entered
 
 STATE_DIR = Path(os.environ.get("EDGERUN_TESTBED_STATE", "/run/edgerun/testbed"))
 MAX_NODES = 250  # node K takes address SUBNET.(K+1) of a /24
@@ -217,7 +217,7 @@ def _processes_in(ns: str) -> list[int]:
 
 
 def _up_links(spec: TestbedSpec) -> None:
-    with NetNS(spec.master_ns) as m:
+    with entered(spec.master_ns), IPRoute() as m:
         m.link("set", index=m.link_lookup(ifname="lo")[0], state="up")
         m.link("add", ifname="br0", kind="bridge")
         bridge = m.link_lookup(ifname="br0")[0]
@@ -228,7 +228,7 @@ def _up_links(spec: TestbedSpec) -> None:
             m.link("add", ifname=port, kind="veth", peer=peer)
             m.link("set", index=m.link_lookup(ifname=peer)[0], net_ns_fd=spec.node_ns(k))
             m.link("set", index=m.link_lookup(ifname=port)[0], master=bridge, state="up")
-            with NetNS(spec.node_ns(k)) as n:
+            with entered(spec.node_ns(k)), IPRoute() as n:
                 n.link("set", index=n.link_lookup(ifname="lo")[0], state="up")
                 eth = n.link_lookup(ifname=peer)[0]
                 n.link("set", index=eth, ifname="eth0")
@@ -247,7 +247,7 @@ def up(spec: TestbedSpec) -> TestbedSpec:
     """Create the testbed; on any failure, remove what was made and raise."""
     if os.geteuid() != 0:
         raise EdgerunError("a testbed needs root (network namespaces, nftables, cgroups)")
-    existing = set(netns.listnetns())
+    existing = set(netns.names())
     if _state_file(spec.name).exists() or existing & set(spec.namespaces):
         raise EdgerunError(f"testbed {spec.name} is already up: `edgerun testbed down --name {spec.name}` first")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -289,7 +289,7 @@ def down(name: str) -> Removed:
     """Remove testbed `name`: its processes, namespaces (with their links, qdiscs and nft tables), cgroups and
     state file. Works from the state file, and from the names alone when the state file is gone."""
     pattern = re.compile(rf"^{re.escape(name)}-(master|node\d+)$")
-    spaces = [ns for ns in netns.listnetns() if pattern.match(ns)]
+    spaces = [ns for ns in netns.names() if pattern.match(ns)]
     killed = 0
     for ns in spaces:
         for pid in _processes_in(ns):
@@ -312,8 +312,12 @@ def popen(spec: TestbedSpec, where: str | int, argv: Sequence[str], **kwargs: ob
         ns, cgroup = spec.node_ns(where), node_cgroup(spec, where)
     else:
         raise EdgerunError(f"testbed {spec.name} has master and node1..node{spec.nodes}, not {where!r}")
-    procs = None if cgroup is None else str(cgroup / "cgroup.procs")
-    return subprocess.Popen(list(argv), preexec_fn=preexec(ns, procs), **kwargs)  # type: ignore[call-overload]
+    with entered(ns):
+        proc = subprocess.Popen(list(argv), **kwargs)  # type: ignore[call-overload]
+    if cgroup is not None:
+        # Moved in right after the start: a new process has done next to nothing outside its quota by then.
+        (cgroup / "cgroup.procs").write_text(str(proc.pid))
+    return proc
 
 
 def listening(spec: TestbedSpec, port: int) -> bool:
@@ -363,7 +367,7 @@ class LinkStatus:
 def status(spec: TestbedSpec) -> list[LinkStatus]:
     """Every shaped interface of the testbed with what the kernel has done to it so far."""
     rows = []
-    present = set(netns.listnetns())
+    present = set(netns.names())
     for k in range(1, spec.nodes + 1):
         for device, ns, address in ((f"node{k}", spec.master_ns, spec.master_address),
                                     ("eth0", spec.node_ns(k), spec.node_address(k))):
