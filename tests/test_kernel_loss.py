@@ -32,7 +32,7 @@ def nft_ok() -> None:
 
 
 def tables() -> set[str]:
-    return {line.split()[-1] for line in kernel_loss._nft("list", "tables").splitlines() if line.strip()}
+    return {line.split()[-1] for line in kernel_loss.nft("list", "tables").splitlines() if line.strip()}
 
 
 def udp_socket() -> socket.socket:
@@ -168,7 +168,7 @@ def test_remove_stale_tables(nft_ok: None) -> None:
                            check=True)
     dead = f"{TABLE_PREFIX}{int(child.stdout)}_0"
     live = f"{TABLE_PREFIX}{os.getpid()}_999999"
-    kernel_loss._nft("-f", "-", script=f"table inet {dead} {{}}\ntable inet {live} {{}}\n")
+    kernel_loss.nft("-f", "-", script=f"table inet {dead} {{}}\ntable inet {live} {{}}\n")
     try:
         removed = remove_stale_tables()
         assert dead in removed and live not in removed
@@ -177,4 +177,4 @@ def test_remove_stale_tables(nft_ok: None) -> None:
     finally:
         for name in (dead, live):
             if name in tables():
-                kernel_loss._nft("delete", "table", "inet", name)
+                kernel_loss.nft("delete", "table", "inet", name)
