@@ -8,8 +8,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgerun.errors import EdgerunError
+
+if TYPE_CHECKING:
+    from edgerun.net.testbed import TestbedSpec
 
 DEFAULT_THREADS = os.cpu_count() or 1
 
@@ -523,7 +527,7 @@ def _one_share(text: str, name: str) -> float:
     return values[0]
 
 
-def _testbed_spec(args: argparse.Namespace) -> object:
+def _testbed_spec(args: argparse.Namespace) -> TestbedSpec:
     from edgerun.net.testbed import TestbedSpec
 
     return TestbedSpec(nodes=args.nodes, loss=_one_share(args.plr, "--plr"), delay_ms=args.delay,
@@ -534,7 +538,7 @@ def _testbed_spec(args: argparse.Namespace) -> object:
 def cmd_testbed_up(args: argparse.Namespace) -> None:
     from edgerun.net import testbed
 
-    spec = testbed.up(_testbed_spec(args))  # type: ignore[arg-type]
+    spec = testbed.up(_testbed_spec(args))
     print(f"testbed {spec.name}: master {spec.master_address} in namespace {spec.master_ns}")
     for k in range(1, spec.nodes + 1):
         quota = spec.cpu_quota(k)
@@ -635,11 +639,7 @@ def cmd_netem(args: argparse.Namespace) -> None:
         return
     shape = shaping.LinkShape(_one_share(args.loss, "--loss"), args.rate, args.delay)
     hooks = shaping.HOOKS if args.direction == "both" else (args.direction,)
-    shaping.set_qdiscs(args.dev, shape)
-    shaping.clear_loss(args.dev)
-    if shape.loss > 0:
-        for hook in hooks:
-            shaping.set_loss(args.dev, shape.loss, hook)
+    shaping.shape_link(args.dev, shape, hooks)
     print(f"{args.dev}: qdiscs {','.join(shaping.qdisc_kinds(args.dev))}; loss {shape.loss:.2%} on "
           f"{' and '.join(hooks)}; remove with: edgerun netem --dev {args.dev} --clear")
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from pathlib import Path
 
-from edgerun.bench.report import best_loss_at, model_for, model_label, progress, write_csv
+from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_csv
 from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate
 
 
@@ -24,10 +23,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f16")
     p.add_argument("--rate", type=float, default=1000.0, help="link rate in Mbit/s (default: 1000)")
-    p.add_argument("--loss-at", choices=("testbed", "kernel", "process"), default=None,
-                   help="where loss happens (default: testbed where possible, else process)")
-    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
-    p.add_argument("--out", type=Path, required=True)
+    add_experiment_args(p)
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
     losses = args.plr.split(",")

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 
-from edgerun.bench.report import best_loss_at, model_for, model_label, progress, write_csv
+from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_csv
 from edgerun.bench.tp import TpBenchConfig, bench_tp
 
 FASTEST_GHZ = 1.8
@@ -44,8 +43,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
-    p.add_argument("--out", type=Path, required=True)
+    add_experiment_args(p, loss_at=False)
     args = p.parse_args()
     if best_loss_at() != "testbed":
         raise SystemExit("Fig. 9 needs a testbed (root, nftables, cgroups): CPU quotas and link rates are the "

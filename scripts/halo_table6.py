@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from pathlib import Path
 
-from edgerun.bench.report import best_loss_at, model_for, model_label, progress, write_csv
+from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_csv
 from edgerun.bench.tp import TpBenchConfig, bench_tp
 from edgerun.model.loader import load_model
 from edgerun.sap.report import predictors_for
@@ -33,10 +32,7 @@ def main() -> None:
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32",
                    help="f32 (default) gives nodes the master's exact input, so their own predictions match")
     p.add_argument("--calibration-tokens", type=int, default=1024)
-    p.add_argument("--loss-at", choices=("testbed", "kernel", "process"), default=None,
-                   help="where loss happens (default: testbed where possible, else process)")
-    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
-    p.add_argument("--out", type=Path, required=True)
+    add_experiment_args(p)
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
     path = model_for(args.model, args.synth_dir or args.out)

@@ -9,9 +9,8 @@ Writes table1.csv (every measurement), table1.md (the table and the ratios) and 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from edgerun.bench.report import best_loss_at, model_for, model_label, progress, write_tp_results
+from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_tp_results
 from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate, tp_ratios, tp_table
 
 
@@ -29,10 +28,7 @@ def main() -> None:
     p.add_argument("--timeout-deviations", type=float, default=4.0, help="adaptive timeout's k (default: 4)")
     p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True,
                    help="an XOR parity fragment after every UDP vector (default: on)")
-    p.add_argument("--loss-at", choices=("testbed", "kernel", "process"), default=None,
-                   help="where loss happens (default: testbed where possible, else process)")
-    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
-    p.add_argument("--out", type=Path, required=True, help="folder for table1.csv, table1.md, table1.png")
+    add_experiment_args(p)
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
     config = TpBenchConfig(model_for(args.model, args.synth_dir or args.out), tokens=args.tokens, codec=args.codec,

@@ -3,13 +3,14 @@ loss comes from."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from edgerun.bench.tp import TpResult
+from edgerun.bench.tp import LOSS_AT, TpResult
 
 
 def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
@@ -23,6 +24,16 @@ def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
 
 def write_tp_results(results: Sequence[TpResult], path: Path) -> None:
     write_csv([asdict(r) for r in results], path)
+
+
+def add_experiment_args(p: argparse.ArgumentParser, loss_at: bool = True) -> None:
+    """--loss-at (unless the experiment needs a testbed), --synth-dir and --out, as every tensor-parallel
+    experiment script takes them."""
+    if loss_at:
+        p.add_argument("--loss-at", choices=LOSS_AT, default=None,
+                       help="where loss happens (default: testbed where possible, else process)")
+    p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the CSV, markdown and PNG")
 
 
 def best_loss_at() -> str:

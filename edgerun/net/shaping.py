@@ -14,7 +14,7 @@ The interface may live in a named network namespace (`netns`); everything is the
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -99,14 +99,22 @@ def loss_tables(netns: str | None = None) -> list[str]:
     return names
 
 
-def clear_loss(device: str, netns: str | None = None) -> list[str]:
-    """Delete the loss tables of `device` (both hooks); the names deleted."""
+def clear_loss(device: str, netns: str | None = None, hooks: Sequence[str] = HOOKS) -> list[str]:
+    """Delete the loss tables of `device` on `hooks` (default: both); the names deleted."""
     gone = []
     for table in loss_tables(netns):
-        if table in (loss_table(device, hook) for hook in HOOKS):
+        if table in (loss_table(device, hook) for hook in hooks):
             nft("delete", "table", "netdev", table, netns=netns)
             gone.append(table)
     return gone
+
+
+def set_link_loss(device: str, rate: float, hooks: Sequence[str] = ("ingress",), netns: str | None = None) -> None:
+    """Loss `rate` on exactly `hooks` of `device`: a table on another hook is removed, and rate 0 removes all."""
+    clear_loss(device, netns, [h for h in HOOKS if rate == 0 or h not in hooks])
+    if rate > 0:
+        for hook in hooks:
+            set_loss(device, rate, hook, netns)
 
 
 @contextmanager
@@ -174,10 +182,8 @@ def qdisc_kinds(device: str, netns: str | None = None) -> list[str]:
         return [q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=_index(ipr, device))]
 
 
-def shape_link(device: str, shape: LinkShape, hook: str = "ingress", netns: str | None = None) -> None:
-    """Apply all of `shape` to `device`: qdiscs first, so no packet is lost before the rate holds."""
+def shape_link(device: str, shape: LinkShape, hooks: Sequence[str] = ("ingress",), netns: str | None = None) -> None:
+    """Apply all of `shape` to `device`, its loss on `hooks`: qdiscs first, so no packet is lost before the
+    rate holds."""
     set_qdiscs(device, shape, netns)
-    if shape.loss > 0:
-        set_loss(device, shape.loss, hook, netns)
-    else:
-        clear_loss(device, netns)
+    set_link_loss(device, shape.loss, hooks, netns)
