@@ -3,13 +3,14 @@ estimators, and a node that misses an attention input keeping its KV cache whole
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import numpy as np
 import pytest
 
 from edgerun.model.loader import load_model
-from edgerun.net.wire import Block, Header, MsgType, derive_key, fragment, open_packet
+from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, derive_key, fragment, open_packet
 from edgerun.tp.master import ArrivalEstimator, Timeouts
 from edgerun.tp.node import Node
 from edgerun.tp.shard import Shard, full_spec
@@ -26,6 +27,20 @@ def test_arrival_estimator_follows_rfc6298() -> None:
     # deviation += (|20 - 10| - 5) / 4; mean += (20 - 10) / 8
     assert e.deviation == pytest.approx(0.00625) and e.mean == pytest.approx(0.01125)
     assert e.bound(4) == pytest.approx(0.01125 + 4 * 0.00625)
+    assert e.bound(0) == pytest.approx(1.25 * 0.020)  # never below the slowest recent sample, with a margin
+
+
+def test_arrival_estimator_keeps_a_heavy_tail() -> None:
+    """One arrival in fifty is ten times slower (a descheduled process): mean plus four deviations
+    would cut it off; the bound covers it for as long as it is among the recent samples."""
+    e = ArrivalEstimator(window=100)
+    for i in range(100):
+        e.observe(0.010 if i % 50 == 10 else 0.001)
+    assert e.mean + 4 * e.deviation < 0.010
+    assert e.bound(4) == pytest.approx(0.0125)
+    for _ in range(100):  # the slow ones leave the window
+        e.observe(0.001)
+    assert e.bound(4) == pytest.approx(0.00125)
 
 
 def test_timeouts_fixed_warmup_and_lag() -> None:
@@ -123,6 +138,52 @@ def test_node_fetches_a_lost_attention_input_and_keeps_its_cache_whole(tiny_spec
     header, _ = open_packet(sink.recv(65536), KEY)
     assert (header.type, header.position, header.layer, header.block) == (MsgType.PARTIAL, 4, 1, Block.ATTN)
     assert node.shard.lengths[1] == 5
+    node.udp.close()
+    node.net.stop()
+    sink.close()
+
+
+def test_node_answers_a_mirrored_block_once_over_both_channels(tiny_spec, synth_gguf) -> None:
+    """With --transport udp a decode step's first layer and LM head come over TCP and UDP both. The node
+    computes the stateless MLP once, whichever copy lands first, and answers over both channels, the UDP
+    copy in f32 like the TCP one whatever the cluster's codec; lossy layers are answered over UDP alone."""
+    model = load_model(synth_gguf(tiny_spec(tied=False)))
+    c = model.config
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    sink.settimeout(2.0)
+    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node.channel = _Recorder()
+    spec = full_spec(c, group_size=128)
+    node._assign({"index": 1, "codec": int(Codec.Q8), "transport": "udp", "udp_port": sink.getsockname()[1],
+                  "session": 5}, spec, Shard(c, model.weights, spec, 64))
+    x = np.random.default_rng(1).standard_normal((1, c.hidden)).astype(np.float32)
+    expected = Shard(c, model.weights, spec, 64).mlp(0, x)
+    header = Header(MsgType.ACTIVATION, 5, 0, 0, Block.MLP, 0, codec=Codec.F32, flags=1)
+    for datagram in fragment(header, x.reshape(-1), KEY):  # the UDP copy first
+        node._on_datagram(*open_packet(datagram, KEY), ("127.0.0.1", 0))
+    node._control({"op": "input", "session": 5, "position": 0, "layer": 0, "block": int(Block.MLP)},
+                  x.astype("<f4").tobytes())  # then the TCP copy: already done
+    partials = [m for m in node.channel.sent if m["op"] == "partial"]
+    assert partials == [{"op": "partial", "session": 5, "position": 0, "layer": 0, "block": int(Block.MLP)}]
+    reply = Reassembly(c.hidden)
+    while not reply.complete:
+        h, payload = open_packet(sink.recv(65536), KEY)
+        assert (h.type, h.layer, h.block, h.codec) == (MsgType.PARTIAL, 0, Block.MLP, Codec.F32)
+        reply.add(h, payload)
+    np.testing.assert_array_equal(reply.vector, expected.reshape(-1))
+    sink.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:  # the parity fragment, if any: no second answer follows
+            h, _ = open_packet(sink.recv(65536), KEY)
+            assert h.frag_index == h.frag_count
+    lossy = Header(MsgType.ACTIVATION, 5, 0, 1, Block.MLP, 0, codec=Codec.Q8, flags=1)
+    for datagram in fragment(lossy, x.reshape(-1), KEY):
+        node._on_datagram(*open_packet(datagram, KEY), ("127.0.0.1", 0))
+    assert len([m for m in node.channel.sent if m["op"] == "partial"]) == 1  # no TCP copy for a lossy layer
+    sink.settimeout(2.0)
+    h, _ = open_packet(sink.recv(65536), KEY)
+    assert (h.layer, h.codec) == (1, Codec.Q8)
     node.udp.close()
     node.net.stop()
     sink.close()

@@ -14,6 +14,7 @@ runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 import time
@@ -28,6 +29,7 @@ from edgerun.model.reference import rms_norm
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import (
     AsyncChannel,
+    BusyPoll,
     Counters,
     EventLoopThread,
     LossyUdp,
@@ -52,7 +54,7 @@ from edgerun.net.wire import (
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
-from edgerun.tp.node import uses_reliable
+from edgerun.tp.node import mirrored, uses_reliable
 from edgerun.tp.shard import Shard, ShardSpec, full_spec
 
 MAPPINGS = ("index", "static", "dynamic")
@@ -82,16 +84,23 @@ class NodeLost(Exception):
 
 class ArrivalEstimator:
     """When a node's partial arrives after the master sends the block's input, estimated as TCP
-    estimates its retransmission timeout (RFC 6298): smoothed mean plus k mean deviations. Only
-    partials that arrived whole are sampled: a lost one says nothing of the time (Karn's rule)."""
+    estimates its retransmission timeout (RFC 6298): smoothed mean plus k mean deviations, but never
+    below the slowest of the last `window` samples with a margin. Delays on a shared or virtual
+    machine have a heavy tail (a descheduled process, a page fault) that mean plus deviations
+    underestimates; a partial cut off while it was on its way costs accuracy with no packet lost at
+    all, while waiting longer costs time only when a partial really was lost, which parity makes rare.
+    Only partials that arrived whole are sampled: a lost one says nothing of the time (Karn's rule)."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 256, tail_margin: float = 1.25) -> None:
         self.mean: float | None = None
         self.deviation = 0.0
         self.samples = 0
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.tail_margin = tail_margin
 
     def observe(self, seconds: float) -> None:
         self.samples += 1
+        self.recent.append(seconds)
         if self.mean is None:
             self.mean, self.deviation = seconds, seconds / 2
             return
@@ -99,7 +108,9 @@ class ArrivalEstimator:
         self.mean += (seconds - self.mean) / 8
 
     def bound(self, k: float) -> float | None:
-        return None if self.mean is None else self.mean + k * self.deviation
+        if self.mean is None:
+            return None
+        return max(self.mean + k * self.deviation, self.tail_margin * max(self.recent))
 
 
 @dataclass
@@ -184,6 +195,7 @@ class _Wait:
     deadline: float | None = None  # perf_counter time; None: wait for every reply
     timer: asyncio.TimerHandle | None = None
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
+    mirrored: bool = False  # replies come over TCP and UDP both; the first whole copy counts
 
     def arrive(self, index: int) -> None:
         if index in self.arrived:
@@ -281,7 +293,7 @@ class Master:
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
                  timeout_deviations: float = 4.0, parity: bool = True, mapping: str = "index",
                  predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 busy_poll_ms: float = 0.0, log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
         unknown = set(overlap) - set(OVERLAPS)
         if unknown:
@@ -320,6 +332,7 @@ class Master:
         self.stats = StepStats()
         self.running = True
         self.net = EventLoopThread()
+        self.busy_poll = BusyPoll(self.net.loop, busy_poll_ms / 1000)  # polls while generating
         self.server, self.datagrams = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
         self.udp_port = self.datagrams.get_extra_info("sockname")[1]
@@ -395,7 +408,7 @@ class Master:
             if w is not None and key == w.key and node.index in w.parts and node.index not in w.arrived:
                 w.parts[node.index] = np.frombuffer(payload, "<f4").astype(np.float32)
                 w.arrive(node.index)
-            else:
+            elif not self._mirror_copy(key, node.index):
                 self.stats.late_packets += 1
 
     def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes,
@@ -419,13 +432,20 @@ class Master:
         w = self.wait
         key = (header.session, header.position, header.layer, header.block)
         target = None if w is None or key != w.key else w.parts.get(header.node)
-        if not isinstance(target, Reassembly):
-            if not is_parity(header):  # the parity of a partial already merged is expected, not late
-                self.stats.late_packets += 1
-            self._late(key, header, payload)
+        if isinstance(target, Reassembly) and header.node not in w.arrived:
+            if add_fragment(target, header, payload, self.counters):
+                w.arrive(header.node)
             return
-        if add_fragment(target, header, payload, self.counters):
-            w.arrive(header.node)
+        if self._mirror_copy(key, header.node):
+            return
+        if not is_parity(header):  # the parity of a partial already merged is expected, not late
+            self.stats.late_packets += 1
+        self._late(key, header, payload)
+
+    def _mirror_copy(self, key: tuple[int, int, int, int], node: int) -> bool:
+        """True for the second copy of a mirrored block's reply: its first copy is in, so nothing is late."""
+        return any(w is not None and w.mirrored and w.key == key and node in w.arrived
+                   for w in (self.wait, self.merged))
 
     def _late(self, key: tuple[int, int, int, int], header: Header, payload: bytes) -> None:
         """A partial of the block just merged that completes late still teaches its node's lag, so the
@@ -582,10 +602,11 @@ class Master:
         `while_waiting` runs after the inputs are sent and the master's share is computed, before waiting
         for the nodes (HALO's Pred overlapped with Comm)."""
         loop = asyncio.get_running_loop()
+        self.busy_poll.touch()
         seq = x.shape[0]
         key = (self.session, start, layer, int(block))
         nodes = self._participants(layer, block)
-        reliable = uses_reliable(self.transport, layer, block, seq)
+        reliable, mirror = uses_reliable(self.transport, layer, block, seq), mirrored(self.transport, layer, block, seq)
         data = np.ascontiguousarray(x, "<f4").tobytes()
         self.recent_inputs[key] = (data, ranking)
         for node in self.pending_fetch.pop(key, []):
@@ -597,13 +618,14 @@ class Master:
             self.assignments[key] = Assignment(ranking, {"master": own_units} | {
                 n.name: tuple(ranking[p] for p in n.priorities[kind][layer]) for n in nodes})
         sent = time.perf_counter()
-        w = self.wait = _Wait(key, {n.index: None if reliable else Reassembly(seq * self.model.config.hidden)
-                                    for n in nodes}, loop.create_future(), sent, len(nodes))
+        w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq)) if mirror or not reliable
+                                    else None for n in nodes}, loop.create_future(), sent, len(nodes), mirrored=mirror)
         if reliable:
             for node in nodes:
                 self._send_input(node, key, data, ranking)
-        elif nodes:  # every node gets the same datagrams: encode and seal them once
-            header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0, codec=self.codec, flags=seq)
+        if nodes and (mirror or not reliable):  # every node gets the same datagrams: encode and seal them once
+            header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0,
+                            codec=Codec.F32 if mirror else self.codec, flags=seq)
             datagrams = fragment(header, x.reshape(-1), self.key, parity=self.parity,
                                  prefix=b"" if ranking is None else bytes(ranking))
             for node in nodes:
@@ -651,13 +673,21 @@ class Master:
                 out = out + vector.reshape(out.shape)
         return out
 
+    def _reply_size(self, node: NodeConn, block: Block, seq: int) -> int:
+        """Elements of a node's partial: its vocabulary rows of the last token for the LM head."""
+        if block == Block.HEAD:
+            return len(vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.config.vocab_size))
+        return seq * self.model.config.hidden
+
     def _assemble_logits(self, x: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:
         logits = np.zeros(self.model.config.vocab_size, np.float32)
         rows, own = self.shard.logits(x[-1:])
         logits[rows] = own[-1]
         for node in nodes:
             node_rows = vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.config.vocab_size)
-            logits[node_rows] = parts[node.index].reshape(-1)[-len(node_rows):]
+            part = parts[node.index]
+            vector = part.vector if isinstance(part, Reassembly) else part
+            logits[node_rows] = vector.reshape(-1)[-len(node_rows):]
         return logits
 
     async def _step(self, tokens: Sequence[int]) -> np.ndarray:

@@ -26,7 +26,15 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
-from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, add_fragment, listen_datagrams
+from edgerun.net.channel import (
+    AsyncChannel,
+    BusyPoll,
+    Counters,
+    EventLoopThread,
+    LossyUdp,
+    add_fragment,
+    listen_datagrams,
+)
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
@@ -41,6 +49,15 @@ def uses_reliable(transport: str, layer: int, block: Block, seq: int) -> bool:
     prefill: a partial lost there corrupts the KV cache of every prompt token for the rest of the
     request, and prefill is not on the per-token latency path that timeouts protect."""
     return transport == "tcp" or layer == 0 or block == Block.HEAD or seq > 1
+
+
+def mirrored(transport: str, layer: int, block: Block, seq: int) -> bool:
+    """With --transport udp, a decode step's reliable blocks (the first layer and the LM head) travel
+    over UDP too, in f32 like their TCP copy: the receiver takes whichever copy is whole first. A TCP
+    segment lost on the way then costs nothing unless its UDP copy is lost as well, instead of a
+    retransmission timeout (tens of milliseconds at least), and the result does not depend on which
+    copy won."""
+    return transport == "udp" and seq == 1 and uses_reliable(transport, layer, block, seq)
 
 
 def shard_spec_from_json(data: dict) -> ShardSpec:
@@ -63,6 +80,7 @@ class _Input:
     fetched: bool = False
     full: np.ndarray | None = None  # set when it came whole over TCP
     ranking: tuple[int, ...] | None = None  # dynamic mapping: the unit at each priority index, if it came over TCP
+    done: bool = False  # a stateless block computed already (its other copy may still come)
 
     def value(self) -> np.ndarray | None:
         if self.full is not None:
@@ -119,7 +137,7 @@ class Prefetcher:
 
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
-                 speed: float, loss: LossModel | None = None, log=print) -> None:
+                 speed: float, loss: LossModel | None = None, busy_poll_ms: float = 0.0, log=print) -> None:
         self.master = master
         self.model = model
         self.key = key
@@ -148,6 +166,7 @@ class Node:
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
         self.net = EventLoopThread()
+        self.busy_poll = BusyPoll(self.net.loop, busy_poll_ms / 1000)  # polls while inputs keep coming
 
     def run(self) -> None:
         welcome = self.net.run(self._join(), timeout=60)
@@ -237,6 +256,7 @@ class Node:
         if op == "reset":
             self._new_session(int(message["session"]))
         elif op == "input":
+            self.busy_poll.touch()
             header = Header(MsgType.ACTIVATION, int(message["session"]), int(message["position"]),
                             int(message["layer"]), int(message["block"]))
             vector = np.frombuffer(payload, "<f4").astype(np.float32)
@@ -289,11 +309,12 @@ class Node:
         return entry
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
+        self.busy_poll.touch()
         if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
             # A link probe from the master: echo it, through this side's loss like any datagram.
             self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
             return
-        if header.type != MsgType.ACTIVATION or header.block not in (Block.ATTN, Block.MLP) or self.model is None:
+        if header.type != MsgType.ACTIVATION or header.block not in tuple(Block) or self.model is None:
             self.counters.reject("unexpected")
             return
         # Activations carry the step's token count in the flags byte.
@@ -308,8 +329,10 @@ class Node:
         """An input is complete: compute on it, or queue it behind a missing attention input."""
         key = (self.session, position, layer, int(block))
         if block != Block.ATTN:  # stateless: compute now; the entry stays till the step ends, so a parity
-            # fragment that comes after the data finds it complete instead of starting it anew
-            self._compute_and_send(position, layer, block, entry.value(), ranking=self._ranking(entry, block))
+            # fragment or a mirrored copy that comes after the data finds it done instead of starting it anew
+            if not entry.done:
+                entry.done = True
+                self._compute_and_send(position, layer, block, entry.value(), ranking=self._ranking(entry, block))
             return
         lengths = self.shard.lengths
         if position < lengths[layer]:  # already cached (a copy that came both ways)
@@ -382,24 +405,26 @@ class Node:
             out = self.shard.mlp(layer, x, groups=units, weights=weights if isinstance(weights, MlpWeights) else None)
         else:
             _, out = self.shard.logits(x[-1:])
-        if uses_reliable(self.transport, layer, block, x.shape[0]):
+        seq = x.shape[0]
+        reliable, mirror = uses_reliable(self.transport, layer, block, seq), mirrored(self.transport, layer, block, seq)
+        if reliable:
             message = {"op": "partial", "session": self.session, "position": position, "layer": layer,
                        "block": int(block)}
             self.channel.send(message, np.ascontiguousarray(out, "<f4").tobytes())
-        else:
-            header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index, codec=self.codec,
-                            flags=x.shape[0])
+        if mirror or not reliable:
+            header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
+                            codec=Codec.F32 if mirror else self.codec, flags=seq)
             self.udp.send_all(fragment(header, out.reshape(-1), self.key, parity=self.parity),
                               (self.master[0], self.master_udp_port))
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
-             speed: float, loss: LossModel | None) -> None:
+             speed: float, loss: LossModel | None, busy_poll_ms: float = 0.0) -> None:
     try:
         model = load_model(model_path)
     except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
         print(f"{e}; will fetch the master's model", file=sys.stderr)
         model = None
-    node = Node(master, model, key, name, budget_mb, speed, loss,
+    node = Node(master, model, key, name, budget_mb, speed, loss, busy_poll_ms,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
     node.run()

@@ -217,6 +217,8 @@ class Shard:
         a, c = self.attn[layer], self.config
         assert a is not None
         local = self._local(self.spec.attn_units[layer], units)
+        if units is None:  # all of them: the held arrays themselves, not a copy per call
+            return AttnWeights(local, a.wq, a.wo, a.bq)
         width = c.heads_per_kv * c.head_dim
         q_rows = (local[:, None] * width + np.arange(width)).reshape(-1)
         return AttnWeights(local, a.wq[q_rows], a.wo[:, q_rows], None if a.bq is None else a.bq[q_rows])
