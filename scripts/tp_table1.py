@@ -12,6 +12,7 @@ import argparse
 
 from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_tp_results
 from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate, tp_ratios, tp_table
+from edgerun.cli import parity_arg
 
 
 def main() -> None:
@@ -26,8 +27,7 @@ def main() -> None:
                    "HALO's gigabit switch)")
     p.add_argument("--timeout-ms", type=float, default=None, help="fixed UDP timeout (default: adaptive)")
     p.add_argument("--timeout-deviations", type=float, default=4.0, help="adaptive timeout's k (default: 4)")
-    p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True,
-                   help="an XOR parity fragment after every UDP vector (default: on)")
+    parity_arg(p)
     add_experiment_args(p)
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
@@ -40,7 +40,7 @@ def main() -> None:
     write_tp_results(results, args.out / "table1.csv")
     link = f", links {args.rate:g} Mbit/s" if loss_at == "testbed" else ""
     title = (f"Time per output token, tcp against udp with a timeout ({model_label(args.model)}, {loss_at} loss{link}, "
-             f"codec {args.codec}, timeout {results[0].timeout}, parity {'on' if args.parity else 'off'})")
+             f"codec {args.codec}, timeout {results[0].timeout}, parity copies {args.parity})")
     summary = f"# {title}\n\n```\n{tp_table(results)}\n```\n\n```\n{tp_ratios(results)}\n```\n"
     (args.out / "table1.md").write_text(summary)
     print(summary)

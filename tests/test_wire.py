@@ -300,6 +300,29 @@ def test_fragment_reassemble(n: int, codec: Codec, mtu: int) -> None:
     assert partial.received == received
 
 
+def test_two_parity_copies_survive_losing_the_data_and_one_copy() -> None:
+    """A one-fragment vector with two parity copies arrives whole from any one of its three datagrams;
+    the copy that follows is not counted as a rejected duplicate, a repeated data fragment is."""
+    from edgerun.net.channel import Counters, add_fragment
+
+    x = np.random.default_rng(3).standard_normal(576).astype(np.float32)
+    header = Header(MsgType.PARTIAL, session=1, position=2, layer=3, block=Block.MLP, node=1, codec=Codec.F16, flags=1)
+    opened = [open_packet(p, KEY) for p in fragment(header, x, KEY, parity=2)]
+    assert [h.frag_index for h, _ in opened] == [0, 1, 1]
+    for survivor in range(3):
+        r, counters = Reassembly(576), Counters()
+        assert add_fragment(r, *opened[survivor], counters)
+        assert np.array_equal(r.vector, round_trip(x, Codec.F16))
+        for other in range(3):
+            if other != survivor:
+                assert not add_fragment(r, *opened[other], counters)
+        assert counters.total() == 0
+    r, counters = Reassembly(576), Counters()
+    add_fragment(r, *opened[0], counters)
+    add_fragment(r, *opened[0], counters)
+    assert counters.rejected == {"duplicate": 1}
+
+
 @pytest.mark.parametrize("codec", list(Codec))
 @pytest.mark.parametrize("n", [1, 31, 576, 713, 714, 2048, 5000])
 def test_parity_rebuilds_any_one_lost_fragment(n: int, codec: Codec) -> None:

@@ -43,7 +43,7 @@ class TpResult:
     loss_at: str  # "process", "kernel" or "testbed"
     codec: str
     timeout: str  # "10 ms" or "adaptive"
-    parity: bool  # an XOR parity fragment after every UDP vector
+    parity: int  # copies of the XOR parity fragment after every UDP vector
     plan: str
     mapping: str
     overlap: str  # dynamic mapping's overlaps, "pred+load", "none", ...
@@ -57,6 +57,7 @@ class TpResult:
     other_ms_per_token: float  # norms, sends, sums, sampling
     blocks: int
     blocks_incomplete: int
+    incomplete_wait_ms_per_token: float  # of wait: waiting in blocks that ended incomplete
     partials_rebuilt: int  # from a parity fragment
     datagrams_sent: int
     datagrams_dropped: int  # by the in-process loss model on the master's side
@@ -91,7 +92,7 @@ class TpBenchConfig:
     timeout_ms: float | None = 10.0  # None: adaptive
     timeout_deviations: float = 4.0
     rto_min_ms: float | None = None
-    parity: bool = True
+    parity: int = 2  # parity copies per vector
     loss_at: str = "process"
     rate_mbit: float | None = None
     delay_ms: float = 0.0
@@ -189,6 +190,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=s.blocks - before["blocks"],
         blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
+        incomplete_wait_ms_per_token=(s.incomplete_wait_s - before["incomplete_wait_s"]) / n * 1e3,
         partials_rebuilt=s.partials_rebuilt - before["partials_rebuilt"],
         datagrams_sent=master.udp.sent - sent, datagrams_dropped=master.udp.dropped - dropped,
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
@@ -246,11 +248,12 @@ def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | Non
 
 
 def tp_table(results: list[TpResult]) -> str:
-    rows = [f"{'nodes':>5} {'transport':>9} {'loss':>6} {'ms/token':>9} {'compute':>8} {'wait':>8} {'other':>8} "
-            f"{'incomplete blocks':>17} {'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12}"]
+    """Times in ms per token; "lost wait" is the part of "wait" spent in blocks that ended incomplete."""
+    rows = [f"{'nodes':>5} {'transport':>9} {'loss':>6} {'ms/token':>9} {'compute':>8} {'wait':>8} {'lost wait':>9} "
+            f"{'other':>8} {'incomplete blocks':>17} {'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12}"]
     for r in results:
         rows.append(f"{r.nodes:>5} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} {r.compute_ms_per_token:>8.1f} "
-                    f"{r.wait_ms_per_token:>8.1f} {r.other_ms_per_token:>8.1f} "
+                    f"{r.wait_ms_per_token:>8.1f} {r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12}")
     return "\n".join(rows)

@@ -19,6 +19,7 @@ from edgerun.net.wire import (
     WireError,
     control_frame,
     frame_length,
+    is_parity,
     open_packet,
     parse_control,
 )
@@ -55,7 +56,7 @@ def add_fragment(reassembly: Reassembly, header: Header, payload: bytes, counter
     except WireError:
         counters.reject("misfit")
         return False
-    if added is Added.DUPLICATE:
+    if added is Added.DUPLICATE and not is_parity(header):  # parity may come in several copies on purpose
         counters.reject("duplicate")
     return added is Added.COMPLETED
 

@@ -54,7 +54,7 @@ from edgerun.net.wire import (
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
-from edgerun.tp.node import mirrored, uses_reliable
+from edgerun.tp.node import mirrored, settle_heap, uses_reliable
 from edgerun.tp.shard import Shard, ShardSpec, full_spec
 
 MAPPINGS = ("index", "static", "dynamic")
@@ -64,6 +64,7 @@ BW_PROBE_BYTES = 2 * 1024 * 1024
 # lag behind by a TCP retransmission timeout or more, which is several tokens on a fast cluster.
 KEPT_POSITIONS = 64
 OVERLAPS = ("pred", "load")
+MAX_PARITY_COPIES = 4  # beyond a few copies, losing all of them is rarer than a lost burst of the data itself
 # With --transport udp the reliable channel carries only the first layer, the LM head and fetches,
 # all on the per-token path: a lost segment there should cost milliseconds, not the kernel's 200 ms
 # minimum retransmission timeout. The strict tcp baseline keeps the kernel's (as distributed-llama).
@@ -175,6 +176,7 @@ class StepStats:
     wait_s: float = 0.0
     blocks: int = 0
     blocks_incomplete: int = 0  # lossy blocks merged without some node's full partial
+    incomplete_wait_s: float = 0.0  # of wait_s, spent in blocks that ended incomplete: the price of lost partials
     partials_rebuilt: int = 0  # partials that lost a fragment and were rebuilt from the parity
     late_packets: int = 0
     max_overshoot_s: float = 0.0  # the longest a lossy block's wait ran past its deadline
@@ -195,7 +197,6 @@ class _Wait:
     deadline: float | None = None  # perf_counter time; None: wait for every reply
     timer: asyncio.TimerHandle | None = None
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
-    mirrored: bool = False  # replies come over TCP and UDP both; the first whole copy counts
 
     def arrive(self, index: int) -> None:
         if index in self.arrived:
@@ -291,7 +292,7 @@ class Master:
                  transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
-                 timeout_deviations: float = 4.0, parity: bool = True, mapping: str = "index",
+                 timeout_deviations: float = 4.0, parity: int = 2, mapping: str = "index",
                  predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS,
                  busy_poll_ms: float = 0.0, log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
@@ -302,9 +303,11 @@ class Master:
         # travel; load has nodes predict the next layer's ranking themselves and gather their units' weights
         # while this layer computes.
         self.overlap = frozenset(overlap)
+        if not 0 <= parity <= MAX_PARITY_COPIES:
+            raise EdgerunError(f"parity copies must be 0 to {MAX_PARITY_COPIES}, not {parity}")
         self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
-        self.parity = parity  # a parity fragment after every vector sent over UDP, both ways
+        self.parity = parity  # copies of a parity fragment after every vector sent over UDP, both ways
         self.mapping, self.predictors = mapping, predictors
         self.model_sha256 = model_sha256(model.path)
         self.unit_order = unit_order_for(model, self.model_sha256, mapping, predictors, group_size)
@@ -329,6 +332,7 @@ class Master:
         self.pending_fetch: dict[tuple[int, int, int, int], list[NodeConn]] = {}
         self.wait: _Wait | None = None
         self.merged: _Wait | None = None  # the block merged last, whose late partials still teach lags
+        self.mirrors: dict[tuple[int, int, int, int], _Wait] = {}  # recent mirrored blocks, for their second copies
         self.stats = StepStats()
         self.running = True
         self.net = EventLoopThread()
@@ -444,8 +448,8 @@ class Master:
 
     def _mirror_copy(self, key: tuple[int, int, int, int], node: int) -> bool:
         """True for the second copy of a mirrored block's reply: its first copy is in, so nothing is late."""
-        return any(w is not None and w.mirrored and w.key == key and node in w.arrived
-                   for w in (self.wait, self.merged))
+        w = self.mirrors.get(key)
+        return w is not None and node in w.arrived
 
     def _late(self, key: tuple[int, int, int, int], header: Header, payload: bytes) -> None:
         """A partial of the block just merged that completes late still teaches its node's lag, so the
@@ -549,6 +553,7 @@ class Master:
                                "priorities": None if node.priorities is None else
                                {"attn": node.priorities[0], "mlp": node.priorities[1]}, "prefetch": prefetch},
                               predictor_bytes)
+        settle_heap()
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
@@ -563,6 +568,7 @@ class Master:
     def _reset(self) -> None:
         self.session += 1
         self.recent_inputs.clear()
+        self.mirrors.clear()
         self.pending_fetch.clear()
         self.shard.truncate(0)
         for node in self.nodes:
@@ -619,7 +625,9 @@ class Master:
                 n.name: tuple(ranking[p] for p in n.priorities[kind][layer]) for n in nodes})
         sent = time.perf_counter()
         w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq)) if mirror or not reliable
-                                    else None for n in nodes}, loop.create_future(), sent, len(nodes), mirrored=mirror)
+                                    else None for n in nodes}, loop.create_future(), sent, len(nodes))
+        if mirror:
+            self.mirrors[key] = w
         if reliable:
             for node in nodes:
                 self._send_input(node, key, data, ranking)
@@ -658,6 +666,7 @@ class Master:
         self.stats.blocks += 1
         if w.outstanding:
             self.stats.blocks_incomplete += 1
+            self.stats.incomplete_wait_s += ended - wait_start
         self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values())
         if not reliable and w.arrived:
             first = w.first()
@@ -718,6 +727,7 @@ class Master:
         self.position = start + len(tokens)
         oldest = self.position - KEPT_POSITIONS
         self.recent_inputs = {k: v for k, v in self.recent_inputs.items() if k[1] >= oldest}
+        self.mirrors = {k: v for k, v in self.mirrors.items() if k[1] >= oldest}
         self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
         return await self._block(0, Block.HEAD, rms_norm(x[-1:], weights.output_norm, c.norm_eps), start)
 
