@@ -56,14 +56,6 @@ def _udp_args(p: argparse.ArgumentParser) -> None:
     parity_arg(p)
 
 
-def _busy_poll_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--busy-poll-ms", type=float, default=0.0,
-                   help="keep polling the network for this long after each input instead of sleeping, so a "
-                        "packet is handled without a scheduler wake-up (a millisecond or more per synchronization "
-                        "on some machines). It costs a core while a request runs: use it on a device dedicated "
-                        "to edgerun, not under a CPU quota or with more processes than cores (default: 0, off)")
-
-
 def _rto_min_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tcp-rto-min-ms", type=float, default=None,
                    help="minimum TCP retransmission timeout of the reliable channel, Linux 6.15+ (default: 5 with "
@@ -287,8 +279,6 @@ def cmd_node(args: argparse.Namespace) -> None:
 
     if args.memory_budget <= 0 or args.speed <= 0:
         raise EdgerunError("--memory-budget and --speed must be positive")
-    if args.busy_poll_ms < 0:
-        raise EdgerunError("--busy-poll-ms must not be negative")
     name = args.name or f"node-{os.getpid()}"
     if args.mode == "pp":
         import asyncio
@@ -305,8 +295,7 @@ def cmd_node(args: argparse.Namespace) -> None:
         return
     master = _host_port(args.master)
     try:
-        run_node(master, args.model, _cluster_key(args), name, args.memory_budget, args.speed, _loss(args),
-                 args.busy_poll_ms)
+        run_node(master, args.model, _cluster_key(args), name, args.memory_budget, args.speed, _loss(args))
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
 
@@ -340,8 +329,6 @@ def cmd_master(args: argparse.Namespace) -> None:
 
     if args.expect < 0:
         raise EdgerunError("--expect must be 0 or more")
-    if args.plan != "dp" and args.busy_poll_ms < 0:
-        raise EdgerunError("--busy-poll-ms must not be negative")
     model = load_model(args.model)
     params = SamplingParams(args.temperature, seed=args.seed)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
@@ -381,7 +368,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                     rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
                     parity=args.parity, mapping=args.mapping, predictors=predictors,
-                    overlap=_overlaps(args.overlap), busy_poll_ms=args.busy_poll_ms, log=log)
+                    overlap=_overlaps(args.overlap), log=log)
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
 
     def run(ids: list[int], emit) -> tuple[list[int], str]:
@@ -437,7 +424,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
-                           tuple(args.cpu_quota or ()), busy_poll_ms=args.busy_poll_ms)
+                           tuple(args.cpu_quota or ()))
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True))
     if args.json:
@@ -785,7 +772,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire")
     _udp_args(p)
     _rto_min_arg(p)
-    _busy_poll_arg(p)
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     p.add_argument("--mapping", choices=("index", "static", "dynamic"), default="index",
@@ -817,7 +803,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=float, default=2048.0, help="MB this node may use (default: 2048)")
     p.add_argument("--speed", type=float, default=1e9, help="decode speed in weight bytes/s, from `edgerun "
                    "profile` (default: 1e9; equal speeds give equal shares)")
-    _busy_poll_arg(p)
     _blas_threads_arg(p, DEFAULT_THREADS)
     cluster_args(p)
     p.set_defaults(func=cmd_node)
@@ -899,9 +884,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=32, help="tokens measured per combination (default: 32)")
     _udp_args(p)
     _rto_min_arg(p)
-    p.add_argument("--busy-poll-ms", type=float, default=None,
-                   help="busy-poll window of the master and nodes (see `edgerun node --help`; default: on where "
-                        "the master, every node and one spare have a core each and no CPU quota is set, else 0)")
     _blas_threads_arg(p, 1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)

@@ -31,7 +31,7 @@ def main() -> None:
     for name in args.models.split(","):
         model = model_for(name, args.synth_dir or args.out)
         config = TpBenchConfig(model, tokens=args.tokens, codec=args.codec, timeout_ms=None, loss_at=loss_at,
-                               rate_mbit=args.rate if loss_at == "testbed" else None, busy_poll_ms=args.busy_poll_ms)
+                               rate_mbit=args.rate if loss_at == "testbed" else None)
         results = bench_tp(config, [int(n) for n in args.nodes.split(",")], losses, ["udp", "tcp"],
                            progress=lambda m, name=name: progress(f"{model_label(name)}: {m}"))
         rows += [asdict(r) | {"model": model_label(name)} for r in results]

@@ -59,8 +59,7 @@ def main() -> None:
             for rate in rates:
                 config = TpBenchConfig(model, tokens=args.tokens, codec=args.codec, timeout_ms=None,
                                        loss_at="testbed", rate_mbit=rate, cpu_quotas=quotas,
-                                       node_speeds=tuple(BASE_SPEED * q for q in quotas),
-                                       busy_poll_ms=args.busy_poll_ms)
+                                       node_speeds=tuple(BASE_SPEED * q for q in quotas))
                 tag = f"{nodes} nodes, scenario {scenario + 1} ({' '.join(f'{f:.1f}' for f in ghz)} GHz)"
                 results = bench_tp(config, [nodes], [args.plr], ["udp"], plans=plans,
                                    progress=lambda m, tag=tag: progress(f"{tag}: {m}"))

@@ -42,8 +42,7 @@ def main() -> None:
     rows = []
     for label, mapping, overlap in ROWS:
         config = TpBenchConfig(path, tokens=args.tokens, codec=args.codec, timeout_ms=None, loss_at=loss_at,
-                               mapping=mapping, sap=sap if mapping != "index" else None, overlap=overlap,
-                               busy_poll_ms=args.busy_poll_ms)
+                               mapping=mapping, sap=sap if mapping != "index" else None, overlap=overlap)
         (result,) = bench_tp(config, [args.nodes], [args.plr], ["udp"],
                              progress=lambda m, label=label: progress(f"{label}: {m}"))
         rows.append(asdict(result) | {"design": label})

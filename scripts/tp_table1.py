@@ -34,7 +34,7 @@ def main() -> None:
     config = TpBenchConfig(model_for(args.model, args.synth_dir or args.out), tokens=args.tokens, codec=args.codec,
                            timeout_ms=args.timeout_ms, timeout_deviations=args.timeout_deviations,
                            parity=args.parity, loss_at=loss_at,
-                           rate_mbit=args.rate if loss_at == "testbed" else None, busy_poll_ms=args.busy_poll_ms)
+                           rate_mbit=args.rate if loss_at == "testbed" else None)
     results = bench_tp(config, [int(n) for n in args.nodes.split(",")], args.plr.split(","),
                        args.transport.split(","), progress=progress)
     write_tp_results(results, args.out / "table1.csv")

@@ -27,15 +27,12 @@ def write_tp_results(results: Sequence[TpResult], path: Path) -> None:
 
 
 def add_experiment_args(p: argparse.ArgumentParser, loss_at: bool = True) -> None:
-    """--loss-at (unless the experiment needs a testbed), --synth-dir, --busy-poll-ms and --out, as every
-    tensor-parallel experiment script takes them."""
+    """--loss-at (unless the experiment needs a testbed), --synth-dir and --out, as every tensor-parallel
+    experiment script takes them."""
     if loss_at:
         p.add_argument("--loss-at", choices=LOSS_AT, default=None,
                        help="where loss happens (default: testbed where possible, else process)")
     p.add_argument("--synth-dir", type=Path, default=None, help="where synthetic models are written (default: --out)")
-    p.add_argument("--busy-poll-ms", type=float, default=None,
-                   help="busy-poll window of the master and nodes (default: on where each process has a core and "
-                        "no CPU quota; 0: off)")
     p.add_argument("--out", type=Path, required=True, help="folder for the CSV, markdown and PNG")
 
 

@@ -48,7 +48,6 @@ class TpResult:
     mapping: str
     overlap: str  # dynamic mapping's overlaps, "pred+load", "none", ...
     rate_mbit: float | None  # testbed links (None: unlimited)
-    busy_poll_ms: float
     tokens: int
     ms_per_token: float
     compute_ms_per_token: float  # the master's own share
@@ -101,7 +100,6 @@ class TpBenchConfig:
     mapping: str = "index"
     sap: Path | None = None  # predictors, for static and dynamic mapping
     overlap: tuple[str, ...] = OVERLAPS
-    busy_poll_ms: float | None = None  # None: AUTO_BUSY_POLL_MS where every process has a core of its own
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -110,25 +108,14 @@ class TpBenchConfig:
             raise EdgerunError("rate, delay and CPU quotas need --loss-at testbed")
         if self.tokens < 1:
             raise EdgerunError("--tokens must be at least 1")
-        if self.busy_poll_ms is not None and self.busy_poll_ms < 0:
-            raise EdgerunError("--busy-poll-ms must not be negative")
-
-    def busy_poll_for(self, nodes: int) -> float:
-        """The busy-poll window of a cluster of `nodes` nodes: as given, else on where the master, every node
-        and one spare have a core each and no CPU quota would be spent polling."""
-        if self.busy_poll_ms is not None:
-            return self.busy_poll_ms
-        return AUTO_BUSY_POLL_MS if not self.cpu_quotas and len(os.sched_getaffinity(0)) >= nodes + 2 else 0.0
 
 
 LOSS_AT = ("process", "kernel", "testbed")
-AUTO_BUSY_POLL_MS = 20.0
 
 
-def _node_argv(config: TpBenchConfig, master: str, i: int, nodes: int, loss: str) -> list[str]:
+def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[str]:
     argv = [sys.executable, "-m", "edgerun.cli", "node", "--master", master, "--name", f"bench-{i}", "--key",
-            SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", "1", "--busy-poll-ms",
-            str(config.busy_poll_for(nodes))]
+            SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", "1"]
     if config.model_path is not None:
         argv += ["--model", str(config.model_path)]
     if config.node_speeds:
@@ -148,12 +135,12 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                         codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
                         loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=config.rto_min_ms,
                         timeout_deviations=config.timeout_deviations, parity=config.parity,
-                        mapping=config.mapping, overlap=config.overlap, busy_poll_ms=config.busy_poll_for(nodes),
+                        mapping=config.mapping, overlap=config.overlap,
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:
             for i in range(nodes):
-                argv = _node_argv(config, f"{address}:{master.port}", i, nodes, loss)
+                argv = _node_argv(config, f"{address}:{master.port}", i, loss)
                 procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL) if bed is None else
                              testbed.popen(bed, i + 1, argv, stderr=subprocess.DEVNULL))
             master.wait_for_nodes(nodes, timeout_s=300)
@@ -185,7 +172,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         nodes=nodes, transport=master.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
         timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=master.strategy,
         mapping=master.mapping, overlap="+".join(sorted(master.overlap)) or "none",
-        rate_mbit=config.rate_mbit, busy_poll_ms=master.busy_poll.window_s * 1e3, tokens=len(generated),
+        rate_mbit=config.rate_mbit, tokens=len(generated),
         ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=s.blocks - before["blocks"],

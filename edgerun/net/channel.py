@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -124,35 +123,6 @@ class EventLoopThread:
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-class BusyPoll:
-    """Keeps an event loop polling its sockets instead of sleeping in the kernel for `window_s` after
-    each `touch()`, so that a datagram is handled as soon as it lands. A sleeping process that a
-    packet wakes costs a scheduler wake-up: tens of microseconds on bare metal, often a millisecond
-    or more on a virtual machine's idle vCPU, paid on every synchronization of every token. Polling
-    costs a core while a request runs: worth it on a device dedicated to one node, harmful where
-    processes share few cores or run under a CPU quota. `touch` runs on the loop's thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float) -> None:
-        self.loop, self.window_s = loop, window_s
-        self.until = 0.0
-        self.active = False
-
-    def touch(self) -> None:
-        if self.window_s <= 0:
-            return
-        self.until = time.monotonic() + self.window_s
-        if not self.active:
-            self.active = True
-            self.loop.call_soon(self._poll)
-
-    def _poll(self) -> None:
-        if time.monotonic() >= self.until:
-            self.active = False
-            return
-        time.sleep(0)  # lets another thread of this process (a prefetcher) take the interpreter lock
-        self.loop.call_soon(self._poll)  # a ready callback makes the next poll of the sockets non-blocking
 
 
 class AsyncChannel:

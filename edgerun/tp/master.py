@@ -29,7 +29,6 @@ from edgerun.model.reference import rms_norm
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import (
     AsyncChannel,
-    BusyPoll,
     Counters,
     EventLoopThread,
     LossyUdp,
@@ -294,7 +293,7 @@ class Master:
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
                  timeout_deviations: float = 4.0, parity: int = 2, mapping: str = "index",
                  predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS,
-                 busy_poll_ms: float = 0.0, log: Callable[[str], None] = lambda _: None) -> None:
+                 log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
         unknown = set(overlap) - set(OVERLAPS)
         if unknown:
@@ -336,7 +335,6 @@ class Master:
         self.stats = StepStats()
         self.running = True
         self.net = EventLoopThread()
-        self.busy_poll = BusyPoll(self.net.loop, busy_poll_ms / 1000)  # polls while generating
         self.server, self.datagrams = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
         self.udp_port = self.datagrams.get_extra_info("sockname")[1]
@@ -608,7 +606,6 @@ class Master:
         `while_waiting` runs after the inputs are sent and the master's share is computed, before waiting
         for the nodes (HALO's Pred overlapped with Comm)."""
         loop = asyncio.get_running_loop()
-        self.busy_poll.touch()
         seq = x.shape[0]
         key = (self.session, start, layer, int(block))
         nodes = self._participants(layer, block)

@@ -29,7 +29,6 @@ from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
 from edgerun.net.channel import (
     AsyncChannel,
-    BusyPoll,
     Counters,
     EventLoopThread,
     LossyUdp,
@@ -147,7 +146,7 @@ class Prefetcher:
 
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
-                 speed: float, loss: LossModel | None = None, busy_poll_ms: float = 0.0, log=print) -> None:
+                 speed: float, loss: LossModel | None = None, log=print) -> None:
         self.master = master
         self.model = model
         self.key = key
@@ -176,7 +175,6 @@ class Node:
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
         self.net = EventLoopThread()
-        self.busy_poll = BusyPoll(self.net.loop, busy_poll_ms / 1000)  # polls while inputs keep coming
 
     def run(self) -> None:
         welcome = self.net.run(self._join(), timeout=60)
@@ -267,7 +265,6 @@ class Node:
         if op == "reset":
             self._new_session(int(message["session"]))
         elif op == "input":
-            self.busy_poll.touch()
             header = Header(MsgType.ACTIVATION, int(message["session"]), int(message["position"]),
                             int(message["layer"]), int(message["block"]))
             vector = np.frombuffer(payload, "<f4").astype(np.float32)
@@ -322,7 +319,6 @@ class Node:
         return entry
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
-        self.busy_poll.touch()
         if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
             # A link probe from the master: echo it, through this side's loss like any datagram.
             self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
@@ -432,12 +428,12 @@ class Node:
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
-             speed: float, loss: LossModel | None, busy_poll_ms: float = 0.0) -> None:
+             speed: float, loss: LossModel | None) -> None:
     try:
         model = load_model(model_path)
     except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
         print(f"{e}; will fetch the master's model", file=sys.stderr)
         model = None
-    node = Node(master, model, key, name, budget_mb, speed, loss, busy_poll_ms,
+    node = Node(master, model, key, name, budget_mb, speed, loss,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
     node.run()
