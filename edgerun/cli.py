@@ -403,7 +403,6 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_tp(args: argparse.Namespace) -> None:
-    _limit_blas_threads(args.threads)
     from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_json, tp_ratios, tp_table
 
     def split(text: str) -> list[str]:
@@ -424,7 +423,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
-                           tuple(args.cpu_quota or ()))
+                           tuple(args.cpu_quota or ()), threads=args.threads)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True))
     if args.json:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from threadpoolctl import threadpool_limits
+
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
@@ -100,6 +102,7 @@ class TpBenchConfig:
     mapping: str = "index"
     sap: Path | None = None  # predictors, for static and dynamic mapping
     overlap: tuple[str, ...] = OVERLAPS
+    threads: int = 1  # BLAS threads of the master and of each node: all share one machine
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -108,6 +111,8 @@ class TpBenchConfig:
             raise EdgerunError("rate, delay and CPU quotas need --loss-at testbed")
         if self.tokens < 1:
             raise EdgerunError("--tokens must be at least 1")
+        if self.threads < 1:
+            raise EdgerunError("--threads must be at least 1")
 
 
 LOSS_AT = ("process", "kernel", "testbed")
@@ -115,7 +120,7 @@ LOSS_AT = ("process", "kernel", "testbed")
 
 def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[str]:
     argv = [sys.executable, "-m", "edgerun.cli", "node", "--master", master, "--name", f"bench-{i}", "--key",
-            SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", "1"]
+            SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", str(config.threads)]
     if config.model_path is not None:
         argv += ["--model", str(config.model_path)]
     if config.node_speeds:
@@ -201,18 +206,29 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
         raise EdgerunError("a testbed needs at least one node (the master alone has no links)")
     model = load_model(config.model_path)
     results = []
-    for nodes in node_counts:
-        with contextlib.ExitStack() as stack:
-            bed = stack.enter_context(testbed.running(_testbed_for(config, nodes))) \
-                if config.loss_at == "testbed" else None
-            for group in ([losses] if in_kernel else [[loss] for loss in losses]):
-                with local_cluster(model, config, nodes, "0" if in_kernel else group[0], bed) as master:
-                    for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
-                        progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
-                        master.strategy, master.transport = plan, transport
-                        master.replan()  # before the loss: assignments and link probes travel clean
-                        with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
-                            results.append(_measure(master, model, config, nodes, loss, counters))
+    # The master in this process is held to the nodes' BLAS threads: with a thread per core in every process
+    # of one machine, they would slow each other down.
+    with threadpool_limits(config.threads):
+        for nodes in node_counts:
+            results += _bench_cluster(config, model, nodes, losses, transports, progress, plans, rates)
+    return results
+
+
+def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list[str], transports: list[str],
+                   progress: Callable[[str], None], plans: Sequence[str], rates: dict[str, float]) -> list[TpResult]:
+    """One node count's combinations: one cluster for all loss rates where the kernel applies them."""
+    results = []
+    in_kernel = config.loss_at != "process"
+    with contextlib.ExitStack() as stack:
+        bed = stack.enter_context(testbed.running(_testbed_for(config, nodes))) if config.loss_at == "testbed" else None
+        for group in ([losses] if in_kernel else [[loss] for loss in losses]):
+            with local_cluster(model, config, nodes, "0" if in_kernel else group[0], bed) as master:
+                for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
+                    progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
+                    master.strategy, master.transport = plan, transport
+                    master.replan()  # before the loss: assignments and link probes travel clean
+                    with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
+                        results.append(_measure(master, model, config, nodes, loss, counters))
     return results
 
 
