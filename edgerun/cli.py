@@ -520,7 +520,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
             raise EdgerunError(f"cannot read {args.text}: {e}") from e
     group_size = predictors.group_size if predictors is not None else args.group_size
     results = evaluate(model, texts, _shares(args.plr, "--plr"), _shares(args.nglr, "--nglr"), policies, predictors,
-                       group_size, args.tokens, args.chunk, seed=args.seed, progress=_progress_line)
+                       group_size, args.tokens, args.chunk, seed=args.seed, parity=args.parity,
+                       progress=_progress_line)
     print(json.dumps(eval_json(results), indent=2) if args.json else eval_table(results))
 
 
@@ -1003,6 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (default: 1024)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per independent sequence (default: 256)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loss events")
+    p.add_argument("--parity", type=int, default=2, metavar="COPIES",
+                   help="parity copies after every partial, as the engine sends them (default: 2, the engine's): a "
+                        "partial is lost with chance PLR^(1 + COPIES); 0 is HALO's setting, one packet per partial")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _blas_threads_arg(p, DEFAULT_THREADS)
     p.set_defaults(func=cmd_eval)

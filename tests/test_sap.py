@@ -130,6 +130,19 @@ def test_eval_orders_policies_on_a_synthetic_model(synthetic: Model, synthetic_s
     assert again[0] == by["sap"]  # deterministic
 
 
+def test_eval_parity_copies_lose_fewer_units(synthetic: Model) -> None:
+    """With two parity copies a device loses a block only when its packet and both copies are lost:
+    PLR cubed. The share of units lost follows (NGLR 0.75 puts three quarters of them at risk)."""
+    shares = {}
+    for parity in (0, 2):
+        (r,) = evaluate(synthetic, evaluation_text(), [0.5], [0.75], ["random"], None, GROUP, tokens=256,
+                        chunk=128, prompt_tokens=16, continuation=4, parity=parity)
+        assert r.parity == parity
+        shares[parity] = r.units_lost
+    assert shares[0] == pytest.approx(0.75 * 0.5, abs=0.05)
+    assert shares[2] == pytest.approx(0.75 * 0.125, abs=0.03)
+
+
 def test_lossy_devices_follow_nglr() -> None:
     assert [lossy_devices(x) for x in (0.25, 0.5, 0.75, 0.875)] == [1, 1, 3, 7]
 

@@ -5,8 +5,10 @@ The model of a lossy cluster (HALO §V-B, Fig. 7): in every block of layers 1 an
 the units (attention units, each a KV head with its query heads, and MLP neuron groups) sits on
 lossy devices, split evenly over
 D = max(1, round(NGLR / (1 − NGLR))) of them (NGLR 0.75: 3 lossy devices and a reliable master);
-each lossy device loses its whole contribution to a block with probability PLR. Layer 0 and the LM
-head travel over TCP and are never lost. The policy decides which units go to the lossy devices:
+each lossy device loses its whole contribution to a block when the packet carrying it is lost, with
+probability PLR, as in HALO. With `parity` copies (the engine sends 2 by default) a one-packet partial
+is lost only when it and every copy are: PLR^(1 + parity). Layer 0 and the LM head travel over TCP
+and are never lost. The policy decides which units go to the lossy devices:
 
 - none: the plan's index order, no importance (units with the highest indices are lossy);
 - random: a fresh random choice per token;
@@ -46,14 +48,17 @@ class LossInjector(BlockHooks):
     wants_partials = True
 
     def __init__(self, policy: str, plr: float, nglr: float, predictors: PredictorSet | None, seed: int,
-                 sequence: int, max_len: int, n_kv_heads: int) -> None:
+                 sequence: int, max_len: int, n_kv_heads: int, parity: int = 0) -> None:
         if policy not in POLICIES:
             raise EdgerunError(f"unknown policy {policy!r} ({', '.join(POLICIES)})")
         if policy == "sap" and predictors is None:
             raise EdgerunError("policy sap needs predictors: run `edgerun sap calibrate` and `edgerun sap train`")
         if not 0.0 <= plr <= 1.0 or not 0.0 <= nglr <= 1.0:
             raise EdgerunError(f"PLR and NGLR are shares in [0, 1], not {plr} and {nglr}")
+        if parity < 0:
+            raise EdgerunError(f"parity copies must not be negative, not {parity}")
         self.policy, self.plr, self.nglr, self.predictors = policy, plr, nglr, predictors
+        self.block_loss = plr ** (1 + parity)  # a device's partial and all its parity copies lost
         self.seed, self.sequence, self.max_len = seed, sequence, max_len
         self.devices = lossy_devices(nglr)
         self.n_kv_heads = n_kv_heads
@@ -97,7 +102,7 @@ class LossInjector(BlockHooks):
         device_of_rank = np.full(units, -1)
         for d, ranks in enumerate(np.array_split(np.arange(units - lossy, units), self.devices)):
             device_of_rank[ranks] = d
-        lost_devices = self._rng(layer, block, 0).random((self.max_len, self.devices)) < self.plr
+        lost_devices = self._rng(layer, block, 0).random((self.max_len, self.devices)) < self.block_loss
         lost_devices = lost_devices[self.start:self.start + seq]
         lost_rank = np.where(device_of_rank >= 0, lost_devices[:, np.maximum(device_of_rank, 0)], False)
         keep = np.ones((seq, units), np.float32)
@@ -112,6 +117,7 @@ class EvalResult:
     plr: float
     nglr: float
     policy: str
+    parity: int  # parity copies after every partial
     tokens: int  # predicted tokens scored
     perplexity: float
     lossless_perplexity: float
@@ -146,8 +152,9 @@ def _greedy(reference: ReferenceModel, prompt: Sequence[int], n: int, max_len: i
 def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: Sequence[float],
              policies: Sequence[str], predictors: PredictorSet | None = None, group_size: int = 256,
              tokens: int = 1024, chunk: int = 256, prompt_tokens: int = 32, continuation: int = 16, seed: int = 0,
-             progress: Callable[[str], None] = lambda _: None) -> list[EvalResult]:
-    """Every (PLR, NGLR, policy) over the same text and the same loss events."""
+             parity: int = 0, progress: Callable[[str], None] = lambda _: None) -> list[EvalResult]:
+    """Every (PLR, NGLR, policy) over the same text and the same loss events; `parity` copies protect
+    every partial (0: HALO's setting, one packet that is lost or not)."""
     if tokens < chunk or chunk < 2:
         raise EdgerunError(f"evaluate at least one sequence of {chunk} tokens (asked for {tokens})")
     if predictors is not None and predictors.group_size != group_size:
@@ -173,7 +180,8 @@ def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: S
         ref_continuation = _greedy(reference, ids[:prompt_tokens], continuation, max_len, None)
         for s in settings:
             plr, nglr, policy = s
-            hooks = LossInjector(policy, plr, nglr, predictors, seed, sequence, max_len, model.config.n_kv_heads)
+            hooks = LossInjector(policy, plr, nglr, predictors, seed, sequence, max_len, model.config.n_kv_heads,
+                                 parity)
             lossy = _log_softmax(reference.forward(ids, reference.new_cache(max_len), hooks, all_logits=True)[:-1])
             nll[s] -= float(lossy[np.arange(len(targets)), targets].sum())
             agree[s] += int((lossy.argmax(axis=-1) == ref_top).sum())
@@ -182,13 +190,14 @@ def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: S
             lost[s][1] += hooks.units_seen
             # Greedy continuations draw their loss events from another sequence number than the scoring pass.
             hooks = LossInjector(policy, plr, nglr, predictors, seed, len(chunks) + sequence, max_len,
-                                 model.config.n_kv_heads)
+                                 model.config.n_kv_heads, parity)
             matches[s] += _greedy(reference, ids[:prompt_tokens], continuation, max_len, hooks) == ref_continuation
         scored += len(targets)
         sequences += 1
         progress(f"{sequences}/{len(chunks)} sequences of {chunk} tokens")
     lossless_ppl = float(np.exp(lossless_nll / scored))
-    return [EvalResult(plr, nglr, policy, scored, float(np.exp(nll[(plr, nglr, policy)] / scored)), lossless_ppl,
+    return [EvalResult(plr, nglr, policy, parity, scored, float(np.exp(nll[(plr, nglr, policy)] / scored)),
+                       lossless_ppl,
                        agree[(plr, nglr, policy)] / scored, kl[(plr, nglr, policy)] / scored,
                        matches[(plr, nglr, policy)] / sequences,
                        lost[(plr, nglr, policy)][0] / max(1, lost[(plr, nglr, policy)][1]))
@@ -200,11 +209,12 @@ def eval_json(results: Sequence[EvalResult]) -> list[dict[str, object]]:
 
 
 def eval_table(results: Sequence[EvalResult]) -> str:
-    rows = [f"{'PLR':>5} {'NGLR':>6} {'policy':>9} {'perplexity':>10} {'increase':>9} {'top-1':>7} {'KL':>8} "
-            f"{'exact':>6} {'units lost':>10}"]
+    rows = [f"{'PLR':>5} {'NGLR':>6} {'policy':>9} {'parity':>6} {'perplexity':>10} {'increase':>9} {'top-1':>7} "
+            f"{'KL':>8} {'exact':>6} {'units lost':>10}"]
     for r in results:
-        rows.append(f"{r.plr:>5.0%} {r.nglr:>6.1%} {r.policy:>9} {r.perplexity:>10.3f} {r.perplexity_increase:>9.2%} "
-                    f"{r.top1_agreement:>7.1%} {r.kl:>8.4f} {r.exact_match:>6.0%} {r.units_lost:>10.2%}")
+        rows.append(f"{r.plr:>5.0%} {r.nglr:>6.1%} {r.policy:>9} {r.parity:>6} {r.perplexity:>10.3f} "
+                    f"{r.perplexity_increase:>9.2%} {r.top1_agreement:>7.1%} {r.kl:>8.4f} {r.exact_match:>6.0%} "
+                    f"{r.units_lost:>10.2%}")
     if results:
         rows.append(f"lossless perplexity {results[0].lossless_perplexity:.3f} over {results[0].tokens} tokens")
     return "\n".join(rows)
