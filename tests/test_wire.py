@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from edgerun.net.channel import Counters, add_fragment
 from edgerun.net.wire import (
     HEADER,
     MAC_SIZE,
@@ -303,8 +304,6 @@ def test_fragment_reassemble(n: int, codec: Codec, mtu: int) -> None:
 def test_two_parity_copies_survive_losing_the_data_and_one_copy() -> None:
     """A one-fragment vector with two parity copies arrives whole from any one of its three datagrams;
     the copy that follows is not counted as a rejected duplicate, a repeated data fragment is."""
-    from edgerun.net.channel import Counters, add_fragment
-
     x = np.random.default_rng(3).standard_normal(576).astype(np.float32)
     header = Header(MsgType.PARTIAL, session=1, position=2, layer=3, block=Block.MLP, node=1, codec=Codec.F16, flags=1)
     opened = [open_packet(p, KEY) for p in fragment(header, x, KEY, parity=2)]

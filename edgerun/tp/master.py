@@ -95,12 +95,18 @@ class ArrivalEstimator:
         self.mean: float | None = None
         self.deviation = 0.0
         self.samples = 0
-        self.recent: collections.deque[float] = collections.deque(maxlen=window)
-        self.tail_margin = tail_margin
+        self.window, self.tail_margin = window, tail_margin
+        # (sample number, seconds) of the window's samples that no later sample exceeds, slowest first:
+        # the window's maximum is the first, kept in O(1) per sample since bound() runs for every block.
+        self.slowest: collections.deque[tuple[int, float]] = collections.deque()
 
     def observe(self, seconds: float) -> None:
         self.samples += 1
-        self.recent.append(seconds)
+        while self.slowest and self.slowest[-1][1] <= seconds:
+            self.slowest.pop()
+        self.slowest.append((self.samples, seconds))
+        if self.slowest[0][0] <= self.samples - self.window:
+            self.slowest.popleft()
         if self.mean is None:
             self.mean, self.deviation = seconds, seconds / 2
             return
@@ -110,7 +116,7 @@ class ArrivalEstimator:
     def bound(self, k: float) -> float | None:
         if self.mean is None:
             return None
-        return max(self.mean + k * self.deviation, self.tail_margin * max(self.recent))
+        return max(self.mean + k * self.deviation, self.tail_margin * self.slowest[0][1])
 
 
 @dataclass
@@ -609,7 +615,9 @@ class Master:
         seq = x.shape[0]
         key = (self.session, start, layer, int(block))
         nodes = self._participants(layer, block)
-        reliable, mirror = uses_reliable(self.transport, layer, block, seq), mirrored(self.transport, layer, block, seq)
+        reliable = uses_reliable(self.transport, layer, block, seq)
+        mirror = mirrored(self.transport, layer, block, seq)
+        over_udp = mirror or not reliable
         data = np.ascontiguousarray(x, "<f4").tobytes()
         self.recent_inputs[key] = (data, ranking)
         for node in self.pending_fetch.pop(key, []):
@@ -621,14 +629,14 @@ class Master:
             self.assignments[key] = Assignment(ranking, {"master": own_units} | {
                 n.name: tuple(ranking[p] for p in n.priorities[kind][layer]) for n in nodes})
         sent = time.perf_counter()
-        w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq)) if mirror or not reliable
-                                    else None for n in nodes}, loop.create_future(), sent, len(nodes))
+        w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq)) if over_udp else None
+                                    for n in nodes}, loop.create_future(), sent, len(nodes))
         if mirror:
             self.mirrors[key] = w
         if reliable:
             for node in nodes:
                 self._send_input(node, key, data, ranking)
-        if nodes and (mirror or not reliable):  # every node gets the same datagrams: encode and seal them once
+        if nodes and over_udp:  # every node gets the same datagrams: encode and seal them once
             header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0,
                             codec=Codec.F32 if mirror else self.codec, flags=seq)
             datagrams = fragment(header, x.reshape(-1), self.key, parity=self.parity,

@@ -27,14 +27,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
-from edgerun.net.channel import (
-    AsyncChannel,
-    Counters,
-    EventLoopThread,
-    LossyUdp,
-    add_fragment,
-    listen_datagrams,
-)
+from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, add_fragment, listen_datagrams
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
@@ -323,7 +316,8 @@ class Node:
             # A link probe from the master: echo it, through this side's loss like any datagram.
             self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
             return
-        if header.type != MsgType.ACTIVATION or header.block not in tuple(Block) or self.model is None:
+        if (header.type != MsgType.ACTIVATION or header.block not in (Block.ATTN, Block.MLP, Block.HEAD)
+                or self.model is None):
             self.counters.reject("unexpected")
             return
         # Activations carry the step's token count in the flags byte.
