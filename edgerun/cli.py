@@ -481,7 +481,7 @@ def cmd_sap_train(args: argparse.Namespace) -> None:
     if not source.exists():
         raise EdgerunError(f"no calibration at {source}: run `edgerun sap calibrate` first")
     predictors, qualities = train(Calibration.load(source), args.kind, args.width, args.validation, args.seed,
-                                  progress=_progress_line)
+                                  args.reads, progress=_progress_line)
     out = args.out or default_path(model_path)
     predictors.save(out)
     for block in ("attention", "mlp"):
@@ -489,7 +489,8 @@ def cmd_sap_train(args: argparse.Namespace) -> None:
         print(f"{block:9}: mean relative error {np.mean([x.relative_error for x in q]):.1%}, top-{q[0].k} of "
               f"{q[0].units} recall {np.mean([x.recall for x in q]):.1%} (chance {q[0].k / q[0].units:.0%})")
     per_token = predictors.cost_per_token_s()
-    print(f"predictors ({args.kind}) -> {out}; {per_token * 1e3:.2f} ms per token for all layers on this machine")
+    print(f"predictors ({args.kind}, reading {'one layer ahead' if predictors.ahead else 'the block input'}) -> {out}; "
+          f"{per_token * 1e3:.2f} ms per token for all layers on this machine")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -968,15 +969,20 @@ def build_parser() -> argparse.ArgumentParser:
     _blas_threads_arg(p, DEFAULT_THREADS)
     p.set_defaults(func=cmd_sap_calibrate)
     p = sap.add_parser("train", help="train the per-layer predictors on a calibration",
-                       description="Per layer and block, fit a regressor from the attention input one layer "
-                                   "ahead to the log norms of the layer's heads or neuron groups; hold out the "
-                                   "last --validation share of tokens and report the relative error and the "
-                                   "top-k recall of the truly most important units.")
+                       description="Per layer and block, fit a regressor from a normalized hidden state to the "
+                                   "log norms of the layer's heads or neuron groups; hold out the last "
+                                   "--validation share of tokens and report the relative error and the top-k "
+                                   "recall of the truly most important units.")
     _model_arg(p)
     p.add_argument("--calibration", type=Path, default=None, help="calibration file (default: MODEL.calib.npz)")
     p.add_argument("--kind", choices=("linear", "mlp"), default="linear",
                    help="ridge regression, or an MLP with one hidden layer of --width (default: linear)")
     p.add_argument("--width", type=int, default=256, help="hidden width of the mlp kind (default: 256)")
+    p.add_argument("--reads", choices=("same", "ahead"), default="same",
+                   help="what a predictor reads: the block's own input (same: ranks on the critical path, "
+                        "a fifth less loss on the shipped model) or the attention input one layer ahead (ahead, "
+                        "HALO's design: lets the master rank while partials travel and nodes gather their next "
+                        "units' weights early, the pred and load overlaps) (default: same)")
     p.add_argument("--validation", type=float, default=0.2, help="held-out share of tokens (default: 0.2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="predictor file (default: MODEL.sap.npz)")

@@ -31,6 +31,9 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=256)
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--kind", choices=("linear", "mlp"), default="linear", help="predictor kind (default: linear)")
+    p.add_argument("--reads", choices=("same", "ahead"), default="same",
+                   help="what the predictors read: the block's own input, or the attention input one layer ahead "
+                        "(HALO's) (default: same)")
     p.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (default: 1024)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -39,12 +42,13 @@ def main() -> None:
         print(message, file=sys.stderr, flush=True)
 
     model = load_model(args.model)
-    predictors = predictors_for(model, args.out, args.group_size, args.calibration_tokens, args.kind, log)
+    predictors = predictors_for(model, args.out, args.group_size, args.calibration_tokens, args.kind, args.reads,
+                                log)
     plrs, nglrs, policies = shares(args.plr), shares(args.nglr), args.policy.split(",")
     results = evaluate(model, evaluation_text(), plrs, nglrs, policies, predictors, args.group_size, args.tokens,
                        progress=log)
     print(write_results(results, args.out, "fig7", f"Perplexity under loss by placement policy ({model.name}, "
-                        f"{args.kind} predictors)"))
+                        f"{args.kind} predictors reading {args.reads})"))
 
     import matplotlib
 

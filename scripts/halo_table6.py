@@ -36,7 +36,8 @@ def main() -> None:
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
     path = model_for(args.model, args.synth_dir or args.out)
-    predictors = predictors_for(load_model(path), args.out, 256, args.calibration_tokens, "linear", progress)
+    predictors = predictors_for(load_model(path), args.out, 256, args.calibration_tokens, "linear", "ahead",
+                                progress)
     sap = args.out / "table6.sap.npz"
     predictors.save(sap)
     rows = []

@@ -4,6 +4,7 @@ what loss does to the output under each placement policy, on a synthetic model a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,8 @@ def test_calibration_records_every_layer_and_round_trips(synthetic: Model, tmp_p
     assert calibration.inputs.shape == (c.n_layers, 256, c.hidden)
     assert calibration.attn_norms.shape == (c.n_layers, 256, c.n_kv_heads)
     assert calibration.group_norms.shape == (c.n_layers, 256, c.ffn // GROUP)
+    assert calibration.mlp_inputs.shape == calibration.inputs.shape
+    assert not np.array_equal(calibration.mlp_inputs, calibration.inputs)
     assert (calibration.attn_norms > 0).all() and (calibration.group_norms > 0).all()
     # The norms are those of the units' contributions: their squares bound the block output's.
     calibration.save(tmp_path / "c.npz")
@@ -66,6 +69,22 @@ def test_calibration_records_every_layer_and_round_trips(synthetic: Model, tmp_p
     assert again.model_sha256 == "abc" and again.group_size == GROUP
     assert np.array_equal(again.inputs, calibration.inputs)
     assert np.array_equal(again.group_norms, calibration.group_norms)
+    assert np.array_equal(again.mlp_inputs, calibration.mlp_inputs)
+
+
+def test_calibration_without_mlp_inputs_trains_ahead_only(synthetic_sap, tmp_path: Path) -> None:
+    """A calibration file from before MLP inputs were recorded still loads and trains HALO's predictors."""
+    from edgerun.errors import EdgerunError
+
+    calibration, _ = synthetic_sap
+    old = replace(calibration, mlp_inputs=np.zeros((0, 0, 0), np.float16))
+    np.savez(tmp_path / "old.npz", model_sha256=np.array(old.model_sha256), group_size=np.array(old.group_size),
+             inputs=old.inputs, attn_norms=old.attn_norms, group_norms=old.group_norms)
+    loaded = Calibration.load(tmp_path / "old.npz")
+    assert loaded.mlp_inputs.size == 0
+    with pytest.raises(EdgerunError, match="no MLP inputs"):
+        train(loaded, "linear", reads="same")
+    assert train(loaded, "linear", reads="ahead")[0].ahead
 
 
 def test_calibration_refuses_too_little_text(synthetic: Model) -> None:
@@ -84,15 +103,19 @@ def test_top_k_recall() -> None:
     assert top_k_recall(np.array([[5.0, 0.0, 4.0, 1.0], [3.0, 2.0, 1.0, 0.0]]), true, 2) == 0.25
 
 
-def test_predictors_rank_groups_above_chance_and_round_trip(synthetic: Model, synthetic_sap, tmp_path: Path) -> None:
+@pytest.mark.parametrize("reads", ["same", "ahead"])
+def test_predictors_rank_groups_above_chance_and_round_trip(synthetic: Model, synthetic_sap, tmp_path: Path,
+                                                            reads: str) -> None:
     calibration, _ = synthetic_sap
-    predictors, qualities = train(calibration, "linear")
+    predictors, qualities = train(calibration, "linear", reads=reads)
+    assert predictors.reads == reads
     mlp = [q for q in qualities if q.block == "mlp"]
     assert len(mlp) == synthetic.config.n_layers - 1  # layer 0 travels reliably: no predictor
     chance = mlp[0].k / mlp[0].units
     assert np.mean([q.recall for q in mlp]) > chance + 0.15, (mlp, chance)
     predictors.save(tmp_path / "p.npz")
     loaded = PredictorSet.load(tmp_path / "p.npz")
+    assert loaded.reads == reads
     x = calibration.inputs[0][:10]
     for block in (Block.ATTN, Block.MLP):
         assert np.array_equal(loaded.predict(1, block, x), predictors.predict(1, block, x))
@@ -116,8 +139,11 @@ def test_eval_without_loss_is_the_lossless_model(synthetic: Model, synthetic_sap
         assert abs(r.kl) < 1e-5
 
 
-def test_eval_orders_policies_on_a_synthetic_model(synthetic: Model, synthetic_sap) -> None:
-    _, predictors = synthetic_sap
+@pytest.mark.parametrize("reads", ["same", "ahead"])
+def test_eval_orders_policies_on_a_synthetic_model(synthetic: Model, synthetic_sap, reads: str) -> None:
+    calibration, predictors = synthetic_sap
+    if reads == "ahead":
+        predictors = train(calibration, "linear", reads="ahead")[0]
     policies = ["random", "sap", "oracle", "high-norm"]
     results = evaluate(synthetic, evaluation_text(), [0.2], [0.75], policies, predictors, GROUP, tokens=512,
                        chunk=128, prompt_tokens=16, continuation=4)
@@ -180,7 +206,11 @@ def test_cli_sap_and_eval_end_to_end(synthetic: Model, tmp_path: Path, capsys: p
     assert main(["sap", "train", "--model", model, "--calibration", str(calib), "--out", str(sap),
                  "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "recall" in out and str(sap) in out
+    assert "recall" in out and str(sap) in out and "reading the block input" in out
+    assert main(["sap", "train", "--model", model, "--calibration", str(calib), "--out", str(tmp_path / "a.npz"),
+                 "--reads", "ahead", "--threads", "1"]) == 0
+    assert "reading one layer ahead" in capsys.readouterr().out
+    assert PredictorSet.load(tmp_path / "a.npz").ahead
     assert main(["eval", "--model", model, "--sap", str(sap), "--plr", "10%", "--nglr", "0.5", "--tokens", "128",
                  "--chunk", "128", "--policy", "random,sap", "--json", "--threads", "1"]) == 0
     rows = json.loads(capsys.readouterr().out)

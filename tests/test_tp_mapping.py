@@ -17,7 +17,7 @@ from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.model_files import model_sha256
 from edgerun.net.wire import Block, derive_key
-from edgerun.sap.calibrate import calibrate
+from edgerun.sap.calibrate import Calibration, calibrate
 from edgerun.sap.predictor import PredictorSet, train
 from edgerun.sap.text import calibration_text
 from edgerun.tp.master import Master
@@ -37,9 +37,20 @@ def model() -> Model:
 
 
 @pytest.fixture(scope="module")
-def predictors(model: Model) -> PredictorSet:
-    calibration = calibrate(model, model_sha256(model.path), calibration_text(), 256, tokens=1024)
-    return train(calibration, "linear")[0]
+def calibration(model: Model) -> Calibration:
+    return calibrate(model, model_sha256(model.path), calibration_text(), 256, tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def predictors(calibration: Calibration) -> PredictorSet:
+    """Predictors that read each block's own input (the default)."""
+    return train(calibration, "linear", reads="same")[0]
+
+
+@pytest.fixture(scope="module")
+def ahead_predictors(calibration: Calibration) -> PredictorSet:
+    """HALO's predictors, reading the attention input one layer ahead."""
+    return train(calibration, "linear", reads="ahead")[0]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +76,12 @@ def cluster(model: Model, losses: list[str], **kwargs: object) -> Iterator[Maste
             p.wait()
 
 
-@pytest.mark.parametrize("mapping", ["static", "dynamic"])
-def test_mapped_cluster_equals_the_reference(model: Model, predictors: PredictorSet, reference_tokens: list[int],
-                                             mapping: str) -> None:
+@pytest.mark.parametrize("mapping,reads", [("static", "same"), ("dynamic", "same"), ("dynamic", "ahead")])
+def test_mapped_cluster_equals_the_reference(model: Model, predictors: PredictorSet, ahead_predictors: PredictorSet,
+                                             reference_tokens: list[int], mapping: str, reads: str) -> None:
     prompt = model.tokenizer.encode(PROMPT)
-    for master in cluster(model, ["0", "0"], mapping=mapping, predictors=predictors, timeout_ms=2000):
+    chosen = predictors if reads == "same" else ahead_predictors
+    for master in cluster(model, ["0", "0"], mapping=mapping, predictors=chosen, timeout_ms=2000):
         for transport in ("udp", "tcp"):
             master.transport = transport
             master.replan()
@@ -126,22 +138,27 @@ def test_predictors_of_another_model_or_group_size_are_refused(model: Model, pre
     other = replace(predictors, model_sha256="0" * 64)
     with pytest.raises(EdgerunError, match="another model"):
         Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="static", predictors=other)
+    fine = replace(predictors, group_size=4)  # 384 groups: more than a ranking's bytes can name
+    with pytest.raises(EdgerunError, match="at most 256 units"):
+        Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="dynamic", predictors=fine, group_size=4)
 
 
-@pytest.mark.parametrize("overlap", [(), ("load",)])
-def test_overlaps_keep_the_reference_tokens(model: Model, predictors: PredictorSet, reference_tokens: list[int],
-                                            overlap: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("overlap,reads", [((), "ahead"), (("load",), "ahead"), (("pred", "load"), "same")])
+def test_overlaps_keep_the_reference_tokens(model: Model, predictors: PredictorSet, ahead_predictors: PredictorSet,
+                                            reference_tokens: list[int], overlap: tuple[str, ...], reads: str) -> None:
     """Without overlaps, and with nodes gathering the next layer's weights ahead (load): the reference's
     tokens. Nodes predict the master's ranking from the same input, so their prefetched weights are used
-    (the heartbeat reports how often); without the load overlap nothing is prefetched."""
+    (the heartbeat reports how often); without the load overlap nothing is prefetched, and neither with
+    predictors that read the block's own input, which nodes only see with the ranking."""
     prompt = model.tokenizer.encode(PROMPT)
-    for master in cluster(model, ["0", "0"], mapping="dynamic", predictors=predictors, timeout_ms=2000,
+    chosen = predictors if reads == "same" else ahead_predictors
+    for master in cluster(model, ["0", "0"], mapping="dynamic", predictors=chosen, timeout_ms=2000,
                           overlap=overlap):
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
         time.sleep(2 * HEARTBEAT_S + 0.5)
         hits = sum(n.prefetched[0] for n in master.nodes)
         misses = sum(n.prefetched[1] for n in master.nodes)
-        if "load" in overlap:
+        if "load" in overlap and reads == "ahead":
             assert hits > N_TOKENS and misses <= hits // 10, (hits, misses)
         else:
             assert hits == misses == 0

@@ -1,5 +1,5 @@
 """`edgerun sap calibrate`: run the reference model over calibration text and record, per layer and
-token, the normalized input of attention (what a predictor reads one layer ahead) and the L2 norm of
+token, the normalized inputs of attention and of the MLP (what a predictor reads) and the L2 norm of
 each unit's contribution to the block output (what it learns to predict). Units are what the
 tensor-parallel engine hands out: an attention unit is one KV head with the query heads that share
 it, an MLP unit a neuron group. SwiGLU MLPs are rarely exactly zero, so importance is this graded
@@ -20,14 +20,16 @@ from edgerun.model.reference import BlockHooks, ReferenceModel
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per token: attention inputs (layers, tokens, hidden) as float16, attention-unit norms (layers,
-    tokens, KV heads) and group norms (layers, tokens, groups) as float32."""
+    """Per token: attention and MLP inputs (layers, tokens, hidden) as float16, attention-unit norms
+    (layers, tokens, KV heads) and group norms (layers, tokens, groups) as float32. Calibrations written
+    before MLP inputs were recorded have an empty `mlp_inputs`: they train one-layer-ahead predictors only."""
 
     model_sha256: str
     group_size: int
     inputs: np.ndarray
     attn_norms: np.ndarray
     group_norms: np.ndarray
+    mlp_inputs: np.ndarray
 
     @property
     def tokens(self) -> int:
@@ -35,14 +37,16 @@ class Calibration:
 
     def save(self, path: Path) -> None:
         np.savez(path, model_sha256=np.array(self.model_sha256), group_size=np.array(self.group_size),
-                 inputs=self.inputs, attn_norms=self.attn_norms, group_norms=self.group_norms)
+                 inputs=self.inputs, attn_norms=self.attn_norms, group_norms=self.group_norms,
+                 mlp_inputs=self.mlp_inputs)
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         try:
             with np.load(path, allow_pickle=False) as f:
+                mlp_inputs = f["mlp_inputs"] if "mlp_inputs" in f.files else np.zeros((0, 0, 0), np.float16)
                 return cls(str(f["model_sha256"]), int(f["group_size"]), f["inputs"], f["attn_norms"],
-                           f["group_norms"])
+                           f["group_norms"], mlp_inputs)
         except (OSError, KeyError, ValueError) as e:
             raise EdgerunError(f"{path}: not a calibration file ({e})") from e
 
@@ -64,11 +68,15 @@ class _Recorder(BlockHooks):
     def __init__(self, n_layers: int, n_kv_heads: int) -> None:
         self.n_kv_heads = n_kv_heads
         self.inputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        self.mlp_inputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.heads: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.groups: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
 
     def attention_input(self, layer: int, x_norm: np.ndarray) -> None:
         self.inputs[layer].append(x_norm.astype(np.float16))
+
+    def mlp_input(self, layer: int, x_norm: np.ndarray) -> None:
+        self.mlp_inputs[layer].append(x_norm.astype(np.float16))
 
     def head_outputs(self, layer: int, parts: np.ndarray) -> None:
         self.heads[layer].append(np.linalg.norm(attention_units(parts, self.n_kv_heads), axis=-1).T)  # (seq, units)
@@ -107,4 +115,5 @@ def calibrate(model: Model, model_sha256: str, texts: Sequence[str], group_size:
     return Calibration(model_sha256, group_size,
                        np.stack([np.concatenate(x) for x in recorder.inputs]),
                        np.stack([np.concatenate(x) for x in recorder.heads]).astype(np.float32),
-                       np.stack([np.concatenate(x) for x in recorder.groups]).astype(np.float32))
+                       np.stack([np.concatenate(x) for x in recorder.groups]).astype(np.float32),
+                       np.stack([np.concatenate(x) for x in recorder.mlp_inputs]))

@@ -12,7 +12,8 @@ and are never lost. The policy decides which units go to the lossy devices:
 
 - none: the plan's index order, no importance (units with the highest indices are lossy);
 - random: a fresh random choice per token;
-- sap: the predictors' lowest-ranked units, from the attention input one layer ahead;
+- sap: the predictors' lowest-ranked units, from what they read (the attention input one layer ahead,
+  or the block's own input);
 - oracle: the units whose output norm is truly lowest (known only after computing: a bound);
 - high-norm: the truly highest-norm units (HALO Table II's worst case).
 
@@ -65,6 +66,7 @@ class LossInjector(BlockHooks):
         self.start = 0
         self.previous_input: np.ndarray | None = None  # attention input of the layer before
         self.current_input: np.ndarray | None = None
+        self.current_mlp_input: np.ndarray | None = None
         self.lost_units = 0
         self.units_seen = 0
 
@@ -73,6 +75,9 @@ class LossInjector(BlockHooks):
 
     def attention_input(self, layer: int, x_norm: np.ndarray) -> None:
         self.previous_input, self.current_input = self.current_input, x_norm
+
+    def mlp_input(self, layer: int, x_norm: np.ndarray) -> None:
+        self.current_mlp_input = x_norm
 
     def head_outputs(self, layer: int, parts: np.ndarray) -> np.ndarray | None:
         return self._drop(layer, Block.ATTN, attention_units(parts, self.n_kv_heads))
@@ -89,7 +94,11 @@ class LossInjector(BlockHooks):
             rows = self._rng(layer, block, 1).random((self.max_len, units))
             return rows[self.start:self.start + seq]
         if self.policy == "sap":
-            return self.predictors.predict(layer, block, self.previous_input)
+            if self.predictors.ahead:
+                features = self.previous_input
+            else:
+                features = self.current_input if block == Block.ATTN else self.current_mlp_input
+            return self.predictors.predict(layer, block, features)
         norms = np.linalg.norm(parts, axis=-1).T
         return norms if self.policy == "oracle" else -norms
 

@@ -15,19 +15,19 @@ from edgerun.sap.predictor import PredictorSet, train
 from edgerun.sap.text import calibration_text
 
 
-def predictors_for(model: Model, out: Path, group_size: int, tokens: int, kind: str,
+def predictors_for(model: Model, out: Path, group_size: int, tokens: int, kind: str, reads: str,
                    progress: Callable[[str], None]) -> PredictorSet:
-    """The predictors in `out` for this model and group size, calibrated and trained if missing."""
-    path = out / f"{model.path.name}.g{group_size}.{kind}.sap.npz"
+    """The predictors in `out` for this model, group size, kind and input, calibrated and trained if missing."""
+    path = out / f"{model.path.name}.g{group_size}.{kind}.{reads}.sap.npz"
     sha = model_sha256(model.path)
     if path.exists():
         predictors = PredictorSet.load(path)
-        if predictors.model_sha256 == sha:
+        if predictors.model_sha256 == sha and predictors.reads == reads:
             return predictors
     progress(f"calibrating on {tokens} tokens")
     calibration = calibrate(model, sha, calibration_text(), group_size, tokens,
                             progress=lambda done, total: progress(f"calibrated {done}/{total} tokens"))
-    predictors, _ = train(calibration, kind, progress=progress)
+    predictors, _ = train(calibration, kind, reads=reads, progress=progress)
     out.mkdir(parents=True, exist_ok=True)
     predictors.save(path)
     return predictors

@@ -268,6 +268,9 @@ def unit_order_for(model: Model, sha256: str, mapping: str, predictors: Predicto
                            f"{sha256[:12]}): calibrate and train on this one")
     if predictors.group_size != group_size:
         raise EdgerunError(f"the predictors rank groups of {predictors.group_size}, not {group_size}")
+    if mapping == "dynamic" and max(groups, c.n_kv_heads) > 256:  # a ranking travels as one byte per unit
+        raise EdgerunError(f"dynamic mapping ranks at most 256 units per block; groups of {group_size} make "
+                           f"{groups}: choose a larger --group-size")
     return UnitOrder(predictors.static_order(Block.ATTN, c.n_layers, c.n_kv_heads),
                      predictors.static_order(Block.MLP, c.n_layers, groups))
 
@@ -541,7 +544,8 @@ class Master:
             self.own_priorities = (tuple(layer[0] for layer in plan.attn), tuple(layer[0] for layer in plan.mlp))
         self.shard = Shard(self.model.config, self.model.weights, own, self.max_len)
         rto_min = tcp_rto_min_ms(self.transport, self.rto_min_override)
-        prefetch = self.mapping == "dynamic" and "load" in self.overlap
+        # Nodes can only gather their next units' weights ahead when the predictors read one layer ahead.
+        prefetch = self.mapping == "dynamic" and "load" in self.overlap and self.predictors.ahead
         predictor_bytes = self.predictors.to_bytes() if prefetch and self.predictors is not None else b""
         for i, node in enumerate(alive, start=1):
             node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block, self.unit_order)
@@ -566,6 +570,9 @@ class Master:
         if self.mapping == "dynamic":
             self.log(f"dynamic mapping: every device holds every unit ({self.shard.weight_bytes / 1e6:.0f} MB of "
                      "float32 weights) and computes the share above of the units ranked for each token")
+            if not self.predictors.ahead and self.overlap:
+                self.log("the predictors read each block's own input: ranking runs on the critical path, without "
+                         "the pred and load overlaps (train with --reads ahead for them)")
         return plan
 
     # --- generation (on the loop thread) ------------------------------------------------------------
@@ -591,17 +598,17 @@ class Master:
 
         return [n for n in self.nodes if n.alive and n.spec is not None and holds(n)]
 
-    def _rank(self, layer: int, block: Block, previous_input: np.ndarray | None) -> tuple[int, ...] | None:
+    def _rank(self, layer: int, block: Block, features: np.ndarray | None) -> tuple[int, ...] | None:
         """Dynamic mapping: the block's units from the most to the least important, predicted from
-        the attention input one layer ahead (HALO's Pred); the static order where there is none.
+        what the predictors read (HALO's Pred); the static order where there is nothing to read.
         A multi-token step takes one ranking, from the predictions' mean over its tokens."""
         if self.mapping != "dynamic":
             return None
         order = self.unit_order.attn[layer] if block == Block.ATTN else self.unit_order.mlp[layer]
-        if layer == 0 or previous_input is None:
+        if layer == 0 or features is None:
             return order
         started = time.perf_counter()
-        ranking = self.predictors.rank(layer, block, previous_input)
+        ranking = self.predictors.rank(layer, block, features)
         self.stats.pred_s += time.perf_counter() - started
         return ranking
 
@@ -709,25 +716,31 @@ class Master:
         x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
         start = self.position
         weights = self.model.weights
-        previous_input = None  # the attention input of the layer before, which the predictors read
-        # Dynamic mapping: the rankings of the layer about to run. With the pred overlap they are predicted
-        # while the previous layer's MLP partials travel; without it, on the path before the layer's sends.
-        rankings = {0: (self._rank(0, Block.ATTN, None), self._rank(0, Block.MLP, None))}
+        # Dynamic mapping ranks each block's units. Predictors that read one layer ahead rank a layer from the
+        # previous layer's attention input: with the pred overlap while that layer's MLP partials travel,
+        # without it on the path. Predictors that read the block's own input rank on the path, from the input
+        # about to be sent.
+        ahead = self.mapping == "dynamic" and self.predictors.ahead
+        overlap_pred = ahead and "pred" in self.overlap
+        previous_input = None
+        predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
         for layer in range(c.n_layers):
             lw = weights.layers[layer]
+            ranked, predicted = predicted, {}
             attn_input = rms_norm(x, lw.attn_norm, c.norm_eps)
-            if layer not in rankings:
-                rankings[layer] = (self._rank(layer, Block.ATTN, previous_input),
-                                   self._rank(layer, Block.MLP, previous_input))
-            attn_ranking, mlp_ranking = rankings.pop(layer)
-
-            def predict_next(layer: int = layer + 1, features: np.ndarray = attn_input) -> None:
-                rankings[layer] = (self._rank(layer, Block.ATTN, features), self._rank(layer, Block.MLP, features))
-
-            ahead = "pred" in self.overlap and self.mapping == "dynamic" and layer + 1 < c.n_layers
+            features = previous_input if ahead else attn_input
+            attn_ranking = ranked[Block.ATTN] if ranked else self._rank(layer, Block.ATTN, features)
             x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking)
-            x = x + await self._block(layer, Block.MLP, rms_norm(x, lw.ffn_norm, c.norm_eps), start, mlp_ranking,
-                                      while_waiting=predict_next if ahead else None)
+            mlp_input = rms_norm(x, lw.ffn_norm, c.norm_eps)
+            features = previous_input if ahead else mlp_input
+            mlp_ranking = ranked[Block.MLP] if ranked else self._rank(layer, Block.MLP, features)
+
+            def predict_next(layer: int = layer + 1, features: np.ndarray = attn_input,
+                             into: dict[Block, tuple[int, ...] | None] = predicted) -> None:
+                into.update({b: self._rank(layer, b, features) for b in (Block.ATTN, Block.MLP)})
+
+            x = x + await self._block(layer, Block.MLP, mlp_input, start, mlp_ranking,
+                                      while_waiting=predict_next if overlap_pred and layer + 1 < c.n_layers else None)
             previous_input = attn_input
         self.position = start + len(tokens)
         oldest = self.position - KEPT_POSITIONS
