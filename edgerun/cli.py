@@ -423,7 +423,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
-                           tuple(args.cpu_quota or ()), threads=args.threads)
+                           tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True))
     if args.json:
@@ -883,6 +883,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", choices=PLANS[:-1], default="halo")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
     p.add_argument("--tokens", type=int, default=32, help="tokens measured per combination (default: 32)")
+    p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     _udp_args(p)
     _rto_min_arg(p)
     _blas_threads_arg(p, 1)

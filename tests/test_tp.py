@@ -217,11 +217,11 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
 
     path = synth_gguf(tiny_spec(tied=False))
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
-                 "--json"]) == 0
+                 "--group-size", "64", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["transport"] for r in results] == ["udp", "tcp"]
     for r in results:
-        assert r["tokens"] == 4 and r["ms_per_token"] > 0 and r["blocks"] > 0
+        assert r["tokens"] == 4 and r["group_size"] == 64 and r["ms_per_token"] > 0 and r["blocks"] > 0
         assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01
 
 

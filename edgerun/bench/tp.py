@@ -48,6 +48,7 @@ class TpResult:
     parity: int  # copies of the XOR parity fragment after every UDP vector
     plan: str
     mapping: str
+    group_size: int  # MLP neuron-group size
     overlap: str  # dynamic mapping's overlaps, "pred+load", "none", ...
     rate_mbit: float | None  # testbed links (None: unlimited)
     tokens: int
@@ -103,6 +104,7 @@ class TpBenchConfig:
     sap: Path | None = None  # predictors, for static and dynamic mapping
     overlap: tuple[str, ...] = OVERLAPS
     threads: int = 1  # BLAS threads of the master and of each node: all share one machine
+    group_size: int = 256  # MLP neuron-group size
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -140,7 +142,7 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                         codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
                         loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=config.rto_min_ms,
                         timeout_deviations=config.timeout_deviations, parity=config.parity,
-                        mapping=config.mapping, overlap=config.overlap,
+                        mapping=config.mapping, overlap=config.overlap, group_size=config.group_size,
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:
@@ -176,7 +178,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     return TpResult(
         nodes=nodes, transport=master.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
         timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=master.strategy,
-        mapping=master.mapping, overlap="+".join(sorted(master.overlap)) or "none",
+        mapping=master.mapping, group_size=master.group_size, overlap="+".join(sorted(master.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
         ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
