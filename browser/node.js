@@ -118,13 +118,23 @@ function start() {
   ws.onclose = () => { status.connected = false; show(); };
   let queue = Promise.resolve(); // messages are handled one at a time, in order
   ws.onmessage = (event) => {
-    queue = queue.then(() => handle(event.data)).catch((e) => { status.error = String(e); show(); });
+    let frame;
+    try {
+      frame = openFrame(key, event.data);
+    } catch (e) {
+      status.error = `dropped a frame: ${e.message}`;
+      show();
+      return;
+    }
+    const report = (e) => { status.error = String(e); show(); };
+    if (frame.type === Msg.DOWNLOAD_LAYERS) { // beside the queue: the stage held now keeps serving
+      handle(frame).catch(report);
+    } else {
+      queue = queue.then(() => handle(frame)).catch(report);
+    }
   };
 
-  async function handle(data) {
-    let frame;
-    try { frame = openFrame(key, data); } catch (e) { status.error = `dropped a frame: ${e.message}`; show(); return; }
-    const {type, request, message, tensors} = frame;
+  async function handle({type, request, message, tensors}) {
     try {
       if (type === Msg.INIT) {
         config = message.config;

@@ -190,6 +190,71 @@ def test_a_better_worker_joining_is_taken_by_a_repartition(model: Model, referen
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
 
 
+class SlowWorker(PipelineWorker):
+    """A worker on a slow device: every pass takes 150 ms longer."""
+
+    async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+        await asyncio.sleep(0.15)
+        await super()._compute(request, message, tensors)
+
+
+def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tokens: list[int]) -> None:
+    """Two slow workers serve; a fast one joins after 3 tokens. Its stage is downloaded beside the running
+    plan, the request swaps to it at a token boundary (prefilling again), and the output is unchanged."""
+    logs: list[str] = []
+    master = PipelineMaster(model, KEY, host="127.0.0.1", port=0, max_len=256, log=logs.append)
+    url = f"ws://127.0.0.1:{master.port}/ws"
+    slow = [SlowWorker(url, KEY, f"slow{i}", 80, 1e9, 1, log=lambda _: None) for i in range(2)]
+    threads = [threading.Thread(target=lambda w=w: asyncio.run(w.run()), daemon=True) for w in slow]
+    joined: list[subprocess.Popen] = []
+
+    def join_after_three(token: int) -> None:
+        if not joined and master.busy and len([line for line in logs if "hot swap" in line]) == 0:
+            seen.append(token)
+            if len(seen) == 3:
+                joined.append(start_worker(master.port, "big", 400, speed=1e12))
+
+    seen: list[int] = []
+    try:
+        for t in threads:
+            t.start()
+        master.wait_for_workers(2, timeout_s=60)
+        assert len(master.start().stages) == 2
+        tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=join_after_three)
+        assert tokens == reference_tokens
+        assert [s.worker for s in master.plan.stages] == ["big"], logs
+        assert len(master.swap_seconds) == 1 and master.recovery_seconds == [], logs
+        assert any("prepared beside the running one" in line for line in logs), logs
+        assert master.state == "Up" and master.staged is None
+        print(f"hot swap in {master.swap_seconds[0]:.2f} s")
+    finally:
+        master.close()
+        for p in joined:
+            p.kill()
+            p.wait()
+
+
+def test_a_shadow_plan_takes_over_from_a_lost_worker(model: Model, reference_tokens: list[int],
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """Four workers, two stages: the other two download a standby plan's stages (strict shadow). Killing a
+    running worker falls back to it: identical output, without planning or downloading anew."""
+    with pipeline(model, [80, 80, 80, 80]) as (master, workers):
+        plan = master.start()
+        deadline = time.monotonic() + 120
+        while master.shadow is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        shadow = master.shadow
+        assert shadow is not None, master.logs
+        assert {s.worker for s in shadow.stages}.isdisjoint(s.worker for s in plan.stages)
+        assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
+        assert "shadow plan:" in capsys.readouterr().out
+        kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten) == reference_tokens
+        assert any("falling back to the shadow plan" in line for line in master.logs), master.logs
+        assert [s.worker for s in master.plan.stages] == [s.worker for s in shadow.stages]
+        print(f"recovered onto the shadow plan in {master.recovery_seconds[0]:.2f} s")
+
+
 def test_hedged_replicas_keep_serving_through_a_loss_without_recovery(model: Model,
                                                                       reference_tokens: list[int]) -> None:
     with pipeline(model, [80, 80, 80, 80], replicas=2) as (master, workers):

@@ -10,6 +10,14 @@ State (seed 000 §5.3): Down (no complete plan), Preparing (workers fetching fil
 (workers loading sessions), Up (serving). When a worker leaves mid-request, the master replans over
 the workers left and re-prefills the prompt and the tokens generated so far; since every stage is
 deterministic and sampling is seeded per position, the output equals an uninterrupted run.
+
+Two plans wait beside the running one (seed 003 §4.4, §5.2.5), their files already on their workers:
+- the staged plan: a better plan found while a request runs. Its workers download their stages in
+  the background while the running plan serves; the request then swaps to it at its next token
+  (Up -> Committing -> Up: the sessions load and the context is prefilled again).
+- the shadow plan: when no better plan is found, a standby plan on other workers (or on the same
+  ones, for layers they do not hold). When a worker of the running plan is lost, the master falls
+  back to it and only loads sessions, instead of planning and downloading anew.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from edgerun.model.onnx_graph import StageSpec, cached_stage
 from edgerun.model.sampling import SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
-from edgerun.sched.pp_plan import CostParams, PPPlan, accept, plan_pp
+from edgerun.sched.pp_plan import SHADOW_MODES, CostParams, PPPlan, Stage, accept, plan_pp, shadow_plan
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 
 CONNECT_TIMEOUT_S = 10.0
@@ -73,6 +81,7 @@ class WorkerConn:
     rtt_ms: float = 1.0
     mbit: float = DEFAULT_MBIT
     speeds: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_SAMPLES))  # weight bytes/s, decode
+    downloads: dict[int, set[str]] = field(default_factory=dict)  # DOWNLOAD_LAYERS request -> files still due
 
     @property
     def measured_speed(self) -> float:
@@ -109,6 +118,10 @@ def _static_file(path: str) -> Path | None:
     return None
 
 
+def describe(plan: PPPlan) -> str:
+    return ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages)
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -136,8 +149,11 @@ class PipelineMaster:
         self.workers: dict[str, WorkerConn] = {}
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
+        self.staged: PPPlan | None = None  # a better plan whose files are on its workers: swapped in mid-request
+        self.shadow: PPPlan | None = None  # a standby plan whose files are on its workers: taken on a loss
         self.state = "Down"
         self.recovery_seconds: list[float] = []  # from losing a worker to the next token, per recovery
+        self.swap_seconds: list[float] = []  # from starting a hot swap to the next token, per swap
         self.requests = itertools.count(1)
         self.membership = asyncio.Event()  # set whenever a worker joins or leaves (for wait_for_workers)
         self.changed = asyncio.Event()  # the same, for the repartition loop
@@ -183,6 +199,9 @@ class PipelineMaster:
             layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
             lines.append(f"  {w.name}: {w.capabilities.get('kind', '?')}, {w.memory_mb:.0f} MB, {layers}, "
                          f"{w.served} passes served")
+        for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
+            if plan is not None:
+                lines.append(f"{name} plan: {describe(plan)}")
         return "\n".join(lines) + "\n"
 
     # --- workers ------------------------------------------------------------------------------------------
@@ -229,12 +248,18 @@ class PipelineMaster:
         except WireError as e:
             self.log(f"worker {worker.name}: dropped a frame ({e})")
             return
-        if kind == PpMsg.LAYER_DOWNLOAD:  # progress on a request, not its answer
-            worker.cached.add(str(message.get("sha256")))
+        if kind == PpMsg.LAYER_DOWNLOAD:  # progress on a request; the last file of a DOWNLOAD_LAYERS answers it
+            sha = str(message.get("sha256"))
+            worker.cached.add(sha)
             with contextlib.suppress(TypeError, ValueError, ZeroDivisionError):
                 if float(message["bytes"]) > 1 << 20:  # a download big enough to time: the link's bandwidth
                     worker.mbit = float(message["bytes"]) * 8 / float(message["seconds"]) / 1e6
-            return
+            due = worker.downloads.get(request)
+            if due is None:
+                return
+            due.discard(sha)
+            if due:
+                return
         future = worker.pending.pop(request, None)
         if future is None or future.done():
             return
@@ -245,10 +270,11 @@ class PipelineMaster:
             future.set_result((kind, message, tensors))
 
     async def _call(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any], expect: PpMsg, timeout: float,
-                    tensors: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                    tensors: dict[str, np.ndarray] | None = None,
+                    request: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         if not worker.alive:
             raise WorkerLost(worker.name)
-        request = next(self.requests)
+        request = request or next(self.requests)
         future = asyncio.get_running_loop().create_future()
         worker.pending[request] = future
         try:
@@ -278,6 +304,10 @@ class PipelineMaster:
                               link=Link(w.rtt_ms, w.mbit, w.mbit, 0.0))
                 for w in self.workers.values() if w.alive]
 
+    def _spec(self, stage: Stage) -> StageSpec:
+        return StageSpec(stage.first_layer, stage.end_layer, lm_head=stage.end_layer == self.model.config.n_layers,
+                         embed=stage.first_layer == 0)
+
     def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
         """Build (or reuse) a stage's graph and register its files for download by sha256."""
         directory = cached_stage(self.model.path, self.model.config, self.model.weights, spec)
@@ -293,24 +323,89 @@ class PipelineMaster:
         return files
 
     async def _repartition_loop(self) -> None:
-        """Between requests, on a join, a leave, or every REPARTITION_PERIOD_S: deploy a better plan if
-        the acceptance rule (seed 003 §5.2.4: C_total(new) < τ·C_exec(current)) takes it."""
+        """On a join, a leave, or every REPARTITION_PERIOD_S: deploy (or stage, while a request runs) a
+        better plan if the acceptance rule (seed 003 §5.2.4: C_total(new) < τ·C_exec(current)) takes it, or
+        else make sure a shadow plan stands by."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), REPARTITION_PERIOD_S)
             self.changed.clear()
-            if self.busy or self.plan is None:
+            if self.plan is None:
                 continue
             try:
-                devices = self._devices()
-                lost = any(not self.workers[name].alive for names in self.stage_workers for name in names)
-                candidate = await self._plan(devices, current=None if lost else self.plan)
-                if lost or accept(candidate, self.plan, self.profile, devices, params=self.cost_params()):
-                    self.log(f"repartitioning ({'a worker left' if lost else 'a better plan'})")
-                    await self.replan(candidate)
+                await self._repartition()
             except (EdgerunError, WorkerLost, ValueError, KeyError) as e:  # the next request replans again
-                self.state = "Down"
+                if self.state != "Up":  # a deployment broke off; a failed download leaves the running plan Up
+                    self.state = "Down"
                 self.log(f"repartition failed: {e}")
+
+    async def _repartition(self) -> None:
+        if any(not self.workers[name].alive for names in self.stage_workers for name in names):
+            if not self.busy:  # a request in flight recovers by itself
+                self.log("repartitioning (a worker left)")
+                await self.replan(self._fallback())
+            return
+        devices = self._devices()
+        candidate = await self._plan(devices, current=self.plan)
+        if accept(candidate, self.plan, self.profile, devices, params=self.cost_params()):
+            if self.busy:
+                self.log(f"a better plan, prepared beside the running one: {describe(candidate)}")
+                await self._download_plan(candidate)
+                if self.busy:
+                    self.staged = candidate
+                    self.log("the better plan is staged: the request swaps to it at its next token")
+                    return
+            self.log("repartitioning (a better plan)")
+            await self.replan(candidate)
+        elif not self._ready(self.shadow):
+            await self._prepare_shadow(devices)
+
+    def _ready(self, plan: PPPlan | None) -> bool:
+        return plan is not None and all(s.worker in self.workers and self.workers[s.worker].alive
+                                        for s in plan.stages)
+
+    def _fallback(self) -> PPPlan | None:
+        """After a loss: the staged plan, else the shadow plan, if all their workers are alive (their files
+        are on them already: only the sessions load). None: plan afresh."""
+        for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
+            if self._ready(plan):
+                self.log(f"falling back to the {name} plan: {describe(plan)}")
+                return plan
+        return None
+
+    async def _prepare_shadow(self, devices: list[DeviceProfile]) -> None:
+        """Seed 003 §5.2.5: first a plan on workers outside the running one (strict), else one where its
+        workers take only layers they do not run (redundancy); its workers download their stages now."""
+        since = time.monotonic() - self.deployed_at
+        for mode in SHADOW_MODES:
+            plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
+                self.profile, devices, self.plan, mode=mode, objective=self.objective,
+                seconds_since_redistribution=since, server_up=self.state == "Up", params=self.cost_params()))
+            if plan.complete:
+                await self._download_plan(plan)
+                self.shadow = plan
+                self.log(f"shadow plan ({mode}) standing by: {describe(plan)}")
+                return
+
+    async def _download_plan(self, plan: PPPlan) -> None:
+        """Every worker of `plan` fetches its stage's files into its cache (DOWNLOAD_LAYERS), in the
+        background of whatever it serves now."""
+        loop = asyncio.get_running_loop()
+        due: dict[str, set[str]] = {}  # worker -> files it lacks
+        for s in plan.stages:
+            files = await loop.run_in_executor(None, self._stage_files, self._spec(s))
+            due[s.worker] = {f["sha256"] for f in files} - self.workers[s.worker].cached
+        requests = {name: next(self.requests) for name, files in due.items() if files}
+        for name, request in requests.items():
+            self.workers[name].downloads[request] = set(due[name])
+        try:
+            await asyncio.gather(*(self._call(self.workers[name], PpMsg.DOWNLOAD_LAYERS, {"files": sorted(due[name])},
+                                              PpMsg.LAYER_DOWNLOAD, PREPARE_TIMEOUT_S, request=request)
+                                   for name, request in requests.items()))
+        finally:
+            for s in plan.stages:
+                if s.worker in self.workers:
+                    self.workers[s.worker].downloads.clear()
 
     def cost_params(self) -> CostParams:
         """The cost model's constants, with δ measured once there are decode passes to measure."""
@@ -331,28 +426,30 @@ class PipelineMaster:
                                "within their memory budgets")
         return plan
 
-    async def replan(self, plan: PPPlan | None = None) -> PPPlan:
+    async def replan(self, plan: PPPlan | None = None, hot: bool = False) -> PPPlan:
         """Plan over the live workers (unless given a plan), prepare and commit every stage; the state
-        ends Up, or Down with an EdgerunError when no plan fits."""
+        ends Up, or Down with an EdgerunError when no plan fits. `hot`: a staged plan replaces a running
+        one, whose files are already on its workers: Up goes straight to Committing."""
         async with self.deploying:  # one deployment at a time (a request's recovery, the repartition loop)
-            return await self._deploy(plan)
+            return await self._deploy(plan, hot)
 
-    async def _deploy(self, plan: PPPlan | None) -> PPPlan:
+    async def _deploy(self, plan: PPPlan | None, hot: bool = False) -> PPPlan:
         loop = asyncio.get_running_loop()
-        self.state = "Down"
+        self.state = "Committing" if hot else "Down"
+        self.staged = self.shadow = None  # both were made for the plan being replaced
         plan = plan or await self._plan(self._devices())
-        self.log("plan: " + ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages))
-        self.state = "Preparing"
-        last = self.model.config.n_layers
+        self.log(f"plan: {describe(plan)}")
+        if not hot:
+            self.state = "Preparing"
         stage_workers = self._with_replicas(plan)
-        prepared = []
+        prepare = []  # (worker, message): every file is built before the first worker is told
         for s, names in zip(plan.stages, stage_workers, strict=True):
-            spec = StageSpec(s.first_layer, s.end_layer, lm_head=s.end_layer == last, embed=s.first_layer == 0)
+            spec = self._spec(s)
             files = await loop.run_in_executor(None, self._stage_files, spec)
             stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
-            prepared += [self._call(self.workers[name], PpMsg.PREPARE_MODEL, {"stage": stage, "files": files},
-                                    PpMsg.PREPARE_DONE, PREPARE_TIMEOUT_S) for name in names]
-        await asyncio.gather(*prepared)
+            prepare += [(self.workers[name], {"stage": stage, "files": files}) for name in names]
+        await asyncio.gather(*(self._call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE, PREPARE_TIMEOUT_S)
+                               for worker, message in prepare))
         self.state = "Committing"
         await asyncio.gather(*(self._call(self.workers[name], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
                                           PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S)
@@ -368,6 +465,7 @@ class PipelineMaster:
             await self._forward(self.prefix, 0, {}, prefix="save")
         self.state, self.deployed_at = "Up", time.monotonic()
         self.log("state Up")
+        self.changed.set()  # look for a shadow plan for this one
         return plan
 
     def _with_replicas(self, plan: PPPlan) -> list[list[str]]:
@@ -458,10 +556,15 @@ class PipelineMaster:
         tokens: list[int] = []
         recoveries = 0
         lost_at: float | None = None
+        swapped_at: float | None = None
         while True:
             try:
-                if self.state != "Up" or not self._stages_alive():
-                    await self.replan()
+                if self._ready(self.staged) and self._stages_alive():
+                    swapped_at = time.perf_counter()
+                    self.log(f"hot swap after {len(tokens)} tokens")
+                    await self.replan(self.staged, hot=True)
+                elif self.state != "Up" or not self._stages_alive():
+                    await self.replan(self._fallback())
                 context = list(prompt) + tokens
                 n = len(self.prefix)
                 if n and len(context) > n and context[:n] == self.prefix:
@@ -471,6 +574,10 @@ class PipelineMaster:
                 if lost_at is not None:  # recovered: the re-prefill produced the next token
                     self.recovery_seconds.append(time.perf_counter() - lost_at)
                     lost_at = None
+                if swapped_at is not None:
+                    self.swap_seconds.append(time.perf_counter() - swapped_at)
+                    self.log(f"hot swap done in {self.swap_seconds[-1]:.2f} s")
+                    swapped_at = None
                 position = len(context)
                 while True:
                     if token in stop_ids:
@@ -480,11 +587,14 @@ class PipelineMaster:
                         on_token(token)
                     if len(tokens) >= max_tokens:
                         return tokens
+                    if self._ready(self.staged):
+                        break  # swap to the staged plan, then prefill the context again
                     token = await self._forward([token], position, sampling)
                     position += 1
             except WorkerLost as e:
                 recoveries += 1
                 lost_at = lost_at or time.perf_counter()
+                swapped_at = None
                 self.log(f"worker {e} lost mid-request: replanning and re-prefilling {len(prompt) + len(tokens)} "
                          "tokens")
                 self.state = "Down"

@@ -77,6 +77,7 @@ class PipelineWorker:
         self.config: ModelConfig | None = None
         self.stage: _Stage | None = None
         self.max_len = 0
+        self.downloads: set[asyncio.Task] = set()  # DOWNLOAD_LAYERS in progress
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
         """Connect, retrying for `wait_s` while the master is not up yet."""
@@ -107,10 +108,18 @@ class PipelineWorker:
                 except WireError as e:
                     self.log(f"worker {self.name}: dropped a frame ({e})")
                     continue
-                try:
-                    await self._handle(kind, request, message, tensors)
-                except Exception as e:  # onnxruntime raises its own kinds: report it, the master decides
-                    await self._send(PpMsg.ERROR, request, {"error": f"{type(e).__name__}: {e}"})
+                if kind == PpMsg.DOWNLOAD_LAYERS:  # in the background: the stage held now keeps serving
+                    task = asyncio.create_task(self._answer(kind, request, message, tensors))
+                    self.downloads.add(task)
+                    task.add_done_callback(self.downloads.discard)
+                else:
+                    await self._answer(kind, request, message, tensors)
+
+    async def _answer(self, kind: PpMsg, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+        try:
+            await self._handle(kind, request, message, tensors)
+        except Exception as e:  # onnxruntime raises its own kinds: report it, the master decides
+            await self._send(PpMsg.ERROR, request, {"error": f"{type(e).__name__}: {e}"})
 
     async def _send(self, kind: PpMsg, request: int, message: dict[str, Any],
                     tensors: dict[str, np.ndarray] | None = None) -> None:
