@@ -3,11 +3,12 @@
 // It speaks the pipeline frames of edgerun/net/wire.py over the master's WebSocket, downloads the
 // stage it is given (ONNX graph and weights, named by sha256), runs it with onnxruntime-web (WebGPU
 // where the browser has it, WebAssembly otherwise) and answers each forward pass; as the last stage
-// it returns only the greedy token id. The cluster secret comes from the page's fragment (#key=...),
-// which never reaches the server.
+// it samples (sampling.js, the same draws as a native worker) and returns only the token id. The
+// cluster secret comes from the page's fragment (#key=...), which never reaches the server.
 
 import * as ort from "/ort/ort.all.min.mjs";
 import {Msg, clusterKey, hex, openFrame, packFrame, sha256} from "/frames.js";
+import {sample} from "/sampling.js";
 
 ort.env.wasm.wasmPaths = "/ort/";
 ort.env.wasm.numThreads = 1; // threads need cross-origin isolation; one is enough for a share
@@ -102,13 +103,6 @@ class Stage {
   }
 }
 
-function argmaxLast(logits) {
-  const vocab = logits.dims[logits.dims.length - 1], data = logits.data, start = data.length - vocab;
-  let best = 0;
-  for (let i = 1; i < vocab; i++) if (data[start + i] > data[start + best]) best = i;
-  return best;
-}
-
 function start() {
   const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
   ws.binaryType = "arraybuffer";
@@ -170,10 +164,6 @@ function start() {
         if (message.position !== stage.position) {
           throw new Error(`input at position ${message.position}, but the cache holds ${stage.position}`);
         }
-        const sampling = message.sampling || {};
-        if (stage.spec.lm_head && (sampling.temperature || 0) > 0) {
-          throw new Error("the browser node samples greedily only");
-        }
         const started = performance.now();
         const out = await stage.run(tensors.input_ids || tensors.hidden);
         const seconds = (performance.now() - started) / 1000;
@@ -181,8 +171,11 @@ function start() {
         status.passes += 1;
         status.lastMs = seconds * 1000;
         show();
-        if (stage.spec.lm_head) {
-          send(Msg.COMPUTATION_RESULT, request, {token: argmaxLast(out), seconds});
+        if (stage.spec.lm_head) { // the token after the input's last one, from that one's logits
+          const vocab = out.dims[out.dims.length - 1];
+          const token = sample(out.data.subarray(out.data.length - vocab), message.sampling || {},
+                               message.position + out.dims[1]);
+          send(Msg.COMPUTATION_RESULT, request, {token, seconds});
         } else {
           send(Msg.COMPUTATION_RESULT, request, {seconds},
                {hidden: {dtype: "float32", shape: out.dims, data: out.data}});

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +20,7 @@ import pytest
 
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
-from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.model.sampling import Sampler, SamplingParams, uniform
 from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
 from edgerun.pp.master import PipelineMaster, browser_dir, chat_template_prefix
 
@@ -80,6 +83,51 @@ console.log(JSON.stringify({{type: input.type, request: input.request, ids: Arra
     assert parsed == '{"type":9,"request":77,"ids":[11,12,13]}'
 
 
+def wait_for(condition: Callable[[], bool], logs: list[str], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "\n".join(logs[-20:])
+        time.sleep(0.2)
+
+
+def run_node(script: Path) -> str:
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("CI"):
+            pytest.fail("node is not installed")
+        pytest.skip("node is not installed")
+    return subprocess.run([node, str(script)], capture_output=True, text=True, check=True).stdout
+
+
+def test_javascript_sampling_matches_python(tmp_path: Path) -> None:
+    """browser/sampling.js draws the same tokens as edgerun/model/sampling.py: greedy, temperature,
+    top-k and top-p, over many seeds and positions, also with tied logits."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((40, 300)).astype(np.float32) * 3
+    logits[:, 10:20] = logits[:, 5:6]  # ties: the stable order keeps them by index
+    settings = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 1.3, "top_k": 12},
+                {"temperature": 1.0, "top_p": 0.6}, {"temperature": 0.7, "top_k": 40, "top_p": 0.9}]
+    cases = [(row, setting | {"seed": seed}, position) for row in range(len(logits)) for setting in settings
+             for seed, position in ((row * 7919, row), (2**53 - 1 - row, 1000 + row))]
+    (tmp_path / "logits.json").write_text(json.dumps(logits.tolist()))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    script = tmp_path / "sample.mjs"
+    script.write_text(f"""
+import {{readFileSync}} from "fs";
+import {{sample, uniform}} from "{(browser_dir() / 'sampling.js').as_posix()}";
+const logits = JSON.parse(readFileSync("{tmp_path / 'logits.json'}")).map((row) => Float32Array.from(row));
+const cases = JSON.parse(readFileSync("{tmp_path / 'cases.json'}"));
+console.log(JSON.stringify({{tokens: cases.map(([row, sampling, position]) => sample(logits[row], sampling, position)),
+                             draws: [uniform(0, 0), uniform(12345, 678), uniform(2 ** 53 - 1, 2 ** 40)]}}));
+""")
+    got = json.loads(run_node(script))
+    expected = [Sampler(SamplingParams(**{k: v for k, v in setting.items()}))(logits[row], position)
+                for row, setting, position in cases]
+    assert got["tokens"] == expected
+    assert got["draws"] == [uniform(0, 0), uniform(12345, 678), uniform(2**53 - 1, 2**40)]
+    assert len(set(expected)) > 50  # the draws spread, not all greedy
+
+
 @pytest.mark.slow
 def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     require_browser()
@@ -94,6 +142,9 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
     prefix = chat_template_prefix(model.tokenizer)  # the page saves and restores the prefix's KV too
     chat = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."}]))
     chat_reference = generate(ReferenceEngine(model, 256), chat, 16, Sampler(SamplingParams())).tokens
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    sampled_reference = generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), 16,
+                                 Sampler(sampling)).tokens
     master = PipelineMaster(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=256, prefix=prefix,
                             log=logs.append)
     native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
@@ -113,9 +164,19 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
             tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS)
             chat_tokens = master.generate(chat, 16)
             status = page.inner_text("#status")
+            # The tab reloads, now claiming to be fast: the master replans and gives it the last stage,
+            # where it samples.
+            page.goto("about:blank")
+            wait_for(lambda: not master.workers["browser"].alive, logs)
+            page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=80&speed=1e10#key={SECRET}")
+            wait_for(lambda: master.state == "Up" and master.workers["browser"].alive
+                     and master.plan.stages[-1].worker == "browser", logs)
+            sampled = master.generate(model.tokenizer.encode(PROMPT), 16, sampling)
             browser.close()
+        assert plan.stages[0].worker == "browser"  # first the browser runs the embedding
         assert tokens == reference
         assert chat_tokens == chat_reference
+        assert sampled == sampled_reference != tokens[:16]
         assert not errors, errors
         # The prefix pass, the plain request's passes, then the chat request's.
         assert "connected: true" in status and f"passes served: {1 + N_TOKENS + 16}" in status, status

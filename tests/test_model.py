@@ -532,12 +532,12 @@ def test_greedy_is_argmax() -> None:
     sampler = _greedy()
     for _ in range(20):
         logits = rng.standard_normal(1000).astype(np.float32) * 5
-        assert sampler(logits) == int(np.argmax(logits))
+        assert sampler(logits, 0) == int(np.argmax(logits))
 
 
 def _draws(params: SamplingParams, logits: np.ndarray, n: int) -> list[int]:
     sampler = Sampler(params)
-    return [sampler(logits) for _ in range(n)]
+    return [sampler(logits, position) for position in range(n)]
 
 
 def test_same_seed_same_sequence_different_seed_different() -> None:
@@ -554,9 +554,9 @@ def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
     rng = np.random.default_rng(1)
     top_k = Sampler(SamplingParams(temperature=1.5, top_k=1, seed=0))
     top_p = Sampler(SamplingParams(temperature=1.5, top_p=1e-9, seed=0))
-    for _ in range(50):
+    for position in range(50):
         logits = rng.standard_normal(500).astype(np.float32)
-        assert top_k(logits) == top_p(logits) == int(np.argmax(logits))
+        assert top_k(logits, position) == top_p(logits, position) == int(np.argmax(logits))
 
 
 def test_top_k_limits_candidates() -> None:

@@ -88,7 +88,7 @@ def generate(engine: Engine, prompt: Sequence[int], max_tokens: int, sampler: Sa
     stop_reason = "max_tokens"
     decode_start = time.perf_counter()
     while len(tokens) < max_tokens:
-        token = sampler(logits)
+        token = sampler(logits, len(prompt) + len(tokens))
         if token in stop_ids:
             stop_reason = "stop_token"
             break

@@ -1,11 +1,19 @@
-"""Choosing the next token from logits: greedy, or seeded temperature / top-k / top-p sampling."""
+"""Choosing the next token from logits: greedy, or seeded temperature / top-k / top-p sampling.
+
+A sampled token depends only on the logits, the seed and its position in the sequence, never on how
+many draws came before: a reference run, a tensor-parallel cluster, a pipeline whose last stage is a
+browser tab, and a request replayed after a recovery all choose the same tokens."""
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
+
+MASK64 = (1 << 64) - 1
+MAX_SEED = 1 << 53
 
 
 @dataclass(frozen=True)
@@ -22,26 +30,43 @@ class SamplingParams:
             raise ValueError("top-k must be 0 (off) or positive")
         if not 0.0 < self.top_p <= 1.0:  # also rejects nan
             raise ValueError("top-p must lie in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:  # JSON numbers carry it exactly to browsers
+            raise ValueError(f"the seed must lie in [0, 2^53), not {self.seed}")
+
+
+
+
+def uniform(seed: int, position: int) -> float:
+    """The draw in [0, 1) for the token at `position` under `seed`: one splitmix64 step from a state
+    mixed of both, its top 53 bits. A pure function of (seed, position), written the same way in the
+    browser node (browser/sampling.js), so any stage, native or browser, and any replay after a recovery
+    samples the same token."""
+    state = (((seed & MASK64) ^ ((position * 0xD1B54A32D192ED03) & MASK64)) + 0x9E3779B97F4A7C15) & MASK64
+    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        # Without a seed, a random one for this sampler; it stays fixed, so positions still decide the draws.
+        self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, position: int) -> int:
+        """The token at `position` (its index in the sequence) from the logits before it."""
         p = self.params
         if p.temperature == 0.0:
             return int(np.argmax(logits))
         z = logits.astype(np.float64) / p.temperature
-        candidates = np.arange(z.size)
+        # Candidates from the most to the least likely, ties by index (a stable sort), so that every
+        # implementation keeps the same top-k and top-p prefix. Sums are running sums (cumsum), which
+        # JavaScript computes in the same order.
+        candidates = np.argsort(-z, kind="stable")
         if 0 < p.top_k < z.size:
-            candidates = np.argpartition(-z, p.top_k - 1)[: p.top_k]
-        # Sort candidates by probability, highest first, so top-p keeps a prefix.
-        candidates = candidates[np.argsort(-z[candidates], kind="stable")]
-        probs = np.exp(z[candidates] - z[candidates[0]])
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
-            candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
-        return int(candidates[self.rng.choice(candidates.size, p=probs)])
+            candidates = candidates[:p.top_k]
+        cdf = np.cumsum(np.exp(z[candidates] - z[candidates[0]]))
+        if p.top_p < 1.0:  # the shortest prefix whose probability reaches top-p
+            cdf = cdf[:int(np.searchsorted(cdf, p.top_p * cdf[-1])) + 1]
+        index = int(np.searchsorted(cdf, uniform(self.seed, position) * cdf[-1], side="right"))
+        return int(candidates[min(index, cdf.size - 1)])

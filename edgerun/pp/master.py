@@ -44,7 +44,7 @@ from websockets.http11 import Request, Response
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import StageSpec, cached_stage
-from edgerun.model.sampling import SamplingParams
+from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
 from edgerun.sched.pp_plan import SHADOW_MODES, CostParams, PPPlan, Stage, accept, plan_pp, shadow_plan
@@ -109,7 +109,7 @@ def _static_file(path: str) -> Path | None:
     root = browser_dir()
     if path == "/node":
         return root / "node.html"
-    if path in ("/node.js", "/frames.js"):
+    if path in ("/node.js", "/frames.js", "/sampling.js"):
         return root / path[1:]
     if path.startswith("/ort/"):
         name = path[len("/ort/"):]
@@ -223,6 +223,8 @@ class PipelineMaster:
                 rtts.append(await asyncio.wait_for(await ws.ping(), CONNECT_TIMEOUT_S))
             worker.rtt_ms = float(np.median(rtts)) * 1e3
             self.workers[name] = worker
+            if any(name in names for names in self.stage_workers):  # back, but without the stage it ran
+                self.state = "Down"
             self.log(f"worker {name} connected ({worker.capabilities.get('kind', '?')}, {worker.memory_mb:.0f} MB, "
                      f"RTT {worker.rtt_ms:.2f} ms)")
             self.membership.set()
@@ -340,7 +342,7 @@ class PipelineMaster:
                 self.log(f"repartition failed: {e}")
 
     async def _repartition(self) -> None:
-        if any(not self.workers[name].alive for names in self.stage_workers for name in names):
+        if self.state != "Up" or any(not self.workers[name].alive for names in self.stage_workers for name in names):
             if not self.busy:  # a request in flight recovers by itself
                 self.log("repartitioning (a worker left)")
                 await self.replan(self._fallback())
@@ -543,7 +545,7 @@ class PipelineMaster:
     async def _generate(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams,
                         stop_ids: frozenset[int], on_token: Callable[[int], None] | None) -> list[int]:
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "seed": params.seed or 0}
+                    "seed": Sampler(params).seed}  # without a seed, a random one, kept for the whole request
         self.busy = True
         try:
             return await self._generate_busy(prompt, max_tokens, sampling, stop_ids, on_token)

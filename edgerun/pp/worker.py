@@ -3,8 +3,8 @@
 It connects to the master's WebSocket, says what it is (CONNECT), and then only reacts: it downloads
 the files of the stage it is given (named by sha256, cached across restarts), loads the stage into
 onnxruntime, and runs forward passes on what the master sends. A last stage samples the next token
-itself, so only the token id goes back. Sampling is seeded per position, so a request replayed after
-a recovery draws the same tokens.
+itself, so only the token id goes back. A sampled token depends on the seed and its position only, so
+a request replayed after a recovery draws the same tokens.
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ class PipelineWorker:
         if s.lm_head:
             p = message.get("sampling", {})
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
-                                    top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)) + position + x.shape[1])
-            token = Sampler(params)(out[0, -1])
+                                    top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)))
+            token = Sampler(params)(out[0, -1], position + x.shape[1])
             await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": token, "seconds": seconds})
         else:
             await self._send(PpMsg.COMPUTATION_RESULT, request, {"seconds": seconds}, {"hidden": out})

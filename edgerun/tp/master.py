@@ -757,7 +757,7 @@ class Master:
                 self._reset()
                 logits = await self._step(list(prompt) + tokens)
                 while len(tokens) < max_tokens:
-                    token = sampler(logits)
+                    token = sampler(logits, len(prompt) + len(tokens))
                     if token in stop_ids:
                         return tokens
                     tokens.append(token)
