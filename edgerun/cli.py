@@ -287,7 +287,7 @@ def cmd_node(args: argparse.Namespace) -> None:
 
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
         worker = PipelineWorker(url, _cluster_key(args), name, args.memory_budget, args.speed, args.threads,
-                                log=lambda m: print(m, file=sys.stderr, flush=True))
+                                log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device)
         try:
             asyncio.run(worker.run())
         except OSError as e:
@@ -804,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=float, default=2048.0, help="MB this node may use (default: 2048)")
     p.add_argument("--speed", type=float, default=1e9, help="decode speed in weight bytes/s, from `edgerun "
                    "profile` (default: 1e9; equal speeds give equal shares)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
+                        "installed, else the CPU (default: auto)")
     _blas_threads_arg(p, DEFAULT_THREADS)
     cluster_args(p)
     p.set_defaults(func=cmd_node)

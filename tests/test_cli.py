@@ -420,3 +420,20 @@ def test_bench_single_peak_rss_is_the_engines_own(tiny_spec: TinySpec, synth_ggu
     assert proc.returncode == 0, proc.stderr
     (result,) = json.loads(proc.stdout)
     assert 0 < result["peak_rss_mb"] < 500
+
+
+def test_pp_node_device_choice(capsys: Capsys) -> None:
+    """A pipeline worker runs stages on CUDA only through onnxruntime-gpu's provider; without it, `auto`
+    means the CPU and `cuda` is refused with the reason."""
+    import onnxruntime as ort
+
+    from edgerun.model.onnx_engine import execution_providers
+
+    assert execution_providers("cpu") == ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        assert execution_providers("auto") == execution_providers("cuda") == ["CUDAExecutionProvider",
+                                                                              "CPUExecutionProvider"]
+        return
+    assert execution_providers("auto") == ["CPUExecutionProvider"]
+    code, _, err = run(["node", "--mode", "pp", "--master", "127.0.0.1:9", "--key", "k", "--device", "cuda"], capsys)
+    assert_one_line_error(code, err, "onnxruntime-gpu")

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import StageSpec, cached_stage, kv_names
@@ -24,16 +25,34 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return so
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def execution_providers(device: str = "cpu") -> list[str]:
+    """onnxruntime's providers for a device: "cuda" needs the onnxruntime-gpu package (its CUDA provider),
+    "auto" takes CUDA where that package offers it and the CPU otherwise."""
+    if device not in DEVICES:
+        raise EdgerunError(f"unknown device {device!r} ({', '.join(DEVICES)})")
+    has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    if device == "cuda" and not has_cuda:
+        raise EdgerunError("--device cuda needs onnxruntime-gpu, whose CUDA provider this onnxruntime lacks "
+                           f"(it offers {', '.join(ort.get_available_providers())})")
+    if device != "cpu" and has_cuda:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
 class StageSession:
     """One stage graph (a layer range) in onnxruntime, with its layers' KV buffers bound as both past
     and present, so the attention kernel appends in place. Used whole by OnnxEngine and per stage by
     pipeline workers."""
 
     def __init__(self, graph_dir: Path, config: ModelConfig, first_layer: int, end_layer: int, max_len: int,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
         self.config, self.layers, self.max_len = config, range(first_layer, end_layer), max_len
+        # With CUDA the KV buffers stay in host memory, bound as on the CPU; onnxruntime copies them.
         self.session = ort.InferenceSession(str(Path(graph_dir) / "model.onnx"), session_options(threads),
-                                            providers=["CPUExecutionProvider"])
+                                            providers=list(providers))
         self.input_name = self.session.get_inputs()[0].name  # "input_ids" or "hidden"
         self.output_name = self.session.get_outputs()[0].name  # "logits" or "hidden_out"
         self.kv: dict[str, np.ndarray] = {}  # the bound KV buffers (onnxruntime shares their memory)

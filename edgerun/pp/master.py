@@ -197,7 +197,9 @@ class PipelineMaster:
         for w in self.workers.values():
             s = stages.get(w.name)
             layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
-            lines.append(f"  {w.name}: {w.capabilities.get('kind', '?')}, {w.memory_mb:.0f} MB, {layers}, "
+            device = w.capabilities.get("device") or w.capabilities.get("backend")  # cpu/cuda, or wasm/webgpu
+            lines.append(f"  {w.name}: {w.capabilities.get('kind', '?')}{f' ({device})' if device else ''}, "
+                         f"{w.memory_mb:.0f} MB, {layers}, "
                          f"{w.served} passes served")
         for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
             if plan is not None:

@@ -22,7 +22,7 @@ import numpy as np
 import websockets
 
 from edgerun.model.config import ModelConfig
-from edgerun.model.onnx_engine import StageSession
+from edgerun.model.onnx_engine import StageSession, execution_providers
 from edgerun.model.onnx_graph import cache_root
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
@@ -68,9 +68,11 @@ class _Stage:
 
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
-                 log=print) -> None:
+                 log=print, device: str = "cpu") -> None:
         self.url, self.key, self.name = url, key, name
         self.memory_mb, self.speed, self.threads = memory_mb, speed, threads
+        self.providers = execution_providers(device)
+        self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
         self.log = log
         scheme, _, rest = url.partition("://")
         self.base_url = f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}"  # files come over HTTP
@@ -131,7 +133,8 @@ class PipelineWorker:
             self.config = ModelConfig(**message["config"])
             await self._send(PpMsg.CONNECT, request, {
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
-                "capabilities": {"kind": "native", "runtime": "onnxruntime"}, "cached": cached_files()})
+                "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device},
+                "cached": cached_files()})
         elif kind == PpMsg.DOWNLOAD_LAYERS:
             for sha in message["files"]:
                 _, seconds, size = await loop.run_in_executor(None, download, self.base_url, sha)
@@ -159,7 +162,7 @@ class PipelineWorker:
             self.max_len = int(message["max_len"])
             s = self.stage
             s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
-                                                   s.end_layer, self.max_len, self.threads)
+                                                   s.end_layer, self.max_len, self.threads, self.providers)
             await self._send(PpMsg.COMMIT_DONE, request, {"seconds": time.perf_counter() - start})
         elif kind == PpMsg.COMPUTATION:
             await self._compute(request, message, tensors)
