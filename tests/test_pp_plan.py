@@ -467,3 +467,12 @@ def test_bad_arguments():
         plan_pp(m, devices, objective="mean")
     with pytest.raises(ValueError, match="seconds_since_redistribution"):
         plan_pp(m, devices, seconds_since_redistribution=-1.0)
+
+
+def test_cost_result_errors():
+    from edgerun.bench.pp import CostResult
+
+    r = CostResult((80.0, 80.0), 2, predicted_ms=11.0, measured_ms=10.0, running_predicted_ms=(9.0, 12.0),
+                   running_measured_ms=(10.0, 10.0))
+    assert r.error == pytest.approx(0.1)
+    assert r.running_error == pytest.approx(0.15)  # (10 % + 20 %) / 2

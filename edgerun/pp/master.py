@@ -301,7 +301,8 @@ class PipelineMaster:
         raise WorkerLost(worker.name)
 
     # --- planning --------------------------------------------------------------------------------------
-    def _devices(self) -> list[DeviceProfile]:
+    def devices(self) -> list[DeviceProfile]:
+        """The live workers as the planner sees them: measured speed, memory budget, latency, bandwidth."""
         return [DeviceProfile(name=w.name, kind=str(w.capabilities.get("kind", "native")), cores=1,
                               compute=Compute(0.0, w.measured_speed),
                               memory=Memory(w.memory_mb, w.memory_mb, w.memory_mb, 0.0),
@@ -349,7 +350,7 @@ class PipelineMaster:
                 self.log("repartitioning (a worker left)")
                 await self.replan(self._fallback())
             return
-        devices = self._devices()
+        devices = self.devices()
         candidate = await self._plan(devices, current=self.plan)
         if accept(candidate, self.plan, self.profile, devices, params=self.cost_params()):
             if self.busy:
@@ -441,7 +442,7 @@ class PipelineMaster:
         loop = asyncio.get_running_loop()
         self.state = "Committing" if hot else "Down"
         self.staged = self.shadow = None  # both were made for the plan being replaced
-        plan = plan or await self._plan(self._devices())
+        plan = plan or await self._plan(self.devices())
         self.log(f"plan: {describe(plan)}")
         if not hot:
             self.state = "Preparing"
