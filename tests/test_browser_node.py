@@ -178,8 +178,11 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
         assert chat_tokens == chat_reference
         assert sampled == sampled_reference != tokens[:16]
         assert not errors, errors
-        # The prefix pass, the plain request's passes, then the chat request's.
-        assert "connected: true" in status and f"passes served: {1 + N_TOKENS + 16}" in status, status
+        # At least the prefix pass, the plain request's passes, then the chat request's; a repartition
+        # meanwhile (the master measures the tab's speed) adds a prefix pass and a prefill of the context.
+        assert "connected: true" in status, status
+        served = int(status.split("passes served: ")[1].split()[0])
+        assert served >= 1 + N_TOKENS + 16, (status, logs)
     finally:
         master.close()
         native.kill()

@@ -23,7 +23,7 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_HEADER, PpMsg, derive_key, open_pp_frame, pp_frame, pp_mac
-from edgerun.pp.master import PipelineMaster, chat_template_prefix
+from edgerun.pp.master import PipelineMaster, chat_template_prefix, describe
 from edgerun.pp.worker import PipelineWorker
 
 KEY = derive_key(SECRET)
@@ -250,8 +250,9 @@ def test_a_shadow_plan_takes_over_from_a_lost_worker(model: Model, reference_tok
         assert "shadow plan:" in capsys.readouterr().out
         kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten) == reference_tokens
-        assert any("falling back to the shadow plan" in line for line in master.logs), master.logs
-        assert [s.worker for s in master.plan.stages] == [s.worker for s in shadow.stages]
+        fallback = next(i for i, line in enumerate(master.logs) if "falling back to the shadow plan" in line)
+        # The shadow plan is what was deployed then (a later repartition may still improve on it).
+        assert next(line for line in master.logs[fallback:] if line.startswith("plan: ")) == f"plan: {describe(shadow)}"
         print(f"recovered onto the shadow plan in {master.recovery_seconds[0]:.2f} s")
 
 
