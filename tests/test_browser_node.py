@@ -53,12 +53,17 @@ def require_browser() -> None:
         pytest.skip(reason)
 
 
-def test_javascript_frames_match_python(tmp_path: Path) -> None:
+def run_node(script: Path, *args: str) -> str:
+    """The stdout of a JavaScript module run by Node (which CI installs)."""
     node = shutil.which("node")
     if node is None:
         if os.environ.get("CI"):
             pytest.fail("node is not installed")
         pytest.skip("node is not installed")
+    return subprocess.run([node, str(script), *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_javascript_frames_match_python(tmp_path: Path) -> None:
     script = tmp_path / "frames.mjs"
     script.write_text(f"""
 import {{clusterKey, hex, openFrame, packFrame, sha256}} from "{(browser_dir() / 'frames.js').as_posix()}";
@@ -73,9 +78,7 @@ console.log(JSON.stringify({{type: input.type, request: input.request, ids: Arra
 """)
     python_frame = pp_frame(PpMsg.COMPUTATION, 77, {"position": 3}, derive_key(SECRET),
                             {"input_ids": np.array([[11, 12, 13]], np.int64)})
-    result = subprocess.run([node, str(script), base64.b64encode(python_frame).decode()], capture_output=True,
-                            text=True, check=True)
-    digest, frame, parsed = result.stdout.split()
+    digest, frame, parsed = run_node(script, base64.b64encode(python_frame).decode()).split()
     assert digest == hashlib.sha256(bytes([7]) * 1000).hexdigest()
     kind, request, message, tensors = open_pp_frame(base64.b64decode(frame), derive_key(SECRET))
     assert (kind, request, message["seconds"]) == (PpMsg.COMPUTATION_RESULT, 9, 0.25)
@@ -90,13 +93,6 @@ def wait_for(condition: Callable[[], bool], logs: list[str], timeout_s: float = 
         time.sleep(0.2)
 
 
-def run_node(script: Path) -> str:
-    node = shutil.which("node")
-    if node is None:
-        if os.environ.get("CI"):
-            pytest.fail("node is not installed")
-        pytest.skip("node is not installed")
-    return subprocess.run([node, str(script)], capture_output=True, text=True, check=True).stdout
 
 
 def test_javascript_sampling_matches_python(tmp_path: Path) -> None:

@@ -34,8 +34,6 @@ class SamplingParams:
             raise ValueError(f"the seed must lie in [0, 2^53), not {self.seed}")
 
 
-
-
 def uniform(seed: int, position: int) -> float:
     """The draw in [0, 1) for the token at `position` under `seed`: one splitmix64 step from a state
     mixed of both, its top 53 bits. A pure function of (seed, position), written the same way in the

@@ -408,9 +408,8 @@ class PipelineMaster:
                                               PpMsg.LAYER_DOWNLOAD, PREPARE_TIMEOUT_S, request=request)
                                    for name, request in requests.items()))
         finally:
-            for s in plan.stages:
-                if s.worker in self.workers:
-                    self.workers[s.worker].downloads.clear()
+            for name, request in requests.items():
+                self.workers[name].downloads.pop(request, None)
 
     def cost_params(self) -> CostParams:
         """The cost model's constants, with δ measured once there are decode passes to measure."""
