@@ -295,7 +295,8 @@ def cmd_node(args: argparse.Namespace) -> None:
         return
     master = _host_port(args.master)
     try:
-        run_node(master, args.model, _cluster_key(args), name, args.memory_budget, args.speed, _loss(args))
+        run_node(master, args.model, _cluster_key(args), name, args.memory_budget, args.speed, _loss(args),
+                 args.threads)
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
 
@@ -368,7 +369,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                     rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
                     parity=args.parity, mapping=args.mapping, predictors=predictors,
-                    overlap=_overlaps(args.overlap), log=log)
+                    overlap=_overlaps(args.overlap), threads=args.threads, log=log)
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
 
     def run(ids: list[int], emit) -> tuple[list[int], str]:
@@ -425,7 +426,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
-                       progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True))
+                       progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
+                       baseline=args.baseline)
     if args.json:
         print(json.dumps(tp_json(results), indent=2))
     else:
@@ -883,13 +885,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-quota", type=float, nargs="+", default=None, metavar="CORES",
                    help="testbed CPU cores per node: one for all, or one per node")
     p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
-    p.add_argument("--plan", choices=PLANS[:-1], default="halo")
-    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32")
+    p.add_argument("--plan", choices=PLANS[:-1], default="halo", help="tensor-parallel planner (default: halo)")
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32",
+                   help="activations on the wire (default: f32)")
     p.add_argument("--tokens", type=int, default=32, help="tokens measured per combination (default: 32)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     _udp_args(p)
     _rto_min_arg(p)
     _blas_threads_arg(p, 1)
+    p.add_argument("--baseline", action="store_true",
+                   help="also time the single-process onnx engine (same model, prompt, tokens and --threads) in "
+                        "this run and give every row's speed-up over it (default: off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
 

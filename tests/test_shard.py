@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from edgerun.model.config import ModelConfig
-from edgerun.model.quant import quantize
+from edgerun.model.quant import AffineBlocks, quantize, slice_affine
 from edgerun.model.reference import DenseLayer, KVCache, ReferenceModel, n_groups, rms_norm
 from edgerun.model.synth import SynthSpec, custom_shape, synth_weights
 from edgerun.model.weights import ModelWeights
-from edgerun.tp.shard import Shard, ShardSpec, dequantize_columns, full_spec, split_spec
+from edgerun.tp.shard import QuantShard, Shard, ShardSpec, dequantize_columns, full_spec, split_spec
 
 MAX_LEN = 32
 PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, "
@@ -35,6 +35,15 @@ MODELS = {
     # K-quant blocks are 256 wide: a 128-column head or a 192-column group cuts through a block.
     "llama-q4k": (custom_shape("tiny", tied_embeddings=False), "Q4_K"),
 }
+
+
+# The numpy reference shard and the quantized onnxruntime shard answer the same calls.
+SHARDS = {"numpy": Shard, "quant": QuantShard}
+shard_kinds = pytest.mark.parametrize("kind", list(SHARDS))
+
+
+def make(kind: str, config: ModelConfig, weights: ModelWeights, spec: ShardSpec) -> Shard | QuantShard:
+    return SHARDS[kind](config, weights, spec, MAX_LEN)
 
 
 @cache
@@ -92,7 +101,7 @@ def summed(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.sum(np.stack(parts), axis=0)
 
 
-def replay(shards: Sequence[Shard], call: Call) -> np.ndarray:
+def replay(shards: Sequence[Shard | QuantShard], call: Call) -> np.ndarray:
     if call.kind == "attn":
         return summed([s.attention(call.layer, call.x_norm, call.start) for s in shards])
     return summed([s.mlp(call.layer, call.x_norm) for s in shards])
@@ -103,27 +112,30 @@ def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=ATOL)
 
 
+@shard_kinds
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 @pytest.mark.parametrize("group_size", [128, 192])
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_partials_sum_to_reference_blocks(name: str, group_size: int, n: int) -> None:
+def test_partials_sum_to_reference_blocks(kind: str, name: str, group_size: int, n: int) -> None:
     config, weights = model(name)
     calls, _, _ = reference_run(name)
-    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, n, group_size, VOCAB_BLOCK)]
+    shards = [make(kind, config, weights, spec) for spec in split_spec(config, n, group_size, VOCAB_BLOCK)]
     assert len(calls) == 2 * config.n_layers * (DECODE_STEPS + 1)
     for call in calls:
         assert_close(replay(shards, call), call.out)
 
 
-def test_kquant_blocks_cut_by_units() -> None:
+@shard_kinds
+@pytest.mark.parametrize("group_size", [16, 192])
+def test_kquant_blocks_cut_by_units(kind: str, group_size: int) -> None:
     config, weights = model("llama-q4k")
     calls, _, _ = reference_run("llama-q4k")
-    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, 2, 192, VOCAB_BLOCK)]
+    shards = [make(kind, config, weights, spec) for spec in split_spec(config, 2, group_size, VOCAB_BLOCK)]
     for call in calls:
         assert_close(replay(shards, call), call.out)
 
 
-def run_master(config: ModelConfig, weights: ModelWeights, shards: Sequence[Shard], prompt: list[int],
+def run_master(config: ModelConfig, weights: ModelWeights, shards: Sequence[Shard | QuantShard], prompt: list[int],
                steps: int) -> tuple[list[int], list[np.ndarray]]:
     """Greedy decoding with the master's part done here (embedding, residuals, norms, argmax) and
     every block's output summed from the shards' partials."""
@@ -149,9 +161,10 @@ def run_master(config: ModelConfig, weights: ModelWeights, shards: Sequence[Shar
     return tokens, all_logits
 
 
+@shard_kinds
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 @pytest.mark.parametrize("n", [1, 3])
-def test_master_loop_matches_reference_greedy(name: str, n: int) -> None:
+def test_master_loop_matches_reference_greedy(kind: str, name: str, n: int) -> None:
     config, weights = model(name)
     ref = ReferenceModel(config, weights)
     kv = ref.new_cache(MAX_LEN)
@@ -164,7 +177,7 @@ def test_master_loop_matches_reference_greedy(name: str, n: int) -> None:
         feed = [want_tokens[-1]]
     assert len(set(want_tokens)) > 1, "a constant greedy sequence would not test much"
 
-    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, n, 192, VOCAB_BLOCK)]
+    shards = [make(kind, config, weights, spec) for spec in split_spec(config, n, 192, VOCAB_BLOCK)]
     tokens, logits = run_master(config, weights, shards, PROMPT, 8)
     assert tokens == want_tokens
     for got, want in zip(logits, want_logits, strict=True):
@@ -172,15 +185,16 @@ def test_master_loop_matches_reference_greedy(name: str, n: int) -> None:
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
 
 
+@shard_kinds
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_logit_rows_reassemble_the_lm_head(n: int) -> None:
+def test_logit_rows_reassemble_the_lm_head(kind: str, n: int) -> None:
     config, weights = model("llama")
     ref = ReferenceModel(config, weights)
     x = rms_norm(np.random.default_rng(0).standard_normal((3, config.hidden), dtype=np.float32),
                  weights.output_norm, config.norm_eps)
     rows, parts = [], []
     for spec in split_spec(config, n, 128, VOCAB_BLOCK):
-        r, p = Shard(config, weights, spec, MAX_LEN).logits(x)
+        r, p = make(kind, config, weights, spec).logits(x)
         assert r.dtype == np.int64 and p.shape == (3, len(r)) and p.dtype == np.float32
         rows.append(r)
         parts.append(p)
@@ -191,10 +205,11 @@ def test_logit_rows_reassemble_the_lm_head(n: int) -> None:
     np.testing.assert_allclose(logits, x @ ref.output.T, rtol=RTOL, atol=1e-5)
 
 
-def test_truncate_then_rerun_is_identical() -> None:
+@shard_kinds
+def test_truncate_then_rerun_is_identical(kind: str) -> None:
     config, weights = model("qwen2")
     calls, _, _ = reference_run("qwen2")
-    shards = [Shard(config, weights, spec, MAX_LEN) for spec in split_spec(config, 2, 128, VOCAB_BLOCK)]
+    shards = [make(kind, config, weights, spec) for spec in split_spec(config, 2, 128, VOCAB_BLOCK)]
     first = [replay(shards, call) for call in calls]
     # Calls per forward pass: attention and MLP of each layer. Keep the prefill and one decode step.
     per_pass = 2 * config.n_layers
@@ -218,11 +233,12 @@ def test_truncate_then_rerun_is_identical() -> None:
         assert np.array_equal(replay(shards, call), want)
 
 
-def test_device_without_units_returns_zeros() -> None:
+@shard_kinds
+def test_device_without_units_returns_zeros(kind: str) -> None:
     config, weights = model("qwen2")
     spec = ShardSpec(attn_units=((1,), ()), mlp_groups=((), (0, 2)), vocab_blocks=(), group_size=192,
                      vocab_block=VOCAB_BLOCK)
-    shard = Shard(config, weights, spec, MAX_LEN)
+    shard = make(kind, config, weights, spec)
     x = np.random.default_rng(2).standard_normal((5, config.hidden), dtype=np.float32)
     for out in (shard.attention(1, x, 0), shard.mlp(0, x)):
         assert out.shape == (5, config.hidden) and out.dtype == np.float32 and not out.any()
@@ -233,7 +249,7 @@ def test_device_without_units_returns_zeros() -> None:
     assert rows.shape == (0,) and logits.shape == (5, 0)
     # Round-robin with more devices than KV heads: some device sits out every layer.
     for spec in split_spec(config, 4, 192, VOCAB_BLOCK):
-        s = Shard(config, weights, spec, MAX_LEN)
+        s = make(kind, config, weights, spec)
         for layer in range(config.n_layers):
             if not spec.attn_units[layer]:
                 assert not s.attention(layer, x, 0).any()
@@ -332,3 +348,29 @@ def test_selecting_units_a_shard_does_not_hold_fails() -> None:
     with pytest.raises(ValueError, match="not held"):
         shard.mlp(0, x, groups=[other])
     assert not shard.mlp(0, x, groups=[]).any()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_slices_stay_quantized_and_exact(qtype: str) -> None:
+    """Rows and column ranges of a quantized matrix keep their codes (no float32 copy): the slice's values
+    are exactly the file's. A range cut at 16 columns inside a 32-block re-expresses it as 16-blocks; only
+    a cut finer than the kernels' smallest block, or a float type, gives float32."""
+    rng = np.random.default_rng(3)
+    t = quantize(rng.standard_normal((48, 512), dtype=np.float32), qtype)
+    full = t.dequantize()
+
+    def values(form: AffineBlocks | np.ndarray) -> np.ndarray:
+        if not isinstance(form, AffineBlocks):
+            return form
+        scales = np.repeat(form.scales, form.block, axis=1)
+        offsets = 0 if form.offsets is None else np.repeat(form.offsets, form.block, axis=1)
+        return scales * (form.codes.astype(np.float32) - 2 ** (form.bits - 1)) + offsets
+
+    rows = np.array([5, 1, 40, 41])
+    ranges = [(64, 128), (320, 352), (16, 48)]
+    for form, want in ((slice_affine(t, rows), full[rows]),
+                       (slice_affine(t, col_ranges=ranges), np.concatenate([full[:, a:b] for a, b in ranges], 1))):
+        assert isinstance(form, AffineBlocks) == (qtype != "F16")
+        np.testing.assert_allclose(values(form), want, rtol=0, atol=1e-6 * np.abs(full).max())
+    odd = slice_affine(t, col_ranges=[(8, 40)])
+    assert not isinstance(odd, AffineBlocks) and np.array_equal(odd, full[:, 8:40])

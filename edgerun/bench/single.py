@@ -6,14 +6,13 @@ Each engine runs in a fresh process so that its peak RSS is its own.
 from __future__ import annotations
 
 import multiprocessing
-import resource
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edgerun.model.generate import make_engine
 from edgerun.model.loader import load_model
-from edgerun.profile.memory import memory_read_bandwidth
+from edgerun.profile.memory import memory_read_bandwidth, peak_rss_mb
 
 BENCH_TEXT = (
     "Distributed inference splits one model across several machines. Each machine holds part of the "
@@ -36,15 +35,6 @@ class SingleResult:
     memory_read_gb_s: float  # this machine, same thread count, measured in the same run
     bandwidth_share: float  # weight_read / memory_read
     peak_rss_mb: float
-
-
-def peak_rss_mb() -> float:
-    """This process's own peak RSS. ru_maxrss would do, but Linux carries it over from the parent across
-    fork and exec; VmHWM belongs to the process's own address space."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _run_engine(engine: str, model_path: str | None, threads: int, prompt_tokens: int,

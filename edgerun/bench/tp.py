@@ -16,13 +16,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
 from edgerun.errors import EdgerunError
+from edgerun.model.generate import generate
 from edgerun.model.loader import Model, load_model
+from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net import testbed
 from edgerun.net.kernel_loss import loopback_loss, loss_counters
@@ -35,6 +37,7 @@ from edgerun.tp.master import OVERLAPS, Master
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
 SECRET = "edgerun-bench"
 WARMUP_TOKENS = 8  # also what the adaptive timeout learns from before measuring
+CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,14 @@ class TpResult:
     kernel_dropped: int
     late_packets: int
     rejected: int
+    node_compute_ms_per_token: float  # the busiest node's time in its kernels
+    sync_overhead_us: float  # per synchronization: time beyond the slowest device's compute, over blocks
+    master_weight_mb: float  # the master's share of quantized weights
+    node_weight_mb: float  # the largest node share
+    node_kv_mb: float  # that node's KV cache
+    node_peak_rss_mb: float  # the largest peak resident memory of any node process
+    single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
+    speedup: float | None = None  # single_ms_per_token / ms_per_token
 
 
 def kernel_rate(spec: str) -> float:
@@ -140,9 +151,10 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
         address = "127.0.0.1" if bed is None else bed.master_address
         master = Master(model, derive_key(SECRET), strategy=config.plan, host=address, port=0,
                         codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
-                        loss=parse_loss(loss, seed=0), max_len=512, rto_min_ms=config.rto_min_ms,
+                        loss=parse_loss(loss, seed=0), max_len=CONTEXT, rto_min_ms=config.rto_min_ms,
                         timeout_deviations=config.timeout_deviations, parity=config.parity,
                         mapping=config.mapping, overlap=config.overlap, group_size=config.group_size,
+                        threads=config.threads,
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:
@@ -166,14 +178,21 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     master.generate(prompt, WARMUP_TOKENS, greedy)
     s, sent, dropped, rejected = master.stats, master.udp.sent, master.udp.dropped, master.counters.total()
     before = dict(s.__dict__)
+    node_compute0 = {n.index: n.compute_s for n in master.fresh_reports()}
     matched0, kdropped0 = kernel_counters()
     start = time.perf_counter()
     generated = master.generate(prompt, config.tokens, greedy)
     elapsed = time.perf_counter() - start
     matched1, kdropped1 = kernel_counters()
+    reports = master.fresh_reports()
     n = max(1, len(generated))
     compute = (s.compute_s - before["compute_s"]) / n
     wait = (s.wait_s - before["wait_s"]) / n
+    node_compute = max([(r.compute_s - node_compute0.get(r.index, 0.0)) / n for r in reports], default=0.0)
+    blocks = s.blocks - before["blocks"]
+    syncs_per_token = blocks / n
+    overhead = (elapsed / n - max(compute, node_compute)) / max(syncs_per_token, 1)
+    biggest = max(reports, key=lambda r: r.weight_bytes, default=None)
     fixed = master.timeouts.fixed_s
     return TpResult(
         nodes=nodes, transport=master.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
@@ -182,13 +201,30 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         rate_mbit=config.rate_mbit, tokens=len(generated),
         ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
-        other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=s.blocks - before["blocks"],
+        other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=blocks,
         blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
         incomplete_wait_ms_per_token=(s.incomplete_wait_s - before["incomplete_wait_s"]) / n * 1e3,
         partials_rebuilt=s.partials_rebuilt - before["partials_rebuilt"],
         datagrams_sent=master.udp.sent - sent, datagrams_dropped=master.udp.dropped - dropped,
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
-        late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected)
+        late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected,
+        node_compute_ms_per_token=node_compute * 1e3, sync_overhead_us=overhead * 1e6,
+        master_weight_mb=master.shard.weight_bytes / 1e6,
+        node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / 1e6,
+        node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / 1e6,
+        node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0))
+
+
+def single_baseline(model: Model, config: TpBenchConfig) -> float:
+    """ms per output token of the single-process onnx engine on the same model, prompt, token count and
+    threads, timed as a cluster is (prefill included, after a warm-up request)."""
+    engine = OnnxEngine(model, CONTEXT, threads=config.threads)
+    prompt = model.tokenizer.encode(BENCH_PROMPT)
+    greedy = Sampler(SamplingParams())
+    generate(engine, prompt, WARMUP_TOKENS, greedy)
+    start = time.perf_counter()
+    result = generate(engine, prompt, config.tokens, greedy)
+    return (time.perf_counter() - start) / max(1, len(result.tokens)) * 1e3
 
 
 def _testbed_for(config: TpBenchConfig, nodes: int) -> testbed.TestbedSpec:
@@ -198,7 +234,8 @@ def _testbed_for(config: TpBenchConfig, nodes: int) -> testbed.TestbedSpec:
 
 
 def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], transports: list[str],
-             progress: Callable[[str], None] = lambda _: None, plans: Sequence[str] = ()) -> list[TpResult]:
+             progress: Callable[[str], None] = lambda _: None, plans: Sequence[str] = (),
+             baseline: bool = False) -> list[TpResult]:
     """Every (nodes, loss, plan, transport) combination; plans default to config.plan. With kernel or testbed
     loss one cluster per node count serves every loss rate (links are measured and assignments sent before any
     loss); in-process loss is set when a node starts, so each rate gets its own cluster."""
@@ -211,9 +248,15 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
     # The master in this process is held to the nodes' BLAS threads: with a thread per core in every process
     # of one machine, they would slow each other down.
     with threadpool_limits(config.threads):
+        single = None
+        if baseline:
+            progress(f"single-process onnx engine, {config.threads} thread(s)")
+            single = single_baseline(model, config)
         for nodes in node_counts:
             results += _bench_cluster(config, model, nodes, losses, transports, progress, plans, rates)
-    return results
+    if single is None:
+        return results
+    return [replace(r, single_ms_per_token=single, speedup=single / r.ms_per_token) for r in results]
 
 
 def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list[str], transports: list[str],
@@ -253,14 +296,22 @@ def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | Non
 
 
 def tp_table(results: list[TpResult]) -> str:
-    """Times in ms per token; "lost wait" is the part of "wait" spent in blocks that ended incomplete."""
-    rows = [f"{'nodes':>5} {'transport':>9} {'loss':>6} {'ms/token':>9} {'compute':>8} {'wait':>8} {'lost wait':>9} "
-            f"{'other':>8} {'incomplete blocks':>17} {'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12}"]
+    """Times in ms per token; "lost wait" is the part of "wait" spent in blocks that ended incomplete; "node"
+    the busiest node's kernels; "sync" the time per synchronization beyond the slowest device's compute (µs);
+    "speed-up" against the single-process engine (--baseline)."""
+    rows = [f"{'nodes':>5} {'transport':>9} {'loss':>6} {'ms/token':>9} {'speed-up':>8} {'compute':>8} {'node':>7} "
+            f"{'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} {'rebuilt':>7} "
+            f"{'late pkts':>9} {'kernel drops':>12} {'node MB w+kv/rss':>17}"]
     for r in results:
-        rows.append(f"{r.nodes:>5} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} {r.compute_ms_per_token:>8.1f} "
-                    f"{r.wait_ms_per_token:>8.1f} {r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} "
+        speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
+        memory = f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f}" if r.nodes else "-"
+        rows.append(f"{r.nodes:>5} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} {speedup:>8} "
+                    f"{r.compute_ms_per_token:>8.1f} {r.node_compute_ms_per_token:>7.1f} {r.wait_ms_per_token:>8.1f} "
+                    f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
-                    f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12}")
+                    f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>17}")
+    if results and results[0].single_ms_per_token is not None:
+        rows.append(f"single-process onnx engine: {results[0].single_ms_per_token:.1f} ms/token")
     return "\n".join(rows)
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,9 +28,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from edgerun.model.config import ModelConfig
-from edgerun.model.quant import AffineBlocks, QuantTensor, to_affine_blocks
+from edgerun.model.quant import AffineBlocks, QuantTensor, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
-from edgerun.model.weights import ModelWeights
+from edgerun.model.weights import LayerWeights, ModelWeights
 
 # Bump when the graph layout changes, so cached graphs are rebuilt.
 GRAPH_VERSION = 2
@@ -62,11 +63,12 @@ def kv_names(layer: int) -> tuple[str, str, str, str]:
 class _GraphWriter:
     """Collects nodes and writes initializers to the external data file."""
 
-    def __init__(self, data_path: Path) -> None:
+    def __init__(self, data_path: Path | None) -> None:
+        """data_path None: every initializer inside the graph (small graphs built in memory)."""
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
-        self.data = data_path.open("wb")
-        self.data_name = data_path.name
+        self.data = None if data_path is None else data_path.open("wb")
+        self.data_name = "" if data_path is None else data_path.name
         self.weight_bytes = 0
         self._count = 0
 
@@ -79,7 +81,7 @@ class _GraphWriter:
         name = self.name(stem)
         tensor = TensorProto(name=name, dims=list(array.shape),
                              data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        if array.nbytes < 1024:
+        if array.nbytes < 1024 or self.data is None:
             tensor.raw_data = array.tobytes()
         else:
             self.data.write(b"\0" * (-self.data.tell() % 64))  # aligned, so onnxruntime can map it
@@ -100,18 +102,20 @@ class _GraphWriter:
 
     def linear(self, x: str, tensors: list[QuantTensor], accuracy_level: int) -> list[str]:
         """x @ W.T for each W; matrices sharing one block format run as one fused product."""
-        forms = [to_affine_blocks(t) for t in tensors]
-        if len(tensors) > 1 and _fusable(forms):
+        return self.linear_forms(x, [to_affine_blocks(t) or t.dequantize() for t in tensors], accuracy_level)
+
+    def linear_forms(self, x: str, forms: list[AffineBlocks | np.ndarray], accuracy_level: int) -> list[str]:
+        """x @ W.T for each W, given in affine-block form (a quantized kernel) or as float32 (rows, cols)."""
+        if len(forms) > 1 and _fusable(forms):
             (y,) = self._affine_product(x, _fuse(forms), accuracy_level)
-            sizes = self.constant("split", np.array([t.rows for t in tensors], np.int64))
-            return self.node("Split", [y, sizes], n_outputs=len(tensors), axis=-1)
+            sizes = self.constant("split", np.array([f.codes.shape[0] for f in forms], np.int64))
+            return self.node("Split", [y, sizes], n_outputs=len(forms), axis=-1)
         outputs = []
-        for t, form in zip(tensors, forms, strict=True):
-            if form is None:
-                w = self.constant("weight", t.dequantize().T, weight=True)
-                outputs += self.node("MatMul", [x, w])
-            else:
+        for form in forms:
+            if isinstance(form, AffineBlocks):
                 outputs += self._affine_product(x, form, accuracy_level)
+            else:
+                outputs += self.node("MatMul", [x, self.constant("weight", form.T, weight=True)])
         return outputs
 
     def _affine_product(self, x: str, form: AffineBlocks, accuracy_level: int) -> list[str]:
@@ -159,10 +163,10 @@ def _pack_nibbles(values: np.ndarray) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
-def _fusable(forms: list[AffineBlocks | None]) -> bool:
+def _fusable(forms: list[AffineBlocks | np.ndarray]) -> bool:
     first = forms[0]
-    return first is not None and all(f is not None and f.bits == first.bits and f.block == first.block
-                                     for f in forms)
+    return isinstance(first, AffineBlocks) and all(
+        isinstance(f, AffineBlocks) and f.bits == first.bits and f.block == first.block for f in forms)
 
 
 def _fuse(forms: list[AffineBlocks]) -> AffineBlocks:
@@ -278,3 +282,83 @@ def cached_stage(model_path: Path, config: ModelConfig, weights: ModelWeights, s
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor-parallel shard blocks: one small graph per block a device holds units of, built in memory.
+# Weights are the units' rows (wq/wk/wv, gate/up, LM-head rows) and columns (wo, w_down) cut from the
+# quantized file blocks (quant.slice_affine), so a shard runs the same 4-bit and 8-bit kernels as the
+# whole-model engine and holds only its share's quantized bytes.
+
+def _model_bytes(g: _GraphWriter, inputs: list, outputs: list, name: str) -> bytes:
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
+    model = helper.make_model(graph, ir_version=IR_VERSION,
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
+    return model.SerializeToString()
+
+
+def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Sequence[int], max_len: int,
+                          accuracy_level: int = 0) -> bytes:
+    """The partial attention output of some KV heads (each with its query heads and its columns of wo):
+    inputs hidden (1, seq, hidden) normalized, seqlens_k, total_seq_len and the units' KV buffers
+    past_key/past_value (1, units, max_len, head_dim); outputs partial (1, seq, hidden) and the presents."""
+    c = config
+    q_width = c.heads_per_kv * c.head_dim
+    q_ranges = [(u * q_width, (u + 1) * q_width) for u in units]
+    kv_ranges = [(u * c.head_dim, (u + 1) * c.head_dim) for u in units]
+    q_rows = np.concatenate([np.arange(a, b) for a, b in q_ranges])
+    kv_rows = np.concatenate([np.arange(a, b) for a, b in kv_ranges])
+    g = _GraphWriter(None)
+    f32 = TensorProto.FLOAT
+    kv_shape = [1, len(units), max_len, c.head_dim]
+    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", c.hidden]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
+              helper.make_tensor_value_info("past_key", f32, kv_shape),
+              helper.make_tensor_value_info("past_value", f32, kv_shape)]
+    outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", c.hidden]),
+               helper.make_tensor_value_info("present_key", f32, kv_shape),
+               helper.make_tensor_value_info("present_value", f32, kv_shape)]
+    q, k, v = g.linear_forms("hidden", [slice_affine(layer.wq, q_rows), slice_affine(layer.wk, kv_rows),
+                                        slice_affine(layer.wv, kv_rows)], accuracy_level)
+    if layer.bq is not None:
+        q, k, v = (g.node("Add", [t, g.constant("bias", b[rows])])[0] for t, b, rows in
+                   ((q, layer.bq, q_rows), (k, layer.bk, kv_rows), (v, layer.bv, kv_rows)))
+    cos, sin = rope_tables(c.head_dim, c.rope_base, np.arange(max_len))
+    g.nodes.append(helper.make_node(
+        "GroupQueryAttention", [q, k, v, "past_key", "past_value", "seqlens_k", "total_seq_len",
+                                g.constant("rope_cos", cos), g.constant("rope_sin", sin)],
+        ["heads", "present_key", "present_value"], name="attention", domain="com.microsoft",
+        num_heads=len(units) * c.heads_per_kv, kv_num_heads=len(units), do_rotary=1, rotary_interleaved=0))
+    (y,) = g.linear_forms("heads", [slice_affine(layer.wo, col_ranges=q_ranges)], accuracy_level)
+    g.nodes.append(helper.make_node("Identity", [y], ["partial"], name="partial"))
+    return _model_bytes(g, inputs, outputs, "edgerun_shard_attention")
+
+
+def shard_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[tuple[int, int]],
+                    accuracy_level: int = 0) -> bytes:
+    """The partial MLP output of some neuron ranges (rows of gate and up, columns of down):
+    hidden (1, seq, hidden) normalized in, partial (1, seq, hidden) out."""
+    rows = np.concatenate([np.arange(a, b) for a, b in ranges])
+    g = _GraphWriter(None)
+    f32 = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
+    outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", config.hidden])]
+    gate, up = g.linear_forms("hidden", [slice_affine(layer.w_gate, rows), slice_affine(layer.w_up, rows)],
+                              accuracy_level)
+    (sig,) = g.node("Sigmoid", [gate])
+    (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
+    (y,) = g.linear_forms(act, [slice_affine(layer.w_down, col_ranges=list(ranges))], accuracy_level)
+    g.nodes.append(helper.make_node("Identity", [y], ["partial"], name="partial"))
+    return _model_bytes(g, inputs, outputs, "edgerun_shard_mlp")
+
+
+def shard_head_graph(config: ModelConfig, output: QuantTensor, rows: np.ndarray, accuracy_level: int = 0) -> bytes:
+    """Logits of some vocabulary rows: hidden (1, seq, hidden) after the final norm in, logits (1, seq, rows) out."""
+    g = _GraphWriter(None)
+    f32 = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
+    outputs = [helper.make_tensor_value_info("logits", f32, [1, "seq", len(rows)])]
+    (y,) = g.linear_forms("hidden", [slice_affine(output, rows)], accuracy_level)
+    g.nodes.append(helper.make_node("Identity", [y], ["logits"], name="logits"))
+    return _model_bytes(g, inputs, outputs, "edgerun_shard_head")

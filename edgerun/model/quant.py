@@ -171,3 +171,65 @@ def _q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc[..., 4:] = (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)
     m[..., 4:] = (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)
     return sc, m
+
+
+MIN_KERNEL_BLOCK = 16  # the smallest block onnxruntime's MatMulNBits takes
+
+
+def _refine(form: AffineBlocks, block: int) -> AffineBlocks:
+    """The same matrix with blocks of `block` (a divisor of form.block): each block's scale and offset repeated."""
+    r = form.block // block
+    return AffineBlocks(form.bits, block, form.codes, np.repeat(form.scales, r, axis=1),
+                        None if form.offsets is None else np.repeat(form.offsets, r, axis=1))
+
+
+def _concat_columns(forms: list[AffineBlocks]) -> AffineBlocks:
+    block = min(f.block for f in forms)
+    forms = [_refine(f, block) if f.block != block else f for f in forms]
+    offsets = None
+    if any(f.offsets is not None for f in forms):
+        offsets = np.concatenate([np.zeros_like(f.scales) if f.offsets is None else f.offsets for f in forms], axis=1)
+    return AffineBlocks(forms[0].bits, block, np.concatenate([f.codes for f in forms], axis=1),
+                        np.concatenate([f.scales for f in forms], axis=1), offsets)
+
+
+def slice_affine(t: QuantTensor, rows: np.ndarray | None = None,
+                 col_ranges: list[tuple[int, int]] | None = None) -> AffineBlocks | np.ndarray:
+    """Some rows, or some column ranges side by side, of a quantized matrix, in the affine-block form a
+    quantized kernel runs, touching only the file blocks that cover them. A column range that does not start
+    and end on a block boundary re-expresses its blocks as smaller ones (a 32-block cut at 16 is two 16-blocks
+    with the same scale and offset), exactly; only where that would take blocks below MIN_KERNEL_BLOCK, or the
+    type has no affine form (float types, Q5_1, Q5_K), is the slice float32 (rows, cols)."""
+    if rows is not None:
+        t = t.take_rows(np.asarray(rows))
+    if col_ranges is None:
+        return to_affine_blocks(t) or t.dequantize()
+    rows_n, cols = t.shape
+    file_block, size = block_shape(t.qtype)
+    forms: list[AffineBlocks] = []
+    for start, stop in col_ranges:
+        if not 0 <= start < stop <= cols:
+            raise ValueError(f"column range [{start}, {stop}) is outside 0..{cols}")
+        first, last = start // file_block, -(-stop // file_block)
+        part = QuantTensor(t.qtype, (rows_n, (last - first) * file_block),
+                           np.ascontiguousarray(t.raw[:, first * size:last * size]))
+        form = to_affine_blocks(part)
+        a, b = start - first * file_block, stop - first * file_block
+        block = np.gcd.reduce([form.block, a, b]) if form is not None else 0
+        if form is None or block < MIN_KERNEL_BLOCK or block & (block - 1):
+            return np.concatenate([slice_affine_float(t, r) for r in col_ranges], axis=1)
+        form = _refine(form, int(block)) if block != form.block else form
+        cut = slice(a // form.block, b // form.block)
+        forms.append(AffineBlocks(form.bits, form.block, form.codes[:, a:b], form.scales[:, cut],
+                                  None if form.offsets is None else form.offsets[:, cut]))
+    return _concat_columns(forms)
+
+
+def slice_affine_float(t: QuantTensor, col_range: tuple[int, int]) -> np.ndarray:
+    """Columns [start, stop) of a quantized matrix as float32, dequantizing only the blocks covering them."""
+    start, stop = col_range
+    file_block, size = block_shape(t.qtype)
+    first, last = start // file_block, -(-stop // file_block)
+    part = QuantTensor(t.qtype, (t.shape[0], (last - first) * file_block),
+                       np.ascontiguousarray(t.raw[:, first * size:last * size]))
+    return part.dequantize()[:, start - first * file_block:stop - first * file_block]

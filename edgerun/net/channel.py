@@ -4,8 +4,10 @@ TCP streams, an authenticating UDP receiver, and a lossy UDP sender usable from 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -29,6 +31,22 @@ T = TypeVar("T")
 # also what a lone lost segment waits before its tail-loss probe.
 TCP_RTO_MIN_US = 45
 KERNEL_RTO_MIN_MS = 200.0
+IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux's value; Python's socket module does not export it
+MAX_UDP_PAYLOAD = 65507  # IPv4's largest datagram less its IP and UDP headers
+ETHERNET_UDP_PAYLOAD = 1472  # a 1500-byte Ethernet MTU less IPv4 and UDP headers
+
+
+def path_datagram_bytes(host: str, port: int) -> int:
+    """The largest UDP payload that reaches (host, port) in one IP packet: the route's MTU less the IPv4 and UDP
+    headers (65507 on loopback, 1472 on Ethernet). A datagram the kernel had to fragment would be lost whole with
+    any one of its fragments, so vectors are cut to this size."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            mtu = s.getsockopt(socket.IPPROTO_IP, IP_MTU)
+        except OSError:
+            return ETHERNET_UDP_PAYLOAD
+    return max(ETHERNET_UDP_PAYLOAD // 2, min(mtu - 28, MAX_UDP_PAYLOAD))
 
 
 @dataclass
@@ -171,6 +189,11 @@ class AsyncChannel:
             raise ConnectionError("connection closed") from e
         return parse_control(header, body)
 
+    def fileno(self) -> int:
+        """The stream's socket descriptor, -1 once it is gone."""
+        sock = self.writer.get_extra_info("socket")
+        return -1 if sock is None or self.writer.is_closing() else sock.fileno()
+
     def close(self) -> None:
         if self._on_loop():
             self.writer.close()
@@ -192,6 +215,71 @@ class DatagramReceiver(asyncio.DatagramProtocol):
             self.counters.reject(str(e).split(" ")[0])
             return
         self.on_packet(header, payload, addr)
+
+
+class DatagramSocket:
+    """A UDP socket whose authentic datagrams go to a callback: read by the event loop while the loop is idle,
+    and straight off the socket by the loop's own thread while it waits on a block (`drain`), with no event-loop
+    round per packet. `redundant(data)` may drop a datagram before its MAC is checked (a copy of a vector
+    already whole: dropping a packet is safe whoever sent it)."""
+
+    def __init__(self, host: str, key: bytes, counters: Counters,
+                 on_packet: Callable[[Header, bytes, tuple[str, int]], None],
+                 redundant: Callable[[bytes], bool] = lambda _: False) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.bind((host, 0))
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+        self.key, self.counters, self.on_packet, self.redundant = key, counters, on_packet, redundant
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read on `loop` whenever it is idle (call on the loop's thread)."""
+        self.loop = loop
+        loop.add_reader(self.sock.fileno(), self.read_all)
+
+    def read_all(self) -> None:
+        """Hand every datagram waiting on the socket to the callback."""
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(MAX_UDP_PAYLOAD + 64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. an ICMP error from an earlier send to a node that left
+                continue
+            if self.redundant(data):
+                continue
+            try:
+                header, payload = open_packet(data, self.key)
+            except WireError as e:
+                self.counters.reject(str(e).split(" ")[0])
+                continue
+            self.on_packet(header, payload, addr)
+
+    def drain(self, done: Callable[[], bool], until: Callable[[], float], watch: list[int]) -> bool:
+        """Read datagrams on this thread until done() or the perf_counter time until() (re-read after every
+        packet: an arrival may move it). False as soon as one of the `watch` descriptors (TCP streams the event
+        loop reads) has data or closes: the caller must then let the loop run."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        for fd in watch:
+            poller.register(fd, select.POLLIN)
+        udp = self.sock.fileno()
+        while not done():
+            remaining = until() - time.perf_counter()
+            if remaining <= 0:
+                return True
+            for fd, _ in poller.poll(remaining * 1000):
+                if fd != udp:
+                    return False
+                self.read_all()
+        return True
+
+    def close(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
 
 
 async def listen_datagrams(host: str, key: bytes, counters: Counters,

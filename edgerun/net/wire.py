@@ -130,6 +130,15 @@ def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
     return header, body[HEADER.size:]
 
 
+def peek_block(data: bytes) -> tuple[int, int, int, int, int] | None:
+    """(session, position, layer, block, node) of a datagram, unchecked (no MAC): only to drop a copy of what is
+    already whole before spending a MAC check on it. None if it is too short to say."""
+    if len(data) < HEADER.size:
+        return None
+    _, _, _, session, position, layer, block, node, *_ = HEADER.unpack_from(data)
+    return session, position, layer, block, node
+
+
 def encode_vector(x: np.ndarray, codec: Codec) -> bytes:
     x = np.ascontiguousarray(x, np.float32).reshape(-1)
     if codec == Codec.F32:

@@ -1,9 +1,11 @@
-"""Memory-read bandwidth: what a bandwidth-bound decode step can hope for on this machine."""
+"""Memory-read bandwidth: what a bandwidth-bound decode step can hope for on this machine; peak RSS."""
 
 from __future__ import annotations
 
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -21,3 +23,12 @@ def memory_read_bandwidth(threads: int = 1, size_mb: int = 1024, repeats: int = 
             list(pool.map(np.sum, chunks))
             best = max(best, data.nbytes / (time.perf_counter() - start))
     return best
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS. ru_maxrss would do, but Linux carries it over from the parent across
+    fork and exec; VmHWM belongs to the process's own address space."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

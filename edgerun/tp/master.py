@@ -30,10 +30,11 @@ from edgerun.model.sampling import Sampler
 from edgerun.net.channel import (
     AsyncChannel,
     Counters,
+    DatagramSocket,
     EventLoopThread,
     LossyUdp,
     add_fragment,
-    listen_datagrams,
+    path_datagram_bytes,
 )
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_sha256
@@ -48,13 +49,14 @@ from edgerun.net.wire import (
     WireError,
     fragment,
     is_parity,
+    peek_block,
     seal,
 )
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
 from edgerun.tp.node import mirrored, settle_heap, uses_reliable
-from edgerun.tp.shard import Shard, ShardSpec, full_spec
+from edgerun.tp.shard import QuantShard, Shard, ShardSpec, full_spec
 
 MAPPINGS = ("index", "static", "dynamic")
 NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
@@ -167,11 +169,19 @@ class NodeConn:
     rejected: int = 0  # packets the node refused, as its last heartbeat said
     prefetched: tuple[int, int] = (0, 0)  # load overlap: (weights used, gathered for the wrong units), as said
     link: Link | None = None  # measured when it joined
+    datagram_bytes: int = 1472  # the largest UDP payload both ways between it and the master (path MTU)
     arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the master sent
     lag: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the block's first partial
     pong: threading.Event = field(default_factory=threading.Event)
     pongs: list[float] = field(default_factory=list)
     echoes: int = 0
+    # What the node reports: its share's sizes when ready, and with every heartbeat (every HEARTBEAT_S) its
+    # kernels' time so far and its peak resident memory.
+    weight_bytes: int = 0
+    cache_bytes: int = 0
+    compute_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    heartbeats: int = 0
 
 
 @dataclass
@@ -201,6 +211,7 @@ class _Wait:
     lag_bound: float | None = None  # how long after the first partial the others may still come
     deadline: float | None = None  # perf_counter time; None: wait for every reply
     timer: asyncio.TimerHandle | None = None
+    timed: bool = False  # awaited on the event loop, with a timer for the deadline (else drained on the spot)
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
 
     def arrive(self, index: int) -> None:
@@ -215,9 +226,11 @@ class _Wait:
             self.expire_at(min(self.deadline, now + self.lag_bound))
 
     def expire_at(self, deadline: float) -> None:
+        self.deadline = deadline
+        if not self.timed:
+            return
         if self.timer is not None:
             self.timer.cancel()
-        self.deadline = deadline
         self.timer = self.future.get_loop().call_later(max(0.0, deadline - time.perf_counter()), self.finish)
 
     def finish(self) -> None:
@@ -301,9 +314,10 @@ class Master:
                  loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
                  timeout_deviations: float = 4.0, parity: int = 2, mapping: str = "index",
-                 predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS,
+                 predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS, threads: int = 1,
                  log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
+        self.threads = threads  # onnxruntime threads of the master's own share
         unknown = set(overlap) - set(OVERLAPS)
         if unknown:
             raise EdgerunError(f"unknown overlap {sorted(unknown)} (choose from {', '.join(OVERLAPS)})")
@@ -333,7 +347,7 @@ class Master:
         self.nodes: list[NodeConn] = []
         self.session = 0
         self.position = 0
-        self.shard: Shard | None = None
+        self.shard: QuantShard | Shard | None = None
         self.plan: TPPlan | None = None
         # Loop-thread state: inputs kept for fetches, fetches of inputs not sent yet, the block in merge.
         self.recent_inputs: dict[tuple[int, int, int, int], bytes] = {}
@@ -344,14 +358,16 @@ class Master:
         self.stats = StepStats()
         self.running = True
         self.net = EventLoopThread()
-        self.server, self.datagrams = self.net.run(self._listen(host, port))
+        self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, self._redundant)
+        self.udp_port = self.datagrams.port
+        self.server = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
-        self.udp_port = self.datagrams.get_extra_info("sockname")[1]
 
-    async def _listen(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport]:
+    async def _listen(self, host: str, port: int) -> asyncio.Server:
         server = await asyncio.start_server(self._serve_node, host, port)
         self.watch_task = asyncio.get_running_loop().create_task(self._watch())
-        return server, await listen_datagrams(host, self.key, self.counters, self._on_datagram)
+        self.datagrams.attach(asyncio.get_running_loop())
+        return server
 
     # --- membership ----------------------------------------------------------------------------
     async def _serve_node(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -367,6 +383,9 @@ class Master:
             with self.cond:
                 node = NodeConn(len(self.nodes) + 1, str(message["name"]), channel, addr[0], int(message["udp_port"]),
                                 float(message["budget_mb"]), float(message["speed"]))
+                # Both directions' path MTU: the node measured its way here, the master measures its way there.
+                node.datagram_bytes = min(int(message.get("datagram_bytes", 1472)),
+                                          path_datagram_bytes(node.host, node.udp_port))
                 self.nodes.append(node)
                 self.cond.notify_all()
             self.log(f"node {node.name} joined from {addr[0]}")
@@ -399,6 +418,7 @@ class Master:
     def _node_message(self, node: NodeConn, message: dict, payload: bytes) -> None:
         op = message["op"]
         if op == "ready":
+            node.weight_bytes, node.cache_bytes = int(message["weight_bytes"]), int(message.get("cache_bytes", 0))
             node.ready.set()
         elif op in ("pong", "bw_reply"):
             node.pongs.append(time.perf_counter())
@@ -406,6 +426,9 @@ class Master:
         elif op == "heartbeat":
             node.rejected = int(message.get("rejected", 0))
             node.prefetched = (int(message.get("prefetch_hits", 0)), int(message.get("prefetch_misses", 0)))
+            node.compute_s = float(message.get("compute_s", 0.0))
+            node.peak_rss_mb = float(message.get("peak_rss_mb", 0.0))
+            node.heartbeats += 1
         elif op == "fetch":
             key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
             kept = self.recent_inputs.get(key)
@@ -452,6 +475,15 @@ class Master:
         if not is_parity(header):  # the parity of a partial already merged is expected, not late
             self.stats.late_packets += 1
         self._late(key, header, payload)
+
+    def _redundant(self, data: bytes) -> bool:
+        """A datagram of a partial already whole in the block being merged or the one merged last (a parity copy
+        after its data): nothing to learn from it, so it is dropped before its MAC is checked."""
+        peeked = peek_block(data)
+        if peeked is None:
+            return False
+        key, node = peeked[:4], peeked[4]
+        return any(w is not None and w.key == key and node in w.arrived for w in (self.wait, self.merged))
 
     def _mirror_copy(self, key: tuple[int, int, int, int], node: int) -> bool:
         """True for the second copy of a mirrored block's reply: its first copy is in, so nothing is late."""
@@ -542,7 +574,7 @@ class Master:
             full = full_spec(self.model.config, self.group_size, self.vocab_block)
             own = replace(full, vocab_blocks=own.vocab_blocks)
             self.own_priorities = (tuple(layer[0] for layer in plan.attn), tuple(layer[0] for layer in plan.mlp))
-        self.shard = Shard(self.model.config, self.model.weights, own, self.max_len)
+        self.shard = None  # the old share goes before the new one is built
         rto_min = tcp_rto_min_ms(self.transport, self.rto_min_override)
         # Nodes can only gather their next units' weights ahead when the predictors read one layer ahead.
         prefetch = self.mapping == "dynamic" and "load" in self.overlap and self.predictors.ahead
@@ -558,9 +590,15 @@ class Master:
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
                                "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": self.parity,
+                               "datagram_bytes": node.datagram_bytes,
                                "priorities": None if node.priorities is None else
                                {"attn": node.priorities[0], "mlp": node.priorities[1]}, "prefetch": prefetch},
                               predictor_bytes)
+        # The master builds its own share while the nodes build theirs.
+        if self.mapping == "dynamic":
+            self.shard = Shard(self.model.config, self.model.weights, own, self.max_len)
+        else:
+            self.shard = QuantShard(self.model.config, self.model.weights, own, self.max_len, self.threads)
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):
@@ -573,6 +611,9 @@ class Master:
             if not self.predictors.ahead and self.overlap:
                 self.log("the predictors read each block's own input: ranking runs on the critical path, without "
                          "the pred and load overlaps (train with --reads ahead for them)")
+        else:
+            self.log(f"master: {self.shard.weight_bytes / 1e6:.1f} MB of quantized weights, "
+                     f"{self.shard.cache_bytes / 1e6:.1f} MB of KV cache")
         return plan
 
     # --- generation (on the loop thread) ------------------------------------------------------------
@@ -636,35 +677,54 @@ class Master:
             self.assignments[key] = Assignment(ranking, {"master": own_units} | {
                 n.name: tuple(ranking[p] for p in n.priorities[kind][layer]) for n in nodes})
         sent = time.perf_counter()
-        w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq)) if over_udp else None
-                                    for n in nodes}, loop.create_future(), sent, len(nodes))
+        w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq), n.datagram_bytes)
+                                    if over_udp else None for n in nodes}, loop.create_future(), sent, len(nodes))
         if mirror:
             self.mirrors[key] = w
         if reliable:
             for node in nodes:
                 self._send_input(node, key, data, ranking)
-        if nodes and over_udp:  # every node gets the same datagrams: encode and seal them once
+        if nodes and over_udp:  # nodes on paths of one MTU get the same datagrams: encode and seal them once
             header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0,
                             codec=Codec.F32 if mirror else self.codec, flags=seq)
-            datagrams = fragment(header, x.reshape(-1), self.key, parity=self.parity,
-                                 prefix=b"" if ranking is None else bytes(ranking))
+            datagrams: dict[int, list[bytes]] = {}
             for node in nodes:
-                self.udp.send_all(datagrams, (node.host, node.udp_port))
+                if node.datagram_bytes not in datagrams:
+                    datagrams[node.datagram_bytes] = fragment(
+                        header, x.reshape(-1), self.key, node.datagram_bytes, parity=self.parity,
+                        prefix=b"" if ranking is None else bytes(ranking))
+                self.udp.send_all(datagrams[node.datagram_bytes], (node.host, node.udp_port))
         compute_start = time.perf_counter()
         if block == Block.ATTN:
             out = self.shard.attention(layer, x, start, units=own_units)
         elif block == Block.MLP:
             out = self.shard.mlp(layer, x, groups=own_units)
-        else:
-            out = None
+        else:  # the LM head: this device's vocabulary rows, computed while the nodes compute theirs
+            logits = np.zeros(self.model.config.vocab_size, np.float32)
+            rows, own = self.shard.logits(x[-1:])
+            logits[rows] = own[-1]
+            out = logits
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
         if while_waiting is not None:
             while_waiting()
         if not reliable:
             w.lag_bound = self.timeouts.after_first([n.lag for n in nodes])
-            w.expire_at(sent + self.timeouts.after_send([n.arrival for n in nodes]))
-        if w.outstanding and not any(not n.alive for n in nodes):
+            w.deadline = sent + self.timeouts.after_send([n.arrival for n in nodes])
+        if over_udp and w.outstanding:
+            # The lean path: partials are taken straight off the socket on this thread until the block is whole
+            # or its deadline passes. A mirrored block (no deadline) waits so long for its UDP copies, then for
+            # its TCP copies on the loop. Data on a participant's TCP stream (a reply, a heartbeat, a closed
+            # connection) hands the wait to the event loop, which reads it.
+            grace = sent + self.timeouts.after_send([n.arrival for n in nodes])
+            watch = [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0]
+            self.datagrams.drain(lambda: w.outstanding == 0, lambda: grace if w.deadline is None else w.deadline,
+                                 watch)
+        if w.outstanding and not any(not n.alive for n in nodes) and (
+                reliable or w.deadline is None or time.perf_counter() < w.deadline):
+            w.timed = True
+            if w.deadline is not None:
+                w.expire_at(w.deadline)
             await w.future
         w.finish()
         self.wait, self.merged = None, w
@@ -687,7 +747,7 @@ class Master:
                     node.arrival.observe(w.arrived[node.index])
                     node.lag.observe(w.arrived[node.index] - first)
         if block == Block.HEAD:
-            return self._assemble_logits(x, nodes, w.parts)
+            return self._assemble_logits(out, nodes, w.parts)
         for part in w.parts.values():
             if part is not None:
                 vector = part.vector if isinstance(part, Reassembly) else part
@@ -700,10 +760,8 @@ class Master:
             return len(vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.config.vocab_size))
         return seq * self.model.config.hidden
 
-    def _assemble_logits(self, x: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:
-        logits = np.zeros(self.model.config.vocab_size, np.float32)
-        rows, own = self.shard.logits(x[-1:])
-        logits[rows] = own[-1]
+    def _assemble_logits(self, logits: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:
+        """The master's logits with every node's rows filled in."""
         for node in nodes:
             node_rows = vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.config.vocab_size)
             part = parts[node.index]
@@ -712,6 +770,8 @@ class Master:
         return logits
 
     async def _step(self, tokens: Sequence[int]) -> np.ndarray:
+        # Blocks drained on the spot never yield: let the loop read the nodes' streams (heartbeats) once a step.
+        await asyncio.sleep(0)
         c = self.model.config
         x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
         start = self.position
@@ -787,6 +847,16 @@ class Master:
         if len(prompt) + max_tokens > self.max_len:
             raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.max_len}")
         return self.net.run(self._generate(prompt, max_tokens, sampler, stop_ids, on_token))
+
+    def fresh_reports(self, timeout_s: float = 3.0) -> list[NodeConn]:
+        """The live nodes, once each has sent a heartbeat after this call (so its counters cover what ran
+        before it), or after timeout_s."""
+        nodes = [n for n in self.nodes if n.alive]
+        seen = {n.index: n.heartbeats for n in nodes}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(n.heartbeats <= seen[n.index] for n in nodes if n.alive):
+            time.sleep(0.02)
+        return [n for n in nodes if n.alive]
 
     def lost_nodes(self) -> list[str]:
         return [n.name for n in self.nodes if not n.alive and n.spec is not None]

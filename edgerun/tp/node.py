@@ -17,8 +17,10 @@ in the same callback, with no thread hand-off on the per-token path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,12 +29,33 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
-from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, add_fragment, listen_datagrams
+from edgerun.net.channel import (
+    ETHERNET_UDP_PAYLOAD,
+    AsyncChannel,
+    Counters,
+    DatagramSocket,
+    EventLoopThread,
+    LossyUdp,
+    add_fragment,
+    path_datagram_bytes,
+)
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
-from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, Reassembly, WireError, fragment, seal
+from edgerun.net.wire import (
+    PROBE_FLAG,
+    Block,
+    Codec,
+    Header,
+    MsgType,
+    Reassembly,
+    WireError,
+    fragment,
+    peek_block,
+    seal,
+)
+from edgerun.profile.memory import peak_rss_mb
 from edgerun.sap.predictor import PredictorSet
-from edgerun.tp.shard import AttnWeights, MlpWeights, Shard, ShardSpec, full_spec
+from edgerun.tp.shard import AttnWeights, MlpWeights, QuantShard, Shard, ShardSpec, full_spec
 
 HEARTBEAT_S = 0.5
 
@@ -139,8 +162,9 @@ class Prefetcher:
 
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
-                 speed: float, loss: LossModel | None = None, log=print) -> None:
+                 speed: float, loss: LossModel | None = None, log=print, threads: int = 1) -> None:
         self.master = master
+        self.threads = threads  # onnxruntime threads of the share
         self.model = model
         self.key = key
         self.name = name
@@ -151,7 +175,7 @@ class Node:
         self.counters = Counters()
         # Loop-thread state: the share, the session, and the inputs not computed yet.
         self.spec: ShardSpec | None = None
-        self.shard: Shard | None = None
+        self.shard: QuantShard | Shard | None = None
         self.attn_layers: list[int] = []  # layers where this node holds attention units
         self.session = -1
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
@@ -160,10 +184,12 @@ class Node:
         self.codec = Codec.F32
         self.transport = "udp"
         self.parity = 0  # copies of a parity fragment after every partial (the master says)
+        self.datagram_bytes = ETHERNET_UDP_PAYLOAD  # the largest UDP payload to and from the master (the master says)
         # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
         # per block, the units the master's ranking puts at those indices. None: static shares.
         self.priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
         self.prefetcher: Prefetcher | None = None  # dynamic mapping with the load overlap
+        self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
@@ -189,9 +215,11 @@ class Node:
     async def _join(self) -> dict:
         reader, writer = await asyncio.open_connection(*self.master)
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
-        self.datagrams = await listen_datagrams("0.0.0.0", self.key, self.counters, self._on_datagram)
+        self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self._redundant)
+        self.datagrams.attach(asyncio.get_running_loop())
         self.channel.send({"op": "register", "name": self.name, "budget_mb": self.budget_mb, "speed": self.speed,
-                           "udp_port": self.datagrams.get_extra_info("sockname")[1]})
+                           "udp_port": self.datagrams.port,
+                           "datagram_bytes": path_datagram_bytes(self.master[0], self.master[1])})
         welcome, _ = await self.channel.receive()
         if welcome.get("op") != "welcome":
             raise WireError(f"expected welcome, got {welcome.get('op')}")
@@ -203,11 +231,16 @@ class Node:
             message, payload = await self.channel.receive()
             if message["op"] == "assign":  # loading a share takes a while: keep the loop (heartbeats) going
                 spec = shard_spec_from_json(message["spec"])
+                self.shard = None  # the old share goes before the new one is built
                 if message.get("priorities") is not None:  # dynamic mapping: hold every unit
                     full = full_spec(self.model.config, spec.group_size, spec.vocab_block)
                     spec = replace(full, vocab_blocks=spec.vocab_blocks)
-                shard = await loop.run_in_executor(None, Shard, self.model.config, self.model.weights, spec,
-                                                   int(message["max_len"]))
+                    build = functools.partial(Shard, self.model.config, self.model.weights, spec,
+                                              int(message["max_len"]))
+                else:
+                    build = functools.partial(QuantShard, self.model.config, self.model.weights, spec,
+                                              int(message["max_len"]), self.threads)
+                shard = await loop.run_in_executor(None, build)
                 self._assign(message, spec, shard, payload)
                 settle_heap()
             else:
@@ -227,17 +260,19 @@ class Node:
                 p = self.prefetcher
                 self.channel.send({"op": "heartbeat", "rejected": self.counters.total(),
                                    "prefetch_hits": 0 if p is None else p.hits,
-                                   "prefetch_misses": 0 if p is None else p.misses})
+                                   "prefetch_misses": 0 if p is None else p.misses,
+                                   "compute_s": self.compute_s, "peak_rss_mb": peak_rss_mb()})
             except (OSError, ConnectionError):
                 return
 
-    def _assign(self, message: dict, spec: ShardSpec, shard: Shard, predictor_bytes: bytes = b"") -> None:
+    def _assign(self, message: dict, spec: ShardSpec, shard: QuantShard | Shard, predictor_bytes: bytes = b"") -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
         self.index = int(message["index"])
         self.codec = Codec(message["codec"])
         self.transport = message["transport"]
         self.parity = int(message.get("parity", 0))
+        self.datagram_bytes = int(message.get("datagram_bytes", ETHERNET_UDP_PAYLOAD))
         priorities = message.get("priorities")
         self.priorities = None if priorities is None else (
             tuple(tuple(int(p) for p in layer) for layer in priorities["attn"]),
@@ -251,7 +286,8 @@ class Node:
         rto_min = message.get("rto_min_ms")
         self.channel.set_rto_min(None if rto_min is None else float(rto_min))
         self._new_session(int(message["session"]))
-        self.channel.send({"op": "ready", "session": self.session, "weight_bytes": shard.weight_bytes})
+        self.channel.send({"op": "ready", "session": self.session, "weight_bytes": shard.weight_bytes,
+                           "cache_bytes": shard.cache_bytes})
 
     def _control(self, message: dict, payload: bytes) -> None:
         op = message["op"]
@@ -301,7 +337,7 @@ class Node:
         if entry is None and header.block != Block.ATTN and header.position < self.latest_seen[0]:
             return None  # a stateless block of a step the master has left (a late TCP copy): nothing to do
         if entry is None:
-            entry = self.inputs[key] = _Input(Reassembly(total, prefix=self._prefix(header.block)))
+            entry = self.inputs[key] = _Input(Reassembly(total, self.datagram_bytes, prefix=self._prefix(header.block)))
         order = self._order(header.position, header.layer, header.block)
         if order > self.latest_seen:
             new_step = order[0] > self.latest_seen[0]
@@ -310,6 +346,18 @@ class Node:
             if new_step:
                 self._drop_stale_inputs()
         return entry
+
+    def _redundant(self, data: bytes) -> bool:
+        """A datagram of an input already whole (a parity copy after its data): dropped before its MAC check."""
+        peeked = peek_block(data)
+        if peeked is None:
+            return False
+        session, position, layer, block, _ = peeked
+        if session == self.session and block == Block.ATTN and self.shard is not None and \
+                layer < len(self.shard.lengths) and position < self.shard.lengths[layer]:
+            return True  # cached already
+        entry = self.inputs.get(peeked[:4])
+        return entry is not None and (entry.done or entry.value() is not None)
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
         if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
@@ -397,17 +445,18 @@ class Node:
                 self.prefetcher.start(position, layer, x)
             if output and units:
                 weights = self.prefetcher.take(position, layer, block, units)
+        started = time.perf_counter()
         if block == Block.ATTN:
             out = self.shard.attention(layer, x, position, output=output, units=units,
                                        weights=weights if isinstance(weights, AttnWeights) else None)
-            if out is None:
-                return
         elif block == Block.MLP:
-            if not output:
-                return
-            out = self.shard.mlp(layer, x, groups=units, weights=weights if isinstance(weights, MlpWeights) else None)
+            out = self.shard.mlp(layer, x, groups=units, weights=weights if isinstance(weights, MlpWeights) else None) \
+                if output else None
         else:
             _, out = self.shard.logits(x[-1:])
+        self.compute_s += time.perf_counter() - started
+        if out is None:
+            return
         seq = x.shape[0]
         reliable, mirror = uses_reliable(self.transport, layer, block, seq), mirrored(self.transport, layer, block, seq)
         if reliable:
@@ -417,17 +466,17 @@ class Node:
         if mirror or not reliable:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
                             codec=Codec.F32 if mirror else self.codec, flags=seq)
-            self.udp.send_all(fragment(header, out.reshape(-1), self.key, parity=self.parity),
+            self.udp.send_all(fragment(header, out.reshape(-1), self.key, self.datagram_bytes, parity=self.parity),
                               (self.master[0], self.master_udp_port))
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
-             speed: float, loss: LossModel | None) -> None:
+             speed: float, loss: LossModel | None, threads: int = 1) -> None:
     try:
         model = load_model(model_path)
     except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
         print(f"{e}; will fetch the master's model", file=sys.stderr)
         model = None
     node = Node(master, model, key, name, budget_mb, speed, loss,
-                log=lambda m: print(m, file=sys.stderr, flush=True))
+                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads)
     node.run()

@@ -1,4 +1,10 @@
-"""One device's share of every block in tensor-parallel mode, computed in numpy.
+"""One device's share of every block in tensor-parallel mode.
+
+`QuantShard` is the engine: each block a device holds units of is one small onnxruntime graph over the
+units' quantized rows and columns (4-bit and 8-bit kernels, as the whole-model engine), with the KV
+cache in preallocated buffers the attention kernel appends to in place: one native call per block.
+`Shard` below it is the float32 numpy reference, which dynamic mapping still uses (every device holds
+every unit and computes those a ranking hands it, which fixed graphs cannot do).
 
 A device holds some attention units (one KV head with the query heads that share it), some MLP
 neuron groups (`group_size` intermediate rows of gate/up with the matching columns of down) and
@@ -20,8 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnxruntime as ort
 
 from edgerun.model.config import ModelConfig
+from edgerun.model.onnx_engine import session_options
+from edgerun.model.onnx_graph import shard_attention_graph, shard_head_graph, shard_mlp_graph
 from edgerun.model.quant import QuantTensor, block_shape
 from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
 from edgerun.model.weights import LayerWeights, ModelWeights
@@ -146,6 +155,141 @@ class _MlpShard:
 
     def weight_bytes(self) -> int:
         return self.w_gate.nbytes + self.w_up.nbytes + self.w_down.nbytes
+
+
+class _Block:
+    """One onnxruntime session with its input bound per call; decode steps (one token) write into a
+    preallocated output, so the hot path allocates nothing but the step's small index tensors."""
+
+    def __init__(self, graph: bytes, threads: int | None, output: str, width: int) -> None:
+        options = session_options(threads)
+        if threads and threads > 1:  # many sessions run one after another: an idle one must not spin on the cores
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        self.graph_bytes = len(graph)
+        self.binding = self.session.io_binding()
+        self.binding.bind_output(output)  # first, so it is output 0
+        self.output = output
+        self.out1 = np.zeros((1, 1, width), np.float32)  # the one-token output, reused
+        self.out1_value = ort.OrtValue.ortvalue_from_numpy(self.out1)
+
+    def bind_cache(self, key: np.ndarray, value: np.ndarray) -> None:
+        for past, present, buffer in (("past_key", "present_key", key), ("past_value", "present_value", value)):
+            ort_value = ort.OrtValue.ortvalue_from_numpy(buffer)
+            self.binding.bind_ortvalue_input(past, ort_value)
+            self.binding.bind_ortvalue_output(present, ort_value)
+
+    def run(self, x: np.ndarray, total: int | None = None) -> np.ndarray:
+        """The block's output for x (1, seq, hidden); for one token, a buffer reused by the next call."""
+        b = self.binding
+        b.bind_cpu_input("hidden", x)
+        if total is not None:
+            b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+            b.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        if x.shape[1] == 1:
+            b.bind_ortvalue_output(self.output, self.out1_value)
+        else:
+            b.bind_output(self.output)
+        self.session.run_with_iobinding(b)
+        return self.out1 if x.shape[1] == 1 else b.get_outputs()[0].numpy()
+
+
+def _group_ranges(groups: Sequence[int], size: int, ffn: int) -> list[tuple[int, int]]:
+    return [(g * size, min((g + 1) * size, ffn)) for g in groups]
+
+
+class QuantShard:
+    """One device's attention units, MLP groups and vocabulary blocks as quantized onnxruntime graphs, one
+    per block, with the KV cache of its KV heads. The same interface as Shard, for static shares (`units`
+    and `weights` are for dynamic mapping, which runs on Shard). Outputs of one-token steps are buffers the
+    block reuses on its next call: use them before calling that block again."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
+                 threads: int | None = 1, accuracy_level: int = 0) -> None:
+        c = config
+        if len(spec.attn_units) != c.n_layers or len(spec.mlp_groups) != c.n_layers:
+            raise ValueError(f"the spec must list units for each of the {c.n_layers} layers")
+        if spec.group_size < 1 or spec.vocab_block < 1 or max_len < 1:
+            raise ValueError("group_size, vocab_block and max_len must be positive")
+        self.config, self.spec, self.max_len = config, spec, max_len
+        n_mlp = n_groups(c.ffn, spec.group_size)
+        self.attn: list[_Block | None] = []
+        self.kv: list[tuple[np.ndarray, np.ndarray] | None] = []
+        self.mlp_blocks: list[_Block | None] = []
+        for layer, w in enumerate(weights.layers):
+            units, groups = spec.attn_units[layer], spec.mlp_groups[layer]
+            _check_units(units, c.n_kv_heads, f"layer {layer} attention units")
+            _check_units(groups, n_mlp, f"layer {layer} MLP groups")
+            if units:
+                block = _Block(shard_attention_graph(c, w, units, max_len, accuracy_level), threads, "partial",
+                               c.hidden)
+                cache = tuple(np.zeros((1, len(units), max_len, c.head_dim), np.float32) for _ in range(2))
+                block.bind_cache(*cache)
+                self.attn.append(block)
+                self.kv.append(cache)
+            else:
+                self.attn.append(None)
+                self.kv.append(None)
+            self.mlp_blocks.append(_Block(shard_mlp_graph(c, w, _group_ranges(groups, spec.group_size, c.ffn),
+                                                          accuracy_level), threads, "partial", c.hidden)
+                                   if groups else None)
+        _check_units(spec.vocab_blocks, n_groups(c.vocab_size, spec.vocab_block), "vocab blocks")
+        self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
+                                      for b in spec.vocab_blocks]).astype(np.int64)
+        self.head = (_Block(shard_head_graph(c, weights.output, self.vocab_rows, accuracy_level), threads, "logits",
+                            len(self.vocab_rows)) if len(self.vocab_rows) else None)
+        self.lengths = [0] * c.n_layers
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the share's graphs: its quantized weights (and small tables: norms' absence, RoPE)."""
+        blocks = [b for b in (*self.attn, *self.mlp_blocks, self.head) if b is not None]
+        return sum(b.graph_bytes for b in blocks)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in (kv for kv in self.kv if kv is not None))
+
+    def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
+                  units: Sequence[int] | None = None, weights: AttnWeights | None = None) -> np.ndarray | None:
+        """Partial attention output (seq, hidden) for positions start..start+seq-1, after caching their keys
+        and values (later positions are forgotten). output=False: only the cache is filled."""
+        if units is not None or weights is not None:
+            raise ValueError("a quantized shard computes its own units; dynamic mapping runs on Shard")
+        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
+        seq = x.shape[1]
+        end = start + seq
+        if not 0 <= start <= self.lengths[layer]:
+            raise ValueError(f"layer {layer} holds {self.lengths[layer]} positions; cannot continue at {start}")
+        if end > self.max_len:
+            raise ValueError(f"context of {self.max_len} tokens exceeded")
+        self.lengths[layer] = end
+        block = self.attn[layer]
+        if block is None:
+            return np.zeros((seq, self.config.hidden), np.float32) if output else None
+        out = block.run(x, end)
+        return out.reshape(seq, -1) if output else None
+
+    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None,
+            weights: MlpWeights | None = None) -> np.ndarray:
+        if groups is not None or weights is not None:
+            raise ValueError("a quantized shard computes its own groups; dynamic mapping runs on Shard")
+        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
+        block = self.mlp_blocks[layer]
+        if block is None:
+            return np.zeros((x.shape[1], self.config.hidden), np.float32)
+        return block.run(x).reshape(x.shape[1], -1)
+
+    def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
+        if self.head is None:
+            return self.vocab_rows, np.zeros((x.shape[1], 0), np.float32)
+        return self.vocab_rows, self.head.run(x).reshape(x.shape[1], -1)
+
+    def truncate(self, length: int) -> None:
+        if length < 0:
+            raise ValueError(f"length must not be negative, not {length}")
+        self.lengths = [min(n, length) for n in self.lengths]
 
 
 class Shard:
