@@ -42,8 +42,11 @@ def parity_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parity", type=int, default=2, metavar="COPIES",
                    help="copies of an XOR parity fragment sent after every vector over UDP; one lost fragment is "
                         "rebuilt from any copy: at 5%% loss a one-fragment vector is lost 5%% of the time without "
-                        "parity, 0.25%% with one copy and 0.0125%% with two (default: 2)")
+                        "parity, 0.25%% with one copy and 0.0125%% with two (default: 2). Sent on a node's link once "
+                        "it has lost a packet, or measured loss when the node joined: a clean link carries none")
     p.add_argument("--no-parity", dest="parity", action="store_const", const=0, help="same as --parity 0")
+    p.add_argument("--parity-always", action="store_true",
+                   help="send the parity copies on every link from the start, lossy or not (default: off)")
 
 
 def _udp_args(p: argparse.ArgumentParser) -> None:
@@ -369,7 +372,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                     max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                     rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
                     parity=args.parity, mapping=args.mapping, predictors=predictors,
-                    overlap=_overlaps(args.overlap), threads=args.threads, log=log)
+                    overlap=_overlaps(args.overlap), threads=args.threads, parity_always=args.parity_always, log=log)
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
 
     def run(ids: list[int], emit) -> tuple[list[int], str]:
@@ -424,7 +427,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
-                           tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size)
+                           tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
+                           parity_always=args.parity_always)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)

@@ -9,7 +9,6 @@ import os
 import random
 import warnings
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -74,7 +73,7 @@ def pack_sealed(fields: dict[str, object], payload: bytes, key: bytes = KEY) -> 
 def sample_header(**changes: object) -> Header:
     h = Header(MsgType.ACTIVATION, session=0xDEAD_BEEF, position=12_345, layer=27, block=Block.MLP, node=7,
                frag_index=3, frag_count=5, codec=Codec.Q8, flags=0x81, offset=999, length=0)
-    return replace(h, **changes)
+    return h._replace(**changes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -89,7 +88,7 @@ def test_seal_open_round_trip(mtype: MsgType) -> None:
     packet = seal(header, payload, KEY)
     assert len(packet) == HEADER.size + len(payload) + MAC_SIZE
     got, body = open_packet(packet, KEY)
-    assert got == replace(header, length=len(payload))
+    assert got == header._replace(length=len(payload))
     assert body == payload
     assert type(got.type) is MsgType
     assert type(got.codec) is Codec
@@ -101,7 +100,7 @@ def test_seal_open_field_extremes() -> None:
                           0xFF, 0xFFFF_FFFF)]:
         for payload in [b"", b"\x00", b"x" * 9000]:
             got, body = open_packet(seal(header, payload, KEY), KEY)
-            assert got == replace(header, length=len(payload))
+            assert got == header._replace(length=len(payload))
             assert body == payload
 
 
@@ -260,7 +259,7 @@ def test_fragment_reassemble(n: int, codec: Codec, mtu: int) -> None:
 
     opened = [open_packet(p, KEY) for p in packets]
     for i, (h, _) in enumerate(opened):
-        assert h == replace(header, frag_index=i, frag_count=len(packets), offset=i * per, length=h.length)
+        assert h == header._replace(frag_index=i, frag_count=len(packets), offset=i * per, length=h.length)
         assert fragment_size(h, n, mtu) == min(per, n - i * per)
 
     # All fragments, in random order.
@@ -389,9 +388,9 @@ def test_malformed_parity_is_refused() -> None:
     header = Header(MsgType.PARTIAL, session=1, codec=Codec.F32, flags=1)
     packets = [open_packet(p, KEY) for p in fragment(header, np.ones(n, np.float32), KEY, parity=True)]
     parity_h, parity_body = packets[-1]
-    for h, body in [(replace(parity_h, offset=4), parity_body),  # parity sits at offset 0
+    for h, body in [(parity_h._replace(offset=4), parity_body),  # parity sits at offset 0
                     (parity_h, parity_body[:-4]),  # shorter than the first fragment
-                    (replace(parity_h, frag_index=parity_h.frag_count + 1), parity_body)]:
+                    (parity_h._replace(frag_index=parity_h.frag_count + 1), parity_body)]:
         r = Reassembly(n)
         with pytest.raises(WireError):
             r.add(*open_packet(seal(h, body, KEY), KEY))
@@ -410,7 +409,7 @@ def test_fragment_stays_in_header_range() -> None:
 def valid_packet() -> tuple[Header, bytes, bytes]:
     header = Header(MsgType.ACTIVATION, session=9, position=3, layer=1, codec=Codec.F16)
     payload = encode_vector(np.arange(4, dtype=np.float32), Codec.F16)
-    return replace(header, length=len(payload)), payload, seal(header, payload, KEY)
+    return header._replace(length=len(payload)), payload, seal(header, payload, KEY)
 
 
 def test_reject_wrong_key() -> None:
@@ -465,10 +464,10 @@ def test_reject_authentic_but_invalid_header(field: str, value: object, message:
 def test_index_equal_to_count_is_the_parity_and_beyond_is_refused() -> None:
     header, payload, _ = valid_packet()
     with pytest.raises(WireError):
-        open_packet(seal(replace(header, frag_index=5, frag_count=4), payload, KEY), KEY)
-    parity, _ = open_packet(seal(replace(header, frag_index=4, frag_count=4), payload, KEY), KEY)
+        open_packet(seal(header._replace(frag_index=5, frag_count=4), payload, KEY), KEY)
+    parity, _ = open_packet(seal(header._replace(frag_index=4, frag_count=4), payload, KEY), KEY)
     assert is_parity(parity)
-    data, _ = open_packet(seal(replace(header, frag_index=3, frag_count=4), payload, KEY), KEY)
+    data, _ = open_packet(seal(header._replace(frag_index=3, frag_count=4), payload, KEY), KEY)
     assert data.frag_index == 3 and not is_parity(data)
 
 
@@ -493,15 +492,15 @@ def test_reject_fragments_that_do_not_fit() -> None:
     first_h, first_body = packets[0]
     last_h, last_body = packets[-1]
     misfits = [
-        (replace(first_h, offset=1), first_body),  # offset off the fragment grid
-        (replace(last_h, offset=0), last_body),
-        (replace(first_h, frag_count=count + 1), first_body),  # more fragments than the vector needs
-        (replace(first_h, frag_count=count - 1), first_body),
-        (replace(first_h, frag_index=count + 1, frag_count=count + 2, offset=(count + 1) * per), first_body),
-        (replace(first_h, frag_index=count - 1, offset=(count - 1) * per), first_body),  # too long for the tail
+        (first_h._replace(offset=1), first_body),  # offset off the fragment grid
+        (last_h._replace(offset=0), last_body),
+        (first_h._replace(frag_count=count + 1), first_body),  # more fragments than the vector needs
+        (first_h._replace(frag_count=count - 1), first_body),
+        (first_h._replace(frag_index=count + 1, frag_count=count + 2, offset=(count + 1) * per), first_body),
+        (first_h._replace(frag_index=count - 1, offset=(count - 1) * per), first_body),  # too long for the tail
         (last_h, last_body + b"\x00\x00\x00\x00"),
-        (replace(first_h, codec=Codec.F16), first_body),  # F16 packs 1000 elements in one fragment
-        (replace(first_h, codec=Codec.Q8), first_body),
+        (first_h._replace(codec=Codec.F16), first_body),  # F16 packs 1000 elements in one fragment
+        (first_h._replace(codec=Codec.Q8), first_body),
     ]
     for header, body in misfits:
         reassembly = Reassembly(n, mtu)
@@ -513,7 +512,7 @@ def test_reject_fragments_that_do_not_fit() -> None:
     # Once a fragment is in, the fragment count is fixed: a whole-vector F16 fragment cannot join.
     reassembly = Reassembly(n, mtu)
     assert reassembly.add(*packets[1]) is Added.STORED
-    f16 = seal(replace(base, codec=Codec.F16, frag_count=1), encode_vector(x, Codec.F16), KEY)
+    f16 = seal(base._replace(codec=Codec.F16, frag_count=1), encode_vector(x, Codec.F16), KEY)
     before = reassembly.vector.copy()
     with pytest.raises(WireError, match="fragment count"):
         reassembly.add(*open_packet(f16, KEY))

@@ -116,6 +116,7 @@ class TpBenchConfig:
     overlap: tuple[str, ...] = OVERLAPS
     threads: int = 1  # BLAS threads of the master and of each node: all share one machine
     group_size: int = 256  # MLP neuron-group size
+    parity_always: bool = False  # parity on clean links too (else once a link loses a packet)
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -154,7 +155,7 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                         loss=parse_loss(loss, seed=0), max_len=CONTEXT, rto_min_ms=config.rto_min_ms,
                         timeout_deviations=config.timeout_deviations, parity=config.parity,
                         mapping=config.mapping, overlap=config.overlap, group_size=config.group_size,
-                        threads=config.threads,
+                        threads=config.threads, parity_always=config.parity_always,
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:

@@ -270,7 +270,7 @@ class DatagramSocket:
             remaining = until() - time.perf_counter()
             if remaining <= 0:
                 return True
-            for fd, _ in poller.poll(remaining * 1000):
+            for fd, _ in poller.poll(min(remaining, 1.0) * 1000):
                 if fd != udp:
                     return False
                 self.read_all()

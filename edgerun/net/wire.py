@@ -5,7 +5,8 @@ Datagrams and stream frames share one fixed header:
     magic "ER" | version u8 | type u8 | session u32 | position u32 | layer u16 | block u8 | node u8 |
     fragment index u16 | fragment count u16 | codec u8 | flags u8 | element offset u32 | payload length u32
 
-followed by the payload and a 16-byte keyed BLAKE2b MAC over header and payload. Little-endian.
+followed by the payload and a 16-byte MAC over header and payload (HMAC-SHA256, truncated: OpenSSL computes it
+with the CPU's SHA instructions, twice as fast as BLAKE2b on the device machine for a vector's 8 KB). Little-endian.
 A vector too long for one datagram is cut into fragments at codec-block boundaries; each fragment
 names its element offset, so fragments decode independently and a lost one leaves zeros.
 
@@ -28,14 +29,13 @@ import hashlib
 import hmac
 import json
 import struct
-from dataclasses import dataclass, replace
 from enum import Enum, IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 MAGIC = b"ER"
-VERSION = 1
+VERSION = 2  # 2: HMAC-SHA256 instead of keyed BLAKE2b
 MAC_SIZE = 16
 HEADER = struct.Struct("<2sBBIIHBBHHBBII")
 MAX_FRAME = 64 * 1024 * 1024  # stream frames larger than this are refused
@@ -70,8 +70,10 @@ class Codec(IntEnum):
     Q8 = 2  # blocks of 32 int8 with one f16 scale
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
+    """A packet's fixed header. A typed named tuple rather than a frozen dataclass: one is made for every
+    datagram sent and received, and a tuple is built in a tenth of the time."""
+
     type: MsgType
     session: int
     position: int = 0
@@ -91,7 +93,7 @@ class Header:
 
 
 def cluster_mac(key: bytes, data: bytes) -> bytes:
-    return hashlib.blake2b(data, key=key[:64], digest_size=MAC_SIZE).digest()
+    return hmac.digest(key, data, "sha256")[:MAC_SIZE]
 
 
 def derive_key(secret: str | None) -> bytes:
@@ -101,7 +103,14 @@ def derive_key(secret: str | None) -> bytes:
 
 
 def seal(header: Header, payload: bytes, key: bytes) -> bytes:
-    body = replace(header, length=len(payload)).pack() + payload
+    return _sealed(header, header.frag_index, header.frag_count, header.offset, payload, key)
+
+
+def _sealed(header: Header, frag_index: int, frag_count: int, offset: int, payload: bytes, key: bytes) -> bytes:
+    """header with these fragment fields and the payload's length, the payload and its MAC (no dataclass copies:
+    this runs for every datagram)."""
+    body = HEADER.pack(MAGIC, VERSION, header.type, header.session, header.position, header.layer, header.block,
+                       header.node, frag_index, frag_count, header.codec, header.flags, offset, len(payload)) + payload
     return body + cluster_mac(key, body)
 
 
@@ -109,17 +118,16 @@ def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
     """Check and split one datagram or frame; raise WireError for anything not to be trusted."""
     if len(data) < HEADER.size + MAC_SIZE:
         raise WireError(f"too short ({len(data)} bytes)")
-    body, mac = data[:-MAC_SIZE], data[-MAC_SIZE:]
-    if not hmac.compare_digest(mac, cluster_mac(key, body)):
+    if not hmac.compare_digest(data[-MAC_SIZE:], cluster_mac(key, memoryview(data)[:-MAC_SIZE])):
         raise WireError("bad MAC")
     magic, version, mtype, session, position, layer, block, node, index, count, codec, flags, offset, length = \
-        HEADER.unpack_from(body)
+        HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireError("bad magic")
     if version != VERSION:
         raise WireError(f"protocol version {version}, expected {VERSION}")
-    if length != len(body) - HEADER.size:
-        raise WireError(f"payload length {length} does not match {len(body) - HEADER.size}")
+    if length != len(data) - HEADER.size - MAC_SIZE:
+        raise WireError(f"payload length {length} does not match {len(data) - HEADER.size - MAC_SIZE}")
     try:
         header = Header(MsgType(mtype), session, position, layer, block, node, index, count, Codec(codec), flags,
                         offset, length)
@@ -127,7 +135,7 @@ def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
         raise WireError(str(e)) from e
     if count == 0 or index > count:  # index == count: the parity fragment
         raise WireError(f"fragment {index} of {count}")
-    return header, body[HEADER.size:]
+    return header, data[HEADER.size:-MAC_SIZE]
 
 
 def peek_block(data: bytes) -> tuple[int, int, int, int, int] | None:
@@ -206,11 +214,11 @@ def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472,
     per = elements_per_fragment(header.codec, mtu_payload, len(prefix))
     count = max(1, -(-x.size // per))
     payloads = [prefix + encode_vector(x[i * per:(i + 1) * per], header.codec) for i in range(count)]
-    datagrams = [seal(replace(header, frag_index=i, frag_count=count, offset=i * per), p, key)
-                 for i, p in enumerate(payloads)]
+    datagrams = [_sealed(header, i, count, i * per, p, key) for i, p in enumerate(payloads)]
     if parity:
-        datagrams += [seal(replace(header, frag_index=count, frag_count=count, offset=0),
-                           _xor(payloads, len(payloads[0])), key)] * int(parity)
+        # One fragment's parity is the fragment itself: no XOR to compute.
+        check = payloads[0] if count == 1 else _xor(payloads, len(payloads[0]))
+        datagrams += [_sealed(header, count, count, 0, check, key)] * int(parity)
     return datagrams
 
 
@@ -277,7 +285,10 @@ class Reassembly:
         """Decode data fragment `index` of n elements, after the prefix if there is one."""
         if len(payload) < self.prefix:
             raise WireError(f"{len(payload)} bytes cannot hold a prefix of {self.prefix}")
-        self.vector[index * per:index * per + n] = decode_vector(payload[self.prefix:], codec, n)
+        if codec == Codec.F32 and len(payload) == self.prefix + 4 * n:  # straight into the vector: one copy
+            self.vector[index * per:index * per + n] = np.frombuffer(payload, "<f4", n, self.prefix)
+        else:
+            self.vector[index * per:index * per + n] = decode_vector(payload[self.prefix:], codec, n)
         if self.prefix and self.prefix_bytes is None:
             self.prefix_bytes = payload[:self.prefix]
         self.received.add(index)
@@ -362,7 +373,8 @@ class PpMsg(IntEnum):
 
 
 def pp_mac(key: bytes, data: bytes) -> bytes:
-    return hmac.new(key, data, hashlib.sha256).digest()[:MAC_SIZE]
+    """The same MAC as datagrams': browsers compute HMAC-SHA256 with WebCrypto."""
+    return cluster_mac(key, data)
 
 
 def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,

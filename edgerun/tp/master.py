@@ -170,6 +170,8 @@ class NodeConn:
     prefetched: tuple[int, int] = (0, 0)  # load overlap: (weights used, gathered for the wrong units), as said
     link: Link | None = None  # measured when it joined
     datagram_bytes: int = 1472  # the largest UDP payload both ways between it and the master (path MTU)
+    parity: int = 0  # parity copies after every vector on this link, both ways
+    lossy: bool = False  # the link has lost a packet (or a partial came too late): parity from then on
     arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the master sent
     lag: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the block's first partial
     pong: threading.Event = field(default_factory=threading.Event)
@@ -315,7 +317,7 @@ class Master:
                  group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
                  timeout_deviations: float = 4.0, parity: int = 2, mapping: str = "index",
                  predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS, threads: int = 1,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 parity_always: bool = False, log: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.key, self.strategy = model, key, strategy
         self.threads = threads  # onnxruntime threads of the master's own share
         unknown = set(overlap) - set(OVERLAPS)
@@ -330,6 +332,9 @@ class Master:
         self.rto_min_override = rto_min_ms
         self.transport, self.codec, self.max_len = transport, codec, max_len
         self.parity = parity  # copies of a parity fragment after every vector sent over UDP, both ways
+        # Parity is spent where loss is: on a link that measured loss when it joined or has lost a packet since,
+        # unless parity_always. On a clean link it would only double or triple every block's datagrams.
+        self.parity_always = parity_always
         self.mapping, self.predictors = mapping, predictors
         self.model_sha256 = model_sha256(model.path)
         self.unit_order = unit_order_for(model, self.model_sha256, mapping, predictors, group_size)
@@ -429,7 +434,8 @@ class Master:
             node.compute_s = float(message.get("compute_s", 0.0))
             node.peak_rss_mb = float(message.get("peak_rss_mb", 0.0))
             node.heartbeats += 1
-        elif op == "fetch":
+        elif op == "fetch":  # the node lost an input
+            self._saw_loss(node)
             key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
             kept = self.recent_inputs.get(key)
             if kept is None:  # not sent yet (or long gone): answered when it is sent
@@ -444,6 +450,16 @@ class Master:
                 w.arrive(node.index)
             elif not self._mirror_copy(key, node.index):
                 self.stats.late_packets += 1
+
+    def _saw_loss(self, node: NodeConn) -> None:
+        """A packet on this node's link went missing (or came too late to count): parity both ways from now on."""
+        if node.lossy or not self.parity:
+            node.lossy = True
+            return
+        node.lossy, node.parity = True, self.parity
+        self.log(f"node {node.name}: a packet went missing; {self.parity} parity copies on its link from now on")
+        with contextlib.suppress(OSError, ConnectionError):
+            node.channel.send({"op": "parity", "copies": self.parity})
 
     def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes,
                     ranking: tuple[int, ...] | None) -> None:
@@ -580,6 +596,8 @@ class Master:
         prefetch = self.mapping == "dynamic" and "load" in self.overlap and self.predictors.ahead
         predictor_bytes = self.predictors.to_bytes() if prefetch and self.predictors is not None else b""
         for i, node in enumerate(alive, start=1):
+            lossy = self.parity_always or node.lossy or (node.link is not None and node.link.loss_rate > 0)
+            node.parity = self.parity if lossy else 0
             node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block, self.unit_order)
             node.priorities = ((tuple(layer[i] for layer in plan.attn), tuple(layer[i] for layer in plan.mlp))
                                if self.mapping == "dynamic" else None)
@@ -589,7 +607,7 @@ class Master:
             node.ready.clear()
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
                                "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
-                               "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": self.parity,
+                               "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": node.parity,
                                "datagram_bytes": node.datagram_bytes,
                                "priorities": None if node.priorities is None else
                                {"attn": node.priorities[0], "mlp": node.priorities[1]}, "prefetch": prefetch},
@@ -687,13 +705,19 @@ class Master:
         if nodes and over_udp:  # nodes on paths of one MTU get the same datagrams: encode and seal them once
             header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0,
                             codec=Codec.F32 if mirror else self.codec, flags=seq)
-            datagrams: dict[int, list[bytes]] = {}
+            datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity copies)
+            copies = max(n.parity for n in nodes)
             for node in nodes:
                 if node.datagram_bytes not in datagrams:
-                    datagrams[node.datagram_bytes] = fragment(
-                        header, x.reshape(-1), self.key, node.datagram_bytes, parity=self.parity,
-                        prefix=b"" if ranking is None else bytes(ranking))
-                self.udp.send_all(datagrams[node.datagram_bytes], (node.host, node.udp_port))
+                    sealed = fragment(header, x.reshape(-1), self.key, node.datagram_bytes, parity=copies,
+                                      prefix=b"" if ranking is None else bytes(ranking))
+                    datagrams[node.datagram_bytes] = (sealed[:len(sealed) - copies], sealed[len(sealed) - copies:])
+            # Every node's data first, then the parity copies: the last node's input does not wait behind them.
+            for node in nodes:
+                self.udp.send_all(datagrams[node.datagram_bytes][0], (node.host, node.udp_port))
+            for node in nodes:
+                if node.parity:
+                    self.udp.send_all(datagrams[node.datagram_bytes][1][:node.parity], (node.host, node.udp_port))
         compute_start = time.perf_counter()
         if block == Block.ATTN:
             out = self.shard.attention(layer, x, start, units=own_units)
@@ -713,8 +737,8 @@ class Master:
             w.deadline = sent + self.timeouts.after_send([n.arrival for n in nodes])
         if over_udp and w.outstanding:
             # The lean path: partials are taken straight off the socket on this thread until the block is whole
-            # or its deadline passes. A mirrored block (no deadline) waits so long for its UDP copies, then for
-            # its TCP copies on the loop. Data on a participant's TCP stream (a reply, a heartbeat, a closed
+            # or its deadline passes. A mirrored block (no deadline) drains so long for its UDP copies, then waits
+            # for its TCP copies on the loop. Data on a participant's TCP stream (a reply, a heartbeat, a closed
             # connection) hands the wait to the event loop, which reads it.
             grace = sent + self.timeouts.after_send([n.arrival for n in nodes])
             watch = [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0]
@@ -738,6 +762,9 @@ class Master:
         self.stats.blocks += 1
         if w.outstanding:
             self.stats.blocks_incomplete += 1
+            for node in nodes:
+                if node.index not in w.arrived:
+                    self._saw_loss(node)
             self.stats.incomplete_wait_s += ended - wait_start
         self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values())
         if not reliable and w.arrived:
@@ -748,10 +775,11 @@ class Master:
                     node.lag.observe(w.arrived[node.index] - first)
         if block == Block.HEAD:
             return self._assemble_logits(out, nodes, w.parts)
+        out = np.array(out)  # a share's one-token output is a buffer its block reuses
         for part in w.parts.values():
             if part is not None:
                 vector = part.vector if isinstance(part, Reassembly) else part
-                out = out + vector.reshape(out.shape)
+                out += vector.reshape(out.shape)
         return out
 
     def _reply_size(self, node: NodeConn, block: Block, seq: int) -> int:

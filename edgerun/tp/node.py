@@ -302,6 +302,8 @@ class Node:
                 entry.full = vector
                 entry.ranking = valid_ranking(message.get("ranking"), self._units(Block(header.block)))
                 self._take(header.position, header.layer, Block(header.block), entry)
+        elif op == "parity":  # the link lost a packet: parity copies after every partial from now on
+            self.parity = int(message["copies"])
         elif op == "ping":
             self.channel.send({"op": "pong", "seq": message["seq"]})
         elif op == "bw":
@@ -401,10 +403,13 @@ class Node:
 
     def _fetch_missing(self) -> None:
         """Fetch each layer's next attention input once the master has clearly moved past it."""
-        for layer in self.attn_layers:
-            position = self.shard.lengths[layer]
-            if self._order(position, layer, Block.ATTN) >= self.latest_seen:
-                continue
+        now_position, now_layer, now_block = self.latest_seen
+        lengths = self.shard.lengths
+        for layer in self.attn_layers:  # runs for every input: plain comparisons, no tuples
+            position = lengths[layer]
+            if position > now_position or (position == now_position and (
+                    layer > now_layer or (layer == now_layer and now_block == Block.ATTN))):
+                continue  # the master has not moved past this layer's next attention input yet
             key = (self.session, position, layer, int(Block.ATTN))
             entry = self.inputs.get(key)
             if entry is None:
