@@ -63,12 +63,11 @@ def kv_names(layer: int) -> tuple[str, str, str, str]:
 class _GraphWriter:
     """Collects nodes and writes initializers to the external data file."""
 
-    def __init__(self, data_path: Path | None) -> None:
-        """data_path None: every initializer inside the graph (small graphs built in memory)."""
+    def __init__(self, data_path: Path) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
-        self.data = None if data_path is None else data_path.open("wb")
-        self.data_name = "" if data_path is None else data_path.name
+        self.data = data_path.open("wb")
+        self.data_name = data_path.name
         self.weight_bytes = 0
         self._count = 0
 
@@ -81,7 +80,7 @@ class _GraphWriter:
         name = self.name(stem)
         tensor = TensorProto(name=name, dims=list(array.shape),
                              data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        if array.nbytes < 1024 or self.data is None:
+        if array.nbytes < 1024:
             tensor.raw_data = array.tobytes()
         else:
             self.data.write(b"\0" * (-self.data.tell() % 64))  # aligned, so onnxruntime can map it
@@ -285,20 +284,30 @@ def cached_stage(model_path: Path, config: ModelConfig, weights: ModelWeights, s
 
 
 # ---------------------------------------------------------------------------------------------------
-# Tensor-parallel shard blocks: one small graph per block a device holds units of, built in memory.
+# Tensor-parallel shard blocks: one small graph per block a device holds units of. Each is written to a graph file
+# with its weights in a file beside it, which onnxruntime memory-maps: the prepacked weights it runs are then the
+# only copy on the heap (a graph given as bytes keeps a second copy of every initializer).
 # Weights are the units' rows (wq/wk/wv, gate/up, LM-head rows) and columns (wo, w_down) cut from the
 # quantized file blocks (quant.slice_affine), so a shard runs the same 4-bit and 8-bit kernels as the
 # whole-model engine and holds only its share's quantized bytes.
 
-def _model_bytes(g: _GraphWriter, inputs: list, outputs: list, name: str) -> bytes:
+def _save(g: _GraphWriter, inputs: list, outputs: list, name: str, out: Path) -> int:
+    """Write the graph to `out` (its weights are in the writer's data file beside it); return the weight bytes."""
+    g.data.close()
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
     model = helper.make_model(graph, ir_version=IR_VERSION,
                               opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
-    return model.SerializeToString()
+    onnx.save_model(model, str(out))
+    return g.weight_bytes
 
 
-def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Sequence[int], max_len: int,
-                          accuracy_level: int = 0) -> bytes:
+def shard_weights_path(out: Path) -> Path:
+    """The weights file beside a shard block's graph file."""
+    return out.with_suffix(".bin")
+
+
+def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Sequence[int], max_len: int, out: Path,
+                          accuracy_level: int = 0) -> int:
     """The partial attention output of some KV heads (each with its query heads and its columns of wo):
     inputs hidden (1, seq, hidden) normalized, seqlens_k, total_seq_len and the units' KV buffers
     past_key/past_value (1, units, max_len, head_dim); outputs partial (1, seq, hidden) and the presents."""
@@ -308,7 +317,7 @@ def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Seque
     kv_ranges = [(u * c.head_dim, (u + 1) * c.head_dim) for u in units]
     q_rows = np.concatenate([np.arange(a, b) for a, b in q_ranges])
     kv_rows = np.concatenate([np.arange(a, b) for a, b in kv_ranges])
-    g = _GraphWriter(None)
+    g = _GraphWriter(shard_weights_path(out))
     f32 = TensorProto.FLOAT
     kv_shape = [1, len(units), max_len, c.head_dim]
     inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", c.hidden]),
@@ -332,15 +341,15 @@ def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Seque
         num_heads=len(units) * c.heads_per_kv, kv_num_heads=len(units), do_rotary=1, rotary_interleaved=0))
     (y,) = g.linear_forms("heads", [slice_affine(layer.wo, col_ranges=q_ranges)], accuracy_level)
     g.nodes.append(helper.make_node("Identity", [y], ["partial"], name="partial"))
-    return _model_bytes(g, inputs, outputs, "edgerun_shard_attention")
+    return _save(g, inputs, outputs, "edgerun_shard_attention", out)
 
 
-def shard_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[tuple[int, int]],
-                    accuracy_level: int = 0) -> bytes:
+def shard_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[tuple[int, int]], out: Path,
+                    accuracy_level: int = 0) -> int:
     """The partial MLP output of some neuron ranges (rows of gate and up, columns of down):
     hidden (1, seq, hidden) normalized in, partial (1, seq, hidden) out."""
     rows = np.concatenate([np.arange(a, b) for a, b in ranges])
-    g = _GraphWriter(None)
+    g = _GraphWriter(shard_weights_path(out))
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
     outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", config.hidden])]
@@ -350,15 +359,16 @@ def shard_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[t
     (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
     (y,) = g.linear_forms(act, [slice_affine(layer.w_down, col_ranges=list(ranges))], accuracy_level)
     g.nodes.append(helper.make_node("Identity", [y], ["partial"], name="partial"))
-    return _model_bytes(g, inputs, outputs, "edgerun_shard_mlp")
+    return _save(g, inputs, outputs, "edgerun_shard_mlp", out)
 
 
-def shard_head_graph(config: ModelConfig, output: QuantTensor, rows: np.ndarray, accuracy_level: int = 0) -> bytes:
+def shard_head_graph(config: ModelConfig, output: QuantTensor, rows: np.ndarray, out: Path,
+                     accuracy_level: int = 0) -> int:
     """Logits of some vocabulary rows: hidden (1, seq, hidden) after the final norm in, logits (1, seq, rows) out."""
-    g = _GraphWriter(None)
+    g = _GraphWriter(shard_weights_path(out))
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
     outputs = [helper.make_tensor_value_info("logits", f32, [1, "seq", len(rows)])]
     (y,) = g.linear_forms("hidden", [slice_affine(output, rows)], accuracy_level)
     g.nodes.append(helper.make_node("Identity", [y], ["logits"], name="logits"))
-    return _model_bytes(g, inputs, outputs, "edgerun_shard_head")
+    return _save(g, inputs, outputs, "edgerun_shard_head", out)

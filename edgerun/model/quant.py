@@ -127,11 +127,28 @@ def _codes(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: i
     return q.reshape(rows, cols).astype(np.uint8)
 
 
+AFFINE_CHUNK_VALUES = 1 << 22  # rows are converted this many values at a time: float32 temporaries stay ~16 MB
+
+
 def to_affine_blocks(t: QuantTensor) -> AffineBlocks | None:
     """The exact affine-block form of a quantized matrix, or None when it has none
-    (float types; Q5_1 and Q5_K, whose 5-bit codes have offsets no 8-bit kernel takes)."""
+    (float types; Q5_1 and Q5_K, whose 5-bit codes have offsets no 8-bit kernel takes).
+    Large matrices go a chunk of rows at a time, so the float32 values the codes are recovered from never
+    exist for the whole matrix at once (an LM head's would be hundreds of MB)."""
     if len(t.shape) != 2:
         raise ValueError("only matrices have an affine-block form")
+    rows_per_chunk = max(1, AFFINE_CHUNK_VALUES // t.shape[1])
+    if t.shape[0] > rows_per_chunk:
+        parts = [_affine_rows(t.take_rows(slice(r, r + rows_per_chunk))) for r in range(0, t.shape[0], rows_per_chunk)]
+        if parts[0] is None:
+            return None
+        return AffineBlocks(parts[0].bits, parts[0].block, np.concatenate([p.codes for p in parts]),
+                            np.concatenate([p.scales for p in parts]),
+                            None if parts[0].offsets is None else np.concatenate([p.offsets for p in parts]))
+    return _affine_rows(t)
+
+
+def _affine_rows(t: QuantTensor) -> AffineBlocks | None:
     rows, cols = t.shape
     nblocks = cols // block_shape(t.qtype)[0]
     values = t.dequantize()

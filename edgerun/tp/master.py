@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +53,7 @@ from edgerun.net.wire import (
     peek_block,
     seal,
 )
+from edgerun.profile.memory import release_mapped_file
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
@@ -616,7 +618,8 @@ class Master:
         if self.mapping == "dynamic":
             self.shard = Shard(self.model.config, self.model.weights, own, self.max_len)
         else:
-            self.shard = QuantShard(self.model.config, self.model.weights, own, self.max_len, self.threads)
+            self.shard = QuantShard(self.model.config, self.model.weights, own, self.max_len, self.threads,
+                                    after_block=functools.partial(release_mapped_file, self.model.path))
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):

@@ -22,18 +22,28 @@ holds all of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_engine import session_options
-from edgerun.model.onnx_graph import shard_attention_graph, shard_head_graph, shard_mlp_graph
+from edgerun.model.onnx_graph import (
+    cache_root,
+    shard_attention_graph,
+    shard_head_graph,
+    shard_mlp_graph,
+    shard_weights_path,
+)
 from edgerun.model.quant import QuantTensor, block_shape
 from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
 from edgerun.model.weights import LayerWeights, ModelWeights
+from edgerun.profile.memory import release_mapped_file
 
 
 @dataclass(frozen=True)
@@ -161,12 +171,14 @@ class _Block:
     """One onnxruntime session with its input bound per call; decode steps (one token) write into a
     preallocated output, so the hot path allocates nothing but the step's small index tensors."""
 
-    def __init__(self, graph: bytes, threads: int | None, output: str, width: int) -> None:
+    def __init__(self, graph: Path, weight_bytes: int, threads: int | None, output: str, width: int) -> None:
         options = session_options(threads)
         if threads and threads > 1:  # many sessions run one after another: an idle one must not spin on the cores
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
-        self.graph_bytes = len(graph)
+        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        # onnxruntime has prepacked the weights onto its heap: the mapped file is not read again.
+        release_mapped_file(shard_weights_path(graph))
+        self.weight_bytes = weight_bytes
         self.binding = self.session.io_binding()
         self.binding.bind_output(output)  # first, so it is output 0
         self.output = output
@@ -194,6 +206,12 @@ class _Block:
         return self.out1 if x.shape[1] == 1 else b.get_outputs()[0].numpy()
 
 
+def _shard_build_root() -> Path:
+    root = cache_root() / "shards"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def _group_ranges(groups: Sequence[int], size: int, ffn: int) -> list[tuple[int, int]]:
     return [(g * size, min((g + 1) * size, ffn)) for g in groups]
 
@@ -205,13 +223,27 @@ class QuantShard:
     block reuses on its next call: use them before calling that block again."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, accuracy_level: int = 0) -> None:
+                 threads: int | None = 1, accuracy_level: int = 0,
+                 after_block: Callable[[], None] = lambda: None) -> None:
+        """`after_block` runs after each block's graph is built (a node lets go of the model file's pages there,
+        so they never pile up in its memory)."""
         c = config
         if len(spec.attn_units) != c.n_layers or len(spec.mlp_groups) != c.n_layers:
             raise ValueError(f"the spec must list units for each of the {c.n_layers} layers")
         if spec.group_size < 1 or spec.vocab_block < 1 or max_len < 1:
             raise ValueError("group_size, vocab_block and max_len must be positive")
         self.config, self.spec, self.max_len = config, spec, max_len
+        # Block graphs are written here, loaded and deleted at once (onnxruntime keeps what it mapped).
+        build_dir = Path(tempfile.mkdtemp(prefix="shard-", dir=_shard_build_root()))
+        try:
+            self._build(weights, build_dir, threads, accuracy_level, after_block)
+        finally:
+            shutil.rmtree(build_dir, ignore_errors=True)
+        self.lengths = [0] * c.n_layers
+
+    def _build(self, weights: ModelWeights, build_dir: Path, threads: int | None, accuracy_level: int,
+               after_block: Callable[[], None]) -> None:
+        c, spec, max_len = self.config, self.spec, self.max_len
         n_mlp = n_groups(c.ffn, spec.group_size)
         self.attn: list[_Block | None] = []
         self.kv: list[tuple[np.ndarray, np.ndarray] | None] = []
@@ -221,8 +253,9 @@ class QuantShard:
             _check_units(units, c.n_kv_heads, f"layer {layer} attention units")
             _check_units(groups, n_mlp, f"layer {layer} MLP groups")
             if units:
-                block = _Block(shard_attention_graph(c, w, units, max_len, accuracy_level), threads, "partial",
-                               c.hidden)
+                path = build_dir / f"attention{layer}.onnx"
+                block = _Block(path, shard_attention_graph(c, w, units, max_len, path, accuracy_level), threads,
+                               "partial", c.hidden)
                 cache = tuple(np.zeros((1, len(units), max_len, c.head_dim), np.float32) for _ in range(2))
                 block.bind_cache(*cache)
                 self.attn.append(block)
@@ -230,21 +263,24 @@ class QuantShard:
             else:
                 self.attn.append(None)
                 self.kv.append(None)
-            self.mlp_blocks.append(_Block(shard_mlp_graph(c, w, _group_ranges(groups, spec.group_size, c.ffn),
-                                                          accuracy_level), threads, "partial", c.hidden)
+            path = build_dir / f"mlp{layer}.onnx"
+            self.mlp_blocks.append(_Block(path, shard_mlp_graph(c, w, _group_ranges(groups, spec.group_size, c.ffn),
+                                                                path, accuracy_level), threads, "partial", c.hidden)
                                    if groups else None)
+            after_block()
         _check_units(spec.vocab_blocks, n_groups(c.vocab_size, spec.vocab_block), "vocab blocks")
         self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
                                       for b in spec.vocab_blocks]).astype(np.int64)
-        self.head = (_Block(shard_head_graph(c, weights.output, self.vocab_rows, accuracy_level), threads, "logits",
-                            len(self.vocab_rows)) if len(self.vocab_rows) else None)
-        self.lengths = [0] * c.n_layers
+        path = build_dir / "head.onnx"
+        self.head = (_Block(path, shard_head_graph(c, weights.output, self.vocab_rows, path, accuracy_level), threads,
+                            "logits", len(self.vocab_rows)) if len(self.vocab_rows) else None)
+        after_block()
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the share's graphs: its quantized weights (and small tables: norms' absence, RoPE)."""
+        """Bytes of the share's quantized weights as its kernels take them (codes, scales, offsets)."""
         blocks = [b for b in (*self.attn, *self.mlp_blocks, self.head) if b is not None]
-        return sum(b.graph_bytes for b in blocks)
+        return sum(b.weight_bytes for b in blocks)
 
     @property
     def cache_bytes(self) -> int:
