@@ -573,6 +573,80 @@ def plr_mapping(counts: list[int], plrs: list[float]) -> list[list[int]]:
     return mapping
 
 
+def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceProfile]) -> UnitCounts:
+    """Local search from a plan that fits in memory, lowering Eq. (1) with every step it takes: a unit moves
+    from a block's slowest device to the device that would finish the block soonest with it, where memory
+    allows (HALO's ratios give every block the same split, though units are whole and memory is shared by all
+    blocks); then a device leaves the plan, its units spread the same way, when its synchronizations cost more
+    than its compute saves."""
+    n = len(devices)
+    speeds = [d.compute.weight_bytes_per_s for d in devices]
+    budgets = [d.budget_bytes for d in devices]
+
+    def balance(blocks: list[tuple[str, list[int]]], allowed: set[int], free: list[float]) -> bool:
+        """Move units block by block until no move shortens a block; False if a unit could not be placed."""
+        for kind, c in blocks:
+            mem = model.unit_memory(kind)
+            for i in range(n):  # devices leaving the plan hand their units on first
+                while c[i] and i not in allowed:
+                    takers = [j for j in allowed if free[j] >= mem]
+                    if not takers:
+                        return False
+                    j = min(takers, key=lambda j: (c[j] + 1) / speeds[j])
+                    c[i], c[j], free[i], free[j] = c[i] - 1, c[j] + 1, free[i] + mem, free[j] - mem
+            while c[max(allowed, key=lambda i: c[i] / speeds[i])]:
+                a = max(allowed, key=lambda i: c[i] / speeds[i])
+                # Devices that would finish this block sooner than its slowest one does now, soonest first.
+                sooner = c[a] / speeds[a] * (1 - 1e-12)
+                takers = sorted((j for j in allowed if j != a and (c[j] + 1) / speeds[j] < sooner),
+                                key=lambda j: (c[j] + 1) / speeds[j])
+                j = next((j for j in takers if free[j] >= mem or make_room(blocks, c, allowed, free, j, mem)), None)
+                if j is None:
+                    break
+                c[a], c[j], free[a], free[j] = c[a] - 1, c[j] + 1, free[a] + mem, free[j] - mem
+        return True
+
+    def make_room(blocks: list[tuple[str, list[int]]], current: list[int], allowed: set[int], free: list[float],
+                  j: int, needed: float) -> bool:
+        """Free `needed` bytes on device j by moving its units of other blocks to devices with memory to spare,
+        where that does not make those blocks any slower (a memory-rich slow device takes attention units, say,
+        so that a fast one with little memory can take MLP groups)."""
+        for kind, c in blocks:
+            if c is current:
+                continue
+            mem = model.unit_memory(kind)
+            slowest = max(c[i] / speeds[i] for i in allowed)
+            while c[j] and free[j] < needed:
+                spare = [m for m in allowed if m != j and free[m] >= mem and (c[m] + 1) / speeds[m] <= slowest]
+                if not spare:
+                    break
+                m = min(spare, key=lambda m: (c[m] + 1) / speeds[m])
+                c[j], c[m], free[j], free[m] = c[j] - 1, c[m] + 1, free[j] + mem, free[m] - mem
+            if free[j] >= needed:
+                return True
+        return False
+
+    def solve(allowed: set[int]) -> UnitCounts | None:
+        blocks = [("vocab", list(counts.vocab))] + [(kind, list(layer)) for kind in LAYER_KINDS
+                                                    for layer in counts.layer_kind(kind)]
+        free = [b - u for b, u in zip(budgets, memory_used(counts, model), strict=True)]
+        if not balance(blocks, allowed, free):
+            return None
+        vocab = tuple(blocks[0][1])
+        rows = [tuple(c) for _, c in blocks[1:]]
+        return UnitCounts(attn=tuple(rows[:model.n_layers]), mlp=tuple(rows[model.n_layers:]), vocab=vocab)
+
+    best = solve(set(_used_devices(counts))) or counts
+    best_time = objective(best, devices, model)
+    while len(used := _used_devices(best)) > 1:
+        trials = [(objective(t, devices, model), t) for d in used if (t := solve(set(used) - {d})) is not None]
+        if not trials or min(trials, key=lambda x: x[0])[0] >= best_time:
+            break
+        best_time, best = min(trials, key=lambda x: x[0])
+        counts = best
+    return best
+
+
 def _heuristic_counts(strategy: str, model: ModelProfile, devices: list[DeviceProfile]) -> UnitCounts:
     budgets = [d.budget_bytes for d in devices]
     speeds = [d.compute.weight_bytes_per_s for d in devices]
@@ -581,7 +655,8 @@ def _heuristic_counts(strategy: str, model: ModelProfile, devices: list[DevicePr
         return ratio_counts([1.0] * len(devices), model)
     ratios = {"halo": minmax_ratios, "minmax": minmax_ratios, "greedy": greedy_ratios,
               "galaxy": galaxy_ratios}[strategy](budgets, speeds, demand)
-    return repair_memory(ratio_counts(ratios, model), budgets, [d.name for d in devices], model)
+    counts = repair_memory(ratio_counts(ratios, model), budgets, [d.name for d in devices], model)
+    return refine_counts(counts, model, devices) if strategy == "halo" else counts
 
 
 def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
