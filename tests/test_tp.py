@@ -18,6 +18,7 @@ import pytest
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net.channel import MAX_UDP_PAYLOAD
 from edgerun.net.loss import parse_loss
 from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, derive_key, fragment, seal
 from edgerun.tp.master import Master
@@ -74,6 +75,10 @@ def test_lossless_udp_and_tcp_equal_the_reference(model: Model, reference_tokens
             master.transport = transport
             master.replan()
             assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens, transport
+        # Clean links carry no parity, and a vector of the shipped model fits one loopback datagram.
+        assert all(n.parity == 0 and not n.lossy for n in master.nodes)
+        assert all(n.datagram_bytes == MAX_UDP_PAYLOAD for n in master.nodes)
+        assert master.stats.blocks_incomplete == 0 and master.stats.partials_rebuilt == 0
         if len(set(speeds)) > 1:
             assert len(set(shares)) > 1  # uneven speeds gave uneven shares
 
@@ -126,6 +131,7 @@ def test_five_percent_loss_completes_without_waiting_past_the_timeout(model: Mod
               f"{stats.partials_rebuilt} partials rebuilt on the master")
         assert stats.partials_rebuilt > 0
         assert with_parity < without / 4, (with_parity, without)
+        assert all(n.lossy and n.parity == 1 for n in master.nodes)  # the links lost packets: parity on them
         assert stats.max_overshoot_s < 0.05, stats
 
 
@@ -217,12 +223,17 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
 
     path = synth_gguf(tiny_spec(tied=False))
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
-                 "--group-size", "64", "--json"]) == 0
+                 "--group-size", "64", "--baseline", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["transport"] for r in results] == ["udp", "tcp"]
     for r in results:
         assert r["tokens"] == 4 and r["group_size"] == 64 and r["ms_per_token"] > 0 and r["blocks"] > 0
         assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01
+        # The node's own kernels and memory, from its heartbeats; the single engine timed in the same run.
+        assert 0 < r["node_compute_ms_per_token"] < r["ms_per_token"]
+        assert r["node_weight_mb"] > 0 and r["node_kv_mb"] > 0 and r["node_peak_rss_mb"] > r["node_weight_mb"]
+        assert r["single_ms_per_token"] > 0
+        assert r["speedup"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
 
 
 def test_measured_loss_puts_the_lossy_node_on_the_least_important_groups(tiny_spec, synth_gguf) -> None:
