@@ -355,7 +355,7 @@ def cmd_master(args: argparse.Namespace) -> None:
         return
 
     from edgerun.net.wire import Codec
-    from edgerun.tp.master import Master
+    from edgerun.tp.master import Master, MasterConfig
 
     predictors = None
     if args.mapping != "index":
@@ -366,13 +366,14 @@ def cmd_master(args: argparse.Namespace) -> None:
             raise EdgerunError(f"--mapping {args.mapping} needs predictors at {path}: run `edgerun sap calibrate` "
                                "and `edgerun sap train`, or give --sap FILE")
         predictors = PredictorSet.load(path)
-    master = Master(model, _cluster_key(args), strategy=args.plan, host=args.host, port=args.port,
-                    transport=args.transport, codec=Codec[args.codec.upper()],
-                    timeout_ms=None if args.adaptive_timeout else args.timeout_ms, loss=_loss(args),
-                    max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
-                    rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
-                    parity=args.parity, mapping=args.mapping, predictors=predictors,
-                    overlap=_overlaps(args.overlap), threads=args.threads, parity_always=args.parity_always, log=log)
+    config = MasterConfig(strategy=args.plan, host=args.host, port=args.port, transport=args.transport,
+                          codec=Codec[args.codec.upper()],
+                          timeout_ms=None if args.adaptive_timeout else args.timeout_ms,
+                          max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
+                          rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
+                          parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
+                          overlap=_overlaps(args.overlap), threads=args.threads)
+    master = Master(model, _cluster_key(args), config, loss=_loss(args), predictors=predictors, log=log)
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
 
     def run(ids: list[int], emit) -> tuple[list[int], str]:

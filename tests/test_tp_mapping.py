@@ -20,7 +20,7 @@ from edgerun.net.wire import Block, derive_key
 from edgerun.sap.calibrate import Calibration, calibrate
 from edgerun.sap.predictor import PredictorSet, train
 from edgerun.sap.text import calibration_text
-from edgerun.tp.master import Master
+from edgerun.tp.master import Master, MasterConfig
 from edgerun.tp.node import HEARTBEAT_S
 
 SECRET = "mapping-test"
@@ -58,9 +58,11 @@ def reference_tokens(model: Model) -> list[int]:
     return generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS, GREEDY).tokens
 
 
-def cluster(model: Model, losses: list[str], **kwargs: object) -> Iterator[Master]:
+def cluster(model: Model, losses: list[str], predictors: PredictorSet | None = None,
+            **settings: object) -> Iterator[Master]:
     """A master and one node per loss rate (in-process loss on the node's sends)."""
-    master = Master(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=256, **kwargs)
+    config = MasterConfig(strategy="minmax", host="127.0.0.1", max_len=256, **settings)  # every node takes a share
+    master = Master(model, derive_key(SECRET), config, predictors=predictors)
     nodes = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
                                "--name", f"n{i}", "--key", SECRET, "--loss", loss, "--loss-seed", str(i),
                                "--threads", "1"], stderr=subprocess.DEVNULL)
@@ -83,7 +85,7 @@ def test_mapped_cluster_equals_the_reference(model: Model, predictors: Predictor
     chosen = predictors if reads == "same" else ahead_predictors
     for master in cluster(model, ["0", "0"], mapping=mapping, predictors=chosen, timeout_ms=2000):
         for transport in ("udp", "tcp"):
-            master.transport = transport
+            master.reconfigure(replace(master.config, transport=transport))
             master.replan()
             assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens, (mapping, transport)
             assert master.stats.blocks_incomplete == 0
@@ -124,23 +126,24 @@ def test_mapping_without_predictors_is_refused(model: Model) -> None:
     from edgerun.errors import EdgerunError
 
     with pytest.raises(EdgerunError, match="needs predictors"):
-        Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="dynamic")
+        Master(model, derive_key(SECRET), MasterConfig(host="127.0.0.1", mapping="dynamic"))
     with pytest.raises(EdgerunError, match="unknown mapping"):
-        Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="sideways")
+        Master(model, derive_key(SECRET), MasterConfig(host="127.0.0.1", mapping="sideways"))
 
 
 def test_predictors_of_another_model_or_group_size_are_refused(model: Model, predictors: PredictorSet) -> None:
     from edgerun.errors import EdgerunError
 
     with pytest.raises(EdgerunError, match="rank groups of 256"):
-        Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="static", predictors=predictors,
-               group_size=128)
+        Master(model, derive_key(SECRET), MasterConfig(host="127.0.0.1", mapping="static", group_size=128),
+               predictors=predictors)
     other = replace(predictors, model_sha256="0" * 64)
     with pytest.raises(EdgerunError, match="another model"):
-        Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="static", predictors=other)
+        Master(model, derive_key(SECRET), MasterConfig(host="127.0.0.1", mapping="static"), predictors=other)
     fine = replace(predictors, group_size=4)  # 384 groups: more than a ranking's bytes can name
     with pytest.raises(EdgerunError, match="at most 256 units"):
-        Master(model, derive_key(SECRET), host="127.0.0.1", port=0, mapping="dynamic", predictors=fine, group_size=4)
+        Master(model, derive_key(SECRET), MasterConfig(host="127.0.0.1", mapping="dynamic", group_size=4),
+               predictors=fine)
 
 
 @pytest.mark.parametrize("overlap,reads", [((), "ahead"), (("load",), "ahead"), (("pred", "load"), "same")])

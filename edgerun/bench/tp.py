@@ -32,7 +32,7 @@ from edgerun.net.loss import Bernoulli, NoLoss, parse_loss
 from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
-from edgerun.tp.master import OVERLAPS, Master
+from edgerun.tp.master import OVERLAPS, Master, MasterConfig
 
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
 SECRET = "edgerun-bench"
@@ -150,12 +150,12 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
     in node namespace i + 1."""
     with entered(None if bed is None else bed.master_ns):
         address = "127.0.0.1" if bed is None else bed.master_address
-        master = Master(model, derive_key(SECRET), strategy=config.plan, host=address, port=0,
-                        codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
-                        loss=parse_loss(loss, seed=0), max_len=CONTEXT, rto_min_ms=config.rto_min_ms,
-                        timeout_deviations=config.timeout_deviations, parity=config.parity,
-                        mapping=config.mapping, overlap=config.overlap, group_size=config.group_size,
-                        threads=config.threads, parity_always=config.parity_always,
+        master_config = MasterConfig(
+            strategy=config.plan, host=address, codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
+            max_len=CONTEXT, rto_min_ms=config.rto_min_ms, timeout_deviations=config.timeout_deviations,
+            parity=config.parity, parity_always=config.parity_always, mapping=config.mapping,
+            overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads)
+        master = Master(model, derive_key(SECRET), master_config, loss=parse_loss(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:
@@ -196,9 +196,10 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     biggest = max(reports, key=lambda r: r.weight_bytes, default=None)
     fixed = master.timeouts.fixed_s
     return TpResult(
-        nodes=nodes, transport=master.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
-        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.parity, plan=master.strategy,
-        mapping=master.mapping, group_size=master.group_size, overlap="+".join(sorted(master.overlap)) or "none",
+        nodes=nodes, transport=master.config.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
+        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.config.parity,
+        plan=master.config.strategy, mapping=master.config.mapping, group_size=master.config.group_size,
+        overlap="+".join(sorted(master.config.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
         ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
@@ -271,7 +272,7 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
             with local_cluster(model, config, nodes, "0" if in_kernel else group[0], bed) as master:
                 for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
                     progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
-                    master.strategy, master.transport = plan, transport
+                    master.reconfigure(replace(master.config, strategy=plan, transport=transport))
                     master.replan()  # before the loss: assignments and link probes travel clean
                     with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
                         results.append(_measure(master, model, config, nodes, loss, counters))

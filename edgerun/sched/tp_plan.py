@@ -578,7 +578,7 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
     from a block's slowest device to the device that would finish the block soonest with it, where memory
     allows (HALO's ratios give every block the same split, though units are whole and memory is shared by all
     blocks); then a device leaves the plan, its units spread the same way, when its synchronizations cost more
-    than its compute saves."""
+    than its compute saves. devices[0] coordinates (the master) and stays: its share costs no synchronization."""
     n = len(devices)
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     budgets = [d.budget_bytes for d in devices]
@@ -639,7 +639,7 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
     best = solve(set(_used_devices(counts))) or counts
     best_time = objective(best, devices, model)
     while len(used := _used_devices(best)) > 1:
-        trials = [(objective(t, devices, model), t) for d in used if (t := solve(set(used) - {d})) is not None]
+        trials = [(objective(t, devices, model), t) for d in used if d != 0 and (t := solve(set(used) - {d}))]
         if not trials or min(trials, key=lambda x: x[0])[0] >= best_time:
             break
         best_time, best = min(trials, key=lambda x: x[0])

@@ -312,40 +312,58 @@ def _spec_json(spec: ShardSpec) -> dict:
             "vocab_blocks": list(spec.vocab_blocks), "group_size": spec.group_size, "vocab_block": spec.vocab_block}
 
 
-class Master:
-    def __init__(self, model: Model, key: bytes, *, strategy: str = "halo", host: str = "0.0.0.0", port: int = 0,
-                 transport: str = "udp", codec: Codec = Codec.F32, timeout_ms: float | None = 10.0,
-                 loss: LossModel | None = None, max_len: int = 1024, budget_mb: float = 4096.0, speed: float = 1e9,
-                 group_size: int = 256, vocab_block: int = 4096, rto_min_ms: float | None = None,
-                 timeout_deviations: float = 4.0, parity: int = 2, mapping: str = "index",
-                 predictors: PredictorSet | None = None, overlap: Sequence[str] = OVERLAPS, threads: int = 1,
-                 parity_always: bool = False, log: Callable[[str], None] = lambda _: None) -> None:
-        self.model, self.key, self.strategy = model, key, strategy
-        self.threads = threads  # onnxruntime threads of the master's own share
-        unknown = set(overlap) - set(OVERLAPS)
+@dataclass(frozen=True)
+class MasterConfig:
+    """How a tensor-parallel master runs. Change it with dataclasses.replace and Master.reconfigure."""
+
+    strategy: str = "halo"  # tensor-parallel planner (sched.tp_plan.STRATEGIES)
+    host: str = "0.0.0.0"
+    port: int = 0  # 0: any free port
+    transport: str = "udp"  # "udp": lossy layers over UDP with a timeout; "tcp": everything reliable
+    codec: Codec = Codec.F32  # activations on the wire
+    timeout_ms: float | None = 10.0  # a lossy block's fixed wait; None: adaptive
+    timeout_deviations: float = 4.0  # the adaptive timeout's k
+    rto_min_ms: float | None = None  # the reliable channel's minimum retransmission timeout (None: by transport)
+    parity: int = 2  # parity copies after every vector on a lossy link, both ways
+    parity_always: bool = False  # parity on clean links too
+    max_len: int = 1024  # context length: KV cache per device
+    budget_mb: float = 4096.0  # the master's own memory budget for its share
+    speed: float = 1e9  # the master's own speed for the planner, weight bytes per second
+    group_size: int = 256  # MLP neuron-group size
+    vocab_block: int = 4096  # LM-head rows per unit
+    mapping: str = "index"  # which units go where: "index", "static" or "dynamic" (MAPPINGS)
+    # Dynamic mapping's two overlaps (HALO Fig. 5): pred ranks the next layer while this one's partials travel;
+    # load has nodes predict the next layer's ranking themselves and gather their units' weights meanwhile.
+    overlap: tuple[str, ...] = OVERLAPS
+    threads: int = 1  # onnxruntime threads of the master's own share
+
+    def __post_init__(self) -> None:
+        unknown = set(self.overlap) - set(OVERLAPS)
         if unknown:
             raise EdgerunError(f"unknown overlap {sorted(unknown)} (choose from {', '.join(OVERLAPS)})")
-        # Dynamic mapping's two overlaps (HALO Fig. 5): pred ranks the next layer while this one's partials
-        # travel; load has nodes predict the next layer's ranking themselves and gather their units' weights
-        # while this layer computes.
-        self.overlap = frozenset(overlap)
-        if not 0 <= parity <= MAX_PARITY_COPIES:
-            raise EdgerunError(f"parity copies must be 0 to {MAX_PARITY_COPIES}, not {parity}")
-        self.rto_min_override = rto_min_ms
-        self.transport, self.codec, self.max_len = transport, codec, max_len
-        self.parity = parity  # copies of a parity fragment after every vector sent over UDP, both ways
-        # Parity is spent where loss is: on a link that measured loss when it joined or has lost a packet since,
-        # unless parity_always. On a clean link it would only double or triple every block's datagrams.
-        self.parity_always = parity_always
-        self.mapping, self.predictors = mapping, predictors
+        if not 0 <= self.parity <= MAX_PARITY_COPIES:
+            raise EdgerunError(f"parity copies must be 0 to {MAX_PARITY_COPIES}, not {self.parity}")
+        if self.transport not in ("udp", "tcp"):
+            raise EdgerunError(f"unknown transport {self.transport!r} (udp or tcp)")
+        if self.mapping not in MAPPINGS:
+            raise EdgerunError(f"unknown mapping {self.mapping!r} ({', '.join(MAPPINGS)})")
+        if self.threads < 1 or self.max_len < 1:
+            raise EdgerunError("threads and max_len must be at least 1")
+
+
+class Master:
+    def __init__(self, model: Model, key: bytes, config: MasterConfig = MasterConfig(), *,
+                 loss: LossModel | None = None, predictors: PredictorSet | None = None,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        """A master listening on config.host:config.port. Its settings change with reconfigure(), taking effect
+        at the next replan (host and port stay those it listens on)."""
+        self.model, self.key, self.predictors = model, key, predictors
         self.model_sha256 = model_sha256(model.path)
-        self.unit_order = unit_order_for(model, self.model_sha256, mapping, predictors, group_size)
+        self.reconfigure(config)
+        host, port = config.host, config.port
         # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
         self.assignments: dict[tuple[int, int, int, int], Assignment] = {}
         self.own_priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = ((), ())
-        self.budget_mb, self.speed = budget_mb, speed
-        self.group_size, self.vocab_block = group_size, vocab_block
-        self.timeouts = Timeouts(None if timeout_ms is None else timeout_ms / 1000, timeout_deviations)
         self.log = log
         self.model_server = ModelServer(model.path, self.model_sha256, host)
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on the event loop's endpoint
@@ -369,6 +387,14 @@ class Master:
         self.udp_port = self.datagrams.port
         self.server = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
+
+    def reconfigure(self, config: MasterConfig) -> None:
+        """Take new settings (`dataclasses.replace(master.config, ...)`); the next replan applies them."""
+        self.unit_order = unit_order_for(self.model, self.model_sha256, config.mapping, self.predictors,
+                                         config.group_size)
+        self.timeouts = Timeouts(None if config.timeout_ms is None else config.timeout_ms / 1000,
+                                 config.timeout_deviations)
+        self.config = config
 
     async def _listen(self, host: str, port: int) -> asyncio.Server:
         server = await asyncio.start_server(self._serve_node, host, port)
@@ -455,13 +481,13 @@ class Master:
 
     def _saw_loss(self, node: NodeConn) -> None:
         """A packet on this node's link went missing (or came too late to count): parity both ways from now on."""
-        if node.lossy or not self.parity:
+        if node.lossy or not self.config.parity:
             node.lossy = True
             return
-        node.lossy, node.parity = True, self.parity
-        self.log(f"node {node.name}: a packet went missing; {self.parity} parity copies on its link from now on")
+        node.lossy, node.parity = True, self.config.parity
+        self.log(f"node {node.name}: a packet went missing; {self.config.parity} parity copies on its link from now on")
         with contextlib.suppress(OSError, ConnectionError):
-            node.channel.send({"op": "parity", "copies": self.parity})
+            node.channel.send({"op": "parity", "copies": self.config.parity})
 
     def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes,
                     ranking: tuple[int, ...] | None) -> None:
@@ -574,62 +600,64 @@ class Master:
                 node.link = self.measure_link(node)
                 self.log(f"node {node.name}: RTT {node.link.rtt_ms:.2f} ms, loss {node.link.loss_rate:.1%}, "
                          f"{node.link.up_mbit:.0f} Mbit/s")
-        devices = [self._device("master", self.budget_mb, self.speed)] + \
+        devices = [self._device("master", self.config.budget_mb, self.config.speed)] + \
                   [self._device(n.name, n.budget_mb, n.speed, n.link) for n in alive]
-        profile = model_profile(self.model.name, self.model.config, self.model.weights, context=self.max_len,
-                                group_size=self.group_size, vocab_block=self.vocab_block)
+        profile = model_profile(self.model.name, self.model.config, self.model.weights, context=self.config.max_len,
+                                group_size=self.config.group_size, vocab_block=self.config.vocab_block)
         try:
-            plan = plan_tp(profile, devices, self.strategy)
+            plan = plan_tp(profile, devices, self.config.strategy)
         except ValueError as e:
             raise EdgerunError(str(e)) from e
         if plan.oom_devices:
-            raise EdgerunError(f"plan {self.strategy} runs out of memory on "
+            raise EdgerunError(f"plan {self.config.strategy} runs out of memory on "
                                f"{', '.join(o.name for o in plan.oom_devices)}")
         self.session += 1
         self.plan = plan
-        own = spec_for_device(plan, 0, self.group_size, self.vocab_block, self.unit_order)
-        if self.mapping == "dynamic":  # every device holds every unit and computes those it is handed
-            full = full_spec(self.model.config, self.group_size, self.vocab_block)
+        own = spec_for_device(plan, 0, self.config.group_size, self.config.vocab_block, self.unit_order)
+        if self.config.mapping == "dynamic":  # every device holds every unit and computes those it is handed
+            full = full_spec(self.model.config, self.config.group_size, self.config.vocab_block)
             own = replace(full, vocab_blocks=own.vocab_blocks)
             self.own_priorities = (tuple(layer[0] for layer in plan.attn), tuple(layer[0] for layer in plan.mlp))
         self.shard = None  # the old share goes before the new one is built
-        rto_min = tcp_rto_min_ms(self.transport, self.rto_min_override)
+        rto_min = tcp_rto_min_ms(self.config.transport, self.config.rto_min_ms)
         # Nodes can only gather their next units' weights ahead when the predictors read one layer ahead.
-        prefetch = self.mapping == "dynamic" and "load" in self.overlap and self.predictors.ahead
+        prefetch = self.config.mapping == "dynamic" and "load" in self.config.overlap and self.predictors.ahead
         predictor_bytes = self.predictors.to_bytes() if prefetch and self.predictors is not None else b""
         for i, node in enumerate(alive, start=1):
-            lossy = self.parity_always or node.lossy or (node.link is not None and node.link.loss_rate > 0)
-            node.parity = self.parity if lossy else 0
-            node.spec = spec_for_device(plan, i, self.group_size, self.vocab_block, self.unit_order)
+            lossy = self.config.parity_always or node.lossy or (node.link is not None and node.link.loss_rate > 0)
+            node.parity = self.config.parity if lossy else 0
+            node.spec = spec_for_device(plan, i, self.config.group_size, self.config.vocab_block, self.unit_order)
             node.priorities = ((tuple(layer[i] for layer in plan.attn), tuple(layer[i] for layer in plan.mlp))
-                               if self.mapping == "dynamic" else None)
+                               if self.config.mapping == "dynamic" else None)
             node.channel.set_rto_min(rto_min)
             node.index = i
             node.arrival, node.lag = ArrivalEstimator(), ArrivalEstimator()  # a new share takes another time
             node.ready.clear()
             node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
-                               "max_len": self.max_len, "codec": int(self.codec), "transport": self.transport,
+                               "max_len": self.config.max_len, "codec": int(self.config.codec),
+                               "transport": self.config.transport,
                                "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": node.parity,
                                "datagram_bytes": node.datagram_bytes,
                                "priorities": None if node.priorities is None else
                                {"attn": node.priorities[0], "mlp": node.priorities[1]}, "prefetch": prefetch},
                               predictor_bytes)
         # The master builds its own share while the nodes build theirs.
-        if self.mapping == "dynamic":
-            self.shard = Shard(self.model.config, self.model.weights, own, self.max_len)
+        if self.config.mapping == "dynamic":
+            self.shard = Shard(self.model.config, self.model.weights, own, self.config.max_len)
         else:
-            self.shard = QuantShard(self.model.config, self.model.weights, own, self.max_len, self.threads,
+            self.shard = QuantShard(self.model.config, self.model.weights, own, self.config.max_len,
+                                    self.config.threads,
                                     after_block=functools.partial(release_mapped_file, self.model.path))
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
-        self.log(f"plan {self.strategy}: " + ", ".join(
+        self.log(f"plan {self.config.strategy}: " + ", ".join(
             f"{name} {mem / 1e6:.1f} MB" for name, mem in zip(plan.devices, plan.memory_bytes, strict=True)))
-        if self.mapping == "dynamic":
+        if self.config.mapping == "dynamic":
             self.log(f"dynamic mapping: every device holds every unit ({self.shard.weight_bytes / 1e6:.0f} MB of "
                      "float32 weights) and computes the share above of the units ranked for each token")
-            if not self.predictors.ahead and self.overlap:
+            if not self.predictors.ahead and self.config.overlap:
                 self.log("the predictors read each block's own input: ranking runs on the critical path, without "
                          "the pred and load overlaps (train with --reads ahead for them)")
         else:
@@ -664,7 +692,7 @@ class Master:
         """Dynamic mapping: the block's units from the most to the least important, predicted from
         what the predictors read (HALO's Pred); the static order where there is nothing to read.
         A multi-token step takes one ranking, from the predictions' mean over its tokens."""
-        if self.mapping != "dynamic":
+        if self.config.mapping != "dynamic":
             return None
         order = self.unit_order.attn[layer] if block == Block.ATTN else self.unit_order.mlp[layer]
         if layer == 0 or features is None:
@@ -684,8 +712,8 @@ class Master:
         seq = x.shape[0]
         key = (self.session, start, layer, int(block))
         nodes = self._participants(layer, block)
-        reliable = uses_reliable(self.transport, layer, block, seq)
-        mirror = mirrored(self.transport, layer, block, seq)
+        reliable = uses_reliable(self.config.transport, layer, block, seq)
+        mirror = mirrored(self.config.transport, layer, block, seq)
         over_udp = mirror or not reliable
         data = np.ascontiguousarray(x, "<f4").tobytes()
         self.recent_inputs[key] = (data, ranking)
@@ -707,7 +735,7 @@ class Master:
                 self._send_input(node, key, data, ranking)
         if nodes and over_udp:  # nodes on paths of one MTU get the same datagrams: encode and seal them once
             header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0,
-                            codec=Codec.F32 if mirror else self.codec, flags=seq)
+                            codec=Codec.F32 if mirror else self.config.codec, flags=seq)
             datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity copies)
             copies = max(n.parity for n in nodes)
             for node in nodes:
@@ -811,8 +839,8 @@ class Master:
         # previous layer's attention input: with the pred overlap while that layer's MLP partials travel,
         # without it on the path. Predictors that read the block's own input rank on the path, from the input
         # about to be sent.
-        ahead = self.mapping == "dynamic" and self.predictors.ahead
-        overlap_pred = ahead and "pred" in self.overlap
+        ahead = self.config.mapping == "dynamic" and self.predictors.ahead
+        overlap_pred = ahead and "pred" in self.config.overlap
         previous_input = None
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
         for layer in range(c.n_layers):
@@ -875,8 +903,8 @@ class Master:
                  stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
         """Greedy or sampled generation; a node lost midway triggers a replan and a re-prefill of
         the prompt and the tokens so far, and generation goes on. `on_token` runs on the loop thread."""
-        if len(prompt) + max_tokens > self.max_len:
-            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.max_len}")
+        if len(prompt) + max_tokens > self.config.max_len:
+            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.config.max_len}")
         return self.net.run(self._generate(prompt, max_tokens, sampler, stop_ids, on_token))
 
     def fresh_reports(self, timeout_s: float = 3.0) -> list[NodeConn]:
