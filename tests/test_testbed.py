@@ -138,7 +138,7 @@ def test_tensor_parallel_over_the_testbed(tiny_spec, synth_gguf) -> None:
     expected = generate(ReferenceEngine(model, 64), prompt, 16, Sampler(SamplingParams())).tokens
     spec = Spec(nodes=3, rate_mbit=1000, name="tbtp")
     testbed.down(spec.name)
-    config = TpBenchConfig(path, timeout_ms=None, loss_at="testbed")
+    config = TpBenchConfig(path, plan="minmax", timeout_ms=None, loss_at="testbed")  # every node takes a share
     with testbed.running(spec), local_cluster(model, config, 3, "0", spec) as master:
         assert sorted(n.host for n in master.nodes) == [spec.node_address(k) for k in (1, 2, 3)]
         master.replan()

@@ -76,6 +76,7 @@ class TpResult:
     node_weight_mb: float  # the largest node share
     node_kv_mb: float  # that node's KV cache
     node_peak_rss_mb: float  # the largest peak resident memory of any node process
+    devices_used: int  # devices the plan gave units to, the master included (a planner may leave some out)
     single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
     speedup: float | None = None  # single_ms_per_token / ms_per_token
 
@@ -214,7 +215,8 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         master_weight_mb=master.shard.weight_bytes / 1e6,
         node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / 1e6,
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / 1e6,
-        node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0))
+        node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
+        devices_used=sum(m > 0 for m in master.plan.memory_bytes))
 
 
 def single_baseline(model: Model, config: TpBenchConfig) -> float:
@@ -298,17 +300,19 @@ def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | Non
 
 
 def tp_table(results: list[TpResult]) -> str:
-    """Times in ms per token; "lost wait" is the part of "wait" spent in blocks that ended incomplete; "node"
-    the busiest node's kernels; "sync" the time per synchronization beyond the slowest device's compute (µs);
-    "speed-up" against the single-process engine (--baseline)."""
-    rows = [f"{'nodes':>5} {'transport':>9} {'loss':>6} {'ms/token':>9} {'speed-up':>8} {'compute':>8} {'node':>7} "
-            f"{'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} {'rebuilt':>7} "
-            f"{'late pkts':>9} {'kernel drops':>12} {'node MB w+kv/rss':>17}"]
+    """Times in ms per token; "used" the devices the plan gave units to (master included); "lost wait" is the
+    part of "wait" spent in blocks that ended incomplete; "node" the busiest node's kernels; "sync" the time per
+    synchronization beyond the slowest device's compute (µs); "speed-up" against the single-process engine
+    (--baseline)."""
+    rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'speed-up':>8} {'compute':>8} "
+            f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
+            f"{'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12} {'node MB w+kv/rss':>17}"]
     for r in results:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
         memory = f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f}" if r.nodes else "-"
-        rows.append(f"{r.nodes:>5} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} {speedup:>8} "
-                    f"{r.compute_ms_per_token:>8.1f} {r.node_compute_ms_per_token:>7.1f} {r.wait_ms_per_token:>8.1f} "
+        rows.append(f"{r.nodes:>5} {r.devices_used:>4} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} "
+                    f"{speedup:>8} {r.compute_ms_per_token:>8.1f} {r.node_compute_ms_per_token:>7.1f} "
+                    f"{r.wait_ms_per_token:>8.1f} "
                     f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>17}")
