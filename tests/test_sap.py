@@ -189,7 +189,7 @@ def test_static_mapping_gives_the_most_reliable_device_the_most_important_units(
     devices = [DeviceProfile(name=f"d{i}", kind="node", cores=1, compute=Compute(0.0, 1e9),
                              memory=Memory(1e4, 1e4, 1e4, 0.0), link=Link(0.1, 1e3, 1e3, loss))
                for i, loss in enumerate([0.05, 0.0, 0.02])]
-    plan = plan_tp(profile, devices, "halo")
+    plan = plan_tp(profile, devices, "minmax")  # both devices take units (halo may leave one out: a tiny model)
     reliable = spec_for_device(plan, 1, GROUP, 4096, order)
     lossiest = spec_for_device(plan, 0, GROUP, 4096, order)
     for layer in range(1, c.n_layers):

@@ -201,22 +201,6 @@ class AsyncChannel:
             self.loop.call_soon_threadsafe(self.writer.close)
 
 
-class DatagramReceiver(asyncio.DatagramProtocol):
-    """Hands authentic datagrams to a callback on the loop thread; counts and drops the rest."""
-
-    def __init__(self, key: bytes, counters: Counters,
-                 on_packet: Callable[[Header, bytes, tuple[str, int]], None]) -> None:
-        self.key, self.counters, self.on_packet = key, counters, on_packet
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        try:
-            header, payload = open_packet(data, self.key)
-        except WireError as e:
-            self.counters.reject(str(e).split(" ")[0])
-            return
-        self.on_packet(header, payload, addr)
-
-
 class DatagramSocket:
     """A UDP socket whose authentic datagrams go to a callback: read by the event loop while the loop is idle,
     and straight off the socket by the loop's own thread while it waits on a block (`drain`), with no event-loop
@@ -280,13 +264,3 @@ class DatagramSocket:
         if self.loop is not None and not self.loop.is_closed():
             self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
-
-
-async def listen_datagrams(host: str, key: bytes, counters: Counters,
-                           on_packet: Callable[[Header, bytes, tuple[str, int]], None]) -> asyncio.DatagramTransport:
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(lambda: DatagramReceiver(key, counters, on_packet),
-                                                       local_addr=(host, 0))
-    sock = transport.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    return transport

@@ -206,6 +206,18 @@ class _Block:
         return self.out1 if x.shape[1] == 1 else b.get_outputs()[0].numpy()
 
 
+def _advance(lengths: list[int], layer: int, start: int, seq: int, max_len: int) -> int:
+    """A layer's cache takes positions start..start+seq-1 (forgetting any after them): check that it can, note
+    its new length and return it."""
+    end = start + seq
+    if not 0 <= start <= lengths[layer]:
+        raise ValueError(f"layer {layer} holds {lengths[layer]} positions; cannot continue at {start}")
+    if end > max_len:
+        raise ValueError(f"context of {max_len} tokens exceeded")
+    lengths[layer] = end
+    return end
+
+
 def _shard_build_root() -> Path:
     root = cache_root() / "shards"
     root.mkdir(parents=True, exist_ok=True)
@@ -294,12 +306,7 @@ class QuantShard:
             raise ValueError("a quantized shard computes its own units; dynamic mapping runs on Shard")
         x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
         seq = x.shape[1]
-        end = start + seq
-        if not 0 <= start <= self.lengths[layer]:
-            raise ValueError(f"layer {layer} holds {self.lengths[layer]} positions; cannot continue at {start}")
-        if end > self.max_len:
-            raise ValueError(f"context of {self.max_len} tokens exceeded")
-        self.lengths[layer] = end
+        end = _advance(self.lengths, layer, start, seq, self.max_len)
         block = self.attn[layer]
         if block is None:
             return np.zeros((seq, self.config.hidden), np.float32) if output else None
@@ -417,12 +424,7 @@ class Shard:
         c = self.config
         x_norm = np.asarray(x_norm, np.float32)
         seq = x_norm.shape[0]
-        end = start + seq
-        if not 0 <= start <= self.lengths[layer]:
-            raise ValueError(f"layer {layer} holds {self.lengths[layer]} positions; cannot continue at {start}")
-        if end > self.max_len:
-            raise ValueError(f"context of {self.max_len} tokens exceeded")
-        self.lengths[layer] = end
+        end = _advance(self.lengths, layer, start, seq, self.max_len)
         a = self.attn[layer]
         if a is None:
             return np.zeros((seq, c.hidden), np.float32) if output else None
