@@ -66,6 +66,12 @@ def _rto_min_arg(p: argparse.ArgumentParser) -> None:
                         "distributed-llama; 0: the kernel's)")
 
 
+def _share_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--threads", type=int, default=default,
+                   help=f"compute threads per process: onnxruntime's for the tensor-parallel share or pipeline "
+                        f"stage, and numpy's (default: {default})")
+
+
 def _blas_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--threads", type=int, default=default,
                    help=f"numpy (BLAS) threads per process (default: {default})")
@@ -789,7 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sap", type=Path, default=None, help="predictor file for --mapping static or dynamic "
                    "(default: MODEL.sap.npz)")
     _overlap_arg(p)
-    _blas_threads_arg(p, DEFAULT_THREADS)
+    _share_threads_arg(p, DEFAULT_THREADS)
     p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
     p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
@@ -814,7 +820,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
                         "installed, else the CPU (default: auto)")
-    _blas_threads_arg(p, DEFAULT_THREADS)
+    _share_threads_arg(p, DEFAULT_THREADS)
     cluster_args(p)
     p.set_defaults(func=cmd_node)
 
@@ -897,7 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     _udp_args(p)
     _rto_min_arg(p)
-    _blas_threads_arg(p, 1)
+    _share_threads_arg(p, 1)
     p.add_argument("--baseline", action="store_true",
                    help="also time the single-process onnx engine (same model, prompt, tokens and --threads) in "
                         "this run and give every row's speed-up over it (default: off)")
