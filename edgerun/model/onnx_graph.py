@@ -28,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from edgerun.model.config import ModelConfig
-from edgerun.model.quant import AffineBlocks, QuantTensor, slice_affine, to_affine_blocks
+from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
 from edgerun.model.weights import LayerWeights, ModelWeights
 
@@ -106,7 +106,7 @@ class _GraphWriter:
     def linear_forms(self, x: str, forms: list[AffineBlocks | np.ndarray], accuracy_level: int) -> list[str]:
         """x @ W.T for each W, given in affine-block form (a quantized kernel) or as float32 (rows, cols)."""
         if len(forms) > 1 and _fusable(forms):
-            (y,) = self._affine_product(x, _fuse(forms), accuracy_level)
+            (y,) = self._affine_product(x, concat_affine(forms, axis=0), accuracy_level)
             sizes = self.constant("split", np.array([f.codes.shape[0] for f in forms], np.int64))
             return self.node("Split", [y, sizes], n_outputs=len(forms), axis=-1)
         outputs = []
@@ -166,14 +166,6 @@ def _fusable(forms: list[AffineBlocks | np.ndarray]) -> bool:
     first = forms[0]
     return isinstance(first, AffineBlocks) and all(
         isinstance(f, AffineBlocks) and f.bits == first.bits and f.block == first.block for f in forms)
-
-
-def _fuse(forms: list[AffineBlocks]) -> AffineBlocks:
-    offsets = None
-    if any(f.offsets is not None for f in forms):
-        offsets = np.concatenate([np.zeros_like(f.scales) if f.offsets is None else f.offsets for f in forms])
-    return AffineBlocks(forms[0].bits, forms[0].block, np.concatenate([f.codes for f in forms]),
-                        np.concatenate([f.scales for f in forms]), offsets)
 
 
 def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out_dir: Path) -> dict[str, object]:

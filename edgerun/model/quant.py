@@ -8,6 +8,7 @@ out of a matrix and how GGUF's interleaved Q/K rows are put back in order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,11 +141,7 @@ def to_affine_blocks(t: QuantTensor) -> AffineBlocks | None:
     rows_per_chunk = max(1, AFFINE_CHUNK_VALUES // t.shape[1])
     if t.shape[0] > rows_per_chunk:
         parts = [_affine_rows(t.take_rows(slice(r, r + rows_per_chunk))) for r in range(0, t.shape[0], rows_per_chunk)]
-        if parts[0] is None:
-            return None
-        return AffineBlocks(parts[0].bits, parts[0].block, np.concatenate([p.codes for p in parts]),
-                            np.concatenate([p.scales for p in parts]),
-                            None if parts[0].offsets is None else np.concatenate([p.offsets for p in parts]))
+        return None if parts[0] is None else concat_affine(parts, axis=0)
     return _affine_rows(t)
 
 
@@ -200,14 +197,45 @@ def _refine(form: AffineBlocks, block: int) -> AffineBlocks:
                         None if form.offsets is None else np.repeat(form.offsets, r, axis=1))
 
 
-def _concat_columns(forms: list[AffineBlocks]) -> AffineBlocks:
+def concat_affine(forms: list[AffineBlocks], axis: int) -> AffineBlocks:
+    """Matrices of one code width stacked (axis 0: rows) or side by side (axis 1: columns), in blocks of the
+    smallest block among them; a matrix without offsets takes zero offsets beside one with them."""
     block = min(f.block for f in forms)
     forms = [_refine(f, block) if f.block != block else f for f in forms]
     offsets = None
     if any(f.offsets is not None for f in forms):
-        offsets = np.concatenate([np.zeros_like(f.scales) if f.offsets is None else f.offsets for f in forms], axis=1)
-    return AffineBlocks(forms[0].bits, block, np.concatenate([f.codes for f in forms], axis=1),
-                        np.concatenate([f.scales for f in forms], axis=1), offsets)
+        offsets = np.concatenate([np.zeros_like(f.scales) if f.offsets is None else f.offsets for f in forms],
+                                 axis=axis)
+    return AffineBlocks(forms[0].bits, block, np.concatenate([f.codes for f in forms], axis=axis),
+                        np.concatenate([f.scales for f in forms], axis=axis), offsets)
+
+
+def _column_blocks(t: QuantTensor, start: int, stop: int) -> tuple[QuantTensor, int]:
+    """The file blocks of every row that cover columns [start, stop), as a matrix of their own, and where
+    `start` falls in it: a column range of a quantized matrix touches only these bytes."""
+    if not 0 <= start < stop <= t.shape[1]:
+        raise ValueError(f"column range [{start}, {stop}) is outside 0..{t.shape[1]}")
+    block, size = block_shape(t.qtype)
+    first, last = start // block, -(-stop // block)
+    part = QuantTensor(t.qtype, (t.shape[0], (last - first) * block),
+                       np.ascontiguousarray(t.raw[:, first * size:last * size]))
+    return part, start - first * block
+
+
+def dequantize_columns(t: QuantTensor, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Columns [start, stop) of each range of a quantized matrix, side by side, as float32.
+
+    Each row's quant blocks run along the columns, so only the blocks covering a range are
+    dequantized; a range that does not start or end on a block boundary (a 128-column head in a
+    256-wide K-quant block) is trimmed after dequantizing its end blocks.
+    """
+    parts = []
+    for start, stop in ranges:
+        part, a = _column_blocks(t, start, stop)
+        parts.append(part.dequantize()[:, a:a + stop - start])
+    if not parts:
+        return np.zeros((t.shape[0], 0), np.float32)
+    return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
 
 
 def slice_affine(t: QuantTensor, rows: np.ndarray | None = None,
@@ -221,32 +249,16 @@ def slice_affine(t: QuantTensor, rows: np.ndarray | None = None,
         t = t.take_rows(np.asarray(rows))
     if col_ranges is None:
         return to_affine_blocks(t) or t.dequantize()
-    rows_n, cols = t.shape
-    file_block, size = block_shape(t.qtype)
     forms: list[AffineBlocks] = []
     for start, stop in col_ranges:
-        if not 0 <= start < stop <= cols:
-            raise ValueError(f"column range [{start}, {stop}) is outside 0..{cols}")
-        first, last = start // file_block, -(-stop // file_block)
-        part = QuantTensor(t.qtype, (rows_n, (last - first) * file_block),
-                           np.ascontiguousarray(t.raw[:, first * size:last * size]))
+        part, a = _column_blocks(t, start, stop)
+        b = a + stop - start
         form = to_affine_blocks(part)
-        a, b = start - first * file_block, stop - first * file_block
         block = np.gcd.reduce([form.block, a, b]) if form is not None else 0
         if form is None or block < MIN_KERNEL_BLOCK or block & (block - 1):
-            return np.concatenate([slice_affine_float(t, r) for r in col_ranges], axis=1)
+            return dequantize_columns(t, col_ranges)
         form = _refine(form, int(block)) if block != form.block else form
         cut = slice(a // form.block, b // form.block)
         forms.append(AffineBlocks(form.bits, form.block, form.codes[:, a:b], form.scales[:, cut],
                                   None if form.offsets is None else form.offsets[:, cut]))
-    return _concat_columns(forms)
-
-
-def slice_affine_float(t: QuantTensor, col_range: tuple[int, int]) -> np.ndarray:
-    """Columns [start, stop) of a quantized matrix as float32, dequantizing only the blocks covering them."""
-    start, stop = col_range
-    file_block, size = block_shape(t.qtype)
-    first, last = start // file_block, -(-stop // file_block)
-    part = QuantTensor(t.qtype, (t.shape[0], (last - first) * file_block),
-                       np.ascontiguousarray(t.raw[:, first * size:last * size]))
-    return part.dequantize()[:, start - first * file_block:stop - first * file_block]
+    return concat_affine(forms, axis=1)

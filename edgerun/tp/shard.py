@@ -40,7 +40,7 @@ from edgerun.model.onnx_graph import (
     shard_mlp_graph,
     shard_weights_path,
 )
-from edgerun.model.quant import QuantTensor, block_shape
+from edgerun.model.quant import dequantize_columns
 from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
 from edgerun.model.weights import LayerWeights, ModelWeights
 from edgerun.profile.memory import release_mapped_file
@@ -86,28 +86,6 @@ def split_spec(config: ModelConfig, n: int, group_size: int = 256, vocab_block: 
         )
         for d in range(n)
     ]
-
-
-def dequantize_columns(t: QuantTensor, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Columns [start, stop) of each range of a quantized matrix, side by side, as float32.
-
-    Each row's quant blocks run along the columns, so only the blocks covering a range are
-    dequantized; a range that does not start or end on a block boundary (a 128-column head in a
-    256-wide K-quant block) is trimmed after dequantizing its end blocks.
-    """
-    rows, cols = t.shape
-    block, size = block_shape(t.qtype)
-    parts = []
-    for start, stop in ranges:
-        if not 0 <= start < stop <= cols:
-            raise ValueError(f"column range [{start}, {stop}) is outside 0..{cols}")
-        first, last = start // block, -(-stop // block)
-        raw = np.ascontiguousarray(t.raw[:, first * size:last * size])
-        values = QuantTensor(t.qtype, (rows, (last - first) * block), raw).dequantize()
-        parts.append(values[:, start - first * block:stop - first * block])
-    if not parts:
-        return np.zeros((rows, 0), np.float32)
-    return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
 
 
 def _row_index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
