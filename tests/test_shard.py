@@ -379,7 +379,7 @@ def test_slices_stay_quantized_and_exact(qtype: str) -> None:
 def test_release_mapped_file_lets_go_of_its_pages(tmp_path) -> None:
     """A share copies what it needs out of the memory-mapped model; the file's pages it read leave the
     process's resident memory, and the mapping still reads the same bytes afterwards."""
-    from edgerun.profile.memory import release_mapped_file
+    from edgerun.profile.memory import release_mapped_files
 
     def file_rss_kb() -> int:
         with open("/proc/self/status") as status:
@@ -391,6 +391,6 @@ def test_release_mapped_file_lets_go_of_its_pages(tmp_path) -> None:
     mapped = np.memmap(path, np.uint8, mode="r")
     assert int(mapped.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # every page touched
     touched = file_rss_kb()
-    release_mapped_file(path)
+    release_mapped_files([path])
     assert file_rss_kb() < touched - 48 * 1024, (touched, file_rss_kb())
     assert np.array_equal(mapped[::4096], data[::4096])

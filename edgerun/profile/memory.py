@@ -6,6 +6,7 @@ import ctypes
 import resource
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,19 +39,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def release_mapped_file(path: Path) -> None:
-    """Let go of this process's resident pages of a memory-mapped file and of freed heap. A tensor-parallel share
+def release_mapped_files(paths: Iterable[Path]) -> None:
+    """Let go of this process's resident pages of memory-mapped files and of freed heap. A tensor-parallel share
     is copied out of the model file into its kernels' own buffers; the file's pages it read on the way (every row
     of a column-sliced matrix) would otherwise stay resident, counted in the process's memory, though the share
     never reads them again. The mapping stays valid: a page touched again comes back from the file."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    target = str(Path(path).resolve())
+    targets = {str(Path(path).resolve()) for path in paths}
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == target:
+            if len(fields) == 6 and fields[5].strip() in targets:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
     if hasattr(libc, "malloc_trim"):  # glibc: return freed heap (the share's build temporaries) to the system

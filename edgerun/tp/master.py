@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,7 +52,6 @@ from edgerun.net.wire import (
     peek_block,
     seal,
 )
-from edgerun.profile.memory import release_mapped_file
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
@@ -646,8 +644,7 @@ class Master:
             self.shard = Shard(self.model.config, self.model.weights, own, self.config.max_len)
         else:
             self.shard = QuantShard(self.model.config, self.model.weights, own, self.config.max_len,
-                                    self.config.threads,
-                                    after_block=functools.partial(release_mapped_file, self.model.path))
+                                    self.config.threads, mapped_files=[self.model.path])
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):

@@ -53,7 +53,7 @@ from edgerun.net.wire import (
     peek_block,
     seal,
 )
-from edgerun.profile.memory import peak_rss_mb, release_mapped_file
+from edgerun.profile.memory import peak_rss_mb
 from edgerun.sap.predictor import PredictorSet
 from edgerun.tp.shard import AttnWeights, MlpWeights, QuantShard, Shard, ShardSpec, full_spec
 
@@ -239,8 +239,7 @@ class Node:
                                               int(message["max_len"]))
                 else:
                     build = functools.partial(QuantShard, self.model.config, self.model.weights, spec,
-                                              int(message["max_len"]), self.threads,
-                                              after_block=functools.partial(release_mapped_file, self.model.path))
+                                              int(message["max_len"]), self.threads, mapped_files=[self.model.path])
                 shard = await loop.run_in_executor(None, build)
                 self._assign(message, spec, shard, payload)
                 settle_heap()

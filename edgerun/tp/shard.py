@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from edgerun.model.onnx_graph import (
 from edgerun.model.quant import dequantize_columns
 from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
 from edgerun.model.weights import LayerWeights, ModelWeights
-from edgerun.profile.memory import release_mapped_file
+from edgerun.profile.memory import release_mapped_files
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,49 @@ class _MlpShard:
         return self.w_gate.nbytes + self.w_up.nbytes + self.w_down.nbytes
 
 
+class _ShareBase:
+    """What both kinds of share have: the spec checked against the model, the LM-head rows it holds, and the
+    positions each layer's KV cache holds (a layer's attention may only continue from what it holds)."""
+
+    def __init__(self, config: ModelConfig, spec: ShardSpec, max_len: int) -> None:
+        c = config
+        if len(spec.attn_units) != c.n_layers or len(spec.mlp_groups) != c.n_layers:
+            raise ValueError(f"the spec must list units for each of the {c.n_layers} layers")
+        if spec.group_size < 1 or spec.vocab_block < 1 or max_len < 1:
+            raise ValueError("group_size, vocab_block and max_len must be positive")
+        n_mlp = n_groups(c.ffn, spec.group_size)
+        for layer in range(c.n_layers):
+            _check_units(spec.attn_units[layer], c.n_kv_heads, f"layer {layer} attention units")
+            _check_units(spec.mlp_groups[layer], n_mlp, f"layer {layer} MLP groups")
+        _check_units(spec.vocab_blocks, n_groups(c.vocab_size, spec.vocab_block), "vocab blocks")
+        self.config, self.spec, self.max_len = config, spec, max_len
+        self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
+                                      for b in spec.vocab_blocks]).astype(np.int64)
+        self.lengths = [0] * c.n_layers
+
+    def _advance(self, layer: int, start: int, seq: int) -> int:
+        """A layer's cache takes positions start..start+seq-1 (forgetting any after them): check that it can, note
+        its new length and return it."""
+        end = start + seq
+        if not 0 <= start <= self.lengths[layer]:
+            raise ValueError(f"layer {layer} holds {self.lengths[layer]} positions; cannot continue at {start}")
+        if end > self.max_len:
+            raise ValueError(f"context of {self.max_len} tokens exceeded")
+        self.lengths[layer] = end
+        return end
+
+    def _group_ranges(self, groups: Sequence[int]) -> list[tuple[int, int]]:
+        """The intermediate rows [start, stop) of each MLP group."""
+        size, ffn = self.spec.group_size, self.config.ffn
+        return [(g * size, min((g + 1) * size, ffn)) for g in groups]
+
+    def truncate(self, length: int) -> None:
+        """Forget cached positions >= length in every layer."""
+        if length < 0:
+            raise ValueError(f"length must not be negative, not {length}")
+        self.lengths = [min(n, length) for n in self.lengths]
+
+
 class _Block:
     """One onnxruntime session with its input bound per call; decode steps (one token) write into a
     preallocated output, so the hot path allocates nothing but the step's small index tensors."""
@@ -154,8 +197,6 @@ class _Block:
         if threads and threads > 1:  # many sessions run one after another: an idle one must not spin on the cores
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
-        # onnxruntime has prepacked the weights onto its heap: the mapped file is not read again.
-        release_mapped_file(shard_weights_path(graph))
         self.weight_bytes = weight_bytes
         self.binding = self.session.io_binding()
         self.binding.bind_output(output)  # first, so it is output 0
@@ -184,68 +225,43 @@ class _Block:
         return self.out1 if x.shape[1] == 1 else b.get_outputs()[0].numpy()
 
 
-def _advance(lengths: list[int], layer: int, start: int, seq: int, max_len: int) -> int:
-    """A layer's cache takes positions start..start+seq-1 (forgetting any after them): check that it can, note
-    its new length and return it."""
-    end = start + seq
-    if not 0 <= start <= lengths[layer]:
-        raise ValueError(f"layer {layer} holds {lengths[layer]} positions; cannot continue at {start}")
-    if end > max_len:
-        raise ValueError(f"context of {max_len} tokens exceeded")
-    lengths[layer] = end
-    return end
-
-
 def _shard_build_root() -> Path:
     root = cache_root() / "shards"
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
-def _group_ranges(groups: Sequence[int], size: int, ffn: int) -> list[tuple[int, int]]:
-    return [(g * size, min((g + 1) * size, ffn)) for g in groups]
-
-
-class QuantShard:
+class QuantShard(_ShareBase):
     """One device's attention units, MLP groups and vocabulary blocks as quantized onnxruntime graphs, one
     per block, with the KV cache of its KV heads. The same interface as Shard, for static shares (`units`
     and `weights` are for dynamic mapping, which runs on Shard). Outputs of one-token steps are buffers the
     block reuses on its next call: use them before calling that block again."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, accuracy_level: int = 0,
-                 after_block: Callable[[], None] = lambda: None) -> None:
-        """`after_block` runs after each block's graph is built (a node lets go of the model file's pages there,
-        so they never pile up in its memory)."""
-        c = config
-        if len(spec.attn_units) != c.n_layers or len(spec.mlp_groups) != c.n_layers:
-            raise ValueError(f"the spec must list units for each of the {c.n_layers} layers")
-        if spec.group_size < 1 or spec.vocab_block < 1 or max_len < 1:
-            raise ValueError("group_size, vocab_block and max_len must be positive")
-        self.config, self.spec, self.max_len = config, spec, max_len
+                 threads: int | None = 1, accuracy_level: int = 0, mapped_files: Sequence[Path] = ()) -> None:
+        """`mapped_files`: the files `weights` are memory-mapped from. Their pages, and those of each block's own
+        weights file (onnxruntime has prepacked what it runs onto its heap), are let go of after every layer, so
+        they never pile up in the device's memory."""
+        super().__init__(config, spec, max_len)
         # Block graphs are written here, loaded and deleted at once (onnxruntime keeps what it mapped).
         build_dir = Path(tempfile.mkdtemp(prefix="shard-", dir=_shard_build_root()))
         try:
-            self._build(weights, build_dir, threads, accuracy_level, after_block)
+            self._build(weights, build_dir, threads, accuracy_level, mapped_files)
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
-        self.lengths = [0] * c.n_layers
 
     def _build(self, weights: ModelWeights, build_dir: Path, threads: int | None, accuracy_level: int,
-               after_block: Callable[[], None]) -> None:
+               mapped_files: Sequence[Path]) -> None:
         c, spec, max_len = self.config, self.spec, self.max_len
-        n_mlp = n_groups(c.ffn, spec.group_size)
         self.attn: list[_Block | None] = []
         self.kv: list[tuple[np.ndarray, np.ndarray] | None] = []
         self.mlp_blocks: list[_Block | None] = []
         for layer, w in enumerate(weights.layers):
             units, groups = spec.attn_units[layer], spec.mlp_groups[layer]
-            _check_units(units, c.n_kv_heads, f"layer {layer} attention units")
-            _check_units(groups, n_mlp, f"layer {layer} MLP groups")
+            attn_path, mlp_path = build_dir / f"attention{layer}.onnx", build_dir / f"mlp{layer}.onnx"
             if units:
-                path = build_dir / f"attention{layer}.onnx"
-                block = _Block(path, shard_attention_graph(c, w, units, max_len, path, accuracy_level), threads,
-                               "partial", c.hidden)
+                block = _Block(attn_path, shard_attention_graph(c, w, units, max_len, attn_path, accuracy_level),
+                               threads, "partial", c.hidden)
                 cache = tuple(np.zeros((1, len(units), max_len, c.head_dim), np.float32) for _ in range(2))
                 block.bind_cache(*cache)
                 self.attn.append(block)
@@ -253,18 +269,14 @@ class QuantShard:
             else:
                 self.attn.append(None)
                 self.kv.append(None)
-            path = build_dir / f"mlp{layer}.onnx"
-            self.mlp_blocks.append(_Block(path, shard_mlp_graph(c, w, _group_ranges(groups, spec.group_size, c.ffn),
-                                                                path, accuracy_level), threads, "partial", c.hidden)
+            self.mlp_blocks.append(_Block(mlp_path, shard_mlp_graph(c, w, self._group_ranges(groups), mlp_path,
+                                                                    accuracy_level), threads, "partial", c.hidden)
                                    if groups else None)
-            after_block()
-        _check_units(spec.vocab_blocks, n_groups(c.vocab_size, spec.vocab_block), "vocab blocks")
-        self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
-                                      for b in spec.vocab_blocks]).astype(np.int64)
+            release_mapped_files([shard_weights_path(attn_path), shard_weights_path(mlp_path), *mapped_files])
         path = build_dir / "head.onnx"
         self.head = (_Block(path, shard_head_graph(c, weights.output, self.vocab_rows, path, accuracy_level), threads,
                             "logits", len(self.vocab_rows)) if len(self.vocab_rows) else None)
-        after_block()
+        release_mapped_files([shard_weights_path(path), *mapped_files])
 
     @property
     def weight_bytes(self) -> int:
@@ -284,7 +296,7 @@ class QuantShard:
             raise ValueError("a quantized shard computes its own units; dynamic mapping runs on Shard")
         x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
         seq = x.shape[1]
-        end = _advance(self.lengths, layer, start, seq, self.max_len)
+        end = self._advance(layer, start, seq)
         block = self.attn[layer]
         if block is None:
             return np.zeros((seq, self.config.hidden), np.float32) if output else None
@@ -307,48 +319,29 @@ class QuantShard:
             return self.vocab_rows, np.zeros((x.shape[1], 0), np.float32)
         return self.vocab_rows, self.head.run(x).reshape(x.shape[1], -1)
 
-    def truncate(self, length: int) -> None:
-        if length < 0:
-            raise ValueError(f"length must not be negative, not {length}")
-        self.lengths = [min(n, length) for n in self.lengths]
 
-
-class Shard:
+class Shard(_ShareBase):
     """One device's attention units, MLP groups and vocabulary blocks, with the KV cache of its
     KV heads. Every method returns this device's partial result; the caller sums them."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int) -> None:
+        super().__init__(config, spec, max_len)
         c = config
-        if len(spec.attn_units) != c.n_layers or len(spec.mlp_groups) != c.n_layers:
-            raise ValueError(f"the spec must list units for each of the {c.n_layers} layers")
-        if spec.group_size < 1 or spec.vocab_block < 1 or max_len < 1:
-            raise ValueError("group_size, vocab_block and max_len must be positive")
-        self.config = config
-        self.spec = spec
-        self.max_len = max_len
-        n_mlp = n_groups(c.ffn, spec.group_size)
         self.attn: list[_AttnShard | None] = []
         self.mlp_parts: list[_MlpShard | None] = []
         for layer, w in enumerate(weights.layers):
             units, groups = spec.attn_units[layer], spec.mlp_groups[layer]
-            _check_units(units, c.n_kv_heads, f"layer {layer} attention units")
-            _check_units(groups, n_mlp, f"layer {layer} MLP groups")
             self.attn.append(self._attn_shard(w, units) if units else None)
             if groups:
-                ranges = [(g * spec.group_size, min((g + 1) * spec.group_size, c.ffn)) for g in groups]
+                ranges = self._group_ranges(groups)
                 rows = _row_index(ranges)
                 self.mlp_parts.append(_MlpShard(w.w_gate.take_rows(rows).dequantize(),
                                                 w.w_up.take_rows(rows).dequantize(),
                                                 dequantize_columns(w.w_down, ranges)))
             else:
                 self.mlp_parts.append(None)
-        _check_units(spec.vocab_blocks, n_groups(c.vocab_size, spec.vocab_block), "vocab blocks")
-        self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
-                                      for b in spec.vocab_blocks]).astype(np.int64)
         self.output = (weights.output.take_rows(self.vocab_rows).dequantize() if len(self.vocab_rows)
                        else np.zeros((0, c.hidden), np.float32))
-        # Positions cached per layer: a layer's attention may only continue from what it holds.
-        self.lengths = [0] * c.n_layers
 
     def _attn_shard(self, w: LayerWeights, units: Sequence[int]) -> _AttnShard:
         c = self.config
@@ -402,7 +395,7 @@ class Shard:
         c = self.config
         x_norm = np.asarray(x_norm, np.float32)
         seq = x_norm.shape[0]
-        end = _advance(self.lengths, layer, start, seq, self.max_len)
+        end = self._advance(layer, start, seq)
         a = self.attn[layer]
         if a is None:
             return np.zeros((seq, c.hidden), np.float32) if output else None
@@ -475,8 +468,3 @@ class Shard:
         the hidden state after the output norm."""
         return self.vocab_rows, np.asarray(x_norm, np.float32) @ self.output.T
 
-    def truncate(self, length: int) -> None:
-        """Forget cached positions >= length in every layer."""
-        if length < 0:
-            raise ValueError(f"length must not be negative, not {length}")
-        self.lengths = [min(n, length) for n in self.lengths]
