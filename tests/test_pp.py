@@ -22,7 +22,7 @@ from edgerun.cli import main
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
-from edgerun.net.wire import PP_HEADER, PpMsg, derive_key, open_pp_frame, pp_frame, pp_mac
+from edgerun.net.wire import PP_HEADER, PpMsg, cluster_mac, derive_key, open_pp_frame, pp_frame
 from edgerun.pp.master import PipelineMaster, chat_template_prefix, describe
 from edgerun.pp.worker import PipelineWorker
 
@@ -127,7 +127,7 @@ def test_bad_input_is_rejected_while_the_master_keeps_serving(model: Model, refe
             frame = bytearray(pp_frame(PpMsg.CONNECT, 0, {"name": "future", "memory_mb": 1e6, "speed": 1e12}, KEY))
             frame[2] = 9  # version
             body = bytes(frame[:-16])
-            ws.send(body + pp_mac(KEY, body))
+            ws.send(body + cluster_mac(KEY, body))
             with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=10)
         with connect(url, max_size=None) as ws:

@@ -372,11 +372,6 @@ class PpMsg(IntEnum):
     ERROR = 13  # worker -> master: a message it could not carry out, and why
 
 
-def pp_mac(key: bytes, data: bytes) -> bytes:
-    """The same MAC as datagrams': browsers compute HMAC-SHA256 with WebCrypto."""
-    return cluster_mac(key, data)
-
-
 def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,
              tensors: dict[str, np.ndarray] | None = None) -> bytes:
     """A sealed pipeline frame; `tensors` travel in the payload, described in message["tensors"]."""
@@ -392,7 +387,7 @@ def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,
     text = json.dumps({**message, "tensors": described} if tensors else message, separators=(",", ":")).encode()
     payload = b"".join(chunks)
     body = PP_HEADER.pack(PP_MAGIC, PP_VERSION, kind, request, len(text), len(payload)) + text + payload
-    return body + pp_mac(key, body)
+    return body + cluster_mac(key, body)  # HMAC-SHA256, as browsers compute it with WebCrypto
 
 
 def open_pp_frame(data: bytes, key: bytes) -> tuple[PpMsg, int, dict[str, Any], dict[str, np.ndarray]]:
@@ -402,7 +397,7 @@ def open_pp_frame(data: bytes, key: bytes) -> tuple[PpMsg, int, dict[str, Any], 
     if len(data) > PP_MAX_FRAME:
         raise WireError(f"frame of {len(data)} bytes exceeds {PP_MAX_FRAME}")
     body, mac = data[:-MAC_SIZE], data[-MAC_SIZE:]
-    if not hmac.compare_digest(mac, pp_mac(key, body)):
+    if not hmac.compare_digest(mac, cluster_mac(key, body)):
         raise WireError("bad MAC (wrong cluster key?)")
     magic, version, kind, request, text_len, payload_len = PP_HEADER.unpack_from(body)
     if magic != PP_MAGIC:

@@ -594,8 +594,7 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
                         return False
                     j = min(takers, key=lambda j: (c[j] + 1) / speeds[j])
                     c[i], c[j], free[i], free[j] = c[i] - 1, c[j] + 1, free[i] + mem, free[j] - mem
-            while c[max(allowed, key=lambda i: c[i] / speeds[i])]:
-                a = max(allowed, key=lambda i: c[i] / speeds[i])
+            while c[a := max(allowed, key=lambda i: c[i] / speeds[i])]:
                 # Devices that would finish this block sooner than its slowest one does now, soonest first.
                 sooner = c[a] / speeds[a] * (1 - 1e-12)
                 takers = sorted((j for j in allowed if j != a and (c[j] + 1) / speeds[j] < sooner),

@@ -364,7 +364,7 @@ class Master:
         self.own_priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = ((), ())
         self.log = log
         self.model_server = ModelServer(model.path, self.model_sha256, host)
-        self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on the event loop's endpoint
+        self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on self.datagrams
         self.counters = Counters()
         self.cond = threading.Condition()  # membership: nodes joining and leaving
         self.nodes: list[NodeConn] = []
@@ -760,17 +760,18 @@ class Master:
         self.stats.compute_s += wait_start - compute_start
         if while_waiting is not None:
             while_waiting()
+        # When the partials should be in: a lossy block's deadline, and how long a mirrored one drains for.
+        expected = sent + self.timeouts.after_send([n.arrival for n in nodes])
         if not reliable:
             w.lag_bound = self.timeouts.after_first([n.lag for n in nodes])
-            w.deadline = sent + self.timeouts.after_send([n.arrival for n in nodes])
+            w.deadline = expected
         if over_udp and w.outstanding:
             # The lean path: partials are taken straight off the socket on this thread until the block is whole
             # or its deadline passes. A mirrored block (no deadline) drains so long for its UDP copies, then waits
             # for its TCP copies on the loop. Data on a participant's TCP stream (a reply, a heartbeat, a closed
             # connection) hands the wait to the event loop, which reads it.
-            grace = sent + self.timeouts.after_send([n.arrival for n in nodes])
             watch = [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0]
-            self.datagrams.drain(lambda: w.outstanding == 0, lambda: grace if w.deadline is None else w.deadline,
+            self.datagrams.drain(lambda: w.outstanding == 0, lambda: expected if w.deadline is None else w.deadline,
                                  watch)
         if w.outstanding and not any(not n.alive for n in nodes) and (
                 reliable or w.deadline is None or time.perf_counter() < w.deadline):

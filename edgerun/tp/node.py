@@ -171,7 +171,7 @@ class Node:
         self.budget_mb = budget_mb
         self.speed = speed
         self.log = log
-        self.udp = LossyUdp(key, loss=loss)  # sends; datagrams arrive on the event loop's endpoint
+        self.udp = LossyUdp(key, loss=loss)  # sends; datagrams arrive on self.datagrams
         self.counters = Counters()
         # Loop-thread state: the share, the session, and the inputs not computed yet.
         self.spec: ShardSpec | None = None
