@@ -21,7 +21,7 @@ from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import MAX_UDP_PAYLOAD
 from edgerun.net.loss import parse_loss
-from edgerun.net.wire import PROBE_FLAG, Block, Codec, Header, MsgType, derive_key, fragment, seal
+from edgerun.net.wire import Block, Codec, Header, MsgType, derive_key, fragment, seal
 from edgerun.tp.master import Master, MasterConfig
 
 SECRET = "test-cluster"
@@ -168,10 +168,9 @@ def mutate(datagram: bytes, rng: random.Random) -> bytes:
     if choice == 2:
         return bytes(data[: rng.randrange(len(data))])
     # Authentic but wild: a header the receiver does not expect, sealed with the right key.
-    header = Header(MsgType(rng.choice([1, 2, 3, 5])), rng.randrange(1 << 32), rng.randrange(1 << 32),
+    header = Header(MsgType(rng.choice([1, 2, 4])), rng.randrange(1 << 32), rng.randrange(1 << 32),
                     rng.randrange(1 << 16), rng.choice([0, 1, 2]), rng.randrange(256), rng.randrange(4), 4,
-                    Codec(rng.randrange(3)), rng.choice([f for f in range(256) if f != PROBE_FLAG]),
-                    rng.randrange(1 << 20))  # a probe flag would make it a valid link probe, not fuzz
+                    Codec(rng.randrange(3)), rng.randrange(256), rng.randrange(1 << 20))  # a PROBE would be valid
     return seal(header, rng.randbytes(rng.randrange(0, 600)), KEY)
 
 
@@ -179,7 +178,7 @@ def mutate(datagram: bytes, rng: random.Random) -> bytes:
 def test_fuzzed_datagrams_are_counted_and_nothing_breaks(model: Model, reference_tokens: list[int]) -> None:
     n = int(os.environ.get("EDGERUN_TP_FUZZ_N", "2000"))
     rng = random.Random(0)
-    valid = fragment(Header(MsgType.PARTIAL, 1, 0, 1, Block.MLP, 1, flags=1), np.ones(576, np.float32), KEY)
+    valid = fragment(Header(MsgType.PARTIAL, 1, 0, 1, Block.MLP, 1, tokens=1), np.ones(576, np.float32), KEY)
     prompt = model.tokenizer.encode(PROMPT)
     for master, _ in cluster(model, [1e9], timeout_ms=2000):
         node = master.nodes[0]

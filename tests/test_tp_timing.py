@@ -12,8 +12,9 @@ import pytest
 from edgerun.model.loader import load_model
 from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, derive_key, fragment, open_packet
 from edgerun.tp.master import ArrivalEstimator, Timeouts
+from edgerun.tp.messages import Assign, Fetch, Input, Message, Partial, Routes
 from edgerun.tp.node import Node
-from edgerun.tp.shard import Shard, full_spec
+from edgerun.tp.shard import Shard, ShardSpec, full_spec
 
 KEY = derive_key("timing")
 
@@ -72,13 +73,18 @@ class _Recorder:
     """Stands in for the node's TCP channel: records what the node sends."""
 
     def __init__(self) -> None:
-        self.sent: list[dict] = []
+        self.sent: list[Message] = []
 
-    def send(self, message: dict, payload: bytes = b"") -> None:
+    def send(self, message: Message) -> None:
         self.sent.append(message)
 
     def set_rto_min(self, ms: float | None) -> bool:
         return True
+
+
+def assignment(n_layers: int, spec: ShardSpec, codec: Codec, master_udp_port: int) -> Assign:
+    """Session 5's share for node 1, with --transport udp's routes."""
+    return Assign(5, 1, spec, 64, codec, Routes.for_transport("udp", n_layers), master_udp_port, None, 0, 1472)
 
 
 def test_node_fetches_a_lost_attention_input_and_keeps_its_cache_whole(tiny_spec, synth_gguf) -> None:
@@ -93,17 +99,16 @@ def test_node_fetches_a_lost_attention_input_and_keeps_its_cache_whole(tiny_spec
     node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
     node.channel = _Recorder()
     spec = full_spec(c, group_size=128)
-    node._assign({"index": 1, "codec": 0, "transport": "udp", "udp_port": sink.getsockname()[1], "session": 5},
-                 spec, Shard(c, model.weights, spec, 64))
+    node._assign(assignment(c.n_layers, spec, Codec.F32, sink.getsockname()[1]), spec,
+                 Shard(c, model.weights, spec, 64))
     reference = Shard(c, model.weights, spec, 64)
     rng = np.random.default_rng(0)
 
     def tcp_input(position: int, layer: int, block: Block, x: np.ndarray) -> None:
-        node._control({"op": "input", "session": 5, "position": position, "layer": layer, "block": int(block)},
-                      x.astype("<f4").tobytes())
+        node._control(Input(5, position, layer, block, None, x.astype("<f4").tobytes()))
 
     def udp_input(position: int, layer: int, block: Block, x: np.ndarray) -> None:
-        header = Header(MsgType.ACTIVATION, 5, position, layer, block, 0, flags=1)
+        header = Header(MsgType.ACTIVATION, 5, position, layer, block, 0, tokens=1)
         for datagram in fragment(header, x.reshape(-1), KEY):
             node._on_datagram(*open_packet(datagram, KEY), ("127.0.0.1", 0))
 
@@ -114,10 +119,10 @@ def test_node_fetches_a_lost_attention_input_and_keeps_its_cache_whole(tiny_spec
     step = [rng.standard_normal((1, c.hidden)).astype(np.float32) for _ in range(c.n_layers)]
     tcp_input(3, 0, Block.ATTN, step[0])  # the first layer is reliable
     reference.attention(0, step[0], 3)
-    assert not any(m["op"] == "fetch" for m in node.channel.sent)
+    assert not any(isinstance(m, Fetch) for m in node.channel.sent)
     udp_input(3, 1, Block.MLP, step[1])  # layer 1's attention input was lost: this reveals it
-    fetches = [m for m in node.channel.sent if m["op"] == "fetch"]
-    assert fetches == [{"op": "fetch", "session": 5, "position": 3, "layer": 1, "block": int(Block.ATTN)}]
+    fetches = [m for m in node.channel.sent if isinstance(m, Fetch)]
+    assert fetches == [Fetch(5, 3, 1, Block.ATTN)]
     assert node.shard.lengths[1] == 3
     tcp_input(3, 1, Block.ATTN, step[1])  # the master's reply
     reference.attention(1, step[1], 3)
@@ -155,17 +160,16 @@ def test_node_answers_a_mirrored_block_once_over_both_channels(tiny_spec, synth_
     node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
     node.channel = _Recorder()
     spec = full_spec(c, group_size=128)
-    node._assign({"index": 1, "codec": int(Codec.Q8), "transport": "udp", "udp_port": sink.getsockname()[1],
-                  "session": 5}, spec, Shard(c, model.weights, spec, 64))
+    node._assign(assignment(c.n_layers, spec, Codec.Q8, sink.getsockname()[1]), spec, Shard(c, model.weights, spec, 64))
     x = np.random.default_rng(1).standard_normal((1, c.hidden)).astype(np.float32)
     expected = Shard(c, model.weights, spec, 64).mlp(0, x)
-    header = Header(MsgType.ACTIVATION, 5, 0, 0, Block.MLP, 0, codec=Codec.F32, flags=1)
+    header = Header(MsgType.ACTIVATION, 5, 0, 0, Block.MLP, 0, codec=Codec.F32, tokens=1)
     for datagram in fragment(header, x.reshape(-1), KEY):  # the UDP copy first
         node._on_datagram(*open_packet(datagram, KEY), ("127.0.0.1", 0))
-    node._control({"op": "input", "session": 5, "position": 0, "layer": 0, "block": int(Block.MLP)},
-                  x.astype("<f4").tobytes())  # then the TCP copy: already done
-    partials = [m for m in node.channel.sent if m["op"] == "partial"]
-    assert partials == [{"op": "partial", "session": 5, "position": 0, "layer": 0, "block": int(Block.MLP)}]
+    node._control(Input(5, 0, 0, Block.MLP, None, x.astype("<f4").tobytes()))  # then the TCP copy: already done
+    partials = [m for m in node.channel.sent if isinstance(m, Partial)]
+    assert [(p.session, p.position, p.layer, p.block) for p in partials] == [(5, 0, 0, Block.MLP)]
+    np.testing.assert_array_equal(np.frombuffer(partials[0].vector, "<f4"), expected.reshape(-1))
     reply = Reassembly(c.hidden)
     while not reply.complete:
         h, payload = open_packet(sink.recv(65536), KEY)
@@ -177,10 +181,10 @@ def test_node_answers_a_mirrored_block_once_over_both_channels(tiny_spec, synth_
         while True:  # the parity fragment, if any: no second answer follows
             h, _ = open_packet(sink.recv(65536), KEY)
             assert h.frag_index == h.frag_count
-    lossy = Header(MsgType.ACTIVATION, 5, 0, 1, Block.MLP, 0, codec=Codec.Q8, flags=1)
+    lossy = Header(MsgType.ACTIVATION, 5, 0, 1, Block.MLP, 0, codec=Codec.Q8, tokens=1)
     for datagram in fragment(lossy, x.reshape(-1), KEY):
         node._on_datagram(*open_packet(datagram, KEY), ("127.0.0.1", 0))
-    assert len([m for m in node.channel.sent if m["op"] == "partial"]) == 1  # no TCP copy for a lossy layer
+    assert len([m for m in node.channel.sent if isinstance(m, Partial)]) == 1  # no TCP copy for a lossy layer
     sink.settimeout(2.0)
     h, _ = open_packet(sink.recv(65536), KEY)
     assert (h.layer, h.codec) == (1, Codec.Q8)

@@ -1,5 +1,6 @@
 """Sockets carrying wire-format packets on an event loop (uvloop where installed): reliable framed
-TCP streams, an authenticating UDP receiver, and a lossy UDP sender usable from any thread."""
+TCP streams of typed control messages, an authenticating UDP receiver, and a lossy UDP sender usable from
+any thread."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from edgerun.net.wire import (
     open_packet,
     parse_control,
 )
+from edgerun.tp import messages
+from edgerun.tp.messages import Message
 
 T = TypeVar("T")
 
@@ -172,8 +175,8 @@ class AsyncChannel:
         except RuntimeError:
             return False
 
-    def send(self, message: dict[str, Any], payload: bytes = b"") -> None:
-        frame = control_frame(self.session, message, self.key, payload)
+    def send(self, message: Message) -> None:
+        frame = control_frame(self.session, *messages.encode(message), self.key)
         if self.writer.is_closing():
             raise ConnectionError("channel closed")
         if self._on_loop():
@@ -181,13 +184,15 @@ class AsyncChannel:
         else:
             self.loop.call_soon_threadsafe(self.writer.write, frame)
 
-    async def receive(self) -> tuple[dict[str, Any], bytes]:
+    async def receive(self) -> Message:
+        """The next message. WireError for a frame that cannot be trusted (the stream is then to be closed);
+        BadMessage for an authentic frame that holds no valid message (the stream stays usable)."""
         try:
             n = frame_length(await self.reader.readexactly(4))
             header, body = open_packet(await self.reader.readexactly(n), self.key)
         except asyncio.IncompleteReadError as e:
             raise ConnectionError("connection closed") from e
-        return parse_control(header, body)
+        return messages.decode(*parse_control(header, body))
 
     def fileno(self) -> int:
         """The stream's socket descriptor, -1 once it is gone."""

@@ -3,7 +3,10 @@
 Datagrams and stream frames share one fixed header:
 
     magic "ER" | version u8 | type u8 | session u32 | position u32 | layer u16 | block u8 | node u8 |
-    fragment index u16 | fragment count u16 | codec u8 | flags u8 | element offset u32 | payload length u32
+    fragment index u16 | fragment count u16 | codec u8 | tokens u8 | element offset u32 | payload length u32
+
+`tokens` is how many tokens' vectors an activation or partial holds (one per decode step: several-token steps
+go over TCP); `node` is the sender's index for a partial and a probe's echo, 0 from the master.
 
 followed by the payload and a 16-byte MAC over header and payload (HMAC-SHA256, truncated: OpenSSL computes it
 with the CPU's SHA instructions, twice as fast as BLAKE2b on the device machine for a vector's 8 KB). Little-endian.
@@ -35,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 MAGIC = b"ER"
-VERSION = 2  # 2: HMAC-SHA256 instead of keyed BLAKE2b
+VERSION = 3  # 2: HMAC-SHA256 instead of keyed BLAKE2b; 3: typed control messages, a tokens field, PROBE
 MAC_SIZE = 16
 HEADER = struct.Struct("<2sBBIIHBBHHBBII")
 MAX_FRAME = 64 * 1024 * 1024  # stream frames larger than this are refused
@@ -50,12 +53,8 @@ class WireError(ValueError):
 class MsgType(IntEnum):
     ACTIVATION = 1  # master -> node: a block's normalized input
     PARTIAL = 2  # node -> master: the node's partial block output
-    FETCH = 3  # node -> master: resend an input the node missed
-    CONTROL = 4  # JSON control message on the reliable channel
-    HEARTBEAT = 5
-
-
-PROBE_FLAG = 0xA5  # flags of a HEARTBEAT datagram that asks to be echoed (link loss probes)
+    CONTROL = 4  # a control message (tp.messages) on the reliable channel
+    PROBE = 6  # master -> node -> master: a link-loss probe the node echoes
 
 
 class Block(IntEnum):
@@ -83,13 +82,13 @@ class Header(NamedTuple):
     frag_index: int = 0
     frag_count: int = 1
     codec: Codec = Codec.F32
-    flags: int = 0
+    tokens: int = 0  # vectors in an activation or partial
     offset: int = 0  # element offset of this fragment within the vector
     length: int = 0  # payload bytes
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, VERSION, self.type, self.session, self.position, self.layer, self.block, self.node,
-                           self.frag_index, self.frag_count, self.codec, self.flags, self.offset, self.length)
+                           self.frag_index, self.frag_count, self.codec, self.tokens, self.offset, self.length)
 
 
 def cluster_mac(key: bytes, data: bytes) -> bytes:
@@ -110,7 +109,7 @@ def _sealed(header: Header, frag_index: int, frag_count: int, offset: int, paylo
     """header with these fragment fields and the payload's length, the payload and its MAC (no dataclass copies:
     this runs for every datagram)."""
     body = HEADER.pack(MAGIC, VERSION, header.type, header.session, header.position, header.layer, header.block,
-                       header.node, frag_index, frag_count, header.codec, header.flags, offset, len(payload)) + payload
+                       header.node, frag_index, frag_count, header.codec, header.tokens, offset, len(payload)) + payload
     return body + cluster_mac(key, body)
 
 
@@ -120,7 +119,7 @@ def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
         raise WireError(f"too short ({len(data)} bytes)")
     if not hmac.compare_digest(data[-MAC_SIZE:], cluster_mac(key, memoryview(data)[:-MAC_SIZE])):
         raise WireError("bad MAC")
-    magic, version, mtype, session, position, layer, block, node, index, count, codec, flags, offset, length = \
+    magic, version, mtype, session, position, layer, block, node, index, count, codec, tokens, offset, length = \
         HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireError("bad magic")
@@ -129,7 +128,7 @@ def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
     if length != len(data) - HEADER.size - MAC_SIZE:
         raise WireError(f"payload length {length} does not match {len(data) - HEADER.size - MAC_SIZE}")
     try:
-        header = Header(MsgType(mtype), session, position, layer, block, node, index, count, Codec(codec), flags,
+        header = Header(MsgType(mtype), session, position, layer, block, node, index, count, Codec(codec), tokens,
                         offset, length)
     except ValueError as e:
         raise WireError(str(e)) from e
@@ -305,25 +304,26 @@ class Reassembly:
         return self.count is not None and len(self.received) == self.count
 
 
-def control_frame(session: int, message: dict[str, Any], key: bytes, payload: bytes = b"") -> bytes:
-    """A length-prefixed control frame: JSON, then an optional binary payload; the header's offset field
-    holds the JSON length."""
-    text = json.dumps(message, separators=(",", ":")).encode()
-    if len(text) > 0xFF_FF:
-        raise ValueError("control message too long")
-    return _length_prefixed(seal(Header(MsgType.CONTROL, session, offset=len(text)), text + payload, key))
+JSON_LENGTH = struct.Struct("<I")
 
 
-def parse_control(header: Header, body: bytes) -> tuple[dict[str, Any], bytes]:
-    if header.type != MsgType.CONTROL or header.offset > len(body):
+def control_frame(session: int, text: bytes, payload: bytes, key: bytes) -> bytes:
+    """A length-prefixed control frame: the message's JSON length (u32), its JSON text, then its binary payload
+    (tp.messages encodes and decodes the messages themselves)."""
+    body = JSON_LENGTH.pack(len(text)) + text + payload
+    if len(body) > MAX_FRAME - HEADER.size - MAC_SIZE:
+        raise ValueError(f"control message of {len(body)} bytes exceeds a frame")
+    return _length_prefixed(seal(Header(MsgType.CONTROL, session), body, key))
+
+
+def parse_control(header: Header, body: bytes) -> tuple[bytes, bytes]:
+    """A control frame's JSON text and payload."""
+    if header.type != MsgType.CONTROL or len(body) < JSON_LENGTH.size:
         raise WireError("not a control frame")
-    try:
-        message = json.loads(body[:header.offset])
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise WireError(f"bad control JSON: {str(e)[:80]}") from e
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        raise WireError("control message without an op")
-    return message, body[header.offset:]
+    (n,) = JSON_LENGTH.unpack_from(body)
+    if n > len(body) - JSON_LENGTH.size:
+        raise WireError(f"JSON length {n} past the frame")
+    return body[JSON_LENGTH.size:JSON_LENGTH.size + n], body[JSON_LENGTH.size + n:]
 
 
 def _length_prefixed(packet: bytes) -> bytes:

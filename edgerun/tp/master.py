@@ -39,7 +39,6 @@ from edgerun.net.channel import (
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_sha256
 from edgerun.net.wire import (
-    PROBE_FLAG,
     Added,
     Block,
     Codec,
@@ -55,7 +54,29 @@ from edgerun.net.wire import (
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import TPPlan, plan_tp
-from edgerun.tp.node import mirrored, settle_heap, uses_reliable
+from edgerun.tp.messages import (
+    Assign,
+    BadMessage,
+    BandwidthProbe,
+    BandwidthReply,
+    Fetch,
+    Heartbeat,
+    Input,
+    Message,
+    ParityOn,
+    Partial,
+    Ping,
+    Pong,
+    Priorities,
+    Ready,
+    Register,
+    Reset,
+    Route,
+    Routes,
+    Shutdown,
+    Welcome,
+)
+from edgerun.tp.node import settle_heap
 from edgerun.tp.shard import QuantShard, Shard, ShardSpec, full_spec
 
 MAPPINGS = ("index", "static", "dynamic")
@@ -165,7 +186,7 @@ class NodeConn:
     last_heard: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
     spec: ShardSpec | None = None
-    priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None  # dynamic mapping
+    priorities: Priorities | None = None  # dynamic mapping
     rejected: int = 0  # packets the node refused, as its last heartbeat said
     prefetched: tuple[int, int] = (0, 0)  # load overlap: (weights used, gathered for the wrong units), as said
     link: Link | None = None  # measured when it joined
@@ -210,6 +231,7 @@ class _Wait:
     future: asyncio.Future
     sent: float
     outstanding: int
+    tokens: int  # the step's tokens: a partial holds one vector per token (the LM head's: the last token's)
     lag_bound: float | None = None  # how long after the first partial the others may still come
     deadline: float | None = None  # perf_counter time; None: wait for every reply
     timer: asyncio.TimerHandle | None = None
@@ -305,11 +327,6 @@ def vocab_rows(blocks: Sequence[int], block_rows: int, vocab: int) -> np.ndarray
                           or [np.zeros(0, np.int64)])
 
 
-def _spec_json(spec: ShardSpec) -> dict:
-    return {"attn_units": [list(x) for x in spec.attn_units], "mlp_groups": [list(x) for x in spec.mlp_groups],
-            "vocab_blocks": list(spec.vocab_blocks), "group_size": spec.group_size, "vocab_block": spec.vocab_block}
-
-
 @dataclass(frozen=True)
 class MasterConfig:
     """How a tensor-parallel master runs. Change it with dataclasses.replace and Master.reconfigure."""
@@ -361,7 +378,7 @@ class Master:
         host, port = config.host, config.port
         # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
         self.assignments: dict[tuple[int, int, int, int], Assignment] = {}
-        self.own_priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = ((), ())
+        self.own_priorities: Priorities = ((), ())
         self.log = log
         self.model_server = ModelServer(model.path, self.model_sha256, host)
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on self.datagrams
@@ -372,6 +389,7 @@ class Master:
         self.position = 0
         self.shard: QuantShard | Shard | None = None
         self.plan: TPPlan | None = None
+        self.routes = Routes.for_transport(config.transport, model.config.n_layers)
         # Loop-thread state: inputs kept for fetches, fetches of inputs not sent yet, the block in merge.
         self.recent_inputs: dict[tuple[int, int, int, int], bytes] = {}
         self.pending_fetch: dict[tuple[int, int, int, int], list[NodeConn]] = {}
@@ -406,25 +424,27 @@ class Master:
         addr = writer.get_extra_info("peername")
         node: NodeConn | None = None
         try:
-            message, _ = await asyncio.wait_for(channel.receive(), 10)
-            if message.get("op") != "register":
+            message = await asyncio.wait_for(channel.receive(), 10)
+            if not isinstance(message, Register):
                 raise WireError("first message must register")
-            channel.send({"op": "welcome", "model_sha256": self.model_sha256, "http_port": self.model_server.port,
-                          "udp_port": self.udp_port})
+            channel.send(Welcome(self.model_sha256, self.model_server.port, self.udp_port))
             with self.cond:
-                node = NodeConn(len(self.nodes) + 1, str(message["name"]), channel, addr[0], int(message["udp_port"]),
-                                float(message["budget_mb"]), float(message["speed"]))
+                node = NodeConn(len(self.nodes) + 1, message.name, channel, addr[0], message.udp_port,
+                                message.budget_mb, message.speed)
                 # Both directions' path MTU: the node measured its way here, the master measures its way there.
-                node.datagram_bytes = min(int(message.get("datagram_bytes", 1472)),
-                                          path_datagram_bytes(node.host, node.udp_port))
+                node.datagram_bytes = min(message.datagram_bytes, path_datagram_bytes(node.host, node.udp_port))
                 self.nodes.append(node)
                 self.cond.notify_all()
             self.log(f"node {node.name} joined from {addr[0]}")
             while self.running:
-                message, payload = await channel.receive()
+                try:
+                    message = await channel.receive()
+                except BadMessage:
+                    self.counters.reject("message")
+                    continue
                 node.last_heard = time.monotonic()
-                self._node_message(node, message, payload)
-        except (ConnectionError, OSError, WireError, KeyError, ValueError, TimeoutError) as e:
+                self._node_message(node, message)
+        except (ConnectionError, OSError, WireError, ValueError, TimeoutError) as e:
             if node is None:
                 self.counters.reject("registration")
             else:
@@ -446,36 +466,39 @@ class Master:
                     self.log(f"node {node.name} silent for {NODE_SILENT_S} s")
                     node.channel.close()  # its reader then ends and marks it dead
 
-    def _node_message(self, node: NodeConn, message: dict, payload: bytes) -> None:
-        op = message["op"]
-        if op == "ready":
-            node.weight_bytes, node.cache_bytes = int(message["weight_bytes"]), int(message.get("cache_bytes", 0))
-            node.ready.set()
-        elif op in ("pong", "bw_reply"):
-            node.pongs.append(time.perf_counter())
-            node.pong.set()
-        elif op == "heartbeat":
-            node.rejected = int(message.get("rejected", 0))
-            node.prefetched = (int(message.get("prefetch_hits", 0)), int(message.get("prefetch_misses", 0)))
-            node.compute_s = float(message.get("compute_s", 0.0))
-            node.peak_rss_mb = float(message.get("peak_rss_mb", 0.0))
-            node.heartbeats += 1
-        elif op == "fetch":  # the node lost an input
-            self._saw_loss(node)
-            key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
-            kept = self.recent_inputs.get(key)
-            if kept is None:  # not sent yet (or long gone): answered when it is sent
-                self.pending_fetch.setdefault(key, []).append(node)
-            else:
-                self._send_input(node, key, *kept)
-        elif op == "partial":
-            key = (int(message["session"]), int(message["position"]), int(message["layer"]), int(message["block"]))
-            w = self.wait
-            if w is not None and key == w.key and node.index in w.parts and node.index not in w.arrived:
-                w.parts[node.index] = np.frombuffer(payload, "<f4").astype(np.float32)
-                w.arrive(node.index)
-            elif not self._mirror_copy(key, node.index):
-                self.stats.late_packets += 1
+    def _node_message(self, node: NodeConn, message: Message) -> None:
+        match message:
+            case Ready(_, weight_bytes, cache_bytes):
+                node.weight_bytes, node.cache_bytes = weight_bytes, cache_bytes
+                node.ready.set()
+            case Pong() | BandwidthReply():
+                node.pongs.append(time.perf_counter())
+                node.pong.set()
+            case Heartbeat(rejected, hits, misses, compute_s, rss_mb):
+                node.rejected, node.prefetched, node.compute_s, node.peak_rss_mb = \
+                    rejected, (hits, misses), compute_s, rss_mb
+                node.heartbeats += 1
+            case Fetch(session, position, layer, block):  # the node lost an input
+                self._saw_loss(node)
+                key = (session, position, layer, int(block))
+                kept = self.recent_inputs.get(key)
+                if kept is None:  # not sent yet (or long gone): answered when it is sent
+                    self.pending_fetch.setdefault(key, []).append(node)
+                else:
+                    self._send_input(node, key, *kept)
+            case Partial(session, position, layer, block, vector):
+                key = (session, position, layer, int(block))
+                w = self.wait
+                if w is not None and key == w.key and node.index in w.parts and node.index not in w.arrived:
+                    if len(vector) != 4 * self._reply_size(node, block, w.tokens):
+                        self.counters.reject("misfit")
+                        return
+                    w.parts[node.index] = np.frombuffer(vector, "<f4").astype(np.float32)
+                    w.arrive(node.index)
+                elif not self._mirror_copy(key, node.index):
+                    self.stats.late_packets += 1
+            case _:
+                self.counters.reject("unexpected")
 
     def _saw_loss(self, node: NodeConn) -> None:
         """A packet on this node's link went missing (or came too late to count): parity both ways from now on."""
@@ -485,19 +508,16 @@ class Master:
         node.lossy, node.parity = True, self.config.parity
         self.log(f"node {node.name}: a packet went missing; {self.config.parity} parity copies on its link from now on")
         with contextlib.suppress(OSError, ConnectionError):
-            node.channel.send({"op": "parity", "copies": self.config.parity})
+            node.channel.send(ParityOn(self.config.parity))
 
     def _send_input(self, node: NodeConn, key: tuple[int, int, int, int], data: bytes,
                     ranking: tuple[int, ...] | None) -> None:
         session, position, layer, block = key
-        message = {"op": "input", "session": session, "position": position, "layer": layer, "block": block}
-        if ranking is not None:
-            message["ranking"] = list(ranking)
         with contextlib.suppress(OSError, ConnectionError):
-            node.channel.send(message, data)
+            node.channel.send(Input(session, position, layer, Block(block), ranking, data))
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
-        if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
+        if header.type == MsgType.PROBE:
             for node in self.nodes:
                 if node.index == header.node:
                     node.echoes += 1
@@ -563,12 +583,12 @@ class Master:
         for seq in range(pings):
             node.pong.clear()
             sent = time.perf_counter()
-            node.channel.send({"op": "ping", "seq": seq})
+            node.channel.send(Ping(seq))
             if node.pong.wait(2.0):
                 rtts.append(node.pongs[-1] - sent)
         node.echoes = 0
         for seq in range(probes):
-            header = Header(MsgType.HEARTBEAT, 0, seq, node=node.index, flags=PROBE_FLAG)
+            header = Header(MsgType.PROBE, 0, seq, node=node.index)
             self.udp.send_all([seal(header, b"", self.key)], (node.host, node.udp_port))
             time.sleep(0.0005)
         time.sleep(0.2)
@@ -578,7 +598,7 @@ class Master:
         # Bandwidth: a payload each way over TCP; the node answers "bw" with a payload of the size asked.
         node.pong.clear()
         sent = time.perf_counter()
-        node.channel.send({"op": "bw", "reply_bytes": BW_PROBE_BYTES}, bytes(BW_PROBE_BYTES))
+        node.channel.send(BandwidthProbe(BW_PROBE_BYTES, bytes(BW_PROBE_BYTES)))
         if not node.pong.wait(30.0):
             return Link(rtt_ms=rtt_ms, up_mbit=1.0, down_mbit=1.0, loss_rate=loss_rate)
         # Two transfers and one round trip in that time; each direction gets half.
@@ -611,6 +631,7 @@ class Master:
                                f"{', '.join(o.name for o in plan.oom_devices)}")
         self.session += 1
         self.plan = plan
+        self.routes = Routes.for_transport(self.config.transport, self.model.config.n_layers)
         own = spec_for_device(plan, 0, self.config.group_size, self.config.vocab_block, self.unit_order)
         if self.config.mapping == "dynamic":  # every device holds every unit and computes those it is handed
             full = full_spec(self.model.config, self.config.group_size, self.config.vocab_block)
@@ -631,14 +652,9 @@ class Master:
             node.index = i
             node.arrival, node.lag = ArrivalEstimator(), ArrivalEstimator()  # a new share takes another time
             node.ready.clear()
-            node.channel.send({"op": "assign", "session": self.session, "index": i, "spec": _spec_json(node.spec),
-                               "max_len": self.config.max_len, "codec": int(self.config.codec),
-                               "transport": self.config.transport,
-                               "udp_port": self.udp_port, "rto_min_ms": rto_min, "parity": node.parity,
-                               "datagram_bytes": node.datagram_bytes,
-                               "priorities": None if node.priorities is None else
-                               {"attn": node.priorities[0], "mlp": node.priorities[1]}, "prefetch": prefetch},
-                              predictor_bytes)
+            node.channel.send(Assign(self.session, i, node.spec, self.config.max_len, self.config.codec, self.routes,
+                                     self.udp_port, rto_min, node.parity, node.datagram_bytes, node.priorities,
+                                     prefetch, predictor_bytes))
         # The master builds its own share while the nodes build theirs.
         if self.config.mapping == "dynamic":
             self.shard = Shard(self.model.config, self.model.weights, own, self.config.max_len)
@@ -672,7 +688,7 @@ class Master:
         for node in self.nodes:
             if node.alive:
                 with contextlib.suppress(OSError, ConnectionError):
-                    node.channel.send({"op": "reset", "session": self.session})
+                    node.channel.send(Reset(self.session))
         self.position = 0
 
     def _participants(self, layer: int, block: Block) -> list[NodeConn]:
@@ -709,9 +725,8 @@ class Master:
         seq = x.shape[0]
         key = (self.session, start, layer, int(block))
         nodes = self._participants(layer, block)
-        reliable = uses_reliable(self.config.transport, layer, block, seq)
-        mirror = mirrored(self.config.transport, layer, block, seq)
-        over_udp = mirror or not reliable
+        route = self.routes.of(layer, block, seq)
+        reliable, mirror, over_udp = route != Route.DATAGRAM, route == Route.MIRRORED, route != Route.RELIABLE
         data = np.ascontiguousarray(x, "<f4").tobytes()
         self.recent_inputs[key] = (data, ranking)
         for node in self.pending_fetch.pop(key, []):
@@ -724,7 +739,7 @@ class Master:
                 n.name: tuple(ranking[p] for p in n.priorities[kind][layer]) for n in nodes})
         sent = time.perf_counter()
         w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq), n.datagram_bytes)
-                                    if over_udp else None for n in nodes}, loop.create_future(), sent, len(nodes))
+                                    if over_udp else None for n in nodes}, loop.create_future(), sent, len(nodes), seq)
         if mirror:
             self.mirrors[key] = w
         if reliable:
@@ -732,7 +747,7 @@ class Master:
                 self._send_input(node, key, data, ranking)
         if nodes and over_udp:  # nodes on paths of one MTU get the same datagrams: encode and seal them once
             header = Header(MsgType.ACTIVATION, self.session, start, layer, block, 0,
-                            codec=Codec.F32 if mirror else self.config.codec, flags=seq)
+                            codec=Codec.F32 if mirror else self.config.codec, tokens=seq)
             datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity copies)
             copies = max(n.parity for n in nodes)
             for node in nodes:
@@ -923,7 +938,7 @@ class Master:
         for node in self.nodes:
             if node.alive:
                 with contextlib.suppress(OSError, ConnectionError):
-                    node.channel.send({"op": "shutdown"})
+                    node.channel.send(Shutdown())
         self.net.run(self._close_listeners())
         self.net.stop()
         self.udp.close()

@@ -42,7 +42,6 @@ from edgerun.net.channel import (
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import (
-    PROBE_FLAG,
     Block,
     Codec,
     Header,
@@ -55,16 +54,32 @@ from edgerun.net.wire import (
 )
 from edgerun.profile.memory import peak_rss_mb
 from edgerun.sap.predictor import PredictorSet
+from edgerun.tp.messages import (
+    MAX_PROBE_BYTES,
+    Assign,
+    BadMessage,
+    BandwidthProbe,
+    BandwidthReply,
+    Fetch,
+    Heartbeat,
+    Input,
+    Message,
+    ParityOn,
+    Partial,
+    Ping,
+    Pong,
+    Priorities,
+    Ready,
+    Register,
+    Reset,
+    Route,
+    Routes,
+    Shutdown,
+    Welcome,
+)
 from edgerun.tp.shard import AttnWeights, MlpWeights, QuantShard, Shard, ShardSpec, full_spec
 
 HEARTBEAT_S = 0.5
-
-
-def uses_reliable(transport: str, layer: int, block: Block, seq: int) -> bool:
-    """TCP for the first layer and the LM head (HALO), for everything with --transport tcp, and for
-    prefill: a partial lost there corrupts the KV cache of every prompt token for the rest of the
-    request, and prefill is not on the per-token latency path that timeouts protect."""
-    return transport == "tcp" or layer == 0 or block == Block.HEAD or seq > 1
 
 
 def settle_heap() -> None:
@@ -74,22 +89,6 @@ def settle_heap() -> None:
     that misses its merge for no loss at all."""
     gc.collect()
     gc.freeze()
-
-
-def mirrored(transport: str, layer: int, block: Block, seq: int) -> bool:
-    """With --transport udp, a decode step's reliable blocks (the first layer and the LM head) travel
-    over UDP too, in f32 like their TCP copy: the receiver takes whichever copy is whole first. A TCP
-    segment lost on the way then costs nothing unless its UDP copy is lost as well, instead of a
-    retransmission timeout (tens of milliseconds at least), and the result does not depend on which
-    copy won."""
-    return transport == "udp" and seq == 1 and uses_reliable(transport, layer, block, seq)
-
-
-def shard_spec_from_json(data: dict) -> ShardSpec:
-    return ShardSpec(attn_units=tuple(tuple(x) for x in data["attn_units"]),
-                     mlp_groups=tuple(tuple(x) for x in data["mlp_groups"]),
-                     vocab_blocks=tuple(data["vocab_blocks"]), group_size=int(data["group_size"]),
-                     vocab_block=int(data["vocab_block"]))
 
 
 def valid_ranking(ranking: bytes | list | tuple | None, units: int) -> tuple[int, ...] | None:
@@ -119,8 +118,7 @@ class Prefetcher:
     the weights of the units its priority indices will get, in a thread of its own, while the layer computes.
     The master's ranking stays the authority: weights gathered for other units are not used."""
 
-    def __init__(self, shard: Shard, predictors: PredictorSet,
-                 priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]) -> None:
+    def __init__(self, shard: Shard, predictors: PredictorSet, priorities: Priorities) -> None:
         self.shard, self.predictors, self.priorities = shard, predictors, priorities
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.loading: dict[tuple[int, int], Future] = {}  # (position, layer) -> {block: (units, weights)}
@@ -182,12 +180,12 @@ class Node:
         self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
-        self.transport = "udp"
+        self.routes: Routes | None = None  # each block's channel to the master (the master says)
         self.parity = 0  # copies of a parity fragment after every partial (the master says)
         self.datagram_bytes = ETHERNET_UDP_PAYLOAD  # the largest UDP payload to and from the master (the master says)
         # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
         # per block, the units the master's ranking puts at those indices. None: static shares.
-        self.priorities: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
+        self.priorities: Priorities | None = None
         self.prefetcher: Prefetcher | None = None  # dynamic mapping with the load overlap
         self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
         self.running = True
@@ -197,9 +195,9 @@ class Node:
 
     def run(self) -> None:
         welcome = self.net.run(self._join(), timeout=60)
-        self.master_udp_port = int(welcome["udp_port"])
+        self.master_udp_port = welcome.udp_port
         heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.net.loop)
-        self._use_masters_model(str(welcome["model_sha256"]), int(welcome["http_port"]))
+        self._use_masters_model(welcome.model_sha256, welcome.http_port)
         try:
             self.net.run(self._control_loop())
         except (ConnectionError, OSError, WireError) as e:
@@ -212,39 +210,41 @@ class Node:
                 self.prefetcher.close()
             self.net.stop()
 
-    async def _join(self) -> dict:
+    async def _join(self) -> Welcome:
         reader, writer = await asyncio.open_connection(*self.master)
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
         self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self._redundant)
         self.datagrams.attach(asyncio.get_running_loop())
-        self.channel.send({"op": "register", "name": self.name, "budget_mb": self.budget_mb, "speed": self.speed,
-                           "udp_port": self.datagrams.port,
-                           "datagram_bytes": path_datagram_bytes(self.master[0], self.master[1])})
-        welcome, _ = await self.channel.receive()
-        if welcome.get("op") != "welcome":
-            raise WireError(f"expected welcome, got {welcome.get('op')}")
+        self.channel.send(Register(self.name, self.budget_mb, self.speed, self.datagrams.port,
+                                   path_datagram_bytes(self.master[0], self.master[1])))
+        welcome = await self.channel.receive()
+        if not isinstance(welcome, Welcome):
+            raise WireError(f"expected a welcome, got {type(welcome).__name__}")
         return welcome
 
     async def _control_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while self.running:
-            message, payload = await self.channel.receive()
-            if message["op"] == "assign":  # loading a share takes a while: keep the loop (heartbeats) going
-                spec = shard_spec_from_json(message["spec"])
+            try:
+                message = await self.channel.receive()
+            except BadMessage:
+                self.counters.reject("message")
+                continue
+            if isinstance(message, Assign):  # loading a share takes a while: keep the loop (heartbeats) going
+                spec = message.spec
                 self.shard = None  # the old share goes before the new one is built
-                if message.get("priorities") is not None:  # dynamic mapping: hold every unit
+                if message.priorities is not None:  # dynamic mapping: hold every unit
                     full = full_spec(self.model.config, spec.group_size, spec.vocab_block)
                     spec = replace(full, vocab_blocks=spec.vocab_blocks)
-                    build = functools.partial(Shard, self.model.config, self.model.weights, spec,
-                                              int(message["max_len"]))
+                    build = functools.partial(Shard, self.model.config, self.model.weights, spec, message.max_len)
                 else:
                     build = functools.partial(QuantShard, self.model.config, self.model.weights, spec,
-                                              int(message["max_len"]), self.threads, mapped_files=[self.model.path])
+                                              message.max_len, self.threads, mapped_files=[self.model.path])
                 shard = await loop.run_in_executor(None, build)
-                self._assign(message, spec, shard, payload)
+                self._assign(message, spec, shard)
                 settle_heap()
             else:
-                self._control(message, payload)
+                self._control(message)
 
     def _use_masters_model(self, sha256: str, http_port: int) -> None:
         """Keep the local model if it is the master's file; otherwise fetch the master's copy."""
@@ -258,58 +258,51 @@ class Node:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 p = self.prefetcher
-                self.channel.send({"op": "heartbeat", "rejected": self.counters.total(),
-                                   "prefetch_hits": 0 if p is None else p.hits,
-                                   "prefetch_misses": 0 if p is None else p.misses,
-                                   "compute_s": self.compute_s, "peak_rss_mb": peak_rss_mb()})
+                self.channel.send(Heartbeat(self.counters.total(), 0 if p is None else p.hits,
+                                            0 if p is None else p.misses, self.compute_s, peak_rss_mb()))
             except (OSError, ConnectionError):
                 return
 
-    def _assign(self, message: dict, spec: ShardSpec, shard: QuantShard | Shard, predictor_bytes: bytes = b"") -> None:
+    def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard | Shard) -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
-        self.index = int(message["index"])
-        self.codec = Codec(message["codec"])
-        self.transport = message["transport"]
-        self.parity = int(message.get("parity", 0))
-        self.datagram_bytes = int(message.get("datagram_bytes", ETHERNET_UDP_PAYLOAD))
-        priorities = message.get("priorities")
-        self.priorities = None if priorities is None else (
-            tuple(tuple(int(p) for p in layer) for layer in priorities["attn"]),
-            tuple(tuple(int(p) for p in layer) for layer in priorities["mlp"]))
+        self.index, self.codec, self.routes = message.index, message.codec, message.routes
+        self.parity, self.datagram_bytes = message.parity, message.datagram_bytes
+        self.priorities = message.priorities
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.prefetcher = None
-        if message.get("prefetch") and self.priorities is not None and predictor_bytes:
-            self.prefetcher = Prefetcher(shard, PredictorSet.from_bytes(predictor_bytes), self.priorities)
-        self.master_udp_port = int(message["udp_port"])
-        rto_min = message.get("rto_min_ms")
-        self.channel.set_rto_min(None if rto_min is None else float(rto_min))
-        self._new_session(int(message["session"]))
-        self.channel.send({"op": "ready", "session": self.session, "weight_bytes": shard.weight_bytes,
-                           "cache_bytes": shard.cache_bytes})
+        if message.prefetch and self.priorities is not None and message.predictors:
+            self.prefetcher = Prefetcher(shard, PredictorSet.from_bytes(message.predictors), self.priorities)
+        self.master_udp_port = message.udp_port
+        self.channel.set_rto_min(message.rto_min_ms)
+        self._new_session(message.session)
+        self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
 
-    def _control(self, message: dict, payload: bytes) -> None:
-        op = message["op"]
-        if op == "reset":
-            self._new_session(int(message["session"]))
-        elif op == "input":
-            header = Header(MsgType.ACTIVATION, int(message["session"]), int(message["position"]),
-                            int(message["layer"]), int(message["block"]))
-            vector = np.frombuffer(payload, "<f4").astype(np.float32)
-            entry = self._entry(header, vector.size)
-            if entry is not None:
-                entry.full = vector
-                entry.ranking = valid_ranking(message.get("ranking"), self._units(Block(header.block)))
-                self._take(header.position, header.layer, Block(header.block), entry)
-        elif op == "parity":  # the link lost a packet: parity copies after every partial from now on
-            self.parity = int(message["copies"])
-        elif op == "ping":
-            self.channel.send({"op": "pong", "seq": message["seq"]})
-        elif op == "bw":
-            self.channel.send({"op": "bw_reply"}, bytes(min(int(message["reply_bytes"]), 64 << 20)))
-        elif op == "shutdown":
-            self.running = False
+    def _control(self, message: Message) -> None:
+        match message:
+            case Reset(session):
+                self._new_session(session)
+            case Input(session, position, layer, block, ranking, vector):
+                if len(vector) % 4:
+                    self.counters.reject("message")
+                    return
+                x = np.frombuffer(vector, "<f4").astype(np.float32)
+                entry = self._entry(Header(MsgType.ACTIVATION, session, position, layer, block), x.size)
+                if entry is not None:
+                    entry.full = x
+                    entry.ranking = valid_ranking(ranking, self._units(block))
+                    self._take(position, layer, block, entry)
+            case ParityOn(copies):  # the link lost a packet: parity copies after every partial from now on
+                self.parity = copies
+            case Ping(seq):
+                self.channel.send(Pong(seq))
+            case BandwidthProbe(reply_bytes):
+                self.channel.send(BandwidthReply(bytes(max(0, min(reply_bytes, MAX_PROBE_BYTES)))))
+            case Shutdown():
+                self.running = False
+            case _:
+                self.counters.reject("unexpected")
 
     def _new_session(self, session: int) -> None:
         self.session = session
@@ -362,7 +355,7 @@ class Node:
         return entry is not None and (entry.done or entry.value() is not None)
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
-        if header.type == MsgType.HEARTBEAT and header.flags == PROBE_FLAG:
+        if header.type == MsgType.PROBE:
             # A link probe from the master: echo it, through this side's loss like any datagram.
             self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
             return
@@ -370,8 +363,7 @@ class Node:
                 or self.model is None):
             self.counters.reject("unexpected")
             return
-        # Activations carry the step's token count in the flags byte.
-        entry = self._entry(header, header.flags * self.model.config.hidden) if header.flags else None
+        entry = self._entry(header, header.tokens * self.model.config.hidden) if header.tokens else None
         if entry is None:
             self.counters.reject("stale")
             return
@@ -417,8 +409,7 @@ class Node:
             if entry.fetched or entry.value() is not None:
                 continue
             entry.fetched = True
-            self.channel.send({"op": "fetch", "session": self.session, "position": position, "layer": layer,
-                               "block": int(Block.ATTN)})
+            self.channel.send(Fetch(self.session, position, layer, Block.ATTN))
 
     def _drop_stale_inputs(self) -> None:
         """Forget incomplete stateless inputs of finished steps and stray fragments of cached
@@ -463,14 +454,13 @@ class Node:
         if out is None:
             return
         seq = x.shape[0]
-        reliable, mirror = uses_reliable(self.transport, layer, block, seq), mirrored(self.transport, layer, block, seq)
-        if reliable:
-            message = {"op": "partial", "session": self.session, "position": position, "layer": layer,
-                       "block": int(block)}
-            self.channel.send(message, np.ascontiguousarray(out, "<f4").tobytes())
-        if mirror or not reliable:
+        route = self.routes.of(layer, block, seq)
+        if route != Route.DATAGRAM:
+            self.channel.send(Partial(self.session, position, layer, block,
+                                      np.ascontiguousarray(out, "<f4").tobytes()))
+        if route != Route.RELIABLE:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
-                            codec=Codec.F32 if mirror else self.codec, flags=seq)
+                            codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
             self.udp.send_all(fragment(header, out.reshape(-1), self.key, self.datagram_bytes, parity=self.parity),
                               (self.master[0], self.master_udp_port))
 

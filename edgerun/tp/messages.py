@@ -1,0 +1,296 @@
+"""The tensor-parallel control protocol: every message a master and its nodes exchange over their TCP stream.
+
+Each message is a frozen dataclass. On the wire it is one control frame (`wire.control_frame`): a JSON object
+holding the message's name and its fields, then the binary payload of its one `bytes` field if it has one (an
+activation, a partial, the predictors). `encode` and `decode` are the only code that turns messages into bytes
+and back; `decode` checks every field's type against the class, so a malformed message is a BadMessage, never a
+KeyError or a wrong type deep in the master or a node.
+
+Which channel a block's input and partial take is data too: the assignment carries the cluster's `Routes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import Any, Union
+
+from edgerun.net.wire import Block, Codec, WireError
+from edgerun.tp.shard import ShardSpec
+
+
+class BadMessage(WireError):
+    """An authentic control frame that holds no valid message: refused, and the stream goes on."""
+
+
+class Route(IntEnum):
+    """How a decode step's block travels between the master and a node."""
+
+    RELIABLE = 0  # TCP only
+    DATAGRAM = 1  # UDP only, with the master's timeout: a lost partial counts as zero
+    MIRRORED = 2  # both: the receiver takes whichever copy is whole first, the UDP copy in f32 like the TCP one
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Each block's route for single-token (decode) steps. A step of several tokens (prefill) always goes
+    reliable: a partial lost there corrupts the KV cache of every prompt token for the rest of the request, and
+    prefill is not on the per-token latency path that timeouts protect."""
+
+    attn: tuple[Route, ...]  # per layer
+    mlp: tuple[Route, ...]  # per layer
+    head: Route
+
+    @classmethod
+    def for_transport(cls, transport: str, n_layers: int) -> Routes:
+        """HALO's routes. "tcp": everything reliable (the strict baseline). "udp": lossy blocks over UDP, except
+        the first layer and the LM head, whose loss would cost most: they go both ways, so a TCP segment lost on
+        the way costs nothing unless its UDP copy is lost as well, instead of a retransmission timeout."""
+        if transport == "tcp":
+            return cls((Route.RELIABLE,) * n_layers, (Route.RELIABLE,) * n_layers, Route.RELIABLE)
+        if transport != "udp":
+            raise ValueError(f"unknown transport {transport!r} (udp or tcp)")
+        layers = tuple(Route.MIRRORED if layer == 0 else Route.DATAGRAM for layer in range(n_layers))
+        return cls(layers, layers, Route.MIRRORED)
+
+    def of(self, layer: int, block: Block, tokens: int) -> Route:
+        if tokens > 1:
+            return Route.RELIABLE
+        if block == Block.HEAD:
+            return self.head
+        return (self.attn if block == Block.ATTN else self.mlp)[layer]
+
+
+# Per layer, a node's priority indices under dynamic mapping: (attention, MLP).
+Priorities = tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
+
+
+# --- node -> master ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Register:
+    """A node's first message."""
+
+    name: str
+    budget_mb: float
+    speed: float  # weight bytes per second, for the planner
+    udp_port: int
+    datagram_bytes: int  # the largest UDP payload on the node's path to the master
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The node holds its new share."""
+
+    session: int
+    weight_bytes: int
+    cache_bytes: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Every HEARTBEAT_S: the node is alive, and what it counted so far."""
+
+    rejected: int  # packets refused
+    prefetch_hits: int  # load overlap: gathered weights used
+    prefetch_misses: int  # gathered for units the master's ranking did not give
+    compute_s: float  # time in the share's kernels
+    peak_rss_mb: float
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """The node missed an attention input: send it over TCP."""
+
+    session: int
+    position: int
+    layer: int
+    block: Block
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A node's partial output of a block over TCP (f32)."""
+
+    session: int
+    position: int
+    layer: int
+    block: Block
+    vector: bytes
+
+
+@dataclass(frozen=True)
+class Pong:
+    seq: int
+
+
+@dataclass(frozen=True)
+class BandwidthReply:
+    filler: bytes
+
+
+# --- master -> node ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Welcome:
+    model_sha256: str  # the node fetches the master's file over HTTP when its own differs
+    http_port: int
+    udp_port: int
+
+
+@dataclass(frozen=True)
+class Assign:
+    """A node's share for a new session, and how it talks to the master."""
+
+    session: int
+    index: int  # the node's index in the plan, which its datagrams carry
+    spec: ShardSpec
+    max_len: int
+    codec: Codec  # activations and partials on UDP
+    routes: Routes
+    udp_port: int  # the master's
+    rto_min_ms: float | None  # the TCP stream's minimum retransmission timeout; None: the kernel's
+    parity: int  # parity copies after every partial
+    datagram_bytes: int
+    priorities: Priorities | None = None  # dynamic mapping: the node holds every unit and computes these indices
+    prefetch: bool = False  # dynamic mapping: gather the next layer's units ahead (with `predictors`)
+    predictors: bytes = b""  # the master's predictor set, for the load overlap
+
+
+@dataclass(frozen=True)
+class Input:
+    """A block's normalized input over TCP (f32): reliable blocks, and answers to a Fetch."""
+
+    session: int
+    position: int
+    layer: int
+    block: Block
+    ranking: tuple[int, ...] | None  # dynamic mapping: the unit at each priority index
+    vector: bytes
+
+
+@dataclass(frozen=True)
+class Reset:
+    """A new request: forget the KV cache."""
+
+    session: int
+
+
+@dataclass(frozen=True)
+class ParityOn:
+    """The link lost a packet: send this many parity copies after every partial from now on."""
+
+    copies: int
+
+
+@dataclass(frozen=True)
+class Ping:
+    seq: int
+
+
+@dataclass(frozen=True)
+class BandwidthProbe:
+    """Answered by a BandwidthReply of `reply_bytes`."""
+
+    reply_bytes: int
+    filler: bytes
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Message = (Register | Ready | Heartbeat | Fetch | Partial | Pong | BandwidthReply | Welcome | Assign | Input | Reset
+           | ParityOn | Ping | BandwidthProbe | Shutdown)
+MESSAGES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+MAX_PROBE_BYTES = 64 << 20  # the largest bandwidth reply a node sends
+
+
+def encode(message: Message) -> tuple[bytes, bytes]:
+    """A message as its JSON text and its binary payload."""
+    fields, payload = {}, b""
+    for f in dataclasses.fields(message):
+        value = getattr(message, f.name)
+        if isinstance(value, bytes):
+            payload = value
+        else:
+            fields[f.name] = _plain(value)
+    return json.dumps({"message": type(message).__name__, **fields}, separators=(",", ":")).encode(), payload
+
+
+def decode(text: bytes, payload: bytes) -> Message:
+    """The message in a control frame's JSON text and payload; BadMessage if it is not exactly one of ours."""
+    try:
+        data = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise BadMessage(f"bad control JSON: {str(e)[:80]}") from e
+    if not isinstance(data, dict):
+        raise BadMessage("a control message must be a JSON object")
+    name = data.pop("message", None)
+    cls = MESSAGES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise BadMessage("unknown control message")
+    return _build(cls, data, payload)
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON holds it."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Enum):
+        return value.value
+    return value
+
+
+def _build(cls: type, data: dict, payload: bytes | None) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    known = {f.name for f in fields}
+    if set(data) - known:
+        raise BadMessage(f"{cls.__name__}: unknown fields {sorted(set(data) - known)}")
+    values = {}
+    for f in fields:
+        if hints[f.name] is bytes:
+            values[f.name] = b"" if payload is None else payload
+        elif f.name in data:
+            values[f.name] = _coerce(data[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
+        elif f.default is dataclasses.MISSING:
+            raise BadMessage(f"{cls.__name__}: missing field {f.name}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """value checked against a field's type (JSON's lists become tuples, numbers become enums)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise BadMessage(f"{where}: expected a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], where) for v in value)
+        if len(value) != len(args):
+            raise BadMessage(f"{where}: expected {len(args)} items")
+        return tuple(_coerce(v, a, where) for v, a in zip(value, args, strict=True))
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise BadMessage(f"{where}: expected an object")
+        return _build(hint, value, None)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError as e:
+            raise BadMessage(f"{where}: {e}") from e
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise BadMessage(f"{where}: expected {getattr(hint, '__name__', hint)}, not {type(value).__name__}")

@@ -1,0 +1,129 @@
+"""The tensor-parallel control protocol: every message round-trips through one encode/decode, routes are data,
+and nothing malformed decodes to anything but a BadMessage."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from edgerun.net.wire import Block, Codec, Header, MsgType, control_frame, open_packet, parse_control
+from edgerun.tp import messages as m
+from edgerun.tp.shard import ShardSpec
+
+KEY = b"k" * 32
+SPEC = ShardSpec(attn_units=((0, 1), (2,)), mlp_groups=((1,), ()), vocab_blocks=(0, 2), group_size=128,
+                 vocab_block=512)
+SAMPLES: list[m.Message] = [
+    m.Register("pi-4", 512.5, 2e9, 40_000, 1472),
+    m.Ready(3, 10_000_000, 65_536),
+    m.Heartbeat(7, 1, 2, 0.25, 300.5),
+    m.Fetch(3, 17, 5, Block.ATTN),
+    m.Partial(3, 17, 5, Block.MLP, bytes(range(16))),
+    m.Pong(4),
+    m.BandwidthReply(bytes(1000)),
+    m.Welcome("ab" * 32, 8080, 40_001),
+    m.Assign(3, 1, SPEC, 64, Codec.Q8, m.Routes.for_transport("udp", 2), 40_001, 5.0, 2, 65_507,
+             (((0,), (1,)), ((0,), ())), True, b"predictors"),
+    m.Assign(4, 2, SPEC, 1024, Codec.F32, m.Routes.for_transport("tcp", 2), 40_001, None, 0, 1472),
+    m.Input(3, 0, 1, Block.HEAD, None, b"\x00" * 8),
+    m.Input(3, 9, 1, Block.ATTN, (2, 0, 1), b"\x01" * 8),
+    m.Reset(5),
+    m.ParityOn(2),
+    m.Ping(1),
+    m.BandwidthProbe(1 << 20, bytes(64)),
+    m.Shutdown(),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(s) for s in SAMPLES} == set(m.MESSAGES.values())
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda s: type(s).__name__)
+def test_round_trip_through_a_sealed_frame(message: m.Message) -> None:
+    frame = control_frame(9, *m.encode(message), KEY)
+    header, body = open_packet(frame[4:], KEY)
+    decoded = m.decode(*parse_control(header, body))
+    assert decoded == message
+    # Enums and tuples come back as such, not as JSON's ints and lists.
+    for f in dataclasses.fields(decoded):
+        assert type(getattr(decoded, f.name)) is type(getattr(message, f.name))
+
+
+def test_routes_are_data() -> None:
+    udp = m.Routes.for_transport("udp", 3)
+    assert [udp.of(layer, Block.ATTN, 1) for layer in range(3)] == [m.Route.MIRRORED, m.Route.DATAGRAM,
+                                                                     m.Route.DATAGRAM]
+    assert udp.of(2, Block.MLP, 1) == m.Route.DATAGRAM and udp.of(0, Block.HEAD, 1) == m.Route.MIRRORED
+    assert udp.of(2, Block.MLP, 5) == m.Route.RELIABLE  # prefill is always reliable
+    tcp = m.Routes.for_transport("tcp", 3)
+    assert {tcp.of(layer, b, 1) for layer in range(3) for b in Block} == {m.Route.RELIABLE}
+    with pytest.raises(ValueError):
+        m.Routes.for_transport("quic", 3)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"message": "Nope"}',  # unknown message
+    b'{"seq": 1}',  # no message name
+    b'["Ping"]',  # not an object
+    b'{"message": "Ping"}',  # missing field
+    b'{"message": "Ping", "seq": 1, "extra": 2}',  # unknown field
+    b'{"message": "Ping", "seq": "1"}',  # a string for an int
+    b'{"message": "Ping", "seq": 1.0}',  # a float for an int
+    b'{"message": "Ping", "seq": true}',  # a bool for an int
+    b'{"message": "Fetch", "session": 1, "position": 2, "layer": 3, "block": 9}',  # no such block
+    b'{"message": "Input", "session": 1, "position": 2, "layer": 3, "block": 0, "ranking": [1, "x"]}',
+    b'{"message": "Input", "session": 1, "position": 2, "layer": 3, "block": 0, "ranking": 5}',
+    b'{"message": "Heartbeat", "rejected": 0, "prefetch_hits": 0, "prefetch_misses": 0, "compute_s": null,'
+    b' "peak_rss_mb": 1}',  # null where None is not allowed
+    b'{"message": "Assign", "session": 1}',
+    b'{"message": "Ping", "seq": 1',  # truncated
+    b"[" * 100_000,  # nested past the parser's recursion
+    b"\xff\xfe",  # not text
+])
+def test_malformed_messages_are_bad_messages(text: bytes) -> None:
+    with pytest.raises(m.BadMessage):
+        m.decode(text, b"")
+
+
+def _mutate(value: object, rng: random.Random) -> object:
+    """value with one leaf or container replaced by something of another shape."""
+    wild = [None, True, -1, 2 ** 40, 1.5, "x", [], {}, [1, [2]], {"a": 1}]
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(list(value))
+        if rng.random() < 0.15:
+            return {k: v for k, v in value.items() if k != key}
+        return {**value, key: _mutate(value[key], rng)}
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        i = rng.randrange(len(value))
+        return [*value[:i], _mutate(value[i], rng), *value[i + 1:]]
+    return rng.choice(wild)
+
+
+def test_fuzzed_messages_decode_or_are_refused() -> None:
+    """Thousands of structurally mutated messages: each either decodes to a message of its declared types or
+    raises BadMessage; nothing else escapes."""
+    rng = random.Random(0)
+    decoded = refused = 0
+    for i in range(4000):
+        text, payload = m.encode(SAMPLES[i % len(SAMPLES)])
+        data = _mutate(json.loads(text), rng)
+        try:
+            message = m.decode(json.dumps(data).encode(), payload)
+        except m.BadMessage:
+            refused += 1
+            continue
+        decoded += 1
+        assert type(message) in m.MESSAGES.values()
+        assert m.decode(*m.encode(message)) == message  # what decoded is well-formed
+    assert refused > 1000 and decoded > 100
+
+
+def test_header_fields_have_one_meaning_each() -> None:
+    """A datagram's token count is its own field, and a link probe its own type."""
+    header = Header(MsgType.PARTIAL, 1, tokens=3)
+    assert header.tokens == 3 and "flags" not in Header._fields
+    assert {t.name for t in MsgType} == {"ACTIVATION", "PARTIAL", "CONTROL", "PROBE"}
