@@ -361,7 +361,8 @@ def cmd_master(args: argparse.Namespace) -> None:
         return
 
     from edgerun.net.wire import Codec
-    from edgerun.tp.master import Master, MasterConfig
+    from edgerun.tp.config import MasterConfig
+    from edgerun.tp.master import Master
 
     predictors = None
     if args.mapping != "index":
@@ -682,7 +683,7 @@ def _overlap_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _overlaps(text: str) -> tuple[str, ...]:
-    from edgerun.tp.master import OVERLAPS
+    from edgerun.tp.config import OVERLAPS
 
     chosen = tuple(x.strip() for x in text.split(",") if x.strip() and x.strip() != "none")
     for x in chosen:

@@ -20,7 +20,7 @@ from edgerun.sap.predictor import PredictorSet, top_k_recall, train
 from edgerun.sap.text import calibration_text, evaluation_text
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import plan_tp
-from edgerun.tp.master import UnitOrder, spec_for_device
+from edgerun.tp.deployment import UnitOrder, spec_for_device
 
 GROUP = 32  # the tiny shape's FFN of 512 in 16 groups
 

@@ -21,8 +21,10 @@ from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import MAX_UDP_PAYLOAD
 from edgerun.net.loss import parse_loss
-from edgerun.net.wire import Block, Codec, Header, MsgType, derive_key, fragment, seal
-from edgerun.tp.master import Master, MasterConfig
+from edgerun.net.wire import Block, Codec, Header, MsgType, control_frame, derive_key, fragment, seal
+from edgerun.tp import messages
+from edgerun.tp.config import MasterConfig
+from edgerun.tp.master import Master
 
 SECRET = "test-cluster"
 KEY = derive_key(SECRET)
@@ -174,6 +176,30 @@ def mutate(datagram: bytes, rng: random.Random) -> bytes:
     return seal(header, rng.randbytes(rng.randrange(0, 600)), KEY)
 
 
+def authentic_malformed_messages(port: int, rng: random.Random, n: int = 300) -> int:
+    """A "node" with the cluster key registers, then sends n control frames that are authentic but hold no valid
+    message: fixed malformed ones and valid messages with a byte changed (those that still decode are skipped)."""
+    fixed = [b'{"message": "Partial", "session": "x"}', b'{"message": "Fetch"}', b'{"message": 5}', b"[1",
+             b'{"message": "Heartbeat", "rejected": [], "prefetch_hits": 0, "prefetch_misses": 0, '
+             b'"compute_s": 0, "peak_rss_mb": 0}', b'{"message": "Assign", "session": 1, "spec": {}}']
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port)) as peer:
+        peer.sendall(control_frame(0, *messages.encode(messages.Register("fuzz", 64.0, 1e9, 9, 1472)), KEY))
+        while sent < n:
+            text = bytearray(messages.encode(messages.Fetch(1, 2, 3, Block.ATTN))[0])
+            text[rng.randrange(len(text))] = rng.randrange(256)
+            text = rng.choice(fixed) if sent % 2 else bytes(text)
+            try:
+                messages.decode(text, b"")
+                continue
+            except messages.BadMessage:
+                pass
+            peer.sendall(control_frame(0, text, b"", KEY))
+            sent += 1
+        time.sleep(0.5)
+    return sent
+
+
 @pytest.mark.slow
 def test_fuzzed_datagrams_are_counted_and_nothing_breaks(model: Model, reference_tokens: list[int]) -> None:
     n = int(os.environ.get("EDGERUN_TP_FUZZ_N", "2000"))
@@ -192,7 +218,9 @@ def test_fuzzed_datagrams_are_counted_and_nothing_breaks(model: Model, reference
             sock.sendto(packet, ("127.0.0.1", node.udp_port))
         with socket.create_connection(("127.0.0.1", master.port)) as junk:  # an unauthenticated "node"
             junk.sendall(b"\x40\x00\x00\x00" + bytes(64))
+        refused = authentic_malformed_messages(master.port, rng)
         time.sleep(1.5)  # the node reports its count with its next heartbeat
+        assert master.counters.rejected.get("message", 0) >= refused
         assert master.counters.total() + master.stats.late_packets - before >= n
         assert node.rejected >= n * 0.9  # node: all but datagrams that arrived while it was busy
         assert master.generate(prompt, 16, GREEDY) == reference_tokens[:16]

@@ -20,7 +20,8 @@ from edgerun.net.wire import Block, derive_key
 from edgerun.sap.calibrate import Calibration, calibrate
 from edgerun.sap.predictor import PredictorSet, train
 from edgerun.sap.text import calibration_text
-from edgerun.tp.master import Master, MasterConfig
+from edgerun.tp.config import MasterConfig
+from edgerun.tp.master import Master
 from edgerun.tp.node import HEARTBEAT_S
 
 SECRET = "mapping-test"

@@ -11,10 +11,10 @@ import pytest
 
 from edgerun.model.loader import load_model
 from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, derive_key, fragment, open_packet
-from edgerun.tp.master import ArrivalEstimator, Timeouts
 from edgerun.tp.messages import Assign, Fetch, Input, Message, Partial, Routes
 from edgerun.tp.node import Node
 from edgerun.tp.shard import Shard, ShardSpec, full_spec
+from edgerun.tp.timeouts import ArrivalEstimator, Timeouts
 
 KEY = derive_key("timing")
 

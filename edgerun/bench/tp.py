@@ -32,7 +32,8 @@ from edgerun.net.loss import Bernoulli, NoLoss, parse_loss
 from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
-from edgerun.tp.master import OVERLAPS, Master, MasterConfig
+from edgerun.tp.config import OVERLAPS, MasterConfig
+from edgerun.tp.master import Master
 
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
 SECRET = "edgerun-bench"
@@ -195,7 +196,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     syncs_per_token = blocks / n
     overhead = (elapsed / n - max(compute, node_compute)) / max(syncs_per_token, 1)
     biggest = max(reports, key=lambda r: r.weight_bytes, default=None)
-    fixed = master.timeouts.fixed_s
+    fixed = master.exchange.timeouts.fixed_s
     return TpResult(
         nodes=nodes, transport=master.config.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
         timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.config.parity,

@@ -1,0 +1,63 @@
+"""How a tensor-parallel master runs: one frozen config for its membership, deployment and block exchange."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgerun.errors import EdgerunError
+from edgerun.net.wire import Codec
+
+MAPPINGS = ("index", "static", "dynamic")
+OVERLAPS = ("pred", "load")
+MAX_PARITY_COPIES = 4  # beyond a few copies, losing all of them is rarer than a lost burst of the data itself
+# With --transport udp the reliable channel carries only the first layer, the LM head and fetches,
+# all on the per-token path: a lost segment there should cost milliseconds, not the kernel's 200 ms
+# minimum retransmission timeout. The strict tcp baseline keeps the kernel's (as distributed-llama).
+FAST_RTO_MIN_MS = 5.0
+
+
+def tcp_rto_min_ms(transport: str, override: float | None) -> float | None:
+    """The reliable channel's minimum retransmission timeout: `override` (0: the kernel's), else
+    FAST_RTO_MIN_MS for udp and the kernel's for tcp. None means the kernel's."""
+    if override is not None:
+        return override or None
+    return FAST_RTO_MIN_MS if transport == "udp" else None
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """How a tensor-parallel master runs. Change it with dataclasses.replace and Master.reconfigure."""
+
+    strategy: str = "halo"  # tensor-parallel planner (sched.tp_plan.STRATEGIES)
+    host: str = "0.0.0.0"
+    port: int = 0  # 0: any free port
+    transport: str = "udp"  # "udp": lossy layers over UDP with a timeout; "tcp": everything reliable
+    codec: Codec = Codec.F32  # activations on the wire
+    timeout_ms: float | None = 10.0  # a lossy block's fixed wait; None: adaptive
+    timeout_deviations: float = 4.0  # the adaptive timeout's k
+    rto_min_ms: float | None = None  # the reliable channel's minimum retransmission timeout (None: by transport)
+    parity: int = 2  # parity copies after every vector on a lossy link, both ways
+    parity_always: bool = False  # parity on clean links too
+    max_len: int = 1024  # context length: KV cache per device
+    budget_mb: float = 4096.0  # the master's own memory budget for its share
+    speed: float = 1e9  # the master's own speed for the planner, weight bytes per second
+    group_size: int = 256  # MLP neuron-group size
+    vocab_block: int = 4096  # LM-head rows per unit
+    mapping: str = "index"  # which units go where: "index", "static" or "dynamic" (MAPPINGS)
+    # Dynamic mapping's two overlaps (HALO Fig. 5): pred ranks the next layer while this one's partials travel;
+    # load has nodes predict the next layer's ranking themselves and gather their units' weights meanwhile.
+    overlap: tuple[str, ...] = OVERLAPS
+    threads: int = 1  # onnxruntime threads of the master's own share
+
+    def __post_init__(self) -> None:
+        unknown = set(self.overlap) - set(OVERLAPS)
+        if unknown:
+            raise EdgerunError(f"unknown overlap {sorted(unknown)} (choose from {', '.join(OVERLAPS)})")
+        if not 0 <= self.parity <= MAX_PARITY_COPIES:
+            raise EdgerunError(f"parity copies must be 0 to {MAX_PARITY_COPIES}, not {self.parity}")
+        if self.transport not in ("udp", "tcp"):
+            raise EdgerunError(f"unknown transport {self.transport!r} (udp or tcp)")
+        if self.mapping not in MAPPINGS:
+            raise EdgerunError(f"unknown mapping {self.mapping!r} ({', '.join(MAPPINGS)})")
+        if self.threads < 1 or self.max_len < 1:
+            raise EdgerunError("threads and max_len must be at least 1")

@@ -1,0 +1,355 @@
+"""The block exchange of a tensor-parallel master: for one block, send the normalized input to the nodes that hold
+units of it, let the master compute its own share, and merge the partials that arrive: straight off the UDP
+socket on the loop's thread until the block is whole or its deadline passes, or on the event loop for TCP
+replies. It keeps the timeouts' estimators, turns parity on for links that lose packets, answers nodes'
+fetches of inputs they missed, and counts what happened (StepStats).
+
+Which channel each block takes is the deployment's `Routes`; which nodes take part is the deployment's specs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgerun.model.config import ModelConfig
+from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, add_fragment
+from edgerun.net.wire import (
+    Added,
+    Block,
+    Codec,
+    Header,
+    MsgType,
+    Reassembly,
+    WireError,
+    fragment,
+    is_parity,
+    peek_block,
+)
+from edgerun.tp.config import MasterConfig
+from edgerun.tp.deployment import vocab_rows
+from edgerun.tp.membership import NodeConn
+from edgerun.tp.messages import Fetch, Input, ParityOn, Partial, Route, Routes
+from edgerun.tp.timeouts import Timeouts
+
+# Inputs of this many recent positions are kept for nodes that missed one and fetch it: a node may
+# lag behind by a TCP retransmission timeout or more, which is several tokens on a fast cluster.
+KEPT_POSITIONS = 64
+
+BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
+
+
+class NodeLost(Exception):
+    """A node died while the master waited on its reply."""
+
+
+@dataclass
+class StepStats:
+    compute_s: float = 0.0
+    pred_s: float = 0.0  # dynamic mapping: ranking units with the predictors
+    wait_s: float = 0.0
+    blocks: int = 0
+    blocks_incomplete: int = 0  # lossy blocks merged without some node's full partial
+    incomplete_wait_s: float = 0.0  # of wait_s, spent in blocks that ended incomplete: the price of lost partials
+    partials_rebuilt: int = 0  # partials that lost a fragment and were rebuilt from the parity
+    late_packets: int = 0
+    max_overshoot_s: float = 0.0  # the longest a lossy block's wait ran past its deadline
+
+
+@dataclass
+class _Wait:
+    """The block the master is merging: what each participant's reply is collected in (a reassembly
+    for datagrams, None until a TCP reply lands), and a future resolved when all are in, a node is
+    lost, or the deadline passes. The deadline moves earlier when the first partial arrives."""
+
+    key: tuple[int, int, int, int]
+    parts: dict[int, Reassembly | np.ndarray | None]
+    future: asyncio.Future
+    sent: float
+    outstanding: int
+    tokens: int  # the step's tokens: a partial holds one vector per token (the LM head's: the last token's)
+    lag_bound: float | None = None  # how long after the first partial the others may still come
+    deadline: float | None = None  # perf_counter time; None: wait for every reply
+    timer: asyncio.TimerHandle | None = None
+    timed: bool = False  # awaited on the event loop, with a timer for the deadline (else drained on the spot)
+    arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
+    nodes: dict[int, NodeConn] = field(default_factory=dict)  # the participants by index
+
+    def arrive(self, index: int) -> None:
+        if index in self.arrived:
+            return
+        now = time.perf_counter()
+        self.arrived[index] = now - self.sent
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self.finish()
+        elif len(self.arrived) == 1 and self.lag_bound is not None and self.deadline is not None:
+            self.expire_at(min(self.deadline, now + self.lag_bound))
+
+    def expire_at(self, deadline: float) -> None:
+        self.deadline = deadline
+        if not self.timed:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.future.get_loop().call_later(max(0.0, deadline - time.perf_counter()), self.finish)
+
+    def finish(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.future.done():
+            self.future.set_result(None)
+
+    def first(self) -> float:
+        return min(self.arrived.values())
+
+
+class BlockExchange:
+    """Runs one block at a time over the nodes (on the event loop's thread)."""
+
+    def __init__(self, model: ModelConfig, key: bytes, config: MasterConfig, udp: LossyUdp,
+                 datagrams: DatagramSocket, counters: Counters, log: Callable[[str], None]) -> None:
+        self.model, self.key, self.udp, self.datagrams, self.counters, self.log = \
+            model, key, udp, datagrams, counters, log
+        self.configure(config)
+        self.session = 0
+        self.routes = Routes.for_transport(config.transport, model.n_layers)
+        self.recent_inputs: dict[BlockKey, tuple[bytes, tuple[int, ...] | None]] = {}  # kept for fetches
+        self.pending_fetch: dict[BlockKey, list[NodeConn]] = {}  # fetches of inputs not sent yet
+        self.wait: _Wait | None = None  # the block in merge
+        self.merged: _Wait | None = None  # the block merged last, whose late partials still teach lags
+        self.mirrors: dict[BlockKey, _Wait] = {}  # recent mirrored blocks, for their second copies
+        self.stats = StepStats()
+
+    def configure(self, config: MasterConfig) -> None:
+        self.config = config
+        self.timeouts = Timeouts(None if config.timeout_ms is None else config.timeout_ms / 1000,
+                                 config.timeout_deviations)
+
+    def new_session(self, session: int, routes: Routes | None = None) -> None:
+        """A new request or a new deployment: nothing of the old one is kept."""
+        self.session = session
+        if routes is not None:
+            self.routes = routes
+        self.recent_inputs.clear()
+        self.mirrors.clear()
+        self.pending_fetch.clear()
+
+    def forget_before(self, position: int) -> None:
+        """Let go of what was kept for positions before this one."""
+        self.recent_inputs = {k: v for k, v in self.recent_inputs.items() if k[1] >= position}
+        self.mirrors = {k: v for k, v in self.mirrors.items() if k[1] >= position}
+
+    async def run(self, nodes: list[NodeConn], position: int, layer: int, block: Block, x: np.ndarray,
+                  ranking: tuple[int, ...] | None, own_share: Callable[[], np.ndarray],
+                  while_waiting: Callable[[], None] | None = None) -> np.ndarray:
+        """The block's output: `own_share()` (the master's, computed while the nodes compute theirs) plus every
+        node's partial that arrived in time. `while_waiting` runs after the master's share, before waiting for
+        the nodes (HALO's Pred overlapped with Comm)."""
+        loop = asyncio.get_running_loop()
+        seq = x.shape[0]
+        key = (self.session, position, layer, int(block))
+        route = self.routes.of(layer, block, seq)
+        reliable, mirror, over_udp = route != Route.DATAGRAM, route == Route.MIRRORED, route != Route.RELIABLE
+        data = np.ascontiguousarray(x, "<f4").tobytes()
+        self.recent_inputs[key] = (data, ranking)
+        for node in self.pending_fetch.pop(key, []):
+            self.send_input(node, key, data, ranking)
+        sent = time.perf_counter()
+        w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq), n.datagram_bytes)
+                                    if over_udp else None for n in nodes}, loop.create_future(), sent, len(nodes), seq,
+                                nodes={n.index: n for n in nodes})
+        if mirror:
+            self.mirrors[key] = w
+        if reliable:
+            for node in nodes:
+                self.send_input(node, key, data, ranking)
+        if nodes and over_udp:
+            self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
+        compute_start = time.perf_counter()
+        out = own_share()
+        wait_start = time.perf_counter()
+        self.stats.compute_s += wait_start - compute_start
+        if while_waiting is not None:
+            while_waiting()
+        await self._wait(w, nodes, reliable, over_udp)
+        ended = time.perf_counter()
+        self.stats.wait_s += ended - wait_start
+        lost = [n for n in nodes if not n.alive]
+        if lost:  # its units are gone for every later step too: replan
+            raise NodeLost(lost[0].name)
+        self._account(w, nodes, reliable, ended, wait_start)
+        if block == Block.HEAD:
+            return self._assemble_logits(out, nodes, w.parts)
+        out = np.array(out)  # a share's one-token output is a buffer its block reuses
+        for part in w.parts.values():
+            if part is not None:
+                vector = part.vector if isinstance(part, Reassembly) else part
+                out += vector.reshape(out.shape)
+        return out
+
+    def _send_datagrams(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None,
+                        codec: Codec) -> None:
+        """The input as datagrams to every node; nodes on paths of one MTU get the same datagrams, encoded and
+        sealed once."""
+        session, position, layer, block = key
+        header = Header(MsgType.ACTIVATION, session, position, layer, block, 0, codec=codec, tokens=x.shape[0])
+        datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity copies)
+        copies = max(n.parity for n in nodes)
+        for node in nodes:
+            if node.datagram_bytes not in datagrams:
+                sealed = fragment(header, x.reshape(-1), self.key, node.datagram_bytes, parity=copies,
+                                  prefix=b"" if ranking is None else bytes(ranking))
+                datagrams[node.datagram_bytes] = (sealed[:len(sealed) - copies], sealed[len(sealed) - copies:])
+        # Every node's data first, then the parity copies: the last node's input does not wait behind them.
+        for node in nodes:
+            self.udp.send_all(datagrams[node.datagram_bytes][0], (node.host, node.udp_port))
+        for node in nodes:
+            if node.parity:
+                self.udp.send_all(datagrams[node.datagram_bytes][1][:node.parity], (node.host, node.udp_port))
+
+    async def _wait(self, w: _Wait, nodes: list[NodeConn], reliable: bool, over_udp: bool) -> None:
+        """Until every partial is in, the deadline passes (lossy blocks) or a participant is lost."""
+        # When the partials should be in: a lossy block's deadline, and how long a mirrored one drains for.
+        expected = w.sent + self.timeouts.after_send([n.arrival for n in nodes])
+        if not reliable:
+            w.lag_bound = self.timeouts.after_first([n.lag for n in nodes])
+            w.deadline = expected
+        if over_udp and w.outstanding:
+            # The lean path: partials are taken straight off the socket on this thread until the block is whole
+            # or its deadline passes. A mirrored block (no deadline) drains so long for its UDP copies, then waits
+            # for its TCP copies on the loop. Data on a participant's TCP stream (a reply, a heartbeat, a closed
+            # connection) hands the wait to the event loop, which reads it.
+            watch = [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0]
+            self.datagrams.drain(lambda: w.outstanding == 0, lambda: expected if w.deadline is None else w.deadline,
+                                 watch)
+        if w.outstanding and not any(not n.alive for n in nodes) and (
+                reliable or w.deadline is None or time.perf_counter() < w.deadline):
+            w.timed = True
+            if w.deadline is not None:
+                w.expire_at(w.deadline)
+            await w.future
+        w.finish()
+        self.wait, self.merged = None, w
+
+    def _account(self, w: _Wait, nodes: list[NodeConn], reliable: bool, ended: float, wait_start: float) -> None:
+        """Count the block, note the links that lost a partial, and teach the estimators its arrivals."""
+        if w.deadline is not None and w.outstanding:
+            self.stats.max_overshoot_s = max(self.stats.max_overshoot_s, ended - w.deadline)
+        self.stats.blocks += 1
+        if w.outstanding:
+            self.stats.blocks_incomplete += 1
+            for node in nodes:
+                if node.index not in w.arrived:
+                    self.saw_loss(node)
+            self.stats.incomplete_wait_s += ended - wait_start
+        self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values())
+        if not reliable and w.arrived:
+            first = w.first()
+            for node in nodes:
+                if node.index in w.arrived:
+                    node.arrival.observe(w.arrived[node.index])
+                    node.lag.observe(w.arrived[node.index] - first)
+
+    def _reply_size(self, node: NodeConn, block: Block, seq: int) -> int:
+        """Elements of a node's partial: its vocabulary rows of the last token for the LM head."""
+        if block == Block.HEAD:
+            return len(vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size))
+        return seq * self.model.hidden
+
+    def _assemble_logits(self, logits: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:
+        """The master's logits with every node's rows filled in."""
+        for node in nodes:
+            node_rows = vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size)
+            part = parts[node.index]
+            vector = part.vector if isinstance(part, Reassembly) else part
+            logits[node_rows] = vector.reshape(-1)[-len(node_rows):]
+        return logits
+
+    # --- what the nodes send ------------------------------------------------------------------------
+    def on_fetch(self, node: NodeConn, message: Fetch) -> None:
+        """The node lost an input."""
+        self.saw_loss(node)
+        key = (message.session, message.position, message.layer, int(message.block))
+        kept = self.recent_inputs.get(key)
+        if kept is None:  # not sent yet (or long gone): answered when it is sent
+            self.pending_fetch.setdefault(key, []).append(node)
+        else:
+            self.send_input(node, key, *kept)
+
+    def on_partial(self, node: NodeConn, message: Partial) -> None:
+        """A partial over TCP."""
+        key = (message.session, message.position, message.layer, int(message.block))
+        w = self.wait
+        if w is not None and key == w.key and node.index in w.parts and node.index not in w.arrived:
+            if len(message.vector) != 4 * self._reply_size(node, message.block, w.tokens):
+                self.counters.reject("misfit")
+                return
+            w.parts[node.index] = np.frombuffer(message.vector, "<f4").astype(np.float32)
+            w.arrive(node.index)
+        elif not self._mirror_copy(key, node.index):
+            self.stats.late_packets += 1
+
+    def on_datagram(self, header: Header, payload: bytes) -> None:
+        """A partial's datagram."""
+        w = self.wait
+        key = (header.session, header.position, header.layer, header.block)
+        target = None if w is None or key != w.key else w.parts.get(header.node)
+        if isinstance(target, Reassembly) and header.node not in w.arrived:
+            if add_fragment(target, header, payload, self.counters):
+                w.arrive(header.node)
+            return
+        if self._mirror_copy(key, header.node):
+            return
+        if not is_parity(header):  # the parity of a partial already merged is expected, not late
+            self.stats.late_packets += 1
+        self._late(key, header, payload)
+
+    def on_node_lost(self, node: NodeConn) -> None:
+        if self.wait is not None and node.index in self.wait.parts:
+            self.wait.finish()  # the block's coroutine sees the loss and replans
+
+    def redundant(self, data: bytes) -> bool:
+        """A datagram of a partial already whole in the block being merged or the one merged last (a parity copy
+        after its data): nothing to learn from it, so it is dropped before its MAC is checked."""
+        peeked = peek_block(data)
+        if peeked is None:
+            return False
+        key, node = peeked[:4], peeked[4]
+        return any(w is not None and w.key == key and node in w.arrived for w in (self.wait, self.merged))
+
+    def saw_loss(self, node: NodeConn) -> None:
+        """A packet on this node's link went missing (or came too late to count): parity both ways from now on."""
+        if node.lossy or not self.config.parity:
+            node.lossy = True
+            return
+        node.lossy, node.parity = True, self.config.parity
+        self.log(f"node {node.name}: a packet went missing; {self.config.parity} parity copies on its link from now on")
+        with contextlib.suppress(OSError, ConnectionError):
+            node.channel.send(ParityOn(self.config.parity))
+
+    def send_input(self, node: NodeConn, key: BlockKey, data: bytes, ranking: tuple[int, ...] | None) -> None:
+        session, position, layer, block = key
+        with contextlib.suppress(OSError, ConnectionError):
+            node.channel.send(Input(session, position, layer, Block(block), ranking, data))
+
+    def _mirror_copy(self, key: BlockKey, node: int) -> bool:
+        """True for the second copy of a mirrored block's reply: its first copy is in, so nothing is late."""
+        w = self.mirrors.get(key)
+        return w is not None and node in w.arrived
+
+    def _late(self, key: BlockKey, header: Header, payload: bytes) -> None:
+        """A partial of the block just merged that completes late still teaches its node's lag, so the
+        estimate is not made only of partials that beat the deadline (which would shrink it)."""
+        w = self.merged
+        target = None if w is None or key != w.key or not w.arrived else w.parts.get(header.node)
+        if not isinstance(target, Reassembly) or header.node in w.arrived:
+            return
+        with contextlib.suppress(WireError):
+            if target.add(header, payload) is Added.COMPLETED:
+                w.nodes[header.node].lag.observe(time.perf_counter() - w.sent - w.first())

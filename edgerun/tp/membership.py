@@ -1,0 +1,224 @@
+"""The membership of a tensor-parallel master: nodes joining over TCP, their heartbeats and silence, and the probes
+that measure each node's link (RTT, loss, bandwidth). Messages that belong to the block exchange (partials,
+fetches) are handed on to it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, path_datagram_bytes
+from edgerun.net.wire import Header, MsgType, WireError, seal
+from edgerun.sched.profiles import Link
+from edgerun.tp.messages import (
+    BadMessage,
+    BandwidthProbe,
+    BandwidthReply,
+    Heartbeat,
+    Message,
+    Ping,
+    Pong,
+    Priorities,
+    Ready,
+    Register,
+    Welcome,
+)
+from edgerun.tp.shard import ShardSpec
+from edgerun.tp.timeouts import ArrivalEstimator
+
+NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
+BW_PROBE_BYTES = 2 * 1024 * 1024
+
+
+@dataclass
+class NodeConn:
+    """What the master knows of one node: its connection, its share and its link, and what it reports."""
+
+    index: int
+    name: str
+    channel: AsyncChannel
+    host: str
+    udp_port: int
+    budget_mb: float
+    speed: float
+    alive: bool = True
+    last_heard: float = field(default_factory=time.monotonic)
+    ready: threading.Event = field(default_factory=threading.Event)
+    spec: ShardSpec | None = None
+    priorities: Priorities | None = None  # dynamic mapping
+    rejected: int = 0  # packets the node refused, as its last heartbeat said
+    prefetched: tuple[int, int] = (0, 0)  # load overlap: (weights used, gathered for the wrong units), as said
+    link: Link | None = None  # measured when it joined
+    datagram_bytes: int = 1472  # the largest UDP payload both ways between it and the master (path MTU)
+    parity: int = 0  # parity copies after every vector on this link, both ways
+    lossy: bool = False  # the link has lost a packet (or a partial came too late): parity from then on
+    arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the master sent
+    lag: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the block's first partial
+    pong: threading.Event = field(default_factory=threading.Event)
+    pongs: list[float] = field(default_factory=list)
+    echoes: int = 0
+    # What the node reports: its share's sizes when ready, and with every heartbeat (every HEARTBEAT_S) its
+    # kernels' time so far and its peak resident memory.
+    weight_bytes: int = 0
+    cache_bytes: int = 0
+    compute_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    heartbeats: int = 0
+
+    def reset_estimators(self) -> None:
+        self.arrival, self.lag = ArrivalEstimator(), ArrivalEstimator()
+
+
+
+class Membership:
+    """Accepts nodes and watches them; thread-safe where it says so."""
+
+    def __init__(self, key: bytes, welcome: Welcome, net: EventLoopThread, udp: LossyUdp, counters: Counters,
+                 on_message: Callable[[NodeConn, Message], None], on_lost: Callable[[NodeConn], None],
+                 log: Callable[[str], None]) -> None:
+        """`on_message` takes what is not membership's (partials, fetches), `on_lost` a node that left; both run
+        on the loop's thread."""
+        self.key, self.welcome, self.net, self.udp, self.counters = key, welcome, net, udp, counters
+        self.on_message, self.on_lost, self.log = on_message, on_lost, log
+        self.cond = threading.Condition()  # nodes joining and leaving
+        self.nodes: list[NodeConn] = []
+        self.running = True
+
+    async def listen(self, host: str, port: int) -> asyncio.Server:
+        server = await asyncio.start_server(self._serve_node, host, port)
+        self.watch_task = asyncio.get_running_loop().create_task(self._watch())
+        return server
+
+    def alive(self) -> list[NodeConn]:
+        return [n for n in self.nodes if n.alive]
+
+    async def _serve_node(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        channel = AsyncChannel(reader, writer, self.key, self.net.loop)
+        addr = writer.get_extra_info("peername")
+        node: NodeConn | None = None
+        try:
+            message = await asyncio.wait_for(channel.receive(), 10)
+            if not isinstance(message, Register):
+                raise WireError("first message must register")
+            channel.send(self.welcome)
+            with self.cond:
+                node = NodeConn(len(self.nodes) + 1, message.name, channel, addr[0], message.udp_port,
+                                message.budget_mb, message.speed)
+                # Both directions' path MTU: the node measured its way here, the master measures its way there.
+                node.datagram_bytes = min(message.datagram_bytes, path_datagram_bytes(node.host, node.udp_port))
+                self.nodes.append(node)
+                self.cond.notify_all()
+            self.log(f"node {node.name} joined from {addr[0]}")
+            while self.running:
+                try:
+                    message = await channel.receive()
+                except BadMessage:
+                    self.counters.reject("message")
+                    continue
+                node.last_heard = time.monotonic()
+                self._message(node, message)
+        except (ConnectionError, OSError, WireError, ValueError, TimeoutError) as e:
+            if node is None:
+                self.counters.reject("registration")
+            else:
+                self.log(f"node {node.name} lost ({e})")
+        finally:
+            channel.close()
+            if node is not None:
+                with self.cond:
+                    node.alive = False
+                    self.cond.notify_all()
+                self.on_lost(node)
+
+    def _message(self, node: NodeConn, message: Message) -> None:
+        match message:
+            case Ready(_, weight_bytes, cache_bytes):
+                node.weight_bytes, node.cache_bytes = weight_bytes, cache_bytes
+                node.ready.set()
+            case Pong() | BandwidthReply():
+                node.pongs.append(time.perf_counter())
+                node.pong.set()
+            case Heartbeat(rejected, hits, misses, compute_s, rss_mb):
+                node.rejected, node.prefetched, node.compute_s, node.peak_rss_mb = \
+                    rejected, (hits, misses), compute_s, rss_mb
+                node.heartbeats += 1
+            case _:
+                self.on_message(node, message)
+
+    async def _watch(self) -> None:
+        while self.running:
+            await asyncio.sleep(0.5)
+            for node in list(self.nodes):
+                if node.alive and time.monotonic() - node.last_heard > NODE_SILENT_S:
+                    self.log(f"node {node.name} silent for {NODE_SILENT_S} s")
+                    node.channel.close()  # its reader then ends and marks it dead
+
+    def probe_echoed(self, header: Header) -> None:
+        """A link probe came back (on the loop's thread)."""
+        for node in self.nodes:
+            if node.index == header.node:
+                node.echoes += 1
+
+    def wait_for_nodes(self, n: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while sum(node.alive for node in self.nodes) < n:
+                if not self.cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise EdgerunError(f"only {sum(nd.alive for nd in self.nodes)} of {n} nodes joined "
+                                       f"within {timeout_s:.0f} s")
+
+    def measure_link(self, node: NodeConn, pings: int = 7, probes: int = 200) -> Link:
+        """RTT: median of TCP pings. Loss: UDP probes the node echoes; a probe is lost if either
+        direction drops it, so the one-way rate is 1 - sqrt(1 - round-trip rate). Bandwidth: a timed
+        TCP exchange, taken as symmetric. Blocks on the node's replies: never on the loop's thread."""
+        rtts = []
+        for seq in range(pings):
+            node.pong.clear()
+            sent = time.perf_counter()
+            node.channel.send(Ping(seq))
+            if node.pong.wait(2.0):
+                rtts.append(node.pongs[-1] - sent)
+        node.echoes = 0
+        for seq in range(probes):
+            header = Header(MsgType.PROBE, 0, seq, node=node.index)
+            self.udp.send_all([seal(header, b"", self.key)], (node.host, node.udp_port))
+            time.sleep(0.0005)
+        time.sleep(0.2)
+        round_trip = 1.0 - min(node.echoes, probes) / probes
+        loss_rate = 1.0 - (1.0 - round_trip) ** 0.5
+        rtt_ms = float(np.median(rtts)) * 1e3 if rtts else 1000.0
+        # Bandwidth: a payload each way over TCP; the node answers with a payload of the size asked.
+        node.pong.clear()
+        sent = time.perf_counter()
+        node.channel.send(BandwidthProbe(BW_PROBE_BYTES, bytes(BW_PROBE_BYTES)))
+        if not node.pong.wait(30.0):
+            return Link(rtt_ms=rtt_ms, up_mbit=1.0, down_mbit=1.0, loss_rate=loss_rate)
+        # Two transfers and one round trip in that time; each direction gets half.
+        mbit = 2 * BW_PROBE_BYTES * 8 / max(node.pongs[-1] - sent - rtt_ms / 1e3, 1e-6) / 1e6
+        return Link(rtt_ms=rtt_ms, up_mbit=mbit, down_mbit=mbit, loss_rate=loss_rate)
+
+    def fresh_reports(self, timeout_s: float = 3.0) -> list[NodeConn]:
+        """The live nodes, once each has sent a heartbeat after this call (so its counters cover what ran
+        before it), or after timeout_s."""
+        nodes = self.alive()
+        seen = {n.index: n.heartbeats for n in nodes}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(n.heartbeats <= seen[n.index] for n in nodes if n.alive):
+            time.sleep(0.02)
+        return [n for n in nodes if n.alive]
+
+    def lost_nodes(self) -> list[str]:
+        return [n.name for n in self.nodes if not n.alive and n.spec is not None]
+
+    def close_channels(self) -> None:
+        """On the loop's thread."""
+        self.running = False
+        self.watch_task.cancel()
+        for node in self.nodes:
+            node.channel.close()
