@@ -59,6 +59,14 @@ def _udp_args(p: argparse.ArgumentParser) -> None:
     parity_arg(p)
 
 
+def _spin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spin-us", type=float, default=0.0, metavar="US",
+                   help="after the last packet, keep polling the UDP socket for this many microseconds before "
+                        "sleeping: a sleeping process can take hundreds of microseconds to wake for a packet on "
+                        "virtual machines, several times a block's compute. Holds a core while generating: use it "
+                        "where each process has a core of its own (default: 0, off)")
+
+
 def _rto_min_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tcp-rto-min-ms", type=float, default=None,
                    help="minimum TCP retransmission timeout of the reliable channel, Linux 6.15+ (default: 5 with "
@@ -305,7 +313,7 @@ def cmd_node(args: argparse.Namespace) -> None:
     master = _host_port(args.master)
     try:
         run_node(master, args.model, _cluster_key(args), name, args.memory_budget, args.speed, _loss(args),
-                 args.threads)
+                 args.threads, args.spin_us / 1e6)
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
 
@@ -379,6 +387,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                           max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                           rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
                           parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
+                          spin_us=args.spin_us,
                           overlap=_overlaps(args.overlap), threads=args.threads)
     master = Master(model, _cluster_key(args), config, loss=_loss(args), predictors=predictors, log=log)
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
@@ -436,7 +445,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
-                           parity_always=args.parity_always)
+                           parity_always=args.parity_always, spin_us=args.spin_us)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
@@ -787,6 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire")
     _udp_args(p)
     _rto_min_arg(p)
+    _spin_arg(p)
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     p.add_argument("--mapping", choices=("index", "static", "dynamic"), default="index",
@@ -822,6 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
                         "installed, else the CPU (default: auto)")
     _share_threads_arg(p, DEFAULT_THREADS)
+    _spin_arg(p)
     cluster_args(p)
     p.set_defaults(func=cmd_node)
 
@@ -904,6 +915,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     _udp_args(p)
     _rto_min_arg(p)
+    _spin_arg(p)
     _share_threads_arg(p, 1)
     p.add_argument("--baseline", action="store_true",
                    help="also time the single-process onnx engine (same model, prompt, tokens and --threads) in "

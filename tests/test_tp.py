@@ -44,10 +44,10 @@ def reference_tokens(model: Model) -> list[int]:
     return generate(engine, model.tokenizer.encode(PROMPT), N_TOKENS, GREEDY).tokens
 
 
-def start_nodes(port: int, speeds: list[float], loss: str = "0") -> list[subprocess.Popen]:
+def start_nodes(port: int, speeds: list[float], loss: str = "0", spin_us: float = 0.0) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{port}",
                               "--name", f"n{i}", "--key", SECRET, "--speed", str(speed), "--loss", loss,
-                              "--loss-seed", str(i)], stderr=subprocess.DEVNULL)
+                              "--loss-seed", str(i), "--spin-us", str(spin_us)], stderr=subprocess.DEVNULL)
             for i, speed in enumerate(speeds)]
 
 
@@ -56,7 +56,7 @@ def cluster(model: Model, speeds: list[float], *, loss: str = "0", **settings: o
     # more than it computes, which depends on the RTT measured on a busy machine).
     config = MasterConfig(strategy="minmax", host="127.0.0.1", max_len=256, **settings)
     master = Master(model, KEY, config, loss=parse_loss(loss, seed=99))
-    nodes = start_nodes(master.port, speeds, loss)
+    nodes = start_nodes(master.port, speeds, loss, config.spin_us)
     try:
         master.wait_for_nodes(len(speeds), timeout_s=120)
         master.replan()
@@ -87,6 +87,18 @@ def test_lossless_udp_and_tcp_equal_the_reference(model: Model, reference_tokens
         assert master.stats.blocks_incomplete == 0 and master.stats.partials_rebuilt == 0
         if len(set(speeds)) > 1:
             assert len(set(shares)) > 1  # uneven speeds gave uneven shares
+
+
+@pytest.mark.slow
+def test_spinning_master_and_node_equal_the_reference(model: Model, reference_tokens: list[int]) -> None:
+    """--spin-us: the master and the node poll their sockets between packets; tokens as the reference's, and the
+    node's heartbeats still arrive while it spins (it answers fresh_reports)."""
+    prompt = model.tokenizer.encode(PROMPT)
+    for master, _ in cluster(model, [1e9], timeout_ms=2000, spin_us=3000):
+        beats = master.nodes[0].heartbeats
+        assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
+        assert master.fresh_reports()[0].heartbeats > beats
+        assert master.stats.blocks_incomplete == 0
 
 
 @pytest.mark.slow

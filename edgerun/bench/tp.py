@@ -119,6 +119,7 @@ class TpBenchConfig:
     threads: int = 1  # BLAS threads of the master and of each node: all share one machine
     group_size: int = 256  # MLP neuron-group size
     parity_always: bool = False  # parity on clean links too (else once a link loses a packet)
+    spin_us: float = 0.0  # master and nodes poll their UDP socket this long before sleeping
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -136,7 +137,8 @@ LOSS_AT = ("process", "kernel", "testbed")
 
 def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[str]:
     argv = [sys.executable, "-m", "edgerun.cli", "node", "--master", master, "--name", f"bench-{i}", "--key",
-            SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", str(config.threads)]
+            SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", str(config.threads),
+            "--spin-us", str(config.spin_us)]
     if config.model_path is not None:
         argv += ["--model", str(config.model_path)]
     if config.node_speeds:
@@ -156,7 +158,8 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
             strategy=config.plan, host=address, codec=Codec[config.codec.upper()], timeout_ms=config.timeout_ms,
             max_len=CONTEXT, rto_min_ms=config.rto_min_ms, timeout_deviations=config.timeout_deviations,
             parity=config.parity, parity_always=config.parity_always, mapping=config.mapping,
-            overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads)
+            overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads,
+            spin_us=config.spin_us)
         master = Master(model, derive_key(SECRET), master_config, loss=parse_loss(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []

@@ -48,6 +48,7 @@ class MasterConfig:
     # load has nodes predict the next layer's ranking themselves and gather their units' weights meanwhile.
     overlap: tuple[str, ...] = OVERLAPS
     threads: int = 1  # onnxruntime threads of the master's own share
+    spin_us: float = 0.0  # how long the master polls for partials without sleeping (DatagramSocket.spin_s)
 
     def __post_init__(self) -> None:
         unknown = set(self.overlap) - set(OVERLAPS)
@@ -59,5 +60,7 @@ class MasterConfig:
             raise EdgerunError(f"unknown transport {self.transport!r} (udp or tcp)")
         if self.mapping not in MAPPINGS:
             raise EdgerunError(f"unknown mapping {self.mapping!r} ({', '.join(MAPPINGS)})")
+        if self.spin_us < 0:
+            raise EdgerunError(f"spin must be 0 or more microseconds, not {self.spin_us}")
         if self.threads < 1 or self.max_len < 1:
             raise EdgerunError("threads and max_len must be at least 1")

@@ -56,7 +56,8 @@ class Master:
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on self.datagrams
         self.counters = Counters()
         self.net = EventLoopThread()
-        self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, self._redundant)
+        self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, self._redundant,
+                                        config.spin_us / 1e6)
         self.udp_port = self.datagrams.port
         self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log)
         self.membership = Membership(key, Welcome(self.model_sha256, self.model_server.port, self.udp_port),
@@ -78,6 +79,7 @@ class Master:
         self.unit_order = unit_order_for(self.model, self.model_sha256, config.mapping, self.predictors,
                                          config.group_size)
         self.exchange.configure(config)
+        self.datagrams.spin_s = config.spin_us / 1e6
         self.config = config
 
     async def _listen(self, host: str, port: int) -> asyncio.Server:

@@ -160,9 +160,10 @@ class Prefetcher:
 
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
-                 speed: float, loss: LossModel | None = None, log=print, threads: int = 1) -> None:
+                 speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0) -> None:
         self.master = master
         self.threads = threads  # onnxruntime threads of the share
+        self.spin_s = spin_s  # how long to poll for the next input without sleeping (DatagramSocket.spin_s)
         self.model = model
         self.key = key
         self.name = name
@@ -213,7 +214,9 @@ class Node:
     async def _join(self) -> Welcome:
         reader, writer = await asyncio.open_connection(*self.master)
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
-        self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self._redundant)
+        self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self._redundant,
+                                        self.spin_s)
+        self.datagrams.watch = [self.channel.fileno()]  # a control message ends a spin
         self.datagrams.attach(asyncio.get_running_loop())
         self.channel.send(Register(self.name, self.budget_mb, self.speed, self.datagrams.port,
                                    path_datagram_bytes(self.master[0], self.master[1])))
@@ -466,12 +469,12 @@ class Node:
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
-             speed: float, loss: LossModel | None, threads: int = 1) -> None:
+             speed: float, loss: LossModel | None, threads: int = 1, spin_s: float = 0.0) -> None:
     try:
         model = load_model(model_path)
     except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
         print(f"{e}; will fetch the master's model", file=sys.stderr)
         model = None
     node = Node(master, model, key, name, budget_mb, speed, loss,
-                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads)
+                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads, spin_s=spin_s)
     node.run()
