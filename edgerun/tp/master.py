@@ -64,7 +64,6 @@ class Master:
                                      self.net, self.udp, self.counters, self._node_message,
                                      self.exchange.on_node_lost, log)
         self.reconfigure(config)
-        self.session = 0
         self.position = 0
         self.shard: QuantShard | Shard | None = None
         self.plan: TPPlan | None = None
@@ -151,12 +150,12 @@ class Master:
                                f"{', '.join(o.name for o in plan.oom_devices)}")
         # Nodes can only gather their next units' weights ahead when the predictors read one layer ahead.
         prefetch = self.config.mapping == "dynamic" and "load" in self.config.overlap and self.predictors.ahead
-        self.session += 1
-        d = deploy(self.model.config, plan, self.config, self.unit_order, self.session, self.udp_port,
+        session = self.exchange.session + 1
+        d = deploy(self.model.config, plan, self.config, self.unit_order, session, self.udp_port,
                    [NodeLink(n.datagram_bytes, n.lossy or (n.link is not None and n.link.loss_rate > 0))
                     for n in alive], self.predictors.to_bytes() if prefetch else b"")
         self.plan, self.own_priorities = plan, d.own_priorities
-        self.net.call(lambda: self.exchange.new_session(self.session, d.routes))
+        self.net.call(lambda: self.exchange.new_session(session, d.routes))
         self.shard = None  # the old share goes before the new one is built
         for node, assign in zip(alive, d.assignments, strict=True):
             node.index, node.spec, node.priorities, node.parity = \
@@ -190,12 +189,11 @@ class Master:
 
     # --- generation (on the loop thread) ------------------------------------------------------------
     def _reset(self) -> None:
-        self.session += 1
-        self.exchange.new_session(self.session)
+        self.exchange.new_session(self.exchange.session + 1)
         self.shard.truncate(0)
         for node in self.membership.alive():
             with contextlib.suppress(OSError, ConnectionError):
-                node.channel.send(Reset(self.session))
+                node.channel.send(Reset(self.exchange.session))
         self.position = 0
 
     def _participants(self, layer: int, block: Block) -> list[NodeConn]:
@@ -224,8 +222,9 @@ class Master:
         if ranking is not None:
             kind = 0 if block == Block.ATTN else 1
             own_units = tuple(ranking[p] for p in self.own_priorities[kind][layer])
-            self.assignments[(self.session, start, layer, int(block))] = Assignment(ranking, {"master": own_units} | {
-                n.name: tuple(ranking[p] for p in n.priorities[kind][layer]) for n in nodes})
+            handed = {"master": own_units} | {n.name: tuple(ranking[p] for p in n.priorities[kind][layer])
+                                              for n in nodes}
+            self.assignments[(self.exchange.session, start, layer, int(block))] = Assignment(ranking, handed)
 
         def own_share() -> np.ndarray:
             if block == Block.ATTN:
