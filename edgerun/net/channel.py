@@ -231,7 +231,7 @@ class DatagramSocket:
         self.port = self.sock.getsockname()[1]
         self.key, self.counters, self.on_packet, self.redundant = key, counters, on_packet, redundant
         self.spin_s = spin_s
-        self.watch: list[int] = []  # descriptors that end a spin of the loop's reader when readable
+        self._watched = select.poll()  # descriptors that end a spin of the loop's reader (watch_streams)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -239,12 +239,16 @@ class DatagramSocket:
         self.loop = loop
         loop.add_reader(self.sock.fileno(), self.read_all)
 
+    def watch_streams(self, fds: list[int]) -> None:
+        """The descriptors (TCP streams the loop reads) whose data ends a spin of the loop's reader."""
+        self._watched = self._poller(fds, udp=False)
+
     def read_all(self) -> None:
         """Hand every datagram waiting on the socket to the callback (and with spin_s, those that come soon)."""
         self._read_available()
         if self.spin_s > 0:
             started = time.perf_counter()
-            self._spin(lambda: False, lambda: started + self.MAX_SPIN_S, self._poller(self.watch, udp=False))
+            self._spin(lambda: False, lambda: started + self.MAX_SPIN_S, self._watched)
 
     def _read_available(self) -> int:
         """Hand every datagram waiting now to the callback; how many were read."""

@@ -216,7 +216,7 @@ class Node:
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
         self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self._redundant,
                                         self.spin_s)
-        self.datagrams.watch = [self.channel.fileno()]  # a control message ends a spin
+        self.datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
         self.datagrams.attach(asyncio.get_running_loop())
         self.channel.send(Register(self.name, self.budget_mb, self.speed, self.datagrams.port,
                                    path_datagram_bytes(self.master[0], self.master[1])))
