@@ -199,10 +199,10 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     syncs_per_token = blocks / n
     overhead = (elapsed / n - max(compute, node_compute)) / max(syncs_per_token, 1)
     biggest = max(reports, key=lambda r: r.weight_bytes, default=None)
-    fixed = master.exchange.timeouts.fixed_s
+    timeout_ms = master.config.timeout_ms
     return TpResult(
         nodes=nodes, transport=master.config.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
-        timeout="adaptive" if fixed is None else f"{fixed * 1e3:g} ms", parity=master.config.parity,
+        timeout="adaptive" if timeout_ms is None else f"{timeout_ms:g} ms", parity=master.config.parity,
         plan=master.config.strategy, mapping=master.config.mapping, group_size=master.config.group_size,
         overlap="+".join(sorted(master.config.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
