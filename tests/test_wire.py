@@ -19,8 +19,10 @@ from edgerun.net.wire import (
     MAC_SIZE,
     MAGIC,
     MAX_FRAME,
+    NONCE_SIZE,
     Q8_BLOCK,
     Q8_BLOCK_BYTES,
+    TRAILER,
     VERSION,
     Added,
     Block,
@@ -29,7 +31,7 @@ from edgerun.net.wire import (
     MsgType,
     Reassembly,
     WireError,
-    cluster_mac,
+    authenticate,
     control_frame,
     decode_vector,
     derive_key,
@@ -46,7 +48,7 @@ from edgerun.net.wire import (
 
 KEY = derive_key("test cluster secret")
 OTHER_KEY = derive_key("another cluster")
-OVERHEAD = HEADER.size + MAC_SIZE
+OVERHEAD = HEADER.size + TRAILER
 BYTES_PER_ELEMENT = {Codec.F32: 4, Codec.F16: 2}
 
 # The header fields in struct order, with the struct code of each.
@@ -66,8 +68,7 @@ def raw_fields(header: Header, payload: bytes) -> dict[str, object]:
 
 def pack_sealed(fields: dict[str, object], payload: bytes, key: bytes = KEY) -> bytes:
     """A packet built field by field, bypassing Header, with a MAC that passes under `key`."""
-    body = HEADER.pack(*(fields[f] for f in FIELDS)) + payload
-    return body + cluster_mac(key, body)
+    return authenticate(HEADER.pack(*(fields[f] for f in FIELDS)) + payload, key)
 
 
 def sample_header(**changes: object) -> Header:
@@ -86,7 +87,7 @@ def test_seal_open_round_trip(mtype: MsgType) -> None:
     # seal writes the real payload length whatever the header says.
     header = sample_header(type=mtype, length=12)
     packet = seal(header, payload, KEY)
-    assert len(packet) == HEADER.size + len(payload) + MAC_SIZE
+    assert len(packet) == HEADER.size + len(payload) + TRAILER
     got, body = open_packet(packet, KEY)
     assert got == header._replace(length=len(payload))
     assert body == payload
@@ -728,3 +729,30 @@ def test_fuzz_receive_path() -> None:
         assert by_stage["rejected: Reassembly.add"] > 0
         assert by_stage["accepted"] > 0
         assert outcomes["resealed", "rejected: open_packet"] > 0
+
+
+def test_every_packet_has_a_nonce_of_its_own_and_a_changed_nonce_is_refused() -> None:
+    header = sample_header(type=MsgType.PARTIAL)
+    first, second = seal(header, b"same payload", KEY), seal(header, b"same payload", KEY)
+    assert first[-TRAILER:-MAC_SIZE] != second[-TRAILER:-MAC_SIZE]
+    assert open_packet(first, KEY)[1] == open_packet(second, KEY)[1] == b"same payload"
+    damaged = bytearray(first)
+    damaged[-TRAILER] ^= 1
+    with pytest.raises(WireError, match="bad MAC"):
+        open_packet(bytes(damaged), KEY)
+
+
+def test_a_forked_child_does_not_repeat_its_parents_nonces() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next nonces, to the parent
+        os.write(write, b"".join(seal(sample_header(), b"", KEY)[-TRAILER:-MAC_SIZE] for _ in range(100)))
+        os._exit(0)
+    os.close(write)
+    ours = {seal(sample_header(), b"", KEY)[-TRAILER:-MAC_SIZE] for _ in range(100)}
+    received = b""
+    while chunk := os.read(read, 4096):
+        received += chunk
+    os.waitpid(pid, 0)
+    theirs = {received[i:i + NONCE_SIZE] for i in range(0, len(received), NONCE_SIZE)}
+    assert len(theirs) == 100 and not ours & theirs

@@ -209,8 +209,7 @@ class AsyncChannel:
 class DatagramSocket:
     """A UDP socket whose authentic datagrams go to a callback: read by the event loop while the loop is idle,
     and straight off the socket by the loop's own thread while it waits on a block (`drain`), with no event-loop
-    round per packet. `redundant(data)` may drop a datagram before its MAC is checked (a copy of a vector
-    already whole: dropping a packet is safe whoever sent it).
+    round per packet.
 
     With `spin_s` > 0 a reader that runs out of datagrams keeps polling the socket, without sleeping, for that
     long before it blocks: on virtualized machines a sleeping thread takes a few hundred microseconds to wake
@@ -222,14 +221,13 @@ class DatagramSocket:
     MAX_SPIN_S = 0.05
 
     def __init__(self, host: str, key: bytes, counters: Counters,
-                 on_packet: Callable[[Header, bytes, tuple[str, int]], None],
-                 redundant: Callable[[bytes], bool] = lambda _: False, spin_s: float = 0.0) -> None:
+                 on_packet: Callable[[Header, bytes, tuple[str, int]], None], spin_s: float = 0.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.bind((host, 0))
         self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
-        self.key, self.counters, self.on_packet, self.redundant = key, counters, on_packet, redundant
+        self.key, self.counters, self.on_packet = key, counters, on_packet
         self.spin_s = spin_s
         self._watched = select.poll()  # descriptors that end a spin of the loop's reader (watch_streams)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -261,8 +259,6 @@ class DatagramSocket:
             except OSError:  # e.g. an ICMP error from an earlier send to a node that left
                 continue
             n += 1
-            if self.redundant(data):
-                continue
             try:
                 header, payload = open_packet(data, self.key)
             except WireError as e:

@@ -29,7 +29,7 @@ from edgerun.net.wire import (
     WireError,
     fragment,
     is_parity,
-    peek_block,
+    whole_vector,
 )
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import vocab_rows
@@ -63,12 +63,14 @@ class StepStats:
 
 @dataclass
 class _Wait:
-    """The block the master is merging: what each participant's reply is collected in (a reassembly
-    for datagrams, None until a TCP reply lands), and a future resolved when all are in, a node is
-    lost, or the deadline passes. The deadline moves earlier when the first partial arrives."""
+    """The block the master is merging: each participant's reply (None until something of it lands; the vector
+    when it came whole, in one datagram or over TCP; a reassembly when it comes in several datagrams), and a
+    future resolved when all are in, a node is lost, or the deadline passes. The deadline moves earlier when
+    the first partial arrives."""
 
     key: tuple[int, int, int, int]
     parts: dict[int, Reassembly | np.ndarray | None]
+    sizes: dict[int, int]  # elements of each participant's reply
     future: asyncio.Future
     sent: float
     outstanding: int
@@ -77,6 +79,7 @@ class _Wait:
     deadline: float | None = None  # perf_counter time; None: wait for every reply
     timer: asyncio.TimerHandle | None = None
     timed: bool = False  # awaited on the event loop, with a timer for the deadline (else drained on the spot)
+    from_parity: int = 0  # one-datagram partials whose data was lost and whose parity copy came
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
     nodes: dict[int, NodeConn] = field(default_factory=dict)  # the participants by index
 
@@ -161,9 +164,9 @@ class BlockExchange:
         for node in self.pending_fetch.pop(key, []):
             self.send_input(node, key, data, ranking)
         sent = time.perf_counter()
-        w = self.wait = _Wait(key, {n.index: Reassembly(self._reply_size(n, block, seq), n.datagram_bytes)
-                                    if over_udp else None for n in nodes}, loop.create_future(), sent, len(nodes), seq,
-                                nodes={n.index: n for n in nodes})
+        w = self.wait = _Wait(key, dict.fromkeys(n.index for n in nodes),
+                              {n.index: self._reply_size(n, block, seq) for n in nodes}, loop.create_future(), sent,
+                              len(nodes), seq, nodes={n.index: n for n in nodes})
         if mirror:
             self.mirrors[key] = w
         if reliable:
@@ -248,7 +251,8 @@ class BlockExchange:
                 if node.index not in w.arrived:
                     self.saw_loss(node)
             self.stats.incomplete_wait_s += ended - wait_start
-        self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values())
+        self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values()) + \
+            w.from_parity
         if not reliable and w.arrived:
             first = w.first()
             for node in nodes:
@@ -287,7 +291,7 @@ class BlockExchange:
         key = (message.session, message.position, message.layer, int(message.block))
         w = self.wait
         if w is not None and key == w.key and node.index in w.parts and node.index not in w.arrived:
-            if len(message.vector) != 4 * self._reply_size(node, message.block, w.tokens):
+            if len(message.vector) != 4 * w.sizes[node.index]:
                 self.counters.reject("misfit")
                 return
             w.parts[node.index] = np.frombuffer(message.vector, "<f4").astype(np.float32)
@@ -299,9 +303,18 @@ class BlockExchange:
         """A partial's datagram."""
         w = self.wait
         key = (header.session, header.position, header.layer, header.block)
-        target = None if w is None or key != w.key else w.parts.get(header.node)
-        if isinstance(target, Reassembly) and header.node not in w.arrived:
-            if add_fragment(target, header, payload, self.counters):
+        if w is not None and key == w.key and header.node in w.parts and header.node not in w.arrived:
+            target = w.parts[header.node]
+            if target is None:
+                # The lean path: a partial in one datagram (most are) is a view of it, with no reassembly.
+                vector = whole_vector(header, payload, w.sizes[header.node])
+                if vector is not None:
+                    w.parts[header.node] = vector
+                    w.from_parity += is_parity(header)
+                    w.arrive(header.node)
+                    return
+                target = w.parts[header.node] = Reassembly(w.sizes[header.node], w.nodes[header.node].datagram_bytes)
+            if isinstance(target, Reassembly) and add_fragment(target, header, payload, self.counters):
                 w.arrive(header.node)
             return
         if self._mirror_copy(key, header.node):
@@ -313,15 +326,6 @@ class BlockExchange:
     def on_node_lost(self, node: NodeConn) -> None:
         if self.wait is not None and node.index in self.wait.parts:
             self.wait.finish()  # the block's coroutine sees the loss and replans
-
-    def redundant(self, data: bytes) -> bool:
-        """A datagram of a partial already whole in the block being merged or the one merged last (a parity copy
-        after its data): nothing to learn from it, so it is dropped before its MAC is checked."""
-        peeked = peek_block(data)
-        if peeked is None:
-            return False
-        key, node = peeked[:4], peeked[4]
-        return any(w is not None and w.key == key and node in w.arrived for w in (self.wait, self.merged))
 
     def saw_loss(self, node: NodeConn) -> None:
         """A packet on this node's link went missing (or came too late to count): parity both ways from now on."""
@@ -347,9 +351,17 @@ class BlockExchange:
         """A partial of the block just merged that completes late still teaches its node's lag, so the
         estimate is not made only of partials that beat the deadline (which would shrink it)."""
         w = self.merged
-        target = None if w is None or key != w.key or not w.arrived else w.parts.get(header.node)
-        if not isinstance(target, Reassembly) or header.node in w.arrived:
+        if w is None or key != w.key or not w.arrived or header.node not in w.parts or header.node in w.arrived:
             return
-        with contextlib.suppress(WireError):
-            if target.add(header, payload) is Added.COMPLETED:
-                w.nodes[header.node].lag.observe(time.perf_counter() - w.sent - w.first())
+        target = w.parts[header.node]
+        if target is None and whole_vector(header, payload, w.sizes[header.node]) is not None:
+            completed = True
+        else:
+            if target is None:
+                target = w.parts[header.node] = Reassembly(w.sizes[header.node], w.nodes[header.node].datagram_bytes)
+            completed = False
+            with contextlib.suppress(WireError):
+                completed = isinstance(target, Reassembly) and target.add(header, payload) is Added.COMPLETED
+        if completed:
+            w.arrived[header.node] = time.perf_counter() - w.sent  # counted once
+            w.nodes[header.node].lag.observe(w.arrived[header.node] - w.first())

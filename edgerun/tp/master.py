@@ -56,8 +56,7 @@ class Master:
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on self.datagrams
         self.counters = Counters()
         self.net = EventLoopThread()
-        self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, self._redundant,
-                                        config.spin_us / 1e6)
+        self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, config.spin_us / 1e6)
         self.udp_port = self.datagrams.port
         self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log)
         self.membership = Membership(key, Welcome(self.model_sha256, self.model_server.port, self.udp_port),
@@ -110,9 +109,6 @@ class Master:
             self.exchange.on_datagram(header, payload)
         else:
             self.counters.reject("unexpected")
-
-    def _redundant(self, data: bytes) -> bool:
-        return self.exchange.redundant(data)
 
     def wait_for_nodes(self, n: int, timeout_s: float = 600.0) -> None:
         self.membership.wait_for_nodes(n, timeout_s)

@@ -49,8 +49,8 @@ from edgerun.net.wire import (
     Reassembly,
     WireError,
     fragment,
-    peek_block,
     seal,
+    whole_vector,
 )
 from edgerun.profile.memory import peak_rss_mb
 from edgerun.sap.predictor import PredictorSet
@@ -100,16 +100,19 @@ def valid_ranking(ranking: bytes | list | tuple | None, units: int) -> tuple[int
 
 @dataclass
 class _Input:
-    reassembly: Reassembly
+    total: int  # elements of the vector
+    prefix: int  # bytes of unit ranking before each datagram's elements
+    reassembly: Reassembly | None = None  # made for a vector that comes in several datagrams
     fetched: bool = False
-    full: np.ndarray | None = None  # set when it came whole over TCP
-    ranking: tuple[int, ...] | None = None  # dynamic mapping: the unit at each priority index, if it came over TCP
+    full: np.ndarray | None = None  # set when it came whole (over TCP, or in one datagram)
+    ranking: tuple[int, ...] | None = None  # dynamic mapping: the unit at each priority index, if it came whole
     done: bool = False  # a stateless block computed already (its other copy may still come)
 
     def value(self) -> np.ndarray | None:
         if self.full is not None:
             return self.full
-        return self.reassembly.vector if self.reassembly.complete else None
+        r = self.reassembly
+        return r.vector if r is not None and r.complete else None
 
 
 class Prefetcher:
@@ -214,8 +217,7 @@ class Node:
     async def _join(self) -> Welcome:
         reader, writer = await asyncio.open_connection(*self.master)
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
-        self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self._redundant,
-                                        self.spin_s)
+        self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s)
         self.datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
         self.datagrams.attach(asyncio.get_running_loop())
         self.channel.send(Register(self.name, self.budget_mb, self.speed, self.datagrams.port,
@@ -335,7 +337,7 @@ class Node:
         if entry is None and header.block != Block.ATTN and header.position < self.latest_seen[0]:
             return None  # a stateless block of a step the master has left (a late TCP copy): nothing to do
         if entry is None:
-            entry = self.inputs[key] = _Input(Reassembly(total, self.datagram_bytes, prefix=self._prefix(header.block)))
+            entry = self.inputs[key] = _Input(total, self._prefix(header.block))
         order = self._order(header.position, header.layer, header.block)
         if order > self.latest_seen:
             new_step = order[0] > self.latest_seen[0]
@@ -344,18 +346,6 @@ class Node:
             if new_step:
                 self._drop_stale_inputs()
         return entry
-
-    def _redundant(self, data: bytes) -> bool:
-        """A datagram of an input already whole (a parity copy after its data): dropped before its MAC check."""
-        peeked = peek_block(data)
-        if peeked is None:
-            return False
-        session, position, layer, block, _ = peeked
-        if session == self.session and block == Block.ATTN and self.shard is not None and \
-                layer < len(self.shard.lengths) and position < self.shard.lengths[layer]:
-            return True  # cached already
-        entry = self.inputs.get(peeked[:4])
-        return entry is not None and (entry.done or entry.value() is not None)
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
         if header.type == MsgType.PROBE:
@@ -370,6 +360,18 @@ class Node:
         if entry is None:
             self.counters.reject("stale")
             return
+        if entry.value() is not None:  # a copy of what is whole already (parity, a mirrored block's other copy)
+            return
+        if entry.reassembly is None:
+            # The lean path: a vector in one datagram (most are) is decoded straight from it.
+            vector = whole_vector(header, payload, entry.total, entry.prefix)
+            if vector is not None:
+                entry.full = vector
+                entry.ranking = valid_ranking(payload[:entry.prefix], self._units(Block(header.block))) \
+                    if entry.prefix else None
+                self._take(header.position, header.layer, Block(header.block), entry)
+                return
+            entry.reassembly = Reassembly(entry.total, self.datagram_bytes, prefix=entry.prefix)
         if add_fragment(entry.reassembly, header, payload, self.counters):
             self._take(header.position, header.layer, Block(header.block), entry)
 
@@ -408,7 +410,7 @@ class Node:
             key = (self.session, position, layer, int(Block.ATTN))
             entry = self.inputs.get(key)
             if entry is None:
-                entry = self.inputs[key] = _Input(Reassembly(1))
+                entry = self.inputs[key] = _Input(self.model.config.hidden, self._prefix(Block.ATTN))
             if entry.fetched or entry.value() is not None:
                 continue
             entry.fetched = True
@@ -424,7 +426,7 @@ class Node:
     def _ranking(self, entry: _Input, block: Block) -> tuple[int, ...] | None:
         if self.priorities is None or block == Block.HEAD:
             return None
-        if entry.ranking is not None:
+        if entry.ranking is not None or entry.reassembly is None:
             return entry.ranking
         return valid_ranking(entry.reassembly.prefix_bytes, self._units(block))
 
