@@ -13,7 +13,7 @@ import pytest
 
 from edgerun.model.config import ModelConfig
 from edgerun.model.quant import AffineBlocks, quantize, slice_affine
-from edgerun.model.reference import DenseLayer, KVCache, ReferenceModel, n_groups, rms_norm
+from edgerun.model.reference import DenseLayer, KVCache, ReferenceModel, n_groups, rms_norm, rms_norm_fast
 from edgerun.model.synth import SynthSpec, custom_shape, synth_weights
 from edgerun.model.weights import ModelWeights
 from edgerun.tp.shard import QuantShard, Shard, ShardSpec, dequantize_columns, full_spec, split_spec
@@ -394,3 +394,13 @@ def test_release_mapped_file_lets_go_of_its_pages(tmp_path) -> None:
     release_mapped_files([path])
     assert file_rss_kb() < touched - 48 * 1024, (touched, file_rss_kb())
     assert np.array_equal(mapped[::4096], data[::4096])
+
+
+def test_the_masters_fast_norm_equals_the_reference_norm_to_an_ulp() -> None:
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal(576).astype(np.float32)
+    for rows in (1, 5):
+        x = (rng.standard_normal((rows, 576)) * 40).astype(np.float32)
+        fast, reference = rms_norm_fast(x, weight, 1e-5), rms_norm(x, weight, 1e-5)
+        assert fast.dtype == np.float32 and fast.shape == reference.shape
+        np.testing.assert_allclose(fast, reference, rtol=2e-6, atol=1e-6)

@@ -78,6 +78,7 @@ class TpResult:
     node_kv_mb: float  # that node's KV cache
     node_peak_rss_mb: float  # the largest peak resident memory of any node process
     devices_used: int  # devices the plan gave units to, the master included (a planner may leave some out)
+    rebalanced: bool  # the plan measured was made with the devices' measured speeds, after a warm-up
     single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
     speedup: float | None = None  # single_ms_per_token / ms_per_token
 
@@ -120,6 +121,8 @@ class TpBenchConfig:
     group_size: int = 256  # MLP neuron-group size
     parity_always: bool = False  # parity on clean links too (else once a link loses a packet)
     spin_us: float = 0.0  # master and nodes poll their UDP socket this long before sleeping
+    rebalance: bool = True  # after a warm-up, replan with the speeds the devices showed (Master.rebalance)
+    pin: bool = False  # each process on CPUs of its own, where there are enough (as on separate devices)
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -146,6 +149,31 @@ def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[st
     return argv
 
 
+def _cpus(config: TpBenchConfig, nodes: int) -> list[set[int]]:
+    """--threads CPUs of its own for the master (this process, index 0) and for each node; none when not pinning
+    or too few: processes that share a core, or move between cores, slow each other down in ways separate
+    devices do not."""
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    t = config.threads
+    if not config.pin or len(available) < (nodes + 1) * t:
+        return []
+    return [set(available[k * t:(k + 1) * t]) for k in range(nodes + 1)]
+
+
+@contextlib.contextmanager
+def _pinned(cpus: set[int] | None) -> Iterator[None]:
+    """This thread, and the threads it starts, on these CPUs for the length of the context."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @contextlib.contextmanager
 def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                   bed: testbed.TestbedSpec | None = None) -> Iterator[Master]:
@@ -163,11 +191,15 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
         master = Master(model, derive_key(SECRET), master_config, loss=parse_loss(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
+        cpus = _cpus(config, nodes)
         try:
             for i in range(nodes):
                 argv = _node_argv(config, f"{address}:{master.port}", i, loss)
                 procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL) if bed is None else
                              testbed.popen(bed, i + 1, argv, stderr=subprocess.DEVNULL))
+                if cpus:  # set at once: the threads the node starts later inherit it
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(procs[-1].pid, cpus[i + 1])
             master.wait_for_nodes(nodes, timeout_s=300)
             yield master
         finally:
@@ -177,8 +209,16 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                 p.wait()
 
 
+def _rebalance(master: Master, model: Model) -> bool:
+    """Warm up on the plan made with the declared speeds, then replan with those the devices showed, as
+    `edgerun master` does; True if the plan changed."""
+    master.generate(model.tokenizer.encode(BENCH_PROMPT), WARMUP_TOKENS * 2, Sampler(SamplingParams()))
+    master.fresh_reports()  # the nodes' measurements of those steps
+    return master.rebalance()
+
+
 def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, loss: str,
-             kernel_counters: Callable[[], tuple[int, int]]) -> TpResult:
+             kernel_counters: Callable[[], tuple[int, int]], rebalanced: bool) -> TpResult:
     prompt = model.tokenizer.encode(BENCH_PROMPT)
     greedy = Sampler(SamplingParams())
     master.generate(prompt, WARMUP_TOKENS, greedy)
@@ -220,7 +260,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / 1e6,
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / 1e6,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
-        devices_used=sum(m > 0 for m in master.plan.memory_bytes))
+        devices_used=sum(m > 0 for m in master.plan.memory_bytes), rebalanced=rebalanced)
 
 
 def single_baseline(model: Model, config: TpBenchConfig) -> float:
@@ -253,9 +293,10 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
         raise EdgerunError("a testbed needs at least one node (the master alone has no links)")
     model = load_model(config.model_path)
     results = []
+    cpus = _cpus(config, max(node_counts))
     # The master in this process is held to the nodes' BLAS threads: with a thread per core in every process
-    # of one machine, they would slow each other down.
-    with threadpool_limits(config.threads):
+    # of one machine, they would slow each other down. Pinned, the master and the single engine share CPU 0.
+    with threadpool_limits(config.threads), _pinned(cpus[0] if cpus else None):
         single = None
         if baseline:
             progress(f"single-process onnx engine, {config.threads} thread(s)")
@@ -280,8 +321,9 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                     progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
                     master.reconfigure(replace(master.config, strategy=plan, transport=transport))
                     master.replan()  # before the loss: assignments and link probes travel clean
+                    rebalanced = config.rebalance and nodes > 0 and _rebalance(master, model)
                     with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
-                        results.append(_measure(master, model, config, nodes, loss, counters))
+                        results.append(_measure(master, model, config, nodes, loss, counters, rebalanced))
     return results
 
 

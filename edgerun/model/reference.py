@@ -22,6 +22,14 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
+def rms_norm_fast(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm in a third of the time for one row (a decode step, on a tensor-parallel master's per-block path):
+    one dot product and one multiply instead of five array operations. It rounds differently, by about one ulp."""
+    if x.shape[0] != 1:
+        return rms_norm(x, weight, eps)
+    return x * (weight * np.float32(1.0 / np.sqrt(float(np.dot(x[0], x[0])) / x.shape[1] + eps)))
+
+
 def rope_tables(head_dim: int, base: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin, (len(positions), head_dim/2), for rotate-half RoPE."""
     inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)

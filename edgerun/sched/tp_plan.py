@@ -646,6 +646,13 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
     return best
 
 
+def plan_counts(plan: TPPlan) -> UnitCounts:
+    """How many units of each type a plan gives every device (what `objective` prices)."""
+    return UnitCounts(attn=tuple(tuple(len(units) for units in layer) for layer in plan.attn),
+                      mlp=tuple(tuple(len(units) for units in layer) for layer in plan.mlp),
+                      vocab=tuple(len(blocks) for blocks in plan.vocab))
+
+
 def _heuristic_counts(strategy: str, model: ModelProfile, devices: list[DeviceProfile]) -> UnitCounts:
     budgets = [d.budget_bytes for d in devices]
     speeds = [d.compute.weight_bytes_per_s for d in devices]

@@ -144,9 +144,11 @@ class BlockExchange:
         self.pending_fetch.clear()
 
     def forget_before(self, position: int) -> None:
-        """Let go of what was kept for positions before this one."""
-        self.recent_inputs = {k: v for k, v in self.recent_inputs.items() if k[1] >= position}
-        self.mirrors = {k: v for k, v in self.mirrors.items() if k[1] >= position}
+        """Let go of what was kept for positions before this one. Both are filled in the order of positions,
+        so what goes is at their front: this runs every step and touches only what it drops."""
+        for kept in (self.recent_inputs, self.mirrors):
+            while kept and (oldest := next(iter(kept)))[1] < position:
+                del kept[oldest]
 
     async def run(self, nodes: list[NodeConn], position: int, layer: int, block: Block, x: np.ndarray,
                   ranking: tuple[int, ...] | None, own_share: Callable[[], np.ndarray],

@@ -24,19 +24,19 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
-from edgerun.model.reference import rms_norm
+from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_sha256
 from edgerun.net.wire import Block, Header, MsgType
 from edgerun.sap.predictor import PredictorSet
-from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
-from edgerun.sched.tp_plan import TPPlan, plan_tp
+from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
+from edgerun.sched.tp_plan import TPPlan, objective, plan_counts, plan_tp
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
-from edgerun.tp.membership import Membership, NodeConn
+from edgerun.tp.membership import KernelRate, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
 from edgerun.tp.shard import QuantShard, Shard
@@ -69,6 +69,10 @@ class Master:
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
         # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
         self.assignments: dict[tuple[int, int, int, int], Assignment] = {}
+        # Devices' speeds as measured on their shares (weight bytes per second of one-token steps), by name: they
+        # replace the declared speeds in every later plan. The master's own steps on its current share:
+        self.measured: dict[str, float] = {}
+        self.own_decode_bytes, self.own_decode_s = 0, 0.0
         self.server = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
 
@@ -121,9 +125,48 @@ class Master:
 
     # --- planning (blocks on the nodes' replies: never on the loop thread) -------------------------
     def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
-        return DeviceProfile(name=name, kind="node", cores=1, compute=Compute(0.0, speed),
+        """A device as the planner sees it: at its measured speed once there is one, else at the declared `speed`."""
+        return DeviceProfile(name=name, kind="node", cores=1, compute=Compute(0.0, self.measured.get(name, speed)),
                              memory=Memory(budget_mb, budget_mb, budget_mb, 0.0),
                              link=link or Link(0.0, 10_000.0, 10_000.0, 0.0))
+
+    def _devices(self, alive: list[NodeConn]) -> list[DeviceProfile]:
+        return [self._device("master", self.config.budget_mb, self.config.speed)] + \
+               [self._device(n.name, n.budget_mb, n.speed, n.link) for n in alive]
+
+    def _profile(self) -> ModelProfile:
+        return model_profile(self.model.name, self.model.config, self.model.weights, context=self.config.max_len,
+                             group_size=self.config.group_size, vocab_block=self.config.vocab_block)
+
+    def take_measurements(self) -> dict[str, float]:
+        """Every device's speed measured on its current share where there is enough to say (see KernelRate),
+        kept for later plans; the speeds now known, by name."""
+        rates = {"master": KernelRate(self.own_decode_bytes, self.own_decode_s)} | \
+                {n.name: n.decode for n in self.membership.alive()}
+        self.measured |= {name: rate.speed for name, rate in rates.items() if rate.speed is not None}
+        return dict(self.measured)
+
+    def rebalance(self, min_gain: float = 0.05) -> bool:
+        """Replan with the devices' measured speeds when that plan is at least `min_gain` faster than the current
+        shares at the same speeds (a device slower or faster than declared, or than the profile said). True when
+        it replanned. Call between requests: the nodes load their new shares."""
+        self.take_measurements()
+        alive = self.membership.alive()
+        if self.plan is None or list(self.plan.devices) != ["master"] + [n.name for n in alive]:
+            return False  # no plan yet, or the members changed: the next replan takes the speeds anyway
+        devices, profile = self._devices(alive), self._profile()
+        now = objective(plan_counts(self.plan), devices, profile)
+        try:
+            better = plan_tp(profile, devices, self.config.strategy)
+        except ValueError:
+            return False
+        if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now:
+            return False
+        speeds = ", ".join(f"{d.name} {d.compute.weight_bytes_per_s / 1e9:.2f} GB/s" for d in devices)
+        self.log(f"measured speeds ({speeds}): replanning, {now * 1e3:.1f} -> {better.time_per_token_s * 1e3:.1f} "
+                 "ms/token predicted")
+        self.replan()
+        return True
 
     def replan(self) -> TPPlan:
         """Plan over the master and every live node, hand out shares, wait until all are loaded."""
@@ -133,10 +176,8 @@ class Master:
                 node.link = self.membership.measure_link(node)
                 self.log(f"node {node.name}: RTT {node.link.rtt_ms:.2f} ms, loss {node.link.loss_rate:.1%}, "
                          f"{node.link.up_mbit:.0f} Mbit/s")
-        devices = [self._device("master", self.config.budget_mb, self.config.speed)] + \
-                  [self._device(n.name, n.budget_mb, n.speed, n.link) for n in alive]
-        profile = model_profile(self.model.name, self.model.config, self.model.weights, context=self.config.max_len,
-                                group_size=self.config.group_size, vocab_block=self.config.vocab_block)
+        self.take_measurements()  # what the shares about to go showed
+        devices, profile = self._devices(alive), self._profile()
         try:
             plan = plan_tp(profile, devices, self.config.strategy)
         except ValueError as e:
@@ -151,6 +192,7 @@ class Master:
                    [NodeLink(n.datagram_bytes, n.lossy or (n.link is not None and n.link.loss_rate > 0))
                     for n in alive], self.predictors.to_bytes() if prefetch else b"")
         self.plan, self.own_priorities = plan, d.own_priorities
+        self.own_decode_bytes, self.own_decode_s = 0, 0.0
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
         self.shard = None  # the old share goes before the new one is built
         for node, assign in zip(alive, d.assignments, strict=True):
@@ -223,15 +265,19 @@ class Master:
             self.assignments[(self.exchange.session, start, layer, int(block))] = Assignment(ranking, handed)
 
         def own_share() -> np.ndarray:
+            started = time.perf_counter()
             if block == Block.ATTN:
-                return self.shard.attention(layer, x, start, units=own_units)
-            if block == Block.MLP:
-                return self.shard.mlp(layer, x, groups=own_units)
-            # The LM head: this device's vocabulary rows, computed while the nodes compute theirs.
-            logits = np.zeros(self.model.config.vocab_size, np.float32)
-            rows, own = self.shard.logits(x[-1:])
-            logits[rows] = own[-1]
-            return logits
+                out = self.shard.attention(layer, x, start, units=own_units)
+            elif block == Block.MLP:
+                out = self.shard.mlp(layer, x, groups=own_units)
+            else:  # the LM head: this device's vocabulary rows, computed while the nodes compute theirs
+                out = np.zeros(self.model.config.vocab_size, np.float32)
+                rows, own = self.shard.logits(x[-1:])
+                out[rows] = own[-1]
+            if x.shape[0] == 1:  # one-token steps measure the master's speed
+                self.own_decode_bytes += self.shard.block_bytes(layer, block)
+                self.own_decode_s += time.perf_counter() - started
+            return out
 
         return await self.exchange.run(nodes, start, layer, block, x, ranking, own_share, while_waiting)
 
@@ -253,11 +299,11 @@ class Master:
         for layer in range(c.n_layers):
             lw = weights.layers[layer]
             ranked, predicted = predicted, {}
-            attn_input = rms_norm(x, lw.attn_norm, c.norm_eps)
+            attn_input = rms_norm_fast(x, lw.attn_norm, c.norm_eps)
             features = previous_input if ahead else attn_input
             attn_ranking = ranked[Block.ATTN] if ranked else self._rank(layer, Block.ATTN, features)
             x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking)
-            mlp_input = rms_norm(x, lw.ffn_norm, c.norm_eps)
+            mlp_input = rms_norm_fast(x, lw.ffn_norm, c.norm_eps)
             features = previous_input if ahead else mlp_input
             mlp_ranking = ranked[Block.MLP] if ranked else self._rank(layer, Block.MLP, features)
 
@@ -272,7 +318,7 @@ class Master:
         oldest = self.position - KEPT_POSITIONS
         self.exchange.forget_before(oldest)
         self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
-        return await self._block(0, Block.HEAD, rms_norm(x[-1:], weights.output_norm, c.norm_eps), start)
+        return await self._block(0, Block.HEAD, rms_norm_fast(x[-1:], weights.output_norm, c.norm_eps), start)
 
     async def _generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler, stop_ids: frozenset[int],
                         on_token: Callable[[int], None] | None) -> list[int]:

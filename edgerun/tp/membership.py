@@ -36,6 +36,25 @@ NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
 BW_PROBE_BYTES = 2 * 1024 * 1024
 
 
+MIN_MEASURED_S = 0.2  # a device's speed is measured from at least this much kernel time (hundreds of blocks)
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    """Weight bytes a device's kernels streamed in one-token steps, and the seconds they took."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def speed(self) -> float | None:
+        """Bytes per second, once there is enough to say."""
+        return self.bytes / self.seconds if self.seconds >= MIN_MEASURED_S and self.bytes > 0 else None
+
+    def add(self, nbytes: int, seconds: float) -> KernelRate:
+        return KernelRate(self.bytes + nbytes, self.seconds + seconds)
+
+
 @dataclass
 class NodeConn:
     """What the master knows of one node: its connection, its share and its link, and what it reports."""
@@ -70,6 +89,7 @@ class NodeConn:
     compute_s: float = 0.0
     peak_rss_mb: float = 0.0
     heartbeats: int = 0
+    decode: KernelRate = field(default_factory=KernelRate)  # its one-token steps on its current share
 
     def reset_estimators(self) -> None:
         self.arrival, self.lag = ArrivalEstimator(), ArrivalEstimator()
@@ -144,9 +164,10 @@ class Membership:
             case Pong() | BandwidthReply():
                 node.pongs.append(time.perf_counter())
                 node.pong.set()
-            case Heartbeat(rejected, hits, misses, compute_s, rss_mb):
+            case Heartbeat(rejected, hits, misses, compute_s, rss_mb, decode_bytes, decode_s):
                 node.rejected, node.prefetched, node.compute_s, node.peak_rss_mb = \
                     rejected, (hits, misses), compute_s, rss_mb
+                node.decode = KernelRate(decode_bytes, decode_s)
                 node.heartbeats += 1
             case _:
                 self.on_message(node, message)

@@ -12,6 +12,7 @@ Which channel a block's input and partial take is data too: the assignment carri
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -99,6 +100,10 @@ class Heartbeat:
     prefetch_misses: int  # gathered for units the master's ranking did not give
     compute_s: float  # time in the share's kernels
     peak_rss_mb: float
+    # One-token steps since the share was assigned: the weight bytes their kernels streamed and the time they
+    # took. Their ratio is the device's measured speed, which replaces the declared one in later plans.
+    decode_bytes: int = 0
+    decode_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -247,8 +252,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A message class's field types (resolving them compiles their annotations: once per class)."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, data: dict, payload: bytes | None) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = dataclasses.fields(cls)
     known = {f.name for f in fields}
     if set(data) - known:

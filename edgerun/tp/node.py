@@ -192,6 +192,7 @@ class Node:
         self.priorities: Priorities | None = None
         self.prefetcher: Prefetcher | None = None  # dynamic mapping with the load overlap
         self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
+        self.decode_bytes, self.decode_s = 0, 0.0  # one-token steps on the current share: its measured speed
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
@@ -264,7 +265,8 @@ class Node:
             try:
                 p = self.prefetcher
                 self.channel.send(Heartbeat(self.counters.total(), 0 if p is None else p.hits,
-                                            0 if p is None else p.misses, self.compute_s, peak_rss_mb()))
+                                            0 if p is None else p.misses, self.compute_s, peak_rss_mb(),
+                                            self.decode_bytes, self.decode_s))
             except (OSError, ConnectionError):
                 return
 
@@ -280,6 +282,7 @@ class Node:
         if message.prefetch and self.priorities is not None and message.predictors:
             self.prefetcher = Prefetcher(shard, PredictorSet.from_bytes(message.predictors), self.priorities)
         self.master_udp_port = message.udp_port
+        self.decode_bytes, self.decode_s = 0, 0.0
         self.channel.set_rto_min(message.rto_min_ms)
         self._new_session(message.session)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
@@ -455,7 +458,11 @@ class Node:
                 if output else None
         else:
             _, out = self.shard.logits(x[-1:])
-        self.compute_s += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.compute_s += took
+        if x.shape[0] == 1 and out is not None:
+            self.decode_bytes += self.shard.block_bytes(layer, block)
+            self.decode_s += took
         if out is None:
             return
         seq = x.shape[0]

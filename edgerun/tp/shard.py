@@ -43,6 +43,7 @@ from edgerun.model.onnx_graph import (
 from edgerun.model.quant import dequantize_columns
 from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
 from edgerun.model.weights import LayerWeights, ModelWeights
+from edgerun.net.wire import Block
 from edgerun.profile.memory import release_mapped_files
 
 
@@ -288,6 +289,11 @@ class QuantShard(_ShareBase):
     def cache_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in (kv for kv in self.kv if kv is not None))
 
+    def block_bytes(self, layer: int, block: Block) -> int:
+        """Weight bytes one step of a block streams (0 where this device holds none of it)."""
+        held = self.attn[layer] if block == Block.ATTN else self.mlp_blocks[layer] if block == Block.MLP else self.head
+        return 0 if held is None else held.weight_bytes
+
     def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
                   units: Sequence[int] | None = None, weights: AttnWeights | None = None) -> np.ndarray | None:
         """Partial attention output (seq, hidden) for positions start..start+seq-1, after caching their keys
@@ -368,6 +374,14 @@ class Shard(_ShareBase):
     @property
     def cache_bytes(self) -> int:
         return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
+
+    def block_bytes(self, layer: int, block: Block) -> int:
+        """Weight bytes of a block held here (under dynamic mapping a step computes some of them: an upper bound)."""
+        if block == Block.ATTN:
+            return 0 if self.attn[layer] is None else self.attn[layer].weight_bytes()
+        if block == Block.MLP:
+            return 0 if self.mlp_parts[layer] is None else self.mlp_parts[layer].weight_bytes()
+        return self.output.nbytes
 
     def attention_weights(self, layer: int, units: Sequence[int] | None) -> AttnWeights:
         """The query and output weights of `units` (all held for None), gathered into arrays of their own:
