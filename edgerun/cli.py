@@ -446,8 +446,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
-                           parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
-                           pin=args.pin)
+                           parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
@@ -926,10 +925,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after a warm-up on the plan made with the declared speeds, replan with the speeds each "
                         "device's kernels showed when that is predicted at least 5%% faster, as `edgerun master` "
                         "does between prompts (default: on)")
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=False,
-                   help="give the master and each node --threads CPUs of their own where the machine has enough, "
-                        "as separate devices would have; on virtual machines a wake-up on another CPU can cost more "
-                        "than it saves (default: off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
 

@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from edgerun.sched.tp_plan import (
     minmax_threshold,
     objective,
     partition_counts,
+    plan_counts,
     plan_tp,
     plr_mapping,
     ratio_counts,
@@ -419,3 +421,17 @@ def test_halo_lands_within_five_percent_of_the_ilp_on_the_reference_cluster() ->
     assert ilp.ilp_status == "optimal" and halo.oom_devices == ()
     assert halo.time_per_token_s <= 1.05 * ilp.time_per_token_s
     assert halo.time_per_token_s < minmax.time_per_token_s
+
+
+@pytest.mark.parametrize("strategy", ["halo", "minmax", "greedy"])
+def test_a_plans_counts_priced_again_give_its_own_prediction(tiny: ModelProfile, strategy: str) -> None:
+    """plan_counts recovers what objective priced: how a master compares its current shares with a new plan
+    under measured speeds (Master.rebalance)."""
+    devices = tiny_devices(tiny)
+    plan = plan_tp(tiny, devices, strategy)
+    assert objective(plan_counts(plan), devices, tiny) == pytest.approx(plan.time_per_token_s)
+    # Under other speeds the same shares cost what the objective says, and a new plan is no worse.
+    slower = [replace(d, compute=replace(d.compute, weight_bytes_per_s=d.compute.weight_bytes_per_s / (i + 1)))
+              for i, d in enumerate(devices)]
+    replanned = plan_tp(tiny, slower, strategy)
+    assert replanned.time_per_token_s <= objective(plan_counts(plan), slower, tiny) * (1 + 1e-9)

@@ -122,7 +122,6 @@ class TpBenchConfig:
     parity_always: bool = False  # parity on clean links too (else once a link loses a packet)
     spin_us: float = 0.0  # master and nodes poll their UDP socket this long before sleeping
     rebalance: bool = True  # after a warm-up, replan with the speeds the devices showed (Master.rebalance)
-    pin: bool = False  # each process on CPUs of its own, where there are enough (as on separate devices)
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -149,31 +148,6 @@ def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[st
     return argv
 
 
-def _cpus(config: TpBenchConfig, nodes: int) -> list[set[int]]:
-    """--threads CPUs of its own for the master (this process, index 0) and for each node; none when not pinning
-    or too few: processes that share a core, or move between cores, slow each other down in ways separate
-    devices do not."""
-    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    t = config.threads
-    if not config.pin or len(available) < (nodes + 1) * t:
-        return []
-    return [set(available[k * t:(k + 1) * t]) for k in range(nodes + 1)]
-
-
-@contextlib.contextmanager
-def _pinned(cpus: set[int] | None) -> Iterator[None]:
-    """This thread, and the threads it starts, on these CPUs for the length of the context."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 @contextlib.contextmanager
 def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                   bed: testbed.TestbedSpec | None = None) -> Iterator[Master]:
@@ -191,15 +165,11 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
         master = Master(model, derive_key(SECRET), master_config, loss=parse_loss(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
-        cpus = _cpus(config, nodes)
         try:
             for i in range(nodes):
                 argv = _node_argv(config, f"{address}:{master.port}", i, loss)
                 procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL) if bed is None else
                              testbed.popen(bed, i + 1, argv, stderr=subprocess.DEVNULL))
-                if cpus:  # set at once: the threads the node starts later inherit it
-                    with contextlib.suppress(OSError):
-                        os.sched_setaffinity(procs[-1].pid, cpus[i + 1])
             master.wait_for_nodes(nodes, timeout_s=300)
             yield master
         finally:
@@ -293,10 +263,9 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
         raise EdgerunError("a testbed needs at least one node (the master alone has no links)")
     model = load_model(config.model_path)
     results = []
-    cpus = _cpus(config, max(node_counts))
     # The master in this process is held to the nodes' BLAS threads: with a thread per core in every process
-    # of one machine, they would slow each other down. Pinned, the master and the single engine share CPU 0.
-    with threadpool_limits(config.threads), _pinned(cpus[0] if cpus else None):
+    # of one machine, they would slow each other down.
+    with threadpool_limits(config.threads):
         single = None
         if baseline:
             progress(f"single-process onnx engine, {config.threads} thread(s)")
