@@ -686,10 +686,11 @@ def cmd_status(args: argparse.Namespace) -> None:
 
 
 def _overlap_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--overlap", default="pred,load",
-                   help="dynamic mapping's overlaps (HALO Fig. 5): pred (rank the next layer while partials "
-                        "travel), load (nodes gather the next layer's weights while computing), both, or none "
-                        "(default: pred,load)")
+    p.add_argument("--overlap", default="pred",
+                   help="dynamic mapping's overlap (HALO Fig. 5): pred (rank the next layer while partials travel) "
+                        "or none. HALO's Load-with-Comp overlap has nothing to hide here: every device holds every "
+                        "unit's weights in its kernels' form and a step picks its units inside the graph "
+                        "(default: pred)")
 
 
 def _overlaps(text: str) -> tuple[str, ...]:
@@ -1020,8 +1021,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reads", choices=("same", "ahead"), default="same",
                    help="what a predictor reads: the block's own input (same: ranks on the critical path, "
                         "a fifth less loss on the shipped model) or the attention input one layer ahead (ahead, "
-                        "HALO's design: lets the master rank while partials travel and nodes gather their next "
-                        "units' weights early, the pred and load overlaps) (default: same)")
+                        "HALO's design: lets the master rank while partials travel, the pred overlap) "
+                        "(default: same)")
     p.add_argument("--validation", type=float, default=0.2, help="held-out share of tokens (default: 0.2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="predictor file (default: MODEL.sap.npz)")

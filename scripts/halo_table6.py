@@ -1,9 +1,9 @@
-"""HALO Table VI's analogue: the overlap ablation of dynamic mapping. Time per output token with neither
-overlap, with Pred overlapped with Comm only (the master ranks the next layer while this layer's partials
-travel), with Load overlapped with Comp only (nodes predict the next layer's ranking themselves and gather
-their units' weights in a thread while this layer computes), and with both; beside them the upper bound
-without Pred and Load at all (index mapping: fixed shares, weights gathered once). Predictors are calibrated
-and trained into --out if missing there. Writes table6.csv, table6.md and table6.png into --out.
+"""HALO Table VI's analogue: the overlap ablation of dynamic mapping. Time per output token without the
+overlap and with Pred overlapped with Comm (the master ranks the next layer while this layer's partials
+travel); beside them the upper bound without Pred at all (index mapping: fixed shares). HALO's Load row has no
+counterpart: a dynamic share here holds every unit's weights in its kernels' packed form and a step selects its
+units inside the graph, so there is nothing to load. Predictors are calibrated and trained into --out if missing
+there. Writes table6.csv, table6.md and table6.png into --out.
 
     sudo python scripts/halo_table6.py --nodes 4 --out out/table6
 """
@@ -18,9 +18,8 @@ from edgerun.bench.tp import TpBenchConfig, bench_tp
 from edgerun.model.loader import load_model
 from edgerun.sap.report import predictors_for
 
-ROWS = (("baseline (no overlap)", "dynamic", ()), ("pred-comm overlap only", "dynamic", ("pred",)),
-        ("load-comp overlap only", "dynamic", ("load",)), ("both overlaps", "dynamic", ("pred", "load")),
-        ("upper bound (no pred, no load)", "index", ()))
+ROWS = (("baseline (no overlap)", "dynamic", ()), ("pred-comm overlap", "dynamic", ("pred",)),
+        ("upper bound (no pred)", "index", ()))
 
 
 def main() -> None:

@@ -57,9 +57,8 @@ def test_dynamic_deployment_holds_every_unit_and_sends_priorities(tiny_spec, syn
     profile = model_profile("tiny", c, model.weights, context=64, group_size=32, vocab_block=64)
     plan = plan_tp(profile, [device("master"), device("a")], "minmax")
     order = UnitOrder.index(c.n_layers, c.n_kv_heads, -(-c.ffn // 32))
-    d = deploy(c, plan, config, order, 1, 4000, [NodeLink(1472, False)], predictor_bytes=b"p")
+    d = deploy(c, plan, config, order, 1, 4000, [NodeLink(1472, False)])
     (a,) = d.assignments
     assert d.own_spec.attn_units[0] == tuple(range(c.n_kv_heads))  # the master holds every unit
     assert a.priorities == (tuple(layer[1] for layer in plan.attn), tuple(layer[1] for layer in plan.mlp))
     assert d.own_priorities == (tuple(layer[0] for layer in plan.attn), tuple(layer[0] for layer in plan.mlp))
-    assert a.prefetch and a.predictors == b"p"

@@ -16,7 +16,15 @@ from edgerun.model.quant import AffineBlocks, quantize, slice_affine
 from edgerun.model.reference import DenseLayer, KVCache, ReferenceModel, n_groups, rms_norm, rms_norm_fast
 from edgerun.model.synth import SynthSpec, custom_shape, synth_weights
 from edgerun.model.weights import ModelWeights
-from edgerun.tp.shard import QuantShard, Shard, ShardSpec, dequantize_columns, full_spec, split_spec
+from edgerun.tp.shard import (
+    DynamicQuantShard,
+    QuantShard,
+    Shard,
+    ShardSpec,
+    dequantize_columns,
+    full_spec,
+    split_spec,
+)
 
 MAX_LEN = 32
 PROMPT = [72, 101, 108, 108, 111, 44, 32]  # "Hello, "
@@ -404,3 +412,36 @@ def test_the_masters_fast_norm_equals_the_reference_norm_to_an_ulp() -> None:
         fast, reference = rms_norm_fast(x, weight, 1e-5), rms_norm(x, weight, 1e-5)
         assert fast.dtype == np.float32 and fast.shape == reference.shape
         np.testing.assert_allclose(fast, reference, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dynamic_quantized_share_computes_the_units_it_is_handed(name: str) -> None:
+    """Dynamic mapping's quantized share (every unit held, the step's units chosen inside the graph) gives the
+    float32 reference share's partial for any set of units, caches every KV head whatever it computes, and an
+    empty set adds nothing."""
+    config, weights = model(name)
+    calls, _, _ = reference_run(name)
+    group_size = 128
+    spec = full_spec(config, group_size, VOCAB_BLOCK)
+    dynamic, reference = DynamicQuantShard(config, weights, spec, MAX_LEN), Shard(config, weights, spec, MAX_LEN)
+    rng = np.random.default_rng(5)
+    n_attn, n_mlp = config.n_kv_heads, -(-config.ffn // group_size)
+    for i, call in enumerate(calls):
+        count = n_attn if call.kind == "attn" else n_mlp
+        units = sorted(rng.choice(count, size=int(rng.integers(0, count + 1)), replace=False).tolist())
+        if call.kind == "attn":
+            output = i % 5 != 4  # now and then only the cache, as a node catching up does
+            got = dynamic.attention(call.layer, call.x_norm, call.start, output=output, units=units)
+            want = reference.attention(call.layer, call.x_norm, call.start, output=output, units=units)
+            if not output:
+                assert got is None and want is None
+                continue
+        else:
+            got, want = dynamic.mlp(call.layer, call.x_norm, groups=units), reference.mlp(call.layer, call.x_norm,
+                                                                                         groups=units)
+        assert_close(got, want)
+        if not units:
+            assert not np.any(got)
+    assert dynamic.cache_bytes == reference.cache_bytes
+    with pytest.raises(ValueError, match="every attention unit"):
+        DynamicQuantShard(config, weights, split_spec(config, 2, group_size, VOCAB_BLOCK)[0], MAX_LEN)

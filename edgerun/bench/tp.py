@@ -53,7 +53,7 @@ class TpResult:
     plan: str
     mapping: str
     group_size: int  # MLP neuron-group size
-    overlap: str  # dynamic mapping's overlaps, "pred+load", "none", ...
+    overlap: str  # dynamic mapping's overlap: "pred" or "none"
     rate_mbit: float | None  # testbed links (None: unlimited)
     tokens: int
     ms_per_token: float

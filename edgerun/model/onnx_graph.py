@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,6 +98,37 @@ class _GraphWriter:
         outputs = [self.name(op.lower()) for _ in range(n_outputs)]
         self.nodes.append(helper.make_node(op, inputs, outputs, name=self.name(op), domain=domain, **attrs))
         return outputs
+
+    def gated(self, flag: str, build: Callable[[], str], zeros_shape: str, width: int) -> str:
+        """build()'s output where the boolean `flag` holds, zeros of `zeros_shape` where it does not: an If node
+        whose branch holds the weights it uses (onnxruntime prepacks them as any other), so a unit left out
+        costs a few microseconds and no weight bytes."""
+        outer_nodes, outer_initializers = self.nodes, self.initializers
+        self.nodes, self.initializers = [], []
+        try:
+            (y,) = self.node("Identity", [build()])
+            then = helper.make_graph(self.nodes, self.name("then"), [],
+                                     [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, "seq", width])],
+                                     self.initializers)
+            self.nodes, self.initializers = [], []
+            (z,) = self.node("ConstantOfShape", [zeros_shape],
+                             value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+            otherwise = helper.make_graph(self.nodes, self.name("else"), [],
+                                          [helper.make_tensor_value_info(z, TensorProto.FLOAT, [1, "seq", width])])
+        finally:
+            self.nodes, self.initializers = outer_nodes, outer_initializers
+        (out,) = self.node("If", [flag], then_branch=then, else_branch=otherwise)
+        return out
+
+    def shape_with_width(self, x: str, width: int) -> str:
+        """The shape (1, seq, width) for x of shape (1, seq, any)."""
+        (shape,) = self.node("Shape", [x], start=0, end=2)
+        (out,) = self.node("Concat", [shape, self.constant("width", np.array([width], np.int64))], axis=0)
+        return out
+
+    def flag(self, flags: str, index: int) -> str:
+        (out,) = self.node("Gather", [flags, self.constant("index", np.array(index, np.int64))], axis=0)
+        return out
 
     def linear(self, x: str, tensors: list[QuantTensor], accuracy_level: int) -> list[str]:
         """x @ W.T for each W; matrices sharing one block format run as one fused product."""
@@ -334,6 +365,84 @@ def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Seque
     (y,) = g.linear_forms("heads", [slice_affine(layer.wo, col_ranges=q_ranges)], accuracy_level)
     g.nodes.append(helper.make_node("Identity", [y], ["partial"], name="partial"))
     return _save(g, inputs, outputs, "edgerun_shard_attention", out)
+
+
+def dynamic_attention_graph(config: ModelConfig, layer: LayerWeights, max_len: int, out: Path,
+                            accuracy_level: int = 0) -> int:
+    """Every KV head of a layer, for dynamic mapping: keys and values of every head are cached each step (any
+    head may be handed to this device next token), while the query, attention output and output projection
+    of a head run only where `flags` (bool, one per head) holds; the others add nothing. Inputs hidden,
+    flags, seqlens_k, total_seq_len and past_key/past_value (1, n_kv_heads, max_len, head_dim); outputs
+    partial (1, seq, hidden) and the presents."""
+    c = config
+    q_width = c.heads_per_kv * c.head_dim
+    g = _GraphWriter(shard_weights_path(out))
+    f32 = TensorProto.FLOAT
+    kv_shape = [1, c.n_kv_heads, max_len, c.head_dim]
+    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", c.hidden]),
+              helper.make_tensor_value_info("flags", TensorProto.BOOL, [c.n_kv_heads]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
+              helper.make_tensor_value_info("past_key", f32, kv_shape),
+              helper.make_tensor_value_info("past_value", f32, kv_shape)]
+    outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", c.hidden]),
+               helper.make_tensor_value_info("present_key", f32, kv_shape),
+               helper.make_tensor_value_info("present_value", f32, kv_shape)]
+    k, v = g.linear_forms("hidden", [slice_affine(layer.wk), slice_affine(layer.wv)], accuracy_level)
+    if layer.bk is not None:
+        (k,) = g.node("Add", [k, g.constant("bias", layer.bk)])
+        (v,) = g.node("Add", [v, g.constant("bias", layer.bv)])
+    q_zeros, out_zeros = g.shape_with_width("hidden", q_width), g.shape_with_width("hidden", c.hidden)
+
+    def query(unit: int) -> str:
+        rows = np.arange(unit * q_width, (unit + 1) * q_width)
+        (q,) = g.linear_forms("hidden", [slice_affine(layer.wq, rows)], accuracy_level)
+        return q if layer.bq is None else g.node("Add", [q, g.constant("bias", layer.bq[rows])])[0]
+
+    queries = [g.gated(g.flag("flags", u), lambda u=u: query(u), q_zeros, q_width) for u in range(c.n_kv_heads)]
+    (q,) = g.node("Concat", queries, axis=-1)
+    cos, sin = rope_tables(c.head_dim, c.rope_base, np.arange(max_len))
+    g.nodes.append(helper.make_node(
+        "GroupQueryAttention", [q, k, v, "past_key", "past_value", "seqlens_k", "total_seq_len",
+                                g.constant("rope_cos", cos), g.constant("rope_sin", sin)],
+        ["heads", "present_key", "present_value"], name="attention", domain="com.microsoft",
+        num_heads=c.n_heads, kv_num_heads=c.n_kv_heads, do_rotary=1, rotary_interleaved=0))
+
+    def output(unit: int) -> str:
+        start, stop = unit * q_width, (unit + 1) * q_width
+        (heads,) = g.node("Slice", ["heads", g.constant("start", np.array([start], np.int64)),
+                                    g.constant("stop", np.array([stop], np.int64)),
+                                    g.constant("axis", np.array([-1], np.int64))])
+        return g.linear_forms(heads, [slice_affine(layer.wo, col_ranges=[(start, stop)])], accuracy_level)[0]
+
+    parts = [g.gated(g.flag("flags", u), lambda u=u: output(u), out_zeros, c.hidden) for u in range(c.n_kv_heads)]
+    g.nodes.append(helper.make_node("Sum", parts, ["partial"], name="partial"))
+    return _save(g, inputs, outputs, "edgerun_dynamic_attention", out)
+
+
+def dynamic_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[tuple[int, int]], out: Path,
+                      accuracy_level: int = 0) -> int:
+    """Every neuron group of a layer's MLP (intermediate rows [start, stop) each), for dynamic mapping: a group
+    runs only where `flags` (bool, one per group) holds. Inputs hidden and flags, output partial."""
+    g = _GraphWriter(shard_weights_path(out))
+    f32 = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden]),
+              helper.make_tensor_value_info("flags", TensorProto.BOOL, [len(ranges)])]
+    outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", config.hidden])]
+    zeros = g.shape_with_width("hidden", config.hidden)
+
+    def group(start: int, stop: int) -> str:
+        rows = np.arange(start, stop)
+        gate, up = g.linear_forms("hidden", [slice_affine(layer.w_gate, rows), slice_affine(layer.w_up, rows)],
+                                  accuracy_level)
+        (sig,) = g.node("Sigmoid", [gate])
+        (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
+        return g.linear_forms(act, [slice_affine(layer.w_down, col_ranges=[(start, stop)])], accuracy_level)[0]
+
+    parts = [g.gated(g.flag("flags", i), lambda a=a, b=b: group(a, b), zeros, config.hidden)
+             for i, (a, b) in enumerate(ranges)]
+    g.nodes.append(helper.make_node("Sum", parts, ["partial"], name="partial"))
+    return _save(g, inputs, outputs, "edgerun_dynamic_mlp", out)
 
 
 def shard_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[tuple[int, int]], out: Path,

@@ -4,8 +4,7 @@ heads) or MLP neuron groups. Layer 0 has none: it travels over TCP, nothing of i
 
 What a predictor reads (`reads`):
 - `ahead`, HALO's design: the attention input of layer l − 1. The ranking can be computed while the
-  previous layer's partials travel (Pred overlapped with Comm), and nodes can gather the weights of
-  their next units while they compute (Load overlapped with Comp).
+  previous layer's partials travel (Pred overlapped with Comm).
 - `same`: the block's own input (layer l's attention input for attention, its MLP input for the MLP).
   The ranking waits for the input, a matrix-vector product on the critical path, but it sees what the
   block will see: on the shipped model it loses about a fifth less than `ahead` at 5 % loss.

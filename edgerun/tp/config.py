@@ -8,7 +8,7 @@ from edgerun.errors import EdgerunError
 from edgerun.net.wire import Codec
 
 MAPPINGS = ("index", "static", "dynamic")
-OVERLAPS = ("pred", "load")
+OVERLAPS = ("pred",)
 MAX_PARITY_COPIES = 4  # beyond a few copies, losing all of them is rarer than a lost burst of the data itself
 # With --transport udp the reliable channel carries only the first layer, the LM head and fetches,
 # all on the per-token path: a lost segment there should cost milliseconds, not the kernel's 200 ms
@@ -44,8 +44,9 @@ class MasterConfig:
     group_size: int = 256  # MLP neuron-group size
     vocab_block: int = 4096  # LM-head rows per unit
     mapping: str = "index"  # which units go where: "index", "static" or "dynamic" (MAPPINGS)
-    # Dynamic mapping's two overlaps (HALO Fig. 5): pred ranks the next layer while this one's partials travel;
-    # load has nodes predict the next layer's ranking themselves and gather their units' weights meanwhile.
+    # Dynamic mapping's overlap (HALO Fig. 5): pred ranks the next layer while this one's partials travel. HALO's
+    # other, Load with Comp, has nothing to hide here: a dynamic share holds every unit's weights in its kernels'
+    # packed form and a step selects its units inside the graph, so nothing is gathered.
     overlap: tuple[str, ...] = OVERLAPS
     threads: int = 1  # onnxruntime threads of the master's own share
     spin_us: float = 0.0  # how long the master polls for partials without sleeping (DatagramSocket.spin_s)

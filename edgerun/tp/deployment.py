@@ -100,10 +100,9 @@ class Deployment:
 
 
 def deploy(model: ModelConfig, plan: TPPlan, config: MasterConfig, order: UnitOrder, session: int, udp_port: int,
-           links: Sequence[NodeLink], predictor_bytes: bytes = b"") -> Deployment:
+           links: Sequence[NodeLink]) -> Deployment:
     """The shares of `plan` (device 0 the master, device i the i-th of `links`) for a new session. Nodes on lossy
-    links (or every node with parity_always) send and get parity copies. `predictor_bytes`, under dynamic mapping
-    with the load overlap, lets nodes gather their next units ahead."""
+    links (or every node with parity_always) send and get parity copies."""
     dynamic = config.mapping == "dynamic"
 
     def priorities(i: int) -> Priorities | None:
@@ -117,8 +116,7 @@ def deploy(model: ModelConfig, plan: TPPlan, config: MasterConfig, order: UnitOr
     assignments = tuple(
         Assign(session, i, spec_for_device(plan, i, config.group_size, config.vocab_block, order), config.max_len,
                config.codec, routes, udp_port, rto_min,
-               config.parity if config.parity_always or link.lossy else 0, link.datagram_bytes, priorities(i),
-               bool(predictor_bytes), predictor_bytes)
+               config.parity if config.parity_always or link.lossy else 0, link.datagram_bytes, priorities(i))
         for i, link in enumerate(links, start=1))
     return Deployment(plan, routes, own, priorities(0), assignments)
 

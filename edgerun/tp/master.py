@@ -39,7 +39,11 @@ from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepSta
 from edgerun.tp.membership import KernelRate, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
-from edgerun.tp.shard import QuantShard, Shard
+from edgerun.tp.shard import DynamicQuantShard, QuantShard
+
+
+def _devices_used(plan: TPPlan) -> int:
+    return sum(m > 0 for m in plan.memory_bytes)
 
 
 class Master:
@@ -64,7 +68,7 @@ class Master:
                                      self.exchange.on_node_lost, log)
         self.reconfigure(config)
         self.position = 0
-        self.shard: QuantShard | Shard | None = None
+        self.shard: QuantShard | None = None
         self.plan: TPPlan | None = None
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
         # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
@@ -158,6 +162,11 @@ class Master:
         now = objective(plan_counts(self.plan), devices, profile)
         try:
             better = plan_tp(profile, devices, self.config.strategy)
+            if _devices_used(better) < _devices_used(self.plan):
+                # Eq. (1) prices every synchronization once per device taking part, where this runtime's star
+                # pays about one per block whatever the count (bench tp's "sync µs"): a plan that leaves devices
+                # out on measured speeds is not trusted, and the same devices are balanced to their speeds instead.
+                better = plan_tp(profile, devices, "minmax")
         except ValueError:
             return False
         if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now:
@@ -165,11 +174,12 @@ class Master:
         speeds = ", ".join(f"{d.name} {d.compute.weight_bytes_per_s / 1e9:.2f} GB/s" for d in devices)
         self.log(f"measured speeds ({speeds}): replanning, {now * 1e3:.1f} -> {better.time_per_token_s * 1e3:.1f} "
                  "ms/token predicted")
-        self.replan()
+        self.replan(better)
         return True
 
-    def replan(self) -> TPPlan:
-        """Plan over the master and every live node, hand out shares, wait until all are loaded."""
+    def replan(self, plan: TPPlan | None = None) -> TPPlan:
+        """Plan over the master and every live node (or take `plan`, made over exactly them), hand out shares, wait
+        until all are loaded."""
         alive = self.membership.alive()
         for node in alive:
             if node.link is None:
@@ -177,20 +187,18 @@ class Master:
                 self.log(f"node {node.name}: RTT {node.link.rtt_ms:.2f} ms, loss {node.link.loss_rate:.1%}, "
                          f"{node.link.up_mbit:.0f} Mbit/s")
         self.take_measurements()  # what the shares about to go showed
-        devices, profile = self._devices(alive), self._profile()
-        try:
-            plan = plan_tp(profile, devices, self.config.strategy)
-        except ValueError as e:
-            raise EdgerunError(str(e)) from e
+        if plan is None or list(plan.devices) != ["master"] + [n.name for n in alive]:
+            try:
+                plan = plan_tp(self._profile(), self._devices(alive), self.config.strategy)
+            except ValueError as e:
+                raise EdgerunError(str(e)) from e
         if plan.oom_devices:
-            raise EdgerunError(f"plan {self.config.strategy} runs out of memory on "
+            raise EdgerunError(f"plan {plan.strategy} runs out of memory on "
                                f"{', '.join(o.name for o in plan.oom_devices)}")
-        # Nodes can only gather their next units' weights ahead when the predictors read one layer ahead.
-        prefetch = self.config.mapping == "dynamic" and "load" in self.config.overlap and self.predictors.ahead
         session = self.exchange.session + 1
         d = deploy(self.model.config, plan, self.config, self.unit_order, session, self.udp_port,
                    [NodeLink(n.datagram_bytes, n.lossy or (n.link is not None and n.link.loss_rate > 0))
-                    for n in alive], self.predictors.to_bytes() if prefetch else b"")
+                    for n in alive])
         self.plan, self.own_priorities = plan, d.own_priorities
         self.own_decode_bytes, self.own_decode_s = 0, 0.0
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
@@ -203,23 +211,22 @@ class Master:
             node.ready.clear()
             node.channel.send(assign)
         # The master builds its own share while the nodes build theirs.
-        if self.config.mapping == "dynamic":
-            self.shard = Shard(self.model.config, self.model.weights, d.own_spec, self.config.max_len)
-        else:
-            self.shard = QuantShard(self.model.config, self.model.weights, d.own_spec, self.config.max_len,
-                                    self.config.threads, mapped_files=[self.model.path])
+        kind = DynamicQuantShard if self.config.mapping == "dynamic" else QuantShard
+        self.shard = kind(self.model.config, self.model.weights, d.own_spec, self.config.max_len, self.config.threads,
+                          mapped_files=[self.model.path])
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
-        self.log(f"plan {self.config.strategy}: " + ", ".join(
+        self.log(f"plan {plan.strategy}: " + ", ".join(
             f"{name} {mem / 1e6:.1f} MB" for name, mem in zip(plan.devices, plan.memory_bytes, strict=True)))
         if self.config.mapping == "dynamic":
             self.log(f"dynamic mapping: every device holds every unit ({self.shard.weight_bytes / 1e6:.0f} MB of "
-                     "float32 weights) and computes the share above of the units ranked for each token")
+                     f"quantized weights, {self.shard.cache_bytes / 1e6:.1f} MB of KV cache) and computes the share "
+                     "above of the units ranked for each token")
             if not self.predictors.ahead and self.config.overlap:
                 self.log("the predictors read each block's own input: ranking runs on the critical path, without "
-                         "the pred and load overlaps (train with --reads ahead for them)")
+                         "the pred overlap (train with --reads ahead for it)")
         else:
             self.log(f"master: {self.shard.weight_bytes / 1e6:.1f} MB of quantized weights, "
                      f"{self.shard.cache_bytes / 1e6:.1f} MB of KV cache")
@@ -275,7 +282,8 @@ class Master:
                 rows, own = self.shard.logits(x[-1:])
                 out[rows] = own[-1]
             if x.shape[0] == 1:  # one-token steps measure the master's speed
-                self.own_decode_bytes += self.shard.block_bytes(layer, block)
+                self.own_decode_bytes += self.shard.block_bytes(layer, block,
+                                                                None if own_units is None else len(own_units))
                 self.own_decode_s += time.perf_counter() - started
             return out
 

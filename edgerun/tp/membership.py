@@ -72,7 +72,6 @@ class NodeConn:
     spec: ShardSpec | None = None
     priorities: Priorities | None = None  # dynamic mapping
     rejected: int = 0  # packets the node refused, as its last heartbeat said
-    prefetched: tuple[int, int] = (0, 0)  # load overlap: (weights used, gathered for the wrong units), as said
     link: Link | None = None  # measured when it joined
     datagram_bytes: int = 1472  # the largest UDP payload both ways between it and the master (path MTU)
     parity: int = 0  # parity copies after every vector on this link, both ways
@@ -164,9 +163,8 @@ class Membership:
             case Pong() | BandwidthReply():
                 node.pongs.append(time.perf_counter())
                 node.pong.set()
-            case Heartbeat(rejected, hits, misses, compute_s, rss_mb, decode_bytes, decode_s):
-                node.rejected, node.prefetched, node.compute_s, node.peak_rss_mb = \
-                    rejected, (hits, misses), compute_s, rss_mb
+            case Heartbeat(rejected, compute_s, rss_mb, decode_bytes, decode_s):
+                node.rejected, node.compute_s, node.peak_rss_mb = rejected, compute_s, rss_mb
                 node.decode = KernelRate(decode_bytes, decode_s)
                 node.heartbeats += 1
             case _:

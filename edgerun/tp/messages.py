@@ -96,8 +96,6 @@ class Heartbeat:
     """Every HEARTBEAT_S: the node is alive, and what it counted so far."""
 
     rejected: int  # packets refused
-    prefetch_hits: int  # load overlap: gathered weights used
-    prefetch_misses: int  # gathered for units the master's ranking did not give
     compute_s: float  # time in the share's kernels
     peak_rss_mb: float
     # One-token steps since the share was assigned: the weight bytes their kernels streamed and the time they
@@ -160,8 +158,6 @@ class Assign:
     parity: int  # parity copies after every partial
     datagram_bytes: int
     priorities: Priorities | None = None  # dynamic mapping: the node holds every unit and computes these indices
-    prefetch: bool = False  # dynamic mapping: gather the next layer's units ahead (with `predictors`)
-    predictors: bytes = b""  # the master's predictor set, for the load overlap
 
 
 @dataclass(frozen=True)

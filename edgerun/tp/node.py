@@ -21,7 +21,6 @@ import functools
 import gc
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -53,7 +52,6 @@ from edgerun.net.wire import (
     whole_vector,
 )
 from edgerun.profile.memory import peak_rss_mb
-from edgerun.sap.predictor import PredictorSet
 from edgerun.tp.messages import (
     MAX_PROBE_BYTES,
     Assign,
@@ -77,7 +75,7 @@ from edgerun.tp.messages import (
     Shutdown,
     Welcome,
 )
-from edgerun.tp.shard import AttnWeights, MlpWeights, QuantShard, Shard, ShardSpec, full_spec
+from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, full_spec
 
 HEARTBEAT_S = 0.5
 
@@ -115,52 +113,6 @@ class _Input:
         return r.vector if r is not None and r.complete else None
 
 
-class Prefetcher:
-    """HALO's Load overlapped with Comp, under dynamic mapping: when a layer's attention input arrives, this
-    node predicts the next layer's rankings itself (the master's predictors, on the same input) and gathers
-    the weights of the units its priority indices will get, in a thread of its own, while the layer computes.
-    The master's ranking stays the authority: weights gathered for other units are not used."""
-
-    def __init__(self, shard: Shard, predictors: PredictorSet, priorities: Priorities) -> None:
-        self.shard, self.predictors, self.priorities = shard, predictors, priorities
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-        self.loading: dict[tuple[int, int], Future] = {}  # (position, layer) -> {block: (units, weights)}
-        self.hits = self.misses = 0
-
-    def start(self, position: int, layer: int, features: np.ndarray) -> None:
-        """Begin loading layer + 1's units for the step at `position`, from layer's attention input."""
-        self.loading = {k: f for k, f in self.loading.items() if k[0] >= position}  # steps left behind
-        if layer + 1 < len(self.priorities[0]):
-            self.loading[(position, layer + 1)] = self.pool.submit(self._load, layer + 1, features)
-
-    def _load(self, layer: int, features: np.ndarray) -> dict[Block, tuple[list[int], AttnWeights | MlpWeights]]:
-        loaded: dict[Block, tuple[list[int], AttnWeights | MlpWeights]] = {}
-        for kind, block in enumerate((Block.ATTN, Block.MLP)):
-            ranking = self.predictors.rank(layer, block, features)
-            units = [ranking[p] for p in self.priorities[kind][layer]]
-            if units:
-                gather = self.shard.attention_weights if block == Block.ATTN else self.shard.mlp_weights
-                loaded[block] = (units, gather(layer, units))
-        return loaded
-
-    def take(self, position: int, layer: int, block: Block, units: list[int]) -> AttnWeights | MlpWeights | None:
-        """The gathered weights for exactly these units, if they were predicted; None otherwise."""
-        future = self.loading.get((position, layer))
-        if future is None:
-            return None
-        if block == Block.MLP:
-            del self.loading[(position, layer)]
-        loaded = future.result().get(block)
-        if loaded is not None and loaded[0] == units:
-            self.hits += 1
-            return loaded[1]
-        self.misses += 1
-        return None
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
                  speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0) -> None:
@@ -177,7 +129,7 @@ class Node:
         self.counters = Counters()
         # Loop-thread state: the share, the session, and the inputs not computed yet.
         self.spec: ShardSpec | None = None
-        self.shard: QuantShard | Shard | None = None
+        self.shard: QuantShard | None = None
         self.attn_layers: list[int] = []  # layers where this node holds attention units
         self.session = -1
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
@@ -190,7 +142,6 @@ class Node:
         # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
         # per block, the units the master's ranking puts at those indices. None: static shares.
         self.priorities: Priorities | None = None
-        self.prefetcher: Prefetcher | None = None  # dynamic mapping with the load overlap
         self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
         self.decode_bytes, self.decode_s = 0, 0.0  # one-token steps on the current share: its measured speed
         self.running = True
@@ -211,8 +162,6 @@ class Node:
             self.running = False
             self.udp.close()
             heartbeat.cancel()
-            if self.prefetcher is not None:
-                self.prefetcher.close()
             self.net.stop()
 
     async def _join(self) -> Welcome:
@@ -239,13 +188,12 @@ class Node:
             if isinstance(message, Assign):  # loading a share takes a while: keep the loop (heartbeats) going
                 spec = message.spec
                 self.shard = None  # the old share goes before the new one is built
+                kind = QuantShard
                 if message.priorities is not None:  # dynamic mapping: hold every unit
                     full = full_spec(self.model.config, spec.group_size, spec.vocab_block)
-                    spec = replace(full, vocab_blocks=spec.vocab_blocks)
-                    build = functools.partial(Shard, self.model.config, self.model.weights, spec, message.max_len)
-                else:
-                    build = functools.partial(QuantShard, self.model.config, self.model.weights, spec,
-                                              message.max_len, self.threads, mapped_files=[self.model.path])
+                    spec, kind = replace(full, vocab_blocks=spec.vocab_blocks), DynamicQuantShard
+                build = functools.partial(kind, self.model.config, self.model.weights, spec, message.max_len,
+                                          self.threads, mapped_files=[self.model.path])
                 shard = await loop.run_in_executor(None, build)
                 self._assign(message, spec, shard)
                 settle_heap()
@@ -263,24 +211,17 @@ class Node:
         while self.running:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                p = self.prefetcher
-                self.channel.send(Heartbeat(self.counters.total(), 0 if p is None else p.hits,
-                                            0 if p is None else p.misses, self.compute_s, peak_rss_mb(),
-                                            self.decode_bytes, self.decode_s))
+                self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode_bytes,
+                                            self.decode_s))
             except (OSError, ConnectionError):
                 return
 
-    def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard | Shard) -> None:
+    def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard) -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
         self.index, self.codec, self.routes = message.index, message.codec, message.routes
         self.parity, self.datagram_bytes = message.parity, message.datagram_bytes
         self.priorities = message.priorities
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        self.prefetcher = None
-        if message.prefetch and self.priorities is not None and message.predictors:
-            self.prefetcher = Prefetcher(shard, PredictorSet.from_bytes(message.predictors), self.priorities)
         self.master_udp_port = message.udp_port
         self.decode_bytes, self.decode_s = 0, 0.0
         self.channel.set_rto_min(message.rto_min_ms)
@@ -443,25 +384,17 @@ class Node:
                 output = False
             else:
                 units = [ranking[p] for p in self.priorities[0 if block == Block.ATTN else 1][layer]]
-        weights = None
-        if self.prefetcher is not None and block != Block.HEAD:
-            if block == Block.ATTN and output:
-                self.prefetcher.start(position, layer, x)
-            if output and units:
-                weights = self.prefetcher.take(position, layer, block, units)
         started = time.perf_counter()
         if block == Block.ATTN:
-            out = self.shard.attention(layer, x, position, output=output, units=units,
-                                       weights=weights if isinstance(weights, AttnWeights) else None)
+            out = self.shard.attention(layer, x, position, output=output, units=units)
         elif block == Block.MLP:
-            out = self.shard.mlp(layer, x, groups=units, weights=weights if isinstance(weights, MlpWeights) else None) \
-                if output else None
+            out = self.shard.mlp(layer, x, groups=units) if output else None
         else:
             _, out = self.shard.logits(x[-1:])
         took = time.perf_counter() - started
         self.compute_s += took
         if x.shape[0] == 1 and out is not None:
-            self.decode_bytes += self.shard.block_bytes(layer, block)
+            self.decode_bytes += self.shard.block_bytes(layer, block, None if units is None else len(units))
             self.decode_s += took
         if out is None:
             return

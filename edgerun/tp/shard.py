@@ -3,8 +3,8 @@
 `QuantShard` is the engine: each block a device holds units of is one small onnxruntime graph over the
 units' quantized rows and columns (4-bit and 8-bit kernels, as the whole-model engine), with the KV
 cache in preallocated buffers the attention kernel appends to in place: one native call per block.
-`Shard` below it is the float32 numpy reference, which dynamic mapping still uses (every device holds
-every unit and computes those a ranking hands it, which fixed graphs cannot do).
+`DynamicQuantShard`, for dynamic mapping, holds every unit in such graphs and runs those a ranking hands it,
+chosen inside the graph. `Shard` below them is the float32 numpy reference the tests check them against.
 
 A device holds some attention units (one KV head with the query heads that share it), some MLP
 neuron groups (`group_size` intermediate rows of gate/up with the matching columns of down) and
@@ -35,6 +35,8 @@ from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_engine import session_options
 from edgerun.model.onnx_graph import (
     cache_root,
+    dynamic_attention_graph,
+    dynamic_mlp_graph,
     shard_attention_graph,
     shard_head_graph,
     shard_mlp_graph,
@@ -211,10 +213,13 @@ class _Block:
             self.binding.bind_ortvalue_input(past, ort_value)
             self.binding.bind_ortvalue_output(present, ort_value)
 
-    def run(self, x: np.ndarray, total: int | None = None) -> np.ndarray:
-        """The block's output for x (1, seq, hidden); for one token, a buffer reused by the next call."""
+    def run(self, x: np.ndarray, total: int | None = None, flags: np.ndarray | None = None) -> np.ndarray:
+        """The block's output for x (1, seq, hidden) (with `flags`, of the units they select); for one token, a
+        buffer reused by the next call."""
         b = self.binding
         b.bind_cpu_input("hidden", x)
+        if flags is not None:
+            b.bind_cpu_input("flags", flags)
         if total is not None:
             b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
             b.bind_cpu_input("total_seq_len", np.array(total, np.int32))
@@ -274,9 +279,13 @@ class QuantShard(_ShareBase):
                                                                     accuracy_level), threads, "partial", c.hidden)
                                    if groups else None)
             release_mapped_files([shard_weights_path(attn_path), shard_weights_path(mlp_path), *mapped_files])
+        self._build_head(weights, build_dir, threads, accuracy_level, mapped_files)
+
+    def _build_head(self, weights: ModelWeights, build_dir: Path, threads: int | None, accuracy_level: int,
+                    mapped_files: Sequence[Path]) -> None:
         path = build_dir / "head.onnx"
-        self.head = (_Block(path, shard_head_graph(c, weights.output, self.vocab_rows, path, accuracy_level), threads,
-                            "logits", len(self.vocab_rows)) if len(self.vocab_rows) else None)
+        self.head = (_Block(path, shard_head_graph(self.config, weights.output, self.vocab_rows, path, accuracy_level),
+                            threads, "logits", len(self.vocab_rows)) if len(self.vocab_rows) else None)
         release_mapped_files([shard_weights_path(path), *mapped_files])
 
     @property
@@ -289,17 +298,18 @@ class QuantShard(_ShareBase):
     def cache_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in (kv for kv in self.kv if kv is not None))
 
-    def block_bytes(self, layer: int, block: Block) -> int:
-        """Weight bytes one step of a block streams (0 where this device holds none of it)."""
+    def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
+        """Weight bytes one step of a block streams (0 where this device holds none of it); `units` is for
+        dynamic shares, which compute some of a block's units."""
         held = self.attn[layer] if block == Block.ATTN else self.mlp_blocks[layer] if block == Block.MLP else self.head
         return 0 if held is None else held.weight_bytes
 
     def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
-                  units: Sequence[int] | None = None, weights: AttnWeights | None = None) -> np.ndarray | None:
+                  units: Sequence[int] | None = None) -> np.ndarray | None:
         """Partial attention output (seq, hidden) for positions start..start+seq-1, after caching their keys
         and values (later positions are forgotten). output=False: only the cache is filled."""
-        if units is not None or weights is not None:
-            raise ValueError("a quantized shard computes its own units; dynamic mapping runs on Shard")
+        if units is not None:
+            raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
         x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
         seq = x.shape[1]
         end = self._advance(layer, start, seq)
@@ -309,10 +319,9 @@ class QuantShard(_ShareBase):
         out = block.run(x, end)
         return out.reshape(seq, -1) if output else None
 
-    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None,
-            weights: MlpWeights | None = None) -> np.ndarray:
-        if groups is not None or weights is not None:
-            raise ValueError("a quantized shard computes its own groups; dynamic mapping runs on Shard")
+    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
+        if groups is not None:
+            raise ValueError("a static share computes its own groups; dynamic mapping runs on DynamicQuantShard")
         x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
         block = self.mlp_blocks[layer]
         if block is None:
@@ -324,6 +333,76 @@ class QuantShard(_ShareBase):
         if self.head is None:
             return self.vocab_rows, np.zeros((x.shape[1], 0), np.float32)
         return self.vocab_rows, self.head.run(x).reshape(x.shape[1], -1)
+
+
+class DynamicQuantShard(QuantShard):
+    """Every unit of every layer, quantized, for dynamic mapping (every device holds the whole model and computes
+    the units a ranking hands it each step): one graph per block with every unit's weights, where each unit runs
+    only if the step's flags select it, so a step streams the weight bytes of its units alone and nothing is
+    gathered or dequantized. Keys and values of every KV head are cached each step (any head may come next
+    token). Memory: the model's quantized weights plus the whole KV cache."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
+                 threads: int | None = 1, accuracy_level: int = 0, mapped_files: Sequence[Path] = ()) -> None:
+        """`spec` must hold every attention unit and MLP group (full_spec); its vocabulary blocks are this
+        device's share of the LM head, which dynamic mapping does not rank."""
+        full = full_spec(config, spec.group_size, spec.vocab_block)
+        if spec.attn_units != full.attn_units or spec.mlp_groups != full.mlp_groups:
+            raise ValueError("a dynamic share holds every attention unit and MLP group")
+        super().__init__(config, weights, spec, max_len, threads, accuracy_level, mapped_files)
+
+    def _build(self, weights: ModelWeights, build_dir: Path, threads: int | None, accuracy_level: int,
+               mapped_files: Sequence[Path]) -> None:
+        c, max_len = self.config, self.max_len
+        ranges = self._group_ranges(range(n_groups(c.ffn, self.spec.group_size)))
+        self.attn, self.kv, self.mlp_blocks = [], [], []
+        for layer, w in enumerate(weights.layers):
+            attn_path, mlp_path = build_dir / f"attention{layer}.onnx", build_dir / f"mlp{layer}.onnx"
+            block = _Block(attn_path, dynamic_attention_graph(c, w, max_len, attn_path, accuracy_level), threads,
+                           "partial", c.hidden)
+            cache = tuple(np.zeros((1, c.n_kv_heads, max_len, c.head_dim), np.float32) for _ in range(2))
+            block.bind_cache(*cache)
+            self.attn.append(block)
+            self.kv.append(cache)
+            self.mlp_blocks.append(_Block(mlp_path, dynamic_mlp_graph(c, w, ranges, mlp_path, accuracy_level),
+                                          threads, "partial", c.hidden))
+            release_mapped_files([shard_weights_path(attn_path), shard_weights_path(mlp_path), *mapped_files])
+        self._build_head(weights, build_dir, threads, accuracy_level, mapped_files)
+
+    @staticmethod
+    def _flags(count: int, chosen: Sequence[int] | None) -> np.ndarray:
+        flags = np.zeros(count, bool)
+        if chosen is None:
+            flags[:] = True
+        else:
+            _check_units(chosen, count, "units")
+            flags[list(chosen)] = True
+        return flags
+
+    def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
+                  units: Sequence[int] | None = None) -> np.ndarray | None:
+        """Partial attention output of `units` (every KV head for None) at positions start..start+seq-1, after
+        caching keys and values of every head there; output=False: only the cache."""
+        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
+        seq = x.shape[1]
+        end = self._advance(layer, start, seq)
+        flags = self._flags(self.config.n_kv_heads, units) if output else np.zeros(self.config.n_kv_heads, bool)
+        out = self.attn[layer].run(x, end, flags)
+        return out.reshape(seq, -1) if output else None
+
+    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
+        """Partial MLP output of `groups` (every group for None)."""
+        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
+        flags = self._flags(n_groups(self.config.ffn, self.spec.group_size), groups)
+        return self.mlp_blocks[layer].run(x, None, flags).reshape(x.shape[1], -1)
+
+    def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
+        """Weight bytes a step of `units` of the block's units streams (about: its share of the block's bytes)."""
+        held = super().block_bytes(layer, block)
+        if units is None or block == Block.HEAD:
+            return held
+        total = self.config.n_kv_heads if block == Block.ATTN else n_groups(self.config.ffn, self.spec.group_size)
+        return held * units // total
 
 
 class Shard(_ShareBase):
@@ -375,7 +454,7 @@ class Shard(_ShareBase):
     def cache_bytes(self) -> int:
         return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
 
-    def block_bytes(self, layer: int, block: Block) -> int:
+    def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
         """Weight bytes of a block held here (under dynamic mapping a step computes some of them: an upper bound)."""
         if block == Block.ATTN:
             return 0 if self.attn[layer] is None else self.attn[layer].weight_bytes()
@@ -384,8 +463,7 @@ class Shard(_ShareBase):
         return self.output.nbytes
 
     def attention_weights(self, layer: int, units: Sequence[int] | None) -> AttnWeights:
-        """The query and output weights of `units` (all held for None), gathered into arrays of their own:
-        HALO's Load step, which a node may run ahead of time in another thread."""
+        """The query and output weights of `units` (all held for None), gathered into arrays of their own."""
         a, c = self.attn[layer], self.config
         assert a is not None
         local = self._local(self.spec.attn_units[layer], units)
@@ -396,7 +474,7 @@ class Shard(_ShareBase):
         return AttnWeights(local, a.wq[q_rows], a.wo[:, q_rows], None if a.bq is None else a.bq[q_rows])
 
     def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
-                  units: Sequence[int] | None = None, weights: AttnWeights | None = None) -> np.ndarray | None:
+                  units: Sequence[int] | None = None) -> np.ndarray | None:
         """Partial attention output, (seq, hidden), for tokens at positions start..start+seq-1.
 
         Caches K and V of this device's KV heads at those positions first; positions after them
@@ -404,7 +482,6 @@ class Shard(_ShareBase):
         only the cache is filled (catching up on an input whose output would arrive too late).
         `units` (KV-head indices this shard holds) limits the output to those units, while the
         cache is still filled for all of them (dynamic mapping hands out other units next token).
-        `weights`, from attention_weights(layer, units), saves gathering them here.
         """
         c = self.config
         x_norm = np.asarray(x_norm, np.float32)
@@ -424,8 +501,7 @@ class Shard(_ShareBase):
             return None
         if units is not None and not len(units):
             return np.zeros((seq, c.hidden), np.float32)
-        if weights is None:
-            weights = self.attention_weights(layer, units)
+        weights = self.attention_weights(layer, units)
         q = x_norm @ weights.wq.T
         if weights.bq is not None:
             q = q + weights.bq
@@ -456,7 +532,7 @@ class Shard(_ShareBase):
         return np.array([where[u] for u in wanted], np.int64)
 
     def mlp_weights(self, layer: int, groups: Sequence[int] | None) -> MlpWeights:
-        """Gate, up and down weights of `groups` (all held for None), gathered: the MLP's Load step."""
+        """Gate, up and down weights of `groups` (all held for None), gathered."""
         m = self.mlp_parts[layer]
         assert m is not None
         if groups is None:
@@ -466,14 +542,12 @@ class Shard(_ShareBase):
         rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in self._local(held, groups)])
         return MlpWeights(m.w_gate[rows], m.w_up[rows], m.w_down[:, rows])
 
-    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None,
-            weights: MlpWeights | None = None) -> np.ndarray:
-        """Partial MLP output, (seq, hidden), of this device's neuron groups, or of the `groups`
-        among them (`weights`, from mlp_weights(layer, groups), saves gathering them here)."""
+    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
+        """Partial MLP output, (seq, hidden), of this device's neuron groups, or of the `groups` among them."""
         x_norm = np.asarray(x_norm, np.float32)
         if self.mlp_parts[layer] is None or (groups is not None and not len(groups)):
             return np.zeros((x_norm.shape[0], self.config.hidden), np.float32)
-        w = weights if weights is not None else self.mlp_weights(layer, groups)
+        w = self.mlp_weights(layer, groups)
         act = silu(x_norm @ w.gate.T) * (x_norm @ w.up.T)
         return act @ w.down.T
 
