@@ -109,7 +109,8 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
     is a few percent: the test asks for 2%.)"""
     prompt = model.tokenizer.encode(PROMPT)
     def n0_units(master: Master) -> int:
-        return sum(len(layer[1]) for layer in master.plan.mlp)
+        i = master.plan.devices.index("n0")  # nodes take their places in the plan in the order they joined
+        return sum(len(layer[i]) for layer in master.plan.mlp)
 
     for master, _ in cluster(model, [1e11, 1e9], timeout_ms=2000):
         before = n0_units(master)
