@@ -33,10 +33,12 @@ from edgerun.model.reference import rope_tables
 from edgerun.model.weights import LayerWeights, ModelWeights
 
 # Bump when the graph layout changes, so cached graphs are rebuilt.
-GRAPH_VERSION = 2
+GRAPH_VERSION = 3  # 3: large tensors page-aligned (mapped, not copied, by onnxruntime)
 OPSET = 17
 IR_VERSION = 10
 WEIGHTS_FILE = "weights.bin"
+PAGE = 4096  # onnxruntime maps external tensors whose offsets are multiples of this
+HEAD_CHUNK_ROWS = 8192  # LM-head rows per product when a share's head is built: bounds what building holds at once
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,9 @@ class _GraphWriter:
         if array.nbytes < 1024:
             tensor.raw_data = array.tobytes()
         else:
-            self.data.write(b"\0" * (-self.data.tell() % 64))  # aligned, so onnxruntime can map it
+            # onnxruntime maps a tensor whose offset is a multiple of the page size and reads any other into its
+            # heap, where the copy stays beside the kernel's prepacked one: large tensors start on a page.
+            self.data.write(b"\0" * (-self.data.tell() % (PAGE if array.nbytes >= 16 * PAGE else 64)))
             offset = self.data.tell()
             self.data.write(array.tobytes())
             tensor.data_location = TensorProto.EXTERNAL
@@ -470,6 +474,9 @@ def shard_head_graph(config: ModelConfig, output: QuantTensor, rows: np.ndarray,
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
     outputs = [helper.make_tensor_value_info("logits", f32, [1, "seq", len(rows)])]
-    (y,) = g.linear_forms("hidden", [slice_affine(output, rows)], accuracy_level)
-    g.nodes.append(helper.make_node("Identity", [y], ["logits"], name="logits"))
+    # One product per chunk of rows, each written out before the next is cut: a vocabulary of 128k rows cut
+    # and re-encoded at once would hold several copies of the head in memory while the share is built.
+    chunks = [g.linear_forms("hidden", [slice_affine(output, rows[i:i + HEAD_CHUNK_ROWS])], accuracy_level)[0]
+              for i in range(0, len(rows), HEAD_CHUNK_ROWS)]
+    g.nodes.append(helper.make_node("Concat", chunks, ["logits"], name="logits", axis=-1))
     return _save(g, inputs, outputs, "edgerun_shard_head", out)
