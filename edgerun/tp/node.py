@@ -187,15 +187,16 @@ class Node:
                 continue
             if isinstance(message, Assign):  # loading a share takes a while: keep the loop (heartbeats) going
                 spec = message.spec
-                self.shard = None  # the old share goes before the new one is built
+                # The old share goes before the new one is built (no local name may keep it either: a device
+                # would hold both while it builds, the peak of its memory).
+                self.shard = None
                 kind = QuantShard
                 if message.priorities is not None:  # dynamic mapping: hold every unit
                     full = full_spec(self.model.config, spec.group_size, spec.vocab_block)
                     spec, kind = replace(full, vocab_blocks=spec.vocab_blocks), DynamicQuantShard
                 build = functools.partial(kind, self.model.config, self.model.weights, spec, message.max_len,
                                           self.threads, mapped_files=[self.model.path])
-                shard = await loop.run_in_executor(None, build)
-                self._assign(message, spec, shard)
+                self._assign(message, spec, await loop.run_in_executor(None, build))
                 settle_heap()
             else:
                 self._control(message)
