@@ -230,7 +230,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / 1e6,
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / 1e6,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
-        devices_used=sum(m > 0 for m in master.plan.memory_bytes), rebalanced=rebalanced)
+        devices_used=master.plan.devices_used, rebalanced=rebalanced)
 
 
 def single_baseline(model: Model, config: TpBenchConfig) -> float:

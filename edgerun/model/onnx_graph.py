@@ -333,6 +333,45 @@ def shard_weights_path(out: Path) -> Path:
     return out.with_suffix(".bin")
 
 
+def _attention_io(config: ModelConfig, kv_heads: int, max_len: int, flags: bool) -> tuple[list, list]:
+    """Inputs and outputs of a share's attention graph over `kv_heads` KV heads (with `flags`, one bool per head)."""
+    f32 = TensorProto.FLOAT
+    kv_shape = [1, kv_heads, max_len, config.head_dim]
+    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
+    if flags:
+        inputs.append(helper.make_tensor_value_info("flags", TensorProto.BOOL, [kv_heads]))
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+               helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
+               helper.make_tensor_value_info("past_key", f32, kv_shape),
+               helper.make_tensor_value_info("past_value", f32, kv_shape)]
+    outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", config.hidden]),
+               helper.make_tensor_value_info("present_key", f32, kv_shape),
+               helper.make_tensor_value_info("present_value", f32, kv_shape)]
+    return inputs, outputs
+
+
+def _grouped_attention(g: _GraphWriter, config: ModelConfig, q: str, k: str, v: str, kv_heads: int,
+                       max_len: int) -> None:
+    """Rotary attention of `kv_heads` KV heads and their query heads, appending k and v to the bound cache in
+    place: "heads" (1, seq, kv_heads * heads_per_kv * head_dim) and the presents."""
+    cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(max_len))
+    g.nodes.append(helper.make_node(
+        "GroupQueryAttention", [q, k, v, "past_key", "past_value", "seqlens_k", "total_seq_len",
+                                g.constant("rope_cos", cos), g.constant("rope_sin", sin)],
+        ["heads", "present_key", "present_value"], name="attention", domain="com.microsoft",
+        num_heads=kv_heads * config.heads_per_kv, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0))
+
+
+def _mlp_partial(g: _GraphWriter, layer: LayerWeights, ranges: Sequence[tuple[int, int]], accuracy_level: int) -> str:
+    """The MLP's partial output of some intermediate row ranges: rows of gate and up, columns of down."""
+    rows = np.concatenate([np.arange(a, b) for a, b in ranges])
+    gate, up = g.linear_forms("hidden", [slice_affine(layer.w_gate, rows), slice_affine(layer.w_up, rows)],
+                              accuracy_level)
+    (sig,) = g.node("Sigmoid", [gate])
+    (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
+    return g.linear_forms(act, [slice_affine(layer.w_down, col_ranges=list(ranges))], accuracy_level)[0]
+
+
 def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Sequence[int], max_len: int, out: Path,
                           accuracy_level: int = 0) -> int:
     """The partial attention output of some KV heads (each with its query heads and its columns of wo):
@@ -345,27 +384,13 @@ def shard_attention_graph(config: ModelConfig, layer: LayerWeights, units: Seque
     q_rows = np.concatenate([np.arange(a, b) for a, b in q_ranges])
     kv_rows = np.concatenate([np.arange(a, b) for a, b in kv_ranges])
     g = _GraphWriter(shard_weights_path(out))
-    f32 = TensorProto.FLOAT
-    kv_shape = [1, len(units), max_len, c.head_dim]
-    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", c.hidden]),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-              helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
-              helper.make_tensor_value_info("past_key", f32, kv_shape),
-              helper.make_tensor_value_info("past_value", f32, kv_shape)]
-    outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", c.hidden]),
-               helper.make_tensor_value_info("present_key", f32, kv_shape),
-               helper.make_tensor_value_info("present_value", f32, kv_shape)]
+    inputs, outputs = _attention_io(c, len(units), max_len, flags=False)
     q, k, v = g.linear_forms("hidden", [slice_affine(layer.wq, q_rows), slice_affine(layer.wk, kv_rows),
                                         slice_affine(layer.wv, kv_rows)], accuracy_level)
     if layer.bq is not None:
         q, k, v = (g.node("Add", [t, g.constant("bias", b[rows])])[0] for t, b, rows in
                    ((q, layer.bq, q_rows), (k, layer.bk, kv_rows), (v, layer.bv, kv_rows)))
-    cos, sin = rope_tables(c.head_dim, c.rope_base, np.arange(max_len))
-    g.nodes.append(helper.make_node(
-        "GroupQueryAttention", [q, k, v, "past_key", "past_value", "seqlens_k", "total_seq_len",
-                                g.constant("rope_cos", cos), g.constant("rope_sin", sin)],
-        ["heads", "present_key", "present_value"], name="attention", domain="com.microsoft",
-        num_heads=len(units) * c.heads_per_kv, kv_num_heads=len(units), do_rotary=1, rotary_interleaved=0))
+    _grouped_attention(g, c, q, k, v, len(units), max_len)
     (y,) = g.linear_forms("heads", [slice_affine(layer.wo, col_ranges=q_ranges)], accuracy_level)
     g.nodes.append(helper.make_node("Identity", [y], ["partial"], name="partial"))
     return _save(g, inputs, outputs, "edgerun_shard_attention", out)
@@ -381,17 +406,7 @@ def dynamic_attention_graph(config: ModelConfig, layer: LayerWeights, max_len: i
     c = config
     q_width = c.heads_per_kv * c.head_dim
     g = _GraphWriter(shard_weights_path(out))
-    f32 = TensorProto.FLOAT
-    kv_shape = [1, c.n_kv_heads, max_len, c.head_dim]
-    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", c.hidden]),
-              helper.make_tensor_value_info("flags", TensorProto.BOOL, [c.n_kv_heads]),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-              helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
-              helper.make_tensor_value_info("past_key", f32, kv_shape),
-              helper.make_tensor_value_info("past_value", f32, kv_shape)]
-    outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", c.hidden]),
-               helper.make_tensor_value_info("present_key", f32, kv_shape),
-               helper.make_tensor_value_info("present_value", f32, kv_shape)]
+    inputs, outputs = _attention_io(c, c.n_kv_heads, max_len, flags=True)
     k, v = g.linear_forms("hidden", [slice_affine(layer.wk), slice_affine(layer.wv)], accuracy_level)
     if layer.bk is not None:
         (k,) = g.node("Add", [k, g.constant("bias", layer.bk)])
@@ -405,12 +420,7 @@ def dynamic_attention_graph(config: ModelConfig, layer: LayerWeights, max_len: i
 
     queries = [g.gated(g.flag("flags", u), lambda u=u: query(u), q_zeros, q_width) for u in range(c.n_kv_heads)]
     (q,) = g.node("Concat", queries, axis=-1)
-    cos, sin = rope_tables(c.head_dim, c.rope_base, np.arange(max_len))
-    g.nodes.append(helper.make_node(
-        "GroupQueryAttention", [q, k, v, "past_key", "past_value", "seqlens_k", "total_seq_len",
-                                g.constant("rope_cos", cos), g.constant("rope_sin", sin)],
-        ["heads", "present_key", "present_value"], name="attention", domain="com.microsoft",
-        num_heads=c.n_heads, kv_num_heads=c.n_kv_heads, do_rotary=1, rotary_interleaved=0))
+    _grouped_attention(g, c, q, k, v, c.n_kv_heads, max_len)
 
     def output(unit: int) -> str:
         start, stop = unit * q_width, (unit + 1) * q_width
@@ -434,17 +444,8 @@ def dynamic_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence
               helper.make_tensor_value_info("flags", TensorProto.BOOL, [len(ranges)])]
     outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", config.hidden])]
     zeros = g.shape_with_width("hidden", config.hidden)
-
-    def group(start: int, stop: int) -> str:
-        rows = np.arange(start, stop)
-        gate, up = g.linear_forms("hidden", [slice_affine(layer.w_gate, rows), slice_affine(layer.w_up, rows)],
-                                  accuracy_level)
-        (sig,) = g.node("Sigmoid", [gate])
-        (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
-        return g.linear_forms(act, [slice_affine(layer.w_down, col_ranges=[(start, stop)])], accuracy_level)[0]
-
-    parts = [g.gated(g.flag("flags", i), lambda a=a, b=b: group(a, b), zeros, config.hidden)
-             for i, (a, b) in enumerate(ranges)]
+    parts = [g.gated(g.flag("flags", i), lambda r=r: _mlp_partial(g, layer, [r], accuracy_level), zeros,
+                     config.hidden) for i, r in enumerate(ranges)]
     g.nodes.append(helper.make_node("Sum", parts, ["partial"], name="partial"))
     return _save(g, inputs, outputs, "edgerun_dynamic_mlp", out)
 
@@ -453,16 +454,11 @@ def shard_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[t
                     accuracy_level: int = 0) -> int:
     """The partial MLP output of some neuron ranges (rows of gate and up, columns of down):
     hidden (1, seq, hidden) normalized in, partial (1, seq, hidden) out."""
-    rows = np.concatenate([np.arange(a, b) for a, b in ranges])
     g = _GraphWriter(shard_weights_path(out))
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
     outputs = [helper.make_tensor_value_info("partial", f32, [1, "seq", config.hidden])]
-    gate, up = g.linear_forms("hidden", [slice_affine(layer.w_gate, rows), slice_affine(layer.w_up, rows)],
-                              accuracy_level)
-    (sig,) = g.node("Sigmoid", [gate])
-    (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
-    (y,) = g.linear_forms(act, [slice_affine(layer.w_down, col_ranges=list(ranges))], accuracy_level)
+    y = _mlp_partial(g, layer, ranges, accuracy_level)
     g.nodes.append(helper.make_node("Identity", [y], ["partial"], name="partial"))
     return _save(g, inputs, outputs, "edgerun_shard_mlp", out)
 

@@ -73,6 +73,11 @@ class TPPlan:
     ilp_status: str | None  # "optimal" or "time_limit" for the ILP, None for the heuristics
     schema: str = TP_PLAN_SCHEMA
 
+    @property
+    def devices_used(self) -> int:
+        """Devices given any unit (a planner may leave some out)."""
+        return sum(m > 0 for m in self.memory_bytes)
+
     def counts(self) -> UnitCounts:
         return UnitCounts(
             attn=tuple(tuple(len(s) for s in layer) for layer in self.attn),

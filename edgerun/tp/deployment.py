@@ -4,7 +4,7 @@ assignment each node is sent. Pure functions of the plan, the model and the conf
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.tp_plan import TPPlan
 from edgerun.tp.config import MAPPINGS, MasterConfig, tcp_rto_min_ms
 from edgerun.tp.messages import Assign, Priorities, Routes
-from edgerun.tp.shard import ShardSpec, full_spec
+from edgerun.tp.shard import ShardSpec, every_unit_spec
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def deploy(model: ModelConfig, plan: TPPlan, config: MasterConfig, order: UnitOr
 
     own = spec_for_device(plan, 0, config.group_size, config.vocab_block, order)
     if dynamic:  # every device holds every unit and computes those it is handed
-        own = replace(full_spec(model, config.group_size, config.vocab_block), vocab_blocks=own.vocab_blocks)
+        own = every_unit_spec(model, own)
     rto_min = tcp_rto_min_ms(config.transport, config.rto_min_ms)
     routes = Routes.for_transport(config.transport, model.n_layers)
     assignments = tuple(

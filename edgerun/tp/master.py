@@ -42,10 +42,6 @@ from edgerun.tp.node import settle_heap
 from edgerun.tp.shard import DynamicQuantShard, QuantShard
 
 
-def _devices_used(plan: TPPlan) -> int:
-    return sum(m > 0 for m in plan.memory_bytes)
-
-
 class Master:
     def __init__(self, model: Model, key: bytes, config: MasterConfig | None = None, *,
                  loss: LossModel | None = None, predictors: PredictorSet | None = None,
@@ -142,13 +138,17 @@ class Master:
         return model_profile(self.model.name, self.model.config, self.model.weights, context=self.config.max_len,
                              group_size=self.config.group_size, vocab_block=self.config.vocab_block)
 
-    def take_measurements(self) -> dict[str, float]:
-        """Every device's speed measured on its current share where there is enough to say (see KernelRate),
-        kept for later plans; the speeds now known, by name."""
+    def take_measurements(self) -> None:
+        """Keep, for later plans, every device's speed measured on its current share where there is enough to
+        say (see KernelRate)."""
         rates = {"master": KernelRate(self.own_decode_bytes, self.own_decode_s)} | \
                 {n.name: n.decode for n in self.membership.alive()}
         self.measured |= {name: rate.speed for name, rate in rates.items() if rate.speed is not None}
-        return dict(self.measured)
+
+    @staticmethod
+    def _made_for(plan: TPPlan | None, alive: list[NodeConn]) -> bool:
+        """Whether `plan` places exactly the master and these nodes, in this order."""
+        return plan is not None and list(plan.devices) == ["master"] + [n.name for n in alive]
 
     def rebalance(self, min_gain: float = 0.05) -> bool:
         """Replan with the devices' measured speeds when that plan is at least `min_gain` faster than the current
@@ -156,13 +156,13 @@ class Master:
         it replanned. Call between requests: the nodes load their new shares."""
         self.take_measurements()
         alive = self.membership.alive()
-        if self.plan is None or list(self.plan.devices) != ["master"] + [n.name for n in alive]:
+        if not self._made_for(self.plan, alive):
             return False  # no plan yet, or the members changed: the next replan takes the speeds anyway
         devices, profile = self._devices(alive), self._profile()
         now = objective(plan_counts(self.plan), devices, profile)
         try:
             better = plan_tp(profile, devices, self.config.strategy)
-            if _devices_used(better) < _devices_used(self.plan):
+            if better.devices_used < self.plan.devices_used:
                 # Eq. (1) prices every synchronization once per device taking part, where this runtime's star
                 # pays about one per block whatever the count (bench tp's "sync µs"): a plan that leaves devices
                 # out on measured speeds is not trusted, and the same devices are balanced to their speeds instead.
@@ -187,7 +187,7 @@ class Master:
                 self.log(f"node {node.name}: RTT {node.link.rtt_ms:.2f} ms, loss {node.link.loss_rate:.1%}, "
                          f"{node.link.up_mbit:.0f} Mbit/s")
         self.take_measurements()  # what the shares about to go showed
-        if plan is None or list(plan.devices) != ["master"] + [n.name for n in alive]:
+        if not self._made_for(plan, alive):
             try:
                 plan = plan_tp(self._profile(), self._devices(alive), self.config.strategy)
             except ValueError as e:

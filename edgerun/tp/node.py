@@ -21,7 +21,7 @@ import functools
 import gc
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +75,7 @@ from edgerun.tp.messages import (
     Shutdown,
     Welcome,
 )
-from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, full_spec
+from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, every_unit_spec
 
 HEARTBEAT_S = 0.5
 
@@ -192,8 +192,7 @@ class Node:
                 self.shard = None
                 kind = QuantShard
                 if message.priorities is not None:  # dynamic mapping: hold every unit
-                    full = full_spec(self.model.config, spec.group_size, spec.vocab_block)
-                    spec, kind = replace(full, vocab_blocks=spec.vocab_blocks), DynamicQuantShard
+                    spec, kind = every_unit_spec(self.model.config, spec), DynamicQuantShard
                 build = functools.partial(kind, self.model.config, self.model.weights, spec, message.max_len,
                                           self.threads, mapped_files=[self.model.path])
                 self._assign(message, spec, await loop.run_in_executor(None, build))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +66,12 @@ def full_spec(config: ModelConfig, group_size: int = 256, vocab_block: int = 409
     mlp = tuple(range(n_groups(config.ffn, group_size)))
     return ShardSpec((attn,) * config.n_layers, (mlp,) * config.n_layers,
                      tuple(range(n_groups(config.vocab_size, vocab_block))), group_size, vocab_block)
+
+
+def every_unit_spec(config: ModelConfig, spec: ShardSpec) -> ShardSpec:
+    """Every attention unit and MLP group, with `spec`'s vocabulary blocks: a dynamic-mapping share, which
+    computes the units a ranking hands it each step (the LM head is not ranked)."""
+    return replace(full_spec(config, spec.group_size, spec.vocab_block), vocab_blocks=spec.vocab_blocks)
 
 
 def split_spec(config: ModelConfig, n: int, group_size: int = 256, vocab_block: int = 4096) -> list[ShardSpec]:
@@ -346,8 +352,7 @@ class DynamicQuantShard(QuantShard):
                  threads: int | None = 1, accuracy_level: int = 0, mapped_files: Sequence[Path] = ()) -> None:
         """`spec` must hold every attention unit and MLP group (full_spec); its vocabulary blocks are this
         device's share of the LM head, which dynamic mapping does not rank."""
-        full = full_spec(config, spec.group_size, spec.vocab_block)
-        if spec.attn_units != full.attn_units or spec.mlp_groups != full.mlp_groups:
+        if spec != every_unit_spec(config, spec):
             raise ValueError("a dynamic share holds every attention unit and MLP group")
         super().__init__(config, weights, spec, max_len, threads, accuracy_level, mapped_files)
 
@@ -453,14 +458,6 @@ class Shard(_ShareBase):
     @property
     def cache_bytes(self) -> int:
         return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
-
-    def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
-        """Weight bytes of a block held here (under dynamic mapping a step computes some of them: an upper bound)."""
-        if block == Block.ATTN:
-            return 0 if self.attn[layer] is None else self.attn[layer].weight_bytes()
-        if block == Block.MLP:
-            return 0 if self.mlp_parts[layer] is None else self.mlp_parts[layer].weight_bytes()
-        return self.output.nbytes
 
     def attention_weights(self, layer: int, units: Sequence[int] | None) -> AttnWeights:
         """The query and output weights of `units` (all held for None), gathered into arrays of their own."""
