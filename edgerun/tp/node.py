@@ -75,7 +75,7 @@ from edgerun.tp.messages import (
     Shutdown,
     Welcome,
 )
-from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, every_unit_spec
+from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec
 
 HEARTBEAT_S = 0.5
 
@@ -129,7 +129,7 @@ class Node:
         self.counters = Counters()
         # Loop-thread state: the share, the session, and the inputs not computed yet.
         self.spec: ShardSpec | None = None
-        self.shard: QuantShard | None = None
+        self.shard: QuantShard | Shard | None = None  # Shard: the float reference, which tests run
         self.attn_layers: list[int] = []  # layers where this node holds attention units
         self.session = -1
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
@@ -216,7 +216,7 @@ class Node:
             except (OSError, ConnectionError):
                 return
 
-    def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard) -> None:
+    def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard | Shard) -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
         self.index, self.codec, self.routes = message.index, message.codec, message.routes

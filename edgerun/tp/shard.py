@@ -459,6 +459,15 @@ class Shard(_ShareBase):
     def cache_bytes(self) -> int:
         return sum(a.k.nbytes + a.v.nbytes for a in self.attn if a)
 
+    def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
+        """Weight bytes of a block held here (a step of some `units` computes part of them: an upper bound). A node
+        may run on this reference share (its tests do) and measures its speed with it."""
+        if block == Block.ATTN:
+            return 0 if self.attn[layer] is None else self.attn[layer].weight_bytes()
+        if block == Block.MLP:
+            return 0 if self.mlp_parts[layer] is None else self.mlp_parts[layer].weight_bytes()
+        return self.output.nbytes
+
     def attention_weights(self, layer: int, units: Sequence[int] | None) -> AttnWeights:
         """The query and output weights of `units` (all held for None), gathered into arrays of their own."""
         a, c = self.attn[layer], self.config
