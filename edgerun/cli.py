@@ -232,7 +232,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from edgerun.sched.pp_plan import CostParams, plan_pp
     from edgerun.sched.preview import pp_table, tp_table
     from edgerun.sched.profiles import Link, load_devices, model_profile
-    from edgerun.sched.tp_plan import InsufficientMemory, plan_tp
+    from edgerun.sched.tp_plan import InsufficientMemory, SyncModel, plan_tp
 
     devices = load_devices(args.devices)
     if args.plr:
@@ -260,7 +260,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                                f"{budget:.1f} MB for {need:.1f} MB of layers")
     else:
         try:
-            plan = plan_tp(profile, devices, args.plan)
+            plan = plan_tp(profile, devices, args.plan, sync=SyncModel(args.sync))
         except (InsufficientMemory, RuntimeError) as e:  # RuntimeError: the ILP found nothing in its time limit
             raise EdgerunError(str(e)) from e
         print(tp_table(plan, profile))
@@ -767,6 +767,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plr", default=None, help="override the devices' packet-loss rates, comma-separated")
     p.add_argument("--context", type=int, default=1024, help="tokens of KV cache to reserve (default: 1024)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
+    p.add_argument("--sync", choices=("star", "per-device"), default="star",
+                   help="tensor-parallel: how synchronizations are priced. star: as edgerun's master pays them, one "
+                        "round trip with the slowest link per block plus the master's work per node (default, what "
+                        "`edgerun master` plans with); per-device: HALO's Eq. (1), 2·L·(n-1) round trips per token")
     p.add_argument("--objective", choices=("sum", "max"), default="sum",
                    help="dp: sum (latency of one token, default) or max (throughput)")
     p.add_argument("--init-cost", action="store_true",

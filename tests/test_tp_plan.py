@@ -19,8 +19,10 @@ from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelPr
 from edgerun.sched.tp_plan import (
     LAYER_KINDS,
     STRATEGIES,
+    STAR_PER_NODE_S,
     TP_PLAN_SCHEMA,
     InsufficientMemory,
+    SyncModel,
     TPPlan,
     UnitCounts,
     galaxy_ratios,
@@ -72,7 +74,8 @@ def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
             for cut in itertools.combinations(range(total + parts - 1), parts - 1)]
 
 
-def brute_force(model: ModelProfile, devices: list[DeviceProfile]) -> float | None:
+def brute_force(model: ModelProfile, devices: list[DeviceProfile],
+                sync: SyncModel = SyncModel.PER_DEVICE) -> float | None:
     """The least Eq. (1) over every memory-feasible integer plan, or None if there is none."""
     n, layers = len(devices), model.n_layers
     best = None
@@ -81,7 +84,7 @@ def brute_force(model: ModelProfile, devices: list[DeviceProfile]) -> float | No
             for vocab in compositions(model.n_vocab_blocks, n):
                 counts = UnitCounts(attn, mlp, vocab)
                 if all(u <= d.budget_bytes for u, d in zip(memory_used(counts, model), devices, strict=True)):
-                    value = objective(counts, devices, model)
+                    value = objective(counts, devices, model, sync)
                     best = value if best is None else min(best, value)
     return best
 
@@ -289,6 +292,24 @@ def test_plan_json_is_validated(tiny: ModelProfile) -> None:
         tp_plan_from_json({**document, "mlp": [twice, *document["mlp"][1:]]})
 
 
+def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count() -> None:
+    """edgerun's master sends a block's input to all nodes at once: a block waits for the slowest link once,
+    plus the master's own work per node, where Eq. (1) charges every device's round trip in turn."""
+    model = make_model(4, 4, 8, 4, 1.0, 1.0, 1.0, hidden=64)
+    devices = [device(f"d{i}", 1.0, 100.0, rtt_ms=2.0 if i else 0.0, mbit=1000.0) for i in range(4)]
+    counts = plan_counts(plan_tp(model, devices, "even"))
+    compute = objective(counts, [replace(d, link=Link(0.0, math.inf, math.inf, 0.0)) for d in devices], model)
+    t_c = sync_seconds(devices[1], model.hidden)
+    assert objective(counts, devices, model) == pytest.approx(compute + 2 * 4 * 3 * t_c)
+    assert objective(counts, devices, model, SyncModel.STAR) == \
+        pytest.approx(compute + (2 * 4 + 1) * (t_c + 3 * STAR_PER_NODE_S))
+    # Four devices on 2 ms links: Eq. (1) keeps the work on one or two, the star spreads it over all four.
+    per_device, star = plan_tp(model, devices, "ilp"), plan_tp(model, devices, "ilp", sync=SyncModel.STAR)
+    assert per_device.devices_used < 4 and star.devices_used == 4
+    assert star.sync == SyncModel.STAR and tp_plan_from_json(json.loads(json.dumps(star.to_json()))) == star
+    assert plan_tp(model, devices, "halo", sync=SyncModel.STAR).devices_used == 4
+
+
 def test_ilp_leaves_out_devices_when_synchronizing_costs_more_than_they_save() -> None:
     model = make_model(2, 2, 4, 2, 1.0, 1.0, 1.0)
     devices = [device("a", 2.0, 100.0, rtt_ms=50.0, mbit=1000.0), device("b", 1.0, 100.0, rtt_ms=50.0, mbit=1000.0)]
@@ -324,16 +345,17 @@ def test_ilp_is_never_worse_than_a_heuristic(instance: tuple[ModelProfile, list[
         assert ilp.time_per_token_s <= value * (1 + 1e-6)
 
 
-@given(instances(max_devices=3, max_layers=2, max_units=(2, 3, 2)))
-@settings(max_examples=50, deadline=None)
-def test_ilp_matches_brute_force(instance: tuple[ModelProfile, list[DeviceProfile]]) -> None:
+@given(instances(max_devices=3, max_layers=2, max_units=(2, 3, 2)), st.sampled_from(SyncModel))
+@settings(max_examples=60, deadline=None)
+def test_ilp_matches_brute_force(instance: tuple[ModelProfile, list[DeviceProfile]], sync: SyncModel) -> None:
     model, devices = instance
-    best = brute_force(model, devices)
+    best = brute_force(model, devices, sync)
     if best is None:
         with pytest.raises(InsufficientMemory):
-            plan_tp(model, devices, "ilp")
+            plan_tp(model, devices, "ilp", sync=sync)
         return
-    assert plan_tp(model, devices, "ilp").time_per_token_s == pytest.approx(best, rel=1e-6)
+    plan = plan_tp(model, devices, "ilp", sync=sync)
+    assert plan.sync == sync and plan.time_per_token_s == pytest.approx(best, rel=1e-6)
 
 
 @given(instances(max_devices=5, max_layers=4, max_units=(8, 12, 4)))

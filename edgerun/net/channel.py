@@ -97,12 +97,14 @@ class LossyUdp:
         self._lock = threading.Lock()
 
     def send_all(self, datagrams: list[bytes], addr: tuple[str, int]) -> None:
+        # One lock round per call, not per datagram: a master sends every block to each of its nodes.
+        with self._lock:
+            self.sent += len(datagrams)
+            if not isinstance(self.loss, NoLoss):
+                kept = [d for d in datagrams if not self.loss.drop()]
+                self.dropped += len(datagrams) - len(kept)
+                datagrams = kept
         for d in datagrams:
-            with self._lock:
-                self.sent += 1
-                if self.loss.drop():
-                    self.dropped += 1
-                    continue
             try:
                 self.sock.sendto(d, addr)
             except OSError:
@@ -230,6 +232,7 @@ class DatagramSocket:
         self.key, self.counters, self.on_packet = key, counters, on_packet
         self.spin_s = spin_s
         self._watched = select.poll()  # descriptors that end a spin of the loop's reader (watch_streams)
+        self._drain_poller: tuple[list[int] | None, select.poll | None] = (None, None)  # drain's, by its watch
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -294,7 +297,9 @@ class DatagramSocket:
         loop reads) has data or closes: the caller must then let the loop run."""
         if self.spin_s > 0 and not self._spin(done, until, self._poller(watch, udp=False)):
             return False
-        poller = self._poller(watch, udp=True)
+        if self._drain_poller[0] != watch:  # the same streams block after block: one poller for them
+            self._drain_poller = (list(watch), self._poller(watch, udp=True))
+        poller = self._drain_poller[1]
         udp = self.sock.fileno()
         while not done():
             remaining = until() - time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edgerun.sched.pp_plan import PPPlan
 from edgerun.sched.profiles import DeviceProfile, ModelProfile
-from edgerun.sched.tp_plan import TPPlan
+from edgerun.sched.tp_plan import STAR_PER_NODE_S, SyncModel, TPPlan
 
 
 def _ranges(indices: tuple[int, ...]) -> str:
@@ -36,10 +36,16 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
         rows.append(f"{name:<20} {plan.plrs[i]:>6.3f} {_ranges(plan.attn[0][i]):>14} {_ranges(plan.mlp[0][i]):>14} "
                     f"{_ranges(plan.vocab[i]):>9} {units:>6} {plan.memory_bytes[i] / 1e6:>10.1f} "
                     f"{plan.budget_bytes[i] / 1e6:>10.1f} {plan.compute_s[i] * 1e3:>10.2f}")
-    syncs = 2 * model.n_layers * (sum(1 for i in range(len(plan.devices)) if plan.memory_bytes[i] > 0) - 1)
-    rows.append(f"synchronization {plan.t_c_s * 1e3:.3f} ms x {max(syncs, 0)} per token; predicted "
-                f"{plan.time_per_token_s * 1e3:.2f} ms per token (Eq. 1); solved in {plan.solve_seconds * 1e3:.1f} ms"
-                + (f", ILP {plan.ilp_status}" if plan.ilp_status else ""))
+    others = plan.devices_used - 1
+    if others < 1:
+        sync = "no synchronization (one device)"
+    elif plan.sync == SyncModel.PER_DEVICE:
+        sync = f"synchronization {plan.t_c_s * 1e3:.3f} ms x {2 * model.n_layers * others} per token (Eq. 1)"
+    else:
+        sync = (f"synchronization {plan.t_c_s * 1e3:.3f} ms + {others} x {STAR_PER_NODE_S * 1e6:.0f} us at the "
+                f"master, x {2 * model.n_layers + 1} blocks per token")
+    rows.append(f"{sync}; predicted {plan.time_per_token_s * 1e3:.2f} ms per token; solved in "
+                f"{plan.solve_seconds * 1e3:.1f} ms" + (f", ILP {plan.ilp_status}" if plan.ilp_status else ""))
     for o in plan.oom_devices:
         rows.append(f"OUT OF MEMORY: {o.name} needs {o.needed_mb:.1f} MB, budget {o.budget_mb:.1f} MB")
     return "\n".join(rows)

@@ -8,6 +8,11 @@ devices by ascending packet-loss rate, so the most reliable device holds the mos
 
 Decode is memory-bandwidth bound, so a unit's work is the weight bytes it streams per token and a
 device's speed is the weight bytes it streams per second: a unit of work τ takes τ / c seconds.
+
+What synchronizing costs is a `SyncModel`: HALO's Eq. (1) charges 2·L·(n − 1) synchronizations per token, as if
+each device's exchange waited for the one before; edgerun's master sends every block's input to all its nodes at
+once and merges their partials as they come, so a block pays one synchronization with the slowest link plus the
+master's own work per node (`SyncModel.STAR`, what the runtime plans with).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import bisect
 import math
 import time
 from dataclasses import dataclass
+from enum import Enum
 from fractions import Fraction
 from typing import Any
 
@@ -28,6 +34,18 @@ STRATEGIES = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
 LAYER_KINDS = ("attn", "mlp")  # unit types repeated in every layer; "vocab" (the LM head) comes once
 MINMAX_EPSILON = 1e-3
 ILP_TIME_LIMIT_S = 60.0
+# The master's own time per node and block under SyncModel.STAR: sealing and sending the node's input, taking its
+# partial off the socket, checking and adding it. Measured with bench tp's per-block trace on the device machine
+# (16 slow cores, 1B model, 7 nodes): 210-330 µs from the first send to the master's own compute, and about
+# 30 µs more per partial.
+STAR_PER_NODE_S = 50e-6
+
+
+class SyncModel(Enum):
+    """How the synchronizations of a token are priced."""
+
+    PER_DEVICE = "per-device"  # HALO's Eq. (1): 2·L·(n_used − 1)·T_c, one synchronization per device and block
+    STAR = "star"  # edgerun's master: (2·L + 1)·(T_c + (n_used − 1)·STAR_PER_NODE_S), the LM head included
 
 
 class InsufficientMemory(ValueError):
@@ -67,10 +85,11 @@ class TPPlan:
     budget_bytes: tuple[float, ...]
     compute_s: tuple[float, ...]  # each device's own compute time per token
     t_c_s: float  # time of one synchronization
-    time_per_token_s: float  # Eq. (1): the objective
+    time_per_token_s: float  # the objective: Eq. (1) with the plan's sync model
     oom_devices: tuple[OOMDevice, ...]
     solve_seconds: float
     ilp_status: str | None  # "optimal" or "time_limit" for the ILP, None for the heuristics
+    sync: SyncModel = SyncModel.PER_DEVICE
     schema: str = TP_PLAN_SCHEMA
 
     @property
@@ -97,7 +116,7 @@ class TPPlan:
             "compute_s": list(self.compute_s), "t_c_s": self.t_c_s, "time_per_token_s": self.time_per_token_s,
             "oom_devices": [{"name": o.name, "needed_mb": o.needed_mb, "budget_mb": o.budget_mb}
                             for o in self.oom_devices],
-            "solve_seconds": self.solve_seconds, "ilp_status": self.ilp_status,
+            "solve_seconds": self.solve_seconds, "ilp_status": self.ilp_status, "sync": self.sync.value,
         }
 
 
@@ -154,6 +173,9 @@ def tp_plan_from_json(data: Any) -> TPPlan:
     status = data.get("ilp_status")
     if status not in (None, "optimal", "time_limit"):
         raise ValueError(f"ilp_status must be null, 'optimal' or 'time_limit', not {status!r}")
+    sync = data.get("sync", SyncModel.PER_DEVICE.value)  # plans written before the field priced Eq. (1)'s way
+    if sync not in [m.value for m in SyncModel]:
+        raise ValueError(f"sync must be one of {', '.join(m.value for m in SyncModel)}, not {sync!r}")
     return TPPlan(
         strategy=data["strategy"], model=model, devices=tuple(devices), plrs=_json_numbers(data, "plrs", n),
         attn=layers["attn"], mlp=layers["mlp"], vocab=_json_assignment(data.get("vocab"), n, "vocab"),
@@ -162,7 +184,7 @@ def tp_plan_from_json(data: Any) -> TPPlan:
         time_per_token_s=_json_number(data, "time_per_token_s"),
         oom_devices=tuple(OOMDevice(o["name"], _json_number(o, "needed_mb"), _json_number(o, "budget_mb"))
                           for o in oom),
-        solve_seconds=_json_number(data, "solve_seconds"), ilp_status=status,
+        solve_seconds=_json_number(data, "solve_seconds"), ilp_status=status, sync=SyncModel(sync),
     )
 
 
@@ -219,10 +241,22 @@ def plan_sync_seconds(counts: UnitCounts, devices: list[DeviceProfile], model: M
     return max(sync_seconds(devices[i], model.hidden) for i in _used_devices(counts))
 
 
-def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: ModelProfile) -> float:
-    """Eq. (1), seconds per token: each block lasts as long as its slowest device, plus
-    2·L·(n_used − 1) synchronizations. Unlike the paper's formula, the LM head's block is counted
-    too, and n is the number of devices that hold any unit."""
+def sync_total(plan_counts: UnitCounts, devices: list[DeviceProfile], model: ModelProfile, sync: SyncModel) -> float:
+    """Seconds per token spent synchronizing, as `sync` prices them (n: the devices that hold any unit)."""
+    n_used = len(_used_devices(plan_counts))
+    if n_used < 2:
+        return 0.0
+    t_c = plan_sync_seconds(plan_counts, devices, model)
+    if sync == SyncModel.PER_DEVICE:
+        return 2 * model.n_layers * (n_used - 1) * t_c
+    return (2 * model.n_layers + 1) * (t_c + (n_used - 1) * STAR_PER_NODE_S)
+
+
+def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: ModelProfile,
+              sync: SyncModel = SyncModel.PER_DEVICE) -> float:
+    """Eq. (1), seconds per token: each block lasts as long as its slowest device, plus the synchronizations
+    `sync` prices (the paper's 2·L·(n_used − 1) by default). Unlike the paper's formula, the LM head's block is
+    counted too, and n is the number of devices that hold any unit."""
     speeds = [d.compute.weight_bytes_per_s for d in devices]
 
     def block(kind: str, counts: tuple[int, ...]) -> float:
@@ -231,8 +265,7 @@ def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: Mode
     total = block("vocab", plan_counts.vocab)
     for kind in LAYER_KINDS:
         total += sum(block(kind, layer) for layer in plan_counts.layer_kind(kind))
-    n_used = len(_used_devices(plan_counts))
-    return total + 2 * model.n_layers * (n_used - 1) * plan_sync_seconds(plan_counts, devices, model)
+    return total + sync_total(plan_counts, devices, model, sync)
 
 
 def _check_total_memory(budgets: list[float], demand: float) -> None:
@@ -463,7 +496,8 @@ def _split_layers(caps: list[list[int]], totals: list[int], n_units: int) -> tup
 
 
 def ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: float | None = None,
-               time_limit_s: float = ILP_TIME_LIMIT_S) -> tuple[UnitCounts, str]:
+               time_limit_s: float = ILP_TIME_LIMIT_S,
+               sync: SyncModel = SyncModel.PER_DEVICE) -> tuple[UnitCounts, str]:
     """Solve Eq. (1) exactly with CBC (the program above); returns the counts and "optimal" or
     "time_limit" (the best plan found when the time ran out).
 
@@ -473,7 +507,9 @@ def ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: f
     The communication term uses T_c of the slowest link among the devices actually used, as
     `objective` does, not a constant over all devices: with a constant, a plan that leaves out a
     badly connected device would be over-charged and the solver could return something worse than
-    a heuristic. 2L·(Σz − 1)·max_{used} T_c stays linear with one big-M constraint per device.
+    a heuristic. 2L·(Σz − 1)·max_{used} T_c stays linear with one big-M constraint per device; so does
+    SyncModel.STAR's (2L + 1)·(max_{used} T_c + (Σz − 1)·δ), with a binary that says whether more than one
+    device takes part.
 
     upper_bound (seconds per token), when given, is a cut: the objective may not exceed it. It
     prunes the search without fixing any variable."""
@@ -514,12 +550,24 @@ def ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: f
         prob.addConstraint(pulp.lpSum(unit_mem[k] / mem_scale * held[k][i] for k in kinds)
                            <= devices[i].budget_bytes / mem_scale)
 
-    # comm ≥ 2L·T_i·(Σz − 1) for every used device i; for an unused one the constraint is relaxed by
-    # 2L·T_i·(n − 1), which makes its right side 2L·T_i·(Σz − n) ≤ 0.
     comm = prob.add_variable("comm", 0)
-    for i in range(n):
-        sync = sync_seconds(devices[i], model.hidden) / time_scale
-        prob.addConstraint(comm >= 2 * model.n_layers * sync * (pulp.lpSum(use) - 1 - (n - 1) * (1 - use[i])))
+    if sync == SyncModel.PER_DEVICE:
+        # comm ≥ 2L·T_i·(Σz − 1) for every used device i; for an unused one the constraint is relaxed by
+        # 2L·T_i·(n − 1), which makes its right side 2L·T_i·(Σz − n) ≤ 0.
+        for i in range(n):
+            t_i = sync_seconds(devices[i], model.hidden) / time_scale
+            prob.addConstraint(comm >= 2 * model.n_layers * t_i * (pulp.lpSum(use) - 1 - (n - 1) * (1 - use[i])))
+    else:
+        # spread = 1 when more than one device takes part; then comm ≥ (2L + 1)·(T_i + (Σz − 1)·δ) for every
+        # used i (the right side is ≤ 0 for an unused one, and for all when one device does everything).
+        spread = prob.add_variable("spread", cat=pulp.LpBinary)
+        prob.addConstraint(pulp.lpSum(use) - 1 <= (n - 1) * spread)
+        blocks_per_token = 2 * model.n_layers + 1
+        per_node = STAR_PER_NODE_S / time_scale
+        for i in range(n):
+            t_i = sync_seconds(devices[i], model.hidden) / time_scale
+            prob.addConstraint(comm >= blocks_per_token * (t_i * (use[i] + spread - 1)
+                                                           + per_node * (pulp.lpSum(use) - 1)))
     total = pulp.lpSum(block_time) + comm
     prob.setObjective(total)
     if upper_bound is not None:
@@ -578,7 +626,8 @@ def plr_mapping(counts: list[int], plrs: list[float]) -> list[list[int]]:
     return mapping
 
 
-def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceProfile]) -> UnitCounts:
+def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceProfile],
+                  sync: SyncModel = SyncModel.PER_DEVICE) -> UnitCounts:
     """Local search from a plan that fits in memory, lowering Eq. (1) with every step it takes: a unit moves
     from a block's slowest device to the device that would finish the block soonest with it, where memory
     allows (HALO's ratios give every block the same split, though units are whole and memory is shared by all
@@ -641,9 +690,9 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
         return UnitCounts(attn=tuple(rows[:model.n_layers]), mlp=tuple(rows[model.n_layers:]), vocab=vocab)
 
     best = solve(set(_used_devices(counts))) or counts
-    best_time = objective(best, devices, model)
+    best_time = objective(best, devices, model, sync)
     while len(used := _used_devices(best)) > 1:
-        trials = [(objective(t, devices, model), t) for d in used if d != 0 and (t := solve(set(used) - {d}))]
+        trials = [(objective(t, devices, model, sync), t) for d in used if d != 0 and (t := solve(set(used) - {d}))]
         if not trials or min(trials, key=lambda x: x[0])[0] >= best_time:
             break
         best_time, best = min(trials, key=lambda x: x[0])
@@ -658,7 +707,8 @@ def plan_counts(plan: TPPlan) -> UnitCounts:
                       vocab=tuple(len(blocks) for blocks in plan.vocab))
 
 
-def _heuristic_counts(strategy: str, model: ModelProfile, devices: list[DeviceProfile]) -> UnitCounts:
+def _heuristic_counts(strategy: str, model: ModelProfile, devices: list[DeviceProfile],
+                      sync: SyncModel = SyncModel.PER_DEVICE) -> UnitCounts:
     budgets = [d.budget_bytes for d in devices]
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     demand = model.total_tp_memory()
@@ -667,12 +717,14 @@ def _heuristic_counts(strategy: str, model: ModelProfile, devices: list[DevicePr
     ratios = {"halo": minmax_ratios, "minmax": minmax_ratios, "greedy": greedy_ratios,
               "galaxy": galaxy_ratios}[strategy](budgets, speeds, demand)
     counts = repair_memory(ratio_counts(ratios, model), budgets, [d.name for d in devices], model)
-    return refine_counts(counts, model, devices) if strategy == "halo" else counts
+    return refine_counts(counts, model, devices, sync) if strategy == "halo" else counts
 
 
 def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
-            ilp_time_limit_s: float = ILP_TIME_LIMIT_S) -> TPPlan:
-    """Plan tensor parallelism for `model` over `devices` with one of STRATEGIES."""
+            ilp_time_limit_s: float = ILP_TIME_LIMIT_S, sync: SyncModel = SyncModel.PER_DEVICE) -> TPPlan:
+    """Plan tensor parallelism for `model` over `devices` with one of STRATEGIES, pricing synchronizations as
+    `sync` says (the paper's Eq. (1) by default; edgerun's master plans with SyncModel.STAR). devices[0] is the
+    master where that matters (halo's local search keeps it)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
     if not devices:
@@ -692,16 +744,16 @@ def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
         bound = None
         for heuristic in ("greedy", "minmax", "galaxy", "even"):
             try:
-                candidate = _heuristic_counts(heuristic, model, devices)
+                candidate = _heuristic_counts(heuristic, model, devices, sync)
             except InsufficientMemory:  # its repair could not pack the units; the ILP may still
                 continue
             if all(u <= d.budget_bytes for u, d in zip(memory_used(candidate, model), devices, strict=True)):
-                value = objective(candidate, devices, model)
+                value = objective(candidate, devices, model, sync)
                 bound = value if bound is None else min(bound, value)
         start = time.perf_counter()  # the solve alone, not the heuristics that give its bound
-        counts, status = ilp_counts(model, devices, bound, ilp_time_limit_s)
+        counts, status = ilp_counts(model, devices, bound, ilp_time_limit_s, sync)
     else:
-        counts = _heuristic_counts(strategy, model, devices)
+        counts = _heuristic_counts(strategy, model, devices, sync)
     solve_seconds = time.perf_counter() - start
 
     plrs = [float(d.link.loss_rate) for d in devices]
@@ -718,6 +770,6 @@ def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
         vocab=tuple(tuple(s) for s in plr_mapping(list(counts.vocab), plrs)),
         memory_bytes=tuple(used), budget_bytes=tuple(d.budget_bytes for d in devices),
         compute_s=tuple(compute_seconds(counts, devices, model)),
-        t_c_s=plan_sync_seconds(counts, devices, model), time_per_token_s=objective(counts, devices, model),
-        oom_devices=oom, solve_seconds=solve_seconds, ilp_status=status,
+        t_c_s=plan_sync_seconds(counts, devices, model), time_per_token_s=objective(counts, devices, model, sync),
+        oom_devices=oom, solve_seconds=solve_seconds, ilp_status=status, sync=sync,
     )

@@ -32,7 +32,7 @@ from edgerun.net.model_files import ModelServer, model_sha256
 from edgerun.net.wire import Block, Header, MsgType
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
-from edgerun.sched.tp_plan import TPPlan, objective, plan_counts, plan_tp
+from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, plan_tp
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
@@ -159,14 +159,9 @@ class Master:
         if not self._made_for(self.plan, alive):
             return False  # no plan yet, or the members changed: the next replan takes the speeds anyway
         devices, profile = self._devices(alive), self._profile()
-        now = objective(plan_counts(self.plan), devices, profile)
+        now = objective(plan_counts(self.plan), devices, profile, SyncModel.STAR)
         try:
-            better = plan_tp(profile, devices, self.config.strategy)
-            if better.devices_used < self.plan.devices_used:
-                # Eq. (1) prices every synchronization once per device taking part, where this runtime's star
-                # pays about one per block whatever the count (bench tp's "sync µs"): a plan that leaves devices
-                # out on measured speeds is not trusted, and the same devices are balanced to their speeds instead.
-                better = plan_tp(profile, devices, "minmax")
+            better = plan_tp(profile, devices, self.config.strategy, sync=SyncModel.STAR)
         except ValueError:
             return False
         if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now:
@@ -189,7 +184,7 @@ class Master:
         self.take_measurements()  # what the shares about to go showed
         if not self._made_for(plan, alive):
             try:
-                plan = plan_tp(self._profile(), self._devices(alive), self.config.strategy)
+                plan = plan_tp(self._profile(), self._devices(alive), self.config.strategy, sync=SyncModel.STAR)
             except ValueError as e:
                 raise EdgerunError(str(e)) from e
         if plan.oom_devices:
