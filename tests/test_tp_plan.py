@@ -18,8 +18,8 @@ from edgerun.model.synth import SHAPES, SynthSpec, shape_only_weights, synth_wei
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, UnitCost, model_profile
 from edgerun.sched.tp_plan import (
     LAYER_KINDS,
-    STRATEGIES,
     STAR_PER_NODE_S,
+    STRATEGIES,
     TP_PLAN_SCHEMA,
     InsufficientMemory,
     SyncModel,
