@@ -11,8 +11,8 @@ device's speed is the weight bytes it streams per second: a unit of work τ take
 
 What synchronizing costs is a `SyncModel`: HALO's Eq. (1) charges 2·L·(n − 1) synchronizations per token, as if
 each device's exchange waited for the one before; edgerun's master sends every block's input to all its nodes at
-once and merges their partials as they come, so a block pays one synchronization with the slowest link plus the
-master's own work per node (`SyncModel.STAR`, what the runtime plans with).
+once and merges their partials as they come: a block lasts as long as its slowest device, a node counting its own
+round trip and the master its work per node (`SyncModel.STAR`, what the runtime plans with).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class SyncModel(Enum):
     """How the synchronizations of a token are priced."""
 
     PER_DEVICE = "per-device"  # HALO's Eq. (1): 2·L·(n_used − 1)·T_c, one synchronization per device and block
-    STAR = "star"  # edgerun's master: (2·L + 1)·(T_c + (n_used − 1)·STAR_PER_NODE_S), the LM head included
+    STAR = "star"  # edgerun's master: per block, each device's compute plus its own round trip (nodes) or its
+    # work per node (the master, STAR_PER_NODE_S each); the block lasts as long as the slowest
 
 
 class InsufficientMemory(ValueError):
@@ -241,31 +242,38 @@ def plan_sync_seconds(counts: UnitCounts, devices: list[DeviceProfile], model: M
     return max(sync_seconds(devices[i], model.hidden) for i in _used_devices(counts))
 
 
-def sync_total(plan_counts: UnitCounts, devices: list[DeviceProfile], model: ModelProfile, sync: SyncModel) -> float:
-    """Seconds per token spent synchronizing, as `sync` prices them (n: the devices that hold any unit)."""
-    n_used = len(_used_devices(plan_counts))
-    if n_used < 2:
-        return 0.0
-    t_c = plan_sync_seconds(plan_counts, devices, model)
-    if sync == SyncModel.PER_DEVICE:
-        return 2 * model.n_layers * (n_used - 1) * t_c
-    return (2 * model.n_layers + 1) * (t_c + (n_used - 1) * STAR_PER_NODE_S)
+def star_offsets(devices: list[DeviceProfile], model: ModelProfile, used: set[int] | list[int]) -> list[float]:
+    """SyncModel.STAR: what each device adds to every block beside its compute, with `used` taking part. The
+    master (devices[0]) seals and sends each node's input and takes in its partial, (n_used − 1)·δ in all; a node
+    waits for its round trip, T_c of its link. Nothing when one device does everything."""
+    if len(used) < 2:
+        return [0.0] * len(devices)
+    return [(len(used) - 1) * STAR_PER_NODE_S if i == 0 else sync_seconds(d, model.hidden) if i in used else 0.0
+            for i, d in enumerate(devices)]
 
 
 def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: ModelProfile,
               sync: SyncModel = SyncModel.PER_DEVICE) -> float:
-    """Eq. (1), seconds per token: each block lasts as long as its slowest device, plus the synchronizations
-    `sync` prices (the paper's 2·L·(n_used − 1) by default). Unlike the paper's formula, the LM head's block is
-    counted too, and n is the number of devices that hold any unit."""
+    """Seconds per token. PER_DEVICE, Eq. (1): each block lasts as long as its slowest device, plus
+    2·L·(n_used − 1) synchronizations (unlike the paper's formula the LM head's block is counted too, and n is the
+    number of devices that hold any unit). STAR: each block lasts as long as its slowest device counting what that
+    device does beside its compute (`star_offsets`): the master's work per node, a node's round trip."""
     speeds = [d.compute.weight_bytes_per_s for d in devices]
+    used = _used_devices(plan_counts)
+    offsets = star_offsets(devices, model, used) if sync == SyncModel.STAR else [0.0] * len(devices)
+    # Under STAR the master and every device of the plan take part in each block (offsets of 0 for the rest).
+    takes_part = [i == 0 or i in used for i in range(len(devices))]
 
     def block(kind: str, counts: tuple[int, ...]) -> float:
-        return max(_work(model, kind) * w / c for w, c in zip(counts, speeds, strict=True))
+        return max(o + _work(model, kind) * w / c
+                   for w, c, o, part in zip(counts, speeds, offsets, takes_part, strict=True) if part or w)
 
     total = block("vocab", plan_counts.vocab)
     for kind in LAYER_KINDS:
         total += sum(block(kind, layer) for layer in plan_counts.layer_kind(kind))
-    return total + sync_total(plan_counts, devices, model, sync)
+    if sync == SyncModel.PER_DEVICE and len(used) > 1:
+        total += 2 * model.n_layers * (len(used) - 1) * plan_sync_seconds(plan_counts, devices, model)
+    return total
 
 
 def _check_total_memory(budgets: list[float], demand: float) -> None:
@@ -496,8 +504,8 @@ def _split_layers(caps: list[list[int]], totals: list[int], n_units: int) -> tup
 
 
 def ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: float | None = None,
-               time_limit_s: float = ILP_TIME_LIMIT_S,
-               sync: SyncModel = SyncModel.PER_DEVICE) -> tuple[UnitCounts, str]:
+               time_limit_s: float = ILP_TIME_LIMIT_S, sync: SyncModel = SyncModel.PER_DEVICE,
+               incumbent: UnitCounts | None = None) -> tuple[UnitCounts, str]:
     """Solve Eq. (1) exactly with CBC (the program above); returns the counts and "optimal" or
     "time_limit" (the best plan found when the time ran out).
 
@@ -507,12 +515,14 @@ def ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: f
     The communication term uses T_c of the slowest link among the devices actually used, as
     `objective` does, not a constant over all devices: with a constant, a plan that leaves out a
     badly connected device would be over-charged and the solver could return something worse than
-    a heuristic. 2L·(Σz − 1)·max_{used} T_c stays linear with one big-M constraint per device; so does
-    SyncModel.STAR's (2L + 1)·(max_{used} T_c + (Σz − 1)·δ), with a binary that says whether more than one
-    device takes part.
+    a heuristic. 2L·(Σz − 1)·max_{used} T_c stays linear with one big-M constraint per device.
+    SyncModel.STAR's plans come from `_star_ilp_counts`.
 
     upper_bound (seconds per token), when given, is a cut: the objective may not exceed it. It
-    prunes the search without fixing any variable."""
+    prunes the search without fixing any variable. `incumbent`, the plan that gave it, starts SyncModel.STAR's
+    search (whose program has a variable per block and device, too many to find a first plan fast)."""
+    if sync == SyncModel.STAR:
+        return _star_ilp_counts(model, devices, upper_bound, time_limit_s, incumbent)
     n = len(devices)
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     blocks = {"attn": model.n_layers, "mlp": model.n_layers, "vocab": 1}  # blocks of each type per token
@@ -550,24 +560,12 @@ def ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: f
         prob.addConstraint(pulp.lpSum(unit_mem[k] / mem_scale * held[k][i] for k in kinds)
                            <= devices[i].budget_bytes / mem_scale)
 
+    # comm ≥ 2L·T_i·(Σz − 1) for every used device i; for an unused one the constraint is relaxed by
+    # 2L·T_i·(n − 1), which makes its right side 2L·T_i·(Σz − n) ≤ 0.
     comm = prob.add_variable("comm", 0)
-    if sync == SyncModel.PER_DEVICE:
-        # comm ≥ 2L·T_i·(Σz − 1) for every used device i; for an unused one the constraint is relaxed by
-        # 2L·T_i·(n − 1), which makes its right side 2L·T_i·(Σz − n) ≤ 0.
-        for i in range(n):
-            t_i = sync_seconds(devices[i], model.hidden) / time_scale
-            prob.addConstraint(comm >= 2 * model.n_layers * t_i * (pulp.lpSum(use) - 1 - (n - 1) * (1 - use[i])))
-    else:
-        # spread = 1 when more than one device takes part; then comm ≥ (2L + 1)·(T_i + (Σz − 1)·δ) for every
-        # used i (the right side is ≤ 0 for an unused one, and for all when one device does everything).
-        spread = prob.add_variable("spread", cat=pulp.LpBinary)
-        prob.addConstraint(pulp.lpSum(use) - 1 <= (n - 1) * spread)
-        blocks_per_token = 2 * model.n_layers + 1
-        per_node = STAR_PER_NODE_S / time_scale
-        for i in range(n):
-            t_i = sync_seconds(devices[i], model.hidden) / time_scale
-            prob.addConstraint(comm >= blocks_per_token * (t_i * (use[i] + spread - 1)
-                                                           + per_node * (pulp.lpSum(use) - 1)))
+    for i in range(n):
+        t_i = sync_seconds(devices[i], model.hidden) / time_scale
+        prob.addConstraint(comm >= 2 * model.n_layers * t_i * (pulp.lpSum(use) - 1 - (n - 1) * (1 - use[i])))
     total = pulp.lpSum(block_time) + comm
     prob.setObjective(total)
     if upper_bound is not None:
@@ -600,6 +598,74 @@ def ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: f
     status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
     return UnitCounts(tuple(rows("attn", model.n_layers)), tuple(rows("mlp", model.n_layers)),
                       rows("vocab", 1)[0]), status
+
+
+def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bound: float | None,
+                     time_limit_s: float, incumbent: UnitCounts | None) -> tuple[UnitCounts, str]:
+    """`objective` under SyncModel.STAR, exactly: a device's time in a block is its offset plus its compute, and the
+    master's offset grows with the devices used, so every block gets its own variables (no levels shared by the
+    layers as in Eq. (1)'s program). z_i: device i takes part; spread: more than one does (offsets count then).
+    For a node, t_b ≥ T_i·(z_i + spread − 1) + τ·x_bi / c_i; for the master, t_b ≥ δ·(Σz − 1) + τ·x_b0 / c_0."""
+    n = len(devices)
+    speeds = [d.compute.weight_bytes_per_s for d in devices]
+    kinds = ["vocab"] + [k for k in LAYER_KINDS for _ in range(model.n_layers)]  # one entry per block
+    kinds = [k for k in kinds if _n_units(model, k)]
+    time_scale = sum(_n_units(model, k) * _work(model, k) for k in kinds) / sum(speeds) or 1.0
+    mem_scale = max(model.unit_memory(k) for k in kinds) or 1.0
+
+    prob = pulp.LpProblem("tp_plan_star", pulp.LpMinimize)
+    use = [prob.add_variable(f"z_{i}", cat=pulp.LpBinary) for i in range(n)]
+    spread = prob.add_variable("spread", cat=pulp.LpBinary)
+    prob.addConstraint(pulp.lpSum(use) - 1 <= (n - 1) * spread)
+    x = [[prob.add_variable(f"x_{b}_{i}", 0, _n_units(model, k), pulp.LpInteger) for i in range(n)]
+         for b, k in enumerate(kinds)]
+    t = [prob.add_variable(f"t_{b}", 0) for b in range(len(kinds))]
+    for b, k in enumerate(kinds):
+        prob.addConstraint(pulp.lpSum(x[b]) == _n_units(model, k))
+        for i in range(n):
+            prob.addConstraint(x[b][i] <= _n_units(model, k) * use[i])
+            compute = _work(model, k) / speeds[i] / time_scale * x[b][i]
+            if i == 0:
+                prob.addConstraint(t[b] >= compute + STAR_PER_NODE_S / time_scale * (pulp.lpSum(use) - 1))
+            else:
+                link = sync_seconds(devices[i], model.hidden) / time_scale
+                prob.addConstraint(t[b] >= compute + link * (use[i] + spread - 1))
+    for i in range(n):
+        prob.addConstraint(pulp.lpSum(model.unit_memory(k) / mem_scale * x[b][i] for b, k in enumerate(kinds))
+                           <= devices[i].budget_bytes / mem_scale)
+    total = pulp.lpSum(t)
+    prob.setObjective(total)
+    if upper_bound is not None:
+        prob.addConstraint(total <= upper_bound / time_scale * (1 + 1e-6))
+    if incumbent is not None:  # CBC starts from it: the search has a plan at once and only looks for better
+        rows = [incumbent.vocab] * bool(_n_units(model, "vocab")) + \
+            [r for k in LAYER_KINDS if _n_units(model, k) for r in incumbent.layer_kind(k)]
+        used = set(_used_devices(incumbent))
+        offsets = star_offsets(devices, model, used)
+        spread.setInitialValue(int(len(used) > 1))
+        for i in range(n):
+            use[i].setInitialValue(int(i in used))
+        for b, (row, k) in enumerate(zip(rows, kinds, strict=True)):
+            for i in range(n):
+                x[b][i].setInitialValue(row[i])
+            t[b].setInitialValue(max(offsets[i] + _work(model, k) * row[i] / speeds[i]
+                                     for i in range(n) if i == 0 or i in used) / time_scale)
+    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(time_limit_s, 1.0), warmStart=incumbent is not None))
+    if prob.status == pulp.LpStatusInfeasible:
+        raise InsufficientMemory("the units do not pack into the devices' memory budgets")
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        raise RuntimeError(f"the ILP found no plan within {time_limit_s:g} s; try the min-max planner")
+    rows = [tuple(round(v.value()) for v in row) for row in x]
+    vocab = rows[0] if _n_units(model, "vocab") else (0,) * n
+    layer_rows = rows[1:] if _n_units(model, "vocab") else rows
+    per_kind = {}
+    for k in LAYER_KINDS:
+        if _n_units(model, k):
+            per_kind[k], layer_rows = tuple(layer_rows[:model.n_layers]), layer_rows[model.n_layers:]
+        else:
+            per_kind[k] = ((0,) * n,) * model.n_layers
+    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
+    return UnitCounts(per_kind["attn"], per_kind["mlp"], vocab), status
 
 
 def _add_gale(prob: pulp.LpProblem, subset: list[int], levels: list[tuple[float, list[int]]],
@@ -636,23 +702,25 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
     n = len(devices)
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     budgets = [d.budget_bytes for d in devices]
+    offsets = [0.0] * n  # what each device adds to a block beside its compute (SyncModel.STAR), for `allowed`
 
     def balance(blocks: list[tuple[str, list[int]]], allowed: set[int], free: list[float]) -> bool:
         """Move units block by block until no move shortens a block; False if a unit could not be placed."""
         for kind, c in blocks:
             mem = model.unit_memory(kind)
+            tau = _work(model, kind)
             for i in range(n):  # devices leaving the plan hand their units on first
                 while c[i] and i not in allowed:
                     takers = [j for j in allowed if free[j] >= mem]
                     if not takers:
                         return False
-                    j = min(takers, key=lambda j: (c[j] + 1) / speeds[j])
+                    j = min(takers, key=lambda j: offsets[j] + tau * (c[j] + 1) / speeds[j])
                     c[i], c[j], free[i], free[j] = c[i] - 1, c[j] + 1, free[i] + mem, free[j] - mem
-            while c[a := max(allowed, key=lambda i: c[i] / speeds[i])]:
+            while c[a := max(allowed, key=lambda i: offsets[i] + tau * c[i] / speeds[i])]:
                 # Devices that would finish this block sooner than its slowest one does now, soonest first.
-                sooner = c[a] / speeds[a] * (1 - 1e-12)
-                takers = sorted((j for j in allowed if j != a and (c[j] + 1) / speeds[j] < sooner),
-                                key=lambda j: (c[j] + 1) / speeds[j])
+                sooner = (offsets[a] + tau * c[a] / speeds[a]) * (1 - 1e-12)
+                takers = sorted((j for j in allowed if j != a and offsets[j] + tau * (c[j] + 1) / speeds[j] < sooner),
+                                key=lambda j: offsets[j] + tau * (c[j] + 1) / speeds[j])
                 j = next((j for j in takers if free[j] >= mem or make_room(blocks, c, allowed, free, j, mem)), None)
                 if j is None:
                     break
@@ -667,19 +735,22 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
         for kind, c in blocks:
             if c is current:
                 continue
-            mem = model.unit_memory(kind)
-            slowest = max(c[i] / speeds[i] for i in allowed)
+            mem, tau = model.unit_memory(kind), _work(model, kind)
+            slowest = max(offsets[i] + tau * c[i] / speeds[i] for i in allowed)
             while c[j] and free[j] < needed:
-                spare = [m for m in allowed if m != j and free[m] >= mem and (c[m] + 1) / speeds[m] <= slowest]
+                spare = [m for m in allowed if m != j and free[m] >= mem and
+                         offsets[m] + tau * (c[m] + 1) / speeds[m] <= slowest]
                 if not spare:
                     break
-                m = min(spare, key=lambda m: (c[m] + 1) / speeds[m])
+                m = min(spare, key=lambda m: offsets[m] + tau * (c[m] + 1) / speeds[m])
                 c[j], c[m], free[j], free[m] = c[j] - 1, c[m] + 1, free[j] + mem, free[m] - mem
             if free[j] >= needed:
                 return True
         return False
 
     def solve(allowed: set[int]) -> UnitCounts | None:
+        if sync == SyncModel.STAR:
+            offsets[:] = star_offsets(devices, model, allowed)
         blocks = [("vocab", list(counts.vocab))] + [(kind, list(layer)) for kind in LAYER_KINDS
                                                     for layer in counts.layer_kind(kind)]
         free = [b - u for b, u in zip(budgets, memory_used(counts, model), strict=True)]
@@ -741,17 +812,18 @@ def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
     start = time.perf_counter()
     status = None
     if strategy == "ilp":
-        bound = None
-        for heuristic in ("greedy", "minmax", "galaxy", "even"):
+        bound, incumbent = None, None
+        for heuristic in ("greedy", "minmax", "galaxy", "even", "halo"):
             try:
                 candidate = _heuristic_counts(heuristic, model, devices, sync)
             except InsufficientMemory:  # its repair could not pack the units; the ILP may still
                 continue
             if all(u <= d.budget_bytes for u, d in zip(memory_used(candidate, model), devices, strict=True)):
                 value = objective(candidate, devices, model, sync)
-                bound = value if bound is None else min(bound, value)
+                if bound is None or value < bound:
+                    bound, incumbent = value, candidate
         start = time.perf_counter()  # the solve alone, not the heuristics that give its bound
-        counts, status = ilp_counts(model, devices, bound, ilp_time_limit_s, sync)
+        counts, status = ilp_counts(model, devices, bound, ilp_time_limit_s, sync, incumbent)
     else:
         counts = _heuristic_counts(strategy, model, devices, sync)
     solve_seconds = time.perf_counter() - start
