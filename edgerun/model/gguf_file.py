@@ -112,8 +112,8 @@ def read_weights(reader: gguf.GGUFReader, config: ModelConfig) -> ModelWeights:
             else:
                 fields[field] = get(name)
         if interleaved:
-            fields["wq"] = fields["wq"].take_rows(q_rows)
-            fields["wk"] = fields["wk"].take_rows(k_rows)
+            fields["wq"] = fields["wq"].reorder_rows(q_rows)
+            fields["wk"] = fields["wk"].reorder_rows(k_rows)
             if fields["bq"] is not None:
                 fields["bq"] = fields["bq"][q_rows]
                 fields["bk"] = fields["bk"][k_rows]

@@ -82,7 +82,7 @@ def load_model(path: str | Path | None = None) -> Model:
         config = gguf_file.read_config(reader)
         check_vocabulary(reader)
         weights = gguf_file.read_weights(reader, config)
-        release_mapped_files([p])  # the pages reading touched (rows reordered for RoPE): a share takes its own
+        release_mapped_files([p])  # the pages reading touched (norms, metadata): a share takes its own
         return Model(p, "gguf", config, weights, lambda: Tokenizer.from_gguf(reader))
     except EdgerunError:
         raise

@@ -37,7 +37,10 @@ def block_shape(qtype: str) -> tuple[int, int]:
 class QuantTensor:
     qtype: str
     shape: tuple[int, ...]  # numpy order: (rows, cols) for matrices, (n,) for vectors
-    raw: np.ndarray  # uint8, (rows, bytes per row) for matrices, (bytes,) for vectors
+    stored: np.ndarray  # uint8, (rows, bytes per row) for matrices, (bytes,) for vectors: memory-mapped where it can be
+    # Rows of `stored` in this tensor's order, when it is a reordering (llama.cpp's RoPE rows): kept as an index so
+    # the file's pages stay mapped, not copied, until a share takes the rows it needs.
+    row_order: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         block, size = block_shape(self.qtype)
@@ -45,12 +48,20 @@ class QuantTensor:
         if cols % block:
             raise ValueError(f"{self.qtype} row length {cols} is not a multiple of its block size {block}")
         expected = (*self.shape[:-1], cols // block * size)
-        if self.raw.dtype != np.uint8 or self.raw.shape != expected:
-            raise ValueError(f"raw bytes {self.raw.dtype}{self.raw.shape} do not match {self.qtype}{self.shape}")
+        stored = self.stored.shape if self.row_order is None else (len(self.row_order), *self.stored.shape[1:])
+        if self.stored.dtype != np.uint8 or stored != expected:
+            raise ValueError(f"raw bytes {self.stored.dtype}{stored} do not match {self.qtype}{self.shape}")
+
+    @property
+    def raw(self) -> np.ndarray:
+        """The bytes in this tensor's row order (a copy for a reordering: take what you need with take_rows)."""
+        return self.stored if self.row_order is None else self.stored[self.row_order]
 
     @property
     def nbytes(self) -> int:
-        return int(self.raw.nbytes)
+        if self.row_order is None:
+            return int(self.stored.nbytes)
+        return len(self.row_order) * int(self.stored.shape[1])
 
     @property
     def rows(self) -> int:
@@ -65,8 +76,15 @@ class QuantTensor:
         return quants.dequantize(np.asarray(self.raw), qtype).reshape(self.shape).astype(np.float32, copy=False)
 
     def take_rows(self, index: np.ndarray | slice) -> QuantTensor:
-        raw = self.raw[index]
+        if self.row_order is not None:
+            return self.reorder_rows(index)
+        raw = self.stored[index]
         return QuantTensor(self.qtype, (raw.shape[0], *self.shape[1:]), raw)
+
+    def reorder_rows(self, index: np.ndarray | slice) -> QuantTensor:
+        """These rows, in this order, without copying them: the bytes are gathered when `raw` is read."""
+        order = (np.arange(self.rows) if self.row_order is None else self.row_order)[index]
+        return QuantTensor(self.qtype, (len(order), *self.shape[1:]), self.stored, order)
 
     def dequantize_rows(self, index: np.ndarray) -> np.ndarray:
         """Dequantize only some rows (embedding lookups)."""
