@@ -6,12 +6,13 @@ import json
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import gguf
-import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+if TYPE_CHECKING:  # the libraries load with the first tokenizer: a node, which never tokenizes, holds neither
+    import tokenizers
+    from tokenizers import pre_tokenizers
 
 # Tokens that end a turn in the chat formats of common model families; whichever exist as special
 # tokens in a vocabulary stop generation along with the declared eos token.
@@ -58,6 +59,9 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
 
 
 def _build_pre_tokenizer(spec: _PreTokenizerSpec) -> pre_tokenizers.PreTokenizer:
+    import tokenizers
+    from tokenizers import pre_tokenizers
+
     steps: list[pre_tokenizers.PreTokenizer] = []
     if spec.individual_digits:
         steps.append(pre_tokenizers.Digits(individual_digits=True))
@@ -193,6 +197,9 @@ class Tokenizer:
 
     @classmethod
     def from_vocabulary(cls, vocab: Vocabulary) -> Tokenizer:
+        import tokenizers
+        from tokenizers import AddedToken, decoders, models
+
         token_ids = {token: token_id for token_id, token in enumerate(vocab.tokens)}
         merges = [tuple(line.split(" ", 1)) for line in vocab.merges]
         pre_spec = _PRE_TOKENIZERS.get(vocab.pre, _GPT2_PRE)
@@ -226,6 +233,8 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: pathlib.Path) -> Tokenizer:
         """Build the tokenizer of a Hugging Face model directory (tokenizer.json and its configs)."""
+        import tokenizers
+
         try:
             backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # the tokenizers package raises plain Exception for missing and malformed files
@@ -296,6 +305,8 @@ class Tokenizer:
         """Render `messages` into a prompt with the model's own chat template."""
         if self.chat_template is None:
             raise ValueError("model has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
         # The same environment settings as Hugging Face transformers, so templates render identically.
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
