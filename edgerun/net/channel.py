@@ -158,6 +158,7 @@ class AsyncChannel:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._fileno = -1 if sock is None else sock.fileno()  # asked for every block: looked up once
 
     def set_rto_min(self, ms: float | None) -> bool:
         """Lower (or with None restore) this connection's minimum TCP retransmission timeout; False
@@ -198,8 +199,7 @@ class AsyncChannel:
 
     def fileno(self) -> int:
         """The stream's socket descriptor, -1 once it is gone."""
-        sock = self.writer.get_extra_info("socket")
-        return -1 if sock is None or self.writer.is_closing() else sock.fileno()
+        return -1 if self._fileno < 0 or self.writer.is_closing() else self._fileno
 
     def close(self) -> None:
         if self._on_loop():
