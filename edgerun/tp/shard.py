@@ -198,8 +198,10 @@ class _ShareBase:
 
 
 class _Block:
-    """One onnxruntime session with its input bound per call; decode steps (one token) write into a
-    preallocated output, so the hot path allocates nothing but the step's small index tensors."""
+    """One onnxruntime session with its inputs and outputs bound; decode steps (one token) run on preallocated
+    buffers bound once, into which each step copies its input and position, so the hot path allocates nothing
+    and binds nothing. Steps of several tokens (prefill) bind their own arrays, and the next one-token step binds
+    the buffers again."""
 
     def __init__(self, graph: Path, weight_bytes: int, threads: int | None, output: str, width: int) -> None:
         options = session_options(threads)
@@ -210,8 +212,14 @@ class _Block:
         self.binding = self.session.io_binding()
         self.binding.bind_output(output)  # first, so it is output 0
         self.output = output
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        # The one-token buffers: input, output, and where the graph takes them, the position and the units' flags.
+        self.x1 = np.zeros((1, 1, int(inputs["hidden"].shape[-1])), np.float32)
         self.out1 = np.zeros((1, 1, width), np.float32)  # the one-token output, reused
-        self.out1_value = ort.OrtValue.ortvalue_from_numpy(self.out1)
+        self.seqlens1 = np.zeros(1, np.int32) if "seqlens_k" in inputs else None
+        self.total1 = np.zeros((), np.int32) if "total_seq_len" in inputs else None
+        self.flags1 = np.zeros(int(inputs["flags"].shape[0]), np.bool_) if "flags" in inputs else None
+        self.one_token_bound = False
 
     def bind_cache(self, key: np.ndarray, value: np.ndarray) -> None:
         for past, present, buffer in (("past_key", "present_key", key), ("past_value", "present_value", value)):
@@ -219,22 +227,39 @@ class _Block:
             self.binding.bind_ortvalue_input(past, ort_value)
             self.binding.bind_ortvalue_output(present, ort_value)
 
+    def _bind_one_token(self) -> None:
+        b = self.binding
+        for name, buffer in (("hidden", self.x1), ("seqlens_k", self.seqlens1), ("total_seq_len", self.total1),
+                             ("flags", self.flags1)):
+            if buffer is not None:
+                b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buffer))
+        b.bind_ortvalue_output(self.output, ort.OrtValue.ortvalue_from_numpy(self.out1))
+        self.one_token_bound = True
+
     def run(self, x: np.ndarray, total: int | None = None, flags: np.ndarray | None = None) -> np.ndarray:
         """The block's output for x (1, seq, hidden) (with `flags`, of the units they select); for one token, a
         buffer reused by the next call."""
         b = self.binding
+        if x.shape[1] == 1:
+            if not self.one_token_bound:
+                self._bind_one_token()
+            self.x1[...] = x
+            if total is not None:
+                self.seqlens1[0], self.total1[...] = total - 1, total
+            if flags is not None:
+                self.flags1[...] = flags
+            self.session.run_with_iobinding(b)
+            return self.out1
+        self.one_token_bound = False
         b.bind_cpu_input("hidden", x)
         if flags is not None:
             b.bind_cpu_input("flags", flags)
         if total is not None:
             b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
             b.bind_cpu_input("total_seq_len", np.array(total, np.int32))
-        if x.shape[1] == 1:
-            b.bind_ortvalue_output(self.output, self.out1_value)
-        else:
-            b.bind_output(self.output)
+        b.bind_output(self.output)
         self.session.run_with_iobinding(b)
-        return self.out1 if x.shape[1] == 1 else b.get_outputs()[0].numpy()
+        return b.get_outputs()[0].numpy()
 
 
 def _shard_build_root() -> Path:
