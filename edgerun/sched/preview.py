@@ -42,8 +42,9 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
     elif plan.sync == SyncModel.PER_DEVICE:
         sync = f"synchronization {plan.t_c_s * 1e3:.3f} ms x {2 * model.n_layers * others} per token (Eq. 1)"
     else:
-        sync = (f"synchronization {plan.t_c_s * 1e3:.3f} ms + {others} x {STAR_PER_NODE_S * 1e6:.0f} us at the "
-                f"master, x {2 * model.n_layers + 1} blocks per token")
+        sync = (f"each of {2 * model.n_layers + 1} blocks per token: a node's round trip (up to "
+                f"{plan.t_c_s * 1e3:.3f} ms) or the master's {others} x {STAR_PER_NODE_S * 1e6:.0f} us of sends "
+                "and merges on top of its compute (star)")
     rows.append(f"{sync}; predicted {plan.time_per_token_s * 1e3:.2f} ms per token; solved in "
                 f"{plan.solve_seconds * 1e3:.1f} ms" + (f", ILP {plan.ilp_status}" if plan.ilp_status else ""))
     for o in plan.oom_devices:
