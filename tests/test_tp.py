@@ -299,6 +299,11 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         assert r["node_weight_mb"] > 0 and r["node_kv_mb"] > 0 and r["node_peak_rss_mb"] > r["node_weight_mb"]
         assert r["single_ms_per_token"] > 0
         assert r["speedup"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
+        assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
+    from edgerun.bench.tp import TpResult, tp_table
+
+    table = tp_table([TpResult(**{k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__})])
+    assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
 
 
 def test_measured_loss_puts_the_lossy_node_on_the_least_important_groups(tiny_spec, synth_gguf) -> None:

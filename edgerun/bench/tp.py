@@ -57,6 +57,7 @@ class TpResult:
     rate_mbit: float | None  # testbed links (None: unlimited)
     tokens: int
     ms_per_token: float
+    predicted_ms_per_token: float  # what the plan measured predicted (its sync model, the speeds it was made with)
     compute_ms_per_token: float  # the master's own share
     pred_ms_per_token: float  # dynamic mapping: ranking units with the predictors
     wait_ms_per_token: float  # waiting for the nodes' partials
@@ -216,7 +217,8 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         plan=master.config.strategy, mapping=master.config.mapping, group_size=master.config.group_size,
         overlap="+".join(sorted(master.config.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
-        ms_per_token=elapsed / n * 1e3, compute_ms_per_token=compute * 1e3,
+        ms_per_token=elapsed / n * 1e3, predicted_ms_per_token=master.plan.time_per_token_s * 1e3,
+        compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=blocks,
         blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
@@ -315,18 +317,21 @@ def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | Non
 
 
 def tp_table(results: list[TpResult]) -> str:
-    """Times in ms per token; "used" the devices the plan gave units to (master included); "lost wait" is the
+    """Times in ms per token; "used" the devices the plan gave units to (master included); "plan" what the plan
+    predicted; "lost wait" is the
     part of "wait" spent in blocks that ended incomplete; "node" the busiest node's kernels; "sync" the time per
     synchronization beyond the slowest device's compute (µs); "speed-up" against the single-process engine
     (--baseline)."""
-    rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'speed-up':>8} {'compute':>8} "
+    rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
+            f"{'compute':>8} "
             f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
             f"{'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12} {'node MB w+kv/rss':>17}"]
     for r in results:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
         memory = f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f}" if r.nodes else "-"
         rows.append(f"{r.nodes:>5} {r.devices_used:>4} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} "
-                    f"{speedup:>8} {r.compute_ms_per_token:>8.1f} {r.node_compute_ms_per_token:>7.1f} "
+                    f"{r.predicted_ms_per_token:>6.1f} {speedup:>8} {r.compute_ms_per_token:>8.1f} "
+                    f"{r.node_compute_ms_per_token:>7.1f} "
                     f"{r.wait_ms_per_token:>8.1f} "
                     f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
