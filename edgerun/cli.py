@@ -768,9 +768,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1024, help="tokens of KV cache to reserve (default: 1024)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     p.add_argument("--sync", choices=("star", "per-device"), default="star",
-                   help="tensor-parallel: how synchronizations are priced. star: as edgerun's master pays them, one "
-                        "round trip with the slowest link per block plus the master's work per node (default, what "
-                        "`edgerun master` plans with); per-device: HALO's Eq. (1), 2·L·(n-1) round trips per token")
+                   help="tensor-parallel: how synchronizations are priced. star: as edgerun's master pays them, a "
+                        "block lasting as long as its slowest device counting its session's fixed cost, a node its "
+                        "round trip and the master its work per node (default, what `edgerun master` plans with); "
+                        "per-device: HALO's Eq. (1), 2·L·(n-1) round trips per token")
     p.add_argument("--objective", choices=("sum", "max"), default="sum",
                    help="dp: sum (latency of one token, default) or max (throughput)")
     p.add_argument("--init-cost", action="store_true",

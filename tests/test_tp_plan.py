@@ -302,11 +302,17 @@ def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count
     counts = plan_counts(plan_tp(model, devices, "even"))  # every device the same share of every block
     compute = objective(counts, free_links, model)
     t_c = sync_seconds(devices[1], model.hidden)
+    session = devices[0].compute.session_overhead_ms / 1e3  # every device runs a session per block
     blocks = 2 * 4 + 1
     assert objective(counts, devices, model) == pytest.approx(compute + 2 * 4 * 3 * t_c)
     # Links of 2 ms: the nodes' round trips outlast the master's 3 x 50 us; free links: the master's work decides.
-    assert objective(counts, devices, model, SyncModel.STAR) == pytest.approx(compute + blocks * t_c)
-    assert objective(counts, free_links, model, SyncModel.STAR) == pytest.approx(compute + blocks * 3 * STAR_PER_NODE_S)
+    assert objective(counts, devices, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + t_c))
+    assert objective(counts, free_links, model, SyncModel.STAR) == \
+        pytest.approx(compute + blocks * (session + 3 * STAR_PER_NODE_S))
+    # One device alone pays its sessions and nothing else.
+    alone = plan_counts(plan_tp(model, devices[:1], "even"))
+    assert objective(alone, devices[:1], model, SyncModel.STAR) == \
+        pytest.approx(objective(alone, devices[:1], model) + blocks * session)
     # Four devices on 2 ms links: Eq. (1) keeps the work on one or two, the star spreads it over all four.
     per_device, star = plan_tp(model, devices, "ilp"), plan_tp(model, devices, "ilp", sync=SyncModel.STAR)
     assert per_device.devices_used < 4 and star.devices_used == 4

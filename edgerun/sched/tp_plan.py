@@ -11,8 +11,9 @@ device's speed is the weight bytes it streams per second: a unit of work τ take
 
 What synchronizing costs is a `SyncModel`: HALO's Eq. (1) charges 2·L·(n − 1) synchronizations per token, as if
 each device's exchange waited for the one before; edgerun's master sends every block's input to all its nodes at
-once and merges their partials as they come: a block lasts as long as its slowest device, a node counting its own
-round trip and the master its work per node (`SyncModel.STAR`, what the runtime plans with).
+once and merges their partials as they come: a block lasts as long as its slowest device, each counting the fixed
+cost of running its block's session, a node its own round trip and the master its work per node
+(`SyncModel.STAR`, what the runtime plans with).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class SyncModel(Enum):
     """How the synchronizations of a token are priced."""
 
     PER_DEVICE = "per-device"  # HALO's Eq. (1): 2·L·(n_used − 1)·T_c, one synchronization per device and block
-    STAR = "star"  # edgerun's master: per block, each device's compute plus its own round trip (nodes) or its
-    # work per node (the master, STAR_PER_NODE_S each); the block lasts as long as the slowest
+    STAR = "star"  # edgerun's master: per block, each device's session overhead and compute plus its own round
+    # trip (nodes) or its work per node (the master, STAR_PER_NODE_S each); the block lasts as long as the slowest
 
 
 class InsufficientMemory(ValueError):
@@ -243,13 +244,18 @@ def plan_sync_seconds(counts: UnitCounts, devices: list[DeviceProfile], model: M
 
 
 def star_offsets(devices: list[DeviceProfile], model: ModelProfile, used: set[int] | list[int]) -> list[float]:
-    """SyncModel.STAR: what each device adds to every block beside its compute, with `used` taking part. The
-    master (devices[0]) seals and sends each node's input and takes in its partial, (n_used − 1)·δ in all; a node
-    waits for its round trip, T_c of its link. Nothing when one device does everything."""
-    if len(used) < 2:
-        return [0.0] * len(devices)
-    return [(len(used) - 1) * STAR_PER_NODE_S if i == 0 else sync_seconds(d, model.hidden) if i in used else 0.0
-            for i, d in enumerate(devices)]
+    """SyncModel.STAR: what each device adds to every block beside its compute, with `used` taking part. Each
+    device that computes runs a session per block (`Compute.session_overhead_ms`). When more than one takes
+    part, the master (devices[0]) also seals and sends each node's input and takes in its partial,
+    (n_used − 1)·δ in all, and a node waits for its round trip, T_c of its link."""
+    spread = len(used) > 1
+    offsets = []
+    for i, d in enumerate(devices):
+        session = d.compute.session_overhead_ms / 1e3 if i in used else 0.0
+        sync = 0.0 if not spread else (len(used) - 1) * STAR_PER_NODE_S if i == 0 else \
+            sync_seconds(d, model.hidden) if i in used else 0.0
+        offsets.append(session + sync)
+    return offsets
 
 
 def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: ModelProfile,
@@ -605,7 +611,8 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
     """`objective` under SyncModel.STAR, exactly: a device's time in a block is its offset plus its compute, and the
     master's offset grows with the devices used, so every block gets its own variables (no levels shared by the
     layers as in Eq. (1)'s program). z_i: device i takes part; spread: more than one does (offsets count then).
-    For a node, t_b ≥ T_i·(z_i + spread − 1) + τ·x_bi / c_i; for the master, t_b ≥ δ·(Σz − 1) + τ·x_b0 / c_0."""
+    For a node, t_b ≥ s_i·z_i + T_i·(z_i + spread − 1) + τ·x_bi / c_i; for the master,
+    t_b ≥ s_0·z_0 + δ·(Σz − 1) + τ·x_b0 / c_0 (s: the device's session overhead per block)."""
     n = len(devices)
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     kinds = ["vocab"] + [k for k in LAYER_KINDS for _ in range(model.n_layers)]  # one entry per block
@@ -624,7 +631,8 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
         prob.addConstraint(pulp.lpSum(x[b]) == _n_units(model, k))
         for i in range(n):
             prob.addConstraint(x[b][i] <= _n_units(model, k) * use[i])
-            compute = _work(model, k) / speeds[i] / time_scale * x[b][i]
+            compute = _work(model, k) / speeds[i] / time_scale * x[b][i] + \
+                devices[i].compute.session_overhead_ms / 1e3 / time_scale * use[i]
             if i == 0:
                 prob.addConstraint(t[b] >= compute + STAR_PER_NODE_S / time_scale * (pulp.lpSum(use) - 1))
             else:
