@@ -47,7 +47,7 @@ class SyncModel(Enum):
 
     PER_DEVICE = "per-device"  # HALO's Eq. (1): 2·L·(n_used − 1)·T_c, one synchronization per device and block
     STAR = "star"  # edgerun's master: per block, each device's session overhead and compute plus its own round
-    # trip (nodes) or its work per node (the master, STAR_PER_NODE_S each); the block lasts as long as the slowest
+    # trip (a node) or its work per node used (the master, STAR_PER_NODE_S each); the block lasts as its slowest
 
 
 class InsufficientMemory(ValueError):
@@ -245,15 +245,14 @@ def plan_sync_seconds(counts: UnitCounts, devices: list[DeviceProfile], model: M
 
 def star_offsets(devices: list[DeviceProfile], model: ModelProfile, used: set[int] | list[int]) -> list[float]:
     """SyncModel.STAR: what each device adds to every block beside its compute, with `used` taking part. Each
-    device that computes runs a session per block (`Compute.session_overhead_ms`). When more than one takes
-    part, the master (devices[0]) also seals and sends each node's input and takes in its partial,
-    (n_used − 1)·δ in all, and a node waits for its round trip, T_c of its link."""
-    spread = len(used) > 1
+    device that computes runs a session per block (`Compute.session_overhead_ms`). The master (devices[0]) seals
+    and sends each used node's input and takes in its partial, δ per node, whether or not it computes too; a node
+    waits for its round trip, T_c of its link."""
+    nodes = sum(1 for i in used if i != 0)
     offsets = []
     for i, d in enumerate(devices):
         session = d.compute.session_overhead_ms / 1e3 if i in used else 0.0
-        sync = 0.0 if not spread else (len(used) - 1) * STAR_PER_NODE_S if i == 0 else \
-            sync_seconds(d, model.hidden) if i in used else 0.0
+        sync = nodes * STAR_PER_NODE_S if i == 0 else sync_seconds(d, model.hidden) if i in used else 0.0
         offsets.append(session + sync)
     return offsets
 
@@ -610,9 +609,8 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
                      time_limit_s: float, incumbent: UnitCounts | None) -> tuple[UnitCounts, str]:
     """`objective` under SyncModel.STAR, exactly: a device's time in a block is its offset plus its compute, and the
     master's offset grows with the devices used, so every block gets its own variables (no levels shared by the
-    layers as in Eq. (1)'s program). z_i: device i takes part; spread: more than one does (offsets count then).
-    For a node, t_b ≥ s_i·z_i + T_i·(z_i + spread − 1) + τ·x_bi / c_i; for the master,
-    t_b ≥ s_0·z_0 + δ·(Σz − 1) + τ·x_b0 / c_0 (s: the device's session overhead per block)."""
+    layers as in Eq. (1)'s program). z_i: device i takes part. For a node, t_b ≥ (s_i + T_i)·z_i + τ·x_bi / c_i;
+    for the master, t_b ≥ s_0·z_0 + δ·Σ_{i≥1} z_i + τ·x_b0 / c_0 (s: a device's session overhead per block)."""
     n = len(devices)
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     kinds = ["vocab"] + [k for k in LAYER_KINDS for _ in range(model.n_layers)]  # one entry per block
@@ -622,8 +620,6 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
 
     prob = pulp.LpProblem("tp_plan_star", pulp.LpMinimize)
     use = [prob.add_variable(f"z_{i}", cat=pulp.LpBinary) for i in range(n)]
-    spread = prob.add_variable("spread", cat=pulp.LpBinary)
-    prob.addConstraint(pulp.lpSum(use) - 1 <= (n - 1) * spread)
     x = [[prob.add_variable(f"x_{b}_{i}", 0, _n_units(model, k), pulp.LpInteger) for i in range(n)]
          for b, k in enumerate(kinds)]
     t = [prob.add_variable(f"t_{b}", 0) for b in range(len(kinds))]
@@ -634,10 +630,9 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
             compute = _work(model, k) / speeds[i] / time_scale * x[b][i] + \
                 devices[i].compute.session_overhead_ms / 1e3 / time_scale * use[i]
             if i == 0:
-                prob.addConstraint(t[b] >= compute + STAR_PER_NODE_S / time_scale * (pulp.lpSum(use) - 1))
+                prob.addConstraint(t[b] >= compute + STAR_PER_NODE_S / time_scale * pulp.lpSum(use[1:]))
             else:
-                link = sync_seconds(devices[i], model.hidden) / time_scale
-                prob.addConstraint(t[b] >= compute + link * (use[i] + spread - 1))
+                prob.addConstraint(t[b] >= compute + sync_seconds(devices[i], model.hidden) / time_scale * use[i])
     for i in range(n):
         prob.addConstraint(pulp.lpSum(model.unit_memory(k) / mem_scale * x[b][i] for b, k in enumerate(kinds))
                            <= devices[i].budget_bytes / mem_scale)
@@ -650,7 +645,6 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
             [r for k in LAYER_KINDS if _n_units(model, k) for r in incumbent.layer_kind(k)]
         used = set(_used_devices(incumbent))
         offsets = star_offsets(devices, model, used)
-        spread.setInitialValue(int(len(used) > 1))
         for i in range(n):
             use[i].setInitialValue(int(i in used))
         for b, (row, k) in enumerate(zip(rows, kinds, strict=True)):
