@@ -309,10 +309,14 @@ def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count
     assert objective(counts, devices, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + t_c))
     assert objective(counts, free_links, model, SyncModel.STAR) == \
         pytest.approx(compute + blocks * (session + 3 * STAR_PER_NODE_S))
-    # One device alone pays its sessions and nothing else.
+    # The master alone pays its sessions and nothing else; a node alone still pays its round trip every block.
     alone = plan_counts(plan_tp(model, devices[:1], "even"))
     assert objective(alone, devices[:1], model, SyncModel.STAR) == \
         pytest.approx(objective(alone, devices[:1], model) + blocks * session)
+    on_node = UnitCounts(tuple((0, *layer) for layer in alone.attn), tuple((0, *layer) for layer in alone.mlp),
+                         (0, *alone.vocab))
+    assert objective(on_node, devices[:2], model, SyncModel.STAR) == \
+        pytest.approx(objective(alone, devices[:1], model) + blocks * (session + t_c))
     # Four devices on 2 ms links: Eq. (1) keeps the work on one or two, the star spreads it over all four.
     per_device, star = plan_tp(model, devices, "ilp"), plan_tp(model, devices, "ilp", sync=SyncModel.STAR)
     assert per_device.devices_used < 4 and star.devices_used == 4
