@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from fractions import Fraction
@@ -257,6 +258,14 @@ def star_offsets(devices: list[DeviceProfile], model: ModelProfile, used: set[in
     return offsets
 
 
+def _block_seconds(model: ModelProfile, kind: str, counts: Sequence[int], speeds: list[float], offsets: list[float],
+                   used: Collection[int]) -> float:
+    """How long one block of `kind` lasts: its slowest device's compute plus offset. The master and every device
+    of the plan take part in each block (STAR's offsets are 0 for the rest)."""
+    return max(o + _work(model, kind) * w / c
+               for i, (w, c, o) in enumerate(zip(counts, speeds, offsets, strict=True)) if i == 0 or i in used or w)
+
+
 def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: ModelProfile,
               sync: SyncModel = SyncModel.PER_DEVICE) -> float:
     """Seconds per token. PER_DEVICE, Eq. (1): each block lasts as long as its slowest device, plus
@@ -266,16 +275,9 @@ def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: Mode
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     used = _used_devices(plan_counts)
     offsets = star_offsets(devices, model, used) if sync == SyncModel.STAR else [0.0] * len(devices)
-    # Under STAR the master and every device of the plan take part in each block (offsets of 0 for the rest).
-    takes_part = [i == 0 or i in used for i in range(len(devices))]
-
-    def block(kind: str, counts: tuple[int, ...]) -> float:
-        return max(o + _work(model, kind) * w / c
-                   for w, c, o, part in zip(counts, speeds, offsets, takes_part, strict=True) if part or w)
-
-    total = block("vocab", plan_counts.vocab)
+    total = _block_seconds(model, "vocab", plan_counts.vocab, speeds, offsets, used)
     for kind in LAYER_KINDS:
-        total += sum(block(kind, layer) for layer in plan_counts.layer_kind(kind))
+        total += sum(_block_seconds(model, kind, c, speeds, offsets, used) for c in plan_counts.layer_kind(kind))
     if sync == SyncModel.PER_DEVICE and len(used) > 1:
         total += 2 * model.n_layers * (len(used) - 1) * plan_sync_seconds(plan_counts, devices, model)
     return total
@@ -650,8 +652,7 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
         for b, (row, k) in enumerate(zip(rows, kinds, strict=True)):
             for i in range(n):
                 x[b][i].setInitialValue(row[i])
-            t[b].setInitialValue(max(offsets[i] + _work(model, k) * row[i] / speeds[i]
-                                     for i in range(n) if i == 0 or i in used) / time_scale)
+            t[b].setInitialValue(_block_seconds(model, k, row, speeds, offsets, used) / time_scale)
     prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(time_limit_s, 1.0), warmStart=incumbent is not None))
     if prob.status == pulp.LpStatusInfeasible:
         raise InsufficientMemory("the units do not pack into the devices' memory budgets")
@@ -706,6 +707,10 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
     budgets = [d.budget_bytes for d in devices]
     offsets = [0.0] * n  # what each device adds to a block beside its compute (SyncModel.STAR), for `allowed`
 
+    def finish(i: int, count: int, tau: float) -> float:
+        """When device i ends a block holding `count` units of work τ each."""
+        return offsets[i] + tau * count / speeds[i]
+
     def balance(blocks: list[tuple[str, list[int]]], allowed: set[int], free: list[float]) -> bool:
         """Move units block by block until no move shortens a block; False if a unit could not be placed."""
         for kind, c in blocks:
@@ -716,13 +721,13 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
                     takers = [j for j in allowed if free[j] >= mem]
                     if not takers:
                         return False
-                    j = min(takers, key=lambda j: offsets[j] + tau * (c[j] + 1) / speeds[j])
+                    j = min(takers, key=lambda j: finish(j, c[j] + 1, tau))
                     c[i], c[j], free[i], free[j] = c[i] - 1, c[j] + 1, free[i] + mem, free[j] - mem
-            while c[a := max(allowed, key=lambda i: offsets[i] + tau * c[i] / speeds[i])]:
+            while c[a := max(allowed, key=lambda i: finish(i, c[i], tau))]:
                 # Devices that would finish this block sooner than its slowest one does now, soonest first.
-                sooner = (offsets[a] + tau * c[a] / speeds[a]) * (1 - 1e-12)
-                takers = sorted((j for j in allowed if j != a and offsets[j] + tau * (c[j] + 1) / speeds[j] < sooner),
-                                key=lambda j: offsets[j] + tau * (c[j] + 1) / speeds[j])
+                sooner = finish(a, c[a], tau) * (1 - 1e-12)
+                takers = sorted((j for j in allowed if j != a and finish(j, c[j] + 1, tau) < sooner),
+                                key=lambda j: finish(j, c[j] + 1, tau))
                 j = next((j for j in takers if free[j] >= mem or make_room(blocks, c, allowed, free, j, mem)), None)
                 if j is None:
                     break
@@ -738,13 +743,12 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
             if c is current:
                 continue
             mem, tau = model.unit_memory(kind), _work(model, kind)
-            slowest = max(offsets[i] + tau * c[i] / speeds[i] for i in allowed)
+            slowest = max(finish(i, c[i], tau) for i in allowed)
             while c[j] and free[j] < needed:
-                spare = [m for m in allowed if m != j and free[m] >= mem and
-                         offsets[m] + tau * (c[m] + 1) / speeds[m] <= slowest]
+                spare = [m for m in allowed if m != j and free[m] >= mem and finish(m, c[m] + 1, tau) <= slowest]
                 if not spare:
                     break
-                m = min(spare, key=lambda m: offsets[m] + tau * (c[m] + 1) / speeds[m])
+                m = min(spare, key=lambda m: finish(m, c[m] + 1, tau))
                 c[j], c[m], free[j], free[m] = c[j] - 1, c[m] + 1, free[j] + mem, free[m] - mem
             if free[j] >= needed:
                 return True
