@@ -36,15 +36,16 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
         rows.append(f"{name:<20} {plan.plrs[i]:>6.3f} {_ranges(plan.attn[0][i]):>14} {_ranges(plan.mlp[0][i]):>14} "
                     f"{_ranges(plan.vocab[i]):>9} {units:>6} {plan.memory_bytes[i] / 1e6:>10.1f} "
                     f"{plan.budget_bytes[i] / 1e6:>10.1f} {plan.compute_s[i] * 1e3:>10.2f}")
-    others = plan.devices_used - 1
-    if others < 1:
-        sync = "no synchronization (one device)"
-    elif plan.sync == SyncModel.PER_DEVICE:
-        sync = f"synchronization {plan.t_c_s * 1e3:.3f} ms x {2 * model.n_layers * others} per token (Eq. 1)"
-    else:
+    nodes = sum(m > 0 for m in plan.memory_bytes[1:])  # devices[0] is the master
+    if plan.sync == SyncModel.PER_DEVICE and plan.devices_used > 1:
+        syncs = 2 * model.n_layers * (plan.devices_used - 1)
+        sync = f"synchronization {plan.t_c_s * 1e3:.3f} ms x {syncs} per token (Eq. 1)"
+    elif plan.sync == SyncModel.STAR and nodes:
         sync = (f"each of {2 * model.n_layers + 1} blocks per token: a node's round trip (up to "
-                f"{plan.t_c_s * 1e3:.3f} ms) or the master's {others} x {STAR_PER_NODE_S * 1e6:.0f} us of sends "
+                f"{plan.t_c_s * 1e3:.3f} ms) or the master's {nodes} x {STAR_PER_NODE_S * 1e6:.0f} us of sends "
                 "and merges on top of its compute (star)")
+    else:
+        sync = "no synchronization (one device)"
     rows.append(f"{sync}; predicted {plan.time_per_token_s * 1e3:.2f} ms per token; solved in "
                 f"{plan.solve_seconds * 1e3:.1f} ms" + (f", ILP {plan.ilp_status}" if plan.ilp_status else ""))
     for o in plan.oom_devices:
