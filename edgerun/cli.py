@@ -128,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.quiet:
         print(f"[{args.engine}] {result.prompt_tokens} prompt tokens at "
               f"{result.prompt_tokens / result.prefill_s:.1f} tok/s, {len(result.tokens)} generated at "
-              f"{result.decode_tok_s:.1f} tok/s, stopped by {result.stop_reason}", file=sys.stderr)
+              f"{result.decode_tok_s:.1f} tok/s, stopped by {result.stop_reason.value}", file=sys.stderr)
 
 
 def cmd_model_synth(args: argparse.Namespace) -> None:

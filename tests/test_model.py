@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from edgerun.errors import EdgerunError
-from edgerun.model.generate import Engine, ReferenceEngine, generate, make_engine
+from edgerun.model.generate import Engine, ReferenceEngine, StopReason, generate, make_engine
 from edgerun.model.loader import Model, load_model
 from edgerun.model.quant import SUPPORTED_QTYPES, WRITABLE_QTYPES, QuantTensor, quantize, to_affine_blocks
 from edgerun.model.reference import BlockHooks, DenseLayer, ReferenceModel, apply_rope, n_groups, rope_tables
@@ -602,7 +602,7 @@ def test_stop_token_on_first_step_generates_nothing(tiny_spec: TinySpec, synth_g
     first = int(np.argmax(engine.step(prompt)))
     seen: list[int] = []
     result = generate(engine, prompt, 10, _greedy(), frozenset({first}), on_token=seen.append)
-    assert result.stop_reason == "stop_token"
+    assert result.stop_reason == StopReason.STOP_TOKEN
     assert result.tokens == [] and seen == []
     assert result.prompt_tokens == len(prompt)
 
@@ -611,12 +611,12 @@ def test_stop_token_mid_sequence(tiny_spec: TinySpec, synth_gguf: SynthGguf) -> 
     engine = make_engine("numpy", load_model(synth_gguf(tiny_spec("qwen2", "Q8_0", tied=False))), 32)
     prompt = [40, 41, 42]
     free = generate(engine, prompt, 10, _greedy())
-    assert free.stop_reason == "max_tokens" and len(free.tokens) == 10
+    assert free.stop_reason == StopReason.MAX_TOKENS and len(free.tokens) == 10
     stop = free.tokens[4]
     cut = free.tokens.index(stop)
     seen: list[int] = []
     result = generate(engine, prompt, 10, _greedy(), frozenset({stop, 511}), on_token=seen.append)
-    assert result.stop_reason == "stop_token"
+    assert result.stop_reason == StopReason.STOP_TOKEN
     assert result.tokens == seen == free.tokens[:cut]
 
 

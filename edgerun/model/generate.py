@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 import numpy as np
@@ -19,15 +20,24 @@ from edgerun.model.sampling import Sampler
 ENGINES = ("numpy", "onnx", "onnx-int8")
 
 
-class Engine(Protocol):
-    name: str
-    config: ModelConfig
-    max_len: int
-    weight_bytes: int  # bytes of weights one decode step reads
+class Stepper(Protocol):
+    """What the generation loop drives: a KV cache of max_len positions, reset, and a step that runs tokens
+    after those already seen and returns the last one's next-token logits."""
+
+    @property
+    def max_len(self) -> int: ...
 
     def reset(self) -> None: ...
 
     def step(self, tokens: Sequence[int]) -> np.ndarray: ...
+
+
+class Engine(Stepper, Protocol):
+    """A single-process engine."""
+
+    name: str
+    config: ModelConfig
+    weight_bytes: int  # bytes of weights one decode step reads
 
 
 class ReferenceEngine:
@@ -59,42 +69,75 @@ def make_engine(kind: str, model: Model, max_len: int, threads: int | None = Non
     raise EdgerunError(f"unknown engine {kind!r} (choose from {', '.join(ENGINES)})")
 
 
+class StopReason(Enum):
+    STOP_TOKEN = "stop_token"  # the model ended its answer
+    MAX_TOKENS = "max_tokens"
+    CANCELLED = "cancelled"  # the caller asked to stop (a client went away, a stop string appeared)
+
+
+class EngineLost(Exception):
+    """An engine lost part of itself mid-step (a node died). After `engine.recover()` the generation loop
+    prefills the prompt and the tokens so far again and goes on: with a position-seeded sampler the tokens
+    are those an undisturbed run gives."""
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     prompt_tokens: int
     tokens: list[int]
-    stop_reason: str  # "stop_token" or "max_tokens"
+    stop_reason: StopReason
     prefill_s: float
     decode_s: float  # time for every token after the first
+    recoveries: int = 0
 
     @property
     def decode_tok_s(self) -> float:
         return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else 0.0
 
 
-def generate(engine: Engine, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
-             stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> GenerationResult:
-    """Prefill the prompt, then sample up to max_tokens tokens; the engine starts fresh."""
+def generate(engine: Stepper, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
+             stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None,
+             cancelled: Callable[[], bool] = lambda: False) -> GenerationResult:
+    """Prefill the prompt, then sample up to max_tokens tokens; the engine starts fresh. The one generation
+    loop of every engine: the single-process ones, a tensor-parallel master and `edgerun serve`'s switch
+    between them. `cancelled` is asked before every step; an engine that raises EngineLost is recovered and
+    re-prefilled."""
     if not prompt:
         raise EdgerunError("the prompt is empty")
+    if max_tokens < 1:
+        raise EdgerunError("max tokens must be at least 1")
     if len(prompt) + max_tokens > engine.max_len:
         raise EdgerunError(f"prompt ({len(prompt)} tokens) plus --max-tokens {max_tokens} exceeds the "
                            f"context of {engine.max_len} tokens")
-    engine.reset()
-    start = time.perf_counter()
-    logits = engine.step(prompt)
-    prefill_s = time.perf_counter() - start
     tokens: list[int] = []
-    stop_reason = "max_tokens"
-    decode_start = time.perf_counter()
-    while len(tokens) < max_tokens:
-        token = sampler(logits, len(prompt) + len(tokens))
-        if token in stop_ids:
-            stop_reason = "stop_token"
-            break
-        tokens.append(token)
-        if on_token:
-            on_token(token)
-        if len(tokens) < max_tokens:
-            logits = engine.step([token])
-    return GenerationResult(len(prompt), tokens, stop_reason, prefill_s, time.perf_counter() - decode_start)
+    recoveries = 0
+    start = time.perf_counter()
+    prefill_s = 0.0
+    decode_start = start
+    while True:
+        try:
+            engine.reset()
+            logits = engine.step(list(prompt) + tokens)
+            if not tokens:
+                prefill_s = time.perf_counter() - start
+                decode_start = time.perf_counter()
+            while True:
+                if cancelled():
+                    reason = StopReason.CANCELLED
+                    break
+                token = sampler(logits, len(prompt) + len(tokens))
+                if token in stop_ids:
+                    reason = StopReason.STOP_TOKEN
+                    break
+                tokens.append(token)
+                if on_token:
+                    on_token(token)
+                if len(tokens) >= max_tokens:
+                    reason = StopReason.MAX_TOKENS
+                    break
+                logits = engine.step([token])
+            return GenerationResult(len(prompt), tokens, reason, prefill_s, time.perf_counter() - decode_start,
+                                    recoveries)
+        except EngineLost:
+            recoveries += 1
+            engine.recover()  # type: ignore[attr-defined]  # only engines that can lose a part raise EngineLost

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgerun.model.config import ModelConfig
+from edgerun.model.generate import EngineLost
 from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, add_fragment
 from edgerun.net.wire import (
     Added,
@@ -44,7 +45,7 @@ KEPT_POSITIONS = 64
 BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
 
 
-class NodeLost(Exception):
+class NodeLost(EngineLost):
     """A node died while the master waited on its reply."""
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.model.generate import generate
 from edgerun.model.loader import Model
 from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
@@ -35,7 +36,7 @@ from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelPr
 from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, plan_tp
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, unit_order_for
-from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
+from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, StepStats
 from edgerun.tp.membership import KernelRate, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
@@ -323,28 +324,6 @@ class Master:
         self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
         return await self._block(0, Block.HEAD, rms_norm_fast(x[-1:], weights.output_norm, c.norm_eps), start)
 
-    async def _generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler, stop_ids: frozenset[int],
-                        on_token: Callable[[int], None] | None) -> list[int]:
-        tokens: list[int] = []
-        while True:
-            try:
-                self._reset()
-                logits = await self._step(list(prompt) + tokens)
-                while len(tokens) < max_tokens:
-                    token = sampler(logits, len(prompt) + len(tokens))
-                    if token in stop_ids:
-                        return tokens
-                    tokens.append(token)
-                    if on_token:
-                        on_token(token)
-                    if len(tokens) < max_tokens:
-                        logits = await self._step([token])
-                return tokens
-            except NodeLost as e:
-                self.log(f"node {e} lost mid-generation: replanning and re-prefilling {len(prompt) + len(tokens)} "
-                         "tokens")
-                await asyncio.get_running_loop().run_in_executor(None, self.replan)
-
     # --- the blocking interface, for callers outside the loop -------------------------------------
     def reset(self) -> None:
         """Start a new request: every device forgets its KV cache."""
@@ -354,13 +333,20 @@ class Master:
         """Run tokens after those already seen; the last token's logits."""
         return self.net.run(self._step(tokens))
 
+    def recover(self) -> None:
+        """After a node was lost mid-step: plan over the devices left (the generation loop re-prefills)."""
+        self.log("a node was lost mid-generation: replanning")
+        self.replan()
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_len
+
     def generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
                  stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
-        """Greedy or sampled generation; a node lost midway triggers a replan and a re-prefill of
-        the prompt and the tokens so far, and generation goes on. `on_token` runs on the loop thread."""
-        if len(prompt) + max_tokens > self.config.max_len:
-            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.config.max_len}")
-        return self.net.run(self._generate(prompt, max_tokens, sampler, stop_ids, on_token))
+        """Greedy or sampled generation (the one generation loop, model.generate): a node lost midway triggers a
+        replan and a re-prefill of the prompt and the tokens so far, and generation goes on."""
+        return generate(self, prompt, max_tokens, sampler, stop_ids, on_token).tokens
 
     def close(self) -> None:
         for node in self.membership.alive():
