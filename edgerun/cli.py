@@ -823,6 +823,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_args(p)
     p.set_defaults(func=cmd_master)
 
+    from edgerun.serve.cli import add_commands as add_serve_commands
+
+    add_serve_commands(sub, DEFAULT_THREADS)
+
     p = sub.add_parser("node", help="serve as one device of a tensor-parallel or pipeline cluster",
                        description="Join a master and compute what it assigns until it shuts down: with --mode tp, "
                                    "a share of every layer from the local model file; with --mode pp, a range of "

@@ -1,0 +1,302 @@
+"""The HTTP side of `edgerun serve`: OpenAI's API, /health, /metrics and the live dashboard, one Starlette
+application on uvicorn.
+
+Starlette because it is small, typed, asyncio-native (the engines' tokens arrive on the event loop through
+call_soon_threadsafe), streams responses with disconnect detection built in, and runs on uvicorn with
+uvloop, which edgerun already uses; nothing of a larger framework is needed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgerun.model.generate import GenerationResult, StopReason
+from edgerun.model.loader import Model
+from edgerun.serve.metrics import Metrics
+from edgerun.serve.openai_api import (
+    ApiError,
+    Endpoint,
+    GenerationRequest,
+    ResponseIds,
+    StopText,
+    chunk,
+    parse_request,
+    response,
+    usage_chunk,
+)
+from edgerun.serve.service import Job, Service
+from edgerun.serve.switch import EngineSwitch, Mode
+
+STATE_INTERVAL_S = 1.0  # how often the dashboard's event stream sends the state
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    model_name: str  # what /v1/models lists and responses name
+    api_key: str | None  # bearer token the /v1 endpoints require; None: open
+    default_max_tokens: int  # when a request names none (capped by the context left)
+
+
+class Api:
+    """The handlers, over one Service."""
+
+    def __init__(self, model: Model, service: Service, switch: EngineSwitch, metrics: Metrics,
+                 config: ApiConfig) -> None:
+        self.model, self.service, self.switch, self.metrics, self.config = model, service, switch, metrics, config
+        self.started = time.time()
+
+    # --- OpenAI's endpoints -------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.config.api_key}":
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": int(self.started), "owned_by": "edgerun"}]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.COMPLETION)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+        try:
+            return self.model.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the template's own raise_exception, or a model without one
+            raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        self._authorize(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not JSON: {e}") from e
+        try:
+            req = parse_request(endpoint, body, self._render_chat)
+        except ValueError as e:  # the sampler's own checks
+            raise ApiError(400, str(e)) from e
+        model_name = body.get("model")
+        if model_name is not None and not isinstance(model_name, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        prompt = self.model.tokenizer.encode(req.prompt)
+        context = self.switch.max_len
+        room = context - len(prompt)
+        if room < 1:
+            raise ApiError(413, f"the prompt is {len(prompt)} tokens; the context holds {context}",
+                           code="context_length_exceeded")
+        max_tokens = min(self.config.default_max_tokens, room) if req.max_tokens is None else req.max_tokens
+        if max_tokens > room:
+            raise ApiError(413, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                           f"context of {context}", param="max_tokens", code="context_length_exceeded")
+        job = self.service.submit(prompt, max_tokens, req.sampling)
+        ids = ResponseIds.new(endpoint, self.config.model_name)
+        if req.stream:
+            return StreamingResponse(self._stream(job, req, ids), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            text, result, stopped = await self._collect(job, req)
+        finally:
+            watcher.cancel()
+        self.metrics.request_done(200)
+        reason = StopReason.STOP_TOKEN if stopped else result.stop_reason
+        return JSONResponse(response(endpoint, ids, text, reason, result.prompt_tokens, len(result.tokens)))
+
+    async def _pieces(self, job: Job, req: GenerationRequest) -> AsyncIterator[str | GenerationResult]:
+        """The job's text as it can be sent (cut at a stop string, which cancels the job), then its result."""
+        decoder = self.model.tokenizer.stream_decoder()
+        stops = StopText(req.stop)
+        while True:
+            item = await job.out.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, GenerationResult):
+                tail = stops.push(decoder.flush())
+                tail += stops.flush()
+                if tail:
+                    yield tail
+                yield item
+                return
+            text = stops.push(decoder.push(item))
+            if stops.stopped:
+                job.cancel()
+            if text:
+                yield text
+
+    async def _collect(self, job: Job, req: GenerationRequest) -> tuple[str, GenerationResult, bool]:
+        texts: list[str] = []
+        async for piece in self._pieces(job, req):
+            if isinstance(piece, GenerationResult):
+                # Cancelled with nothing else asking: a stop string cut it.
+                return "".join(texts), piece, piece.stop_reason == StopReason.CANCELLED
+            texts.append(piece)
+        raise RuntimeError("a job ended without its result")
+
+    async def _stream(self, job: Job, req: GenerationRequest, ids: ResponseIds) -> AsyncIterator[str]:
+        """Server-sent events: a first chunk with the role, the text as it comes, a closing chunk with the
+        finish reason, the usage if asked, [DONE]. A client that goes away cancels the job (Starlette cancels
+        this generator)."""
+        try:
+            yield _sse(chunk(req.endpoint, ids, "", first=True))
+            async for piece in self._pieces(job, req):
+                if isinstance(piece, GenerationResult):
+                    reason = StopReason.STOP_TOKEN if piece.stop_reason == StopReason.CANCELLED else \
+                        piece.stop_reason
+                    yield _sse(chunk(req.endpoint, ids, None, reason))
+                    if req.include_usage:
+                        yield _sse(usage_chunk(req.endpoint, ids, piece.prompt_tokens, len(piece.tokens)))
+                    yield "data: [DONE]\n\n"
+                    self.metrics.request_done(200)
+                    return
+                yield _sse(chunk(req.endpoint, ids, piece))
+        except Exception as e:  # headers are sent: the error goes in the stream
+            self.metrics.request_done(500)
+            yield _sse(ApiError(500, f"generation failed: {e}", kind="server_error").body())
+        finally:
+            job.cancel()
+
+    # --- operations ---------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What the dashboard and `edgerun status` show."""
+        sw, master = self.switch, self.switch.master
+        now = time.time()
+        per_second = [0] * 120
+        for t in list(self.service.tokens_log):
+            age = int(now - t)
+            if 0 <= age < 120:
+                per_second[119 - age] += 1
+        nodes, plan = [], None
+        if master is not None:
+            for n in master.nodes:
+                spec = n.spec
+                nodes.append({
+                    "name": n.name, "kind": "native", "alive": n.alive,
+                    "state": ("ready" if n.ready.is_set() else "loading") if n.alive else "lost",
+                    "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
+                    "peak_rss_mb": n.peak_rss_mb,
+                    "speed_gb_s": (n.decode.speed or n.speed) / 1e9,
+                    "rtt_ms": None if n.link is None else n.link.rtt_ms,
+                    "loss": None if n.link is None else n.link.loss_rate,
+                    "holds": None if spec is None else {
+                        "attention_units": sum(len(u) for u in spec.attn_units),
+                        "mlp_groups": sum(len(g) for g in spec.mlp_groups),
+                        "vocab_blocks": len(spec.vocab_blocks)},
+                })
+            if master.plan is not None and sw.planned_for:
+                p = master.plan
+                plan = {"strategy": p.strategy, "devices": list(p.devices),
+                        "memory_mb": [m / 1e6 for m in p.memory_bytes],
+                        "compute_ms": [c * 1e3 for c in p.compute_s],
+                        "predicted_ms_per_token": p.time_per_token_s * 1e3}
+        stats = None if master is None else master.stats
+        return {
+            "model": self.config.model_name, "mode": sw.mode.value, "uptime_s": now - self.started,
+            "single_ms_per_token": sw.single_ms,
+            "measured_ms_per_token": {m.value: v for m, v in sw.measured_ms.items()},
+            "plan": plan, "nodes": nodes,
+            "queue": {"waiting": self.service.waiting, "busy": self.service.busy},
+            "tokens_per_second": per_second,
+            "blocks": 0 if stats is None else stats.blocks,
+            "blocks_incomplete": 0 if stats is None else stats.blocks_incomplete,
+            "late_packets": 0 if stats is None else stats.late_packets,
+            "recoveries": self.metrics.recoveries,
+            "events": [{"at": e.at, "text": e.text} for e in list(sw.events)],
+        }
+
+    async def health(self, request: Request) -> Response:
+        s = self.state()
+        return JSONResponse({"status": "ok", "model": s["model"], "mode": s["mode"],
+                             "nodes": sum(n["alive"] for n in s["nodes"]), "queue": s["queue"]})
+
+    async def metrics_text(self, request: Request) -> Response:
+        s = self.state()
+        alive = sum(n["alive"] for n in s["nodes"])
+        gauges = {
+            "edgerun_nodes__state": ("Nodes by state.", {"alive": alive, "lost": len(s["nodes"]) - alive}),
+            "edgerun_mode__mode": ("What generates: 1 for the engine in use.",
+                                   {m.value: float(s["mode"] == m.value) for m in Mode}),
+            "edgerun_queue_requests": ("Requests queued or running.", {"": s["queue"]["waiting"]}),
+        }
+        counters = {
+            "edgerun_blocks_total": ("Tensor-parallel blocks merged.", s["blocks"]),
+            "edgerun_blocks_incomplete_total": ("Blocks merged without some node's partial.", s["blocks_incomplete"]),
+            "edgerun_packets_late_total": ("Partials that came after their block was merged.", s["late_packets"]),
+            "edgerun_packets_rejected_total": ("Packets refused (bad tag, malformed, unexpected).",
+                                               0 if self.switch.master is None else
+                                               self.switch.master.counters.total()),
+        }
+        return PlainTextResponse(self.metrics.render(gauges, counters),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def state_json(self, request: Request) -> Response:
+        return JSONResponse(self.state())
+
+    async def state_events(self, request: Request) -> Response:
+        async def events() -> AsyncIterator[str]:
+            while True:
+                yield f"data: {json.dumps(self.state())}\n\n"
+                await asyncio.sleep(STATE_INTERVAL_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    async def dashboard(self, request: Request) -> Response:
+        return HTMLResponse(resources.files("edgerun.serve").joinpath("dashboard.html").read_text("utf-8"))
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """A non-streaming request whose client leaves: its job stops at the next token."""
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                job.cancel()
+                return
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    if exc.status >= 400 and request.url.path.startswith("/v1/"):
+        request.app.state.metrics.request_done(exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), status_code=exc.status_code)
+
+
+def build_app(api: Api) -> Starlette:
+    app = Starlette(routes=[
+        Route("/", api.dashboard),
+        Route("/health", api.health),
+        Route("/metrics", api.metrics_text),
+        Route("/api/state", api.state_json),
+        Route("/api/events", api.state_events),
+        Route("/v1/models", api.models),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+    app.state.metrics = api.metrics
+    return app

@@ -1,0 +1,137 @@
+"""`edgerun serve` and `edgerun chat`: each parser beside its handler."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from edgerun.errors import EdgerunError
+
+TP_PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
+API_KEY_ENV = "EDGERUN_API_KEY"
+
+
+def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
+    p = sub.add_parser(
+        "serve", help="a long-running master with an OpenAI-compatible API and a live dashboard",
+        description="Serve the model over HTTP (POST /v1/chat/completions, /v1/completions, GET /v1/models, "
+                    "/health, /metrics, the dashboard at /). Requests are served at once from this machine's own "
+                    "engine; tensor-parallel nodes that join (`edgerun node --master HOST:CLUSTER_PORT`) are "
+                    "planned over, and requests move to the cluster when its plan beats serving alone, and back "
+                    "when nodes leave. Requests run one at a time in arrival order.")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a GGUF file or a Hugging Face directory (default: the shipped SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="0.0.0.0", help="address for HTTP and for nodes (default: 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port: API and dashboard (default: 8000)")
+    p.add_argument("--cluster-port", type=int, default=7000,
+                   help="TCP port tensor-parallel nodes connect to (default: 7000)")
+    p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
+    p.add_argument("--plan", choices=TP_PLANS, default="halo", help="tensor-parallel planner (default: halo)")
+    p.add_argument("--prefer", choices=("auto", "cluster", "single"), default="auto",
+                   help="auto: the cluster when its plan is predicted at least 5%% faster than this machine alone, "
+                        "and while it measures faster; cluster: whenever a node is there; single: never "
+                        "(default: auto)")
+    p.add_argument("--api-key", default=None, help=f"bearer token the /v1 endpoints require (default: "
+                   f"${API_KEY_ENV}; unset: open)")
+    p.add_argument("--max-queue", type=int, default=16, help="requests queued or running before 429 (default: 16)")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="context length (KV cache) per request (default: 2048)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")
+    p.add_argument("--model-name", default=None, help="the model's name in the API (default: the file's name)")
+    p.add_argument("--threads", type=int, default=threads_default, help="onnxruntime threads of this machine's "
+                   f"engine and share (default: {threads_default}, this machine's cores)")
+    p.add_argument("--key", default=None, help="cluster secret that authenticates every packet between master and "
+                   "nodes (default: $EDGERUN_KEY)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("chat", help="a multi-turn chat in the terminal with a served model, streaming",
+                       description="Type a message and press Enter; an empty line or Ctrl-D ends the chat, "
+                                   "/reset forgets the conversation.")
+    p.add_argument("--url", default="http://localhost:8000",
+                   help="where `edgerun serve` listens (default: http://localhost:8000)")
+    p.add_argument("--api-key", default=None, help=f"bearer token (default: ${API_KEY_ENV})")
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one per answer)")
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from edgerun.serve.server import ServeConfig, Server
+    from edgerun.serve.switch import Prefer
+
+    key = b""
+    if not args.no_cluster:
+        from edgerun.cli import _cluster_key
+
+        key = _cluster_key(args)
+    config = ServeConfig(model=args.model, host=args.host, port=args.port,
+                         cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,
+                         prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
+                         threads=args.threads, model_name=args.model_name)
+    server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
+    server.run()
+
+
+def _post_stream(url: str, body: dict, api_key: str | None):
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    try:
+        return urllib.request.urlopen(request, timeout=600)
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        raise EdgerunError(f"the server answered {e.code}: {message}") from e
+    except urllib.error.URLError as e:
+        raise EdgerunError(f"cannot reach {url}: {e.reason}") from e
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise EdgerunError("--max-tokens must be at least 1")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    url = args.url.rstrip("/") + "/v1/chat/completions"
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line.strip()})
+        body = {"messages": history, "stream": True, "max_tokens": args.max_tokens,
+                "temperature": args.temperature}
+        if args.seed is not None:
+            body["seed"] = args.seed
+        answer = []
+        with _post_stream(url, body, api_key) as reply:
+            for raw in reply:
+                text = raw.decode("utf-8").strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                data = json.loads(text[6:])
+                if "error" in data:
+                    raise EdgerunError(f"the server failed mid-answer: {data['error']['message']}")
+                piece = data["choices"][0]["delta"].get("content") if data.get("choices") else None
+                if piece:
+                    answer.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": "".join(answer)})

@@ -1,0 +1,113 @@
+"""The requests of `edgerun serve`, one at a time, in the order they came (a bounded FIFO queue), on one
+generation thread that owns the engines. Each request is a Job: its tokens go back to the HTTP handler's
+event loop as they are made, and the handler may cancel it (a client that went away, a stop string seen),
+which the generation loop notices before its next step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from edgerun.errors import EdgerunError
+from edgerun.model.generate import GenerationResult, generate
+from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.serve.metrics import Metrics
+from edgerun.serve.openai_api import ApiError
+from edgerun.serve.switch import EngineSwitch
+
+IDLE_CHECK_S = 1.0  # how often an idle generation thread looks for nodes that joined or left
+TOKENS_KEPT = 100_000  # token times kept for the dashboard's chart of the last two minutes
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    # Tokens as they come, then the GenerationResult (or the exception) as the last item.
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    def put(self, item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the handler's loop closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Service:
+    def __init__(self, switch: EngineSwitch, stop_ids: frozenset[int], max_queue: int, metrics: Metrics,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        self.switch, self.stop_ids, self.max_queue, self.metrics, self.log = \
+            switch, stop_ids, max_queue, metrics, log
+        self.queue: queue.Queue[Job | None] = queue.Queue()
+        self.waiting = 0  # jobs queued or running
+        self.count_lock = threading.Lock()
+        self.busy = False
+        self.tokens_log: deque[float] = deque(maxlen=TOKENS_KEPT)  # when each token came, for the dashboard
+        self.thread = threading.Thread(target=self._run, name="generation", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Job:
+        """Queue a generation; 429 when the queue is full."""
+        with self.count_lock:
+            if self.waiting >= self.max_queue:
+                raise ApiError(429, f"the queue is full ({self.max_queue} requests); try again shortly",
+                               kind="rate_limit_error", code="queue_full")
+            self.waiting += 1
+        job = Job(prompt, max_tokens, sampling, asyncio.get_running_loop())
+        self.queue.put(job)
+        return job
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self.queue.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                self._update()
+                continue
+            if job is None:
+                return
+            try:
+                if not job.cancelled.is_set():
+                    self._update()
+                    self.busy = True
+                    job.put(self._generate(job))
+            except Exception as e:  # the handler reports it; the service goes on
+                job.put(e)
+            finally:
+                self.busy = False
+                with self.count_lock:
+                    self.waiting -= 1
+
+    def _update(self) -> None:
+        try:
+            self.switch.update()
+        except EdgerunError as e:
+            self.log(f"replanning failed: {e}")
+
+    def _generate(self, job: Job) -> GenerationResult:
+        def on_token(token: int) -> None:
+            job.put(token)
+            self.tokens_log.append(time.time())
+
+        result = generate(self.switch, job.prompt, job.max_tokens, Sampler(job.sampling), self.stop_ids, on_token,
+                          cancelled=job.cancelled.is_set)
+        ms = result.decode_s / (len(result.tokens) - 1) * 1e3 if len(result.tokens) > 1 else None
+        if ms is not None:
+            self.switch.measured(ms)
+        self.metrics.generation(result.prompt_tokens, len(result.tokens), ms, result.recoveries)
+        return result
