@@ -5,12 +5,15 @@ that joined beats serving alone (and back when they leave)."""
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.serve.switch import Prefer
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,10 @@ class Server:
         from edgerun.serve.switch import EngineSwitch
 
         self.config, self.log = config, log
+        # The generation thread and the HTTP loop share the GIL. The engine thread takes it back after every
+        # native call; at the default 5 ms switch interval it can wait that long behind the loop's per-token
+        # work (decoding, JSON, the socket). A shorter interval bounds that wait.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.sock = bind(config.host, config.port)  # first: a port in use fails before minutes of loading
         self.port = self.sock.getsockname()[1]
         try:
