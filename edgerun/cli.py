@@ -347,6 +347,8 @@ def cmd_master(args: argparse.Namespace) -> None:
 
     if args.expect < 0:
         raise EdgerunError("--expect must be 0 or more")
+    if args.max_tokens < 1:
+        raise EdgerunError("--max-tokens must be at least 1")
     model = load_model(args.model)
     params = SamplingParams(args.temperature, seed=args.seed)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
@@ -354,8 +356,11 @@ def cmd_master(args: argparse.Namespace) -> None:
         from edgerun.pp.master import PipelineMaster, chat_template_prefix
 
         prefix = chat_template_prefix(model.tokenizer) if args.chat else []
-        pipeline = PipelineMaster(model, _cluster_key(args), host=args.host, port=args.port,
-                                  max_len=args.max_context, replicas=args.replicas, prefix=prefix, log=log)
+        try:
+            pipeline = PipelineMaster(model, _cluster_key(args), host=args.host, port=args.port,
+                                      max_len=args.max_context, replicas=args.replicas, prefix=prefix, log=log)
+        except OSError as e:
+            raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:
@@ -389,7 +394,10 @@ def cmd_master(args: argparse.Namespace) -> None:
                           parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
                           spin_us=args.spin_us,
                           overlap=_overlaps(args.overlap), threads=args.threads)
-    master = Master(model, _cluster_key(args), config, loss=_loss(args), predictors=predictors, log=log)
+    try:
+        master = Master(model, _cluster_key(args), config, loss=_loss(args), predictors=predictors, log=log)
+    except OSError as e:
+        raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
 
     def run(ids: list[int], emit) -> tuple[list[int], str]:

@@ -43,10 +43,14 @@ def test_truncated_and_foreign_files_are_refused(tmp_path: Path, tiny_spec, synt
     data = synth_gguf(tiny_spec()).read_bytes()
     for n in (100, 2000, len(data) - 10):
         (tmp_path / "cut.gguf").write_bytes(data[:n])
-        with pytest.raises(ValueError, match=r"ends inside|past the end"):
+        with pytest.raises(ValueError, match=r"ends inside|truncated"):
             GgufReader(tmp_path / "cut.gguf")
         with pytest.raises(EdgerunError, match="cannot load model"):
             load_model(tmp_path / "cut.gguf")
+    # Cut in the tensor data: the expected and the actual size, for a user to compare with the download's.
+    (tmp_path / "cut.gguf").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match=rf"the file is {len(data) - 10} bytes but its tensors need {len(data)}"):
+        GgufReader(tmp_path / "cut.gguf")
     (tmp_path / "other.gguf").write_bytes(b"GGML" + data[4:])
     with pytest.raises(ValueError, match="wrong magic"):
         GgufReader(tmp_path / "other.gguf")

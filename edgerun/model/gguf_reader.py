@@ -117,6 +117,19 @@ class Tensor:
     data: np.ndarray  # the tensor's bytes (uint8), a view of the file's memory map
 
 
+def _qtype(name: str, kind: int) -> GGMLQuantizationType:
+    try:
+        return GGMLQuantizationType(kind)
+    except ValueError:
+        raise ValueError(f"tensor {name}: unknown type {kind}") from None
+
+
+def _nbytes(dims: list[int], qtype: GGMLQuantizationType) -> int:
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    return count // block * block_bytes
+
+
 class GgufReader:
     """`fields` (key -> Field) and `tensors` of a GGUF file, read through one read-only memory map."""
 
@@ -144,15 +157,11 @@ class GgufReader:
             DEFAULT_ALIGNMENT
         start = -(-cursor.position // alignment) * alignment
         self.tensors: list[Tensor] = []
-        for name, dims, kind, offset in infos:
-            try:
-                qtype = GGMLQuantizationType(kind)
-            except ValueError:
-                raise ValueError(f"tensor {name}: unknown type {kind}") from None
-            block, block_bytes = GGML_QUANT_SIZES[qtype]
-            count = int(np.prod(dims, dtype=np.int64)) if dims else 1
-            nbytes = count // block * block_bytes
-            if start + offset + nbytes > len(self.map):
-                raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
+        sized = [(name, dims, _qtype(name, kind), offset) for name, dims, kind, offset in infos]
+        end = max((start + offset + _nbytes(dims, qtype) for _, dims, qtype, offset in sized), default=start)
+        if end > len(self.map):
+            raise ValueError(f"the file is {len(self.map)} bytes but its tensors need {end}: truncated?")
+        for name, dims, qtype, offset in sized:
+            nbytes = _nbytes(dims, qtype)
             self.tensors.append(Tensor(name, TensorType(qtype.name), np.array(dims, np.int64),
                                        self.map[start + offset:start + offset + nbytes]))

@@ -60,6 +60,20 @@ class WireError(ValueError):
     """A packet or frame that must be dropped: malformed, forged, or of another version."""
 
 
+class BadMac(WireError):
+    """A packet or frame whose MAC does not check: forged, corrupted, or sealed with another cluster key."""
+
+
+class KeyRejected(WireError):
+    """The master refused this node's registration because it failed authentication: the keys differ."""
+
+
+# What a master writes, in place of a frame's length, to a connection whose registration failed authentication,
+# before closing it: a length no frame has. It cannot be authenticated (the two sides share no key), so a node
+# treats it only as the reason its join failed.
+KEY_REJECTED = b"\xff\xff\xff\xff"
+
+
 class MsgType(IntEnum):
     ACTIVATION = 1  # master -> node: a block's normalized input
     PARTIAL = 2  # node -> master: the node's partial block output
@@ -161,7 +175,7 @@ def open_packet(data: bytes, key: bytes) -> tuple[Header, bytes]:
     try:
         _gmac(key).decrypt(view[-TRAILER:-MAC_SIZE], view[-MAC_SIZE:], view[:-TRAILER])
     except InvalidTag:
-        raise WireError("bad MAC") from None
+        raise BadMac("bad MAC") from None
     magic, version, mtype, session, position, layer, block, node, index, count, codec, tokens, offset, length = \
         HEADER.unpack_from(data)
     if magic != MAGIC:
@@ -380,6 +394,8 @@ def _length_prefixed(packet: bytes) -> bytes:
 
 
 def frame_length(prefix: bytes) -> int:
+    if prefix == KEY_REJECTED:
+        raise KeyRejected("the master rejected this node's key")
     (n,) = struct.unpack("<I", prefix)
     if not HEADER.size + TRAILER <= n <= MAX_FRAME:
         raise WireError(f"frame length {n} out of range")

@@ -66,6 +66,9 @@ class _Stage:
     session: StageSession | None = None
 
 
+CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handshake counts as unreachable
+
+
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
                  log=print, device: str = "cpu") -> None:
@@ -82,15 +85,23 @@ class PipelineWorker:
         self.downloads: set[asyncio.Task] = set()  # DOWNLOAD_LAYERS in progress
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
-        """Connect, retrying for `wait_s` while the master is not up yet."""
+        """Connect, retrying with backoff for `wait_s` while the master is not up yet; every failure is said at
+        once."""
         deadline = time.monotonic() + wait_s
+        delay = 0.5
         while True:
             try:
-                return await websockets.connect(self.url, max_size=PP_MAX_FRAME, compression=None)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(1.0)
+                ws = await asyncio.wait_for(websockets.connect(self.url, max_size=PP_MAX_FRAME, compression=None),
+                                            CONNECT_TIMEOUT_S)
+                self.log(f"worker {self.name}: connected to {self.url}")
+                return ws
+            except (OSError, TimeoutError, websockets.InvalidHandshake) as e:
+                if time.monotonic() + delay > deadline:
+                    raise OSError(f"no answer within {wait_s:.0f} s ({e or type(e).__name__})") from e
+                self.log(f"worker {self.name}: cannot reach the master at {self.url} ({e or type(e).__name__}); "
+                         f"retrying in {delay:.1f} s")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 8.0)
 
     async def run(self) -> None:
         """Serve until the master closes the connection."""

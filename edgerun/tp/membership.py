@@ -14,7 +14,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, path_datagram_bytes
-from edgerun.net.wire import Header, MsgType, WireError, seal
+from edgerun.net.wire import KEY_REJECTED, BadMac, Header, MsgType, WireError, seal
 from edgerun.sched.profiles import Link
 from edgerun.tp.messages import (
     BadMessage,
@@ -145,6 +145,10 @@ class Membership:
         except (ConnectionError, OSError, WireError, ValueError, TimeoutError) as e:
             if node is None:
                 self.counters.reject("registration")
+                if isinstance(e, BadMac):  # said on both sides: the node reads KEY_REJECTED (closing flushes it)
+                    self.log(f"a node at {addr[0]} failed authentication: its --key (or EDGERUN_KEY) is not "
+                             "this master's; refused")
+                    writer.write(KEY_REJECTED)
             else:
                 self.log(f"node {node.name} lost ({e})")
         finally:

@@ -44,6 +44,7 @@ from edgerun.net.wire import (
     Block,
     Codec,
     Header,
+    KeyRejected,
     MsgType,
     Reassembly,
     WireError,
@@ -78,6 +79,8 @@ from edgerun.tp.messages import (
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec
 
 HEARTBEAT_S = 0.5
+JOIN_WAIT_S = 60.0  # how long a node keeps trying to reach its master
+MAX_RETRY_S = 8.0  # the longest pause between two tries
 
 
 def settle_heap() -> None:
@@ -150,7 +153,12 @@ class Node:
         self.net = EventLoopThread()
 
     def run(self) -> None:
-        welcome = self.net.run(self._join(), timeout=60)
+        try:
+            welcome = self._join_with_retries()
+        except BaseException:
+            self.udp.close()
+            self.net.stop()
+            raise
         self.master_udp_port = welcome.udp_port
         heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.net.loop)
         self._use_masters_model(welcome.model_sha256, welcome.http_port)
@@ -164,17 +172,45 @@ class Node:
             heartbeat.cancel()
             self.net.stop()
 
+    def _join_with_retries(self) -> Welcome:
+        """Join, retrying with backoff while the master cannot be reached (it may not be up yet); each failure is
+        said at once. A rejected key ends it."""
+        deadline = time.monotonic() + JOIN_WAIT_S
+        delay = 0.5
+        while True:
+            try:
+                welcome = self.net.run(self._join(), timeout=60)
+                self.log(f"node {self.name}: joined the master at {self.master[0]}:{self.master[1]}")
+                return welcome
+            except KeyRejected as e:
+                raise EdgerunError(f"the master at {self.master[0]}:{self.master[1]} rejected this node's key: "
+                                   "--key (or EDGERUN_KEY) must be the master's") from e
+            except (OSError, ConnectionError, WireError, TimeoutError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise EdgerunError(f"cannot reach the master at {self.master[0]}:{self.master[1]} within "
+                                       f"{JOIN_WAIT_S:.0f} s: {e}") from e
+                self.log(f"node {self.name}: cannot reach the master at {self.master[0]}:{self.master[1]} ({e}); "
+                         f"retrying in {delay:.1f} s")
+                time.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_S)
+
     async def _join(self) -> Welcome:
         reader, writer = await asyncio.open_connection(*self.master)
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
-        self.datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s)
-        self.datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
-        self.datagrams.attach(asyncio.get_running_loop())
-        self.channel.send(Register(self.name, self.budget_mb, self.speed, self.datagrams.port,
-                                   path_datagram_bytes(self.master[0], self.master[1])))
-        welcome = await self.channel.receive()
-        if not isinstance(welcome, Welcome):
-            raise WireError(f"expected a welcome, got {type(welcome).__name__}")
+        datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s)
+        try:
+            datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
+            datagrams.attach(asyncio.get_running_loop())
+            self.channel.send(Register(self.name, self.budget_mb, self.speed, datagrams.port,
+                                       path_datagram_bytes(self.master[0], self.master[1])))
+            welcome = await self.channel.receive()
+            if not isinstance(welcome, Welcome):
+                raise WireError(f"expected a welcome, got {type(welcome).__name__}")
+        except BaseException:  # a failed join leaves nothing open for the next try
+            datagrams.close()
+            self.channel.close()
+            raise
+        self.datagrams = datagrams
         return welcome
 
     async def _control_loop(self) -> None:
@@ -227,6 +263,9 @@ class Node:
         self.channel.set_rto_min(message.rto_min_ms)
         self._new_session(message.session)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
+        self.log(f"node {self.name}: holds {sum(map(len, spec.attn_units))} attention units, "
+                 f"{sum(map(len, spec.mlp_groups))} MLP groups and {len(spec.vocab_blocks)} vocabulary blocks: "
+                 f"{shard.weight_bytes / 1e6:.1f} MB of weights, {shard.cache_bytes / 1e6:.1f} MB of KV cache")
 
     def _control(self, message: Message) -> None:
         match message:

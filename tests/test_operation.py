@@ -1,0 +1,110 @@
+"""Running edgerun as an operator would meet it: a wrong key is named on both sides, an unreachable master is
+reported at once and retried, a port in use and bad options are one line and exit 2."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edgerun.cli import main
+from edgerun.net.wire import derive_key
+from edgerun.tp.config import MasterConfig
+from edgerun.tp.master import Master
+
+Capsys = pytest.CaptureFixture[str]
+
+
+def edgerun(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgerun.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def lines_within(proc: subprocess.Popen, n: int, timeout_s: float) -> list[str]:
+    """The first n lines of a process's stderr, read until timeout_s has passed."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(lines) < n and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+    return lines
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A port something else is listening on."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_wrong_key_is_named_on_both_sides(shipped_model) -> None:
+    said: list[str] = []
+    master = Master(shipped_model, derive_key("right"), MasterConfig(host="127.0.0.1", port=0), log=said.append)
+    try:
+        node = edgerun("node", "--master", f"127.0.0.1:{master.port}", "--key", "wrong", "--name", "intruder")
+        _, err = node.communicate(timeout=60)
+        assert node.returncode == 2
+        assert err.splitlines()[-1] == (f"edgerun: error: the master at 127.0.0.1:{master.port} rejected this "
+                                        "node's key: --key (or EDGERUN_KEY) must be the master's")
+        assert any("failed authentication" in m and "--key" in m for m in said), said
+        assert master.membership.alive() == []
+    finally:
+        master.close()
+
+
+@pytest.mark.parametrize("mode", ["tp", "pp"])
+def test_unreachable_master_is_reported_within_3s_and_retried(mode: str) -> None:
+    port = free_port()
+    started = time.monotonic()
+    node = edgerun("node", "--mode", mode, "--master", f"127.0.0.1:{port}", "--key", "k", "--name", "lonely")
+    try:
+        lines = [line for line in lines_within(node, 3, 10) if "cannot reach the master" in line]
+        assert len(lines) >= 2, lines  # said at once, then again after a longer pause
+        assert time.monotonic() - started < 10
+        assert "retrying in 0.5 s" in lines[0] and "retrying in 1.0 s" in lines[1]
+        assert node.poll() is None  # still trying
+    finally:
+        node.kill()
+        node.wait()
+
+
+@pytest.mark.parametrize("command", [["master", "--expect", "0", "--prompt", "hi"],
+                                     ["master", "--plan", "dp", "--expect", "0", "--prompt", "hi"],
+                                     ["serve"]])
+def test_port_in_use_is_one_line(command: list[str], held_port: int, shipped_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", *command, "--host", "127.0.0.1", "--port",
+                           str(held_port), "--key", "k"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("[")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith(f"edgerun: error: cannot listen on 127.0.0.1:{held_port}: ")
+    assert "in use" in errors[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["master", "--max-tokens", "0", "--prompt", "hi"],
+                                  ["master", "--max-tokens", "-1", "--plan", "dp", "--prompt", "hi"],
+                                  ["chat", "--max-tokens", "0"],
+                                  ["serve", "--max-queue", "0"]])
+def test_bad_counts_are_one_line(argv: list[str], capsys: Capsys, shipped_path: Path) -> None:
+    code = main([*argv, "--key", "k"] if argv[0] != "chat" else argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("edgerun: error: ")], err
