@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -297,6 +299,8 @@ def cmd_node(args: argparse.Namespace) -> None:
     if args.memory_budget <= 0 or args.speed <= 0:
         raise EdgerunError("--memory-budget and --speed must be positive")
     name = args.name or f"node-{os.getpid()}"
+    if args.master is None:
+        args.master = _discover_master(args.mode)
     if args.mode == "pp":
         import asyncio
 
@@ -316,6 +320,28 @@ def cmd_node(args: argparse.Namespace) -> None:
                  args.threads, args.spin_us / 1e6)
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
+
+
+def _discover_master(mode: str) -> str:
+    """HOST:PORT of a master of this mode found on the LAN by mDNS."""
+    from edgerun.net.discovery import FIND_TIMEOUT_S, ClusterMode, find_master
+
+    print(f"looking for a {mode} master on the LAN (mDNS, {FIND_TIMEOUT_S:.0f} s)", file=sys.stderr, flush=True)
+    found = find_master(ClusterMode(mode))
+    if found is None:
+        raise EdgerunError(f"no {mode} master answered on the LAN (mDNS) within {FIND_TIMEOUT_S:.0f} s: "
+                           "give --master HOST:PORT")
+    print(f"found master '{found.name}' at {found.host}:{found.port}", file=sys.stderr, flush=True)
+    return f"{found.host}:{found.port}"
+
+
+def _advertise(mode: str, host: str, port: int, enabled: bool, log: Callable[[str], None]):
+    """A context that announces a master by mDNS while it runs (nothing with --no-advertise)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from edgerun.net.discovery import Advertiser, ClusterMode
+
+    return contextlib.closing(Advertiser(ClusterMode(mode), host, port, log=log))
 
 
 def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
@@ -364,11 +390,12 @@ def cmd_master(args: argparse.Namespace) -> None:
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:
-            pipeline.wait_for_workers(args.expect)
-            pipeline.start()
-            _serve_prompts(args, model, lambda ids, emit: (
-                pipeline.generate(ids, args.max_tokens, params, model.tokenizer.stop_ids, emit),
-                f"state {pipeline.state}, {len(pipeline.recovery_seconds)} recoveries"))
+            with _advertise("pp", args.host, pipeline.port, args.advertise, log):
+                pipeline.wait_for_workers(args.expect)
+                pipeline.start()
+                _serve_prompts(args, model, lambda ids, emit: (
+                    pipeline.generate(ids, args.max_tokens, params, model.tokenizer.stop_ids, emit),
+                    f"state {pipeline.state}, {len(pipeline.recovery_seconds)} recoveries"))
         finally:
             pipeline.close()
         return
@@ -409,9 +436,10 @@ def cmd_master(args: argparse.Namespace) -> None:
                         "rejected")
 
     try:
-        master.wait_for_nodes(args.expect)
-        master.replan()
-        _serve_prompts(args, model, run)
+        with _advertise("tp", args.host, master.port, args.advertise, log):
+            master.wait_for_nodes(args.expect)
+            master.replan()
+            _serve_prompts(args, model, run)
     finally:
         master.close()
 
@@ -823,6 +851,8 @@ def build_parser() -> argparse.ArgumentParser:
     _overlap_arg(p)
     _share_threads_arg(p, DEFAULT_THREADS)
     p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
+    p.add_argument("--no-advertise", dest="advertise", action="store_false",
+                   help="do not announce this master on the LAN by mDNS (nodes then need --master)")
     p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -839,7 +869,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Join a master and compute what it assigns until it shuts down: with --mode tp, "
                                    "a share of every layer from the local model file; with --mode pp, a range of "
                                    "layers as an ONNX stage downloaded from the master.")
-    p.add_argument("--master", required=True, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws)")
+    p.add_argument("--master", default=None, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws; "
+                   "default: the first master of --mode found on the LAN by mDNS)")
     p.add_argument("--mode", choices=("tp", "pp"), default="tp",
                    help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp)")
     _model_arg(p)

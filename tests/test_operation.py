@@ -108,3 +108,18 @@ def test_bad_counts_are_one_line(argv: list[str], capsys: Capsys, shipped_path: 
     assert code == 2
     assert "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("edgerun: error: ")], err
+
+
+def test_discovery_finds_a_master_of_the_asked_mode() -> None:
+    from edgerun.net.discovery import Advertiser, ClusterMode, find_master
+
+    said: list[str] = []
+    advertiser = Advertiser(ClusterMode.PP, "0.0.0.0", 7177, name="edgerun test pp", log=said.append)
+    try:
+        found = find_master(ClusterMode.PP, timeout_s=5)
+        assert found is not None and found.port == 7177 and found.mode == ClusterMode.PP
+        socket.inet_aton(found.host)  # an IPv4 address
+        assert find_master(ClusterMode.TP, timeout_s=1.5) is None  # a pipeline master is no TP master
+    finally:
+        advertiser.close()
+    assert said == ["announced on the LAN by mDNS as 'edgerun test pp (7177)'"]

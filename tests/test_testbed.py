@@ -224,3 +224,28 @@ def test_experiment_scripts_run_on_a_small_testbed(tmp_path: Path, tiny_spec, sy
         for suffix in ("csv", "md", "png"):
             assert (tmp_path / name / f"{stem}.{suffix}").stat().st_size > 0
     assert set(testbed.names()) == before  # the scripts' testbeds are gone
+
+
+@needs_root
+def test_nodes_find_the_master_by_mdns_across_namespaces(tiny_spec, synth_gguf) -> None:
+    """`edgerun node` without --master, in node namespaces: each finds the master in its own namespace by
+    mDNS over the testbed's bridge and joins it."""
+    path = synth_gguf(tiny_spec(tied=False))
+    name = "tbmdns"
+    testbed.down(name)
+    assert main(["testbed", "up", "--name", name, "--nodes", "2"]) == 0
+    try:
+        edgerun = f"{sys.executable} -m edgerun.cli"
+        run = subprocess.run(
+            [sys.executable, "-m", "edgerun.cli", "testbed", "run", "--name", name, "--port", "7101",
+             "--node-cmd", f"{edgerun} node --name {{name}} --model {path} --threads 1",
+             "--", *edgerun.split(), "master", "--model", str(path), "--port", "7101", "--expect", "2",
+             "--max-tokens", "4", "--prompt", "hello", "--threads", "1"],
+            capture_output=True, text=True, timeout=300, env=os.environ | {"EDGERUN_KEY": SECRET})
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "announced on the LAN by mDNS" in run.stderr
+        assert "node node1 joined from 10.77.0.2" in run.stderr and "node node2 joined from 10.77.0.3" in run.stderr
+        assert "found master" in run.stderr
+    finally:
+        assert main(["testbed", "down", "--name", name]) == 0
+    assert _leftovers(name) == []

@@ -31,6 +31,8 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--cluster-port", type=int, default=7000,
                    help="TCP port tensor-parallel nodes connect to (default: 7000)")
     p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
+    p.add_argument("--no-advertise", dest="advertise", action="store_false",
+                   help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
     p.add_argument("--plan", choices=TP_PLANS, default="halo", help="tensor-parallel planner (default: halo)")
     p.add_argument("--prefer", choices=("auto", "cluster", "single"), default="auto",
                    help="auto: the cluster when its plan is predicted at least 5%% faster than this machine alone, "
@@ -75,7 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
-                         threads=args.threads, model_name=args.model_name)
+                         threads=args.threads, model_name=args.model_name,
+                         advertise=args.advertise)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

@@ -31,6 +31,7 @@ class ServeConfig:
     default_max_tokens: int = 512
     threads: int = 1
     model_name: str | None = None  # what the API calls the model (default: the file's name)
+    advertise: bool = True  # announce the cluster port by mDNS
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_context < 16 or self.default_max_tokens < 1 or self.threads < 1:
@@ -91,6 +92,11 @@ class Server:
                 except OSError as e:
                     raise EdgerunError(f"cannot listen for nodes on {config.host}:{config.cluster_port}: "
                                        f"{e.strerror or e}") from e
+            self.advertiser = None
+            if self.master is not None and config.advertise:
+                from edgerun.net.discovery import Advertiser, ClusterMode
+
+                self.advertiser = Advertiser(ClusterMode.TP, config.host, self.master.port, log=log)
             self.switch = EngineSwitch(single, self.master, config.prefer, log)
             self.metrics = Metrics()
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, self.metrics, log)
@@ -116,6 +122,8 @@ class Server:
         self.uvicorn.should_exit = True
 
     def close(self) -> None:
+        if self.advertiser is not None:
+            self.advertiser.close()
         self.service.close()
         if self.master is not None:
             self.master.close()
