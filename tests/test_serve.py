@@ -336,3 +336,40 @@ def test_kill_a_node_during_four_streams(cluster) -> None:
     nodes["n1"].send_signal(signal.SIGKILL)
     assert one(0) == undisturbed[0]
     wait_until(lambda: s.state()["mode"] == "single", 10, "the single engine")
+
+
+def test_fuzzed_requests_never_get_a_5xx(server: Serving) -> None:
+    """Random JSON bodies of the right and wrong shapes at both generation endpoints: a 2xx, 4xx, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | \
+        st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) |
+                          st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", 3]),
+                                     "content": values | st.text(max_size=30)})
+    fields = {"messages": st.lists(message, max_size=3) | values, "prompt": st.text(max_size=30) | values,
+              "max_tokens": st.integers(-2, 3) | values, "temperature": values, "top_p": values, "top_k": values,
+              "seed": values, "stop": values, "stream": st.booleans() | values, "n": values,
+              "stream_options": values, "model": values}
+    body = st.fixed_dictionaries({}, optional=fields) | values
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=body)
+    def check(endpoint: str, body: object) -> None:
+        data = json.dumps(body, allow_nan=True).encode()
+        request = urllib.request.Request(server.url + endpoint, data, {"content-type": "application/json",
+                                                                        "authorization": f"Bearer {API_KEY}"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                status, text = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        assert status < 500, (status, text)
+        if status >= 400:
+            assert json.loads(text)["error"]["message"]
+        elif text.startswith("data: "):  # a stream: never an error event inside it
+            assert '"error"' not in text and text.rstrip().endswith("data: [DONE]")
+
+    check()
