@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from edgerun.net.testbed import TestbedSpec
 
 DEFAULT_THREADS = os.cpu_count() or 1
+NODE_BUDGET_MB = 2048.0  # a node's memory budget without --memory-budget or --profile
+NODE_SPEED = 1e9  # a node's declared speed without --speed or --profile, weight bytes/s
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -268,6 +270,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(tp_table(plan, profile))
         if plan.oom_devices:
             raise EdgerunError(f"plan {args.plan} runs out of memory on {', '.join(o.name for o in plan.oom_devices)}")
+        alone = [(plan_tp(profile, [d], "even", sync=SyncModel(args.sync)).time_per_token_s, d.name)
+                 for d in devices if d.budget_bytes >= profile.total_tp_memory()]
+        if alone and min(alone)[0] < plan.time_per_token_s:
+            seconds, name = min(alone)
+            print(f"warning: this plan is predicted at {plan.time_per_token_s * 1e3:.1f} ms/token, slower than "
+                  f"{name} alone ({seconds * 1e3:.1f} ms/token): run the model there, or add faster devices",
+                  file=sys.stderr)
     if args.out:
         args.out.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)
@@ -296,9 +305,19 @@ def cmd_node(args: argparse.Namespace) -> None:
     _limit_blas_threads(args.threads)
     from edgerun.tp.node import run_node
 
+    profile = None
+    if args.profile is not None:
+        from edgerun.sched.profiles import load_device
+
+        profile = load_device(args.profile)
+    # Explicit options first, then the profile's figures, then the defaults.
+    if args.memory_budget is None:
+        args.memory_budget = profile.memory.budget_mb if profile else NODE_BUDGET_MB
+    if args.speed is None:
+        args.speed = profile.compute.weight_bytes_per_s if profile else NODE_SPEED
     if args.memory_budget <= 0 or args.speed <= 0:
         raise EdgerunError("--memory-budget and --speed must be positive")
-    name = args.name or f"node-{os.getpid()}"
+    name = args.name or (profile.name if profile else f"node-{os.getpid()}")
     if args.master is None:
         args.master = _discover_master(args.mode)
     if args.mode == "pp":
@@ -320,6 +339,31 @@ def cmd_node(args: argparse.Namespace) -> None:
                  args.threads, args.spin_us / 1e6)
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
+
+
+def load_plan_file(path: Path):
+    """A tensor-parallel plan written by `edgerun plan --out`."""
+    from edgerun.sched.tp_plan import tp_plan_from_json
+
+    try:
+        return tp_plan_from_json(json.loads(path.read_text()))
+    except FileNotFoundError as e:
+        raise EdgerunError(f"plan file not found: {path}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EdgerunError(f"{path}: not a JSON file ({e})") from e
+    except ValueError as e:
+        raise EdgerunError(f"{path}: not a tensor-parallel plan ({e}; pipeline plans cannot be loaded)") from e
+
+
+def _plan_for_cluster(plan, master):
+    """The plan file over the nodes that joined: its first device is this master."""
+    from edgerun.sched.tp_plan import check_fits, plan_for_members
+
+    try:
+        check_fits(plan, master.profile())
+        return plan_for_members(plan, plan.devices[0], [n.name for n in master.membership.alive()])
+    except ValueError as e:
+        raise EdgerunError(f"--plan-file: {e}") from e
 
 
 def _discover_master(mode: str) -> str:
@@ -421,6 +465,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                           parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
                           spin_us=args.spin_us,
                           overlap=_overlaps(args.overlap), threads=args.threads)
+    fixed = None if args.plan_file is None else load_plan_file(args.plan_file)
     try:
         master = Master(model, _cluster_key(args), config, loss=_loss(args), predictors=predictors, log=log)
     except OSError as e:
@@ -437,8 +482,12 @@ def cmd_master(args: argparse.Namespace) -> None:
 
     try:
         with _advertise("tp", args.host, master.port, args.advertise, log):
-            master.wait_for_nodes(args.expect)
-            master.replan()
+            if fixed is None:
+                master.wait_for_nodes(args.expect)
+                master.replan()
+            else:
+                master.wait_for_nodes(len(fixed.devices) - 1)
+                master.replan(_plan_for_cluster(fixed, master))
             _serve_prompts(args, model, run)
     finally:
         master.close()
@@ -711,14 +760,29 @@ def cmd_netem(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
+    """A served master's state (edgerun serve: /api/state), else a pipeline master's (/status)."""
+    import urllib.error
     import urllib.request
 
-    url = f"http://{args.master}/status"
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            sys.stdout.write(response.read().decode())
-    except OSError as e:
-        raise EdgerunError(f"cannot reach the pipeline master at {url}: {e}") from e
+    from edgerun.serve.status import status_text
+
+    targets = [args.master] if args.master else ["127.0.0.1:8000", "127.0.0.1:7000"]
+    reasons = []
+    for target in targets:
+        for path in ("/api/state", "/status"):
+            url = f"http://{target}{path}"
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    body = response.read().decode()
+            except urllib.error.HTTPError as e:
+                reasons.append(f"{url}: {e.code}")
+                continue
+            except OSError as e:
+                reasons.append(f"{url}: {getattr(e, 'reason', e)}")
+                break  # nothing listens there: the other path will not answer either
+            sys.stdout.write(status_text(json.loads(body)) if path == "/api/state" else body)
+            return
+    raise EdgerunError("no master answered (" + "; ".join(reasons) + ")")
 
 
 def _overlap_arg(p: argparse.ArgumentParser) -> None:
@@ -851,6 +915,10 @@ def build_parser() -> argparse.ArgumentParser:
     _overlap_arg(p)
     _share_threads_arg(p, DEFAULT_THREADS)
     p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
+    p.add_argument("--plan-file", type=Path, default=None,
+                   help="a tensor-parallel plan from `edgerun plan --out`: its first device is this master, the "
+                        "others are the nodes (by name, e.g. `edgerun node --profile` with their profiles); waits "
+                        "for them instead of --expect and runs the plan as it is (default: plan with --plan)")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce this master on the LAN by mDNS (nodes then need --master)")
     p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
@@ -874,10 +942,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("tp", "pp"), default="tp",
                    help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp)")
     _model_arg(p)
-    p.add_argument("--name", default=None, help="node name (default: node-PID)")
-    p.add_argument("--memory-budget", type=float, default=2048.0, help="MB this node may use (default: 2048)")
-    p.add_argument("--speed", type=float, default=1e9, help="decode speed in weight bytes/s, from `edgerun "
-                   "profile` (default: 1e9; equal speeds give equal shares)")
+    p.add_argument("--name", default=None, help="node name (default: the profile's name, else node-PID)")
+    p.add_argument("--profile", type=Path, default=None, help="this device's profile from `edgerun profile "
+                   "--out`: name, memory budget and speed come from it unless given")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help=f"MB this node may use (default: the profile's budget, else {NODE_BUDGET_MB:.0f})")
+    p.add_argument("--speed", type=float, default=None, help="decode speed in weight bytes/s (default: the "
+                   f"profile's, else {NODE_SPEED:.0e}; equal speeds give equal shares)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
                         "installed, else the CPU (default: auto)")
@@ -1036,10 +1107,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clear", action="store_true", help="remove what edgerun netem applied to --dev")
     p.set_defaults(func=cmd_netem)
 
-    p = sub.add_parser("status", help="a pipeline master's state and workers",
-                       description="Print a running pipeline master's state (Down, Preparing, Committing, Up) and "
-                                   "each worker's kind, memory, layers and passes served.")
-    p.add_argument("--master", default="127.0.0.1:7000", help="HOST:PORT of the master (default: 127.0.0.1:7000)")
+    p = sub.add_parser("status", help="a served or pipeline master's state, devices and plan",
+                       description="Print what a running `edgerun serve` shows on its dashboard (engine in use, "
+                                   "plan, every node with its state, memory, speed, RTT, loss and share, queue, "
+                                   "recent events), or a pipeline master's state (Down, Preparing, Committing, Up) "
+                                   "and each worker's kind, memory, layers and passes served.")
+    p.add_argument("--master", default=None, help="HOST:PORT of the server's HTTP port or the pipeline master "
+                   "(default: 127.0.0.1:8000, then 127.0.0.1:7000)")
     p.set_defaults(func=cmd_status)
 
     sap = sub.add_parser("sap", help="semantic-aware predictors: which neuron groups matter").add_subparsers(

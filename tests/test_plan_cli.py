@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,70 @@ def test_profile_measures_this_machine(tmp_path: Path) -> None:
     assert profile.compute.weight_bytes_per_s > 1e6 and profile.compute.matmul_gflops > 0
     assert profile.memory.bandwidth_gb_s > 0 and profile.link.loss_rate == 0.0 and profile.measured_at
     assert profile.compute.layer_ms > 0 and profile.compute.layer_model.endswith(".gguf")
+
+
+def test_plan_warns_when_one_device_alone_is_faster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fast, slow = write(tmp_path, "fast", device_json("fast", speed=50e9)), write(tmp_path, "slow", device_json(
+        "slow", speed=0.5e9))
+    assert main(["plan", "--devices", str(slow), str(fast), "--plan", "even"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: this plan is predicted at" in err and "slower than fast alone" in err
+    assert main(["plan", "--devices", str(fast), str(write(tmp_path, "twin", device_json("twin", speed=50e9))),
+                 "--plan", "halo"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_plan_file_maps_onto_the_nodes_that_joined(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from edgerun.sched.tp_plan import plan_for_members
+
+    paths = [write(tmp_path, n, device_json(n, budget_mb=b)) for n, b in (("me", 60), ("pi-a", 80), ("pi-b", 100))]
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--devices", *map(str, paths), "--plan", "halo", "--out", str(out)]) == 0
+    plan = tp_plan_from_json(json.loads(out.read_text()))
+    mapped = plan_for_members(plan, "me", ["pi-b", "pi-a"])  # joined in the other order
+    assert mapped.devices == ("master", "pi-b", "pi-a")
+    assert mapped.memory_bytes == (plan.memory_bytes[0], plan.memory_bytes[2], plan.memory_bytes[1])
+    assert all(m == (p[0], p[2], p[1]) for m, p in zip(mapped.mlp, plan.mlp, strict=True))
+    assert mapped.vocab == (plan.vocab[0], plan.vocab[2], plan.vocab[1])
+    with pytest.raises(ValueError, match="not joined: pi-b; not in the plan: pi-c"):
+        plan_for_members(plan, "me", ["pi-a", "pi-c"])
+    with pytest.raises(ValueError, match="no device named 'master'"):
+        plan_for_members(plan, "master", ["pi-a", "pi-b"])
+
+
+def test_master_runs_a_plan_file_over_nodes_named_by_their_profiles(tmp_path: Path) -> None:
+    """The whole path: profiles -> `edgerun plan --out` -> `edgerun master --plan-file` with `edgerun node
+    --profile` on each node (name, budget and speed from the profile)."""
+    paths = [write(tmp_path, n, device_json(n, budget_mb=b)) for n, b in (("me", 200), ("pi-a", 80), ("pi-b", 80))]
+    out = tmp_path / "plan.json"
+    assert subprocess.run([sys.executable, "-m", "edgerun.cli", "plan", "--devices", *map(str, paths), "--plan",
+                           "even", "--out", str(out)], capture_output=True, timeout=120).returncode == 0
+    env = {"EDGERUN_KEY": "plan-file"}
+    master = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "master", "--plan-file", str(out), "--port", "0",
+                               "--host", "127.0.0.1", "--prompt", "The capital of France is", "--max-tokens", "8",
+                               "--threads", "1", "--no-advertise"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, **env})
+    nodes = []
+    try:
+        assert master.stderr is not None
+        port = None
+        for line in master.stderr:
+            if "listening on port" in line:
+                port = int(line.split("listening on port ")[1].split(";")[0])
+                break
+        assert port is not None
+        nodes = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{port}",
+                                   "--profile", str(tmp_path / f"{n}.json"), "--threads", "1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env={**os.environ, **env}) for n in ("pi-b", "pi-a")]
+        stdout, stderr = master.communicate(timeout=300)
+        assert master.returncode == 0, stderr
+        assert "node pi-a joined" in stderr and "node pi-b joined" in stderr
+        plan_line = next(line for line in stderr.splitlines() if "plan even:" in line)
+        assert "pi-a" in plan_line and "pi-b" in plan_line, plan_line
+        assert stdout.strip()
+    finally:
+        master.kill()
+        for node in nodes:
+            node.kill()
+            node.wait()

@@ -93,7 +93,8 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
         assert f"layers 0-{plan.stages[0].end_layer - 1}" in shown
 
 
-def test_killing_a_worker_mid_generation_recovers_identically(model: Model, reference_tokens: list[int]) -> None:
+def test_killing_a_worker_mid_generation_recovers_identically(model: Model, reference_tokens: list[int],
+                                                              capsys: pytest.CaptureFixture) -> None:
     with pipeline(model, [80, 80, 80]) as (master, workers):
         plan = master.start()
         kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
@@ -101,6 +102,10 @@ def test_killing_a_worker_mid_generation_recovers_identically(model: Model, refe
         assert tokens == reference_tokens
         assert len(master.recovery_seconds) == 1 and master.state == "Up"
         assert plan.stages[0].worker not in {s.worker for s in master.plan.stages}
+        assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
+        shown = capsys.readouterr().out
+        assert f"{plan.stages[0].worker}:" not in shown, shown  # the dead worker left the list
+        assert all(f"{s.worker}: native" in shown for s in master.plan.stages), shown
         print(f"recovered in {master.recovery_seconds[0]:.2f} s")
 
 

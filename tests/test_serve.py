@@ -294,6 +294,13 @@ def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
         browser.close()
     assert errors == []
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    # `edgerun status` shows the same.
+    shown = subprocess.run([sys.executable, "-m", "edgerun.cli", "status", "--master", s.url.removeprefix("http://")],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "from the cluster engine" in shown.stdout and "plan even over master, " in shown.stdout
+    for name in ("n1", "n2"):
+        assert re.search(rf"^  {name}: native, ready, .* holds \d+ attention units", shown.stdout, re.M), shown.stdout
 
 
 def test_kill_a_node_during_four_streams(cluster) -> None:

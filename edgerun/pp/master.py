@@ -195,6 +195,8 @@ class PipelineMaster:
         lines = [f"state {self.state}"]
         stages = {s.worker: s for s in self.plan.stages} if self.plan else {}
         for w in self.workers.values():
+            if not w.alive:  # a tab that closed, a worker that died: gone from the list
+                continue
             s = stages.get(w.name)
             layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
             device = w.capabilities.get("device") or w.capabilities.get("backend")  # cpu/cuda, or wasm/webgpu

@@ -22,7 +22,7 @@ import bisect
 import math
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from fractions import Fraction
 from typing import Any
@@ -189,6 +189,43 @@ def tp_plan_from_json(data: Any) -> TPPlan:
                           for o in oom),
         solve_seconds=_json_number(data, "solve_seconds"), ilp_status=status, sync=SyncModel(sync),
     )
+
+
+def plan_for_members(plan: TPPlan, master: str, nodes: list[str]) -> TPPlan:
+    """A plan file (`edgerun plan --out`, made over device profiles) as the running cluster names its devices:
+    the profile `master` becomes "master" and goes first, the others follow in `nodes`' order (the order they
+    joined). ValueError when the plan's devices are not exactly the master and these nodes."""
+    if master not in plan.devices:
+        raise ValueError(f"the plan has no device named {master!r} for the master (its devices: "
+                         f"{', '.join(plan.devices)})")
+    wanted = [master, *nodes]
+    if sorted(plan.devices) != sorted(wanted):
+        missing = sorted(set(plan.devices) - set(wanted))
+        extra = sorted(set(wanted) - set(plan.devices))
+        raise ValueError("the plan's devices are not the cluster's: " + "; ".join(
+            part for part in (f"not joined: {', '.join(missing)}" if missing else "",
+                              f"not in the plan: {', '.join(extra)}" if extra else "") if part))
+    order = [plan.devices.index(name) for name in wanted]
+
+    def pick(per_device: tuple) -> tuple:
+        return tuple(per_device[i] for i in order)
+
+    return replace(plan, devices=("master", *nodes), plrs=pick(plan.plrs),
+                   attn=tuple(pick(layer) for layer in plan.attn), mlp=tuple(pick(layer) for layer in plan.mlp),
+                   vocab=pick(plan.vocab), memory_bytes=pick(plan.memory_bytes),
+                   budget_bytes=pick(plan.budget_bytes), compute_s=pick(plan.compute_s))
+
+
+def check_fits(plan: TPPlan, model: ModelProfile) -> None:
+    """ValueError unless the plan places exactly this model's units (layers, KV heads, MLP groups of the
+    cluster's group size, vocabulary blocks)."""
+    shape = (len(plan.attn), sum(map(len, plan.attn[0])) if plan.attn else 0,
+             sum(map(len, plan.mlp[0])) if plan.mlp else 0, sum(map(len, plan.vocab)))
+    expected = (model.n_layers, model.n_attn_units, model.n_mlp_groups, model.n_vocab_blocks)
+    if shape != expected:
+        raise ValueError(f"the plan places {shape[0]} layers of {shape[1]} attention units, {shape[2]} MLP groups "
+                         f"and {shape[3]} vocabulary blocks; this model at this --group-size has {expected[0]} of "
+                         f"{expected[1]}, {expected[2]} and {expected[3]}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
     p.add_argument("--plan", choices=TP_PLANS, default="halo", help="tensor-parallel planner (default: halo)")
+    p.add_argument("--plan-file", type=Path, default=None,
+                   help="a tensor-parallel plan from `edgerun plan --out` (first device: this server), used "
+                        "whenever exactly its nodes are present; otherwise --plan plans (default: none)")
     p.add_argument("--prefer", choices=("auto", "cluster", "single"), default="auto",
                    help="auto: the cluster when its plan is predicted at least 5%% faster than this machine alone, "
                         "and while it measures faster; cluster: whenever a node is there; single: never "
@@ -78,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name,
-                         advertise=args.advertise)
+                         advertise=args.advertise, plan_file=args.plan_file)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

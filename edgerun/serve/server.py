@@ -32,6 +32,7 @@ class ServeConfig:
     threads: int = 1
     model_name: str | None = None  # what the API calls the model (default: the file's name)
     advertise: bool = True  # announce the cluster port by mDNS
+    plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_context < 16 or self.default_max_tokens < 1 or self.threads < 1:
@@ -97,7 +98,12 @@ class Server:
                 from edgerun.net.discovery import Advertiser, ClusterMode
 
                 self.advertiser = Advertiser(ClusterMode.TP, config.host, self.master.port, log=log)
-            self.switch = EngineSwitch(single, self.master, config.prefer, log)
+            plan_file = None
+            if config.plan_file is not None:
+                from edgerun.cli import load_plan_file
+
+                plan_file = load_plan_file(config.plan_file)
+            self.switch = EngineSwitch(single, self.master, config.prefer, log, plan_file)
             self.metrics = Metrics()
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, self.metrics, log)
             name = config.model_name or model.name

@@ -19,6 +19,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import Engine, generate
 from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
 from edgerun.tp.master import Master
 
 # A cluster must be predicted this much faster than the single engine before requests move to it: a plan's
@@ -49,8 +50,9 @@ class EngineSwitch:
     """Stepper over the single engine and the cluster; update() between requests moves between them."""
 
     def __init__(self, single: Engine, master: Master | None, prefer: Prefer,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 log: Callable[[str], None] = lambda _: None, plan_file: TPPlan | None = None) -> None:
         self.single, self.master, self.prefer, self.log = single, master, prefer, log
+        self.plan_file = plan_file  # used whenever the nodes present are exactly its devices
         self.mode = Mode.SINGLE
         self.lock = threading.Lock()  # update() against the dashboard's reads
         self.events: deque[Event] = deque(maxlen=50)
@@ -118,7 +120,7 @@ class EngineSwitch:
                            f"{len(alive)} node(s) present; --prefer single keeps the single engine")
             return
         try:
-            plan = self.master.replan()
+            plan = self.master.replan(self._from_file(alive))
         except EdgerunError as e:
             self._set_mode(Mode.SINGLE, f"cannot plan over {len(alive)} node(s) ({e}): single engine")
             return
@@ -128,6 +130,17 @@ class EngineSwitch:
             self._set_mode(Mode.CLUSTER, what)
         else:
             self._set_mode(Mode.SINGLE, f"{what}, no faster than the single engine's {self.single_ms:.1f}")
+
+    def _from_file(self, alive: tuple[str, ...]) -> TPPlan | None:
+        """The plan file over these nodes, or None (plan with --plan) when it does not cover exactly them."""
+        if self.plan_file is None or self.master is None:
+            return None
+        try:
+            check_fits(self.plan_file, self.master.profile())
+            return plan_for_members(self.plan_file, self.plan_file.devices[0], list(alive))
+        except ValueError as e:
+            self.note(f"the plan file does not fit the nodes present ({e}): planning with --plan")
+            return None
 
     def _set_mode(self, mode: Mode, why: str) -> None:
         with self.lock:

@@ -135,7 +135,7 @@ class Master:
         return [self._device("master", self.config.budget_mb, self.config.speed)] + \
                [self._device(n.name, n.budget_mb, n.speed, n.link) for n in alive]
 
-    def _profile(self) -> ModelProfile:
+    def profile(self) -> ModelProfile:
         return model_profile(self.model.name, self.model.config, self.model.weights, context=self.config.max_len,
                              group_size=self.config.group_size, vocab_block=self.config.vocab_block)
 
@@ -159,7 +159,7 @@ class Master:
         alive = self.membership.alive()
         if not self._made_for(self.plan, alive):
             return False  # no plan yet, or the members changed: the next replan takes the speeds anyway
-        devices, profile = self._devices(alive), self._profile()
+        devices, profile = self._devices(alive), self.profile()
         now = objective(plan_counts(self.plan), devices, profile, SyncModel.STAR)
         try:
             better = plan_tp(profile, devices, self.config.strategy, sync=SyncModel.STAR)
@@ -185,7 +185,7 @@ class Master:
         self.take_measurements()  # what the shares about to go showed
         if not self._made_for(plan, alive):
             try:
-                plan = plan_tp(self._profile(), self._devices(alive), self.config.strategy, sync=SyncModel.STAR)
+                plan = plan_tp(self.profile(), self._devices(alive), self.config.strategy, sync=SyncModel.STAR)
             except ValueError as e:
                 raise EdgerunError(str(e)) from e
         if plan.oom_devices:
