@@ -380,3 +380,65 @@ def test_fuzzed_requests_never_get_a_5xx(server: Serving) -> None:
             assert '"error"' not in text and text.rstrip().endswith("data: [DONE]")
 
     check()
+
+
+# --- a pipeline behind the API ----------------------------------------------------------------------
+def start_worker(master: str, name: str, budget_mb: float = 80) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master", master,
+                             "--name", name, "--key", CLUSTER_KEY, "--threads", "1", "--memory-budget",
+                             str(budget_mb)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Path) -> None:
+    """--plan dp --no-local: three 80 MB workers (two hold the model). Kill -9 one during four streams: each
+    completes as undisturbed. Every worker gone: a 503 after --wait. A worker pair rejoins: served again."""
+    s = Serving("--plan", "dp", "--no-local", "--wait", "3", "--cluster-port", "0", "--no-advertise")
+    workers = {name: start_worker(s.cluster, name) for name in ("w1", "w2", "w3")}
+    try:
+        wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 3, 180,
+                   "a pipeline over the workers")
+        client = s.client()
+        prompts = [f"Name a city that starts with the letter {c}." for c in "ABCD"]
+
+        def one(i: int, on_text=None) -> str:
+            text = []
+            for c in client.chat.completions.create(model="any", stream=True, max_tokens=16, temperature=0.7,
+                                                    seed=i, messages=[{"role": "user", "content": prompts[i]}]):
+                if c.choices and c.choices[0].delta.content:
+                    text.append(c.choices[0].delta.content)
+                    if on_text:
+                        on_text()
+            return "".join(text)
+
+        undisturbed = [one(i) for i in range(4)]
+        serving = [n["name"] for n in s.state()["nodes"] if n["state"] == "serving"]
+        killed: list[str] = []
+
+        def kill_once() -> None:
+            if not killed:
+                workers[serving[0]].send_signal(signal.SIGKILL)
+                killed.append(serving[0])
+
+        with ThreadPoolExecutor(4) as pool:
+            disturbed = list(pool.map(lambda i: one(i, kill_once if i == 0 else None), range(4)))
+        assert killed and disturbed == undisturbed
+        state = s.state()
+        assert killed[0] not in [n["name"] for n in state["nodes"]]  # it left the list
+        assert state["recoveries"] >= 1 and state["mode"] == "cluster"
+        for proc in workers.values():
+            proc.kill()
+            proc.wait()
+        wait_until(lambda: s.state()["nodes"] == [], 30, "the workers to leave")
+        started = time.monotonic()
+        code, reply = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2})
+        assert code == 503 and reply["error"]["code"] == "no_capacity", reply
+        assert 2.5 <= time.monotonic() - started < 30
+        workers = {name: start_worker(s.cluster, name) for name in ("w4", "w5")}
+        wait_until(lambda: len(s.state()["nodes"]) == 2, 120, "new workers")
+        assert one(1) == undisturbed[1]
+    finally:
+        for proc in workers.values():
+            proc.kill()
+            proc.wait()
+        s.close()

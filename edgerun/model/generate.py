@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,8 +21,9 @@ ENGINES = ("numpy", "onnx", "onnx-int8")
 
 
 class Stepper(Protocol):
-    """What the generation loop drives: a KV cache of max_len positions, reset, and a step that runs tokens
-    after those already seen and returns the last one's next-token logits."""
+    """What the generation loop drives: a KV cache of max_len positions, reset (a prefill from position 0
+    follows), a step that runs tokens after those already seen and returns the last one's next-token logits,
+    and release at the end of a request."""
 
     @property
     def max_len(self) -> int: ...
@@ -30,6 +31,23 @@ class Stepper(Protocol):
     def reset(self) -> None: ...
 
     def step(self, tokens: Sequence[int]) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class TokenStepper(Protocol):
+    """An engine that samples where the logits are (a pipeline's last stage): its step returns the token the
+    sampler picks after `tokens`, run from position `start`."""
+
+    @property
+    def max_len(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int: ...
+
+    def release(self) -> None: ...
 
 
 class Engine(Stepper, Protocol):
@@ -54,6 +72,9 @@ class ReferenceEngine:
 
     def reset(self) -> None:
         self.cache = self.reference.new_cache(self.max_len)
+
+    def release(self) -> None:
+        """Nothing to let go of between requests."""
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         return self.reference.forward(tokens, self.cache)
@@ -95,13 +116,13 @@ class GenerationResult:
         return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else 0.0
 
 
-def generate(engine: Stepper, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
+def generate(engine: Stepper | TokenStepper, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
              stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None,
              cancelled: Callable[[], bool] = lambda: False) -> GenerationResult:
     """Prefill the prompt, then sample up to max_tokens tokens; the engine starts fresh. The one generation
-    loop of every engine: the single-process ones, a tensor-parallel master and `edgerun serve`'s switch
-    between them. `cancelled` is asked before every step; an engine that raises EngineLost is recovered and
-    re-prefilled."""
+    loop of every engine: the single-process ones, a tensor-parallel master, a pipeline (which samples at its
+    last stage) and `edgerun serve`'s switch between them. `cancelled` is asked before every step; an engine
+    that raises EngineLost is recovered and re-prefilled."""
     if not prompt:
         raise EdgerunError("the prompt is empty")
     if max_tokens < 1:
@@ -109,35 +130,45 @@ def generate(engine: Stepper, prompt: Sequence[int], max_tokens: int, sampler: S
     if len(prompt) + max_tokens > engine.max_len:
         raise EdgerunError(f"prompt ({len(prompt)} tokens) plus --max-tokens {max_tokens} exceeds the "
                            f"context of {engine.max_len} tokens")
+    if isinstance(engine, TokenStepper):
+        def next_token(tokens: list[int], start: int) -> int:
+            return engine.step_token(tokens, start, sampler)
+    else:
+        def next_token(tokens: list[int], start: int) -> int:
+            return sampler(engine.step(tokens), start + len(tokens))
+
     tokens: list[int] = []
     recoveries = 0
     start = time.perf_counter()
     prefill_s = 0.0
     decode_start = start
-    while True:
-        try:
-            engine.reset()
-            logits = engine.step(list(prompt) + tokens)
-            if not tokens:
-                prefill_s = time.perf_counter() - start
-                decode_start = time.perf_counter()
-            while True:
-                if cancelled():
-                    reason = StopReason.CANCELLED
-                    break
-                token = sampler(logits, len(prompt) + len(tokens))
-                if token in stop_ids:
-                    reason = StopReason.STOP_TOKEN
-                    break
-                tokens.append(token)
-                if on_token:
-                    on_token(token)
-                if len(tokens) >= max_tokens:
-                    reason = StopReason.MAX_TOKENS
-                    break
-                logits = engine.step([token])
-            return GenerationResult(len(prompt), tokens, reason, prefill_s, time.perf_counter() - decode_start,
-                                    recoveries)
-        except EngineLost:
-            recoveries += 1
-            engine.recover()  # type: ignore[attr-defined]  # only engines that can lose a part raise EngineLost
+    try:
+        while True:
+            try:
+                engine.reset()
+                context = list(prompt) + tokens
+                token = next_token(context, 0)
+                if not tokens:
+                    prefill_s = time.perf_counter() - start
+                    decode_start = time.perf_counter()
+                while True:
+                    if token in stop_ids:
+                        reason = StopReason.STOP_TOKEN
+                        break
+                    tokens.append(token)
+                    if on_token:
+                        on_token(token)
+                    if len(tokens) >= max_tokens:
+                        reason = StopReason.MAX_TOKENS
+                        break
+                    if cancelled():
+                        reason = StopReason.CANCELLED
+                        break
+                    token = next_token([token], len(prompt) + len(tokens) - 1)
+                return GenerationResult(len(prompt), tokens, reason, prefill_s, time.perf_counter() - decode_start,
+                                        recoveries)
+            except EngineLost as lost:
+                recoveries += 1
+                engine.recover(lost)  # type: ignore[union-attr]  # only engines that can lose a part raise it
+    finally:
+        engine.release()

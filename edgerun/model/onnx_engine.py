@@ -125,6 +125,9 @@ class OnnxEngine:
     def reset(self) -> None:
         self.stage.reset()
 
+    def release(self) -> None:
+        """Nothing to let go of between requests."""
+
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens after those already seen; return the last token's logits, (vocab,)."""
         hidden = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))[None]

@@ -42,6 +42,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from edgerun.errors import EdgerunError
+from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import StageSpec, cached_stage
 from edgerun.model.sampling import Sampler, SamplingParams
@@ -63,8 +64,15 @@ STATES = ("Down", "Preparing", "Committing", "Up")
 GREEDY = SamplingParams()
 
 
-class WorkerLost(Exception):
+class WorkerLost(EngineLost):
     """A worker closed its connection or failed a request."""
+
+
+class PlanSwap(EngineLost):
+    """A staged plan is ready mid-request: it takes over at a prefill of the context so far."""
+
+
+MAX_REQUEST_LOSSES = 8  # workers lost within one request before it gives up
 
 
 @dataclass
@@ -158,6 +166,8 @@ class PipelineMaster:
         self.membership = asyncio.Event()  # set whenever a worker joins or leaves (for wait_for_workers)
         self.changed = asyncio.Event()  # the same, for the repartition loop
         self.busy = False  # a request is in flight: it deals with lost workers itself
+        self.lost_at: float | None = None  # when the request in flight lost a worker, until it has a token again
+        self.request_losses = 0  # workers the request in flight lost
         self.deploying = asyncio.Lock()
         self.deployed_at = time.monotonic()
         self.net = EventLoopThread()
@@ -546,66 +556,59 @@ class PipelineMaster:
             tensors = {"hidden": out["hidden"]}
         raise AssertionError("a plan has at least one stage")
 
-    async def _generate(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams,
-                        stop_ids: frozenset[int], on_token: Callable[[int], None] | None) -> list[int]:
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "seed": Sampler(params).seed}  # without a seed, a random one, kept for the whole request
+    # --- the generation loop's interface (model.generate): a step returns the last stage's sampled token ----
+    def reset(self) -> None:
+        """A request (or its re-prefill) begins: joins and leaves wait for its end (release)."""
         self.busy = True
-        try:
-            return await self._generate_busy(prompt, max_tokens, sampling, stop_ids, on_token)
-        finally:
-            self.busy = False
-            self.changed.set()  # joins and leaves during the request are looked at now
 
-    async def _generate_busy(self, prompt: Sequence[int], max_tokens: int, sampling: dict[str, Any],
-                             stop_ids: frozenset[int], on_token: Callable[[int], None] | None) -> list[int]:
-        tokens: list[int] = []
-        recoveries = 0
-        lost_at: float | None = None
-        swapped_at: float | None = None
-        while True:
-            try:
-                if self._ready(self.staged) and self._stages_alive():
-                    swapped_at = time.perf_counter()
-                    self.log(f"hot swap after {len(tokens)} tokens")
-                    await self.replan(self.staged, hot=True)
-                elif self.state != "Up" or not self._stages_alive():
-                    await self.replan(self._fallback())
-                context = list(prompt) + tokens
-                n = len(self.prefix)
-                if n and len(context) > n and context[:n] == self.prefix:
-                    token = await self._forward(context[n:], n, sampling, prefix="restore")
-                else:
-                    token = await self._forward(context, 0, sampling)
-                if lost_at is not None:  # recovered: the re-prefill produced the next token
-                    self.recovery_seconds.append(time.perf_counter() - lost_at)
-                    lost_at = None
-                if swapped_at is not None:
-                    self.swap_seconds.append(time.perf_counter() - swapped_at)
-                    self.log(f"hot swap done in {self.swap_seconds[-1]:.2f} s")
-                    swapped_at = None
-                position = len(context)
-                while True:
-                    if token in stop_ids:
-                        return tokens
-                    tokens.append(token)
-                    if on_token:
-                        on_token(token)
-                    if len(tokens) >= max_tokens:
-                        return tokens
-                    if self._ready(self.staged):
-                        break  # swap to the staged plan, then prefill the context again
-                    token = await self._forward([token], position, sampling)
-                    position += 1
-            except WorkerLost as e:
-                recoveries += 1
-                lost_at = lost_at or time.perf_counter()
-                swapped_at = None
-                self.log(f"worker {e} lost mid-request: replanning and re-prefilling {len(prompt) + len(tokens)} "
-                         "tokens")
-                self.state = "Down"
-                if recoveries > 8:
-                    raise EdgerunError("the pipeline keeps losing workers; giving up on this request") from e
+    def release(self) -> None:
+        self.busy, self.request_losses = False, 0
+        self.net.loop.call_soon_threadsafe(self.changed.set)  # joins and leaves during the request are seen now
+
+    def step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int:
+        """Run `tokens` from position `start` through every stage; the token the last stage samples after them.
+        EngineLost (WorkerLost) when a worker is lost or a staged plan is ready to take over: the generation
+        loop then calls recover() and prefills the context again."""
+        return self.net.run(self._step_token(tokens, start, sampler))
+
+    async def _step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int:
+        sampling = {"temperature": sampler.params.temperature, "top_p": sampler.params.top_p,
+                    "top_k": sampler.params.top_k, "seed": sampler.seed}
+        if start > 0:
+            if self._ready(self.staged):
+                raise PlanSwap("a staged plan is ready")
+            return await self._forward(tokens, start, sampling)
+        swapped_at = None
+        if self._ready(self.staged) and self._stages_alive():
+            swapped_at = time.perf_counter()
+            self.log("hot swap")
+            await self.replan(self.staged, hot=True)
+        elif self.state != "Up" or not self._stages_alive():
+            await self.replan(self._fallback())
+        n = len(self.prefix)
+        if n and len(tokens) > n and list(tokens[:n]) == self.prefix:
+            token = await self._forward(tokens[n:], n, sampling, prefix="restore")
+        else:
+            token = await self._forward(tokens, 0, sampling)
+        if self.lost_at is not None:  # recovered: the re-prefill produced the next token
+            self.recovery_seconds.append(time.perf_counter() - self.lost_at)
+            self.lost_at = None
+        if swapped_at is not None:
+            self.swap_seconds.append(time.perf_counter() - swapped_at)
+            self.log(f"hot swap done in {self.swap_seconds[-1]:.2f} s")
+        return token
+
+    def recover(self, lost: EngineLost) -> None:
+        """After EngineLost: a lost worker marks the pipeline down (the next prefill replans over the workers
+        left); a staged plan swaps in at the next prefill."""
+        if isinstance(lost, PlanSwap):
+            return
+        self.lost_at = self.lost_at or time.perf_counter()
+        self.state = "Down"
+        self.request_losses += 1
+        self.log(f"worker {lost} lost mid-request: replanning and prefilling the context again")
+        if self.request_losses > MAX_REQUEST_LOSSES:
+            raise EdgerunError("the pipeline keeps losing workers; giving up on this request")
 
     # --- the blocking interface ------------------------------------------------------------------------
     def wait_for_workers(self, n: int, timeout_s: float = 600.0) -> None:
@@ -633,9 +636,8 @@ class PipelineMaster:
 
     def generate(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams = GREEDY,
                  stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
-        if len(prompt) + max_tokens > self.max_len:
-            raise EdgerunError(f"prompt plus max tokens exceeds the context of {self.max_len}")
-        return self.net.run(self._generate(prompt, max_tokens, params, stop_ids, on_token))
+        """Generation on the pipeline (the one generation loop, model.generate)."""
+        return generate(self, prompt, max_tokens, Sampler(params), stop_ids, on_token).tokens
 
     def close(self) -> None:
         async def stop() -> None:

@@ -175,47 +175,25 @@ class Api:
     # --- operations ---------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """What the dashboard and `edgerun status` show."""
-        sw, master = self.switch, self.switch.master
+        sw, cluster = self.switch, self.switch.cluster
         now = time.time()
         per_second = [0] * 120
         for t in list(self.service.tokens_log):
             age = int(now - t)
             if 0 <= age < 120:
                 per_second[119 - age] += 1
-        nodes, plan = [], None
-        if master is not None:
-            for n in master.nodes:
-                spec = n.spec
-                nodes.append({
-                    "name": n.name, "kind": "native", "alive": n.alive,
-                    "state": ("ready" if n.ready.is_set() else "loading") if n.alive else "lost",
-                    "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
-                    "peak_rss_mb": n.peak_rss_mb,
-                    "speed_gb_s": (n.decode.speed or n.speed) / 1e9,
-                    "rtt_ms": None if n.link is None else n.link.rtt_ms,
-                    "loss": None if n.link is None else n.link.loss_rate,
-                    "holds": None if spec is None else {
-                        "attention_units": sum(len(u) for u in spec.attn_units),
-                        "mlp_groups": sum(len(g) for g in spec.mlp_groups),
-                        "vocab_blocks": len(spec.vocab_blocks)},
-                })
-            if master.plan is not None and sw.planned_for:
-                p = master.plan
-                plan = {"strategy": p.strategy, "devices": list(p.devices),
-                        "memory_mb": [m / 1e6 for m in p.memory_bytes],
-                        "compute_ms": [c * 1e3 for c in p.compute_s],
-                        "predicted_ms_per_token": p.time_per_token_s * 1e3}
-        stats = None if master is None else master.stats
+        counters = {"blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "rejected": 0} if cluster is None \
+            else cluster.counters()
         return {
             "model": self.config.model_name, "mode": sw.mode.value, "uptime_s": now - self.started,
+            "cluster": None if cluster is None else cluster.kind,
             "single_ms_per_token": sw.single_ms,
             "measured_ms_per_token": {m.value: v for m, v in sw.measured_ms.items()},
-            "plan": plan, "nodes": nodes,
+            "plan": cluster.plan() if cluster is not None and sw.planned_for else None,
+            "nodes": [] if cluster is None else cluster.nodes(),
             "queue": {"waiting": self.service.waiting, "busy": self.service.busy},
             "tokens_per_second": per_second,
-            "blocks": 0 if stats is None else stats.blocks,
-            "blocks_incomplete": 0 if stats is None else stats.blocks_incomplete,
-            "late_packets": 0 if stats is None else stats.late_packets,
+            **counters,
             "recoveries": self.metrics.recoveries,
             "events": [{"at": e.at, "text": e.text} for e in list(sw.events)],
         }
@@ -238,9 +216,7 @@ class Api:
             "edgerun_blocks_total": ("Tensor-parallel blocks merged.", s["blocks"]),
             "edgerun_blocks_incomplete_total": ("Blocks merged without some node's partial.", s["blocks_incomplete"]),
             "edgerun_packets_late_total": ("Partials that came after their block was merged.", s["late_packets"]),
-            "edgerun_packets_rejected_total": ("Packets refused (bad tag, malformed, unexpected).",
-                                               0 if self.switch.master is None else
-                                               self.switch.master.counters.total()),
+            "edgerun_packets_rejected_total": ("Packets refused (bad tag, malformed, unexpected).", s["rejected"]),
         }
         return PlainTextResponse(self.metrics.render(gauges, counters),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -33,7 +33,14 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
-    p.add_argument("--plan", choices=TP_PLANS, default="halo", help="tensor-parallel planner (default: halo)")
+    p.add_argument("--plan", choices=(*TP_PLANS, "dp"), default="halo",
+                   help="tensor-parallel planner, or dp: a pipeline of workers (`edgerun node --mode pp`) and browser "
+                        "tabs (http://HOST:CLUSTER_PORT/node) holding ranges of layers (default: halo)")
+    p.add_argument("--no-local", dest="local", action="store_false",
+                   help="never generate on this machine's own engine (a model too big for it): requests wait for "
+                        "nodes, up to --wait")
+    p.add_argument("--wait", type=float, default=30.0,
+                   help="seconds a request waits for nodes when nothing can serve it, before a 503 (default: 30)")
     p.add_argument("--plan-file", type=Path, default=None,
                    help="a tensor-parallel plan from `edgerun plan --out` (first device: this server), used "
                         "whenever exactly its nodes are present; otherwise --plan plans (default: none)")
@@ -81,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name,
-                         advertise=args.advertise, plan_file=args.plan_file)
+                         advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

@@ -33,8 +33,14 @@ class ServeConfig:
     model_name: str | None = None  # what the API calls the model (default: the file's name)
     advertise: bool = True  # announce the cluster port by mDNS
     plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
+    local: bool = True  # serve from this machine's own engine too (not when the model is too big for it)
+    wait_s: float = 30.0  # how long a request waits for nodes when nothing can serve it, before a 503
 
     def __post_init__(self) -> None:
+        if not self.local and self.cluster_port is None:
+            raise EdgerunError("--no-local and --no-cluster leave nothing to serve with")
+        if self.wait_s < 0:
+            raise EdgerunError("--wait must be 0 or more seconds")
         if self.max_queue < 1 or self.max_context < 16 or self.default_max_tokens < 1 or self.threads < 1:
             raise EdgerunError("--max-queue, --max-tokens and --threads must be at least 1, --max-context 16")
         if not 0 <= self.port < 65536 or (self.cluster_port is not None and not 0 <= self.cluster_port < 65536):
@@ -80,32 +86,18 @@ class Server:
         try:
             self.model = model = load_model(config.model)
             max_len = min(config.max_context, model.config.context_length)
-            single = make_engine("onnx", model, max_len, threads=config.threads)
-            self.master = None
-            if config.cluster_port is not None:
-                from edgerun.tp.config import MasterConfig
-                from edgerun.tp.master import Master
-
-                try:
-                    self.master = Master(model, config.key, MasterConfig(
-                        strategy=config.plan, host=config.host, port=config.cluster_port, max_len=max_len,
-                        threads=config.threads), log=lambda m: log(f"cluster: {m}"))
-                except OSError as e:
-                    raise EdgerunError(f"cannot listen for nodes on {config.host}:{config.cluster_port}: "
-                                       f"{e.strerror or e}") from e
+            single = make_engine("onnx", model, max_len, threads=config.threads) if config.local else None
+            self.cluster = None if config.cluster_port is None else self._cluster(model, max_len)
             self.advertiser = None
-            if self.master is not None and config.advertise:
+            if self.cluster is not None and config.advertise:
                 from edgerun.net.discovery import Advertiser, ClusterMode
 
-                self.advertiser = Advertiser(ClusterMode.TP, config.host, self.master.port, log=log)
-            plan_file = None
-            if config.plan_file is not None:
-                from edgerun.cli import load_plan_file
-
-                plan_file = load_plan_file(config.plan_file)
-            self.switch = EngineSwitch(single, self.master, config.prefer, log, plan_file)
+                mode = ClusterMode.PP if config.plan == "dp" else ClusterMode.TP
+                self.advertiser = Advertiser(mode, config.host, self.cluster.port, log=log)
+            self.switch = EngineSwitch(single, self.cluster, config.prefer, max_len, log)
             self.metrics = Metrics()
-            self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, self.metrics, log)
+            self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
+                                   self.metrics, log)
             name = config.model_name or model.name
             self.api = Api(model, self.service, self.switch, self.metrics,
                            ApiConfig(name, config.api_key, config.default_max_tokens))
@@ -115,9 +107,42 @@ class Server:
             self.sock.close()
             raise
 
+    def _cluster(self, model, max_len: int):
+        """The cluster nodes join: a pipeline master for --plan dp, else a tensor-parallel master."""
+        from edgerun.serve.clusters import Pipeline, TensorParallel
+
+        config, log = self.config, self.log
+        try:
+            if config.plan == "dp":
+                from edgerun.pp.master import PipelineMaster, chat_template_prefix
+
+                prefix = chat_template_prefix(model.tokenizer) if model.tokenizer.chat_template else []
+                return Pipeline(PipelineMaster(model, config.key, host=config.host, port=config.cluster_port,
+                                               max_len=max_len, prefix=prefix, log=lambda m: log(f"pipeline: {m}")))
+            from edgerun.tp.config import MasterConfig
+            from edgerun.tp.master import Master
+
+            plan_file = None
+            if config.plan_file is not None:
+                from edgerun.cli import load_plan_file
+
+                plan_file = load_plan_file(config.plan_file)
+            master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.host,
+                                                             port=config.cluster_port, max_len=max_len,
+                                                             threads=config.threads),
+                            log=lambda m: log(f"cluster: {m}"))
+            return TensorParallel(master, plan_file, lambda m: log(f"cluster: {m}"))
+        except OSError as e:
+            raise EdgerunError(f"cannot listen for nodes on {config.host}:{config.cluster_port}: "
+                               f"{e.strerror or e}") from e
+
     def run(self) -> None:
         where = f"http://{'localhost' if self.config.host in ('0.0.0.0', '::') else self.config.host}:{self.port}"
-        nodes = "" if self.master is None else f"; nodes join with `edgerun node --master HOST:{self.master.port}`"
+        mode = "--mode pp " if self.config.plan == "dp" else ""
+        nodes = "" if self.cluster is None else \
+            f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}`"
+        if self.config.plan == "dp" and self.cluster is not None:
+            nodes += f", browser tabs at http://HOST:{self.cluster.port}/node"
         self.log(f"serving {self.api.config.model_name} at {where} (API {where}/v1, dashboard {where}/){nodes}")
         try:
             self.uvicorn.run(sockets=[self.sock])
@@ -131,6 +156,5 @@ class Server:
         if self.advertiser is not None:
             self.advertiser.close()
         self.service.close()
-        if self.master is not None:
-            self.master.close()
+        self.switch.close()
         self.sock.close()

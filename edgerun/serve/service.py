@@ -19,9 +19,10 @@ from edgerun.model.generate import GenerationResult, generate
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.openai_api import ApiError
-from edgerun.serve.switch import EngineSwitch
+from edgerun.serve.switch import EngineSwitch, NoCapacity
 
 IDLE_CHECK_S = 1.0  # how often an idle generation thread looks for nodes that joined or left
+CAPACITY_POLL_S = 0.5  # how often a request waiting for capacity looks again
 TOKENS_KEPT = 100_000  # token times kept for the dashboard's chart of the last two minutes
 
 
@@ -45,10 +46,10 @@ class Job:
 
 
 class Service:
-    def __init__(self, switch: EngineSwitch, stop_ids: frozenset[int], max_queue: int, metrics: Metrics,
-                 log: Callable[[str], None] = lambda _: None) -> None:
-        self.switch, self.stop_ids, self.max_queue, self.metrics, self.log = \
-            switch, stop_ids, max_queue, metrics, log
+    def __init__(self, switch: EngineSwitch, stop_ids: frozenset[int], max_queue: int, wait_s: float,
+                 metrics: Metrics, log: Callable[[str], None] = lambda _: None) -> None:
+        self.switch, self.stop_ids, self.max_queue, self.wait_s, self.metrics, self.log = \
+            switch, stop_ids, max_queue, wait_s, metrics, log
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.waiting = 0  # jobs queued or running
         self.count_lock = threading.Lock()
@@ -82,16 +83,31 @@ class Service:
             if job is None:
                 return
             try:
-                if not job.cancelled.is_set():
-                    self._update()
+                if not job.cancelled.is_set() and self._capacity(job):
                     self.busy = True
                     job.put(self._generate(job))
+            except NoCapacity as e:
+                job.put(ApiError(503, f"no capacity: {e}", kind="server_error", code="no_capacity"))
             except Exception as e:  # the handler reports it; the service goes on
                 job.put(e)
             finally:
                 self.busy = False
                 with self.count_lock:
                     self.waiting -= 1
+
+    def _capacity(self, job: Job) -> bool:
+        """Whether something can generate, waiting up to wait_s for nodes to join when nothing can; a 503 for
+        the job when none came."""
+        self._update()
+        deadline = time.monotonic() + self.wait_s
+        while not self.switch.has_capacity and not job.cancelled.is_set():
+            if time.monotonic() >= deadline:
+                job.put(ApiError(503, f"no capacity: no nodes hold the model, and none joined within "
+                                      f"{self.wait_s:.0f} s", kind="server_error", code="no_capacity"))
+                return False
+            time.sleep(CAPACITY_POLL_S)
+            self._update()
+        return not job.cancelled.is_set()
 
     def _update(self) -> None:
         try:

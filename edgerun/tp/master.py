@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgerun.errors import EdgerunError
-from edgerun.model.generate import generate
+from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
 from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
@@ -333,10 +333,13 @@ class Master:
         """Run tokens after those already seen; the last token's logits."""
         return self.net.run(self._step(tokens))
 
-    def recover(self) -> None:
+    def recover(self, lost: EngineLost) -> None:
         """After a node was lost mid-step: plan over the devices left (the generation loop re-prefills)."""
-        self.log("a node was lost mid-generation: replanning")
+        self.log(f"node {lost} lost mid-generation: replanning")
         self.replan()
+
+    def release(self) -> None:
+        """Nothing to let go of between requests."""
 
     @property
     def max_len(self) -> int:

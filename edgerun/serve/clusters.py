@@ -1,0 +1,182 @@
+"""The two kinds of cluster `edgerun serve` can move requests to, behind one interface: a tensor-parallel master
+and its nodes (--plan halo, minmax, ...), or a pipeline master and its workers and browser tabs (--plan dp).
+
+Each says who is present, deploys a plan over them (returning its predicted ms/token), and describes its
+devices and plan for the dashboard. Both engines run under the one generation loop (model.generate)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Any, Protocol
+
+from edgerun.model.generate import EngineLost, Stepper, TokenStepper
+from edgerun.pp.master import PipelineMaster
+from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
+from edgerun.tp.master import Master
+
+
+class Cluster(Protocol):
+    kind: str  # "tensor-parallel" or "pipeline"
+    port: int  # where nodes join
+
+    @property
+    def engine(self) -> Stepper | TokenStepper: ...
+
+    def members(self) -> tuple[str, ...]: ...
+
+    def deploy(self) -> tuple[str, float]:
+        """Plan over the members present and load their shares: (what was planned, predicted ms/token).
+        EdgerunError when no plan fits them."""
+        ...
+
+    def rebalance(self) -> bool: ...
+
+    def on_lost(self, lost: EngineLost) -> None:
+        """A member was lost mid-request (deploy() follows)."""
+        ...
+
+    def nodes(self) -> list[dict[str, Any]]: ...
+
+    def plan(self) -> dict[str, Any] | None: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def set_own_speed(self, weight_bytes_per_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorParallel:
+    """A tensor-parallel master: plans with --plan (or a plan file naming exactly the nodes present)."""
+
+    kind = "tensor-parallel"
+
+    def __init__(self, master: Master, plan_file: TPPlan | None, note) -> None:
+        self.master, self.plan_file, self.note = master, plan_file, note
+        self.port = master.port
+
+    @property
+    def engine(self) -> Master:
+        return self.master
+
+    def members(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.master.membership.alive())
+
+    def deploy(self) -> tuple[str, float]:
+        plan = self.master.replan(self._from_file())
+        return (f"plan {plan.strategy} over master + {', '.join(plan.devices[1:])}", plan.time_per_token_s * 1e3)
+
+    def _from_file(self) -> TPPlan | None:
+        """The plan file over the nodes present, or None (plan with --plan) when it does not cover exactly them."""
+        if self.plan_file is None:
+            return None
+        try:
+            check_fits(self.plan_file, self.master.profile())
+            return plan_for_members(self.plan_file, self.plan_file.devices[0], list(self.members()))
+        except ValueError as e:
+            self.note(f"the plan file does not fit the nodes present ({e}): planning with --plan")
+            return None
+
+    def rebalance(self) -> bool:
+        return self.master.rebalance()
+
+    def on_lost(self, lost: EngineLost) -> None:
+        """Nothing: the membership already marked the node dead, and deploy() plans without it."""
+
+    def nodes(self) -> list[dict[str, Any]]:
+        out = []
+        for n in self.master.nodes:
+            spec = n.spec
+            out.append({
+                "name": n.name, "kind": "native", "alive": n.alive,
+                "state": ("ready" if n.ready.is_set() else "loading") if n.alive else "lost",
+                "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
+                "speed_gb_s": (n.decode.speed or n.speed) / 1e9,
+                "rtt_ms": None if n.link is None else n.link.rtt_ms,
+                "loss": None if n.link is None else n.link.loss_rate,
+                "holds": None if spec is None else (
+                    f"{sum(map(len, spec.attn_units))} attention units, {sum(map(len, spec.mlp_groups))} MLP "
+                    f"groups, {len(spec.vocab_blocks)} vocabulary blocks"),
+            })
+        return out
+
+    def plan(self) -> dict[str, Any] | None:
+        p = self.master.plan
+        if p is None:
+            return None
+        return {"strategy": p.strategy, "devices": list(p.devices), "memory_mb": [m / 1e6 for m in p.memory_bytes],
+                "compute_ms": [c * 1e3 for c in p.compute_s], "predicted_ms_per_token": p.time_per_token_s * 1e3}
+
+    def counters(self) -> dict[str, int]:
+        s = self.master.stats
+        return {"blocks": s.blocks, "blocks_incomplete": s.blocks_incomplete, "late_packets": s.late_packets,
+                "rejected": self.master.counters.total()}
+
+    def set_own_speed(self, weight_bytes_per_s: float) -> None:
+        self.master.reconfigure(replace(self.master.config, speed=weight_bytes_per_s))
+
+    def close(self) -> None:
+        self.master.close()
+
+
+class Pipeline:
+    """A pipeline master: workers (`edgerun node --mode pp`) and browser tabs hold ranges of layers."""
+
+    kind = "pipeline"
+
+    def __init__(self, pipeline: PipelineMaster) -> None:
+        self.pipeline = pipeline
+        self.port = pipeline.port
+
+    @property
+    def engine(self) -> PipelineMaster:
+        return self.pipeline
+
+    def members(self) -> tuple[str, ...]:
+        return tuple(sorted(w.name for w in self.pipeline.workers.values() if w.alive))
+
+    def deploy(self) -> tuple[str, float]:
+        plan = self.pipeline.start()
+        stages = ", ".join(f"{s.worker} {s.first_layer}-{s.end_layer - 1}" for s in plan.stages)
+        return f"pipeline over {stages}", plan.exec_s_per_token * 1e3
+
+    def rebalance(self) -> bool:
+        return False  # the pipeline master repartitions by itself between requests
+
+    def on_lost(self, lost: EngineLost) -> None:
+        self.pipeline.recover(lost)  # the pipeline goes Down; its next prefill replans
+
+    def nodes(self) -> list[dict[str, Any]]:
+        stages = {s.worker: s for s in self.pipeline.plan.stages} if self.pipeline.plan else {}
+        out = []
+        for w in self.pipeline.workers.values():
+            if not w.alive:  # a tab that closed leaves the list
+                continue
+            s = stages.get(w.name)
+            browser = w.capabilities.get("kind") == "browser"
+            out.append({
+                "name": w.name, "kind": "browser" if browser else "native", "alive": True,
+                "state": "serving" if s else "standby", "memory_mb": None, "budget_mb": w.memory_mb,
+                "speed_gb_s": w.measured_speed / 1e9, "rtt_ms": w.rtt_ms, "loss": None,
+                "holds": f"layers {s.first_layer}-{s.end_layer - 1}" if s else "nothing",
+            })
+        return out
+
+    def plan(self) -> dict[str, Any] | None:
+        p = self.pipeline.plan
+        if p is None:
+            return None
+        return {"strategy": "dp", "devices": [s.worker for s in p.stages], "memory_mb": [],
+                "compute_ms": [c * 1e3 for c in p.stage_compute_s],
+                "predicted_ms_per_token": p.exec_s_per_token * 1e3}
+
+    def counters(self) -> dict[str, int]:
+        return {"blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "rejected": 0}
+
+    def set_own_speed(self, weight_bytes_per_s: float) -> None:
+        """The pipeline master computes no layers itself."""
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pipeline.close()
