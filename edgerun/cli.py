@@ -327,7 +327,8 @@ def cmd_node(args: argparse.Namespace) -> None:
 
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
         worker = PipelineWorker(url, _cluster_key(args), name, args.memory_budget, args.speed, args.threads,
-                                log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device)
+                                log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device,
+                                verbose=args.verbose)
         try:
             asyncio.run(worker.run())
         except OSError as e:
@@ -336,7 +337,7 @@ def cmd_node(args: argparse.Namespace) -> None:
     master = _host_port(args.master)
     try:
         run_node(master, args.model, _cluster_key(args), name, args.memory_budget, args.speed, _loss(args),
-                 args.threads, args.spin_us / 1e6)
+                 args.threads, args.spin_us / 1e6, verbose=args.verbose)
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
 
@@ -943,6 +944,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp)")
     _model_arg(p)
     p.add_argument("--name", default=None, help="node name (default: the profile's name, else node-PID)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="say every 5 s how much this node computed (kernel time, speed, memory)")
     p.add_argument("--profile", type=Path, default=None, help="this device's profile from `edgerun profile "
                    "--out`: name, memory budget and speed come from it unless given")
     p.add_argument("--memory-budget", type=float, default=None,

@@ -26,6 +26,7 @@ from edgerun.model.onnx_engine import StageSession, execution_providers
 from edgerun.model.onnx_graph import cache_root
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
+from edgerun.profile.memory import peak_rss_mb
 
 
 def files_dir() -> Path:
@@ -66,13 +67,16 @@ class _Stage:
     session: StageSession | None = None
 
 
+SUMMARY_S = 5.0  # how often a verbose worker says what it did
 CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handshake counts as unreachable
 
 
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
-                 log=print, device: str = "cpu") -> None:
+                 log=print, device: str = "cpu", verbose: bool = False) -> None:
         self.url, self.key, self.name = url, key, name
+        self.verbose = verbose  # a timing summary every SUMMARY_S
+        self.passes, self.pass_s = 0, 0.0  # forward passes computed, and their time
         self.memory_mb, self.speed, self.threads = memory_mb, speed, threads
         self.providers = execution_providers(device)
         self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
@@ -105,10 +109,24 @@ class PipelineWorker:
 
     async def run(self) -> None:
         """Serve until the master closes the connection."""
+        summary = asyncio.create_task(self._summaries()) if self.verbose else None
         try:
             await self._serve()
         except websockets.ConnectionClosed as e:
             self.log(f"worker {self.name}: the master closed the connection ({e})")
+        finally:
+            if summary is not None:
+                summary.cancel()
+
+    async def _summaries(self) -> None:
+        passes, seconds = 0, 0.0
+        while True:
+            await asyncio.sleep(SUMMARY_S)
+            if self.passes > passes:
+                n, busy = self.passes - passes, self.pass_s - seconds
+                self.log(f"worker {self.name}: {n} passes in the last {SUMMARY_S:.0f} s, {busy / n * 1e3:.1f} ms "
+                         f"each ({100 * busy / SUMMARY_S:.0f}% busy), peak RSS {peak_rss_mb():.0f} MB")
+                passes, seconds = self.passes, self.pass_s
 
     async def _serve(self) -> None:
         async with await self.connect() as ws:
@@ -175,6 +193,8 @@ class PipelineWorker:
             s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
                                                    s.end_layer, self.max_len, self.threads, self.providers)
             await self._send(PpMsg.COMMIT_DONE, request, {"seconds": time.perf_counter() - start})
+            self.log(f"worker {self.name}: holds layers {s.first_layer}-{s.end_layer - 1}"
+                     f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
         elif kind == PpMsg.COMPUTATION:
             await self._compute(request, message, tensors)
         elif kind == PpMsg.INVALIDATE_CACHE:
@@ -201,6 +221,7 @@ class PipelineWorker:
         start = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(None, s.session.run, x)
         seconds = time.perf_counter() - start
+        self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
         if message.get("prefix") == "save":
             s.session.save_prefix()
         if s.lm_head:

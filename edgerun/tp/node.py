@@ -79,6 +79,7 @@ from edgerun.tp.messages import (
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec
 
 HEARTBEAT_S = 0.5
+SUMMARY_S = 5.0  # how often a verbose node says what it did
 JOIN_WAIT_S = 60.0  # how long a node keeps trying to reach its master
 MAX_RETRY_S = 8.0  # the longest pause between two tries
 
@@ -118,8 +119,10 @@ class _Input:
 
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
-                 speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0) -> None:
+                 speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0,
+                 verbose: bool = False) -> None:
         self.master = master
+        self.verbose = verbose  # a timing summary every SUMMARY_S
         self.threads = threads  # onnxruntime threads of the share
         self.spin_s = spin_s  # how long to poll for the next input without sleeping (DatagramSocket.spin_s)
         self.model = model
@@ -244,6 +247,7 @@ class Node:
         self.model = load_model(fetch_model(self.master[0], http_port, sha256))
 
     async def _heartbeat(self) -> None:
+        summarized, last_compute, last_bytes, last_decode = time.monotonic(), 0.0, 0, 0.0
         while self.running:
             await asyncio.sleep(HEARTBEAT_S)
             try:
@@ -251,6 +255,15 @@ class Node:
                                             self.decode_s))
             except (OSError, ConnectionError):
                 return
+            now = time.monotonic()
+            if self.verbose and now - summarized >= SUMMARY_S and self.compute_s > last_compute:
+                busy = self.compute_s - last_compute
+                rate = (self.decode_bytes - last_bytes) / max(self.decode_s - last_decode, 1e-9) / 1e9
+                self.log(f"node {self.name}: {busy * 1e3:.0f} ms in kernels over the last {now - summarized:.0f} s "
+                         f"({100 * busy / (now - summarized):.0f}% busy), one-token steps at {rate:.2f} GB/s, "
+                         f"{self.counters.total()} packets rejected, peak RSS {peak_rss_mb():.0f} MB")
+                summarized, last_compute, last_bytes, last_decode = \
+                    now, self.compute_s, self.decode_bytes, self.decode_s
 
     def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard | Shard) -> None:
         self.spec, self.shard = spec, shard
@@ -450,12 +463,13 @@ class Node:
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
-             speed: float, loss: LossModel | None, threads: int = 1, spin_s: float = 0.0) -> None:
+             speed: float, loss: LossModel | None, threads: int = 1, spin_s: float = 0.0,
+             verbose: bool = False) -> None:
     try:
         model = load_model(model_path)
     except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
         print(f"{e}; will fetch the master's model", file=sys.stderr)
         model = None
     node = Node(master, model, key, name, budget_mb, speed, loss,
-                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads, spin_s=spin_s)
+                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads, spin_s=spin_s, verbose=verbose)
     node.run()
