@@ -22,7 +22,7 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
 from edgerun.model.sampling import Sampler, SamplingParams, uniform
 from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
-from edgerun.pp.master import PipelineMaster, browser_dir, chat_template_prefix
+from edgerun.pp.master import PipelineMaster, PipelineState, browser_dir, chat_template_prefix
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -165,7 +165,7 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
             page.goto("about:blank")
             wait_for(lambda: not master.workers["browser"].alive, logs)
             page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=80&speed=1e10#key={SECRET}")
-            wait_for(lambda: master.state == "Up" and master.workers["browser"].alive
+            wait_for(lambda: master.state == PipelineState.UP and master.workers["browser"].alive
                      and master.plan.stages[-1].worker == "browser", logs)
             sampled = master.generate(model.tokenizer.encode(PROMPT), 16, sampling)
             browser.close()

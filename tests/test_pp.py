@@ -23,7 +23,7 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_HEADER, PpMsg, cluster_mac, derive_key, open_pp_frame, pp_frame
-from edgerun.pp.master import PipelineMaster, chat_template_prefix, describe
+from edgerun.pp.master import PipelineMaster, PipelineState, chat_template_prefix, describe
 from edgerun.pp.worker import PipelineWorker
 
 KEY = derive_key(SECRET)
@@ -84,7 +84,7 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
     """The shipped model (126 MB by the planner's count) does not fit one worker's budget."""
     with pipeline(model, budgets) as (master, _):
         plan = master.start()
-        assert len(plan.stages) == stages and master.state == "Up"
+        assert len(plan.stages) == stages and master.state == PipelineState.UP
         assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
@@ -100,7 +100,7 @@ def test_killing_a_worker_mid_generation_recovers_identically(model: Model, refe
         kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
         tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten)
         assert tokens == reference_tokens
-        assert len(master.recovery_seconds) == 1 and master.state == "Up"
+        assert len(master.recovery_seconds) == 1 and master.state == PipelineState.UP
         assert plan.stages[0].worker not in {s.worker for s in master.plan.stages}
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         shown = capsys.readouterr().out
@@ -187,7 +187,7 @@ def test_a_better_worker_joining_is_taken_by_a_repartition(model: Model, referen
         assert len(master.plan.stages) == 2
         workers.append(start_worker(master.port, "big", 400, speed=1e12))
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (master.state == "Up" and master.plan is not None and
+        while time.monotonic() < deadline and not (master.state == PipelineState.UP and master.plan is not None and
                                                    "big" in {s.worker for s in master.plan.stages}):
             time.sleep(0.5)
         assert [s.worker for s in master.plan.stages] == ["big"], master.logs
@@ -230,7 +230,7 @@ def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tok
         assert [s.worker for s in master.plan.stages] == ["big"], logs
         assert len(master.swap_seconds) == 1 and master.recovery_seconds == [], logs
         assert any("prepared beside the running one" in line for line in logs), logs
-        assert master.state == "Up" and master.staged is None
+        assert master.state == PipelineState.UP and master.staged is None
         print(f"hot swap in {master.swap_seconds[0]:.2f} s")
     finally:
         master.close()

@@ -16,7 +16,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.net.wire import derive_key
-from edgerun.pp.master import PipelineMaster
+from edgerun.pp.master import PipelineMaster, PipelineState
 from edgerun.sched.pp_plan import plan_exec_us
 
 SECRET = "edgerun-bench"
@@ -142,7 +142,7 @@ def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: flo
 
         def sample() -> None:
             while not stop.is_set():
-                up_samples.append(master.state == "Up")
+                up_samples.append(master.state == PipelineState.UP)
                 time.sleep(0.1)
 
         def chaos() -> None:

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,20 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript", 
                  ".wasm": "application/wasm"}
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
 COMPUTE_TIMEOUT_S = 120.0
-STATES = ("Down", "Preparing", "Committing", "Up")
 GREEDY = SamplingParams()
+
+
+class PipelineState(Enum):
+    """The deployment state machine (seed 003): Down -> Preparing (stages download) -> Committing (sessions
+    load) -> Up; a hot swap goes from Up through Committing."""
+
+    DOWN = "Down"
+    PREPARING = "Preparing"
+    COMMITTING = "Committing"
+    UP = "Up"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class WorkerLost(EngineLost):
@@ -159,7 +172,7 @@ class PipelineMaster:
         self.plan: PPPlan | None = None
         self.staged: PPPlan | None = None  # a better plan whose files are on its workers: swapped in mid-request
         self.shadow: PPPlan | None = None  # a standby plan whose files are on its workers: taken on a loss
-        self.state = "Down"
+        self.state = PipelineState.DOWN
         self.recovery_seconds: list[float] = []  # from losing a worker to the next token, per recovery
         self.swap_seconds: list[float] = []  # from starting a hot swap to the next token, per swap
         self.requests = itertools.count(1)
@@ -238,7 +251,7 @@ class PipelineMaster:
             worker.rtt_ms = float(np.median(rtts)) * 1e3
             self.workers[name] = worker
             if any(name in names for names in self.stage_workers):  # back, but without the stage it ran
-                self.state = "Down"
+                self.state = PipelineState.DOWN
             self.log(f"worker {name} connected ({worker.capabilities.get('kind', '?')}, {worker.memory_mb:.0f} MB, "
                      f"RTT {worker.rtt_ms:.2f} ms)")
             self.membership.set()
@@ -352,12 +365,14 @@ class PipelineMaster:
             try:
                 await self._repartition()
             except (EdgerunError, WorkerLost, ValueError, KeyError) as e:  # the next request replans again
-                if self.state != "Up":  # a deployment broke off; a failed download leaves the running plan Up
-                    self.state = "Down"
+                # A deployment broke off; a failed download leaves the running plan Up.
+                if self.state != PipelineState.UP:
+                    self.state = PipelineState.DOWN
                 self.log(f"repartition failed: {e}")
 
     async def _repartition(self) -> None:
-        if self.state != "Up" or any(not self.workers[name].alive for names in self.stage_workers for name in names):
+        if self.state != PipelineState.UP or any(not self.workers[name].alive for names in self.stage_workers
+                                                 for name in names):
             if not self.busy:  # a request in flight recovers by itself
                 self.log("repartitioning (a worker left)")
                 await self.replan(self._fallback())
@@ -397,7 +412,8 @@ class PipelineMaster:
         for mode in SHADOW_MODES:
             plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
                 self.profile, devices, self.plan, mode=mode, objective=self.objective,
-                seconds_since_redistribution=since, server_up=self.state == "Up", params=self.cost_params()))
+                seconds_since_redistribution=since, server_up=self.state == PipelineState.UP,
+                params=self.cost_params()))
             if plan.complete:
                 await self._download_plan(plan)
                 self.shadow = plan
@@ -436,7 +452,7 @@ class PipelineMaster:
         params = self.cost_params()
         plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_pp(
             self.profile, devices, objective=self.objective, current=current, seconds_since_redistribution=since,
-            server_up=self.state == "Up", params=params))
+            server_up=self.state == PipelineState.UP, params=params))
         if not plan.complete:
             raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.profile.n_layers} layers "
                                "within their memory budgets")
@@ -451,12 +467,12 @@ class PipelineMaster:
 
     async def _deploy(self, plan: PPPlan | None, hot: bool = False) -> PPPlan:
         loop = asyncio.get_running_loop()
-        self.state = "Committing" if hot else "Down"
+        self.state = PipelineState.COMMITTING if hot else PipelineState.DOWN
         self.staged = self.shadow = None  # both were made for the plan being replaced
         plan = plan or await self._plan(self.devices())
         self.log(f"plan: {describe(plan)}")
         if not hot:
-            self.state = "Preparing"
+            self.state = PipelineState.PREPARING
         stage_workers = self._with_replicas(plan)
         prepare = []  # (worker, message): every file is built before the first worker is told
         for s, names in zip(plan.stages, stage_workers, strict=True):
@@ -466,7 +482,7 @@ class PipelineMaster:
             prepare += [(self.workers[name], {"stage": stage, "files": files}) for name in names]
         await asyncio.gather(*(self._call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE, PREPARE_TIMEOUT_S)
                                for worker, message in prepare))
-        self.state = "Committing"
+        self.state = PipelineState.COMMITTING
         await asyncio.gather(*(self._call(self.workers[name], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
                                           PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S)
                                for names in stage_workers for name in names))
@@ -479,7 +495,7 @@ class PipelineMaster:
         self.plan, self.stage_workers = plan, stage_workers
         if self.prefix:
             await self._forward(self.prefix, 0, {}, prefix="save")
-        self.state, self.deployed_at = "Up", time.monotonic()
+        self.state, self.deployed_at = PipelineState.UP, time.monotonic()
         self.log("state Up")
         self.changed.set()  # look for a shadow plan for this one
         return plan
@@ -583,7 +599,7 @@ class PipelineMaster:
             swapped_at = time.perf_counter()
             self.log("hot swap")
             await self.replan(self.staged, hot=True)
-        elif self.state != "Up" or not self._stages_alive():
+        elif self.state != PipelineState.UP or not self._stages_alive():
             await self.replan(self._fallback())
         n = len(self.prefix)
         if n and len(tokens) > n and list(tokens[:n]) == self.prefix:
@@ -604,7 +620,7 @@ class PipelineMaster:
         if isinstance(lost, PlanSwap):
             return
         self.lost_at = self.lost_at or time.perf_counter()
-        self.state = "Down"
+        self.state = PipelineState.DOWN
         self.request_losses += 1
         self.log(f"worker {lost} lost mid-request: replanning and prefilling the context again")
         if self.request_losses > MAX_REQUEST_LOSSES:
