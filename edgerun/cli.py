@@ -424,12 +424,13 @@ def cmd_master(args: argparse.Namespace) -> None:
     params = SamplingParams(args.temperature, seed=args.seed)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.plan == "dp":
-        from edgerun.pp.master import PipelineMaster, chat_template_prefix
+        from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
         prefix = chat_template_prefix(model.tokenizer) if args.chat else []
         try:
-            pipeline = PipelineMaster(model, _cluster_key(args), host=args.host, port=args.port,
-                                      max_len=args.max_context, replicas=args.replicas, prefix=prefix, log=log)
+            pipeline = PipelineMaster(model, _cluster_key(args), PipelineConfig(
+                host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
+                prefix=tuple(prefix)), log=log)
         except OSError as e:
             raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "

@@ -22,7 +22,7 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
 from edgerun.model.sampling import Sampler, SamplingParams, uniform
 from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
-from edgerun.pp.master import PipelineMaster, PipelineState, browser_dir, chat_template_prefix
+from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, browser_dir, chat_template_prefix
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -141,8 +141,8 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
     sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
     sampled_reference = generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), 16,
                                  Sampler(sampling)).tokens
-    master = PipelineMaster(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=256, prefix=prefix,
-                            log=logs.append)
+    master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=256,
+                                                                      prefix=tuple(prefix)), log=logs.append)
     native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
                                f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
                                "80", "--threads", "1"], env=env, stderr=subprocess.DEVNULL)

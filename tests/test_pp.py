@@ -23,7 +23,7 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_HEADER, PpMsg, cluster_mac, derive_key, open_pp_frame, pp_frame
-from edgerun.pp.master import PipelineMaster, PipelineState, chat_template_prefix, describe
+from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, chat_template_prefix, describe
 from edgerun.pp.worker import PipelineWorker
 
 KEY = derive_key(SECRET)
@@ -207,7 +207,7 @@ def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tok
     """Two slow workers serve; a fast one joins after 3 tokens. Its stage is downloaded beside the running
     plan, the request swaps to it at a token boundary (prefilling again), and the output is unchanged."""
     logs: list[str] = []
-    master = PipelineMaster(model, KEY, host="127.0.0.1", port=0, max_len=256, log=logs.append)
+    master = PipelineMaster(model, KEY, PipelineConfig(host="127.0.0.1", max_len=256), log=logs.append)
     url = f"ws://127.0.0.1:{master.port}/ws"
     slow = [SlowWorker(url, KEY, f"slow{i}", 80, 1e9, 1, log=lambda _: None) for i in range(2)]
     threads = [threading.Thread(target=lambda w=w: asyncio.run(w.run()), daemon=True) for w in slow]
@@ -279,7 +279,7 @@ def test_prefix_cache_serves_chat_prompts_exactly(model: Model) -> None:
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a large river."}]))
     assert prompt[:len(prefix)] == prefix
     reference = generate(ReferenceEngine(model, 256), prompt, 24, Sampler(SamplingParams())).tokens
-    with pipeline(model, [80, 80], prefix=prefix) as (master, _):
+    with pipeline(model, [80, 80], prefix=tuple(prefix)) as (master, _):
         master.start()
         for _ in range(2):  # the second request restores the prefix after the first moved past it
             assert master.generate(prompt, 24) == reference

@@ -249,7 +249,9 @@ def test_health_and_metrics(server: Serving) -> None:
 def cluster(shipped_path: Path) -> Iterator[tuple[Serving, dict[str, subprocess.Popen]]]:
     # Even shares: every node computes, so losing one matters; --prefer cluster: on this small machine the
     # cluster is not faster than the single engine, and auto would not move to it.
-    s = Serving("--plan", "even", "--prefer", "cluster", "--cluster-port", "0")
+    # TCP: exact partials, so that a run is identical to another whatever the load on this machine (over UDP a
+    # partial that misses its 10 ms deadline is left out, by design).
+    s = Serving("--plan", "even", "--prefer", "cluster", "--cluster-port", "0", "--transport", "tcp")
     nodes = {name: start_node(s.cluster, name) for name in ("n1", "n2")}
     try:
         wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["plan"]["devices"]) == 3, 180,

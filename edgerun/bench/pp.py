@@ -16,7 +16,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.net.wire import derive_key
-from edgerun.pp.master import PipelineMaster, PipelineState
+from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState
 from edgerun.sched.pp_plan import plan_exec_us
 
 SECRET = "edgerun-bench"
@@ -34,8 +34,8 @@ def local_pipeline(model: Model, budgets: Sequence[float], max_len: int = 512,
                    log: Callable[[str], None] = lambda _: None,
                    **options: object) -> Iterator[tuple[PipelineMaster, list]]:
     """A pipeline master and one worker process per memory budget (w0, w1, ...), all connected."""
-    master = PipelineMaster(model, derive_key(SECRET), host="127.0.0.1", port=0, max_len=max_len, log=log,
-                            **options)
+    master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=max_len, **options),
+                            log=log)
     workers = [start_worker(master.port, f"w{i}", budget) for i, budget in enumerate(budgets)]
     try:
         master.wait_for_workers(len(budgets), timeout_s=120)

@@ -151,22 +151,40 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a pipeline master runs."""
+
+    host: str = "0.0.0.0"
+    port: int = 0  # workers (WebSocket /ws), browser pages (/node) and stage files; 0: any free port
+    max_len: int = 1024  # context length: KV cache per worker
+    objective: str = "sum"  # the planner's: "sum" (one token's latency) or "max" (the slowest stage)
+    max_frame: int = PP_MAX_FRAME  # the largest WebSocket message
+    replicas: int = 1  # workers per stage where spare ones can hold it (hedged: the first answer counts)
+    # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV rows; a
+    # request that starts with them sends only the rest.
+    prefix: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise EdgerunError(f"--replicas must be at least 1, not {self.replicas}")
+        if self.objective not in ("sum", "max"):
+            raise EdgerunError(f"unknown objective {self.objective!r} (sum or max)")
+        if self.max_len < 1:
+            raise EdgerunError("the context length must be at least 1")
+
+
 class PipelineMaster:
-    def __init__(self, model: Model, key: bytes, host: str = "0.0.0.0", port: int = 0, max_len: int = 1024,
-                 objective: str = "sum", max_frame: int = PP_MAX_FRAME, replicas: int = 1,
-                 prefix: Sequence[int] = (), log: Callable[[str], None] = lambda _: None) -> None:
-        if replicas < 1:
-            raise EdgerunError(f"--replicas must be at least 1, not {replicas}")
-        self.model, self.key, self.max_len, self.objective, self.log = model, key, max_len, objective, log
-        self.max_frame = max_frame
-        self.replicas = replicas
-        # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV
-        # rows; a request that starts with them sends only the rest.
-        self.prefix = list(prefix)
+    def __init__(self, model: Model, key: bytes, config: PipelineConfig | None = None,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        config = config or PipelineConfig()
+        self.model, self.key, self.config, self.log = model, key, config, log
+        self.max_len = config.max_len  # the generation loop reads it
+        self.prefix = list(config.prefix)
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
         self.stragglers: set[asyncio.Task] = set()  # replicas' answers that lost the race, still arriving
         self.overheads: deque[float] = deque(maxlen=SPEED_SAMPLES)  # seconds per stage pass beyond compute
-        self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
+        self.profile = model_profile(model.name, model.config, model.weights, context=config.max_len)
         self.workers: dict[str, WorkerConn] = {}
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
@@ -184,12 +202,12 @@ class PipelineMaster:
         self.deploying = asyncio.Lock()
         self.deployed_at = time.monotonic()
         self.net = EventLoopThread()
-        self.server = self.net.run(self._listen(host, port))
+        self.server = self.net.run(self._listen(config.host, config.port))
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _listen(self, host: str, port: int):
         self.repartitioner = asyncio.get_running_loop().create_task(self._repartition_loop())
-        return await serve(self._serve_worker, host, port, process_request=self._http, max_size=self.max_frame,
+        return await serve(self._serve_worker, host, port, process_request=self._http, max_size=self.config.max_frame,
                            compression=None)
 
     # --- HTTP: stage files ------------------------------------------------------------------------------
@@ -411,7 +429,7 @@ class PipelineMaster:
         since = time.monotonic() - self.deployed_at
         for mode in SHADOW_MODES:
             plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
-                self.profile, devices, self.plan, mode=mode, objective=self.objective,
+                self.profile, devices, self.plan, mode=mode, objective=self.config.objective,
                 seconds_since_redistribution=since, server_up=self.state == PipelineState.UP,
                 params=self.cost_params()))
             if plan.complete:
@@ -451,7 +469,7 @@ class PipelineMaster:
         since = time.monotonic() - self.deployed_at
         params = self.cost_params()
         plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_pp(
-            self.profile, devices, objective=self.objective, current=current, seconds_since_redistribution=since,
+            self.profile, devices, objective=self.config.objective, current=current, seconds_since_redistribution=since,
             server_up=self.state == PipelineState.UP, params=params))
         if not plan.complete:
             raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.profile.n_layers} layers "
@@ -508,10 +526,10 @@ class PipelineMaster:
         out = []
         for s in plan.stages:
             need = sum(self.profile.layer_weight_bytes[s.first_layer:s.end_layer]) / 1e6
-            extra = [w for w in spare if w.memory_mb >= need][:self.replicas - 1]
+            extra = [w for w in spare if w.memory_mb >= need][:self.config.replicas - 1]
             spare = [w for w in spare if w not in extra]
             out.append([s.worker] + [w.name for w in extra])
-        if self.replicas > 1:
+        if self.config.replicas > 1:
             self.log("replicas: " + "; ".join(", ".join(names) for names in out))
         return out
 

@@ -36,6 +36,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--plan", choices=(*TP_PLANS, "dp"), default="halo",
                    help="tensor-parallel planner, or dp: a pipeline of workers (`edgerun node --mode pp`) and browser "
                         "tabs (http://HOST:CLUSTER_PORT/node) holding ranges of layers (default: halo)")
+    p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
+                   help="tensor-parallel: udp sends partial results over UDP with a timeout (a late or lost one costs "
+                        "a little accuracy, not a stall); tcp waits for every node, exact (default: udp)")
     p.add_argument("--no-local", dest="local", action="store_false",
                    help="never generate on this machine's own engine (a model too big for it): requests wait for "
                         "nodes, up to --wait")
@@ -88,7 +91,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name,
-                         advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait)
+                         advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
+                         transport=args.transport)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

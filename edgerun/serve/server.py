@@ -23,7 +23,8 @@ class ServeConfig:
     port: int = 8000  # HTTP: the API and the dashboard
     cluster_port: int | None = 7000  # tensor-parallel nodes connect here; None: no cluster
     key: bytes = b""  # the cluster's derived key
-    plan: str = "halo"  # tensor-parallel planner
+    plan: str = "halo"  # tensor-parallel planner, or "dp": a pipeline
+    transport: str = "udp"  # tensor-parallel: lossy layers over UDP with a timeout, or "tcp": wait for every node
     prefer: Prefer = Prefer.AUTO
     api_key: str | None = None
     max_queue: int = 16
@@ -114,11 +115,12 @@ class Server:
         config, log = self.config, self.log
         try:
             if config.plan == "dp":
-                from edgerun.pp.master import PipelineMaster, chat_template_prefix
+                from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
                 prefix = chat_template_prefix(model.tokenizer) if model.tokenizer.chat_template else []
-                return Pipeline(PipelineMaster(model, config.key, host=config.host, port=config.cluster_port,
-                                               max_len=max_len, prefix=prefix, log=lambda m: log(f"pipeline: {m}")))
+                return Pipeline(PipelineMaster(model, config.key, PipelineConfig(
+                    host=config.host, port=config.cluster_port, max_len=max_len, prefix=tuple(prefix)),
+                    log=lambda m: log(f"pipeline: {m}")))
             from edgerun.tp.config import MasterConfig
             from edgerun.tp.master import Master
 
@@ -129,7 +131,7 @@ class Server:
                 plan_file = load_plan_file(config.plan_file)
             master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.host,
                                                              port=config.cluster_port, max_len=max_len,
-                                                             threads=config.threads),
+                                                             threads=config.threads, transport=config.transport),
                             log=lambda m: log(f"cluster: {m}"))
             return TensorParallel(master, plan_file, lambda m: log(f"cluster: {m}"))
         except OSError as e:
