@@ -119,7 +119,8 @@ def test_discovery_finds_a_master_of_the_asked_mode() -> None:
         found = find_master(ClusterMode.PP, timeout_s=5)
         assert found is not None and found.port == 7177 and found.mode == ClusterMode.PP
         socket.inet_aton(found.host)  # an IPv4 address
-        assert find_master(ClusterMode.TP, timeout_s=1.5) is None  # a pipeline master is no TP master
+        other = find_master(ClusterMode.TP, timeout_s=1.5)  # another test's master may be on the LAN, not ours
+        assert other is None or other.port != 7177  # a pipeline master is no TP master
     finally:
         advertiser.close()
     assert said == ["announced on the LAN by mDNS as 'edgerun test pp (7177)'"]
