@@ -12,7 +12,7 @@ import argparse
 
 from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_tp_results
 from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate, tp_ratios, tp_table
-from edgerun.cli import parity_arg
+from edgerun.commands.common import parity_arg
 
 
 def main() -> None:

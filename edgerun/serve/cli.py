@@ -83,9 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     key = b""
     if not args.no_cluster:
-        from edgerun.cli import _cluster_key
+        from edgerun.commands.common import cluster_key
 
-        key = _cluster_key(args)
+        key = cluster_key(args)
     config = ServeConfig(model=args.model, host=args.host, port=args.port,
                          cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -126,7 +126,7 @@ class Server:
 
             plan_file = None
             if config.plan_file is not None:
-                from edgerun.cli import load_plan_file
+                from edgerun.commands.common import load_plan_file
 
                 plan_file = load_plan_file(config.plan_file)
             master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.host,

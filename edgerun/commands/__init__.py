@@ -1,0 +1,1 @@
+"""The `edgerun` subcommands: one module each, its parser beside its handler."""

