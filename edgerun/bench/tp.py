@@ -57,7 +57,7 @@ class TpResult:
     rate_mbit: float | None  # testbed links (None: unlimited)
     tokens: int
     ms_per_token: float
-    predicted_ms_per_token: float  # what the plan measured predicted (its sync model, the speeds it was made with)
+    predicted_ms_per_token: float  # the plan's prediction at the speeds the devices showed in this run
     compute_ms_per_token: float  # the master's own share
     pred_ms_per_token: float  # dynamic mapping: ranking units with the predictors
     wait_ms_per_token: float  # waiting for the nodes' partials
@@ -217,7 +217,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         plan=master.config.strategy, mapping=master.config.mapping, group_size=master.config.group_size,
         overlap="+".join(sorted(master.config.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
-        ms_per_token=elapsed / n * 1e3, predicted_ms_per_token=master.plan.time_per_token_s * 1e3,
+        ms_per_token=elapsed / n * 1e3, predicted_ms_per_token=master.predicted_s() * 1e3,
         compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=blocks,
@@ -318,10 +318,10 @@ def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | Non
 
 def tp_table(results: list[TpResult]) -> str:
     """Times in ms per token; "used" the devices the plan gave units to (master included); "plan" what the plan
-    predicted; "lost wait" is the
-    part of "wait" spent in blocks that ended incomplete; "node" the busiest node's kernels; "sync" the time per
-    synchronization beyond the slowest device's compute (µs); "speed-up" against the single-process engine
-    (--baseline)."""
+    predicts at the speeds the devices showed in the run (its model of the run, to check against ms/token);
+    "lost wait" is the part of "wait" spent in blocks that ended incomplete; "node" the busiest node's kernels;
+    "sync" the time per synchronization beyond the slowest device's compute (µs); "speed-up" against the
+    single-process engine (--baseline)."""
     rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
             f"{'compute':>8} "
             f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "

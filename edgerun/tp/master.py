@@ -146,6 +146,15 @@ class Master:
                 {n.name: n.decode for n in self.membership.alive()}
         self.measured |= {name: rate.speed for name, rate in rates.items() if rate.speed is not None}
 
+    def predicted_s(self) -> float:
+        """The current plan's time per token at the speeds the devices showed on it. The plan's own figure used
+        the speeds it was made with, which for a plan made before any measurement are the declared ones."""
+        self.take_measurements()
+        alive = self.membership.alive()
+        if self.plan is None or not self._made_for(self.plan, alive):
+            raise EdgerunError("no plan over the devices present")
+        return objective(plan_counts(self.plan), self._devices(alive), self.profile(), self.plan.sync)
+
     @staticmethod
     def _made_for(plan: TPPlan | None, alive: list[NodeConn]) -> bool:
         """Whether `plan` places exactly the master and these nodes, in this order."""
