@@ -114,10 +114,16 @@ def chat(client: openai.OpenAI, content: str, **kw) -> str:
     return r.choices[0].message.content
 
 
-def stream_chat(client: openai.OpenAI, content: str, **kw) -> str:
-    chunks = client.chat.completions.create(model="any", messages=[{"role": "user", "content": content}],
-                                            stream=True, **kw)
-    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+def stream_chat(client: openai.OpenAI, content: str, on_text=None, **kw) -> str:
+    """A streamed answer's text; `on_text()` runs at every piece of it as it arrives."""
+    text = []
+    for c in client.chat.completions.create(model="any", messages=[{"role": "user", "content": content}],
+                                            stream=True, **kw):
+        if c.choices and c.choices[0].delta.content:
+            text.append(c.choices[0].delta.content)
+            if on_text:
+                on_text()
+    return "".join(text)
 
 
 def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_onnx) -> None:
@@ -313,14 +319,7 @@ def test_kill_a_node_during_four_streams(cluster) -> None:
     prompts = [f"Name a fruit that starts with the letter {c}." for c in "ABCD"]
 
     def one(i: int, on_text=None) -> str:
-        text = []
-        for c in client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompts[i]}],
-                                                stream=True, max_tokens=16, temperature=0.7, seed=i):
-            if c.choices and c.choices[0].delta.content:
-                text.append(c.choices[0].delta.content)
-                if on_text:
-                    on_text()
-        return "".join(text)
+        return stream_chat(client, prompts[i], on_text, max_tokens=16, temperature=0.7, seed=i)
 
     undisturbed = [one(i) for i in range(4)]
     killed: list[float] = []
@@ -404,14 +403,7 @@ def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Pat
         prompts = [f"Name a city that starts with the letter {c}." for c in "ABCD"]
 
         def one(i: int, on_text=None) -> str:
-            text = []
-            for c in client.chat.completions.create(model="any", stream=True, max_tokens=16, temperature=0.7,
-                                                    seed=i, messages=[{"role": "user", "content": prompts[i]}]):
-                if c.choices and c.choices[0].delta.content:
-                    text.append(c.choices[0].delta.content)
-                    if on_text:
-                        on_text()
-            return "".join(text)
+            return stream_chat(client, prompts[i], on_text, max_tokens=16, temperature=0.7, seed=i)
 
         undisturbed = [one(i) for i in range(4)]
         serving = [n["name"] for n in s.state()["nodes"] if n["state"] == "serving"]

@@ -157,11 +157,13 @@ class GgufReader:
             DEFAULT_ALIGNMENT
         start = -(-cursor.position // alignment) * alignment
         self.tensors: list[Tensor] = []
-        sized = [(name, dims, _qtype(name, kind), offset) for name, dims, kind, offset in infos]
-        end = max((start + offset + _nbytes(dims, qtype) for _, dims, qtype, offset in sized), default=start)
+        sized = []  # each tensor's bytes, counted once: for the file's expected size, then for its view
+        for name, dims, kind, offset in infos:
+            qtype = _qtype(name, kind)
+            sized.append((name, dims, qtype, offset, _nbytes(dims, qtype)))
+        end = max((start + offset + nbytes for *_, offset, nbytes in sized), default=start)
         if end > len(self.map):
             raise ValueError(f"the file is {len(self.map)} bytes but its tensors need {end}: truncated?")
-        for name, dims, qtype, offset in sized:
-            nbytes = _nbytes(dims, qtype)
+        for name, dims, qtype, offset, nbytes in sized:
             self.tensors.append(Tensor(name, TensorType(qtype.name), np.array(dims, np.int64),
                                        self.map[start + offset:start + offset + nbytes]))
