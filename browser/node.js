@@ -121,7 +121,9 @@ function start() {
       return;
     }
     const report = (e) => { status.error = String(e); show(); };
-    if (frame.type === Msg.DOWNLOAD_LAYERS) { // beside the queue: the stage held now keeps serving
+    if (frame.type === Msg.PING) { // at once, beside the queue: it measures the link, not the queue
+      send(Msg.PONG, frame.request, {});
+    } else if (frame.type === Msg.DOWNLOAD_LAYERS) { // beside the queue: the stage held now keeps serving
       handle(frame).catch(report);
     } else {
       queue = queue.then(() => handle(frame)).catch(report);

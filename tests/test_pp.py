@@ -214,7 +214,7 @@ def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tok
     joined: list[subprocess.Popen] = []
 
     def join_after_three(token: int) -> None:
-        if not joined and master.busy and len([line for line in logs if "hot swap" in line]) == 0:
+        if not joined and master.deployment.busy and len([line for line in logs if "hot swap" in line]) == 0:
             seen.append(token)
             if len(seen) == 3:
                 joined.append(start_worker(master.port, "big", 400, speed=1e12))
@@ -265,7 +265,7 @@ def test_hedged_replicas_keep_serving_through_a_loss_without_recovery(model: Mod
                                                                       reference_tokens: list[int]) -> None:
     with pipeline(model, [80, 80, 80, 80], replicas=2) as (master, workers):
         plan = master.start()
-        assert len(plan.stages) == 2 and all(len(names) == 2 for names in master.stage_workers)
+        assert len(plan.stages) == 2 and all(len(names) == 2 for names in master.deployment.stage_workers)
         kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten) == reference_tokens
         assert master.recovery_seconds == []  # the replica answered: no replan, no re-prefill

@@ -437,3 +437,40 @@ def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Pat
             proc.kill()
             proc.wait()
         s.close()
+
+
+def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, shipped_model, shipped_onnx) -> None:
+    """--plan dp: one port serves the API, the node page and the workers' WebSockets. A native worker and a
+    Chromium tab (80 MB each: neither holds the model alone) join it; a streamed chat is the single engine's
+    greedy answer, and the dashboard's state lists the tab as a browser node holding layers."""
+    from test_browser_node import CHROMIUM, CHROMIUM_FLAGS, require_browser
+
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    tok = shipped_model.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
+    reference = tok.decode(generate(shipped_onnx, prompt, 16, Sampler(SamplingParams()), tok.stop_ids).tokens)
+    s = Serving("--plan", "dp", "--no-local", "--no-advertise", "--max-context", "512")
+    assert s.cluster == s.url.removeprefix("http://")  # workers are told to come to the HTTP port
+    native = start_worker(s.cluster, "native")
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{s.url}/node?name=tab&memory=80#key={CLUSTER_KEY}")
+            wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 2, 180,
+                       "a pipeline over the worker and the tab")
+            answer = stream_chat(s.client(), QUESTION, max_tokens=16, temperature=0)
+            nodes = {n["name"]: n for n in s.state()["nodes"]}
+            browser.close()
+        assert answer == reference
+        assert nodes["tab"]["kind"] == "browser" and nodes["tab"]["holds"].startswith("layers ")
+        assert nodes["native"]["kind"] == "native" and nodes["native"]["holds"].startswith("layers ")
+        assert not errors, errors
+    finally:
+        native.kill()
+        native.wait()
+        s.close()

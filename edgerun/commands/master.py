@@ -90,12 +90,9 @@ def cmd_master(args: argparse.Namespace) -> None:
         from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
         prefix = chat_template_prefix(model.tokenizer) if args.chat else []
-        try:
-            pipeline = PipelineMaster(model, cluster_key(args), PipelineConfig(
-                host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
-                prefix=tuple(prefix)), log=log)
-        except OSError as e:
-            raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
+        pipeline = PipelineMaster(model, cluster_key(args), PipelineConfig(
+            host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
+            prefix=tuple(prefix)), log=log)  # a port in use: one line (EdgerunError)
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:

@@ -5,6 +5,7 @@ any thread."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import select
 import socket
 import threading
@@ -134,7 +135,11 @@ class EventLoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start a coroutine on the loop; its future, to wait on from any thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run a plain function on the loop thread and return its result."""

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
-import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
+
 from edgerun.model.onnx_graph import cache_root
+from edgerun.net.http_server import HttpServer, bind
 
 
 def _hash_file(path: Path, digest: hashlib._Hash) -> None:
@@ -42,33 +45,27 @@ def model_sha256(path: Path) -> str:
     return known[ident]
 
 
+def model_routes(path: Path, sha256: str) -> list[BaseRoute]:
+    """The route that serves a model file at /model/<sha256>."""
+
+    async def model_file(request: Request) -> Response:
+        if request.path_params["sha256"] != sha256 or not path.is_file():
+            return PlainTextResponse("no such model\n", status_code=404)
+        return FileResponse(path, media_type="application/octet-stream")
+
+    return [Route("/model/{sha256}", model_file)]
+
+
 class ModelServer:
-    """Serves exactly one file at /model/<sha256>; everything else is 404."""
+    """Serves exactly one file at /model/<sha256> on a port of its own; everything else is 404."""
 
     def __init__(self, path: Path, sha256: str, host: str = "0.0.0.0", port: int = 0) -> None:
-        served, name = path, f"/model/{sha256}"
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path != name or not served.is_file():
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Length", str(served.stat().st_size))
-                self.end_headers()
-                with served.open("rb") as f:
-                    shutil.copyfileobj(f, self.wfile)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = HttpServer(Starlette(routes=model_routes(path, sha256)), bind(host, port))
+        self.port = self.http.port
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
+        self.http.net.stop()
 
 
 def fetch_model(host: str, port: int, sha256: str, suffix: str = ".gguf") -> Path:

@@ -435,6 +435,8 @@ class PpMsg(IntEnum):
     INVALIDATE_CACHE = 11  # master -> worker: forget a request's KV cache
     RELEASE_SESSION = 12  # master -> worker: drop the stage and every cache
     ERROR = 13  # worker -> master: a message it could not carry out, and why
+    PING = 14  # master -> worker: answered at once with PONG (latency, measured over the worker's own WebSocket)
+    PONG = 15
 
 
 def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,

@@ -164,6 +164,8 @@ class PipelineWorker:
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
                 "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device},
                 "cached": cached_files()})
+        elif kind == PpMsg.PING:
+            await self._send(PpMsg.PONG, request, {})
         elif kind == PpMsg.DOWNLOAD_LAYERS:
             for sha in message["files"]:
                 _, seconds, size = await loop.run_in_executor(None, download, self.base_url, sha)

@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
@@ -263,7 +263,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), status_code=exc.status_code)
 
 
-def build_app(api: Api) -> Starlette:
+def build_app(api: Api, cluster_routes: list[BaseRoute] = ()) -> Starlette:
+    """The API and dashboard, and after them the cluster's own routes (a pipeline's WebSockets, node page and
+    stage files)."""
     app = Starlette(routes=[
         Route("/", api.dashboard),
         Route("/health", api.health),
@@ -273,6 +275,7 @@ def build_app(api: Api) -> Starlette:
         Route("/v1/models", api.models),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        *cluster_routes,
     ], exception_handlers={ApiError: _api_error, HTTPException: _http_error})
     app.state.metrics = api.metrics
     return app

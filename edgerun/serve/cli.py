@@ -27,15 +27,18 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="a GGUF file or a Hugging Face directory (default: the shipped SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="0.0.0.0", help="address for HTTP and for nodes (default: 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port: API and dashboard (default: 8000)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="HTTP port: API, dashboard and, with --plan dp, pipeline workers' WebSockets, the browser "
+                        "node page and stage files (default: 8000)")
     p.add_argument("--cluster-port", type=int, default=7000,
-                   help="TCP port tensor-parallel nodes connect to (default: 7000)")
+                   help="TCP port tensor-parallel nodes connect to; a pipeline (--plan dp) uses --port "
+                        "(default: 7000)")
     p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
     p.add_argument("--plan", choices=(*TP_PLANS, "dp"), default="halo",
                    help="tensor-parallel planner, or dp: a pipeline of workers (`edgerun node --mode pp`) and browser "
-                        "tabs (http://HOST:CLUSTER_PORT/node) holding ranges of layers (default: halo)")
+                        "tabs (http://HOST:PORT/node) holding ranges of layers (default: halo)")
     p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
                    help="tensor-parallel: udp sends partial results over UDP with a timeout (a late or lost one costs "
                         "a little accuracy, not a stall); tcp waits for every node, exact (default: udp)")

@@ -10,6 +10,8 @@ import contextlib
 from dataclasses import replace
 from typing import Any, Protocol
 
+from starlette.routing import BaseRoute
+
 from edgerun.model.generate import EngineLost, Stepper, TokenStepper
 from edgerun.pp.master import PipelineMaster
 from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
@@ -41,6 +43,10 @@ class Cluster(Protocol):
     def plan(self) -> dict[str, Any] | None: ...
 
     def counters(self) -> dict[str, int]: ...
+
+    def routes(self) -> list[BaseRoute]:
+        """What the cluster serves over HTTP beside the API."""
+        ...
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None: ...
 
@@ -113,6 +119,9 @@ class TensorParallel:
         return {"blocks": s.blocks, "blocks_incomplete": s.blocks_incomplete, "late_packets": s.late_packets,
                 "rejected": self.master.counters.total()}
 
+    def routes(self) -> list[BaseRoute]:
+        return self.master.routes()  # the model file nodes download; they join over the master's TCP port
+
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         self.master.reconfigure(replace(self.master.config, speed=weight_bytes_per_s))
 
@@ -134,7 +143,7 @@ class Pipeline:
         return self.pipeline
 
     def members(self) -> tuple[str, ...]:
-        return tuple(sorted(w.name for w in self.pipeline.workers.values() if w.alive))
+        return tuple(sorted(w.name for w in self.pipeline.workers.alive()))
 
     def deploy(self) -> tuple[str, float]:
         plan = self.pipeline.start()
@@ -150,11 +159,9 @@ class Pipeline:
     def nodes(self) -> list[dict[str, Any]]:
         stages = {s.worker: s for s in self.pipeline.plan.stages} if self.pipeline.plan else {}
         out = []
-        for w in self.pipeline.workers.values():
-            if not w.alive:  # a tab that closed leaves the list
-                continue
+        for w in self.pipeline.workers.alive():  # a tab that closed leaves the list
             s = stages.get(w.name)
-            browser = w.capabilities.get("kind") == "browser"
+            browser = w.kind == "browser"
             out.append({
                 "name": w.name, "kind": "browser" if browser else "native", "alive": True,
                 "state": "serving" if s else "standby", "memory_mb": None, "budget_mb": w.memory_mb,
@@ -173,6 +180,9 @@ class Pipeline:
 
     def counters(self) -> dict[str, int]:
         return {"blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "rejected": 0}
+
+    def routes(self) -> list[BaseRoute]:
+        return self.pipeline.routes()
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         """The pipeline master computes no layers itself."""

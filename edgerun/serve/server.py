@@ -4,13 +4,16 @@ that joined beats serving alone (and back when they leave)."""
 
 from __future__ import annotations
 
-import socket
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
+from edgerun.net.channel import EventLoopThread
+from edgerun.net.http_server import HttpServer, bind
 from edgerun.serve.switch import Prefer
 
 SWITCH_INTERVAL_S = 0.0005
@@ -48,28 +51,13 @@ class ServeConfig:
             raise EdgerunError("ports must lie in 0..65535")
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The HTTP listening socket, bound here so that a port in use is one clear line."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise EdgerunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
 class Server:
-    """Everything `edgerun serve` runs: engines, master, service and the HTTP app. start() returns once it
-    listens; run() serves until interrupted."""
+    """Everything `edgerun serve` runs: engines, master, service and the HTTP app. run() serves until
+    interrupted. One HTTP server on one port serves the API, the dashboard and, with --plan dp, the pipeline's
+    WebSockets, browser node page and stage files; it runs on an event-loop thread that the pipeline master
+    shares (its deployment and forward passes run where its workers' WebSockets are read)."""
 
     def __init__(self, config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
-        import uvicorn
-
         from edgerun.model.generate import make_engine
         from edgerun.model.loader import load_model
         from edgerun.serve.app import Api, ApiConfig, build_app
@@ -84,6 +72,8 @@ class Server:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.sock = bind(config.host, config.port)  # first: a port in use fails before minutes of loading
         self.port = self.sock.getsockname()[1]
+        self.net = EventLoopThread()
+        self.http: HttpServer | None = None
         try:
             self.model = model = load_model(config.model)
             max_len = min(config.max_context, model.config.context_length)
@@ -102,10 +92,10 @@ class Server:
             name = config.model_name or model.name
             self.api = Api(model, self.service, self.switch, self.metrics,
                            ApiConfig(name, config.api_key, config.default_max_tokens))
-            self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(self.api), log_level="warning",
-                                                         loop="auto", timeout_graceful_shutdown=2))
+            self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [])
         except BaseException:
             self.sock.close()
+            self.net.stop()
             raise
 
     def _cluster(self, model, max_len: int):
@@ -118,9 +108,10 @@ class Server:
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
                 prefix = chat_template_prefix(model.tokenizer) if model.tokenizer.chat_template else []
+                # Workers and tabs come to this server's port: the pipeline's routes sit beside the API.
                 return Pipeline(PipelineMaster(model, config.key, PipelineConfig(
-                    host=config.host, port=config.cluster_port, max_len=max_len, prefix=tuple(prefix)),
-                    log=lambda m: log(f"pipeline: {m}")))
+                    host=config.host, port=self.port, max_len=max_len, prefix=tuple(prefix)),
+                    log=lambda m: log(f"pipeline: {m}"), net=self.net))
             from edgerun.tp.config import MasterConfig
             from edgerun.tp.master import Master
 
@@ -130,8 +121,9 @@ class Server:
 
                 plan_file = load_plan_file(config.plan_file)
             master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.host,
-                                                             port=config.cluster_port, max_len=max_len,
-                                                             threads=config.threads, transport=config.transport),
+                                                             port=config.cluster_port, files_port=self.port,
+                                                             max_len=max_len, threads=config.threads,
+                                                             transport=config.transport),
                             log=lambda m: log(f"cluster: {m}"))
             return TensorParallel(master, plan_file, lambda m: log(f"cluster: {m}"))
         except OSError as e:
@@ -145,18 +137,23 @@ class Server:
             f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}`"
         if self.config.plan == "dp" and self.cluster is not None:
             nodes += f", browser tabs at http://HOST:{self.cluster.port}/node"
-        self.log(f"serving {self.api.config.model_name} at {where} (API {where}/v1, dashboard {where}/){nodes}")
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         try:
-            self.uvicorn.run(sockets=[self.sock])
+            self.http = HttpServer(self.app, self.sock, self.net)
+            self.log(f"serving {self.api.config.model_name} at {where} (API {where}/v1, dashboard {where}/){nodes}")
+            while self.http.running() and not stop.wait(0.5):
+                pass
         finally:
             self.close()
-
-    def stop(self) -> None:
-        self.uvicorn.should_exit = True
 
     def close(self) -> None:
         if self.advertiser is not None:
             self.advertiser.close()
         self.service.close()
-        self.switch.close()
+        self.switch.close()  # closes the cluster: a pipeline master closes its workers' WebSockets first
+        if self.http is not None:
+            self.http.close()
         self.sock.close()
+        self.net.stop()

@@ -31,6 +31,9 @@ class MasterConfig:
     strategy: str = "halo"  # tensor-parallel planner (sched.tp_plan.STRATEGIES)
     host: str = "0.0.0.0"
     port: int = 0  # 0: any free port
+    # Where nodes download the model file: None, a server of the master's own; a port, an HTTP server there
+    # serves the master's routes() (`edgerun serve`: its one port).
+    files_port: int | None = None
     transport: str = "udp"  # "udp": lossy layers over UDP with a timeout; "tcp": everything reliable
     codec: Codec = Codec.F32  # activations on the wire
     timeout_ms: float | None = 10.0  # a lossy block's fixed wait; None: adaptive

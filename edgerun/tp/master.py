@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from starlette.routing import BaseRoute
 
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
@@ -29,7 +30,7 @@ from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
 from edgerun.net.loss import LossModel
-from edgerun.net.model_files import ModelServer, model_sha256
+from edgerun.net.model_files import ModelServer, model_routes, model_sha256
 from edgerun.net.wire import Block, Header, MsgType
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
@@ -53,14 +54,16 @@ class Master:
         self.model, self.key, self.predictors, self.log = model, key, predictors, log
         self.model_sha256 = model_sha256(model.path)
         host, port = config.host, config.port
-        self.model_server = ModelServer(model.path, self.model_sha256, host)
+        self.model_server = None if config.files_port is not None else \
+            ModelServer(model.path, self.model_sha256, host)
+        files_port = config.files_port if self.model_server is None else self.model_server.port
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on self.datagrams
         self.counters = Counters()
         self.net = EventLoopThread()
         self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, config.spin_us / 1e6)
         self.udp_port = self.datagrams.port
         self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log)
-        self.membership = Membership(key, Welcome(self.model_sha256, self.model_server.port, self.udp_port),
+        self.membership = Membership(key, Welcome(self.model_sha256, files_port, self.udp_port),
                                      self.net, self.udp, self.counters, self._node_message,
                                      self.exchange.on_node_lost, log)
         self.reconfigure(config)
@@ -367,7 +370,12 @@ class Master:
         self.net.run(self._close_listeners())
         self.net.stop()
         self.udp.close()
-        self.model_server.close()
+        if self.model_server is not None:
+            self.model_server.close()
+
+    def routes(self) -> list[BaseRoute]:
+        """The model file, for an HTTP server at config.files_port."""
+        return model_routes(self.model.path, self.model_sha256)
 
     async def _close_listeners(self) -> None:
         self.membership.close_channels()

@@ -1,0 +1,298 @@
+"""The pipeline's deployment state machine (seed 003): plan contiguous layer ranges over the workers present
+with the DP planner (memory budgets are hard limits), hand each stage to its workers (PREPARE_MODEL, then
+COMMIT_MODEL), and keep two plans beside the running one, their files already on their workers:
+
+- the staged plan: a better plan found while a request runs. Its workers download their stages in the
+  background while the running plan serves; the request then swaps to it at its next token
+  (Up -> Committing -> Up: the sessions load and the context is prefilled again).
+- the shadow plan: when no better plan is found, a standby plan on other workers (or on the same ones, for
+  layers they do not hold). When a worker of the running plan is lost, the master falls back to it and only
+  loads sessions, instead of planning and downloading anew.
+
+States (seed 000 §5.3): Down (no complete plan), Preparing (workers fetching files), Committing (workers loading
+sessions), Up (serving). Everything here runs on the master's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import StageSpec, cached_stage
+from edgerun.net.wire import PpMsg
+from edgerun.pp.workers import SPEED_SAMPLES, WorkerConn, WorkerLost, Workers
+from edgerun.sched.pp_plan import SHADOW_MODES, CostParams, PPPlan, Stage, accept, plan_pp, shadow_plan
+from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
+
+REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan this often
+PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
+
+
+class PipelineState(Enum):
+    """Down -> Preparing (stages download) -> Committing (sessions load) -> Up; a hot swap goes from Up
+    through Committing."""
+
+    DOWN = "Down"
+    PREPARING = "Preparing"
+    COMMITTING = "Committing"
+    UP = "Up"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def describe(plan: PPPlan) -> str:
+    return ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Deployment:
+    """Which plan runs, on which workers, and the moves between plans. `warm` runs once a plan is committed,
+    before it counts as Up (the prefix pass)."""
+
+    def __init__(self, model: Model, workers: Workers, max_len: int, objective: str, replicas: int,
+                 log: Callable[[str], None], warm: Callable[[], Awaitable[None]]) -> None:
+        self.model, self.workers, self.max_len, self.objective, self.replicas = \
+            model, workers, max_len, objective, replicas
+        self.log, self.warm = log, warm
+        self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
+        self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
+        self.plan: PPPlan | None = None
+        self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
+        self.staged: PPPlan | None = None  # a better plan whose files are on its workers: swapped in mid-request
+        self.shadow: PPPlan | None = None  # a standby plan whose files are on its workers: taken on a loss
+        self.state = PipelineState.DOWN
+        self.overheads: deque[float] = deque(maxlen=SPEED_SAMPLES)  # seconds per stage pass beyond compute
+        self.changed = asyncio.Event()  # a worker joined or left: the repartition loop looks again
+        self.busy = False  # a request is in flight: it deals with lost workers itself
+        self.deploying = asyncio.Lock()
+        self.deployed_at = time.monotonic()
+
+    def on_change(self, worker: WorkerConn, joined: bool) -> None:
+        """A worker joined or left. One that comes back without the stage it ran leaves the plan Down."""
+        if joined and any(worker.name in names for names in self.stage_workers):
+            self.state = PipelineState.DOWN
+        self.changed.set()
+
+    def devices(self) -> list[DeviceProfile]:
+        """The live workers as the planner sees them: measured speed, memory budget, latency, bandwidth."""
+        return [DeviceProfile(name=w.name, kind=w.kind, cores=1, compute=Compute(0.0, w.measured_speed),
+                              memory=Memory(w.memory_mb, w.memory_mb, w.memory_mb, 0.0),
+                              link=Link(w.rtt_ms, w.mbit, w.mbit, 0.0))
+                for w in self.workers.alive()]
+
+    def spec(self, stage: Stage) -> StageSpec:
+        return StageSpec(stage.first_layer, stage.end_layer, lm_head=stage.end_layer == self.model.config.n_layers,
+                         embed=stage.first_layer == 0)
+
+    def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
+        """Build (or reuse) a stage's graph and register its files for download by sha256."""
+        directory = cached_stage(self.model.path, self.model.config, self.model.weights, spec)
+        files = []
+        for name in ("model.onnx", "weights.bin"):
+            path = directory / name
+            sha_file = directory / f"{name}.sha256"
+            if not sha_file.exists():
+                sha_file.write_text(_file_sha256(path))
+            sha = sha_file.read_text().strip()
+            self.files[sha] = path
+            files.append({"name": name, "sha256": sha})
+        return files
+
+    def cost_params(self) -> CostParams:
+        """The cost model's constants, with δ measured once there are decode passes to measure."""
+        if len(self.overheads) < 3:
+            return CostParams()
+        return CostParams(delta_us=float(np.median(self.overheads)) * 1e6)
+
+    def ready(self, plan: PPPlan | None) -> bool:
+        return plan is not None and all(s.worker in self.workers and self.workers[s.worker].alive
+                                        for s in plan.stages)
+
+    def stages_alive(self) -> bool:
+        return all(any(self.workers[name].alive for name in names) for names in self.stage_workers)
+
+    def fallback(self) -> PPPlan | None:
+        """After a loss: the staged plan, else the shadow plan, if all their workers are alive (their files
+        are on them already: only the sessions load). None: plan afresh."""
+        for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
+            if self.ready(plan):
+                self.log(f"falling back to the {name} plan: {describe(plan)}")
+                return plan
+        return None
+
+    # --- looking for better plans ----------------------------------------------------------------------
+    async def repartition_loop(self) -> None:
+        """On a join, a leave, or every REPARTITION_PERIOD_S: deploy (or stage, while a request runs) a
+        better plan if the acceptance rule (seed 003 §5.2.4: C_total(new) < τ·C_exec(current)) takes it, or
+        else make sure a shadow plan stands by."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), REPARTITION_PERIOD_S)
+            self.changed.clear()
+            if self.plan is None:
+                continue
+            try:
+                await self._repartition()
+            except (EdgerunError, WorkerLost, ValueError, KeyError) as e:  # the next request replans again
+                # A deployment broke off; a failed download leaves the running plan Up.
+                if self.state != PipelineState.UP:
+                    self.state = PipelineState.DOWN
+                self.log(f"repartition failed: {e}")
+
+    async def _repartition(self) -> None:
+        if self.state != PipelineState.UP or any(not self.workers[name].alive for names in self.stage_workers
+                                                 for name in names):
+            if not self.busy:  # a request in flight recovers by itself
+                self.log("repartitioning (a worker left)")
+                await self.replan(self.fallback())
+            return
+        devices = self.devices()
+        candidate = await self._plan(devices, current=self.plan)
+        if accept(candidate, self.plan, self.profile, devices, params=self.cost_params()):
+            if self.busy:
+                self.log(f"a better plan, prepared beside the running one: {describe(candidate)}")
+                await self._download_plan(candidate)
+                if self.busy:
+                    self.staged = candidate
+                    self.log("the better plan is staged: the request swaps to it at its next token")
+                    return
+            self.log("repartitioning (a better plan)")
+            await self.replan(candidate)
+        elif not self.ready(self.shadow):
+            await self._prepare_shadow(devices)
+
+    async def _prepare_shadow(self, devices: list[DeviceProfile]) -> None:
+        """Seed 003 §5.2.5: first a plan on workers outside the running one (strict), else one where its
+        workers take only layers they do not run (redundancy); its workers download their stages now."""
+        since = time.monotonic() - self.deployed_at
+        for mode in SHADOW_MODES:
+            plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
+                self.profile, devices, self.plan, mode=mode, objective=self.objective,
+                seconds_since_redistribution=since, server_up=self.state == PipelineState.UP,
+                params=self.cost_params()))
+            if plan.complete:
+                await self._download_plan(plan)
+                self.shadow = plan
+                self.log(f"shadow plan ({mode}) standing by: {describe(plan)}")
+                return
+
+    async def _download_plan(self, plan: PPPlan) -> None:
+        """Every worker of `plan` fetches its stage's files into its cache (DOWNLOAD_LAYERS), in the
+        background of whatever it serves now."""
+        loop = asyncio.get_running_loop()
+        due: dict[str, set[str]] = {}  # worker -> files it lacks
+        for s in plan.stages:
+            files = await loop.run_in_executor(None, self._stage_files, self.spec(s))
+            due[s.worker] = {f["sha256"] for f in files} - self.workers[s.worker].cached
+        requests = {name: self.workers.next_request() for name, files in due.items() if files}
+        for name, request in requests.items():
+            self.workers[name].downloads[request] = set(due[name])
+        try:
+            await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.DOWNLOAD_LAYERS,
+                                                     {"files": sorted(due[name])}, PpMsg.LAYER_DOWNLOAD,
+                                                     PREPARE_TIMEOUT_S, request=request)
+                                   for name, request in requests.items()))
+        finally:
+            for name, request in requests.items():
+                self.workers[name].downloads.pop(request, None)
+
+    async def _plan(self, devices: list[DeviceProfile], current: PPPlan | None = None) -> PPPlan:
+        if not devices:
+            raise EdgerunError("no workers connected")
+        since = time.monotonic() - self.deployed_at
+        params = self.cost_params()
+        plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_pp(
+            self.profile, devices, objective=self.objective, current=current, seconds_since_redistribution=since,
+            server_up=self.state == PipelineState.UP, params=params))
+        if not plan.complete:
+            raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.profile.n_layers} layers "
+                               "within their memory budgets")
+        return plan
+
+    # --- deploying ---------------------------------------------------------------------------------------
+    async def replan(self, plan: PPPlan | None = None, hot: bool = False) -> PPPlan:
+        """Plan over the live workers (unless given a plan), prepare and commit every stage; the state
+        ends Up, or Down with an EdgerunError when no plan fits. `hot`: a staged plan replaces a running
+        one, whose files are already on its workers: Up goes straight to Committing."""
+        async with self.deploying:  # one deployment at a time (a request's recovery, the repartition loop)
+            return await self._deploy(plan, hot)
+
+    async def _deploy(self, plan: PPPlan | None, hot: bool = False) -> PPPlan:
+        loop = asyncio.get_running_loop()
+        self.state = PipelineState.COMMITTING if hot else PipelineState.DOWN
+        self.staged = self.shadow = None  # both were made for the plan being replaced
+        plan = plan or await self._plan(self.devices())
+        self.log(f"plan: {describe(plan)}")
+        if not hot:
+            self.state = PipelineState.PREPARING
+        stage_workers = self._with_replicas(plan)
+        prepare = []  # (worker, message): every file is built before the first worker is told
+        for s, names in zip(plan.stages, stage_workers, strict=True):
+            spec = self.spec(s)
+            files = await loop.run_in_executor(None, self._stage_files, spec)
+            stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
+            prepare += [(self.workers[name], {"stage": stage, "files": files}) for name in names]
+        await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
+                                                 PREPARE_TIMEOUT_S)
+                               for worker, message in prepare))
+        self.state = PipelineState.COMMITTING
+        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
+                                                 PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S)
+                               for names in stage_workers for name in names))
+        in_use = {name for names in stage_workers for name in names}
+        for name in {name for names in self.stage_workers for name in names} - in_use:
+            worker = self.workers[name]
+            if worker.alive:  # out of the plan: its session and caches go
+                await self.workers.tell(worker, PpMsg.RELEASE_SESSION, {})
+        self.plan, self.stage_workers = plan, stage_workers
+        await self.warm()
+        self.state, self.deployed_at = PipelineState.UP, time.monotonic()
+        self.log("state Up")
+        self.changed.set()  # look for a shadow plan for this one
+        return plan
+
+    def _with_replicas(self, plan: PPPlan) -> list[list[str]]:
+        """Each stage's worker, then up to replicas - 1 spare workers that can hold it (the fastest
+        first): hedged replicas (MoEx) compute the same stage and the first answer is taken."""
+        spare = sorted((w for w in self.workers.alive() if w.name not in {s.worker for s in plan.stages}),
+                       key=lambda w: -w.measured_speed)
+        out = []
+        for s in plan.stages:
+            need = sum(self.profile.layer_weight_bytes[s.first_layer:s.end_layer]) / 1e6
+            extra = [w for w in spare if w.memory_mb >= need][:self.replicas - 1]
+            spare = [w for w in spare if w not in extra]
+            out.append([s.worker] + [w.name for w in extra])
+        if self.replicas > 1:
+            self.log("replicas: " + "; ".join(", ".join(names) for names in out))
+        return out
+
+    def status_text(self) -> str:
+        lines = [f"state {self.state}"]
+        stages = {s.worker: s for s in self.plan.stages} if self.plan else {}
+        for w in self.workers.alive():  # a tab that closed, a worker that died: gone from the list
+            s = stages.get(w.name)
+            layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
+            device = w.capabilities.get("device") or w.capabilities.get("backend")  # cpu/cuda, or wasm/webgpu
+            lines.append(f"  {w.name}: {w.kind}{f' ({device})' if device else ''}, {w.memory_mb:.0f} MB, {layers}, "
+                         f"{w.served} passes served")
+        for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
+            if plan is not None:
+                lines.append(f"{name} plan: {describe(plan)}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,74 @@
+"""What a pipeline master serves over HTTP, as Starlette routes: workers' WebSockets (`/ws`), stage files by
+content hash (`/files/<sha256>`), the browser node page and its scripts (`/node`, `/ort/...`) and a plain-text
+status (`/status`). `edgerun master --plan dp` serves them alone; `edgerun serve --plan dp` beside its API, on
+one port."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from edgerun.pp.workers import WorkerLink, Workers
+
+PAGE_SCRIPTS = ("node.js", "frames.js", "sampling.js")
+
+
+def browser_dir() -> Path:
+    """The browser node page and its npm packages: $EDGERUN_BROWSER_DIR, else browser/ of this checkout."""
+    return Path(os.environ.get("EDGERUN_BROWSER_DIR", Path(__file__).resolve().parents[2] / "browser"))
+
+
+def _page_file(path: Path) -> Response:
+    if not path.is_file():
+        return PlainTextResponse(f"{path} is missing: run `npm install --prefix {browser_dir()}` for the browser "
+                                 "node's packages\n", status_code=404)
+    # The page and its scripts change with the package: a tab reloaded after an upgrade must not mix versions.
+    return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+
+def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[], str]) -> list[BaseRoute]:
+    """The routes of one pipeline master: `files` maps a stage file's sha256 to its path (filled as stages are
+    built), `status` renders /status."""
+
+    async def worker(ws: WebSocket) -> None:
+        await ws.accept()
+        await workers.serve(WorkerLink(ws))
+
+    async def stage_file(request: Request) -> Response:
+        path = files.get(request.path_params["sha256"])
+        if path is None:
+            return PlainTextResponse("no such stage file\n", status_code=404)
+        return FileResponse(path, media_type="application/octet-stream")
+
+    async def node_page(request: Request) -> Response:
+        return _page_file(browser_dir() / "node.html")
+
+    def page_script(name: str) -> Callable[[Request], Awaitable[Response]]:
+        async def script(request: Request) -> Response:
+            return _page_file(browser_dir() / name)
+
+        return script
+
+    async def runtime_file(request: Request) -> Response:
+        name = request.path_params["name"]  # one path segment: nothing outside onnxruntime-web's dist
+        if name.startswith("."):
+            return PlainTextResponse("no such file\n", status_code=404)
+        return _page_file(browser_dir() / "node_modules" / "onnxruntime-web" / "dist" / name)
+
+    async def status_page(request: Request) -> Response:
+        return PlainTextResponse(status())
+
+    return [
+        WebSocketRoute("/ws", worker),
+        Route("/files/{sha256}", stage_file),
+        Route("/node", node_page),
+        Route("/ort/{name}", runtime_file),
+        Route("/status", status_page),
+        *(Route(f"/{name}", page_script(name)) for name in PAGE_SCRIPTS),
+    ]

@@ -1,0 +1,247 @@
+"""The pipeline master's side of its workers' WebSockets: the handshake that admits a worker (INIT, CONNECT,
+latency pings), request/reply calls matched by request id, and who is present. Everything here runs on the
+master's event loop, the loop that serves the WebSockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from edgerun.model.generate import EngineLost
+from edgerun.net.wire import PpMsg, WireError, open_pp_frame, pp_frame
+
+CONNECT_TIMEOUT_S = 10.0
+SPEED_SAMPLES = 15  # live compute speed: the median of this many recent decode passes (seed 003)
+PINGS = 7  # latency: the median of this many PING/PONG round trips at join (seed 003)
+DEFAULT_MBIT = 1000.0  # until a download says otherwise
+POLICY_VIOLATION = 1008  # WebSocket close code for a worker that broke the protocol
+
+
+class WorkerLost(EngineLost):
+    """A worker closed its connection or failed a request."""
+
+
+class LinkClosed(ConnectionError):
+    """A worker's WebSocket is gone."""
+
+
+class WorkerLink:
+    """A worker's WebSocket as the master uses it: whole binary messages in and out, and one exception
+    (LinkClosed) for a connection that is gone, whichever side closed it."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self.ws.send_bytes(data)
+        except (WebSocketDisconnect, RuntimeError, OSError) as e:  # RuntimeError: Starlette's "already closed"
+            raise LinkClosed(str(e) or type(e).__name__) from e
+
+    async def receive(self) -> bytes | None:
+        """The next binary message; None for a text message (no part of the protocol)."""
+        try:
+            message = await self.ws.receive()
+        except (RuntimeError, OSError) as e:
+            raise LinkClosed(str(e) or type(e).__name__) from e
+        if message["type"] == "websocket.disconnect":
+            raise LinkClosed(f"closed (code {message.get('code')})")
+        return message.get("bytes")
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        with contextlib.suppress(RuntimeError, OSError, WebSocketDisconnect):
+            await self.ws.close(code, reason)
+
+
+@dataclass
+class WorkerConn:
+    name: str
+    link: WorkerLink
+    memory_mb: float
+    speed: float  # weight bytes per second
+    capabilities: dict[str, Any]
+    cached: set[str]
+    alive: bool = True
+    pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    served: int = 0  # forward passes answered
+    rtt_ms: float = 1.0
+    mbit: float = DEFAULT_MBIT
+    speeds: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_SAMPLES))  # weight bytes/s, decode
+    downloads: dict[int, set[str]] = field(default_factory=dict)  # DOWNLOAD_LAYERS request -> files still due
+
+    @property
+    def measured_speed(self) -> float:
+        """The median of the recent decode passes, or the speed the worker reported until there are 3."""
+        return float(np.median(self.speeds)) if len(self.speeds) >= 3 else self.speed
+
+    @property
+    def kind(self) -> str:
+        return str(self.capabilities.get("kind", "native"))
+
+
+class Workers:
+    """The workers connected to one master, by name. `on_change(worker, joined)` is called after a worker
+    joins and after one leaves."""
+
+    def __init__(self, key: bytes, init: dict[str, Any], log: Callable[[str], None],
+                 on_change: Callable[[WorkerConn, bool], None]) -> None:
+        self.key, self.init, self.log, self.on_change = key, init, log, on_change
+        self.by_name: dict[str, WorkerConn] = {}
+        self.requests = itertools.count(1)
+        self.membership = asyncio.Event()  # set whenever a worker joins or leaves (for wait_for)
+
+    def __getitem__(self, name: str) -> WorkerConn:
+        return self.by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.by_name)
+
+    def alive(self) -> list[WorkerConn]:
+        return [w for w in self.by_name.values() if w.alive]
+
+    def next_request(self) -> int:
+        return next(self.requests)
+
+    # --- a worker's connection, from handshake to close -------------------------------------------------------
+    async def serve(self, link: WorkerLink) -> None:
+        """Admit the worker on `link` and route its replies until it leaves."""
+        worker = None
+        try:
+            worker = await self._admit(link)
+            while True:
+                data = await link.receive()
+                if data is not None:
+                    self._reply(worker, data)
+        except (WireError, KeyError, ValueError, TypeError, TimeoutError, LinkClosed) as e:
+            self.log(f"worker {worker.name if worker else '?'} refused or lost: {e}")
+        finally:
+            if worker is not None:
+                worker.alive = False
+                for future in worker.pending.values():
+                    if not future.done():
+                        future.set_exception(WorkerLost(worker.name))
+                self.log(f"worker {worker.name} disconnected")
+                self.membership.set()
+                self.on_change(worker, False)
+            await link.close()
+
+    async def _admit(self, link: WorkerLink) -> WorkerConn:
+        await link.send(pp_frame(PpMsg.INIT, 0, self.init, self.key))
+        data = await asyncio.wait_for(link.receive(), CONNECT_TIMEOUT_S)
+        if data is None:
+            raise WireError("a text message where CONNECT was due")
+        kind, _, message, _ = open_pp_frame(data, self.key)
+        if kind != PpMsg.CONNECT:
+            raise WireError(f"expected CONNECT, got {kind.name}")
+        name = str(message["name"])
+        if name in self.by_name and self.by_name[name].alive:
+            raise WireError(f"a worker named {name} is already connected")
+        worker = WorkerConn(name, link, float(message["memory_mb"]), float(message["speed"]),
+                            dict(message.get("capabilities", {})), set(message.get("cached", [])))
+        worker.rtt_ms = await self._rtt_ms(worker)
+        self.by_name[name] = worker
+        self.log(f"worker {name} connected ({worker.kind}, {worker.memory_mb:.0f} MB, RTT {worker.rtt_ms:.2f} ms)")
+        self.membership.set()
+        self.on_change(worker, True)
+        return worker
+
+    async def _rtt_ms(self, worker: WorkerConn) -> float:
+        """The median of PINGS round trips, each a PING the worker answers at once: the link's latency as the
+        stage passes will see it (the frames are sealed and opened as theirs are). Replies are read here, before
+        the worker is admitted, since nothing else reads its link yet."""
+        rtts = []
+        for _ in range(PINGS):
+            request = self.next_request()
+            sent = time.perf_counter()
+            await worker.link.send(pp_frame(PpMsg.PING, request, {}, self.key))
+            while True:
+                data = await asyncio.wait_for(worker.link.receive(), CONNECT_TIMEOUT_S)
+                if data is None:
+                    continue
+                kind, answered, _, _ = open_pp_frame(data, self.key)
+                if kind == PpMsg.PONG and answered == request:
+                    break
+            rtts.append(time.perf_counter() - sent)
+        return float(np.median(rtts)) * 1e3
+
+    def _reply(self, worker: WorkerConn, data: bytes) -> None:
+        try:
+            kind, request, message, tensors = open_pp_frame(data, self.key)
+        except WireError as e:
+            self.log(f"worker {worker.name}: dropped a frame ({e})")
+            return
+        if kind == PpMsg.LAYER_DOWNLOAD:  # progress on a request; the last file of a DOWNLOAD_LAYERS answers it
+            sha = str(message.get("sha256"))
+            worker.cached.add(sha)
+            with contextlib.suppress(TypeError, ValueError, ZeroDivisionError):
+                if float(message["bytes"]) > 1 << 20:  # a download big enough to time: the link's bandwidth
+                    worker.mbit = float(message["bytes"]) * 8 / float(message["seconds"]) / 1e6
+            due = worker.downloads.get(request)
+            if due is None:
+                return
+            due.discard(sha)
+            if due:
+                return
+        future = worker.pending.pop(request, None)
+        if future is None or future.done():
+            return
+        if kind == PpMsg.ERROR:
+            self.log(f"worker {worker.name}: {message.get('error')}")
+            future.set_exception(WorkerLost(worker.name))
+        else:
+            future.set_result((kind, message, tensors))
+
+    # --- requests -----------------------------------------------------------------------------------------
+    async def call(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any], expect: PpMsg, timeout: float,
+                   tensors: dict[str, np.ndarray] | None = None,
+                   request: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Send a request and wait for its answer; WorkerLost when the worker leaves, fails it, times out or
+        answers with another kind of message."""
+        if not worker.alive:
+            raise WorkerLost(worker.name)
+        request = request or self.next_request()
+        future = asyncio.get_running_loop().create_future()
+        worker.pending[request] = future
+        try:
+            await worker.link.send(pp_frame(kind, request, message, self.key, tensors))
+            got, reply, out = await asyncio.wait_for(future, timeout)
+        except (LinkClosed, TimeoutError) as e:
+            raise WorkerLost(worker.name) from e
+        finally:
+            worker.pending.pop(request, None)
+        if got != expect:
+            raise WorkerLost(f"{worker.name} answered {got.name} to {kind.name}")
+        return reply, out
+
+    async def tell(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any]) -> None:
+        """A message that has no answer; nothing happens when the worker is gone."""
+        with contextlib.suppress(LinkClosed):
+            await worker.link.send(pp_frame(kind, 0, message, self.key))
+
+    async def expel(self, worker: WorkerConn, reason: str) -> None:
+        """Drop a worker that broke the protocol; the request then recovers without it."""
+        self.log(f"worker {worker.name} expelled: {reason}")
+        worker.alive = False
+        await worker.link.close(POLICY_VIOLATION, "protocol violation")
+        raise WorkerLost(worker.name)
+
+    async def wait_for(self, n: int) -> None:
+        while len(self.alive()) < n:
+            self.membership.clear()
+            await self.membership.wait()
+
+    async def close(self) -> None:
+        for worker in self.by_name.values():
+            await worker.link.close()
