@@ -25,6 +25,7 @@ from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_engine import StageSession, execution_providers
 from edgerun.model.onnx_graph import cache_root
 from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net.backoff import Backoff
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
 from edgerun.profile.memory import peak_rss_mb
 
@@ -91,8 +92,7 @@ class PipelineWorker:
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
         """Connect, retrying with backoff for `wait_s` while the master is not up yet; every failure is said at
         once."""
-        deadline = time.monotonic() + wait_s
-        delay = 0.5
+        backoff = Backoff(wait_s)
         while True:
             try:
                 ws = await asyncio.wait_for(websockets.connect(self.url, max_size=PP_MAX_FRAME, compression=None),
@@ -100,12 +100,12 @@ class PipelineWorker:
                 self.log(f"worker {self.name}: connected to {self.url}")
                 return ws
             except (OSError, TimeoutError, websockets.InvalidHandshake) as e:
-                if time.monotonic() + delay > deadline:
+                delay = backoff.next_delay()
+                if delay is None:
                     raise OSError(f"no answer within {wait_s:.0f} s ({e or type(e).__name__})") from e
                 self.log(f"worker {self.name}: cannot reach the master at {self.url} ({e or type(e).__name__}); "
                          f"retrying in {delay:.1f} s")
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 8.0)
 
     async def run(self) -> None:
         """Serve until the master closes the connection."""

@@ -28,6 +28,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model, load_model
+from edgerun.net.backoff import Backoff
 from edgerun.net.channel import (
     ETHERNET_UDP_PAYLOAD,
     AsyncChannel,
@@ -178,8 +179,7 @@ class Node:
     def _join_with_retries(self) -> Welcome:
         """Join, retrying with backoff while the master cannot be reached (it may not be up yet); each failure is
         said at once. A rejected key ends it."""
-        deadline = time.monotonic() + JOIN_WAIT_S
-        delay = 0.5
+        backoff = Backoff(JOIN_WAIT_S, max_s=MAX_RETRY_S)
         while True:
             try:
                 welcome = self.net.run(self._join(), timeout=60)
@@ -189,13 +189,13 @@ class Node:
                 raise EdgerunError(f"the master at {self.master[0]}:{self.master[1]} rejected this node's key: "
                                    "--key (or EDGERUN_KEY) must be the master's") from e
             except (OSError, ConnectionError, WireError, TimeoutError) as e:
-                if time.monotonic() + delay > deadline:
+                delay = backoff.next_delay()
+                if delay is None:
                     raise EdgerunError(f"cannot reach the master at {self.master[0]}:{self.master[1]} within "
                                        f"{JOIN_WAIT_S:.0f} s: {e}") from e
                 self.log(f"node {self.name}: cannot reach the master at {self.master[0]}:{self.master[1]} ({e}); "
                          f"retrying in {delay:.1f} s")
                 time.sleep(delay)
-                delay = min(delay * 2, MAX_RETRY_S)
 
     async def _join(self) -> Welcome:
         reader, writer = await asyncio.open_connection(*self.master)
