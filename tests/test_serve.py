@@ -292,6 +292,7 @@ def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
         page.wait_for_selector('tr[data-node="n1"]', timeout=20_000)
         page.wait_for_selector('tr[data-node="n2"]', timeout=20_000)
         assert page.inner_text("#mode") == "cluster"
+        assert " cores" in page.inner_text('tr[data-node="n1"]')  # the device it runs on
         plan = page.inner_text("#plan")
         assert plan.startswith("even over master, ") and "n1" in plan and "n2" in plan
         page.fill("#message", "Say hello.")
@@ -308,7 +309,8 @@ def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert "from the cluster engine" in shown.stdout and "plan even over master, " in shown.stdout
     for name in ("n1", "n2"):
-        assert re.search(rf"^  {name}: native, ready, .* holds \d+ attention units", shown.stdout, re.M), shown.stdout
+        shown_node = rf"^  {name}: native \(\w+, \d+ cores\), ready, .* holds \d+ attention units"
+        assert re.search(shown_node, shown.stdout, re.M), shown.stdout
 
 
 def test_kill_a_node_during_four_streams(cluster) -> None:
@@ -469,6 +471,7 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
         assert answer == reference
         assert nodes["tab"]["kind"] == "browser" and nodes["tab"]["holds"].startswith("layers ")
         assert nodes["native"]["kind"] == "native" and nodes["native"]["holds"].startswith("layers ")
+        assert nodes["tab"]["device"] == "wasm" and nodes["native"]["device"].endswith(" cores, cpu")
         assert not errors, errors
     finally:
         native.kill()

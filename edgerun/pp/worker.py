@@ -27,6 +27,7 @@ from edgerun.model.onnx_graph import cache_root
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.backoff import Backoff
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
+from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb
 
 
@@ -162,7 +163,8 @@ class PipelineWorker:
             self.config = ModelConfig(**message["config"])
             await self._send(PpMsg.CONNECT, request, {
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
-                "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device},
+                "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device,
+                                 "host": device_summary()},
                 "cached": cached_files()})
         elif kind == PpMsg.PING:
             await self._send(PpMsg.PONG, request, {})

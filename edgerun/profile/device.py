@@ -39,6 +39,11 @@ def detect_kind() -> str:
     return {"x86_64": "x86", "amd64": "x86", "aarch64": "arm64"}.get(platform.machine().lower(), "unknown")
 
 
+def device_summary() -> str:
+    """What a node tells its master it runs on, for people to read (the dashboard, `edgerun status`)."""
+    return f"{detect_kind()}, {os.cpu_count() or 1} cores"
+
+
 def matmul_gflops(seconds: float = 2.0, n: int = 512) -> float:
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     b = a.T.copy()

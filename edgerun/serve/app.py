@@ -24,6 +24,7 @@ from starlette.routing import BaseRoute, Route
 
 from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
+from edgerun.profile.device import device_summary
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.openai_api import (
     ApiError,
@@ -56,6 +57,7 @@ class Api:
                  config: ApiConfig) -> None:
         self.model, self.service, self.switch, self.metrics, self.config = model, service, switch, metrics, config
         self.started = time.time()
+        self.device = device_summary()  # what the master runs on
 
     # --- OpenAI's endpoints -------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -186,6 +188,7 @@ class Api:
             else cluster.counters()
         return {
             "model": self.config.model_name, "mode": sw.mode.value, "uptime_s": now - self.started,
+            "device": self.device,
             "cluster": None if cluster is None else cluster.kind,
             "single_ms_per_token": sw.single_ms,
             "measured_ms_per_token": {m.value: v for m, v in sw.measured_ms.items()},

@@ -95,7 +95,7 @@ class TensorParallel:
         for n in self.master.nodes:
             spec = n.spec
             out.append({
-                "name": n.name, "kind": "native", "alive": n.alive,
+                "name": n.name, "kind": "native", "device": n.device, "alive": n.alive,
                 "state": ("ready" if n.ready.is_set() else "loading") if n.alive else "lost",
                 "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
                 "speed_gb_s": (n.decode.speed or n.speed) / 1e9,
@@ -162,8 +162,11 @@ class Pipeline:
         for w in self.pipeline.workers.alive():  # a tab that closed leaves the list
             s = stages.get(w.name)
             browser = w.kind == "browser"
+            # A native worker: its machine and onnxruntime's device; a tab: its backend (wasm or webgpu).
+            device = w.capabilities.get("backend") if browser else \
+                ", ".join(str(w.capabilities[k]) for k in ("host", "device") if w.capabilities.get(k))
             out.append({
-                "name": w.name, "kind": "browser" if browser else "native", "alive": True,
+                "name": w.name, "kind": "browser" if browser else "native", "device": device, "alive": True,
                 "state": "serving" if s else "standby", "memory_mb": None, "budget_mb": w.memory_mb,
                 "speed_gb_s": w.measured_speed / 1e9, "rtt_ms": w.rtt_ms, "loss": None,
                 "holds": f"layers {s.first_layer}-{s.end_layer - 1}" if s else "nothing",

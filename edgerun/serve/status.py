@@ -15,7 +15,8 @@ def status_text(state: dict[str, Any]) -> str:
     single = "no single engine" if state["single_ms_per_token"] is None else \
         f"single engine {state['single_ms_per_token']:.1f} ms/token"
     serving = "waiting for nodes (no capacity)" if state["mode"] == "none" else f"from the {state['mode']} engine"
-    lines = [f"serving {state['model']} {serving}; {single}" + (f", measured {measured}" if measured else "")]
+    lines = [f"serving {state['model']} {serving}; {single}" + (f", measured {measured}" if measured else ""),
+             f"master: {state['device']}"]
     plan = state["plan"]
     if plan is not None:
         lines.append(f"plan {plan['strategy']} over {', '.join(plan['devices'])}: predicted "
@@ -23,8 +24,10 @@ def status_text(state: dict[str, Any]) -> str:
     lines.append(f"nodes: {sum(n['alive'] for n in state['nodes'])} alive" if state["nodes"] else "nodes: none")
     for n in state["nodes"]:
         loss = None if n["loss"] is None else 100 * n["loss"]
-        lines.append(f"  {n['name']}: {n['kind']}, {n['state']}, {_num(n['memory_mb'])} / {n['budget_mb']:.0f} MB, "
-                     f"{n['speed_gb_s']:.2f} GB/s, RTT {_num(n['rtt_ms'], 2)} ms, loss {_num(loss, 1, '%')}, "
+        device = f" ({n['device']})" if n.get("device") else ""
+        lines.append(f"  {n['name']}: {n['kind']}{device}, {n['state']}, {_num(n['memory_mb'])} / "
+                     f"{n['budget_mb']:.0f} MB, {n['speed_gb_s']:.2f} GB/s, RTT {_num(n['rtt_ms'], 2)} ms, "
+                     f"loss {_num(loss, 1, '%')}, "
                      f"holds {n['holds'] or 'nothing'}")
     queue = state["queue"]
     lines.append(f"queue: {queue['waiting']} request(s){', generating' if queue['busy'] else ''}; "

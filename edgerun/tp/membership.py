@@ -67,6 +67,7 @@ class NodeConn:
     budget_mb: float
     speed: float
     alive: bool = True
+    device: str = ""  # what it says it runs on
     last_heard: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
     spec: ShardSpec | None = None
@@ -128,7 +129,7 @@ class Membership:
             channel.send(self.welcome)
             with self.cond:
                 node = NodeConn(len(self.nodes) + 1, message.name, channel, addr[0], message.udp_port,
-                                message.budget_mb, message.speed)
+                                message.budget_mb, message.speed, device=message.device)
                 # Both directions' path MTU: the node measured its way here, the master measures its way there.
                 node.datagram_bytes = min(message.datagram_bytes, path_datagram_bytes(node.host, node.udp_port))
                 self.nodes.append(node)

@@ -80,6 +80,7 @@ class Register:
     speed: float  # weight bytes per second, for the planner
     udp_port: int
     datagram_bytes: int  # the largest UDP payload on the node's path to the master
+    device: str = ""  # what it runs on, for people to read (profile.device.device_summary)
 
 
 @dataclass(frozen=True)

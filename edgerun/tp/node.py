@@ -53,6 +53,7 @@ from edgerun.net.wire import (
     seal,
     whole_vector,
 )
+from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb
 from edgerun.tp.messages import (
     MAX_PROBE_BYTES,
@@ -205,7 +206,7 @@ class Node:
             datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
             datagrams.attach(asyncio.get_running_loop())
             self.channel.send(Register(self.name, self.budget_mb, self.speed, datagrams.port,
-                                       path_datagram_bytes(self.master[0], self.master[1])))
+                                       path_datagram_bytes(self.master[0], self.master[1]), device_summary()))
             welcome = await self.channel.receive()
             if not isinstance(welcome, Welcome):
                 raise WireError(f"expected a welcome, got {type(welcome).__name__}")
