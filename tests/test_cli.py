@@ -437,3 +437,28 @@ def test_pp_node_device_choice(capsys: Capsys) -> None:
     assert execution_providers("auto") == ["CPUExecutionProvider"]
     code, _, err = run(["node", "--mode", "pp", "--master", "127.0.0.1:9", "--key", "k", "--device", "cuda"], capsys)
     assert_one_line_error(code, err, "onnxruntime-gpu")
+
+
+def test_every_option_explains_itself_and_its_default() -> None:
+    """Every option of every subcommand has help; every option that takes a value names its default (or says it
+    is required)."""
+    import argparse
+
+    from edgerun.cli import build_parser
+
+    flags = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction,
+             argparse._HelpAction, argparse._VersionAction, argparse._CountAction)
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif action.option_strings and action.help != argparse.SUPPRESS:
+                text = action.help or ""
+                if not text or (not isinstance(action, flags) and "default" not in text and "required" not in text):
+                    missing.append(f"{path} {'/'.join(action.option_strings)}: {text!r}")
+
+    walk(build_parser(), "edgerun")
+    assert not missing, "\n".join(missing)

@@ -84,8 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engines", default="onnx,numpy", help=f"comma-separated, from {', '.join(ENGINES)} "
                    "(default: onnx,numpy)")
     threads_arg(p)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length timed as prefill (default: 64)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens timed as decode (default: 32)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_single)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
@@ -107,9 +107,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where packets are lost: in-process, nftables on loopback, or a testbed of network "
                         "namespaces (root; default: process)")
     p.add_argument("--rate", type=float, default=None, help="testbed link rate in Mbit/s (default: unlimited)")
-    p.add_argument("--delay", type=float, default=0.0, help="testbed one-way delay in ms (needs sch_netem)")
+    p.add_argument("--delay", type=float, default=0.0, help="testbed one-way delay in ms (needs "
+                   "sch_netem; default: 0)")
     p.add_argument("--cpu-quota", type=float, nargs="+", default=None, metavar="CORES",
-                   help="testbed CPU cores per node: one for all, or one per node")
+                   help="testbed CPU cores per node: one for all, or one per node (default: no limit)")
     p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
     p.add_argument("--plan", choices=PLANS[:-1], default="halo", help="tensor-parallel planner (default: halo)")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32",

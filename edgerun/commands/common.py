@@ -42,7 +42,8 @@ def parity_arg(p: argparse.ArgumentParser) -> None:
                         "rebuilt from any copy: at 5%% loss a one-fragment vector is lost 5%% of the time without "
                         "parity, 0.25%% with one copy and 0.0125%% with two (default: 2). Sent on a node's link once "
                         "it has lost a packet, or measured loss when the node joined: a clean link carries none")
-    p.add_argument("--no-parity", dest="parity", action="store_const", const=0, help="same as --parity 0")
+    p.add_argument("--no-parity", dest="parity", action="store_const", const=0,
+                   help="same as --parity 0 (default: off)")
     p.add_argument("--parity-always", action="store_true",
                    help="send the parity copies on every link from the start, lossy or not (default: off)")
 
@@ -173,4 +174,4 @@ def cluster_args(p: argparse.ArgumentParser) -> None:
                    "(default: $EDGERUN_KEY)")
     p.add_argument("--loss", default="0", help="in-process packet loss on this side's UDP sends: 5%%, "
                    "bernoulli:0.05, ge:0.05[:burst] (Gilbert-Elliott bursts); default 0")
-    p.add_argument("--loss-seed", type=int, default=None, help="seed for --loss")
+    p.add_argument("--loss-seed", type=int, default=None, help="seed for --loss (default: a random one)")

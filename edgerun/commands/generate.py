@@ -68,10 +68,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model_arg(p)
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); higher is more random")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all; "
+                   "default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
                    "probabilities sum to p (default: 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a random one)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat (default: the template's own)")
     p.add_argument("--engine", choices=ENGINES, default="onnx",

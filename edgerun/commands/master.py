@@ -8,12 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from edgerun.errors import EdgerunError
-
-if TYPE_CHECKING:
-    pass
 from edgerun.commands.common import (
     DEFAULT_THREADS,
     PLANS,
@@ -30,6 +25,7 @@ from edgerun.commands.common import (
     spin_arg,
     udp_args,
 )
+from edgerun.errors import EdgerunError
 
 
 def _plan_for_cluster(plan, master):
@@ -165,15 +161,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
     p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "
                    "where spare ones can hold it and take the first answer (hedged replicas; default: 1)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, every interface)")
     p.add_argument("--port", type=int, default=7000, help="TCP port nodes connect to (default: 7000)")
     p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
                    help="udp: partial results over UDP with a timeout (default); tcp: wait for every node")
-    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire")
+    p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire: "
+                   "f32 exact, f16 and q8 fewer datagrams per vector (default: f32)")
     udp_args(p)
     rto_min_arg(p)
     spin_arg(p)
-    p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use")
+    p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use "
+                   "(default: 4096)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     p.add_argument("--mapping", choices=("index", "static", "dynamic"), default="index",
                    help="which units the most reliable devices compute: index (unit order), static (the "
@@ -190,10 +188,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "for them instead of --expect and runs the plan as it is (default: plan with --plan)")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce this master on the LAN by mDNS (nodes then need --master)")
-    p.add_argument("--prompt", default=None, help="generate for this prompt and exit")
+    p.add_argument("--prompt", default=None, help="generate for this prompt and exit "
+                   "(default: one prompt per line of stdin)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt at most (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     cluster_args(p)
     p.set_defaults(func=cmd_master)

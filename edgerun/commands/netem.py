@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "(tbf) and a delay (netem, which some kernels lack) to a network interface "
                                    "of this machine, as HALO shapes the master's link; --clear removes them. "
                                    "Needs root.")
-    p.add_argument("--dev", required=True, help="network interface, e.g. eth0")
+    p.add_argument("--dev", required=True, help="network interface, e.g. eth0 (required)")
     p.add_argument("--loss", default="0", help="packet loss rate: 5%% or 0.05 (default: 0)")
     p.add_argument("--delay", type=float, default=0.0, help="delay in ms (needs sch_netem; default: 0)")
     p.add_argument("--rate", type=float, default=None, help="rate in Mbit/s (default: unlimited)")

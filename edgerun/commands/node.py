@@ -89,13 +89,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master", default=None, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws; "
                    "default: the first master of --mode found on the LAN by mDNS)")
     p.add_argument("--mode", choices=("tp", "pp"), default="tp",
-                   help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp)")
+                   help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp) "
+                        "(default: tp)")
     model_arg(p)
     p.add_argument("--name", default=None, help="node name (default: the profile's name, else node-PID)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="say every 5 s how much this node computed (kernel time, speed, memory)")
     p.add_argument("--profile", type=Path, default=None, help="this device's profile from `edgerun profile "
-                   "--out`: name, memory budget and speed come from it unless given")
+                   "--out`: name, memory budget and speed come from it unless given (default: none)")
     p.add_argument("--memory-budget", type=float, default=None,
                    help=f"MB this node may use (default: the profile's budget, else {NODE_BUDGET_MB:.0f})")
     p.add_argument("--speed", type=float, default=None, help="decode speed in weight bytes/s (default: the "

@@ -77,9 +77,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "PLR-aware mapping), minmax, greedy, ilp (exact, CBC), galaxy, even. Pipeline: "
                                    "dp (layer DP with worker-order search).")
     model_arg(p)
-    p.add_argument("--devices", type=Path, nargs="+", required=True, help="device profile JSON files")
+    p.add_argument("--devices", type=Path, nargs="+", required=True, help="device profile JSON files, from `edgerun "
+                   "profile --out` (required)")
     p.add_argument("--plan", choices=PLANS, default="halo", help="planner (default: halo)")
-    p.add_argument("--plr", default=None, help="override the devices' packet-loss rates, comma-separated")
+    p.add_argument("--plr", default=None, help="override the devices' packet-loss rates, "
+                   "comma-separated (default: the profiles' measured rates)")
     p.add_argument("--context", type=int, default=1024, help="tokens of KV cache to reserve (default: 1024)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     p.add_argument("--sync", choices=("star", "per-device"), default="star",
@@ -92,5 +94,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-cost", action="store_true",
                    help="dp: also weigh the time to download weights and start sessions, as a master does when it "
                         "first deploys (default: execution time only, the steady state)")
-    p.add_argument("--out", type=Path, default=None, help="write the plan as JSON here")
+    p.add_argument("--out", type=Path, default=None, help="write the plan as JSON here (default: print "
+                   "only)")
     p.set_defaults(func=cmd_plan)

@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "loss from UDP echo bursts). Takes about --seconds. The output is the device "
                                    "profile the planners take (edgerun plan --devices ...).")
     model_arg(p)
-    p.add_argument("--master", default=None, help="HOST:PORT of a master or of `edgerun profile --serve-probes`")
+    p.add_argument("--master", default=None, help="HOST:PORT of a master or of `edgerun profile "
+                   "--serve-probes` to measure the link to (default: no link measured)")
     p.add_argument("--name", default=None, help="device name (default: the host name)")
     p.add_argument("--memory-budget", type=float, default=None, help="MB edgerun may use (default: 80%% of "
                    "available memory)")
@@ -66,5 +67,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="measurement time (default: 30)")
     p.add_argument("--out", type=Path, default=None, help="write the profile here (default: stdout)")
     p.add_argument("--serve-probes", type=int, default=None, metavar="PORT",
-                   help="instead of measuring, answer other devices' link probes on PORT (0: any free port)")
+                   help="instead of measuring, answer other devices' link probes on PORT (0: any free port; "
+                        "default: off)")
     p.set_defaults(func=cmd_profile)

@@ -84,7 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "HALO's design: lets the master rank while partials travel, the pred overlap) "
                         "(default: same)")
     p.add_argument("--validation", type=float, default=0.2, help="held-out share of tokens (default: 0.2)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the training split and initialization (default: 0)")
     p.add_argument("--out", type=Path, default=None, help="predictor file (default: MODEL.sap.npz)")
     blas_threads_arg(p, DEFAULT_THREADS)
     p.set_defaults(func=cmd_sap_train)

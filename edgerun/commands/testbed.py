@@ -129,12 +129,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   "its IP packets (nftables drops on the receiving side, counted), is limited to "
                                   "--rate (tbf) and delayed by --delay (netem, where the kernel has it). "
                                   "--cpu-quota runs nodes in cgroups with that many CPU cores. Needs root.")
-    p.add_argument("--nodes", type=int, required=True, help="node namespaces")
+    p.add_argument("--nodes", type=int, required=True, help="node namespaces (required)")
     p.add_argument("--plr", default="0", help="packet loss rate per link and direction: 5%% or 0.05 (default: 0)")
     p.add_argument("--delay", type=float, default=0.0, help="one-way delay in ms (needs sch_netem; default: 0)")
     p.add_argument("--rate", type=float, default=None, help="link rate in Mbit/s (default: unlimited)")
     p.add_argument("--cpu-quota", type=float, nargs="+", default=None, metavar="CORES",
-                   help="CPU cores per node: one value for all, or one per node (0.5 = half a core)")
+                   help="CPU cores per node: one value for all, or one per node (0.5 = half a core; default: no limit)")
     p.add_argument("--subnet", default="10.77.0", help="first three numbers of the /24 (default: 10.77.0)")
     _testbed_name_arg(p)
     p.set_defaults(func=cmd_testbed_up)

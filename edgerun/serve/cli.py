@@ -73,7 +73,8 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--url", default="http://localhost:8000",
                    help="where `edgerun serve` listens (default: http://localhost:8000)")
     p.add_argument("--api-key", default=None, help=f"bearer token (default: ${API_KEY_ENV})")
-    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--system", default=None, help="a system message that starts the conversation "
+                   "(default: none)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one per answer)")
