@@ -64,10 +64,20 @@ def shipped_model(shipped_path: Path) -> Model:
 
 @pytest.fixture(scope="session")
 def shipped_onnx(shipped_model: Model) -> Engine:
-    """One onnx engine on the shipped model; users call reset() (generate() does) before use."""
+    """One onnx engine on the shipped model, as users run it (int8 activations); users call reset() (generate()
+    does) before use."""
     from edgerun.model.onnx_engine import OnnxEngine
 
     return OnnxEngine(shipped_model, max_len=256)
+
+
+@pytest.fixture(scope="session")
+def shipped_onnx_f32(shipped_model: Model) -> Engine:
+    """The onnx engine with float32 activations: the numpy reference's numbers, to rounding."""
+    from edgerun.model.onnx_engine import OnnxEngine
+    from edgerun.model.onnx_graph import Activations
+
+    return OnnxEngine(shipped_model, max_len=256, activations=Activations.F32)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ greedy tokens as the reference."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from edgerun.model.config import ModelConfig
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import AffineBlocks, quantize, slice_affine
 from edgerun.model.reference import DenseLayer, KVCache, ReferenceModel, n_groups, rms_norm, rms_norm_fast
 from edgerun.model.synth import SynthSpec, custom_shape, synth_weights
@@ -45,8 +47,10 @@ MODELS = {
 }
 
 
-# The numpy reference shard and the quantized onnxruntime shard answer the same calls.
-SHARDS = {"numpy": Shard, "quant": QuantShard}
+# The numpy reference shard and the quantized onnxruntime shard answer the same calls. The quantized shard runs
+# with float32 activations here, to compare with the reference to rounding; int8 activations have tests of their own.
+F32 = Activations.F32.accuracy_level
+SHARDS = {"numpy": Shard, "quant": functools.partial(QuantShard, threads=1, accuracy_level=F32)}
 shard_kinds = pytest.mark.parametrize("kind", list(SHARDS))
 
 
@@ -141,6 +145,21 @@ def test_kquant_blocks_cut_by_units(kind: str, group_size: int) -> None:
     shards = [make(kind, config, weights, spec) for spec in split_spec(config, 2, group_size, VOCAB_BLOCK)]
     for call in calls:
         assert_close(replay(shards, call), call.out)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_int8_partials_match_the_whole_int8_block(name: str) -> None:
+    """With int8 activations (the default), every device quantizes the same 32-element blocks of the same input,
+    so partials split by units still sum to the one-device block up to the order of summation; and both stay
+    within int8's approximation of the float reference."""
+    config, weights = model(name)
+    calls, _, _ = reference_run(name)
+    whole = [QuantShard(config, weights, spec, MAX_LEN) for spec in split_spec(config, 1, 128, VOCAB_BLOCK)]
+    split = [QuantShard(config, weights, spec, MAX_LEN) for spec in split_spec(config, 3, 128, VOCAB_BLOCK)]
+    for call in calls:
+        one, three = replay(whole, call), replay(split, call)
+        np.testing.assert_allclose(three, one, rtol=1e-4, atol=1e-4 * float(np.abs(one).max()))
+        assert np.linalg.norm(one - call.out) <= 0.05 * np.linalg.norm(call.out)
 
 
 def run_master(config: ModelConfig, weights: ModelWeights, shards: Sequence[Shard | QuantShard], prompt: list[int],
@@ -423,7 +442,8 @@ def test_dynamic_quantized_share_computes_the_units_it_is_handed(name: str) -> N
     calls, _, _ = reference_run(name)
     group_size = 128
     spec = full_spec(config, group_size, VOCAB_BLOCK)
-    dynamic, reference = DynamicQuantShard(config, weights, spec, MAX_LEN), Shard(config, weights, spec, MAX_LEN)
+    dynamic = DynamicQuantShard(config, weights, spec, MAX_LEN, accuracy_level=F32)
+    reference = Shard(config, weights, spec, MAX_LEN)
     rng = np.random.default_rng(5)
     n_attn, n_mlp = config.n_kv_heads, -(-config.ffn // group_size)
     for i, call in enumerate(calls):

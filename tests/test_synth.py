@@ -126,7 +126,7 @@ def test_synth_custom_dimensions(tmp_path: Path) -> None:
         "w_gate": (768, 512), "w_up": (768, 512), "w_down": (512, 768)}
     assert {t.qtype for _, t in layer.matrices()} == {"Q8_0"}
     prompt = [1, 2, 3, 4]
-    a = make_engine("onnx", model, 8).step(prompt).copy()
+    a = make_engine("onnx-f32", model, 8).step(prompt).copy()
     b = make_engine("numpy", model, 8).step(prompt)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(b).max())
 
@@ -266,7 +266,7 @@ def test_hf_dir_onnx_matches_numpy(arch: str, qtype: str, tmp_path: Path) -> Non
     model = load_model(out)
     greedy = Sampler(SamplingParams())
     prompt = model.tokenizer.encode("Hello there")
-    onnx = generate(make_engine("onnx", model, 32), prompt, 16, greedy)
+    onnx = generate(make_engine("onnx-f32", model, 32), prompt, 16, greedy)
     ref = generate(make_engine("numpy", model, 32), prompt, 16, greedy)
     assert onnx.tokens == ref.tokens
     assert len(set(ref.tokens)) > 4

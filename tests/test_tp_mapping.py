@@ -13,6 +13,7 @@ import pytest
 
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.model_files import model_sha256
 from edgerun.net.wire import Block, derive_key
@@ -60,7 +61,9 @@ def reference_tokens(model: Model) -> list[int]:
 def cluster(model: Model, losses: list[str], predictors: PredictorSet | None = None,
             **settings: object) -> Iterator[Master]:
     """A master and one node per loss rate (in-process loss on the node's sends)."""
-    config = MasterConfig(strategy="minmax", host="127.0.0.1", max_len=256, **settings)  # every node takes a share
+    # Every node takes a share; float32 activations, so the cluster gives the numpy reference's tokens exactly.
+    settings = {"activations": Activations.F32, **settings}
+    config = MasterConfig(strategy="minmax", host="127.0.0.1", max_len=256, **settings)
     master = Master(model, derive_key(SECRET), config, predictors=predictors)
     nodes = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
                                "--name", f"n{i}", "--key", SECRET, "--loss", loss, "--loss-seed", str(i),

@@ -25,6 +25,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_engine import OnnxEngine
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net import testbed
 from edgerun.net.kernel_loss import loopback_loss, loss_counters
@@ -123,6 +124,7 @@ class TpBenchConfig:
     parity_always: bool = False  # parity on clean links too (else once a link loses a packet)
     spin_us: float = 0.0  # master and nodes poll their UDP socket this long before sleeping
     rebalance: bool = True  # after a warm-up, replan with the speeds the devices showed (Master.rebalance)
+    activations: Activations = Activations.INT8  # of every quantized product, the single baseline's too
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -162,7 +164,7 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
             max_len=CONTEXT, rto_min_ms=config.rto_min_ms, timeout_deviations=config.timeout_deviations,
             parity=config.parity, parity_always=config.parity_always, mapping=config.mapping,
             overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads,
-            spin_us=config.spin_us)
+            spin_us=config.spin_us, activations=config.activations)
         master = Master(model, derive_key(SECRET), master_config, loss=parse_loss(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
@@ -238,7 +240,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
 def single_baseline(model: Model, config: TpBenchConfig) -> float:
     """ms per output token of the single-process onnx engine on the same model, prompt, token count and
     threads, timed as a cluster is (prefill included, after a warm-up request)."""
-    engine = OnnxEngine(model, CONTEXT, threads=config.threads)
+    engine = OnnxEngine(model, CONTEXT, threads=config.threads, activations=config.activations)
     prompt = model.tokenizer.encode(BENCH_PROMPT)
     greedy = Sampler(SamplingParams())
     generate(engine, prompt, WARMUP_TOKENS, greedy)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     pass
 from edgerun.commands.common import (
     PLANS,
+    activations_arg,
     model_arg,
     rto_min_arg,
     share_threads_arg,
@@ -40,6 +41,7 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
 
 def cmd_bench_tp(args: argparse.Namespace) -> None:
     from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_json, tp_ratios, tp_table
+    from edgerun.model.onnx_graph import Activations
 
     def split(text: str) -> list[str]:
         return [x.strip() for x in text.split(",") if x.strip()]
@@ -60,7 +62,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
-                           parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance)
+                           parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
+                           activations=Activations(args.activations))
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
@@ -120,6 +123,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     udp_args(p)
     rto_min_arg(p)
     spin_arg(p)
+    activations_arg(p)
     share_threads_arg(p, 1)
     p.add_argument("--baseline", action="store_true",
                    help="also time the single-process onnx engine (same model, prompt, tokens and --threads) in "

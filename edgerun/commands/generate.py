@@ -76,8 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat (default: the template's own)")
     p.add_argument("--engine", choices=ENGINES, default="onnx",
-                   help="onnx: onnxruntime (fast, default); onnx-int8: int8 activations (faster, approximate); "
-                        "numpy: the reference forward pass")
+                   help="onnx: onnxruntime with int8 activations in the quantized products, as llama.cpp (the "
+                        "fastest); onnx-f32: float32 activations (3-4x slower, the reference's numbers to rounding); "
+                        "numpy: the reference forward pass (default: onnx)")
     threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="do not print speed on stderr")
     p.set_defaults(func=cmd_generate)

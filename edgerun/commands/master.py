@@ -12,6 +12,7 @@ from pathlib import Path
 from edgerun.commands.common import (
     DEFAULT_THREADS,
     PLANS,
+    activations_arg,
     cluster_args,
     cluster_key,
     limit_blas_threads,
@@ -102,6 +103,7 @@ def cmd_master(args: argparse.Namespace) -> None:
             pipeline.close()
         return
 
+    from edgerun.model.onnx_graph import Activations
     from edgerun.net.wire import Codec
     from edgerun.tp.config import MasterConfig
     from edgerun.tp.master import Master
@@ -121,7 +123,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                           max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
                           rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
                           parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
-                          spin_us=args.spin_us,
+                          spin_us=args.spin_us, activations=Activations(args.activations),
                           overlap=overlaps(args.overlap), threads=args.threads)
     fixed = None if args.plan_file is None else load_plan_file(args.plan_file)
     try:
@@ -170,6 +172,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     udp_args(p)
     rto_min_arg(p)
     spin_arg(p)
+    activations_arg(p)
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use "
                    "(default: 4096)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")

@@ -16,8 +16,9 @@ from edgerun.model.loader import Model
 from edgerun.model.reference import KVCache, ReferenceModel
 from edgerun.model.sampling import Sampler
 
-# "onnx-int8" quantizes activations to int8 inside MatMulNBits: faster, no longer bit-close to numpy.
-ENGINES = ("numpy", "onnx", "onnx-int8")
+# "onnx" quantizes activations to int8 inside MatMulNBits (Activations.INT8: fast, close to but not bit-close to
+# numpy); "onnx-f32" keeps them float32 (what the numpy reference computes, to rounding).
+ENGINES = ("numpy", "onnx", "onnx-f32")
 
 
 class Stepper(Protocol):
@@ -83,10 +84,12 @@ class ReferenceEngine:
 def make_engine(kind: str, model: Model, max_len: int, threads: int | None = None) -> Engine:
     if kind == "numpy":
         return ReferenceEngine(model, max_len)
-    if kind in ("onnx", "onnx-int8"):
+    if kind in ("onnx", "onnx-f32"):
         from edgerun.model.onnx_engine import OnnxEngine
+        from edgerun.model.onnx_graph import Activations
 
-        return OnnxEngine(model, max_len, threads=threads, accuracy_level=4 if kind == "onnx-int8" else 0)
+        return OnnxEngine(model, max_len, threads=threads,
+                          activations=Activations.F32 if kind == "onnx-f32" else Activations.INT8)
     raise EdgerunError(f"unknown engine {kind!r} (choose from {', '.join(ENGINES)})")
 
 

@@ -12,7 +12,7 @@ import onnxruntime as ort
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
 from edgerun.model.loader import Model
-from edgerun.model.onnx_graph import StageSpec, cached_stage, kv_names
+from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage, kv_names
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -109,11 +109,13 @@ class OnnxEngine:
 
     name = "onnx"
 
-    def __init__(self, model: Model, max_len: int, threads: int | None = None, accuracy_level: int = 0) -> None:
+    def __init__(self, model: Model, max_len: int, threads: int | None = None,
+                 activations: Activations = Activations.INT8) -> None:
         self.model = model
         self.config = model.config
         self.max_len = max_len
-        spec = StageSpec(0, model.config.n_layers, lm_head=True, accuracy_level=accuracy_level)
+        self.activations = activations
+        spec = StageSpec(0, model.config.n_layers, lm_head=True, accuracy_level=activations.accuracy_level)
         graph_dir = cached_stage(model.path, model.config, model.weights, spec)
         self.weight_bytes = int(json.loads((graph_dir / "meta.json").read_text())["weight_bytes"])
         self.stage = StageSession(graph_dir, model.config, 0, model.config.n_layers, max_len, threads)

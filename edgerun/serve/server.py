@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
+from edgerun.model.onnx_graph import Activations
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.serve.switch import Prefer
@@ -38,6 +39,7 @@ class ServeConfig:
     advertise: bool = True  # announce the cluster port by mDNS
     plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
     local: bool = True  # serve from this machine's own engine too (not when the model is too big for it)
+    activations: Activations = Activations.INT8  # of the quantized products: this engine's and the cluster's
     wait_s: float = 30.0  # how long a request waits for nodes when nothing can serve it, before a 503
 
     def __post_init__(self) -> None:
@@ -58,8 +60,8 @@ class Server:
     shares (its deployment and forward passes run where its workers' WebSockets are read)."""
 
     def __init__(self, config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
-        from edgerun.model.generate import make_engine
         from edgerun.model.loader import load_model
+        from edgerun.model.onnx_engine import OnnxEngine
         from edgerun.serve.app import Api, ApiConfig, build_app
         from edgerun.serve.metrics import Metrics
         from edgerun.serve.service import Service
@@ -77,7 +79,8 @@ class Server:
         try:
             self.model = model = load_model(config.model)
             max_len = min(config.max_context, model.config.context_length)
-            single = make_engine("onnx", model, max_len, threads=config.threads) if config.local else None
+            single = OnnxEngine(model, max_len, threads=config.threads, activations=config.activations) \
+                if config.local else None
             self.cluster = None if config.cluster_port is None else self._cluster(model, max_len)
             self.advertiser = None
             if self.cluster is not None and config.advertise:
@@ -123,7 +126,8 @@ class Server:
             master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.host,
                                                              port=config.cluster_port, files_port=self.port,
                                                              max_len=max_len, threads=config.threads,
-                                                             transport=config.transport),
+                                                             transport=config.transport,
+                                                             activations=config.activations),
                             log=lambda m: log(f"cluster: {m}"))
             return TensorParallel(master, plan_file, lambda m: log(f"cluster: {m}"))
         except OSError as e:

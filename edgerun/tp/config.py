@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgerun.errors import EdgerunError
+from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import Codec
 
 MAPPINGS = ("index", "static", "dynamic")
@@ -52,6 +53,7 @@ class MasterConfig:
     # packed form and a step selects its units inside the graph, so nothing is gathered.
     overlap: tuple[str, ...] = OVERLAPS
     threads: int = 1  # onnxruntime threads of the master's own share
+    activations: Activations = Activations.INT8  # of every device's quantized products (its kernels' numbers)
     spin_us: float = 0.0  # how long the master polls for partials without sleeping (DatagramSocket.spin_s)
 
     def __post_init__(self) -> None:

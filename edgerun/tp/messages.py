@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any, Union
 
+from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import Block, Codec, WireError
 from edgerun.tp.shard import ShardSpec
 
@@ -159,6 +160,7 @@ class Assign:
     parity: int  # parity copies after every partial
     datagram_bytes: int
     priorities: Priorities | None = None  # dynamic mapping: the node holds every unit and computes these indices
+    activations: Activations = Activations.INT8  # of the share's quantized products: every device computes alike
 
 
 @dataclass(frozen=True)

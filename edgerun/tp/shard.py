@@ -34,6 +34,7 @@ import onnxruntime as ort
 from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_engine import session_options
 from edgerun.model.onnx_graph import (
+    Activations,
     cache_root,
     dynamic_attention_graph,
     dynamic_mlp_graph,
@@ -275,7 +276,8 @@ class QuantShard(_ShareBase):
     block reuses on its next call: use them before calling that block again."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, accuracy_level: int = 0, mapped_files: Sequence[Path] = ()) -> None:
+                 threads: int | None = 1, accuracy_level: int = Activations.INT8.accuracy_level,
+                 mapped_files: Sequence[Path] = ()) -> None:
         """`mapped_files`: the files `weights` are memory-mapped from. Their pages, and those of each block's own
         weights file (onnxruntime has prepacked what it runs onto its heap), are let go of after every layer, so
         they never pile up in the device's memory."""
@@ -374,7 +376,8 @@ class DynamicQuantShard(QuantShard):
     token). Memory: the model's quantized weights plus the whole KV cache."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, accuracy_level: int = 0, mapped_files: Sequence[Path] = ()) -> None:
+                 threads: int | None = 1, accuracy_level: int = Activations.INT8.accuracy_level,
+                 mapped_files: Sequence[Path] = ()) -> None:
         """`spec` must hold every attention unit and MLP group (full_spec); its vocabulary blocks are this
         device's share of the LM head, which dynamic mapping does not rank."""
         if spec != every_unit_spec(config, spec):
