@@ -183,8 +183,15 @@ class AsyncChannel:
         except RuntimeError:
             return False
 
+    def frame(self, message: Message) -> bytes:
+        """The message as this stream sends it: encoded and sealed. Streams of one cluster seal alike, so a frame
+        made once goes to every node (send_frame)."""
+        return control_frame(self.session, *messages.encode(message), self.key)
+
     def send(self, message: Message) -> None:
-        frame = control_frame(self.session, *messages.encode(message), self.key)
+        self.send_frame(self.frame(message))
+
+    def send_frame(self, frame: bytes) -> None:
         if self.writer.is_closing():
             raise ConnectionError("channel closed")
         if self._on_loop():

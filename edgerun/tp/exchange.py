@@ -172,9 +172,8 @@ class BlockExchange:
                               len(nodes), seq, nodes={n.index: n for n in nodes})
         if mirror:
             self.mirrors[key] = w
-        if reliable:
-            for node in nodes:
-                self.send_input(node, key, data, ranking)
+        if reliable and nodes:
+            self._send_inputs(nodes, key, data, ranking)
         if nodes and over_udp:
             self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
         compute_start = time.perf_counter()
@@ -256,7 +255,7 @@ class BlockExchange:
             self.stats.incomplete_wait_s += ended - wait_start
         self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values()) + \
             w.from_parity
-        if not reliable and w.arrived:
+        if not reliable and w.arrived and self.timeouts.fixed_s is None:  # a fixed timeout learns nothing
             first = w.first()
             for node in nodes:
                 if node.index in w.arrived:
@@ -341,9 +340,16 @@ class BlockExchange:
             node.channel.send(ParityOn(self.config.parity))
 
     def send_input(self, node: NodeConn, key: BlockKey, data: bytes, ranking: tuple[int, ...] | None) -> None:
+        self._send_inputs([node], key, data, ranking)
+
+    def _send_inputs(self, nodes: list[NodeConn], key: BlockKey, data: bytes,
+                     ranking: tuple[int, ...] | None) -> None:
+        """The block's input over TCP to these nodes: one frame, encoded and sealed once, on every stream."""
         session, position, layer, block = key
-        with contextlib.suppress(OSError, ConnectionError):
-            node.channel.send(Input(session, position, layer, Block(block), ranking, data))
+        frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking, data))
+        for node in nodes:
+            with contextlib.suppress(OSError, ConnectionError):
+                node.channel.send_frame(frame)
 
     def _mirror_copy(self, key: BlockKey, node: int) -> bool:
         """True for the second copy of a mirrored block's reply: its first copy is in, so nothing is late."""
@@ -354,7 +360,8 @@ class BlockExchange:
         """A partial of the block just merged that completes late still teaches its node's lag, so the
         estimate is not made only of partials that beat the deadline (which would shrink it)."""
         w = self.merged
-        if w is None or key != w.key or not w.arrived or header.node not in w.parts or header.node in w.arrived:
+        if w is None or key != w.key or not w.arrived or header.node not in w.parts or header.node in w.arrived or \
+                self.timeouts.fixed_s is not None:
             return
         target = w.parts[header.node]
         if target is None and whole_vector(header, payload, w.sizes[header.node]) is not None:
