@@ -296,8 +296,6 @@ class PipelineMaster:
     def close(self) -> None:
         async def stop() -> None:
             self.repartitioner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.repartitioner  # ended here, not destroyed pending when the loop stops
             await self.workers.close()
 
         with contextlib.suppress(Exception):
