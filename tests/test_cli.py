@@ -422,6 +422,21 @@ def test_bench_single_peak_rss_is_the_engines_own(tiny_spec: TinySpec, synth_ggu
     assert 0 < result["peak_rss_mb"] < 500
 
 
+@pytest.mark.slow
+def test_bench_pp_rows_use_every_worker_and_compare_with_the_single_engine() -> None:
+    """`bench pp --json` on the shipped model: one row per worker count, each plan using all its workers, the
+    stages' compute within the row's time, and the ratio the single engine's time over the row's."""
+    proc = run_subprocess(["bench", "pp", "--workers", "1,2", "--tokens", "4", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [(r["workers"], r["browser"], r["stages"]) for r in rows] == [(1, 0, 1), (2, 0, 2)]
+    for r in rows:
+        assert 0 < r["stage_ms_per_token"] < r["ms_per_token"]
+        assert r["ratio_to_single"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
+    bad = run_subprocess(["bench", "pp", "--workers", "0"])
+    assert bad.returncode == 2 and "--workers" in bad.stderr
+
+
 def test_pp_node_device_choice(capsys: Capsys) -> None:
     """A pipeline worker runs stages on CUDA only through onnxruntime-gpu's provider; without it, `auto`
     means the CPU and `cuda` is refused with the reason."""

@@ -4,6 +4,7 @@ the cost model's predicted time per token against the measured one, and serving 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -15,28 +16,31 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import derive_key
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState
 from edgerun.sched.pp_plan import plan_exec_us
 
 SECRET = "edgerun-bench"
 PROMPT = "Distributed inference splits one model across several machines because"
+CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 
-def start_worker(port: int, name: str, budget_mb: float, speed: float | None = None) -> subprocess.Popen:
+def start_worker(port: int, name: str, budget_mb: float, speed: float | None = None,
+                 threads: int = 1) -> subprocess.Popen:
     args = [sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master", f"127.0.0.1:{port}", "--key",
-            SECRET, "--name", name, "--memory-budget", str(budget_mb), "--threads", "1"]
+            SECRET, "--name", name, "--memory-budget", str(budget_mb), "--threads", str(threads)]
     return subprocess.Popen(args + (["--speed", str(speed)] if speed else []), stderr=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
 def local_pipeline(model: Model, budgets: Sequence[float], max_len: int = 512,
-                   log: Callable[[str], None] = lambda _: None,
+                   log: Callable[[str], None] = lambda _: None, threads: int = 1,
                    **options: object) -> Iterator[tuple[PipelineMaster, list]]:
     """A pipeline master and one worker process per memory budget (w0, w1, ...), all connected."""
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=max_len, **options),
                             log=log)
-    workers = [start_worker(master.port, f"w{i}", budget) for i, budget in enumerate(budgets)]
+    workers = [start_worker(master.port, f"w{i}", budget, threads=threads) for i, budget in enumerate(budgets)]
     try:
         master.wait_for_workers(len(budgets), timeout_s=120)
         yield master, workers
@@ -187,3 +191,88 @@ def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: flo
         recoveries = master.recovery_seconds
         return ChurnResult(seconds, float(np.mean(up_samples)) if up_samples else 0.0, tokens, requests, departures,
                            len(recoveries), float(np.mean(recoveries)) if recoveries else 0.0)
+
+
+# --- bench pp: a pipeline of 1, 2, 4 ... native workers against the single-process engine ---------------------
+@dataclass(frozen=True)
+class PpRow:
+    workers: int  # native worker processes
+    browser: int  # browser tabs in the pipeline
+    stages: int  # stages the plan used
+    ms_per_token: float  # a request's time (prefill included) per generated token
+    stage_ms_per_token: float  # the stages' own compute per decode step, as the workers report it
+    other_ms_per_token: float  # the rest: transfers between master and stages, the master's work
+    ratio_to_single: float  # the single-process engine's ms/token over this row's: above 1 is faster
+
+
+def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
+    """The smallest memory budget (MB, with 5% spare) with which `parts` workers can hold the layers as
+    contiguous ranges: so a pipeline of that many workers must use all of them (fewer cannot hold the model)."""
+    def fits(budget: float) -> bool:
+        used, n = 0.0, 1
+        for b in layer_bytes:
+            if b > budget:
+                return False
+            if used + b > budget:
+                used, n = 0.0, n + 1
+            used += b
+        return n <= parts
+
+    low, high = max(layer_bytes), sum(layer_bytes)
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high * 1.05 / 1e6
+
+
+def _timed_ms(generate: Callable[[list[int], int], object], prompt: list[int], tokens: int) -> float:
+    generate(prompt, 8)  # warm-up: sessions, caches, the workers' speed samples
+    start = time.perf_counter()
+    generate(prompt, tokens)
+    return (time.perf_counter() - start) / tokens * 1e3
+
+
+def single_ms(model: Model, tokens: int, threads: int, activations: Activations) -> float:
+    """The single-process onnx engine on the same prompt, tokens and threads, timed as a pipeline is."""
+    from edgerun.model.generate import generate
+    from edgerun.model.onnx_engine import OnnxEngine
+    from edgerun.model.sampling import Sampler, SamplingParams
+
+    engine = OnnxEngine(model, CONTEXT, threads=threads, activations=activations)
+    return _timed_ms(lambda p, n: generate(engine, p, n, Sampler(SamplingParams())), model.tokenizer.encode(PROMPT),
+                     tokens)
+
+
+def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
+             progress: Callable[[str], None] = lambda _: None) -> tuple[list[PpRow], float, float]:
+    """Rows for each worker count, and the single engine's ms/token with its default (int8) and with float32
+    activations (those the stages compute with), all measured in this run."""
+    progress(f"single-process onnx engine, {threads} thread(s)")
+    single = single_ms(model, tokens, threads, Activations.INT8)
+    single_f32 = single_ms(model, tokens, threads, Activations.F32)
+    prompt = model.tokenizer.encode(PROMPT)
+    rows = []
+    for n in worker_counts:
+        progress(f"{n} worker(s)")
+        layers = PipelineMaster.layer_memory_bytes(model, CONTEXT)
+        budget = stage_budgets_mb(layers, n) if n > 1 else sum(layers) * 1.1 / 1e6
+        with local_pipeline(model, [budget] * n, CONTEXT, threads=threads) as (master, _):
+            plan = master.start()
+            before = dataclasses.replace(master.stats)
+            ms = _timed_ms(lambda p, k: master.generate(p, k), prompt, tokens)
+            passes = master.stats.decode_passes - before.decode_passes
+            stage_s = master.stats.decode_stage_s - before.decode_stage_s
+            steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)
+            stage_ms = stage_s / steps * 1e3 if steps else 0.0
+            rows.append(PpRow(n, 0, len(plan.stages), ms, stage_ms, ms - stage_ms, single / ms))
+    return rows, single, single_f32
+
+
+def pp_table(rows: Sequence[PpRow], single: float, single_f32: float) -> str:
+    lines = [f"{'workers':>7} {'browser':>7} {'stages':>6} {'ms/token':>9} {'stages ms':>9} {'other ms':>8} "
+             f"{'vs single':>9}"]
+    lines += [f"{r.workers:>7} {r.browser:>7} {r.stages:>6} {r.ms_per_token:>9.1f} {r.stage_ms_per_token:>9.1f} "
+              f"{r.other_ms_per_token:>8.1f} {r.ratio_to_single:>8.2f}x" for r in rows]
+    lines.append(f"single-process onnx engine: {single:.1f} ms/token (int8 activations, the default); "
+                 f"{single_f32:.1f} with float32 activations, which pipeline stages compute with")
+    return "\n".join(lines)

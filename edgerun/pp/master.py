@@ -39,6 +39,7 @@ from edgerun.pp.deployment import Deployment, PipelineState, describe
 from edgerun.pp.http import browser_dir, pipeline_routes
 from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import PPPlan
+from edgerun.sched.profiles import model_profile
 
 __all__ = ["PipelineConfig", "PipelineMaster", "PipelineState", "PlanSwap", "WorkerLost", "browser_dir",
            "chat_template_prefix", "describe"]
@@ -46,6 +47,15 @@ __all__ = ["PipelineConfig", "PipelineMaster", "PipelineState", "PlanSwap", "Wor
 COMPUTE_TIMEOUT_S = 120.0
 GREEDY = SamplingParams()
 MAX_REQUEST_LOSSES = 8  # workers lost within one request before it gives up
+
+
+@dataclass
+class PassStats:
+    """One-token passes through the stages since the master started, and the stages' own compute in them (what
+    workers report), for benchmarks: the rest of a token's time is transfer and the master."""
+
+    decode_passes: int = 0  # stage passes of one-token steps
+    decode_stage_s: float = 0.0
 
 
 class PlanSwap(EngineLost):
@@ -101,6 +111,7 @@ class PipelineMaster:
         self.swap_seconds: list[float] = []  # from starting a hot swap to the next token, per swap
         self.lost_at: float | None = None  # when the request in flight lost a worker, until it has a token again
         self.request_losses = 0  # workers the request in flight lost
+        self.stats = PassStats()
         self.http: HttpServer | None = None
         sock = bind(config.host, config.port) if net is None else None  # first: a port in use fails at once
         self.net = net or EventLoopThread()
@@ -152,6 +163,11 @@ class PipelineMaster:
     def status_text(self) -> str:
         return self.deployment.status_text()
 
+    @staticmethod
+    def layer_memory_bytes(model: Model, max_len: int) -> tuple[float, ...]:
+        """What the planner counts for each layer's stage memory: its weights and its KV cache at max_len."""
+        return model_profile(model.name, model.config, model.weights, context=max_len).layer_memory_bytes
+
     async def _hedged(self, names: list[str], message: dict[str, Any],
                       tensors: dict[str, np.ndarray]) -> tuple[WorkerConn, dict[str, Any], dict[str, np.ndarray]]:
         """The first answer from the stage's live workers; the others still compute (their KV caches
@@ -192,6 +208,8 @@ class PipelineMaster:
             worker.served += 1
             seconds = reply.get("seconds")
             if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: what plans are priced by
+                self.stats.decode_passes += 1
+                self.stats.decode_stage_s += seconds
                 read = self.deployment.profile.layer_read_bytes[s.first_layer:s.end_layer]
                 worker.speeds.append(sum(read) / seconds)
                 # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
