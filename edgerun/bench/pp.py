@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgerun.bench.single import cluster_baseline_ms
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import derive_key
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState
 from edgerun.sched.pp_plan import plan_exec_us
+from edgerun.sched.profiles import model_profile
 
 SECRET = "edgerun-bench"
 PROMPT = "Distributed inference splits one model across several machines because"
@@ -225,22 +227,15 @@ def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
     return high * 1.05 / 1e6
 
 
-def _timed_ms(generate: Callable[[list[int], int], object], prompt: list[int], tokens: int) -> float:
-    generate(prompt, 8)  # warm-up: sessions, caches, the workers' speed samples
+WARMUP_TOKENS = 8  # a request before the timed one: sessions, caches, the workers' speed samples
+
+
+def _pipeline_ms(master: PipelineMaster, prompt: list[int], tokens: int) -> float:
+    """ms per output token, timed as cluster_baseline_ms times the single engine."""
+    master.generate(prompt, WARMUP_TOKENS)
     start = time.perf_counter()
-    generate(prompt, tokens)
-    return (time.perf_counter() - start) / tokens * 1e3
-
-
-def single_ms(model: Model, tokens: int, threads: int, activations: Activations) -> float:
-    """The single-process onnx engine on the same prompt, tokens and threads, timed as a pipeline is."""
-    from edgerun.model.generate import generate
-    from edgerun.model.onnx_engine import OnnxEngine
-    from edgerun.model.sampling import Sampler, SamplingParams
-
-    engine = OnnxEngine(model, CONTEXT, threads=threads, activations=activations)
-    return _timed_ms(lambda p, n: generate(engine, p, n, Sampler(SamplingParams())), model.tokenizer.encode(PROMPT),
-                     tokens)
+    generated = master.generate(prompt, tokens)
+    return (time.perf_counter() - start) / max(1, len(generated)) * 1e3
 
 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
@@ -248,18 +243,18 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
     """Rows for each worker count, and the single engine's ms/token with its default (int8) and with float32
     activations (those the stages compute with), all measured in this run."""
     progress(f"single-process onnx engine, {threads} thread(s)")
-    single = single_ms(model, tokens, threads, Activations.INT8)
-    single_f32 = single_ms(model, tokens, threads, Activations.F32)
     prompt = model.tokenizer.encode(PROMPT)
+    single, single_f32 = (cluster_baseline_ms(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
+                          for activations in (Activations.INT8, Activations.F32))
+    layers = model_profile(model.name, model.config, model.weights, context=CONTEXT).layer_memory_bytes
     rows = []
     for n in worker_counts:
         progress(f"{n} worker(s)")
-        layers = PipelineMaster.layer_memory_bytes(model, CONTEXT)
         budget = stage_budgets_mb(layers, n) if n > 1 else sum(layers) * 1.1 / 1e6
         with local_pipeline(model, [budget] * n, CONTEXT, threads=threads) as (master, _):
             plan = master.start()
             before = dataclasses.replace(master.stats)
-            ms = _timed_ms(lambda p, k: master.generate(p, k), prompt, tokens)
+            ms = _pipeline_ms(master, prompt, tokens)
             passes = master.stats.decode_passes - before.decode_passes
             stage_s = master.stats.decode_stage_s - before.decode_stage_s
             steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)

@@ -10,8 +10,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edgerun.model.generate import make_engine
-from edgerun.model.loader import load_model
+from edgerun.model.generate import generate, make_engine
+from edgerun.model.loader import Model, load_model
+from edgerun.model.onnx_engine import OnnxEngine
+from edgerun.model.onnx_graph import Activations
+from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.profile.memory import memory_read_bandwidth, peak_rss_mb
 
 BENCH_TEXT = (
@@ -97,3 +100,15 @@ def results_table(results: list[SingleResult]) -> str:
 
 def results_json(results: list[SingleResult]) -> list[dict[str, object]]:
     return [asdict(r) for r in results]
+
+
+def cluster_baseline_ms(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,
+                        max_len: int, warmup: int) -> float:
+    """ms per output token of the single-process onnx engine, timed as the cluster benchmarks (bench tp, bench pp)
+    time their clusters: a warm-up request of `warmup` tokens, then one of `tokens`, prefill included."""
+    engine = OnnxEngine(model, max_len, threads=threads, activations=activations)
+    greedy = Sampler(SamplingParams())
+    generate(engine, prompt, warmup, greedy)
+    start = time.perf_counter()
+    result = generate(engine, prompt, tokens, greedy)
+    return (time.perf_counter() - start) / max(1, len(result.tokens)) * 1e3

@@ -21,10 +21,9 @@ from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
+from edgerun.bench.single import cluster_baseline_ms
 from edgerun.errors import EdgerunError
-from edgerun.model.generate import generate
 from edgerun.model.loader import Model, load_model
-from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net import testbed
@@ -240,13 +239,8 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
 def single_baseline(model: Model, config: TpBenchConfig) -> float:
     """ms per output token of the single-process onnx engine on the same model, prompt, token count and
     threads, timed as a cluster is (prefill included, after a warm-up request)."""
-    engine = OnnxEngine(model, CONTEXT, threads=config.threads, activations=config.activations)
-    prompt = model.tokenizer.encode(BENCH_PROMPT)
-    greedy = Sampler(SamplingParams())
-    generate(engine, prompt, WARMUP_TOKENS, greedy)
-    start = time.perf_counter()
-    result = generate(engine, prompt, config.tokens, greedy)
-    return (time.perf_counter() - start) / max(1, len(result.tokens)) * 1e3
+    return cluster_baseline_ms(model, model.tokenizer.encode(BENCH_PROMPT), config.tokens, config.threads,
+                               config.activations, CONTEXT, WARMUP_TOKENS)
 
 
 def _testbed_for(config: TpBenchConfig, nodes: int) -> testbed.TestbedSpec:

@@ -121,8 +121,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model_arg(p)
     p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (default: 1,2,4)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
-    p.add_argument("--threads", type=int, default=1, help="onnxruntime threads of each worker and of the single "
-                   "engine (default: 1)")
+    share_threads_arg(p, 1)
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     p.set_defaults(func=cmd_bench_pp)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",

@@ -39,7 +39,6 @@ from edgerun.pp.deployment import Deployment, PipelineState, describe
 from edgerun.pp.http import browser_dir, pipeline_routes
 from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import PPPlan
-from edgerun.sched.profiles import model_profile
 
 __all__ = ["PipelineConfig", "PipelineMaster", "PipelineState", "PlanSwap", "WorkerLost", "browser_dir",
            "chat_template_prefix", "describe"]
@@ -163,11 +162,6 @@ class PipelineMaster:
     def status_text(self) -> str:
         return self.deployment.status_text()
 
-    @staticmethod
-    def layer_memory_bytes(model: Model, max_len: int) -> tuple[float, ...]:
-        """What the planner counts for each layer's stage memory: its weights and its KV cache at max_len."""
-        return model_profile(model.name, model.config, model.weights, context=max_len).layer_memory_bytes
-
     async def _hedged(self, names: list[str], message: dict[str, Any],
                       tensors: dict[str, np.ndarray]) -> tuple[WorkerConn, dict[str, Any], dict[str, np.ndarray]]:
         """The first answer from the stage's live workers; the others still compute (their KV caches
@@ -290,10 +284,6 @@ class PipelineMaster:
         except TimeoutError:
             raise EdgerunError(f"only {len(self.workers.alive())} of {n} workers connected "
                                f"within {timeout_s:.0f} s") from None
-
-    def replan(self, plan: PPPlan | None = None) -> PPPlan:
-        """Plan over the live workers (unless given a plan) and load the stages."""
-        return self.net.run(self.deployment.replan(plan))
 
     def start(self) -> PPPlan:
         """Plan and load the stages, retrying over the workers left while some fail."""
