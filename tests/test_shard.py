@@ -49,8 +49,7 @@ MODELS = {
 
 # The numpy reference shard and the quantized onnxruntime shard answer the same calls. The quantized shard runs
 # with float32 activations here, to compare with the reference to rounding; int8 activations have tests of their own.
-F32 = Activations.F32.accuracy_level
-SHARDS = {"numpy": Shard, "quant": functools.partial(QuantShard, threads=1, accuracy_level=F32)}
+SHARDS = {"numpy": Shard, "quant": functools.partial(QuantShard, threads=1, activations=Activations.F32)}
 shard_kinds = pytest.mark.parametrize("kind", list(SHARDS))
 
 
@@ -442,7 +441,7 @@ def test_dynamic_quantized_share_computes_the_units_it_is_handed(name: str) -> N
     calls, _, _ = reference_run(name)
     group_size = 128
     spec = full_spec(config, group_size, VOCAB_BLOCK)
-    dynamic = DynamicQuantShard(config, weights, spec, MAX_LEN, accuracy_level=F32)
+    dynamic = DynamicQuantShard(config, weights, spec, MAX_LEN, activations=Activations.F32)
     reference = Shard(config, weights, spec, MAX_LEN)
     rng = np.random.default_rng(5)
     n_attn, n_mlp = config.n_kv_heads, -(-config.ffn // group_size)

@@ -221,7 +221,7 @@ class Master:
         # The master builds its own share while the nodes build theirs.
         kind = DynamicQuantShard if self.config.mapping == "dynamic" else QuantShard
         self.shard = kind(self.model.config, self.model.weights, d.own_spec, self.config.max_len, self.config.threads,
-                          self.config.activations.accuracy_level, mapped_files=[self.model.path])
+                          self.config.activations, mapped_files=[self.model.path])
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):

@@ -234,7 +234,7 @@ class Node:
                 if message.priorities is not None:  # dynamic mapping: hold every unit
                     spec, kind = every_unit_spec(self.model.config, spec), DynamicQuantShard
                 build = functools.partial(kind, self.model.config, self.model.weights, spec, message.max_len,
-                                          self.threads, message.activations.accuracy_level,
+                                          self.threads, message.activations,
                                           mapped_files=[self.model.path])
                 self._assign(message, spec, await loop.run_in_executor(None, build))
                 settle_heap()

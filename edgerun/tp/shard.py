@@ -276,7 +276,7 @@ class QuantShard(_ShareBase):
     block reuses on its next call: use them before calling that block again."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, accuracy_level: int = Activations.INT8.accuracy_level,
+                 threads: int | None = 1, activations: Activations = Activations.INT8,
                  mapped_files: Sequence[Path] = ()) -> None:
         """`mapped_files`: the files `weights` are memory-mapped from. Their pages, and those of each block's own
         weights file (onnxruntime has prepacked what it runs onto its heap), are let go of after every layer, so
@@ -285,7 +285,7 @@ class QuantShard(_ShareBase):
         # Block graphs are written here, loaded and deleted at once (onnxruntime keeps what it mapped).
         build_dir = Path(tempfile.mkdtemp(prefix="shard-", dir=_shard_build_root()))
         try:
-            self._build(weights, build_dir, threads, accuracy_level, mapped_files)
+            self._build(weights, build_dir, threads, activations.accuracy_level, mapped_files)
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
 
@@ -376,13 +376,13 @@ class DynamicQuantShard(QuantShard):
     token). Memory: the model's quantized weights plus the whole KV cache."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, accuracy_level: int = Activations.INT8.accuracy_level,
+                 threads: int | None = 1, activations: Activations = Activations.INT8,
                  mapped_files: Sequence[Path] = ()) -> None:
         """`spec` must hold every attention unit and MLP group (full_spec); its vocabulary blocks are this
         device's share of the LM head, which dynamic mapping does not rank."""
         if spec != every_unit_spec(config, spec):
             raise ValueError("a dynamic share holds every attention unit and MLP group")
-        super().__init__(config, weights, spec, max_len, threads, accuracy_level, mapped_files)
+        super().__init__(config, weights, spec, max_len, threads, activations, mapped_files)
 
     def _build(self, weights: ModelWeights, build_dir: Path, threads: int | None, accuracy_level: int,
                mapped_files: Sequence[Path]) -> None:
