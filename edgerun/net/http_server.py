@@ -37,8 +37,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    """uvicorn serving `app` on `sock` from the loop of `net` (a new loop thread unless given), taking WebSocket
-    messages of up to `max_message` bytes. Returns once it accepts connections."""
+    """uvicorn serving `app` on `sock` from the loop of `net` (a new loop thread unless given, which close() then
+    stops), taking WebSocket messages of up to `max_message` bytes. Returns once it accepts connections."""
 
     def __init__(self, app: ASGIApp, sock: socket.socket, net: EventLoopThread | None = None,
                  max_message: int = PP_MAX_FRAME) -> None:
@@ -46,6 +46,7 @@ class HttpServer:
 
         self.sock = sock
         self.port = sock.getsockname()[1]
+        self.own_net = net is None
         self.net = net or EventLoopThread()
         # Pipeline frames carry a prefill's hidden states: WebSocket messages as large as the wire allows, and
         # no compression (float32 activations barely compress, and deflate would cost more than the link).
@@ -66,8 +67,10 @@ class HttpServer:
         return not self.done.done()
 
     def close(self) -> None:
-        """Stop serving (open WebSockets are closed) and release the socket."""
+        """Stop serving (open WebSockets are closed), release the socket, and stop the loop if it is ours."""
         self.server.should_exit = True
         with contextlib.suppress(Exception):
             self.done.result(timeout=5)
         self.sock.close()
+        if self.own_net:
+            self.net.stop()

@@ -27,6 +27,13 @@ def _hash_file(path: Path, digest: hashlib._Hash) -> None:
             digest.update(chunk)
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of one file, read in chunks."""
+    digest = hashlib.sha256()
+    _hash_file(path, digest)
+    return digest.hexdigest()
+
+
 def model_sha256(path: Path) -> str:
     """sha256 of a model file (or of a directory's files in name order), remembered per size and mtime."""
     path = path.resolve()
@@ -65,7 +72,6 @@ class ModelServer:
 
     def close(self) -> None:
         self.http.close()
-        self.http.net.stop()
 
 
 def fetch_model(host: str, port: int, sha256: str, suffix: str = ".gguf") -> Path:

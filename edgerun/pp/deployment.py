@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,6 +27,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import StageSpec, cached_stage
+from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import PpMsg
 from edgerun.pp.workers import SPEED_SAMPLES, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import SHADOW_MODES, CostParams, PPPlan, Stage, accept, plan_pp, shadow_plan
@@ -52,14 +52,6 @@ class PipelineState(Enum):
 
 def describe(plan: PPPlan) -> str:
     return ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages)
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Deployment:
@@ -109,7 +101,7 @@ class Deployment:
             path = directory / name
             sha_file = directory / f"{name}.sha256"
             if not sha_file.exists():
-                sha_file.write_text(_file_sha256(path))
+                sha_file.write_text(file_sha256(path))
             sha = sha_file.read_text().strip()
             self.files[sha] = path
             files.append({"name": name, "sha256": sha})
