@@ -45,6 +45,18 @@ def missing() -> str | None:
     return None
 
 
+def open_page(playwright, console_errors: bool = False):
+    """Debian's Chromium with one page, and the list its uncaught errors (with `console_errors`, its console's
+    errors too) are appended to."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+    page = browser.new_page()
+    errors: list[str] = []
+    if console_errors:
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return browser, page, errors
+
+
 def require_browser() -> None:
     reason = missing()
     if reason is not None:
@@ -148,10 +160,7 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
                                "80", "--threads", "1"], env=env, stderr=subprocess.DEVNULL)
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
+            browser, page, errors = open_page(p)
             page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=80#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
             assert master.workers["browser"].capabilities["kind"] == "browser"

@@ -274,7 +274,7 @@ def cluster(shipped_path: Path) -> Iterator[tuple[Serving, dict[str, subprocess.
 
 
 def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
-    from test_browser_node import CHROMIUM, CHROMIUM_FLAGS
+    from test_browser_node import CHROMIUM, open_page
 
     reason = None if Path(CHROMIUM).exists() else "Debian's chromium is not installed"
     try:
@@ -285,12 +285,8 @@ def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
 
     s, _ = cluster
-    errors: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        page = browser.new_page()
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        browser, page, errors = open_page(p, console_errors=True)
         page.goto(s.url + "/")
         page.wait_for_selector('tr[data-node="n1"]', timeout=20_000)
         page.wait_for_selector('tr[data-node="n2"]', timeout=20_000)
@@ -449,7 +445,7 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
     """--plan dp: one port serves the API, the node page and the workers' WebSockets. A native worker and a
     Chromium tab (80 MB each: neither holds the model alone) join it; a streamed chat is the single engine's
     greedy answer, and the dashboard's state lists the tab as a browser node holding layers."""
-    from test_browser_node import CHROMIUM, CHROMIUM_FLAGS, require_browser
+    from test_browser_node import open_page, require_browser
 
     require_browser()
     from playwright.sync_api import sync_playwright
@@ -463,10 +459,7 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
     native = start_worker(s.cluster, "native")
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
+            browser, page, errors = open_page(p)
             page.goto(f"{s.url}/node?name=tab&memory=80#key={CLUSTER_KEY}")
             wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 2, 180,
                        "a pipeline over the worker and the tab")
