@@ -20,6 +20,7 @@ import pytest
 
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams, uniform
 from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, browser_dir, chat_template_prefix
@@ -153,7 +154,10 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
     sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
     sampled_reference = generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), 16,
                                  Sampler(sampling)).tokens
+    # Float32 on the native worker too: the tab computes in float32, and the two together give the numpy
+    # reference's tokens.
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=256,
+                                                                      activations=Activations.F32,
                                                                       prefix=tuple(prefix)), log=logs.append)
     native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
                                f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",

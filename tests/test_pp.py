@@ -1,5 +1,6 @@
 """Pipeline mode end to end: a master in this process and native workers as real processes over
-WebSocket on loopback, checked against the single-process reference."""
+WebSocket on loopback, checked against the single-process engine (int8 activations, as the stages by default)
+and, with float32 stages, against the numpy reference."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from edgerun.bench.pp import SECRET, local_pipeline, start_worker
 from edgerun.cli import main
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
+from edgerun.model.onnx_engine import OnnxEngine
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_HEADER, PpMsg, cluster_mac, derive_key, open_pp_frame, pp_frame
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, chat_template_prefix, describe
@@ -52,8 +55,9 @@ def model() -> Model:
 
 @pytest.fixture(scope="module")
 def reference_tokens(model: Model) -> list[int]:
-    return generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS,
-                    Sampler(SamplingParams())).tokens
+    """What one process computes with the stages' default (int8) activations: a pipeline computes each layer
+    exactly as the whole-model graph does, so its tokens are these, not merely close to them."""
+    return reference_run(model, PROMPT, N_TOKENS)
 
 
 @contextlib.contextmanager
@@ -77,16 +81,21 @@ def kill_after(n: int, victim: subprocess.Popen) -> Callable[[int], None]:
     return on_token
 
 
-@pytest.mark.parametrize("budgets, stages", [([80, 80], 2), ([50, 50, 50], 3)])
+@pytest.mark.parametrize("budgets, stages, activations", [([80, 80], 2, Activations.INT8),
+                                                          ([50, 50, 50], 3, Activations.INT8),
+                                                          ([80, 80], 2, Activations.F32)])
 def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_tokens: list[int],
-                                                      budgets: list[float], stages: int,
+                                                      budgets: list[float], stages: int, activations: Activations,
                                                       capsys: pytest.CaptureFixture) -> None:
-    """The shipped model (126 MB by the planner's count) does not fit one worker's budget."""
-    with pipeline(model, budgets) as (master, _):
+    """The shipped model (126 MB by the planner's count) does not fit one worker's budget. Int8 stages give the
+    single-process engine's tokens; float32 stages the numpy reference's."""
+    expected = reference_tokens if activations is Activations.INT8 else generate(
+        ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
+    with pipeline(model, budgets, activations=activations) as (master, _):
         plan = master.start()
         assert len(plan.stages) == stages and master.state == PipelineState.UP
         assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
-        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         shown = capsys.readouterr().out
         assert shown.startswith("state Up") and all(f"{s.worker}: native" in shown for s in plan.stages), shown
@@ -99,7 +108,9 @@ def test_killing_a_worker_mid_generation_recovers_identically(model: Model, refe
         plan = master.start()
         kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
         tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten)
-        assert tokens == reference_tokens
+        prompt = len(model.tokenizer.encode(PROMPT))
+        assert master.prefill_lengths == [prompt, prompt + 10]  # the context prefilled again after token 10
+        assert tokens[:10] == reference_tokens[:10] and tokens == replayed(model, master, 0)
         assert len(master.recovery_seconds) == 1 and master.state == PipelineState.UP
         assert plan.stages[0].worker not in {s.worker for s in master.plan.stages}
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
@@ -226,7 +237,8 @@ def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tok
         master.wait_for_workers(2, timeout_s=60)
         assert len(master.start().stages) == 2
         tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=join_after_three)
-        assert tokens == reference_tokens
+        assert len(master.prefill_lengths) == 2  # the swap prefilled the context again
+        assert tokens == replayed(model, master, 0)
         assert [s.worker for s in master.plan.stages] == ["big"], logs
         assert len(master.swap_seconds) == 1 and master.recovery_seconds == [], logs
         assert any("prepared beside the running one" in line for line in logs), logs
@@ -254,7 +266,11 @@ def test_a_shadow_plan_takes_over_from_a_lost_worker(model: Model, reference_tok
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         assert "shadow plan:" in capsys.readouterr().out
         kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
-        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten) == reference_tokens
+        since = len(master.prefill_lengths)
+        tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten)
+        # Prefilled again after token 10, and maybe later when a repartition improves on the shadow plan.
+        assert master.prefill_lengths[since + 1] == master.prefill_lengths[since] + 10
+        assert tokens == replayed(model, master, since)
         fallback = next(i for i, line in enumerate(master.logs) if "falling back to the shadow plan" in line)
         # The shadow plan is what was deployed then (a later repartition may still improve on it).
         assert next(line for line in master.logs[fallback:] if line.startswith("plan: ")) == f"plan: {describe(shadow)}"
@@ -278,7 +294,7 @@ def test_prefix_cache_serves_chat_prompts_exactly(model: Model) -> None:
     assert len(prefix) > 10 and tok.decode(prefix).count("user") == 1
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a large river."}]))
     assert prompt[:len(prefix)] == prefix
-    reference = generate(ReferenceEngine(model, 256), prompt, 24, Sampler(SamplingParams())).tokens
+    reference = generate(OnnxEngine(model, 256, threads=1), prompt, 24, Sampler(SamplingParams())).tokens
     with pipeline(model, [80, 80], prefix=tuple(prefix)) as (master, _):
         master.start()
         for _ in range(2):  # the second request restores the prefix after the first moved past it
@@ -286,5 +302,28 @@ def test_prefix_cache_serves_chat_prompts_exactly(model: Model) -> None:
         assert master.generate(model.tokenizer.encode(PROMPT), 8) == reference_run(model, PROMPT, 8)
 
 
+def replayed(model: Model, master: PipelineMaster, since: int, n: int = N_TOKENS) -> list[int]:
+    """The single-process engine's greedy tokens for PROMPT, prefilling its context again wherever the request
+    that began with the master's `since`-th prefill did (a recovery, a hot swap): with int8 activations, a prefill
+    of many tokens rounds unlike the one-token steps that first made them, so this is what the pipeline must
+    equal exactly."""
+    prompt = model.tokenizer.encode(PROMPT)
+    lengths = master.prefill_lengths[since:]
+    assert lengths[0] == len(prompt)
+    engine, sampler = OnnxEngine(model, 256, threads=1), Sampler(SamplingParams())
+    engine.reset()
+    tokens = [sampler(engine.step(prompt), len(prompt))]
+    while len(tokens) < n:
+        context = prompt + tokens
+        if len(context) in lengths[1:]:
+            engine.reset()
+            tokens.append(sampler(engine.step(context), len(context)))
+        else:
+            tokens.append(sampler(engine.step(tokens[-1:]), len(context)))
+    return tokens
+
+
 def reference_run(model: Model, text: str, n: int) -> list[int]:
-    return generate(ReferenceEngine(model, 256), model.tokenizer.encode(text), n, Sampler(SamplingParams())).tokens
+    """The single-process engine's greedy tokens (int8 activations, the default)."""
+    return generate(OnnxEngine(model, 256, threads=1), model.tokenizer.encode(text), n,
+                    Sampler(SamplingParams())).tokens

@@ -452,9 +452,10 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
 
     tok = shipped_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
-    # Pipeline stages compute with float32 activations (the browser's kernels and the native ones agree then).
+    # A tab computes with float32 activations; with the native worker's float32 too (--activations f32), the
+    # two give the float32 engine's tokens.
     reference = tok.decode(generate(shipped_onnx_f32, prompt, 16, Sampler(SamplingParams()), tok.stop_ids).tokens)
-    s = Serving("--plan", "dp", "--no-local", "--no-advertise", "--max-context", "512")
+    s = Serving("--plan", "dp", "--no-local", "--no-advertise", "--max-context", "512", "--activations", "f32")
     assert s.cluster == s.url.removeprefix("http://")  # workers are told to come to the HTTP port
     native = start_worker(s.cluster, "native")
     try:

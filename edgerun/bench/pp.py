@@ -239,19 +239,19 @@ def _pipeline_ms(master: PipelineMaster, prompt: list[int], tokens: int) -> floa
 
 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
-             progress: Callable[[str], None] = lambda _: None) -> tuple[list[PpRow], float, float]:
-    """Rows for each worker count, and the single engine's ms/token with its default (int8) and with float32
-    activations (those the stages compute with), all measured in this run."""
+             activations: Activations = Activations.INT8,
+             progress: Callable[[str], None] = lambda _: None) -> tuple[list[PpRow], float]:
+    """Rows for each worker count, and the single engine's ms/token, the stages and the single engine computing
+    with the same activations, all measured in this run."""
     progress(f"single-process onnx engine, {threads} thread(s)")
     prompt = model.tokenizer.encode(PROMPT)
-    single, single_f32 = (cluster_baseline_ms(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
-                          for activations in (Activations.INT8, Activations.F32))
+    single = cluster_baseline_ms(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
     layers = model_profile(model.name, model.config, model.weights, context=CONTEXT).layer_memory_bytes
     rows = []
     for n in worker_counts:
         progress(f"{n} worker(s)")
         budget = stage_budgets_mb(layers, n) if n > 1 else sum(layers) * 1.1 / 1e6
-        with local_pipeline(model, [budget] * n, CONTEXT, threads=threads) as (master, _):
+        with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations) as (master, _):
             plan = master.start()
             before = dataclasses.replace(master.stats)
             ms = _pipeline_ms(master, prompt, tokens)
@@ -260,14 +260,13 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
             steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)
             stage_ms = stage_s / steps * 1e3 if steps else 0.0
             rows.append(PpRow(n, 0, len(plan.stages), ms, stage_ms, ms - stage_ms, single / ms))
-    return rows, single, single_f32
+    return rows, single
 
 
-def pp_table(rows: Sequence[PpRow], single: float, single_f32: float) -> str:
+def pp_table(rows: Sequence[PpRow], single: float, activations: Activations) -> str:
     lines = [f"{'workers':>7} {'browser':>7} {'stages':>6} {'ms/token':>9} {'stages ms':>9} {'other ms':>8} "
              f"{'vs single':>9}"]
     lines += [f"{r.workers:>7} {r.browser:>7} {r.stages:>6} {r.ms_per_token:>9.1f} {r.stage_ms_per_token:>9.1f} "
               f"{r.other_ms_per_token:>8.1f} {r.ratio_to_single:>8.2f}x" for r in rows]
-    lines.append(f"single-process onnx engine: {single:.1f} ms/token (int8 activations, the default); "
-                 f"{single_f32:.1f} with float32 activations, which pipeline stages compute with")
+    lines.append(f"single-process onnx engine: {single:.1f} ms/token ({activations.value} activations, as the stages)")
     return "\n".join(lines)

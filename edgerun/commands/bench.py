@@ -78,20 +78,21 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
 def cmd_bench_pp(args: argparse.Namespace) -> None:
     from edgerun.bench.pp import bench_pp, pp_table
     from edgerun.model.loader import load_model
+    from edgerun.model.onnx_graph import Activations
 
     counts = [int(n) for n in args.workers.split(",") if n.strip()]
     if not counts or min(counts) < 1:
         raise EdgerunError("--workers takes worker counts of at least 1, comma-separated: 1,2,4")
     if args.tokens < 1 or args.threads < 1:
         raise EdgerunError("--tokens and --threads must be at least 1")
-    rows, single, single_f32 = bench_pp(load_model(args.model), counts, args.tokens, args.threads,
-                                        progress=lambda m: print(f"local pipeline: {m}...", file=sys.stderr,
-                                                                 flush=True))
+    activations = Activations(args.activations)
+    rows, single = bench_pp(load_model(args.model), counts, args.tokens, args.threads, activations,
+                            progress=lambda m: print(f"local pipeline: {m}...", file=sys.stderr, flush=True))
     if args.json:
-        print(json.dumps([asdict(r) | {"single_ms_per_token": single, "single_f32_ms_per_token": single_f32}
+        print(json.dumps([asdict(r) | {"single_ms_per_token": single, "activations": activations.value}
                           for r in rows], indent=2))
     else:
-        print(pp_table(rows, single, single_f32))
+        print(pp_table(rows, single, activations))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,12 +117,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "processes on loopback, each with a memory budget that makes the plan use "
                                      "all of them, generate --tokens tokens greedily, and report ms/token, the "
                                      "stages' own compute and the rest (transfers, the master), beside the "
-                                     "single-process onnx engine at the same --threads in the same run. Browser "
+                                     "single-process onnx engine at the same --threads and --activations in the "
+                                     "same run. Browser "
                                      "tabs are not part of this benchmark yet.")
     model_arg(p)
     p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (default: 1,2,4)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
     share_threads_arg(p, 1)
+    activations_arg(p)
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     p.set_defaults(func=cmd_bench_pp)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",

@@ -84,12 +84,14 @@ def cmd_master(args: argparse.Namespace) -> None:
     params = SamplingParams(args.temperature, seed=args.seed)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.plan == "dp":
+        from edgerun.model.onnx_graph import Activations
         from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
         prefix = chat_template_prefix(model.tokenizer) if args.chat else []
         pipeline = PipelineMaster(model, cluster_key(args), PipelineConfig(
             host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
-            prefix=tuple(prefix)), log=log)  # a port in use: one line (EdgerunError)
+            activations=Activations(args.activations), prefix=tuple(prefix)),
+            log=log)  # a port in use: one line (EdgerunError)
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:

@@ -34,7 +34,9 @@ from edgerun.model.reference import rope_tables
 from edgerun.model.weights import LayerWeights, ModelWeights
 
 # Bump when the graph layout changes, so cached graphs are rebuilt.
-GRAPH_VERSION = 3  # 3: large tensors page-aligned (mapped, not copied, by onnxruntime)
+# 3: large tensors page-aligned (mapped, not copied, by onnxruntime); 4: a mid-model stage normalizes its input
+# as the whole graph does
+GRAPH_VERSION = 4
 OPSET = 17
 IR_VERSION = 10
 WEIGHTS_FILE = "weights.bin"
@@ -239,10 +241,18 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
     kv_shape = [1, config.n_kv_heads, "max_len", config.head_dim]
     eps = config.norm_eps
 
-    residual, pending = "hidden", None
+    residual = "hidden"
     if spec.embed:  # float32 rows, exactly the reference's dequantized embedding
         table = g.constant("token_embd", weights.token_embd.dequantize(), weight=True)
         (residual,) = g.node("Gather", [table, "input_ids"], axis=0)
+    pending = None  # layer 0 normalizes the embedding alone
+    if spec.first_layer > 0:
+        # A stage that starts mid-model normalizes its input with the kernel the whole model's graph uses there
+        # (the one that first adds the last block's output), over zeros + hidden = hidden: another RMS kernel
+        # rounds differently in the last bit, which int8 activations turn into other tokens at near-ties, and a
+        # pipeline must compute exactly what one process computes.
+        (shape,) = g.node("Shape", [residual])
+        (pending,) = g.node("ConstantOfShape", [shape], value=helper.make_tensor("zero", f32, [1], [0.0]))
     for i in range(spec.first_layer, spec.end_layer):
         layer = weights.layers[i]
         past_k, past_v, present_k, present_v = kv_names(i)

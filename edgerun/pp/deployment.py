@@ -26,7 +26,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
-from edgerun.model.onnx_graph import StageSpec, cached_stage
+from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import PpMsg
 from edgerun.pp.workers import SPEED_SAMPLES, WorkerConn, WorkerLost, Workers
@@ -59,9 +59,9 @@ class Deployment:
     before it counts as Up (the prefix pass)."""
 
     def __init__(self, model: Model, workers: Workers, max_len: int, objective: str, replicas: int,
-                 log: Callable[[str], None], warm: Callable[[], Awaitable[None]]) -> None:
-        self.model, self.workers, self.max_len, self.objective, self.replicas = \
-            model, workers, max_len, objective, replicas
+                 activations: Activations, log: Callable[[str], None], warm: Callable[[], Awaitable[None]]) -> None:
+        self.model, self.workers, self.max_len, self.objective, self.replicas, self.activations = \
+            model, workers, max_len, objective, replicas, activations
         self.log, self.warm = log, warm
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
@@ -89,9 +89,16 @@ class Deployment:
                               link=Link(w.rtt_ms, w.mbit, w.mbit, 0.0))
                 for w in self.workers.alive()]
 
-    def spec(self, stage: Stage) -> StageSpec:
+    def spec(self, stage: Stage, worker: str) -> StageSpec:
+        """The stage graph this worker runs. Native workers compute with the configured activations; browser tabs
+        with float32, whatever is configured: onnxruntime-web's MatMulNBits has no int8-activation kernel to
+        match the native one, and a tab's stage must compute what a native replica of it computes where both
+        are f32. A plan mixing int8 native stages and f32 tabs gives tokens close to, but not always equal to,
+        either reference's."""
+        native = self.workers[worker].kind == "native"
+        accuracy = self.activations.accuracy_level if native else Activations.F32.accuracy_level
         return StageSpec(stage.first_layer, stage.end_layer, lm_head=stage.end_layer == self.model.config.n_layers,
-                         embed=stage.first_layer == 0)
+                         accuracy_level=accuracy, embed=stage.first_layer == 0)
 
     def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
         """Build (or reuse) a stage's graph and register its files for download by sha256."""
@@ -191,7 +198,7 @@ class Deployment:
         loop = asyncio.get_running_loop()
         due: dict[str, set[str]] = {}  # worker -> files it lacks
         for s in plan.stages:
-            files = await loop.run_in_executor(None, self._stage_files, self.spec(s))
+            files = await loop.run_in_executor(None, self._stage_files, self.spec(s, s.worker))
             due[s.worker] = {f["sha256"] for f in files} - self.workers[s.worker].cached
         requests = {name: self.workers.next_request() for name, files in due.items() if files}
         for name, request in requests.items():
@@ -237,10 +244,11 @@ class Deployment:
         stage_workers = self._with_replicas(plan)
         prepare = []  # (worker, message): every file is built before the first worker is told
         for s, names in zip(plan.stages, stage_workers, strict=True):
-            spec = self.spec(s)
-            files = await loop.run_in_executor(None, self._stage_files, spec)
-            stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
-            prepare += [(self.workers[name], {"stage": stage, "files": files}) for name in names]
+            for name in names:  # replicas of one stage may be of different kinds, with different files
+                spec = self.spec(s, name)
+                files = await loop.run_in_executor(None, self._stage_files, spec)
+                stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
+                prepare.append((self.workers[name], {"stage": stage, "files": files}))
         await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
                                                  PREPARE_TIMEOUT_S)
                                for worker, message in prepare))

@@ -31,6 +31,7 @@ from starlette.routing import BaseRoute
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
@@ -81,6 +82,7 @@ class PipelineConfig:
     objective: str = "sum"  # the planner's: "sum" (one token's latency) or "max" (the slowest stage)
     max_frame: int = PP_MAX_FRAME  # the largest WebSocket message (when the master serves its routes itself)
     replicas: int = 1  # workers per stage where spare ones can hold it (hedged: the first answer counts)
+    activations: Activations = Activations.INT8  # of native workers' quantized products (browser tabs: float32)
     # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV rows; a
     # request that starts with them sends only the rest.
     prefix: tuple[int, ...] = ()
@@ -108,6 +110,10 @@ class PipelineMaster:
         self.stragglers: set[asyncio.Task] = set()  # replicas' answers that lost the race, still arriving
         self.recovery_seconds: list[float] = []  # from losing a worker to the next token, per recovery
         self.swap_seconds: list[float] = []  # from starting a hot swap to the next token, per swap
+        # The context length of every pass from position 0: a request's prefill, then one per recovery or swap that
+        # prefilled its context again (with int8 activations a prefill of many tokens rounds unlike the one-token
+        # steps that first made them, so tokens after it may differ from an uninterrupted run's at near-ties).
+        self.prefill_lengths: list[int] = []
         self.lost_at: float | None = None  # when the request in flight lost a worker, until it has a token again
         self.request_losses = 0  # workers the request in flight lost
         self.stats = PassStats()
@@ -131,7 +137,7 @@ class PipelineMaster:
         self.workers = Workers(self.key, init, self.log, lambda worker, joined: self.deployment.on_change(worker,
                                                                                                           joined))
         self.deployment = Deployment(self.model, self.workers, self.max_len, self.config.objective,
-                                     self.config.replicas, self.log, self._warm)
+                                     self.config.replicas, self.config.activations, self.log, self._warm)
         self.repartitioner = asyncio.get_running_loop().create_task(self.deployment.repartition_loop())
 
     def routes(self) -> list[BaseRoute]:
@@ -252,6 +258,7 @@ class PipelineMaster:
             await d.replan(d.staged, hot=True)
         elif d.state != PipelineState.UP or not d.stages_alive():
             await d.replan(d.fallback())
+        self.prefill_lengths.append(len(tokens))
         n = len(self.prefix)
         if n and len(tokens) > n and list(tokens[:n]) == self.prefix:
             token = await self._forward(tokens[n:], n, sampling, prefix="restore")

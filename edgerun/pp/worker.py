@@ -223,7 +223,12 @@ class PipelineWorker:
             raise ValueError(f"input at position {position}, but the cache holds {s.session.position}")
         x = tensors["input_ids"] if "input_ids" in tensors else tensors["hidden"]
         start = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(None, s.session.run, x)
+        if x.shape[1] == 1:
+            # A one-token step runs on this thread: it takes milliseconds, and handing it to a pool thread and
+            # back costs two thread wake-ups per stage per token, on the critical path of every token.
+            out = s.session.run(x)
+        else:  # a prefill may take seconds: the loop stays free for pings and the WebSocket's keepalive
+            out = await asyncio.get_running_loop().run_in_executor(None, s.session.run, x)
         seconds = time.perf_counter() - start
         self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
         if message.get("prefix") == "save":

@@ -113,7 +113,8 @@ class Server:
                 prefix = chat_template_prefix(model.tokenizer) if model.tokenizer.chat_template else []
                 # Workers and tabs come to this server's port: the pipeline's routes sit beside the API.
                 return Pipeline(PipelineMaster(model, config.key, PipelineConfig(
-                    host=config.host, port=self.port, max_len=max_len, prefix=tuple(prefix)),
+                    host=config.host, port=self.port, max_len=max_len, activations=config.activations,
+                    prefix=tuple(prefix)),
                     log=lambda m: log(f"pipeline: {m}"), net=self.net))
             from edgerun.tp.config import MasterConfig
             from edgerun.tp.master import Master
