@@ -429,12 +429,15 @@ def test_bench_pp_rows_use_every_worker_and_compare_with_the_single_engine() -> 
     proc = run_subprocess(["bench", "pp", "--workers", "1,2", "--tokens", "4", "--json"])
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert [(r["workers"], r["browser"], r["stages"]) for r in rows] == [(1, 0, 1), (2, 0, 2)]
+    assert [(r["workers"], r["browser"], r["route"], r["stages"]) for r in rows] == [
+        (1, 0, "chain", 1), (1, 0, "star", 1), (2, 0, "chain", 2), (2, 0, "star", 2)]
     for r in rows:
         assert 0 < r["stage_ms_per_token"] < r["ms_per_token"]
         assert r["ratio_to_single"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
     bad = run_subprocess(["bench", "pp", "--workers", "0"])
     assert bad.returncode == 2 and "--workers" in bad.stderr
+    bad = run_subprocess(["bench", "pp", "--route", "ring"])
+    assert bad.returncode == 2 and "--route" in bad.stderr
 
 
 def test_pp_node_device_choice(capsys: Capsys) -> None:

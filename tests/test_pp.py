@@ -26,7 +26,14 @@ from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_HEADER, PpMsg, cluster_mac, derive_key, open_pp_frame, pp_frame
-from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, chat_template_prefix, describe
+from edgerun.pp.master import (
+    PipelineConfig,
+    PipelineMaster,
+    PipelineState,
+    Route,
+    chat_template_prefix,
+    describe,
+)
 from edgerun.pp.worker import PipelineWorker
 
 KEY = derive_key(SECRET)
@@ -81,51 +88,71 @@ def kill_after(n: int, victim: subprocess.Popen) -> Callable[[int], None]:
     return on_token
 
 
-@pytest.mark.parametrize("budgets, stages, activations", [([80, 80], 2, Activations.INT8),
-                                                          ([50, 50, 50], 3, Activations.INT8),
-                                                          ([80, 80], 2, Activations.F32)])
+@pytest.mark.parametrize("budgets, stages, activations, route", [
+    ([80, 80], 2, Activations.INT8, Route.CHAIN), ([50, 50, 50], 3, Activations.INT8, Route.CHAIN),
+    ([50, 50, 50], 3, Activations.INT8, Route.STAR), ([80, 80], 2, Activations.F32, Route.CHAIN)])
 def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_tokens: list[int],
                                                       budgets: list[float], stages: int, activations: Activations,
-                                                      capsys: pytest.CaptureFixture) -> None:
+                                                      route: Route, capsys: pytest.CaptureFixture) -> None:
     """The shipped model (126 MB by the planner's count) does not fit one worker's budget. Int8 stages give the
-    single-process engine's tokens; float32 stages the numpy reference's."""
+    single-process engine's tokens; float32 stages the numpy reference's; passes stage to stage (chain) or
+    through the master (star) alike."""
     expected = reference_tokens if activations is Activations.INT8 else generate(
         ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
-    with pipeline(model, budgets, activations=activations) as (master, _):
+    with pipeline(model, budgets, activations=activations, route=route) as (master, _):
         plan = master.start()
         assert len(plan.stages) == stages and master.state == PipelineState.UP
+        assert master.deployment.chained == (route == Route.CHAIN)
         assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         shown = capsys.readouterr().out
-        assert shown.startswith("state Up") and all(f"{s.worker}: native" in shown for s in plan.stages), shown
+        assert shown.startswith(f"state Up, route {route}"), shown
+        assert all(f"{s.worker}: native" in shown for s in plan.stages), shown
         assert f"layers 0-{plan.stages[0].end_layer - 1}" in shown
 
 
+@pytest.mark.parametrize("victim", [0, 1])
 def test_killing_a_worker_mid_generation_recovers_identically(model: Model, reference_tokens: list[int],
-                                                              capsys: pytest.CaptureFixture) -> None:
+                                                              victim: int, capsys: pytest.CaptureFixture) -> None:
+    """Three workers, two stages on a chained route; the first stage's worker (which the master sends to) or the
+    second's (which the first hands its output to) is killed."""
     with pipeline(model, [80, 80, 80]) as (master, workers):
         plan = master.start()
-        kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])
+        assert master.deployment.chained
+        lost = plan.stages[victim].worker
+        kill_at_ten = kill_after(10, workers[int(lost[1:])])
         tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten)
         prompt = len(model.tokenizer.encode(PROMPT))
         assert master.prefill_lengths == [prompt, prompt + 10]  # the context prefilled again after token 10
         assert tokens[:10] == reference_tokens[:10] and tokens == replayed(model, master, 0)
         assert len(master.recovery_seconds) == 1 and master.state == PipelineState.UP
-        assert plan.stages[0].worker not in {s.worker for s in master.plan.stages}
+        assert lost not in {s.worker for s in master.plan.stages}
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         shown = capsys.readouterr().out
-        assert f"{plan.stages[0].worker}:" not in shown, shown  # the dead worker left the list
+        assert f"{lost}:" not in shown, shown  # the dead worker left the list
         assert all(f"{s.worker}: native" in shown for s in master.plan.stages), shown
         print(f"recovered in {master.recovery_seconds[0]:.2f} s")
 
 
 class WrongShapeWorker(PipelineWorker):
-    """Loads its stage like any worker, then answers every computation with garbage."""
+    """Loads its stage like any worker, then answers every computation to the master with garbage."""
 
     async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
         await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": 10**9, "seconds": 0.0},
                          {"hidden": np.zeros((1, 3, 7), np.float32)})
+
+
+class GarbageForwarder(PipelineWorker):
+    """On a chained route, hands the next stage a hidden state of the wrong shape (as the last stage: a token
+    that does not exist)."""
+
+    async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+        if self.stage is not None and self.stage.lm_head:
+            await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": -1, "seconds": [0.1] * 2})
+        else:
+            await self.next.send(pp_frame(PpMsg.COMPUTATION, request, {**message, "chain": [0.1]}, self.key,
+                                          {"hidden": np.zeros((1, 3, 7), np.float32)}))
 
 
 def test_bad_input_is_rejected_while_the_master_keeps_serving(model: Model, reference_tokens: list[int]) -> None:
@@ -165,6 +192,32 @@ def test_bad_input_is_rejected_while_the_master_keeps_serving(model: Model, refe
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
         assert "liar" not in {s.worker for s in master.plan.stages}
         assert any("liar expelled" in line for line in master.logs), master.logs
+        thread.join(timeout=10)
+
+
+def test_a_stage_that_hands_on_garbage_is_expelled(model: Model, reference_tokens: list[int]) -> None:
+    """On a chained route the next stage checks what it is handed: a stage that sends a malformed hidden state
+    is expelled (not the stage that refused it), and the request recovers without it. A frame sealed with
+    another key, or a message other than a pass, sent to a worker's peer port is dropped."""
+    with pipeline(model, [80, 80]) as (master, _):
+        liar = GarbageForwarder(f"ws://127.0.0.1:{master.port}/ws", KEY, "liar", 80, 1e12, 1, log=lambda _: None)
+        thread = threading.Thread(target=lambda: asyncio.run(liar.run()), daemon=True)
+        thread.start()
+        master.wait_for_workers(3, timeout_s=60)
+        master.start()
+        assert master.deployment.chained and "liar" in {s.worker for s in master.plan.stages}
+        honest = next(w for w in master.workers.alive() if w.name != "liar")
+        with connect(f"ws://127.0.0.1:{honest.capabilities['peer_port']}/") as ws:
+            ws.send(pp_frame(PpMsg.COMPUTATION, 1, {"position": 0}, derive_key("wrong secret"),
+                             {"hidden": np.zeros((1, 1, model.config.hidden), np.float32)}))
+            ws.send(pp_frame(PpMsg.RELEASE_SESSION, 2, {}, KEY))
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
+        assert "liar" not in {s.worker for s in master.plan.stages}
+        expelled = [line for line in master.logs if "expelled" in line]
+        assert len(expelled) == 1 and expelled[0].startswith("worker liar expelled"), master.logs
+        # One loss only: the honest worker kept its stage through what came to its peer port.
+        assert [line for line in master.logs if "lost mid-request" in line] == \
+            ["worker liar lost mid-request: replanning and prefilling the context again"], master.logs
         thread.join(timeout=10)
 
 

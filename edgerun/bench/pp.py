@@ -19,7 +19,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import derive_key
-from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState
+from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Route
 from edgerun.sched.pp_plan import plan_exec_us
 from edgerun.sched.profiles import model_profile
 
@@ -200,6 +200,7 @@ def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: flo
 class PpRow:
     workers: int  # native worker processes
     browser: int  # browser tabs in the pipeline
+    route: str  # how passes went: "chain" (stage to stage) or "star" (through the master)
     stages: int  # stages the plan used
     ms_per_token: float  # a request's time (prefill included) per generated token
     stage_ms_per_token: float  # the stages' own compute per decode step, as the workers report it
@@ -239,34 +240,37 @@ def _pipeline_ms(master: PipelineMaster, prompt: list[int], tokens: int) -> floa
 
 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
-             activations: Activations = Activations.INT8,
+             activations: Activations = Activations.INT8, routes: Sequence[Route] = (Route.CHAIN, Route.STAR),
              progress: Callable[[str], None] = lambda _: None) -> tuple[list[PpRow], float]:
-    """Rows for each worker count, and the single engine's ms/token, the stages and the single engine computing
-    with the same activations, all measured in this run."""
+    """Rows for each worker count and route, and the single engine's ms/token, the stages and the single engine
+    computing with the same activations, all measured in this run."""
     progress(f"single-process onnx engine, {threads} thread(s)")
     prompt = model.tokenizer.encode(PROMPT)
     single = cluster_baseline_ms(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
     layers = model_profile(model.name, model.config, model.weights, context=CONTEXT).layer_memory_bytes
     rows = []
     for n in worker_counts:
-        progress(f"{n} worker(s)")
         budget = stage_budgets_mb(layers, n) if n > 1 else sum(layers) * 1.1 / 1e6
-        with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations) as (master, _):
-            plan = master.start()
-            before = dataclasses.replace(master.stats)
-            ms = _pipeline_ms(master, prompt, tokens)
-            passes = master.stats.decode_passes - before.decode_passes
-            stage_s = master.stats.decode_stage_s - before.decode_stage_s
-            steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)
-            stage_ms = stage_s / steps * 1e3 if steps else 0.0
-            rows.append(PpRow(n, 0, len(plan.stages), ms, stage_ms, ms - stage_ms, single / ms))
+        for route in routes:
+            progress(f"{n} worker(s), route {route}")
+            with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations,
+                                route=route) as (master, _):
+                plan = master.start()
+                before = dataclasses.replace(master.stats)
+                ms = _pipeline_ms(master, prompt, tokens)
+                passes = master.stats.decode_passes - before.decode_passes
+                stage_s = master.stats.decode_stage_s - before.decode_stage_s
+                steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)
+                stage_ms = stage_s / steps * 1e3 if steps else 0.0
+                taken = Route.CHAIN if master.deployment.chained else Route.STAR
+                rows.append(PpRow(n, 0, str(taken), len(plan.stages), ms, stage_ms, ms - stage_ms, single / ms))
     return rows, single
 
 
 def pp_table(rows: Sequence[PpRow], single: float, activations: Activations) -> str:
-    lines = [f"{'workers':>7} {'browser':>7} {'stages':>6} {'ms/token':>9} {'stages ms':>9} {'other ms':>8} "
-             f"{'vs single':>9}"]
-    lines += [f"{r.workers:>7} {r.browser:>7} {r.stages:>6} {r.ms_per_token:>9.1f} {r.stage_ms_per_token:>9.1f} "
-              f"{r.other_ms_per_token:>8.1f} {r.ratio_to_single:>8.2f}x" for r in rows]
+    lines = [f"{'workers':>7} {'browser':>7} {'route':>5} {'stages':>6} {'ms/token':>9} {'stages ms':>9} "
+             f"{'other ms':>8} {'vs single':>9}"]
+    lines += [f"{r.workers:>7} {r.browser:>7} {r.route:>5} {r.stages:>6} {r.ms_per_token:>9.1f} "
+              f"{r.stage_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.ratio_to_single:>8.2f}x" for r in rows]
     lines.append(f"single-process onnx engine: {single:.1f} ms/token ({activations.value} activations, as the stages)")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     pass
 from edgerun.commands.common import (
     PLANS,
+    ROUTE_HELP,
     activations_arg,
     model_arg,
     rto_min_arg,
@@ -79,6 +80,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     from edgerun.bench.pp import bench_pp, pp_table
     from edgerun.model.loader import load_model
     from edgerun.model.onnx_graph import Activations
+    from edgerun.pp.deployment import Route
 
     counts = [int(n) for n in args.workers.split(",") if n.strip()]
     if not counts or min(counts) < 1:
@@ -86,7 +88,13 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     if args.tokens < 1 or args.threads < 1:
         raise EdgerunError("--tokens and --threads must be at least 1")
     activations = Activations(args.activations)
-    rows, single = bench_pp(load_model(args.model), counts, args.tokens, args.threads, activations,
+    try:
+        routes = [Route(r.strip()) for r in args.route.split(",") if r.strip()]
+    except ValueError:
+        raise EdgerunError(f"--route takes chain, star or both (chain,star), not {args.route!r}") from None
+    if not routes:
+        raise EdgerunError("--route needs at least one of chain, star")
+    rows, single = bench_pp(load_model(args.model), counts, args.tokens, args.threads, activations, routes,
                             progress=lambda m: print(f"local pipeline: {m}...", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps([asdict(r) | {"single_ms_per_token": single, "activations": activations.value}
@@ -125,6 +133,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
     share_threads_arg(p, 1)
     activations_arg(p)
+    p.add_argument("--route", default="chain,star", help=f"routes to time, comma-separated: {ROUTE_HELP} "
+                   "(default: chain,star)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     p.set_defaults(func=cmd_bench_pp)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",

@@ -67,6 +67,18 @@ def activations_arg(p: argparse.ArgumentParser) -> None:
                         "rounding) (default: int8)")
 
 
+ROUTE_HELP = ("chain: the master sends each pass to the first stage, each stage hands its output straight to the "
+              "next, the last returns the token (one hop per stage plus one; stages with replicas and browser tabs, "
+              "which cannot accept connections, make a plan fall back to star); star: every stage's input and "
+              "output go through the master")
+
+
+def route_arg(p: argparse.ArgumentParser) -> None:
+    # The values of pp.deployment.Route, spelt out: this module loads for every command, the pipeline does not.
+    p.add_argument("--route", choices=("chain", "star"), default="chain",
+                   help=f"with --plan dp, how passes go through the stages: {ROUTE_HELP} (default: chain)")
+
+
 def spin_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin-us", type=float, default=0.0, metavar="US",
                    help="after the last packet, keep polling the UDP socket for this many microseconds before "

@@ -21,6 +21,7 @@ from edgerun.commands.common import (
     model_arg,
     overlap_arg,
     overlaps,
+    route_arg,
     rto_min_arg,
     share_threads_arg,
     spin_arg,
@@ -85,12 +86,12 @@ def cmd_master(args: argparse.Namespace) -> None:
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.plan == "dp":
         from edgerun.model.onnx_graph import Activations
-        from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
+        from edgerun.pp.master import PipelineConfig, PipelineMaster, Route, chat_template_prefix
 
         prefix = chat_template_prefix(model.tokenizer) if args.chat else []
         pipeline = PipelineMaster(model, cluster_key(args), PipelineConfig(
             host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
-            activations=Activations(args.activations), prefix=tuple(prefix)),
+            activations=Activations(args.activations), route=Route(args.route), prefix=tuple(prefix)),
             log=log)  # a port in use: one line (EdgerunError)
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
@@ -163,6 +164,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", choices=PLANS, default="halo", help="tensor-parallel planner, or dp: pipeline layer "
                    "ranges over WebSocket workers and browser pages (default: halo)")
     p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
+    route_arg(p)
     p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "
                    "where spare ones can hold it and take the first answer (hedged replicas; default: 1)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, every interface)")

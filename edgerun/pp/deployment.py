@@ -37,6 +37,22 @@ REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan 
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
 
 
+class Route(Enum):
+    """How a forward pass goes through the stages.
+
+    CHAIN (the default): the master sends the pass to the first stage, each stage hands its output straight to the
+    next one, and the last returns the token: one network hop per stage plus one, instead of two per stage, and
+    the master touches no hidden state. STAR: the master sends each stage its input and takes back its output;
+    a plan falls back to it where a stage cannot be chained: a browser tab (it cannot accept connections), a
+    stage with hedged replicas (the master takes the first answer), a worker that offers no peer port."""
+
+    CHAIN = "chain"
+    STAR = "star"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class PipelineState(Enum):
     """Down -> Preparing (stages download) -> Committing (sessions load) -> Up; a hot swap goes from Up
     through Committing."""
@@ -59,9 +75,12 @@ class Deployment:
     before it counts as Up (the prefix pass)."""
 
     def __init__(self, model: Model, workers: Workers, max_len: int, objective: str, replicas: int,
-                 activations: Activations, log: Callable[[str], None], warm: Callable[[], Awaitable[None]]) -> None:
+                 activations: Activations, route: Route, log: Callable[[str], None],
+                 warm: Callable[[], Awaitable[None]]) -> None:
         self.model, self.workers, self.max_len, self.objective, self.replicas, self.activations = \
             model, workers, max_len, objective, replicas, activations
+        self.route = route  # the configured route; `chained` says whether the running plan takes it
+        self.chained = False
         self.log, self.warm = log, warm
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
@@ -253,9 +272,19 @@ class Deployment:
                                                  PREPARE_TIMEOUT_S)
                                for worker, message in prepare))
         self.state = PipelineState.COMMITTING
-        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.COMMIT_MODEL, {"max_len": self.max_len},
-                                                 PpMsg.COMMIT_DONE, PREPARE_TIMEOUT_S)
-                               for names in stage_workers for name in names))
+        chained = self._chainable(stage_workers)
+        commits = [{"max_len": self.max_len} for _ in stage_workers]
+        if chained:  # each stage but the last connects to the next one's listener
+            for commit, names in zip(commits[:-1], stage_workers[1:], strict=True):
+                following = self.workers[names[0]]
+                commit["next"] = {"host": following.host, "port": int(following.capabilities["peer_port"])}
+        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.COMMIT_MODEL, commit, PpMsg.COMMIT_DONE,
+                                                 PREPARE_TIMEOUT_S)
+                               for commit, names in zip(commits, stage_workers, strict=True)
+                               for name in names))
+        self.chained = chained
+        if self.route == Route.CHAIN and not chained:
+            self.log("passes go through the master (star): a stage has replicas, a browser tab or no peer port")
         in_use = {name for names in stage_workers for name in names}
         for name in {name for names in self.stage_workers for name in names} - in_use:
             worker = self.workers[name]
@@ -267,6 +296,14 @@ class Deployment:
         self.log("state Up")
         self.changed.set()  # look for a shadow plan for this one
         return plan
+
+    def _chainable(self, stage_workers: list[list[str]]) -> bool:
+        """Whether passes go stage to stage (Route): configured so, one worker per stage, every one native with
+        a port for its predecessor."""
+        return self.route == Route.CHAIN and all(
+            len(names) == 1 and self.workers[names[0]].kind == "native" and
+            isinstance(self.workers[names[0]].capabilities.get("peer_port"), int) and
+            self.workers[names[0]].capabilities["peer_port"] > 0 for names in stage_workers)
 
     def _with_replicas(self, plan: PPPlan) -> list[list[str]]:
         """Each stage's worker, then up to replicas - 1 spare workers that can hold it (the fastest
@@ -284,7 +321,8 @@ class Deployment:
         return out
 
     def status_text(self) -> str:
-        lines = [f"state {self.state}"]
+        route = f", route {Route.CHAIN if self.chained else Route.STAR}" if self.plan else ""
+        lines = [f"state {self.state}{route}"]
         stages = {s.worker: s for s in self.plan.stages} if self.plan else {}
         for w in self.workers.alive():  # a tab that closed, a worker that died: gone from the list
             s = stages.get(w.name)

@@ -36,12 +36,12 @@ from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg
-from edgerun.pp.deployment import Deployment, PipelineState, describe
+from edgerun.pp.deployment import Deployment, PipelineState, Route, describe
 from edgerun.pp.http import browser_dir, pipeline_routes
 from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
-from edgerun.sched.pp_plan import PPPlan
+from edgerun.sched.pp_plan import PPPlan, Stage
 
-__all__ = ["PipelineConfig", "PipelineMaster", "PipelineState", "PlanSwap", "WorkerLost", "browser_dir",
+__all__ = ["PipelineConfig", "PipelineMaster", "PipelineState", "PlanSwap", "Route", "WorkerLost", "browser_dir",
            "chat_template_prefix", "describe"]
 
 COMPUTE_TIMEOUT_S = 120.0
@@ -83,6 +83,7 @@ class PipelineConfig:
     max_frame: int = PP_MAX_FRAME  # the largest WebSocket message (when the master serves its routes itself)
     replicas: int = 1  # workers per stage where spare ones can hold it (hedged: the first answer counts)
     activations: Activations = Activations.INT8  # of native workers' quantized products (browser tabs: float32)
+    route: Route = Route.CHAIN  # stage to stage where every stage can take it, else through the master
     # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV rows; a
     # request that starts with them sends only the rest.
     prefix: tuple[int, ...] = ()
@@ -137,7 +138,8 @@ class PipelineMaster:
         self.workers = Workers(self.key, init, self.log, lambda worker, joined: self.deployment.on_change(worker,
                                                                                                           joined))
         self.deployment = Deployment(self.model, self.workers, self.max_len, self.config.objective,
-                                     self.config.replicas, self.config.activations, self.log, self._warm)
+                                     self.config.replicas, self.config.activations, self.config.route, self.log,
+                                     self._warm)
         self.repartitioner = asyncio.get_running_loop().create_task(self.deployment.repartition_loop())
 
     def routes(self) -> list[BaseRoute]:
@@ -198,6 +200,8 @@ class PipelineMaster:
         KV of this pass on every worker, "restore" continues from it."""
         tensors = {"input_ids": np.asarray([tokens], np.int64)}
         plan = self.deployment.plan
+        if self.deployment.chained:
+            return await self._forward_chained(tokens, tensors, position, sampling, prefix)
         for i, s in enumerate(plan.stages):
             last = i == len(plan.stages) - 1
             message = {"position": position, **({"sampling": sampling} if last else {}),
@@ -208,17 +212,9 @@ class PipelineMaster:
             worker.served += 1
             seconds = reply.get("seconds")
             if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: what plans are priced by
-                self.stats.decode_passes += 1
-                self.stats.decode_stage_s += seconds
-                read = self.deployment.profile.layer_read_bytes[s.first_layer:s.end_layer]
-                worker.speeds.append(sum(read) / seconds)
-                # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
-                self.deployment.overheads.append(max(0.0, wall - seconds - worker.rtt_ms / 1e3))
+                self._observe(worker, s, seconds, wall - worker.rtt_ms / 1e3)
             if last:
-                token = reply.get("token")
-                if not isinstance(token, int) or not 0 <= token < self.model.config.vocab_size:
-                    await self.workers.expel(worker, f"returned token {token!r}")
-                return token
+                return await self._token(worker, reply)
             expected = (1, len(tokens), self.model.config.hidden)
             if "hidden" not in out or out["hidden"].shape != expected or out["hidden"].dtype != np.float32:
                 got = {k: v.shape for k, v in out.items()}
@@ -226,6 +222,45 @@ class PipelineMaster:
                                          "was due")
             tensors = {"hidden": out["hidden"]}
         raise AssertionError("a plan has at least one stage")
+
+    async def _forward_chained(self, tokens: Sequence[int], tensors: dict[str, np.ndarray], position: int,
+                               sampling: dict[str, Any], prefix: str | None) -> int:
+        """One pass down the chained route: the first stage gets the tokens, the last returns the sampled token
+        and every stage's compute seconds."""
+        plan, d = self.deployment.plan, self.deployment
+        chain = [self.workers[names[0]] for names in d.stage_workers]
+        message = {"position": position, "sampling": sampling, **({"prefix": prefix} if prefix else {})}
+        sent = time.perf_counter()
+        reply = await self.workers.call_chain(chain, message, tensors, COMPUTE_TIMEOUT_S)
+        wall = time.perf_counter() - sent
+        seconds = reply.get("seconds")
+        if not isinstance(seconds, list) or len(seconds) != len(chain) or \
+                not all(isinstance(t, float) and t >= 0 for t in seconds):
+            await self.workers.expel(chain[-1], f"returned stage times {seconds!r}")
+        for worker in chain:
+            worker.served += 1
+        if len(tokens) == 1 and all(t > 0 for t in seconds):
+            # The pass's time beyond compute and the links' latency, shared evenly by its stages.
+            beyond = (wall - sum(seconds) - sum(w.rtt_ms for w in chain) / 1e3) / len(chain)
+            for worker, stage, t in zip(chain, plan.stages, seconds, strict=True):
+                self._observe(worker, stage, t, t + beyond)
+        return await self._token(chain[-1], reply)
+
+    def _observe(self, worker: WorkerConn, stage: Stage, seconds: float, wall: float) -> None:
+        """A decode pass of one stage (what plans are priced by): `seconds` its compute, `wall` its time in
+        the pass without the link's latency."""
+        self.stats.decode_passes += 1
+        self.stats.decode_stage_s += seconds
+        read = self.deployment.profile.layer_read_bytes[stage.first_layer:stage.end_layer]
+        worker.speeds.append(sum(read) / seconds)
+        # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
+        self.deployment.overheads.append(max(0.0, wall - seconds))
+
+    async def _token(self, worker: WorkerConn, reply: dict[str, Any]) -> int:
+        token = reply.get("token")
+        if not isinstance(token, int) or not 0 <= token < self.model.config.vocab_size:
+            await self.workers.expel(worker, f"returned token {token!r}")
+        return token
 
     # --- the generation loop's interface (model.generate): a step returns the last stage's sampled token ----
     def reset(self) -> None:

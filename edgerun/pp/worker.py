@@ -5,11 +5,16 @@ the files of the stage it is given (named by sha256, cached across restarts), lo
 onnxruntime, and runs forward passes on what the master sends. A last stage samples the next token
 itself, so only the token id goes back. A sampled token depends on the seed and its position only, so
 a request replayed after a recovery draws the same tokens.
+
+It also listens for its predecessor in the pipeline (a WebSocket of its own, `peer_port` in its CONNECT):
+on a chained route the master sends a pass to the first stage only, each stage hands its output straight to
+the next one's listener, and the last stage returns the token, with every stage's compute time, to the master.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import time
@@ -60,6 +65,14 @@ def download(base_url: str, sha256: str) -> tuple[Path, float, int]:
     return target, time.perf_counter() - start, target.stat().st_size
 
 
+class MalformedInput(ValueError):
+    """A pass's input that this stage cannot take (wrong tensor, dtype or shape)."""
+
+
+def _described(x: np.ndarray | None) -> str:
+    return "nothing" if x is None else f"{x.dtype} {tuple(x.shape)}"
+
+
 @dataclass
 class _Stage:
     first_layer: int
@@ -75,8 +88,8 @@ CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handsha
 
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
-                 log=print, device: str = "cpu", verbose: bool = False) -> None:
-        self.url, self.key, self.name = url, key, name
+                 log=print, device: str = "cpu", verbose: bool = False, peer_host: str = "0.0.0.0") -> None:
+        self.url, self.key, self.name, self.peer_host = url, key, name, peer_host
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.passes, self.pass_s = 0, 0.0  # forward passes computed, and their time
         self.memory_mb, self.speed, self.threads = memory_mb, speed, threads
@@ -89,6 +102,8 @@ class PipelineWorker:
         self.stage: _Stage | None = None
         self.max_len = 0
         self.downloads: set[asyncio.Task] = set()  # DOWNLOAD_LAYERS in progress
+        self.peer_port = 0  # where the previous stage of a chained route connects (set once listening)
+        self.next: websockets.ClientConnection | None = None  # the next stage's listener, on a chained route
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
         """Connect, retrying with backoff for `wait_s` while the master is not up yet; every failure is said at
@@ -130,26 +145,51 @@ class PipelineWorker:
                 passes, seconds = self.passes, self.pass_s
 
     async def _serve(self) -> None:
-        async with await self.connect() as ws:
-            self.ws = ws
-            async for data in ws:
-                if not isinstance(data, bytes):
-                    continue
+        async with websockets.serve(self._from_peer, self.peer_host, 0, max_size=PP_MAX_FRAME,
+                                    compression=None) as listener:
+            self.peer_port = listener.sockets[0].getsockname()[1]
+            async with await self.connect() as ws:
+                self.ws = ws
                 try:
-                    kind, request, message, tensors = open_pp_frame(data, self.key)
-                except WireError as e:
-                    self.log(f"worker {self.name}: dropped a frame ({e})")
-                    continue
-                if kind == PpMsg.DOWNLOAD_LAYERS:  # in the background: the stage held now keeps serving
-                    task = asyncio.create_task(self._answer(kind, request, message, tensors))
-                    self.downloads.add(task)
-                    task.add_done_callback(self.downloads.discard)
-                else:
-                    await self._answer(kind, request, message, tensors)
+                    async for data in ws:
+                        await self._received(data, from_master=True)
+                finally:
+                    await self._drop_next()
+
+    async def _received(self, data: str | bytes, from_master: bool) -> None:
+        if not isinstance(data, bytes):
+            return
+        try:
+            kind, request, message, tensors = open_pp_frame(data, self.key)
+        except WireError as e:
+            self.log(f"worker {self.name}: dropped a frame ({e})")
+            return
+        if not from_master and kind != PpMsg.COMPUTATION:  # a peer only hands on passes
+            self.log(f"worker {self.name}: dropped a {kind.name} from a peer")
+            return
+        if kind == PpMsg.DOWNLOAD_LAYERS:  # in the background: the stage held now keeps serving
+            task = asyncio.create_task(self._answer(kind, request, message, tensors))
+            self.downloads.add(task)
+            task.add_done_callback(self.downloads.discard)
+        else:
+            await self._answer(kind, request, message, tensors)
+
+    async def _from_peer(self, ws: websockets.ServerConnection) -> None:
+        """The previous stage's passes, on a chained route."""
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for data in ws:
+                await self._received(data, from_master=False)
+
+    async def _drop_next(self) -> None:
+        if self.next is not None:
+            await self.next.close()
+            self.next = None
 
     async def _answer(self, kind: PpMsg, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
         try:
             await self._handle(kind, request, message, tensors)
+        except MalformedInput as e:  # whoever sent it is at fault: on a chained route, the stage before
+            await self._send(PpMsg.ERROR, request, {"error": str(e), "reason": "input"})
         except Exception as e:  # onnxruntime raises its own kinds: report it, the master decides
             await self._send(PpMsg.ERROR, request, {"error": f"{type(e).__name__}: {e}"})
 
@@ -164,7 +204,7 @@ class PipelineWorker:
             await self._send(PpMsg.CONNECT, request, {
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
                 "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device,
-                                 "host": device_summary()},
+                                 "host": device_summary(), "peer_port": self.peer_port},
                 "cached": cached_files()})
         elif kind == PpMsg.PING:
             await self._send(PpMsg.PONG, request, {})
@@ -196,6 +236,12 @@ class PipelineWorker:
             s = self.stage
             s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
                                                    s.end_layer, self.max_len, self.threads, self.providers)
+            await self._drop_next()
+            following = message.get("next")  # a chained route: where this stage's output goes
+            if following is not None:
+                self.next = await asyncio.wait_for(websockets.connect(
+                    f"ws://{following['host']}:{int(following['port'])}/", max_size=PP_MAX_FRAME, compression=None),
+                    CONNECT_TIMEOUT_S)
             await self._send(PpMsg.COMMIT_DONE, request, {"seconds": time.perf_counter() - start})
             self.log(f"worker {self.name}: holds layers {s.first_layer}-{s.end_layer - 1}"
                      f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
@@ -206,6 +252,22 @@ class PipelineWorker:
                 self.stage.session.reset()
         elif kind == PpMsg.RELEASE_SESSION:
             self._release()
+            await self._drop_next()
+
+    def _input(self, s: _Stage, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """The pass's input as this stage takes it: token ids (1, seq) for the first stage, else a float32 hidden
+        state (1, seq, hidden). MalformedInput for anything else."""
+        if s.first_layer == 0:
+            x = tensors.get("input_ids")
+            if x is None or x.dtype != np.int64 or x.ndim != 2 or x.shape[0] != 1 or x.shape[1] < 1:
+                raise MalformedInput(f"the first stage takes int64 token ids (1, seq), not {_described(x)}")
+            return x
+        x = tensors.get("hidden")
+        if x is None or x.dtype != np.float32 or x.ndim != 3 or x.shape[0] != 1 or x.shape[1] < 1 or \
+                x.shape[2] != self.config.hidden:
+            raise MalformedInput(f"a stage from layer {s.first_layer} takes a float32 hidden state "
+                                 f"(1, seq, {self.config.hidden}), not {_described(x)}")
+        return x
 
     def _release(self) -> None:
         self.stage = None
@@ -221,7 +283,7 @@ class PipelineWorker:
             s.session.reset()
         if position != s.session.position:
             raise ValueError(f"input at position {position}, but the cache holds {s.session.position}")
-        x = tensors["input_ids"] if "input_ids" in tensors else tensors["hidden"]
+        x = self._input(s, tensors)
         start = time.perf_counter()
         if x.shape[1] == 1:
             # A one-token step runs on this thread: it takes milliseconds, and handing it to a pool thread and
@@ -233,11 +295,20 @@ class PipelineWorker:
         self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
         if message.get("prefix") == "save":
             s.session.save_prefix()
+        chain = message.get("chain")  # on a chained route: the compute seconds of the stages before this one
+        if chain is not None:
+            chain = [float(t) for t in chain] + [seconds]
         if s.lm_head:
             p = message.get("sampling", {})
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
                                     top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)))
             token = Sampler(params)(out[0, -1], position + x.shape[1])
-            await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": token, "seconds": seconds})
+            await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": token,
+                                                                  "seconds": seconds if chain is None else chain})
+        elif chain is not None:  # straight on to the next stage
+            if self.next is None:
+                raise ValueError("a chained pass, but no next stage to hand it to")
+            await self.next.send(pp_frame(PpMsg.COMPUTATION, request, {**message, "chain": chain}, self.key,
+                                          {"hidden": out}))
         else:
             await self._send(PpMsg.COMPUTATION_RESULT, request, {"seconds": seconds}, {"hidden": out})

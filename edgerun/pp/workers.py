@@ -30,6 +30,14 @@ class WorkerLost(EngineLost):
     """A worker closed its connection or failed a request."""
 
 
+class BadInput(WorkerLost):
+    """A worker refused a pass's input as malformed: on a chained route, the stage before it sent that input."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker)
+        self.worker = worker
+
+
 class LinkClosed(ConnectionError):
     """A worker's WebSocket is gone."""
 
@@ -61,6 +69,11 @@ class WorkerLink:
         with contextlib.suppress(RuntimeError, OSError, WebSocketDisconnect):
             await self.ws.close(code, reason)
 
+    @property
+    def host(self) -> str:
+        """The worker's address as the master sees it: where the other workers reach it too."""
+        return self.ws.client.host if self.ws.client is not None else "127.0.0.1"
+
 
 @dataclass
 class WorkerConn:
@@ -86,6 +99,10 @@ class WorkerConn:
     @property
     def kind(self) -> str:
         return str(self.capabilities.get("kind", "native"))
+
+    @property
+    def host(self) -> str:
+        return self.link.host
 
 
 class Workers:
@@ -199,9 +216,9 @@ class Workers:
             return
         if kind == PpMsg.ERROR:
             self.log(f"worker {worker.name}: {message.get('error')}")
-            future.set_exception(WorkerLost(worker.name))
+            future.set_exception((BadInput if message.get("reason") == "input" else WorkerLost)(worker.name))
         else:
-            future.set_result((kind, message, tensors))
+            future.set_result((kind, message, tensors, worker.name))
 
     # --- requests -----------------------------------------------------------------------------------------
     async def call(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any], expect: PpMsg, timeout: float,
@@ -216,7 +233,7 @@ class Workers:
         worker.pending[request] = future
         try:
             await worker.link.send(pp_frame(kind, request, message, self.key, tensors))
-            got, reply, out = await asyncio.wait_for(future, timeout)
+            got, reply, out, _ = await asyncio.wait_for(future, timeout)
         except (LinkClosed, TimeoutError) as e:
             raise WorkerLost(worker.name) from e
         finally:
@@ -224,6 +241,37 @@ class Workers:
         if got != expect:
             raise WorkerLost(f"{worker.name} answered {got.name} to {kind.name}")
         return reply, out
+
+    async def call_chain(self, chain: list[WorkerConn], message: dict[str, Any], tensors: dict[str, np.ndarray],
+                         timeout: float) -> dict[str, Any]:
+        """A forward pass down a chained route: sent to the first worker, answered (COMPUTATION_RESULT) by the
+        last. The answer is awaited on every worker of the chain, so any of them leaving or failing the pass
+        ends it at once with WorkerLost."""
+        lost = [w.name for w in chain if not w.alive]
+        if lost:
+            raise WorkerLost(lost[0])
+        request = self.next_request()
+        future = asyncio.get_running_loop().create_future()
+        for worker in chain:
+            worker.pending[request] = future
+        try:
+            await chain[0].link.send(pp_frame(PpMsg.COMPUTATION, request, {**message, "chain": []}, self.key,
+                                              tensors))
+            got, reply, _, sender = await asyncio.wait_for(future, timeout)
+        except (LinkClosed, TimeoutError) as e:
+            raise WorkerLost(chain[0].name) from e
+        except BadInput as e:  # the stage before the one that refused its input sent it
+            index = [w.name for w in chain].index(e.worker)
+            if index > 0:
+                await self.expel(chain[index - 1], f"handed {e.worker} an input it cannot take")
+            raise
+        finally:
+            for worker in chain:
+                worker.pending.pop(request, None)
+        if sender != chain[-1].name or got != PpMsg.COMPUTATION_RESULT:
+            await self.expel(self[sender], f"answered a chained pass with {got.name} as stage "
+                             f"{[w.name for w in chain].index(sender) + 1} of {len(chain)}")
+        return reply
 
     async def tell(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any]) -> None:
         """A message that has no answer; nothing happens when the worker is gone."""

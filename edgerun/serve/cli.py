@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from edgerun.commands.common import activations_arg
+from edgerun.commands.common import activations_arg, route_arg
 from edgerun.errors import EdgerunError
 
 TP_PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
@@ -63,6 +63,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")
     p.add_argument("--model-name", default=None, help="the model's name in the API (default: the file's name)")
     activations_arg(p)
+    route_arg(p)
     p.add_argument("--threads", type=int, default=threads_default, help="onnxruntime threads of this machine's "
                    f"engine and share (default: {threads_default}, this machine's cores)")
     p.add_argument("--key", default=None, help="cluster secret that authenticates every packet between master and "
@@ -85,6 +86,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from edgerun.model.onnx_graph import Activations
+    from edgerun.pp.deployment import Route
     from edgerun.serve.server import ServeConfig, Server
     from edgerun.serve.switch import Prefer
 
@@ -99,7 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name,
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
-                         transport=args.transport, activations=Activations(args.activations))
+                         transport=args.transport, activations=Activations(args.activations),
+                         route=Route(args.route))
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

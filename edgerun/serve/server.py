@@ -15,6 +15,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
+from edgerun.pp.deployment import Route
 from edgerun.serve.switch import Prefer
 
 SWITCH_INTERVAL_S = 0.0005
@@ -40,6 +41,7 @@ class ServeConfig:
     plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
     local: bool = True  # serve from this machine's own engine too (not when the model is too big for it)
     activations: Activations = Activations.INT8  # of the quantized products: this engine's and the cluster's
+    route: Route = Route.CHAIN  # a pipeline's passes: stage to stage, or through this server
     wait_s: float = 30.0  # how long a request waits for nodes when nothing can serve it, before a 503
 
     def __post_init__(self) -> None:
@@ -114,7 +116,7 @@ class Server:
                 # Workers and tabs come to this server's port: the pipeline's routes sit beside the API.
                 return Pipeline(PipelineMaster(model, config.key, PipelineConfig(
                     host=config.host, port=self.port, max_len=max_len, activations=config.activations,
-                    prefix=tuple(prefix)),
+                    route=config.route, prefix=tuple(prefix)),
                     log=lambda m: log(f"pipeline: {m}"), net=self.net))
             from edgerun.tp.config import MasterConfig
             from edgerun.tp.master import Master
