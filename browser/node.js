@@ -10,22 +10,26 @@ import * as ort from "/ort/ort.all.min.mjs";
 import {Msg, clusterKey, hex, openFrame, packFrame, sha256} from "/frames.js";
 import {sample} from "/sampling.js";
 
-ort.env.wasm.wasmPaths = "/ort/";
-ort.env.wasm.numThreads = 1; // threads need cross-origin isolation; one is enough for a share
-
 const params = new URLSearchParams(location.search);
+ort.env.wasm.wasmPaths = "/ort/";
+// Threads need the page cross-origin isolated (the master serves it so); ?threads=N overrides, up to the cores.
+const cores = navigator.hardwareConcurrency || 1;
+const threads = crossOriginIsolated ? Math.max(1, Math.min(Number(params.get("threads") || cores), cores)) : 1;
+ort.env.wasm.numThreads = threads;
+ort.env.wasm.simd = true;
 const secret = new URLSearchParams(location.hash.slice(1)).get("key") || "";
 const key = clusterKey(secret);
 // WebGPU where the browser has an adapter for it (navigator.gpu alone may have none), WebAssembly otherwise.
 const adapter = navigator.gpu ? await navigator.gpu.requestAdapter().catch(() => null) : null;
-const status = {connected: false, backend: adapter ? "webgpu" : "wasm", layers: "-", passes: 0,
+const status = {connected: false, backend: adapter ? "webgpu" : "wasm", threads, layers: "-", passes: 0,
                 lastMs: 0, error: ""};
 window.edgerunStatus = status;
 
 function show() {
   const el = document.getElementById("status");
   if (el) {
-    el.textContent = `connected: ${status.connected}\nbackend: ${status.backend}\nlayers: ${status.layers}\n` +
+    el.textContent = `connected: ${status.connected}\nbackend: ${status.backend} (${status.threads} ` +
+      `thread(s))\nlayers: ${status.layers}\n` +
       `passes served: ${status.passes}\nlast pass: ${status.lastMs.toFixed(1)} ms\n` +
       (status.error ? `error: ${status.error}\n` : "");
   }
@@ -54,27 +58,25 @@ class Stage {
     this.kv = {};
   }
 
+  // The KV cache is handed to onnxruntime-web as past tensors holding exactly the positions cached so far,
+  // and comes back one position longer (present): the attention kernel then copies what the context holds,
+  // not a buffer of the whole context length, into and out of the WebAssembly heap on every pass.
   savePrefix() {
-    const rows = {}, c = this.config;
-    for (const [name, tensor] of Object.entries(this.kv)) rows[name] = tensor.data.slice();
-    this.prefix = {length: this.position, rows, shape: [1, c.n_kv_heads, this.maxLen, c.head_dim]};
+    this.prefix = {length: this.position, kv: {...this.kv}}; // tensors are not changed in place: no copies
   }
 
   restorePrefix() {
     if (!this.prefix) throw new Error("no prefix saved");
-    for (const [name, data] of Object.entries(this.prefix.rows)) {
-      this.kv[name] = new ort.Tensor("float32", data.slice(), this.prefix.shape);
-    }
+    this.kv = {...this.prefix.kv};
     this.position = this.prefix.length;
   }
 
   reset() {
     this.position = 0;
-    const c = this.config, size = c.n_kv_heads * this.maxLen * c.head_dim;
+    const c = this.config;
     for (let i = this.spec.first_layer; i < this.spec.end_layer; i++) {
       for (const kind of ["key", "value"]) {
-        this.kv[`past_${kind}_${i}`] = new ort.Tensor("float32", new Float32Array(size),
-                                                      [1, c.n_kv_heads, this.maxLen, c.head_dim]);
+        this.kv[`past_${kind}_${i}`] = new ort.Tensor("float32", new Float32Array(0), [1, c.n_kv_heads, 0, c.head_dim]);
       }
     }
   }
@@ -138,7 +140,8 @@ function start() {
         const memory = Number(params.get("memory") || (navigator.deviceMemory || 2) * 1024);
         send(Msg.CONNECT, request, {name: params.get("name") || `browser-${Math.floor(Math.random() * 1e6)}`,
           memory_mb: memory, speed: Number(params.get("speed") || 2e8),
-          capabilities: {kind: "browser", runtime: "onnxruntime-web", backend: status.backend}, cached: []});
+          capabilities: {kind: "browser", runtime: "onnxruntime-web", backend: status.backend, threads},
+          cached: []});
       } else if (type === Msg.DOWNLOAD_LAYERS) {
         for (const sha of message.files) {
           const started = performance.now();

@@ -168,6 +168,9 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
             page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=80#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
             assert master.workers["browser"].capabilities["kind"] == "browser"
+            # Served cross-origin isolated, the page computes with as many WebAssembly threads as it has cores.
+            assert page.evaluate("crossOriginIsolated") is True
+            assert master.workers["browser"].capabilities["threads"] == page.evaluate("navigator.hardwareConcurrency")
             plan = master.start()
             assert {s.worker for s in plan.stages} == {"native", "browser"}  # neither holds the model alone
             tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS)
@@ -189,7 +192,7 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
         assert not errors, errors
         # At least the prefix pass, the plain request's passes, then the chat request's; a repartition
         # meanwhile (the master measures the tab's speed) adds a prefix pass and a prefill of the context.
-        assert "connected: true" in status, status
+        assert "connected: true" in status and "thread(s)" in status, status
         served = int(status.split("passes served: ")[1].split()[0])
         assert served >= 1 + N_TOKENS + 16, (status, logs)
     finally:

@@ -24,12 +24,18 @@ def browser_dir() -> Path:
     return Path(os.environ.get("EDGERUN_BROWSER_DIR", Path(__file__).resolve().parents[2] / "browser"))
 
 
+# The node page and everything it loads are served cross-origin isolated: only then may a page share memory
+# between threads (SharedArrayBuffer), which onnxruntime-web's WebAssembly needs to compute with several.
+ISOLATED = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp",
+            "Cross-Origin-Resource-Policy": "same-origin"}
+
+
 def _page_file(path: Path) -> Response:
     if not path.is_file():
         return PlainTextResponse(f"{path} is missing: run `npm install --prefix {browser_dir()}` for the browser "
                                  "node's packages\n", status_code=404)
     # The page and its scripts change with the package: a tab reloaded after an upgrade must not mix versions.
-    return FileResponse(path, headers={"Cache-Control": "no-cache"})
+    return FileResponse(path, headers={"Cache-Control": "no-cache", **ISOLATED})
 
 
 def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[], str]) -> list[BaseRoute]:
@@ -44,7 +50,7 @@ def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[
         path = files.get(request.path_params["sha256"])
         if path is None:
             return PlainTextResponse("no such stage file\n", status_code=404)
-        return FileResponse(path, media_type="application/octet-stream")
+        return FileResponse(path, media_type="application/octet-stream", headers=ISOLATED)
 
     async def node_page(request: Request) -> Response:
         return _page_file(browser_dir() / "node.html")

@@ -251,6 +251,8 @@ class PipelineMaster:
         the pass without the link's latency."""
         self.stats.decode_passes += 1
         self.stats.decode_stage_s += seconds
+        worker.decode_passes += 1
+        worker.decode_s += seconds
         read = self.deployment.profile.layer_read_bytes[stage.first_layer:stage.end_layer]
         worker.speeds.append(sum(read) / seconds)
         # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency

@@ -86,6 +86,8 @@ class WorkerConn:
     alive: bool = True
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     served: int = 0  # forward passes answered
+    decode_passes: int = 0  # one-token passes timed (what plans are priced by), and their compute
+    decode_s: float = 0.0
     rtt_ms: float = 1.0
     mbit: float = DEFAULT_MBIT
     speeds: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_SAMPLES))  # weight bytes/s, decode
