@@ -28,6 +28,9 @@ from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, bro
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run"]
+# Without --disable-gpu and with WebGPU enabled, headless Chromium offers a WebGPU adapter even on a machine
+# without a GPU: SwiftShader's, which runs the shaders on the CPU (no shader-f16 there, so stages stay float32).
+WEBGPU_FLAGS = [f for f in CHROMIUM_FLAGS if f != "--disable-gpu"] + ["--enable-unsafe-webgpu"]
 SECRET = "browser-test"
 PROMPT = "The capital of France is"
 N_TOKENS = 64
@@ -46,10 +49,10 @@ def missing() -> str | None:
     return None
 
 
-def open_page(playwright, console_errors: bool = False):
+def open_page(playwright, console_errors: bool = False, webgpu: bool = False):
     """Debian's Chromium with one page, and the list its uncaught errors (with `console_errors`, its console's
-    errors too) are appended to."""
-    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+    errors too) are appended to. `webgpu`: with its software WebGPU adapter."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=WEBGPU_FLAGS if webgpu else CHROMIUM_FLAGS)
     page = browser.new_page()
     errors: list[str] = []
     if console_errors:
@@ -135,6 +138,39 @@ console.log(JSON.stringify({{tokens: cases.map(([row, sampling, position]) => sa
     assert got["tokens"] == expected
     assert got["draws"] == [uniform(0, 0), uniform(12345, 678), uniform(2**53 - 1, 2**40)]
     assert len(set(expected)) > 50  # the draws spread, not all greedy
+
+
+@pytest.mark.slow
+def test_a_webgpu_stage_equals_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tab whose onnxruntime-web runs its stage on WebGPU (SwiftShader's adapter: slow, a few seconds a pass,
+    so a few tokens) beside a native worker: the numpy reference's tokens."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    model = load_model()
+    tokens = 4
+    reference = generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), tokens,
+                         Sampler(SamplingParams())).tokens
+    monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
+    master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=256,
+                                                                      activations=Activations.F32))
+    native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
+                               f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
+                               "80", "--threads", "1"], env=dict(os.environ), stderr=subprocess.DEVNULL)
+    try:
+        with sync_playwright() as p:
+            browser, page, errors = open_page(p, webgpu=True)
+            page.goto(f"http://127.0.0.1:{master.port}/node?name=gpu&memory=80#key={SECRET}")
+            master.wait_for_workers(2, timeout_s=120)
+            assert master.workers["gpu"].capabilities["backend"] == "webgpu", "no WebGPU adapter in Chromium"
+            assert {s.worker for s in master.start().stages} == {"native", "gpu"}
+            assert master.generate(model.tokenizer.encode(PROMPT), tokens) == reference
+            browser.close()
+        assert not errors, errors
+    finally:
+        master.close()
+        native.kill()
+        native.wait()
 
 
 @pytest.mark.slow
