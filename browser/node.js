@@ -21,7 +21,11 @@ const secret = new URLSearchParams(location.hash.slice(1)).get("key") || "";
 const key = clusterKey(secret);
 // WebGPU where the browser has an adapter for it (navigator.gpu alone may have none), WebAssembly otherwise.
 const adapter = navigator.gpu ? await navigator.gpu.requestAdapter().catch(() => null) : null;
-const status = {connected: false, backend: adapter ? "webgpu" : "wasm", threads, layers: "-", passes: 0,
+// The stage's matrices: "q4" as the model file stores them (MatMulNBits; WebGPU has a kernel for it), or "f32"
+// dequantized by the master (several times the memory): onnxruntime-web's WebAssembly has no MatMulNBits kernel of
+// its own and dequantizes every matrix on every pass, 20-30x slower than its float32 MatMul. ?weights= overrides.
+const weights = params.get("weights") || (adapter ? "q4" : "f32");
+const status = {connected: false, backend: adapter ? "webgpu" : "wasm", threads, weights, layers: "-", passes: 0,
                 lastMs: 0, error: ""};
 window.edgerunStatus = status;
 
@@ -29,7 +33,7 @@ function show() {
   const el = document.getElementById("status");
   if (el) {
     el.textContent = `connected: ${status.connected}\nbackend: ${status.backend} (${status.threads} ` +
-      `thread(s))\nlayers: ${status.layers}\n` +
+      `thread(s), ${status.weights} weights)\nlayers: ${status.layers}\n` +
       `passes served: ${status.passes}\nlast pass: ${status.lastMs.toFixed(1)} ms\n` +
       (status.error ? `error: ${status.error}\n` : "");
   }
@@ -42,7 +46,8 @@ async function fetchFile(sha) {
   if (!response) {
     response = await fetch(url);
     if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
-    if (cache) await cache.put(url, response.clone());
+    // A file the cache cannot take (over the origin's quota) is used all the same, only fetched again next time.
+    if (cache) await cache.put(url, response.clone()).catch(() => {});
   }
   const bytes = new Uint8Array(await response.arrayBuffer());
   if (hex(sha256(bytes)) !== sha) throw new Error(`file ${sha.slice(0, 12)} arrived with another hash`);
@@ -140,7 +145,7 @@ function start() {
         const memory = Number(params.get("memory") || (navigator.deviceMemory || 2) * 1024);
         send(Msg.CONNECT, request, {name: params.get("name") || `browser-${Math.floor(Math.random() * 1e6)}`,
           memory_mb: memory, speed: Number(params.get("speed") || 2e8),
-          capabilities: {kind: "browser", runtime: "onnxruntime-web", backend: status.backend, threads},
+          capabilities: {kind: "browser", runtime: "onnxruntime-web", backend: status.backend, threads, weights},
           cached: []});
       } else if (type === Msg.DOWNLOAD_LAYERS) {
         for (const sha of message.files) {

@@ -68,6 +68,10 @@ class StageSpec:
     lm_head: bool  # the stage ends with the final norm and the LM head
     accuracy_level: int = 0  # MatMulNBits: 0 computes in float32, 4 quantizes activations to int8
     embed: bool = False  # the stage starts from token ids (input_ids) with the embedding inside
+    # Matrices stored dequantized (float32) and multiplied by MatMul: for onnxruntime-web's WebAssembly, whose
+    # MatMulNBits has no kernel of its own there and dequantizes every matrix on every call (20-30x slower than
+    # its float32 MatMul). Several times the bytes; the same numbers as float32 activations to rounding.
+    dequantized: bool = False
 
     def check(self, config: ModelConfig) -> None:
         if not 0 <= self.first_layer < self.end_layer <= config.n_layers:
@@ -241,6 +245,11 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
     kv_shape = [1, config.n_kv_heads, "max_len", config.head_dim]
     eps = config.norm_eps
 
+    def linear(x: str, tensors: list[QuantTensor]) -> list[str]:
+        if spec.dequantized:
+            return g.linear_forms(x, [t.dequantize() for t in tensors], spec.accuracy_level)
+        return g.linear(x, tensors, spec.accuracy_level)
+
     residual = "hidden"
     if spec.embed:  # float32 rows, exactly the reference's dequantized embedding
         table = g.constant("token_embd", weights.token_embd.dequantize(), weight=True)
@@ -260,7 +269,7 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
         outputs += [helper.make_tensor_value_info(n, f32, kv_shape) for n in (present_k, present_v)]
 
         xn, residual = _norm(g, residual, pending, layer.attn_norm, eps)
-        q, k, v = g.linear(xn, [layer.wq, layer.wk, layer.wv], spec.accuracy_level)
+        q, k, v = linear(xn, [layer.wq, layer.wk, layer.wv])
         if layer.bq is not None:
             q, k, v = (g.node("Add", [t, g.constant("bias", b)])[0] for t, b in
                        ((q, layer.bq), (k, layer.bk), (v, layer.bv)))
@@ -269,13 +278,13 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
             [f"attn_{i}", present_k, present_v], name=f"attention_{i}", domain="com.microsoft",
             num_heads=config.n_heads, kv_num_heads=config.n_kv_heads, do_rotary=1, rotary_interleaved=0,
         ))
-        (pending,) = g.linear(f"attn_{i}", [layer.wo], spec.accuracy_level)
+        (pending,) = linear(f"attn_{i}", [layer.wo])
 
         xn, residual = _norm(g, residual, pending, layer.ffn_norm, eps)
-        gate, up = g.linear(xn, [layer.w_gate, layer.w_up], spec.accuracy_level)
+        gate, up = linear(xn, [layer.w_gate, layer.w_up])
         (sig,) = g.node("Sigmoid", [gate])
         (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
-        (pending,) = g.linear(act, [layer.w_down], spec.accuracy_level)
+        (pending,) = linear(act, [layer.w_down])
 
     if spec.lm_head:
         # Only the last position's logits are needed: slice before the final norm and the head.
@@ -284,7 +293,7 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
         (r_last,) = g.node("Slice", [residual, *last])
         (p_last,) = g.node("Slice", [pending, *last])
         xn, _ = _norm(g, r_last, p_last, weights.output_norm, eps)
-        (logits,) = g.linear(xn, [weights.output], spec.accuracy_level)
+        (logits,) = linear(xn, [weights.output])
         g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
         outputs.insert(0, helper.make_tensor_value_info("logits", f32, [1, 1, config.vocab_size]))
     else:

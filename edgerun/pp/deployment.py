@@ -83,6 +83,10 @@ class Deployment:
         self.chained = False
         self.log, self.warm = log, warm
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
+        # How many times its quantized bytes the model's matrices take dequantized (float32), as tabs that ask
+        # for float32 weights hold them: such a tab's memory budget holds that many times fewer layers.
+        matrices = [t for layer in model.weights.layers for _, t in layer.matrices()] + [model.weights.output]
+        self.expansion = sum(4 * int(np.prod(t.shape)) for t in matrices) / model.weights.matrix_bytes()
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
@@ -101,10 +105,19 @@ class Deployment:
             self.state = PipelineState.DOWN
         self.changed.set()
 
+    @staticmethod
+    def dequantized(worker: WorkerConn) -> bool:
+        """A tab that asked for its stages' matrices in float32 (onnxruntime-web's WebAssembly: see StageSpec)."""
+        return worker.kind == "browser" and worker.capabilities.get("weights") == "f32"
+
+    def budget_mb(self, worker: WorkerConn) -> float:
+        """The worker's memory budget in the planner's units, the quantized bytes of the layers it can hold."""
+        return worker.memory_mb / self.expansion if self.dequantized(worker) else worker.memory_mb
+
     def devices(self) -> list[DeviceProfile]:
         """The live workers as the planner sees them: measured speed, memory budget, latency, bandwidth."""
         return [DeviceProfile(name=w.name, kind=w.kind, cores=1, compute=Compute(0.0, w.measured_speed),
-                              memory=Memory(w.memory_mb, w.memory_mb, w.memory_mb, 0.0),
+                              memory=Memory(self.budget_mb(w), self.budget_mb(w), self.budget_mb(w), 0.0),
                               link=Link(w.rtt_ms, w.mbit, w.mbit, 0.0))
                 for w in self.workers.alive()]
 
@@ -113,11 +126,11 @@ class Deployment:
         with float32, whatever is configured: onnxruntime-web's MatMulNBits has no int8-activation kernel to
         match the native one, and a tab's stage must compute what a native replica of it computes where both
         are f32. A plan mixing int8 native stages and f32 tabs gives tokens close to, but not always equal to,
-        either reference's."""
-        native = self.workers[worker].kind == "native"
-        accuracy = self.activations.accuracy_level if native else Activations.F32.accuracy_level
+        either reference's. A tab that asks for float32 weights gets its matrices dequantized."""
+        conn = self.workers[worker]
+        accuracy = self.activations.accuracy_level if conn.kind == "native" else Activations.F32.accuracy_level
         return StageSpec(stage.first_layer, stage.end_layer, lm_head=stage.end_layer == self.model.config.n_layers,
-                         accuracy_level=accuracy, embed=stage.first_layer == 0)
+                         accuracy_level=accuracy, embed=stage.first_layer == 0, dequantized=self.dequantized(conn))
 
     def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
         """Build (or reuse) a stage's graph and register its files for download by sha256."""
@@ -313,7 +326,7 @@ class Deployment:
         out = []
         for s in plan.stages:
             need = sum(self.profile.layer_weight_bytes[s.first_layer:s.end_layer]) / 1e6
-            extra = [w for w in spare if w.memory_mb >= need][:self.replicas - 1]
+            extra = [w for w in spare if self.budget_mb(w) >= need][:self.replicas - 1]
             spare = [w for w in spare if w not in extra]
             out.append([s.worker] + [w.name for w in extra])
         if self.replicas > 1:
@@ -328,8 +341,9 @@ class Deployment:
             s = stages.get(w.name)
             layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
             device = w.capabilities.get("device") or w.capabilities.get("backend")  # cpu/cuda, or wasm/webgpu
-            lines.append(f"  {w.name}: {w.kind}{f' ({device})' if device else ''}, {w.memory_mb:.0f} MB, {layers}, "
-                         f"{w.served} passes served")
+            weights = ", float32 weights" if self.dequantized(w) else ""
+            lines.append(f"  {w.name}: {w.kind}{f' ({device})' if device else ''}{weights}, {w.memory_mb:.0f} MB, "
+                         f"{layers}, {w.served} passes served")
         for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
             if plan is not None:
                 lines.append(f"{name} plan: {describe(plan)}")

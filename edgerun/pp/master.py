@@ -332,11 +332,13 @@ class PipelineMaster:
     def start(self) -> PPPlan:
         """Plan and load the stages, retrying over the workers left while some fail."""
         async def start() -> PPPlan:
-            while True:
+            for _ in range(MAX_REQUEST_LOSSES):
                 try:
                     return await self.deployment.replan()
                 except WorkerLost as e:
                     self.log(f"worker {e} failed while loading; replanning")
+            raise EdgerunError(f"workers failed to load their stages {MAX_REQUEST_LOSSES} times in a row (the log "
+                               "says why)")
 
         return self.net.run(start())
 
