@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgerun.bench.browser import CHROMIUM, CHROMIUM_FLAGS, WEBGPU_FLAGS
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
 from edgerun.model.onnx_graph import Activations
@@ -25,12 +26,6 @@ from edgerun.model.sampling import Sampler, SamplingParams, uniform
 from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, browser_dir, chat_template_prefix
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--no-first-run"]
-# Without --disable-gpu and with WebGPU enabled, headless Chromium offers a WebGPU adapter even on a machine
-# without a GPU: SwiftShader's, which runs the shaders on the CPU (no shader-f16 there, so stages stay float32).
-WEBGPU_FLAGS = [f for f in CHROMIUM_FLAGS if f != "--disable-gpu"] + ["--enable-unsafe-webgpu"]
 SECRET = "browser-test"
 PROMPT = "The capital of France is"
 N_TOKENS = 64

@@ -440,6 +440,23 @@ def test_bench_pp_rows_use_every_worker_and_compare_with_the_single_engine() -> 
     assert bad.returncode == 2 and "--route" in bad.stderr
 
 
+@pytest.mark.slow
+def test_bench_pp_times_a_browser_tab_against_a_native_pass_over_its_stage() -> None:
+    """`bench pp --browser 1`: a row with a headless Chromium tab in the pipeline (through the master: a tab
+    cannot take a predecessor's connection), and the tab's pass over its stage beside a native one."""
+    from test_browser_node import require_browser
+
+    require_browser()
+    proc = run_subprocess(["bench", "pp", "--workers", "1", "--browser", "1", "--route", "chain", "--tokens", "4",
+                           "--json"])
+    assert proc.returncode == 0, proc.stderr
+    native, mixed = json.loads(proc.stdout)
+    assert (native["browser"], native["route"], native["tab_layers"]) == (0, "chain", None)
+    assert (mixed["workers"], mixed["browser"], mixed["route"], mixed["stages"]) == (1, 1, "star", 2)
+    assert mixed["tab_layers"] is not None and mixed["tab_pass_ms"] > 0
+    assert 0 < mixed["native_pass_ms"] < mixed["native_f32_pass_ms"]  # int8 activations beat float32
+
+
 def test_pp_node_device_choice(capsys: Capsys) -> None:
     """A pipeline worker runs stages on CUDA only through onnxruntime-gpu's provider; without it, `auto`
     means the CPU and `cuda` is refused with the reason."""

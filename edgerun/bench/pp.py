@@ -17,8 +17,9 @@ import numpy as np
 from edgerun.bench.single import cluster_baseline_ms
 from edgerun.errors import EdgerunError
 from edgerun.model.loader import Model
-from edgerun.model.onnx_graph import Activations
+from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.wire import derive_key
+from edgerun.pp.deployment import dequantized_expansion
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Route
 from edgerun.sched.pp_plan import plan_exec_us
 from edgerun.sched.profiles import model_profile
@@ -206,6 +207,12 @@ class PpRow:
     stage_ms_per_token: float  # the stages' own compute per decode step, as the workers report it
     other_ms_per_token: float  # the rest: transfers between master and stages, the master's work
     ratio_to_single: float  # the single-process engine's ms/token over this row's: above 1 is faster
+    # With browser tabs: the first tab's stage, its mean one-token pass in the tab, and a native pass over the same
+    # layers at the same threads in this process, with the row's activations and with float32 ones.
+    tab_layers: str | None = None
+    tab_pass_ms: float | None = None
+    native_pass_ms: float | None = None
+    native_f32_pass_ms: float | None = None
 
 
 def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
@@ -228,6 +235,7 @@ def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
     return high * 1.05 / 1e6
 
 
+SETTLE_S = 60.0  # the longest a row waits for the pipeline to settle before it is timed
 WARMUP_TOKENS = 8  # a request before the timed one: sessions, caches, the workers' speed samples
 
 
@@ -241,9 +249,10 @@ def _pipeline_ms(master: PipelineMaster, prompt: list[int], tokens: int) -> floa
 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
              activations: Activations = Activations.INT8, routes: Sequence[Route] = (Route.CHAIN, Route.STAR),
-             progress: Callable[[str], None] = lambda _: None) -> tuple[list[PpRow], float]:
-    """Rows for each worker count and route, and the single engine's ms/token, the stages and the single engine
-    computing with the same activations, all measured in this run."""
+             browsers: int = 0, progress: Callable[[str], None] = lambda _: None) -> tuple[list[PpRow], float]:
+    """Rows for each worker count and route (and, with `browsers`, each worker count with that many Chromium tabs
+    added), and the single engine's ms/token, the native stages and the single engine computing with the same
+    activations, all measured in this run."""
     progress(f"single-process onnx engine, {threads} thread(s)")
     prompt = model.tokenizer.encode(PROMPT)
     single = cluster_baseline_ms(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
@@ -255,16 +264,56 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
             progress(f"{n} worker(s), route {route}")
             with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations,
                                 route=route) as (master, _):
-                plan = master.start()
-                before = dataclasses.replace(master.stats)
-                ms = _pipeline_ms(master, prompt, tokens)
-                passes = master.stats.decode_passes - before.decode_passes
-                stage_s = master.stats.decode_stage_s - before.decode_stage_s
-                steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)
-                stage_ms = stage_s / steps * 1e3 if steps else 0.0
-                taken = Route.CHAIN if master.deployment.chained else Route.STAR
-                rows.append(PpRow(n, 0, str(taken), len(plan.stages), ms, stage_ms, ms - stage_ms, single / ms))
+                rows.append(_row(master, n, 0, prompt, tokens, single))
+        if browsers:
+            progress(f"{n} worker(s) and {browsers} browser tab(s)")
+            rows.append(_browser_row(model, n, browsers, prompt, tokens, threads, activations, single, layers))
     return rows, single
+
+
+def _row(master: PipelineMaster, workers: int, browsers: int, prompt: list[int], tokens: int,
+         single: float) -> PpRow:
+    plan = master.start()
+    # A shadow plan's workers download and load their stages after the start: time the pipeline after that.
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline and not master.deployment.settled:
+        time.sleep(0.1)
+    before = dataclasses.replace(master.stats)
+    ms = _pipeline_ms(master, prompt, tokens)
+    passes = master.stats.decode_passes - before.decode_passes
+    stage_s = master.stats.decode_stage_s - before.decode_stage_s
+    steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)
+    stage_ms = stage_s / steps * 1e3 if steps else 0.0
+    taken = Route.CHAIN if master.deployment.chained else Route.STAR
+    return PpRow(workers, browsers, str(taken), len(plan.stages), ms, stage_ms, ms - stage_ms, single / ms)
+
+
+def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], tokens: int, threads: int,
+                 activations: Activations, single: float, layers: Sequence[float]) -> PpRow:
+    """A pipeline of native workers and Chromium tabs, each with a budget that makes the plan use all of them
+    (tabs on WebAssembly hold float32 matrices: their budget is scaled up to hold as many layers), and the first
+    tab's stage timed natively in this process."""
+    from edgerun.bench.browser import chromium_tabs, stage_pass_ms
+
+    budget = stage_budgets_mb(layers, workers + browsers)
+    tab_mb = budget * dequantized_expansion(model) * 1.02
+    with local_pipeline(model, [budget] * workers, CONTEXT, threads=threads, activations=activations) as (master, _):
+        urls = [f"http://127.0.0.1:{master.port}/node?name=tab{i}&memory={tab_mb:.0f}&threads={threads}"
+                f"#key={SECRET}" for i in range(browsers)]
+        with chromium_tabs(urls):
+            master.wait_for_workers(workers + browsers, timeout_s=120)
+            row = _row(master, workers, browsers, prompt, tokens, single)
+            tab = master.workers["tab0"]
+            stage = next(s for s in master.plan.stages if s.worker == "tab0")
+            tab_ms = tab.decode_s / tab.decode_passes * 1e3 if tab.decode_passes else float("nan")
+    native = {}
+    for kind in (activations, Activations.F32):
+        spec = StageSpec(stage.first_layer, stage.end_layer, lm_head=stage.end_layer == model.config.n_layers,
+                         accuracy_level=kind.accuracy_level, embed=stage.first_layer == 0)
+        native[kind] = stage_pass_ms(cached_stage(model.path, model.config, model.weights, spec), model.config, spec,
+                                     threads)
+    return dataclasses.replace(row, tab_layers=f"{stage.first_layer}-{stage.end_layer - 1}", tab_pass_ms=tab_ms,
+                               native_pass_ms=native[activations], native_f32_pass_ms=native[Activations.F32])
 
 
 def pp_table(rows: Sequence[PpRow], single: float, activations: Activations) -> str:
@@ -272,5 +321,11 @@ def pp_table(rows: Sequence[PpRow], single: float, activations: Activations) -> 
              f"{'other ms':>8} {'vs single':>9}"]
     lines += [f"{r.workers:>7} {r.browser:>7} {r.route:>5} {r.stages:>6} {r.ms_per_token:>9.1f} "
               f"{r.stage_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.ratio_to_single:>8.2f}x" for r in rows]
-    lines.append(f"single-process onnx engine: {single:.1f} ms/token ({activations.value} activations, as the stages)")
+    lines.append(f"single-process onnx engine: {single:.1f} ms/token ({activations.value} activations, as the native "
+                 "stages)")
+    for r in rows:
+        if r.tab_layers is not None:
+            lines.append(f"{r.workers} worker(s) + {r.browser} tab(s): layers {r.tab_layers} take {r.tab_pass_ms:.1f} "
+                         f"ms a pass in the tab, {r.native_pass_ms:.1f} natively ({activations.value}; "
+                         f"{r.native_f32_pass_ms:.1f} in float32): {r.tab_pass_ms / r.native_pass_ms:.2f}x")
     return "\n".join(lines)

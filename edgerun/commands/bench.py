@@ -94,7 +94,10 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         raise EdgerunError(f"--route takes chain, star or both (chain,star), not {args.route!r}") from None
     if not routes:
         raise EdgerunError("--route needs at least one of chain, star")
+    if args.browser < 0:
+        raise EdgerunError("--browser must be 0 or more")
     rows, single = bench_pp(load_model(args.model), counts, args.tokens, args.threads, activations, routes,
+                            args.browser,
                             progress=lambda m: print(f"local pipeline: {m}...", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps([asdict(r) | {"single_ms_per_token": single, "activations": activations.value}
@@ -120,19 +123,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens timed as decode (default: 32)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_single)
-    p = bench.add_parser("pp", help="a local pipeline of native workers against the single-process engine",
+    p = bench.add_parser("pp", help="a local pipeline of native workers (and browser tabs) against the "
+                         "single-process engine",
                          description="Start a pipeline master in this process and --workers native worker "
                                      "processes on loopback, each with a memory budget that makes the plan use "
                                      "all of them, generate --tokens tokens greedily, and report ms/token, the "
                                      "stages' own compute and the rest (transfers, the master), beside the "
                                      "single-process onnx engine at the same --threads and --activations in the "
-                                     "same run. Browser "
-                                     "tabs are not part of this benchmark yet.")
+                                     "same run. With --browser N, a row per worker count with N headless "
+                                     "Chromium tabs added, and the first tab's pass over its stage against a "
+                                     "native pass over the same layers.")
     model_arg(p)
     p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (default: 1,2,4)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
     share_threads_arg(p, 1)
     activations_arg(p)
+    p.add_argument("--browser", type=int, default=0, metavar="N",
+                   help="also time each worker count with N headless Chromium tabs in the pipeline (needs "
+                        "Playwright and Debian's chromium; the tabs use --threads WebAssembly threads) (default: 0)")
     p.add_argument("--route", default="chain,star", help=f"routes to time, comma-separated: {ROUTE_HELP} "
                    "(default: chain,star)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")

@@ -37,6 +37,13 @@ REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan 
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
 
 
+def dequantized_expansion(model: Model) -> float:
+    """How many times its quantized bytes the model's matrices take dequantized (float32), as tabs that ask for
+    float32 weights hold them: such a tab's memory budget holds that many times fewer layers."""
+    matrices = [t for layer in model.weights.layers for _, t in layer.matrices()] + [model.weights.output]
+    return sum(4 * int(np.prod(t.shape)) for t in matrices) / model.weights.matrix_bytes()
+
+
 class Route(Enum):
     """How a forward pass goes through the stages.
 
@@ -83,10 +90,7 @@ class Deployment:
         self.chained = False
         self.log, self.warm = log, warm
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
-        # How many times its quantized bytes the model's matrices take dequantized (float32), as tabs that ask
-        # for float32 weights hold them: such a tab's memory budget holds that many times fewer layers.
-        matrices = [t for layer in model.weights.layers for _, t in layer.matrices()] + [model.weights.output]
-        self.expansion = sum(4 * int(np.prod(t.shape)) for t in matrices) / model.weights.matrix_bytes()
+        self.expansion = dequantized_expansion(model)
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
@@ -97,7 +101,13 @@ class Deployment:
         self.changed = asyncio.Event()  # a worker joined or left: the repartition loop looks again
         self.busy = False  # a request is in flight: it deals with lost workers itself
         self.deploying = asyncio.Lock()
+        self.looking = False  # the repartition loop is planning, downloading or deploying
         self.deployed_at = time.monotonic()
+
+    @property
+    def settled(self) -> bool:
+        """Up, and the repartition loop neither at work nor about to be (no background downloads or loads)."""
+        return self.state == PipelineState.UP and not self.looking and not self.changed.is_set()
 
     def on_change(self, worker: WorkerConn, joined: bool) -> None:
         """A worker joined or left. One that comes back without the stage it ran leaves the plan Down."""
@@ -179,6 +189,7 @@ class Deployment:
             self.changed.clear()
             if self.plan is None:
                 continue
+            self.looking = True
             try:
                 await self._repartition()
             except (EdgerunError, WorkerLost, ValueError, KeyError) as e:  # the next request replans again
@@ -186,6 +197,8 @@ class Deployment:
                 if self.state != PipelineState.UP:
                     self.state = PipelineState.DOWN
                 self.log(f"repartition failed: {e}")
+            finally:
+                self.looking = False
 
     async def _repartition(self) -> None:
         if self.state != PipelineState.UP or any(not self.workers[name].alive for names in self.stage_workers
