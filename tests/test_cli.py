@@ -457,6 +457,19 @@ def test_bench_pp_times_a_browser_tab_against_a_native_pass_over_its_stage() -> 
     assert 0 < mixed["native_pass_ms"] < mixed["native_f32_pass_ms"]  # int8 activations beat float32
 
 
+def test_pp_node_peer_port_in_use_is_one_line(capsys: Capsys) -> None:
+    """The port a chained route's previous stage connects to, taken by another program: one line, exit 2."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run(["node", "--mode", "pp", "--master", "127.0.0.1:9", "--key", "k", "--device", "cpu",
+                            "--peer-port", str(port)], capsys)
+    assert_one_line_error(code, err, f"--peer-port {port} is in use")
+
+
 def test_pp_node_device_choice(capsys: Capsys) -> None:
     """A pipeline worker runs stages on CUDA only through onnxruntime-gpu's provider; without it, `auto`
     means the CPU and `cuda` is refused with the reason."""

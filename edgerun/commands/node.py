@@ -49,14 +49,18 @@ def cmd_node(args: argparse.Namespace) -> None:
     if args.mode == "pp":
         import asyncio
 
-        from edgerun.pp.worker import PipelineWorker
+        from edgerun.pp.worker import PeerPortInUse, PipelineWorker
 
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
         worker = PipelineWorker(url, cluster_key(args), name, args.memory_budget, args.speed, args.threads,
                                 log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device,
-                                verbose=args.verbose)
+                                verbose=args.verbose, peer_port=args.peer_port)
+        if not 0 <= args.peer_port < 65536:
+            raise EdgerunError(f"--peer-port must be 0..65535, not {args.peer_port}")
         try:
             asyncio.run(worker.run())
+        except PeerPortInUse as e:
+            raise EdgerunError(f"--peer-port {args.peer_port} is in use ({e})") from e
         except OSError as e:
             raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
         return
@@ -104,6 +108,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
                         "installed, else the CPU (default: auto)")
+    p.add_argument("--peer-port", type=int, default=0,
+                   help="pp: the port (on every interface) where the previous stage of a chained route connects to "
+                        "hand this worker its passes, authenticated with the cluster key like every frame (default: 0, "
+                        "any free port; the worker tells the master which)")
     share_threads_arg(p, DEFAULT_THREADS)
     spin_arg(p)
     cluster_args(p)

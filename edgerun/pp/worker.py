@@ -65,6 +65,10 @@ def download(base_url: str, sha256: str) -> tuple[Path, float, int]:
     return target, time.perf_counter() - start, target.stat().st_size
 
 
+class PeerPortInUse(OSError):
+    """The port for the previous stage's connections cannot be had."""
+
+
 class MalformedInput(ValueError):
     """A pass's input that this stage cannot take (wrong tensor, dtype or shape)."""
 
@@ -88,7 +92,8 @@ CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handsha
 
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
-                 log=print, device: str = "cpu", verbose: bool = False, peer_host: str = "0.0.0.0") -> None:
+                 log=print, device: str = "cpu", verbose: bool = False, peer_host: str = "0.0.0.0",
+                 peer_port: int = 0) -> None:
         self.url, self.key, self.name, self.peer_host = url, key, name, peer_host
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.passes, self.pass_s = 0, 0.0  # forward passes computed, and their time
@@ -102,7 +107,7 @@ class PipelineWorker:
         self.stage: _Stage | None = None
         self.max_len = 0
         self.downloads: set[asyncio.Task] = set()  # DOWNLOAD_LAYERS in progress
-        self.peer_port = 0  # where the previous stage of a chained route connects (set once listening)
+        self.peer_port = peer_port  # where the previous stage of a chained route connects (0: any, then the one taken)
         self.next: websockets.ClientConnection | None = None  # the next stage's listener, on a chained route
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
@@ -145,8 +150,12 @@ class PipelineWorker:
                 passes, seconds = self.passes, self.pass_s
 
     async def _serve(self) -> None:
-        async with websockets.serve(self._from_peer, self.peer_host, 0, max_size=PP_MAX_FRAME,
-                                    compression=None) as listener:
+        try:
+            listener = await websockets.serve(self._from_peer, self.peer_host, self.peer_port, max_size=PP_MAX_FRAME,
+                                              compression=None)
+        except OSError as e:
+            raise PeerPortInUse(str(e)) from e
+        async with listener:
             self.peer_port = listener.sockets[0].getsockname()[1]
             async with await self.connect() as ws:
                 self.ws = ws
