@@ -8,7 +8,8 @@ const HEADER = 16; // magic 2, version 1, type 1, request 4, JSON length 4, payl
 const MAC_SIZE = 16;
 export const Msg = {INIT: 1, CONNECT: 2, DOWNLOAD_LAYERS: 3, LAYER_DOWNLOAD: 4, PREPARE_MODEL: 5, PREPARE_DONE: 6,
              COMMIT_MODEL: 7, COMMIT_DONE: 8, COMPUTATION: 9, COMPUTATION_RESULT: 10, INVALIDATE_CACHE: 11,
-             RELEASE_SESSION: 12, ERROR: 13, PING: 14, PONG: 15};
+             RELEASE_SESSION: 12, ERROR: 13, PING: 14, PONG: 15, KV_FETCH: 16, KV_DATA: 17, KV_LOAD: 18,
+             KV_LOADED: 19};
 const DTYPES = {float32: Float32Array, int64: BigInt64Array, int32: Int32Array};
 
 // --- SHA-256 (FIPS 180-4) and HMAC (RFC 2104)

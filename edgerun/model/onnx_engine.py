@@ -88,6 +88,24 @@ class StageSession:
         self.position = length
         return length
 
+    def kv_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's keys and values of the positions cached, (1, kv heads, position, head dim) each."""
+        past_k, past_v, _, _ = kv_names(layer)
+        return (np.ascontiguousarray(self.kv[past_k][:, :, :self.position]),
+                np.ascontiguousarray(self.kv[past_v][:, :, :self.position]))
+
+    def load_kv_rows(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Continue after these keys and values of one layer (another session's kv_rows): once every layer of
+        the stage is loaded, the next run starts at their length."""
+        past_k, past_v, _, _ = kv_names(layer)
+        length = keys.shape[2]
+        expected = (1, self.config.n_kv_heads, length, self.config.head_dim)
+        if layer not in self.layers or keys.shape != expected or values.shape != expected or length > self.max_len:
+            raise ValueError(f"KV rows {keys.shape} for layer {layer} do not fit this stage")
+        self.kv[past_k][:, :, :length] = keys
+        self.kv[past_v][:, :, :length] = values
+        self.position = length
+
     def run(self, x: np.ndarray) -> np.ndarray:
         """Run token ids (1, seq) or hidden states (1, seq, hidden) after the positions cached; return
         the stage's output (a copy: onnxruntime reuses its buffer)."""

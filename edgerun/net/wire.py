@@ -437,6 +437,10 @@ class PpMsg(IntEnum):
     ERROR = 13  # worker -> master: a message it could not carry out, and why
     PING = 14  # master -> worker: answered at once with PONG (latency, measured over the worker's own WebSocket)
     PONG = 15
+    KV_FETCH = 16  # master -> worker: one layer's KV rows of the positions cached; answered by KV_DATA
+    KV_DATA = 17
+    KV_LOAD = 18  # master -> worker: one layer's KV rows to continue from (a hot swap); answered by KV_LOADED
+    KV_LOADED = 19
 
 
 def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,

@@ -115,6 +115,7 @@ class PipelineMaster:
         # prefilled its context again (with int8 activations a prefill of many tokens rounds unlike the one-token
         # steps that first made them, so tokens after it may differ from an uninterrupted run's at near-ties).
         self.prefill_lengths: list[int] = []
+        self.cached_length: int | None = None  # positions the stages' caches hold when a plan swap interrupts
         self.lost_at: float | None = None  # when the request in flight lost a worker, until it has a token again
         self.request_losses = 0  # workers the request in flight lost
         self.stats = PassStats()
@@ -264,13 +265,51 @@ class PipelineMaster:
             await self.workers.expel(worker, f"returned token {token!r}")
         return token
 
+    # --- moving KV caches on a hot swap ---------------------------------------------------------------
+    def _kv_movable(self, plan: PPPlan, context: int) -> bool:
+        """Whether a swap to `plan` can move the running stages' KV caches to its stages instead of prefilling
+        `context` tokens again: the caches hold all but the last of them, and every worker of both plans is
+        native (the browser page does not take part in moves)."""
+        d = self.deployment
+        old = [name for names in d.stage_workers for name in names]
+        new = [s.worker for s in plan.stages]
+        return self.cached_length is not None and self.cached_length == context - 1 > 0 and \
+            all(self.workers[name].kind == "native" for name in old + new)
+
+    async def _fetch_kv(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Every layer's keys and values from a live worker of the running stage that holds it, one frame per
+        layer (authenticated, as every frame)."""
+        d = self.deployment
+        holders = {layer: next(self.workers[name] for name in names if self.workers[name].alive)
+                   for s, names in zip(d.plan.stages, d.stage_workers, strict=True)
+                   for layer in range(s.first_layer, s.end_layer)}
+        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.KV_FETCH, {"layer": layer}, PpMsg.KV_DATA,
+                                                           COMPUTE_TIMEOUT_S) for layer, worker in holders.items()))
+        moved = {}
+        for (layer, worker), (_, tensors) in zip(holders.items(), replies, strict=True):
+            keys, values = tensors.get("keys"), tensors.get("values")
+            if keys is None or values is None or keys.shape != values.shape or keys.ndim != 4 or \
+                    keys.shape[2] != self.cached_length:
+                await self.workers.expel(worker, f"returned KV rows of layer {layer} that do not fit")
+            moved[layer] = (keys, values)
+        return moved
+
+    async def _load_kv(self, moved: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Every worker of the new plan continues from the moved rows of its stage's layers."""
+        d = self.deployment
+        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD, {"layer": layer},
+                                                 PpMsg.KV_LOADED, COMPUTE_TIMEOUT_S,
+                                                 {"keys": moved[layer][0], "values": moved[layer][1]})
+                               for s, names in zip(d.plan.stages, d.stage_workers, strict=True) for name in names
+                               for layer in range(s.first_layer, s.end_layer)))
+
     # --- the generation loop's interface (model.generate): a step returns the last stage's sampled token ----
     def reset(self) -> None:
         """A request (or its re-prefill) begins: joins and leaves wait for its end (release)."""
         self.deployment.busy = True
 
     def release(self) -> None:
-        self.deployment.busy, self.request_losses = False, 0
+        self.deployment.busy, self.request_losses, self.cached_length = False, 0, None
         # Joins and leaves during the request are seen now.
         self.net.loop.call_soon_threadsafe(self.deployment.changed.set)
 
@@ -286,13 +325,22 @@ class PipelineMaster:
                     "top_k": sampler.params.top_k, "seed": sampler.seed}
         if start > 0:
             if d.ready(d.staged):
+                self.cached_length = start  # every stage's KV cache holds the positions before this one
                 raise PlanSwap("a staged plan is ready")
             return await self._forward(tokens, start, sampling)
         swapped_at = None
         if d.ready(d.staged) and d.stages_alive():
             swapped_at = time.perf_counter()
             self.log("hot swap")
+            moved = await self._fetch_kv() if self._kv_movable(d.staged, len(tokens)) else None
             await d.replan(d.staged, hot=True)
+            if moved is not None:  # the new stages continue where the old ones stood: no prefill
+                await self._load_kv(moved)
+                token = await self._forward(tokens[-1:], len(tokens) - 1, sampling)
+                self.swap_seconds.append(time.perf_counter() - swapped_at)
+                self.log(f"hot swap done in {self.swap_seconds[-1]:.2f} s, the KV cache of {len(tokens) - 1} "
+                         "positions moved to the new stages")
+                return token
         elif d.state != PipelineState.UP or not d.stages_alive():
             await d.replan(d.fallback())
         self.prefill_lengths.append(len(tokens))

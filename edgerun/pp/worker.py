@@ -256,12 +256,23 @@ class PipelineWorker:
                      f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
         elif kind == PpMsg.COMPUTATION:
             await self._compute(request, message, tensors)
+        elif kind == PpMsg.KV_FETCH:
+            keys, values = self._session().kv_rows(int(message["layer"]))
+            await self._send(PpMsg.KV_DATA, request, {}, {"keys": keys, "values": values})
+        elif kind == PpMsg.KV_LOAD:
+            self._session().load_kv_rows(int(message["layer"]), tensors["keys"], tensors["values"])
+            await self._send(PpMsg.KV_LOADED, request, {})
         elif kind == PpMsg.INVALIDATE_CACHE:
             if self.stage is not None and self.stage.session is not None:
                 self.stage.session.reset()
         elif kind == PpMsg.RELEASE_SESSION:
             self._release()
             await self._drop_next()
+
+    def _session(self) -> StageSession:
+        if self.stage is None or self.stage.session is None:
+            raise ValueError("no stage loaded")
+        return self.stage.session
 
     def _input(self, s: _Stage, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """The pass's input as this stage takes it: token ids (1, seq) for the first stage, else a float32 hidden
