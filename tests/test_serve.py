@@ -444,9 +444,9 @@ def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Pat
 
 def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, shipped_model,
                                                          shipped_onnx_f32) -> None:
-    """--plan dp: one port serves the API, the node page and the workers' WebSockets. A native worker and a
-    Chromium tab (80 MB each: neither holds the model alone) join it; a streamed chat is the single engine's
-    greedy answer, and the dashboard's state lists the tab as a browser node holding layers."""
+    """--plan dp: one port serves the API, the node page and the workers' WebSockets. A native worker (80 MB) and
+    a Chromium tab (600 MB of float32 matrices: neither holds the model alone) join it; a streamed chat is the
+    single engine's greedy answer, and the dashboard's state lists the tab as a browser node holding layers."""
     from test_browser_node import open_page, require_browser
 
     require_browser()
@@ -463,7 +463,7 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
     try:
         with sync_playwright() as p:
             browser, page, errors = open_page(p)
-            page.goto(f"{s.url}/node?name=tab&memory=80#key={CLUSTER_KEY}")
+            page.goto(f"{s.url}/node?name=tab&memory=600#key={CLUSTER_KEY}")
             wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 2, 180,
                        "a pipeline over the worker and the tab")
             answer = stream_chat(s.client(), QUESTION, max_tokens=16, temperature=0)
