@@ -308,8 +308,7 @@ def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], t
             tab_ms = tab.decode_s / tab.decode_passes * 1e3 if tab.decode_passes else float("nan")
     native = {}
     for kind in (activations, Activations.F32):
-        spec = StageSpec(stage.first_layer, stage.end_layer, lm_head=stage.end_layer == model.config.n_layers,
-                         accuracy_level=kind.accuracy_level, embed=stage.first_layer == 0)
+        spec = StageSpec.for_layers(model.config, stage.first_layer, stage.end_layer, kind)
         native[kind] = stage_pass_ms(cached_stage(model.path, model.config, model.weights, spec), model.config, spec,
                                      threads)
     return dataclasses.replace(row, tab_layers=f"{stage.first_layer}-{stage.end_layer - 1}", tab_pass_ms=tab_ms,

@@ -73,6 +73,14 @@ class StageSpec:
     # its float32 MatMul). Several times the bytes; the same numbers as float32 activations to rounding.
     dequantized: bool = False
 
+    @classmethod
+    def for_layers(cls, config: ModelConfig, first_layer: int, end_layer: int, activations: Activations,
+                   dequantized: bool = False) -> StageSpec:
+        """The pipeline stage of layers [first_layer, end_layer): the first holds the embedding (it takes token
+        ids), the last the final norm and the LM head."""
+        return cls(first_layer, end_layer, lm_head=end_layer == config.n_layers,
+                   accuracy_level=activations.accuracy_level, embed=first_layer == 0, dequantized=dequantized)
+
     def check(self, config: ModelConfig) -> None:
         if not 0 <= self.first_layer < self.end_layer <= config.n_layers:
             raise ValueError(f"layer range [{self.first_layer}, {self.end_layer}) outside 0..{config.n_layers}")

@@ -138,9 +138,9 @@ class Deployment:
         are f32. A plan mixing int8 native stages and f32 tabs gives tokens close to, but not always equal to,
         either reference's. A tab that asks for float32 weights gets its matrices dequantized."""
         conn = self.workers[worker]
-        accuracy = self.activations.accuracy_level if conn.kind == "native" else Activations.F32.accuracy_level
-        return StageSpec(stage.first_layer, stage.end_layer, lm_head=stage.end_layer == self.model.config.n_layers,
-                         accuracy_level=accuracy, embed=stage.first_layer == 0, dequantized=self.dequantized(conn))
+        activations = self.activations if conn.kind == "native" else Activations.F32
+        return StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer, activations,
+                                    dequantized=self.dequantized(conn))
 
     def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
         """Build (or reuse) a stage's graph and register its files for download by sha256."""
@@ -303,7 +303,7 @@ class Deployment:
         if chained:  # each stage but the last connects to the next one's listener
             for commit, names in zip(commits[:-1], stage_workers[1:], strict=True):
                 following = self.workers[names[0]]
-                commit["next"] = {"host": following.host, "port": int(following.capabilities["peer_port"])}
+                commit["next"] = {"host": following.host, "port": following.peer_port}
         await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.COMMIT_MODEL, commit, PpMsg.COMMIT_DONE,
                                                  PREPARE_TIMEOUT_S)
                                for commit, names in zip(commits, stage_workers, strict=True)
@@ -327,9 +327,8 @@ class Deployment:
         """Whether passes go stage to stage (Route): configured so, one worker per stage, every one native with
         a port for its predecessor."""
         return self.route == Route.CHAIN and all(
-            len(names) == 1 and self.workers[names[0]].kind == "native" and
-            isinstance(self.workers[names[0]].capabilities.get("peer_port"), int) and
-            self.workers[names[0]].capabilities["peer_port"] > 0 for names in stage_workers)
+            len(names) == 1 and self.workers[names[0]].kind == "native" and self.workers[names[0]].peer_port
+            is not None for names in stage_workers)
 
     def _with_replicas(self, plan: PPPlan) -> list[list[str]]:
         """Each stage's worker, then up to replicas - 1 spare workers that can hold it (the fastest

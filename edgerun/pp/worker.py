@@ -293,28 +293,27 @@ class PipelineWorker:
         self.stage = None
 
     async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+        session = self._session()
         s = self.stage
-        if s is None or s.session is None:
-            raise ValueError("no stage loaded")
         position = int(message["position"])
         if message.get("prefix") == "restore":  # the request starts with the saved prefix
-            s.session.restore_prefix()
+            session.restore_prefix()
         elif position == 0:
-            s.session.reset()
-        if position != s.session.position:
-            raise ValueError(f"input at position {position}, but the cache holds {s.session.position}")
+            session.reset()
+        if position != session.position:
+            raise ValueError(f"input at position {position}, but the cache holds {session.position}")
         x = self._input(s, tensors)
         start = time.perf_counter()
         if x.shape[1] == 1:
             # A one-token step runs on this thread: it takes milliseconds, and handing it to a pool thread and
             # back costs two thread wake-ups per stage per token, on the critical path of every token.
-            out = s.session.run(x)
+            out = session.run(x)
         else:  # a prefill may take seconds: the loop stays free for pings and the WebSocket's keepalive
-            out = await asyncio.get_running_loop().run_in_executor(None, s.session.run, x)
+            out = await asyncio.get_running_loop().run_in_executor(None, session.run, x)
         seconds = time.perf_counter() - start
         self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
         if message.get("prefix") == "save":
-            s.session.save_prefix()
+            session.save_prefix()
         chain = message.get("chain")  # on a chained route: the compute seconds of the stages before this one
         if chain is not None:
             chain = [float(t) for t in chain] + [seconds]

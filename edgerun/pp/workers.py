@@ -106,6 +106,12 @@ class WorkerConn:
     def host(self) -> str:
         return self.link.host
 
+    @property
+    def peer_port(self) -> int | None:
+        """Where the previous stage of a chained route reaches this worker; None where it offers none (tabs)."""
+        port = self.capabilities.get("peer_port")
+        return port if isinstance(port, int) and 0 < port < 65536 else None
+
 
 class Workers:
     """The workers connected to one master, by name. `on_change(worker, joined)` is called after a worker
