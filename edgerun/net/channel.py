@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import select
 import socket
 import threading
@@ -125,6 +126,10 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+# How long stopping an event loop thread waits for its thread, its tasks and its executor's jobs, each.
+STOP_WAIT_S = 10.0
+
+
 class EventLoopThread:
     """An event loop running in its own thread: the network side of a master or node. Other threads
     (generation, compute) hand it coroutines with `run` and send through thread-safe channels."""
@@ -149,8 +154,32 @@ class EventLoopThread:
 
         return self.run(call())
 
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
+        """Stop the loop and, from any other thread, wait for it: its tasks are cancelled, its executor's jobs
+        (a stage graph being built, a file being fetched) finish, and the loop is closed. A loop left running
+        in its daemon thread, or a job still in its executor, meets the interpreter's teardown at exit, where
+        native code (uvloop's handles, onnx, numpy) can crash the process after everything else has passed."""
+        if self.loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # closed by another thread meanwhile
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is self.thread:
+            return  # the loop stops when this callback returns; nothing here can wait for it
+        self.thread.join(timeout_s)
+        if self.thread.is_alive() or self.loop.is_closed():
+            return  # stuck in a blocking call: left to the daemon thread rather than hanging the caller
+
+        async def finish() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout_s)
+            await asyncio.wait_for(self.loop.shutdown_default_executor(), timeout_s)
+
+        with contextlib.suppress(Exception):
+            self.loop.run_until_complete(finish())
+        with contextlib.suppress(RuntimeError):
+            self.loop.close()
 
 
 class AsyncChannel:

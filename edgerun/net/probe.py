@@ -20,6 +20,7 @@ PROBE_MAGIC = b"ERPB"
 PROBE_HEADER = struct.Struct("!4sId")  # magic, sequence number, send time
 TRANSFER_HEADER = struct.Struct("!cQ")
 CHUNK = 64 * 1024
+POLL_S = 0.2  # how often the responder's threads look for a stop
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class ProbeResponder:
         self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.tcp.bind((host, self.port))
         self.tcp.listen(8)
+        # A thread blocked in recvfrom or accept is not woken by closing its socket: both poll for the stop.
+        self.udp.settimeout(POLL_S)
+        self.tcp.settimeout(POLL_S)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._echo, daemon=True),
                          threading.Thread(target=self._accept, daemon=True)]
@@ -54,6 +58,9 @@ class ProbeResponder:
 
     def close(self) -> None:
         self._stop.set()
+        for t in self._threads:  # each wakes within POLL_S and sees the stop
+            if t.is_alive():
+                t.join(2 * POLL_S)
         self.udp.close()
         self.tcp.close()
 
@@ -61,6 +68,8 @@ class ProbeResponder:
         while not self._stop.is_set():
             try:
                 data, addr = self.udp.recvfrom(65535)
+            except TimeoutError:
+                continue
             except OSError:
                 return
             if data.startswith(PROBE_MAGIC):
@@ -70,8 +79,11 @@ class ProbeResponder:
         while not self._stop.is_set():
             try:
                 conn, _ = self.tcp.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            conn.settimeout(None)
             threading.Thread(target=self._transfer, args=(conn,), daemon=True).start()
 
     @staticmethod

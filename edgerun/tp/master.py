@@ -53,6 +53,8 @@ class Master:
         config = config or MasterConfig()
         self.model, self.key, self.predictors, self.log = model, key, predictors, log
         self.model_sha256 = model_sha256(model.path)
+        # Settings are checked before anything is opened: a refused master leaves no thread or socket behind.
+        unit_order_for(model, self.model_sha256, config.mapping, predictors, config.group_size)
         host, port = config.host, config.port
         self.model_server = None if config.files_port is not None else \
             ModelServer(model.path, self.model_sha256, host)
