@@ -441,6 +441,26 @@ def test_bench_pp_rows_use_every_worker_and_compare_with_the_single_engine() -> 
 
 
 @pytest.mark.slow
+def test_bench_pp_times_hot_swaps_that_move_kv_and_keep_the_tokens() -> None:
+    """`bench pp --swap-context N`: a swap that moves the two workers' boundary keeps each layer's KV where its
+    worker stays (a quarter of the layers travel, pre-copied while the request ran), a swap to a third worker
+    sends every layer; both requests give the single engine's tokens and prefill nothing again."""
+    proc = run_subprocess(["bench", "pp", "--workers", "1", "--route", "chain", "--tokens", "4",
+                           "--swap-context", "200", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    swaps = [r for r in rows if "swap" in r]
+    assert [(r["swap"], r["layers_sent"], r["layers_kept"], r["layers_precopied"]) for r in swaps] == [
+        ("boundary", 7, 23, 7), ("new worker", 30, 0, 30)]
+    for r in swaps:
+        assert r["same_tokens"] and r["context"] >= 200
+        assert 0 < r["token_ms"] < r["swap_ms"] < r["prefill_ms"]  # moving KV beats prefilling the context again
+        assert r["pause_ms"] == pytest.approx(r["swap_ms"] - r["token_ms"])
+    bad = run_subprocess(["bench", "pp", "--swap-context", "-1"])
+    assert bad.returncode == 2 and "--swap-context" in bad.stderr
+
+
+@pytest.mark.slow
 def test_bench_pp_times_a_browser_tab_against_a_native_pass_over_its_stage() -> None:
     """`bench pp --browser 1`: a row with a headless Chromium tab in the pipeline (through the master: a tab
     cannot take a predecessor's connection), and the tab's pass over its stage beside a native one."""

@@ -383,3 +383,38 @@ def reference_run(model: Model, text: str, n: int) -> list[int]:
     """The single-process engine's greedy tokens (int8 activations, the default)."""
     return generate(OnnxEngine(model, 256, threads=1), model.tokenizer.encode(text), n,
                     Sampler(SamplingParams())).tokens
+
+
+def test_kv_rows_move_between_stage_sessions_in_parts_or_by_handover(model: Model) -> None:
+    """A stage session's KV rows, fetched in two parts (`since`) and loaded into another session, or its buffers
+    adopted by one that holds the same layers, let that session go on exactly as the first does; rows that do
+    not fit are refused."""
+    from edgerun.model.onnx_engine import StageSession
+    from edgerun.model.onnx_graph import StageSpec, cached_stage
+    from edgerun.pp.worker import hand_over_kv
+
+    c = model.config
+    spec = StageSpec.for_layers(c, 0, c.n_layers, Activations.INT8)
+    directory = cached_stage(model.path, c, model.weights, spec)
+    sessions = [StageSession(directory, c, 0, c.n_layers, 64, threads=1) for _ in range(4)]
+    source, twin, copied, adopted = sessions
+    ids = np.asarray([model.tokenizer.encode(PROMPT)], np.int64)
+    assert ids.shape[1] > 3
+    source.run(ids)
+    twin.run(ids)
+    for layer in range(c.n_layers):  # rows 0-2 first (a pre-copy), then the rest (the swap's delta)
+        head_k, head_v = (a[:, :, :3] for a in source.kv_rows(layer))
+        copied.load_kv_rows(layer, head_k, head_v)
+        copied.load_kv_rows(layer, *source.kv_rows(layer, since=3), since=3)
+    assert hand_over_kv(twin, adopted) == list(range(c.n_layers))
+    assert copied.position == adopted.position == source.position == ids.shape[1]
+    step = np.asarray([[42]], np.int64)
+    expected = source.run(step)
+    assert np.array_equal(copied.run(step), expected) and np.array_equal(adopted.run(step), expected)
+    keys, values = source.kv_rows(0)
+    with pytest.raises(ValueError, match="do not fit"):
+        copied.load_kv_rows(0, keys[:, :1], values[:, :1])  # one KV head of several
+    with pytest.raises(ValueError, match="do not fit"):
+        copied.load_kv_rows(0, keys, values, since=60)  # past the context
+    with pytest.raises(ValueError, match="no KV rows"):
+        source.kv_rows(0, since=source.position + 1)

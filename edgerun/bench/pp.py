@@ -10,18 +10,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from edgerun.bench.single import cluster_baseline_ms
 from edgerun.errors import EdgerunError
+from edgerun.model.generate import generate
 from edgerun.model.loader import Model
+from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
+from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import derive_key
 from edgerun.pp.deployment import dequantized_expansion
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Route
-from edgerun.sched.pp_plan import plan_exec_us
+from edgerun.sched.pp_plan import PPPlan, Stage, plan_exec_us
 from edgerun.sched.profiles import model_profile
 
 SECRET = "edgerun-bench"
@@ -236,6 +240,7 @@ def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
 
 
 SETTLE_S = 60.0  # the longest a row waits for the pipeline to settle before it is timed
+SWAP_TOKENS = 128  # a swap benchmark's request: long enough for the staged plan to load while it runs
 WARMUP_TOKENS = 8  # a request before the timed one: sessions, caches, the workers' speed samples
 
 
@@ -313,6 +318,103 @@ def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], t
                                      threads)
     return dataclasses.replace(row, tab_layers=f"{stage.first_layer}-{stage.end_layer - 1}", tab_pass_ms=tab_ms,
                                native_pass_ms=native[activations], native_f32_pass_ms=native[Activations.F32])
+
+
+# --- bench pp --swap-context: the pause of a hot swap mid-request ------------------------------------------------
+@dataclass(frozen=True)
+class SwapRow:
+    """One hot swap mid-request at `context` cached positions, on two native workers (w0, w1) running layers
+    [0, h) and [h, n). "boundary": the plan moves the boundary (w0 takes [0, h + n/4)), so each worker keeps the
+    KV of the layers it still holds and only the quarter that changes hands travels; "new worker": a third
+    worker takes every layer, so every layer's KV travels."""
+
+    kind: str
+    context: int
+    layers_sent: int  # layers whose KV went over the network (old worker -> master -> new worker)
+    layers_kept: int  # layers whose KV its worker handed from its old session to its new one
+    layers_precopied: int  # of those sent, layers whose rows went before the swap, while the request ran
+    swap_ms: float  # from the swap's start to the next token, that token's pass included
+    token_ms: float  # the request's mean one-token step before the swap, for comparison
+    prefill_ms: float  # the request's prefill of the context: what a swap that prefills again pays at least
+    same_tokens: bool  # the request's tokens, swap and all, are the single-process engine's
+
+    @property
+    def pause_ms(self) -> float:
+        """What the swap adds to the token it precedes."""
+        return self.swap_ms - self.token_ms
+
+
+def _plan_of(plan: PPPlan, stages: Sequence[Stage]) -> PPPlan:
+    """`plan` made to run these stages (the bench's own split, not the planner's)."""
+    zeros = tuple(0.0 for _ in stages)
+    return dataclasses.replace(plan, stages=tuple(stages), stage_compute_s=zeros, stage_network_s=zeros)
+
+
+def bench_swap(model: Model, context: int, threads: int = 1, activations: Activations = Activations.INT8,
+               progress: Callable[[str], None] = lambda _: None) -> list[SwapRow]:
+    """Both swaps of SwapRow at `context` positions. Every worker's budget holds two copies of the model, so the
+    staged stages load beside the running ones (a swap without that room loads them at the swap)."""
+    n = model.config.n_layers
+    if n < 4:
+        raise EdgerunError(f"a swap benchmark needs a model of at least 4 layers, not {n}")
+    words = (PROMPT + " ") * (context // 4 + 8)
+    prompt = model.tokenizer.encode(words)[:context]
+    if len(prompt) < context:
+        raise EdgerunError(f"the benchmark's text makes {len(prompt)} tokens, fewer than --swap-context {context}")
+    layers = model_profile(model.name, model.config, model.weights,
+                           context=context + SWAP_TOKENS + 8).layer_memory_bytes
+    budget = 2.2 * sum(layers) / 1e6
+    progress("the single-process engine's tokens for the same request")
+    engine = OnnxEngine(model, len(prompt) + SWAP_TOKENS + 8, threads=threads, activations=activations)
+    reference = generate(engine, prompt, SWAP_TOKENS, Sampler(SamplingParams())).tokens
+    return [_swap_row(model, kind, prompt, reference, budget, threads, activations, progress)
+            for kind in ("boundary", "new worker")]
+
+
+def _swap_row(model: Model, kind: str, prompt: list[int], reference: list[int], budget: float, threads: int,
+              activations: Activations, progress: Callable[[str], None]) -> SwapRow:
+    n, h = model.config.n_layers, model.config.n_layers // 2
+    progress(f"hot swap at {len(prompt)} positions ({kind})")
+    with local_pipeline(model, [budget] * 3, len(prompt) + SWAP_TOKENS + 8, threads=threads,
+                        activations=activations) as (master, _):
+        d = master.deployment
+        master.net.call(master.repartitioner.cancel)  # the bench chooses the plans, not the repartition loop
+        base = master.start()
+        master.net.run(d.replan(_plan_of(base, [Stage("w0", 0, h), Stage("w1", h, n)])))
+        target = _plan_of(base, [Stage("w0", 0, h + n // 4), Stage("w1", h + n // 4, n)] if kind == "boundary"
+                          else [Stage("w2", 0, n)])
+        times: list[float] = []
+        staging: list[Future[bool]] = []
+
+        def stage_after_three(_: int) -> None:
+            """After the third token the plan is staged in the background of the request (as the repartition
+            loop stages one): its workers load their stages and take the rows cached so far while tokens go on."""
+            times.append(time.perf_counter())
+            if len(times) == 3:
+                staging.append(master.net.submit(d.stage(target)))
+            elif len(times) == SWAP_TOKENS - 8 and not staging[0].done():  # a slow machine: the swap still comes
+                staging[0].result(SETTLE_S)
+
+        started = time.perf_counter()
+        tokens = master.generate(prompt, SWAP_TOKENS, on_token=stage_after_three)
+        if not staging[0].result(SETTLE_S) or len(master.swap_seconds) != 1 or \
+                master.prefill_lengths != [len(prompt)] or \
+                [s.worker for s in master.plan.stages] != [s.worker for s in target.stages]:
+            raise EdgerunError(f"the hot swap did not happen within the request's {SWAP_TOKENS} tokens (the "
+                               "master's log says why)")
+        kept = len({layer for layers in d.kept_kv.values() for layer in layers})
+        return SwapRow(kind, master.swap_positions[0], n - kept, kept, len(d.precopied), master.swap_seconds[0] * 1e3,
+                       (times[2] - times[0]) / 2 * 1e3, (times[0] - started) * 1e3, tokens == reference)
+
+
+def swap_table(rows: Sequence[SwapRow]) -> str:
+    lines = [f"{'swap':>10} {'context':>7} {'KV sent':>7} {'pre-copied':>10} {'KV kept':>7} {'swap ms':>8} "
+             f"{'token ms':>8} {'pause ms':>8} {'prefill ms':>10} {'= single':>8}"]
+    lines += [f"{r.kind:>10} {r.context:>7} {r.layers_sent:>7} {r.layers_precopied:>10} {r.layers_kept:>7} "
+              f"{r.swap_ms:>8.1f} {r.token_ms:>8.1f} {r.pause_ms:>8.1f} {r.prefill_ms:>10.1f} "
+              f"{'yes' if r.same_tokens else 'NO':>8}" for r in rows]
+    lines.append("swap ms: from the swap's start to the next token; pause ms: that less a one-token step before it")
+    return "\n".join(lines)
 
 
 def pp_table(rows: Sequence[PpRow], single: float, activations: Activations) -> str:

@@ -77,7 +77,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_pp(args: argparse.Namespace) -> None:
-    from edgerun.bench.pp import bench_pp, pp_table
+    from edgerun.bench.pp import SWAP_TOKENS, bench_pp, bench_swap, pp_table, swap_table
     from edgerun.model.loader import load_model
     from edgerun.model.onnx_graph import Activations
     from edgerun.pp.deployment import Route
@@ -96,14 +96,26 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         raise EdgerunError("--route needs at least one of chain, star")
     if args.browser < 0:
         raise EdgerunError("--browser must be 0 or more")
-    rows, single = bench_pp(load_model(args.model), counts, args.tokens, args.threads, activations, routes,
-                            args.browser,
-                            progress=lambda m: print(f"local pipeline: {m}...", file=sys.stderr, flush=True))
+    if args.swap_context < 0:
+        raise EdgerunError("--swap-context must be 0 (no swap rows) or more")
+    model = load_model(args.model)
+    if args.swap_context + SWAP_TOKENS + 8 > model.config.context_length > 0:
+        raise EdgerunError(f"--swap-context {args.swap_context} and the swap request's {SWAP_TOKENS} tokens exceed "
+                           f"the model's context of {model.config.context_length}")
+    def progress(m: str) -> None:
+        print(f"local pipeline: {m}...", file=sys.stderr, flush=True)
+
+    rows, single = bench_pp(model, counts, args.tokens, args.threads, activations, routes, args.browser,
+                            progress=progress)
+    swaps = bench_swap(model, args.swap_context, args.threads, activations, progress) if args.swap_context else []
     if args.json:
         print(json.dumps([asdict(r) | {"single_ms_per_token": single, "activations": activations.value}
-                          for r in rows], indent=2))
+                          for r in rows] + [{"swap": r.kind} | asdict(r) | {"pause_ms": r.pause_ms} for r in swaps],
+                         indent=2))
     else:
         print(pp_table(rows, single, activations))
+        if swaps:
+            print(swap_table(swaps))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -143,7 +155,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "Playwright and Debian's chromium; the tabs use --threads WebAssembly threads) (default: 0)")
     p.add_argument("--route", default="chain,star", help=f"routes to time, comma-separated: {ROUTE_HELP} "
                    "(default: chain,star)")
-    p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+    p.add_argument("--swap-context", type=int, default=0, metavar="N",
+                   help="also time hot swaps mid-request at N positions of context (1000 for the target): two "
+                        "workers' boundary moving, and a third worker taking every layer; the swap's time to the "
+                        "next token, the pause it adds, and the prefill a swap without KV moves would pay "
+                        "(default: 0, none)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table (swap rows "
+                   "carry a \"swap\" key)")
     p.set_defaults(func=cmd_bench_pp)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
                          description="Start a master in this process and node processes on loopback, generate "

@@ -88,23 +88,41 @@ class StageSession:
         self.position = length
         return length
 
-    def kv_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """One layer's keys and values of the positions cached, (1, kv heads, position, head dim) each."""
-        past_k, past_v, _, _ = kv_names(layer)
-        return (np.ascontiguousarray(self.kv[past_k][:, :, :self.position]),
-                np.ascontiguousarray(self.kv[past_v][:, :, :self.position]))
+    def adopt_kv(self, other: StageSession, layer: int) -> None:
+        """Take over another session's KV buffers of one layer, cached rows and all, without copying them (a
+        worker swapping stages keeps the layers both hold); the other session must not run again."""
+        if layer not in self.layers or layer not in other.layers or other.max_len != self.max_len:
+            raise ValueError(f"layer {layer}'s KV buffers do not fit this stage")
+        past_k, past_v, present_k, present_v = kv_names(layer)
+        for past, present in ((past_k, present_k), (past_v, present_v)):
+            self.kv[past] = other.kv[past]
+            buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
+            self.binding.bind_ortvalue_input(past, buffer)
+            self.binding.bind_ortvalue_output(present, buffer)
+        self.position = other.position
 
-    def load_kv_rows(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
-        """Continue after these keys and values of one layer (another session's kv_rows): once every layer of
-        the stage is loaded, the next run starts at their length."""
+    def kv_rows(self, layer: int, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's keys and values of the positions cached from `since` on, (1, kv heads, positions, head
+        dim) each."""
         past_k, past_v, _, _ = kv_names(layer)
-        length = keys.shape[2]
+        if layer not in self.layers or not 0 <= since <= self.position:
+            raise ValueError(f"no KV rows of layer {layer} from position {since} here")
+        return (np.ascontiguousarray(self.kv[past_k][:, :, since:self.position]),
+                np.ascontiguousarray(self.kv[past_v][:, :, since:self.position]))
+
+    def load_kv_rows(self, layer: int, keys: np.ndarray, values: np.ndarray, since: int = 0) -> None:
+        """Continue after these keys and values of one layer (another session's kv_rows from `since` on, the
+        rows before it loaded already): once every layer of the stage is loaded, the next run starts after
+        them."""
+        past_k, past_v, _, _ = kv_names(layer)
+        length = keys.shape[2] if keys.ndim == 4 else -1
         expected = (1, self.config.n_kv_heads, length, self.config.head_dim)
-        if layer not in self.layers or keys.shape != expected or values.shape != expected or length > self.max_len:
-            raise ValueError(f"KV rows {keys.shape} for layer {layer} do not fit this stage")
-        self.kv[past_k][:, :, :length] = keys
-        self.kv[past_v][:, :, :length] = values
-        self.position = length
+        if layer not in self.layers or keys.shape != expected or values.shape != expected or since < 0 or \
+                since + length > self.max_len:
+            raise ValueError(f"KV rows {keys.shape} from position {since} for layer {layer} do not fit this stage")
+        self.kv[past_k][:, :, since:since + length] = keys
+        self.kv[past_v][:, :, since:since + length] = values
+        self.position = since + length
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """Run token ids (1, seq) or hidden states (1, seq, hidden) after the positions cached; return

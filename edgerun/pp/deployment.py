@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from enum import Enum
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_p
 
 REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan this often
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
+KV_TIMEOUT_S = 120.0  # one layer's KV rows fetched or loaded
 
 
 def dequantized_expansion(model: Model) -> float:
@@ -96,6 +97,10 @@ class Deployment:
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
         self.staged: PPPlan | None = None  # a better plan whose files are on its workers: swapped in mid-request
         self.shadow: PPPlan | None = None  # a standby plan whose files are on its workers: taken on a loss
+        self.preloaded: set[str] = set()  # workers holding the staged plan's stage loaded beside the one they serve
+        self.kept_kv: dict[str, list[int]] = {}  # per worker, the layers whose KV it handed over itself (hot swap)
+        # Per (worker, layer), the KV rows copied into its staged stage while the request ran (hot swap).
+        self.precopied: dict[tuple[str, int], int] = {}
         self.state = PipelineState.DOWN
         self.overheads: deque[float] = deque(maxlen=SPEED_SAMPLES)  # seconds per stage pass beyond compute
         self.changed = asyncio.Event()  # a worker joined or left: the repartition loop looks again
@@ -212,10 +217,7 @@ class Deployment:
         if accept(candidate, self.plan, self.profile, devices, params=self.cost_params()):
             if self.busy:
                 self.log(f"a better plan, prepared beside the running one: {describe(candidate)}")
-                await self._download_plan(candidate)
-                if self.busy:
-                    self.staged = candidate
-                    self.log("the better plan is staged: the request swaps to it at its next token")
+                if await self.stage(candidate):
                     return
             self.log("repartitioning (a better plan)")
             await self.replan(candidate)
@@ -257,6 +259,124 @@ class Deployment:
             for name, request in requests.items():
                 self.workers[name].downloads.pop(request, None)
 
+    async def stage(self, plan: PPPlan) -> bool:
+        """Prepare `plan` beside the running one while a request runs (its workers fetch their files and, where
+        their budgets allow, load its sessions); True when it is staged: the request swaps to it at its next
+        token. False when the request ended meanwhile (the caller deploys it plainly)."""
+        await self._download_plan(plan)
+        await self._preload(plan)
+        if self.busy:
+            await self._precopy_kv(plan)
+        if not self.busy:
+            return False
+        self.staged = plan
+        self.log("the better plan is staged: the request swaps to it at its next token")
+        return True
+
+    def _stage_mb(self, first: int, end: int) -> float:
+        return sum(self.profile.layer_weight_bytes[first:end]) / 1e6
+
+    async def _preload(self, plan: PPPlan) -> None:
+        """Every native worker of `plan` whose budget holds its new stage beside the one it serves loads the new
+        one's session now, in the background of the request (PREPARE_MODEL with `preload`): the swap then hands
+        over sessions instead of loading them."""
+        self.preloaded = set()
+        serving = {s.worker: self._stage_mb(s.first_layer, s.end_layer) for s in self.plan.stages} if self.plan \
+            else {}
+        due = []
+        for s in plan.stages:
+            worker = self.workers[s.worker]
+            if worker.kind != "native" or self.dequantized(worker) or \
+                    serving.get(s.worker, 0.0) + self._stage_mb(s.first_layer, s.end_layer) > self.budget_mb(worker):
+                continue
+            spec = self.spec(s, s.worker)
+            files = await asyncio.get_running_loop().run_in_executor(None, self._stage_files, spec)
+            stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
+            due.append((worker, {"stage": stage, "files": files, "preload": {"max_len": self.max_len}}))
+        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
+                                                           PREPARE_TIMEOUT_S) for worker, message in due),
+                                       return_exceptions=True)
+        for (worker, _), reply in zip(due, replies, strict=True):
+            if isinstance(reply, tuple) and reply[0].get("loaded"):
+                self.preloaded.add(worker.name)
+        if self.preloaded:
+            self.log(f"staged stages loaded beside the running ones on {', '.join(sorted(self.preloaded))}")
+
+    def kv_staying(self, plan: PPPlan) -> set[int]:
+        """The layers whose KV stays on its worker in a hot swap to `plan`: held by the same worker before and
+        after, whose new stage is preloaded (it copies them from its old session to its new one itself)."""
+        before = {layer: names[0] for s, names in zip(self.plan.stages, self.stage_workers, strict=True)
+                  for layer in range(s.first_layer, s.end_layer)} if self.plan else {}
+        return {layer for s in plan.stages if s.worker in self.preloaded
+                for layer in range(s.first_layer, s.end_layer) if before.get(layer) == s.worker}
+
+    # --- moving KV caches on a hot swap ---------------------------------------------------------------------
+    def all_native(self, plan: PPPlan) -> bool:
+        """Every worker of the running plan and of `plan` is native (the browser page does not take part in KV
+        moves)."""
+        names = [name for names in self.stage_workers for name in names] + [s.worker for s in plan.stages]
+        return all(self.workers[name].kind == "native" for name in names)
+
+    async def fetch_kv(self, layers: Iterable[int], since: dict[int, int],
+                       length: int | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The keys and values of these layers from position since[layer] on (0 where absent) up to `length` (all
+        the worker holds: None), each from a live worker of the running stage that holds it, one frame per layer
+        (authenticated, as every frame)."""
+        holders = {layer: next(self.workers[name] for name in names if self.workers[name].alive)
+                   for s, names in zip(self.plan.stages, self.stage_workers, strict=True)
+                   for layer in range(s.first_layer, s.end_layer)}
+        wanted = {layer: holders[layer] for layer in layers}
+        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.KV_FETCH,
+                                                           {"layer": layer, "since": since.get(layer, 0)},
+                                                           PpMsg.KV_DATA, KV_TIMEOUT_S)
+                                         for layer, worker in wanted.items()))
+        moved = {}
+        for (layer, worker), (_, tensors) in zip(wanted.items(), replies, strict=True):
+            keys, values = tensors.get("keys"), tensors.get("values")
+            if keys is None or values is None or keys.shape != values.shape or keys.ndim != 4 or \
+                    (length is not None and keys.shape[2] != length - since.get(layer, 0)):
+                await self.workers.expel(worker, f"returned KV rows of layer {layer} that do not fit")
+            moved[layer] = (keys, values)
+        return moved
+
+    async def load_kv(self, moved: dict[int, tuple[np.ndarray, np.ndarray]], since: dict[int, int]) -> bool:
+        """After a hot swap's deployment: every worker of the new plan goes on from the moved rows of its stage's
+        layers (placed from since[layer] on, after the rows pre-copied into its staged stage), or from those
+        it kept itself. False, loading nothing, if some layer's rows are in neither."""
+        due = [(name, layer) for s, names in zip(self.plan.stages, self.stage_workers, strict=True)
+               for name in names for layer in range(s.first_layer, s.end_layer)
+               if layer not in self.kept_kv.get(name, ())]
+        if any(layer not in moved or (since.get(layer, 0) and self.precopied.get((name, layer)) != since[layer])
+               for name, layer in due):
+            return False
+        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD,
+                                                 {"layer": layer, "since": since.get(layer, 0)}, PpMsg.KV_LOADED,
+                                                 KV_TIMEOUT_S, {"keys": moved[layer][0], "values": moved[layer][1]})
+                               for name, layer in due))
+        return True
+
+    async def _precopy_kv(self, plan: PPPlan) -> None:
+        """While the request runs, the rows cached so far of every layer that a swap to `plan` moves to a
+        preloaded worker go into that worker's staged stage: the swap then sends only the rows after them."""
+        self.precopied = {}
+        if self.plan is None or not self.all_native(plan):
+            return
+        staying = self.kv_staying(plan)
+        targets = {layer: s.worker for s in plan.stages if s.worker in self.preloaded
+                   for layer in range(s.first_layer, s.end_layer) if layer not in staying}
+        if not targets:
+            return
+        moved = await self.fetch_kv(targets, {})
+        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD, {"layer": layer, "staged": True},
+                                                 PpMsg.KV_LOADED, KV_TIMEOUT_S,
+                                                 {"keys": moved[layer][0], "values": moved[layer][1]})
+                               for layer, name in targets.items()))
+        self.precopied = {(name, layer): int(moved[layer][0].shape[2]) for layer, name in targets.items()}
+
+    def precopied_rows(self) -> dict[int, int]:
+        """Per layer pre-copied to the staged plan's worker, the rows it holds there."""
+        return {layer: rows for (_, layer), rows in self.precopied.items()}
+
     async def _plan(self, devices: list[DeviceProfile], current: PPPlan | None = None) -> PPPlan:
         if not devices:
             raise EdgerunError("no workers connected")
@@ -282,6 +402,8 @@ class Deployment:
         loop = asyncio.get_running_loop()
         self.state = PipelineState.COMMITTING if hot else PipelineState.DOWN
         self.staged = self.shadow = None  # both were made for the plan being replaced
+        preloaded, self.preloaded, self.kept_kv = self.preloaded, set(), {}
+        precopied, self.precopied = self.precopied, {}
         plan = plan or await self._plan(self.devices())
         self.log(f"plan: {describe(plan)}")
         if not hot:
@@ -293,10 +415,17 @@ class Deployment:
                 spec = self.spec(s, name)
                 files = await loop.run_in_executor(None, self._stage_files, spec)
                 stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
-                prepare.append((self.workers[name], {"stage": stage, "files": files}))
-        await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
-                                                 PREPARE_TIMEOUT_S)
-                               for worker, message in prepare))
+                # A hot swap: a preloaded worker copies the KV of the layers it keeps from its old session.
+                prepare.append((self.workers[name], {"stage": stage, "files": files,
+                                                     "keep_kv": hot and name in preloaded}))
+        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
+                                                           PREPARE_TIMEOUT_S)
+                                         for worker, message in prepare))
+        self.kept_kv = {worker.name: [int(layer) for layer in reply.get("kept", [])]
+                        for (worker, _), (reply, _) in zip(prepare, replies, strict=True)}
+        # Rows pre-copied into a staged stage count where its worker took that stage.
+        took = {worker.name for (worker, _), (reply, _) in zip(prepare, replies, strict=True) if reply.get("preloaded")}
+        self.precopied = {key: rows for key, rows in precopied.items() if key[0] in took}
         self.state = PipelineState.COMMITTING
         chained = self._chainable(stage_workers)
         commits = [{"max_len": self.max_len} for _ in stage_workers]

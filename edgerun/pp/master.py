@@ -111,6 +111,7 @@ class PipelineMaster:
         self.stragglers: set[asyncio.Task] = set()  # replicas' answers that lost the race, still arriving
         self.recovery_seconds: list[float] = []  # from losing a worker to the next token, per recovery
         self.swap_seconds: list[float] = []  # from starting a hot swap to the next token, per swap
+        self.swap_positions: list[int] = []  # the positions whose KV moved, per swap that moved KV
         # The context length of every pass from position 0: a request's prefill, then one per recovery or swap that
         # prefilled its context again (with int8 activations a prefill of many tokens rounds unlike the one-token
         # steps that first made them, so tokens after it may differ from an uninterrupted run's at near-ties).
@@ -270,38 +271,8 @@ class PipelineMaster:
         """Whether a swap to `plan` can move the running stages' KV caches to its stages instead of prefilling
         `context` tokens again: the caches hold all but the last of them, and every worker of both plans is
         native (the browser page does not take part in moves)."""
-        d = self.deployment
-        old = [name for names in d.stage_workers for name in names]
-        new = [s.worker for s in plan.stages]
         return self.cached_length is not None and self.cached_length == context - 1 > 0 and \
-            all(self.workers[name].kind == "native" for name in old + new)
-
-    async def _fetch_kv(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Every layer's keys and values from a live worker of the running stage that holds it, one frame per
-        layer (authenticated, as every frame)."""
-        d = self.deployment
-        holders = {layer: next(self.workers[name] for name in names if self.workers[name].alive)
-                   for s, names in zip(d.plan.stages, d.stage_workers, strict=True)
-                   for layer in range(s.first_layer, s.end_layer)}
-        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.KV_FETCH, {"layer": layer}, PpMsg.KV_DATA,
-                                                           COMPUTE_TIMEOUT_S) for layer, worker in holders.items()))
-        moved = {}
-        for (layer, worker), (_, tensors) in zip(holders.items(), replies, strict=True):
-            keys, values = tensors.get("keys"), tensors.get("values")
-            if keys is None or values is None or keys.shape != values.shape or keys.ndim != 4 or \
-                    keys.shape[2] != self.cached_length:
-                await self.workers.expel(worker, f"returned KV rows of layer {layer} that do not fit")
-            moved[layer] = (keys, values)
-        return moved
-
-    async def _load_kv(self, moved: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Every worker of the new plan continues from the moved rows of its stage's layers."""
-        d = self.deployment
-        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD, {"layer": layer},
-                                                 PpMsg.KV_LOADED, COMPUTE_TIMEOUT_S,
-                                                 {"keys": moved[layer][0], "values": moved[layer][1]})
-                               for s, names in zip(d.plan.stages, d.stage_workers, strict=True) for name in names
-                               for layer in range(s.first_layer, s.end_layer)))
+            self.deployment.all_native(plan)
 
     # --- the generation loop's interface (model.generate): a step returns the last stage's sampled token ----
     def reset(self) -> None:
@@ -332,14 +303,26 @@ class PipelineMaster:
         if d.ready(d.staged) and d.stages_alive():
             swapped_at = time.perf_counter()
             self.log("hot swap")
-            moved = await self._fetch_kv() if self._kv_movable(d.staged, len(tokens)) else None
+            # The layers that change workers: their rows since the pre-copy (all of them without one).
+            since = d.precopied_rows()
+            moving = [layer for layer in range(self.model.config.n_layers) if layer not in d.kv_staying(d.staged)]
+            moved = await d.fetch_kv(moving, since, self.cached_length) \
+                if self._kv_movable(d.staged, len(tokens)) else None
+            fetched_at = time.perf_counter()
             await d.replan(d.staged, hot=True)
-            if moved is not None:  # the new stages continue where the old ones stood: no prefill
-                await self._load_kv(moved)
+            deployed_at = time.perf_counter()
+            if moved is not None and await d.load_kv(moved, since):  # the new stages go on where the old ones stood
+                loaded_at = time.perf_counter()
                 token = await self._forward(tokens[-1:], len(tokens) - 1, sampling)
                 self.swap_seconds.append(time.perf_counter() - swapped_at)
-                self.log(f"hot swap done in {self.swap_seconds[-1]:.2f} s, the KV cache of {len(tokens) - 1} "
-                         "positions moved to the new stages")
+                self.swap_positions.append(len(tokens) - 1)
+                kept = sorted({layer for layers in d.kept_kv.values() for layer in layers})
+                self.log(f"hot swap done in {self.swap_seconds[-1] * 1e3:.0f} ms: the KV cache of {len(tokens) - 1} "
+                         f"positions moved to the new stages ({len(moved)} layers sent, {len(since)} of them "
+                         f"pre-copied, {len(kept)} kept by their workers; fetch "
+                         f"{(fetched_at - swapped_at) * 1e3:.0f} ms, deploy {(deployed_at - fetched_at) * 1e3:.0f} "
+                         f"ms, load {(loaded_at - deployed_at) * 1e3:.0f} ms, "
+                         f"the next token {(time.perf_counter() - loaded_at) * 1e3:.0f} ms)")
                 return token
         elif d.state != PipelineState.UP or not d.stages_alive():
             await d.replan(d.fallback())

@@ -85,6 +85,24 @@ class _Stage:
     directory: Path
     session: StageSession | None = None
 
+    def same_place(self, other: _Stage) -> bool:
+        """The same layers from the same files."""
+        return (self.first_layer, self.end_layer, self.lm_head, self.directory) == \
+            (other.first_layer, other.end_layer, other.lm_head, other.directory)
+
+
+def hand_over_kv(old: StageSession, new: StageSession) -> list[int]:
+    """Give the new session the cached keys and values of the layers both sessions hold (a swap between stages
+    of one worker moves nothing over the network for them): their buffers where the context lengths match,
+    else a copy of their rows. The layers handed over."""
+    shared = [layer for layer in old.layers if layer in new.layers]
+    for layer in shared:
+        if old.max_len == new.max_len:
+            new.adopt_kv(old, layer)
+        else:
+            new.load_kv_rows(layer, *old.kv_rows(layer))
+    return shared
+
 
 SUMMARY_S = 5.0  # how often a verbose worker says what it did
 CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handshake counts as unreachable
@@ -105,6 +123,7 @@ class PipelineWorker:
         self.base_url = f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}"  # files come over HTTP
         self.config: ModelConfig | None = None
         self.stage: _Stage | None = None
+        self.preloaded: _Stage | None = None  # a staged plan's stage, loaded beside the one serving
         self.max_len = 0
         self.downloads: set[asyncio.Task] = set()  # DOWNLOAD_LAYERS in progress
         self.peer_port = peer_port  # where the previous stage of a chained route connects (0: any, then the one taken)
@@ -176,7 +195,8 @@ class PipelineWorker:
         if not from_master and kind != PpMsg.COMPUTATION:  # a peer only hands on passes
             self.log(f"worker {self.name}: dropped a {kind.name} from a peer")
             return
-        if kind == PpMsg.DOWNLOAD_LAYERS:  # in the background: the stage held now keeps serving
+        if kind == PpMsg.DOWNLOAD_LAYERS or (kind == PpMsg.PREPARE_MODEL and message.get("preload") is not None):
+            # In the background: the stage held now keeps serving while files come and a staged stage loads.
             task = asyncio.create_task(self._answer(kind, request, message, tensors))
             self.downloads.add(task)
             task.add_done_callback(self.downloads.discard)
@@ -222,29 +242,43 @@ class PipelineWorker:
                 _, seconds, size = await loop.run_in_executor(None, download, self.base_url, sha)
                 await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": sha, "seconds": seconds, "bytes": size})
         elif kind == PpMsg.PREPARE_MODEL:
-            self._release()
             stage = message["stage"]
             directory = cache_root() / "pp" / "stages" / hashlib.sha256(
                 "".join(f["sha256"] for f in message["files"]).encode()).hexdigest()[:24]
-            directory.mkdir(parents=True, exist_ok=True)
-            for f in message["files"]:
-                path, seconds, size = await loop.run_in_executor(None, download, self.base_url, f["sha256"])
-                if size:  # fetched now (not from the cache): the master learns the link's bandwidth from it
-                    await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": f["sha256"], "seconds": seconds,
-                                                                     "bytes": size})
-                link = directory / f["name"]
-                if not link.exists():
-                    link.symlink_to(path)
-            self.stage = _Stage(int(stage["first_layer"]), int(stage["end_layer"]), bool(stage["lm_head"]), directory)
-            await self._send(PpMsg.PREPARE_DONE, request, {})
+            new = _Stage(int(stage["first_layer"]), int(stage["end_layer"]), bool(stage["lm_head"]), directory)
+            preload = message.get("preload")
+            if preload is not None:  # a staged plan's stage, loaded beside the one serving: its swap is a handover
+                await self._fetch_files(request, message["files"], directory)
+                new.session = await loop.run_in_executor(None, StageSession, directory, self.config, new.first_layer,
+                                                         new.end_layer, int(preload["max_len"]), self.threads,
+                                                         self.providers)
+                self.preloaded = new
+                await self._send(PpMsg.PREPARE_DONE, request, {"loaded": True})
+                return
+            old, ready, self.preloaded = self.stage, self.preloaded, None
+            self._release()
+            kept: list[int] = []
+            took = ready is not None and ready.same_place(new)
+            if took:
+                if message.get("keep_kv") and old is not None and old.session is not None and old.session.position:
+                    kept = hand_over_kv(old.session, ready.session)
+                self.stage = ready
+            else:
+                del ready  # not this stage: its memory goes before the files are fetched
+                await self._fetch_files(request, message["files"], directory)
+                self.stage = new
+            del old
+            await self._send(PpMsg.PREPARE_DONE, request, {"loaded": self.stage.session is not None, "kept": kept,
+                                                           "preloaded": took})
         elif kind == PpMsg.COMMIT_MODEL:
             if self.stage is None:
                 raise ValueError("commit before prepare")
             start = time.perf_counter()
             self.max_len = int(message["max_len"])
             s = self.stage
-            s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
-                                                   s.end_layer, self.max_len, self.threads, self.providers)
+            if s.session is None or s.session.max_len != self.max_len:  # else preloaded: nothing to load
+                s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
+                                                       s.end_layer, self.max_len, self.threads, self.providers)
             await self._drop_next()
             following = message.get("next")  # a chained route: where this stage's output goes
             if following is not None:
@@ -256,17 +290,25 @@ class PipelineWorker:
                      f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
         elif kind == PpMsg.COMPUTATION:
             await self._compute(request, message, tensors)
-        elif kind == PpMsg.KV_FETCH:
-            keys, values = self._session().kv_rows(int(message["layer"]))
+        elif kind == PpMsg.KV_FETCH:  # rows from position `since` on (0: all)
+            keys, values = self._session().kv_rows(int(message["layer"]), int(message.get("since", 0)))
             await self._send(PpMsg.KV_DATA, request, {}, {"keys": keys, "values": values})
-        elif kind == PpMsg.KV_LOAD:
-            self._session().load_kv_rows(int(message["layer"]), tensors["keys"], tensors["values"])
+        elif kind == PpMsg.KV_LOAD:  # rows placed from position `since`; `staged`: into the preloaded stage
+            if message.get("staged"):
+                if self.preloaded is None or self.preloaded.session is None:
+                    raise ValueError("no staged stage loaded")
+                session = self.preloaded.session
+            else:
+                session = self._session()
+            session.load_kv_rows(int(message["layer"]), tensors["keys"], tensors["values"],
+                                 int(message.get("since", 0)))
             await self._send(PpMsg.KV_LOADED, request, {})
         elif kind == PpMsg.INVALIDATE_CACHE:
             if self.stage is not None and self.stage.session is not None:
                 self.stage.session.reset()
         elif kind == PpMsg.RELEASE_SESSION:
             self._release()
+            self.preloaded = None
             await self._drop_next()
 
     def _session(self) -> StageSession:
@@ -291,6 +333,19 @@ class PipelineWorker:
 
     def _release(self) -> None:
         self.stage = None
+
+    async def _fetch_files(self, request: int, files: list[dict[str, str]], directory: Path) -> None:
+        """A stage's files into `directory` (links into the download cache), fetched where not cached."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            path, seconds, size = await asyncio.get_running_loop().run_in_executor(None, download, self.base_url,
+                                                                                   f["sha256"])
+            if size:  # fetched now (not from the cache): the master learns the link's bandwidth from it
+                await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": f["sha256"], "seconds": seconds,
+                                                                 "bytes": size})
+            link = directory / f["name"]
+            if not link.exists():
+                link.symlink_to(path)
 
     async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
         session = self._session()
