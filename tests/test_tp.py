@@ -133,6 +133,26 @@ def test_spinning_master_and_node_equal_the_reference(model: Model, reference_to
         assert master.stats.blocks_incomplete == 0
 
 
+def test_a_nodes_sync_time_is_its_arrivals_beyond_its_kernels() -> None:
+    """NodeConn.sync_s: the seconds from sending a one-token block's input to its partial's arrival, less the
+    node's kernel time over the same blocks (both as its last heartbeat found them), per block; nothing until
+    enough blocks were timed, and nothing once a new share resets them."""
+    from edgerun.tp.membership import MIN_SYNC_BLOCKS, KernelRate, NodeConn
+
+    node = NodeConn(0, "n0", None, "127.0.0.1", 0, 100.0, 1e9)
+    assert node.sync_s is None
+    node.decode = KernelRate(10**9, 0.8)
+    node.arrival_s, node.arrival_blocks = 1.4, MIN_SYNC_BLOCKS * 2
+    node.reported_arrivals = (1.0, MIN_SYNC_BLOCKS * 2)  # the heartbeat's decode time covered these
+    assert node.sync_s == pytest.approx(0.2 / (MIN_SYNC_BLOCKS * 2))
+    node.reported_arrivals = (1.0, MIN_SYNC_BLOCKS - 1)
+    assert node.sync_s is None
+    node.reported_arrivals = (0.5, MIN_SYNC_BLOCKS)  # faster than its kernels: clock noise, not a negative time
+    assert node.sync_s == 0.0
+    node.reset_estimators()
+    assert node.sync_s is None and node.arrival_blocks == 0
+
+
 @pytest.mark.slow
 def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model, reference_tokens: list[int]) -> None:
     """n0 declares itself a hundred times faster than the others and gets nearly every unit; after one request
@@ -150,6 +170,8 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
         master.fresh_reports()
         assert master.rebalance(min_gain=0.02)
         assert 0 < master.measured["n0"] < 1e11
+        # The time per block beyond its kernels of the node that took part (n1 held next to nothing: too few blocks).
+        assert 0 <= master.measured_sync["n0"] < 0.1
         assert n0_units(master) < before
         assert not master.rebalance(min_gain=0.02)  # nothing measured since: the same speeds give the same shares
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens

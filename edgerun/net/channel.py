@@ -9,9 +9,10 @@ import concurrent.futures
 import contextlib
 import select
 import socket
+import struct
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -249,6 +250,21 @@ class AsyncChannel:
             self.loop.call_soon_threadsafe(self.writer.close)
 
 
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's value, which Python does not name
+STAMP = struct.Struct("qq")  # the stamp's struct timespec: seconds, nanoseconds
+STAMP_BYTES = socket.CMSG_SPACE(STAMP.size)
+
+
+def arrival_time(ancillary: Sequence[tuple[int, int, bytes]], clock_offset: float) -> float:
+    """When a datagram arrived, in perf_counter time, from its kernel stamp (realtime, shifted by `clock_offset`);
+    now where it carries none."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= STAMP.size:
+            seconds, nanoseconds = STAMP.unpack_from(data)
+            return seconds + nanoseconds * 1e-9 + clock_offset
+    return time.perf_counter()
+
+
 class DatagramSocket:
     """A UDP socket whose authentic datagrams go to a callback: read by the event loop while the loop is idle,
     and straight off the socket by the loop's own thread while it waits on a block (`drain`), with no event-loop
@@ -270,6 +286,14 @@ class DatagramSocket:
         self.sock.bind((host, 0))
         self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
+        # The kernel stamps each datagram as it arrives: a reader busy with other work (the master computing its
+        # own share) still learns when a partial came, not when it got round to reading it.
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            self.stamped = True
+        except OSError:
+            self.stamped = False
+        self.arrived_at = 0.0  # the datagram being handed to the callback: when it arrived (perf_counter time)
         self.key, self.counters, self.on_packet = key, counters, on_packet
         self.spin_s = spin_s
         self._watched = select.poll()  # descriptors that end a spin of the loop's reader (watch_streams)
@@ -295,14 +319,20 @@ class DatagramSocket:
     def _read_available(self) -> int:
         """Hand every datagram waiting now to the callback; how many were read."""
         n = 0
+        clock_offset = time.perf_counter() - time.time()  # realtime stamps to perf_counter time
         while True:
             try:
-                data, addr = self.sock.recvfrom(MAX_UDP_PAYLOAD + 64)
+                if self.stamped:
+                    data, ancillary, _, addr = self.sock.recvmsg(MAX_UDP_PAYLOAD + 64, STAMP_BYTES)
+                else:
+                    data, addr = self.sock.recvfrom(MAX_UDP_PAYLOAD + 64)
+                    ancillary = ()
             except (BlockingIOError, InterruptedError):
                 return n
             except OSError:  # e.g. an ICMP error from an earlier send to a node that left
                 continue
             n += 1
+            self.arrived_at = arrival_time(ancillary, clock_offset)
             try:
                 header, payload = open_packet(data, self.key)
             except WireError as e:
@@ -335,7 +365,10 @@ class DatagramSocket:
     def drain(self, done: Callable[[], bool], until: Callable[[], float], watch: list[int]) -> bool:
         """Read datagrams on this thread until done() or the perf_counter time until() (re-read after every
         packet: an arrival may move it). False as soon as one of the `watch` descriptors (TCP streams the event
-        loop reads) has data or closes: the caller must then let the loop run."""
+        loop reads) has data or closes: the caller must then let the loop run. What waits on the socket already is
+        read first, deadline or not: a partial that came while the reader was busy (computing its own share)
+        is there to be taken."""
+        self._read_available()
         if self.spin_s > 0 and not self._spin(done, until, self._poller(watch, udp=False)):
             return False
         if self._drain_poller[0] != watch:  # the same streams block after block: one poller for them

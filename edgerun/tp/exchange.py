@@ -84,11 +84,12 @@ class _Wait:
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
     nodes: dict[int, NodeConn] = field(default_factory=dict)  # the participants by index
 
-    def arrive(self, index: int) -> None:
+    def arrive(self, index: int, at: float | None = None) -> None:
+        """A participant's reply is whole: it came at `at` (perf_counter time; now if not known)."""
         if index in self.arrived:
             return
         now = time.perf_counter()
-        self.arrived[index] = now - self.sent
+        self.arrived[index] = (now if at is None else min(at, now)) - self.sent
         self.outstanding -= 1
         if self.outstanding == 0:
             self.finish()
@@ -255,6 +256,11 @@ class BlockExchange:
             self.stats.incomplete_wait_s += ended - wait_start
         self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values()) + \
             w.from_parity
+        if w.tokens == 1:  # one-token blocks teach each node's synchronization time (NodeConn.sync_s)
+            for node in nodes:
+                if node.index in w.arrived:
+                    node.arrival_s += w.arrived[node.index]
+                    node.arrival_blocks += 1
         if not reliable and w.arrived and self.timeouts.fixed_s is None:  # a fixed timeout learns nothing
             first = w.first()
             for node in nodes:
@@ -313,11 +319,11 @@ class BlockExchange:
                 if vector is not None:
                     w.parts[header.node] = vector
                     w.from_parity += is_parity(header)
-                    w.arrive(header.node)
+                    w.arrive(header.node, self.datagrams.arrived_at)
                     return
                 target = w.parts[header.node] = Reassembly(w.sizes[header.node], w.nodes[header.node].datagram_bytes)
             if isinstance(target, Reassembly) and add_fragment(target, header, payload, self.counters):
-                w.arrive(header.node)
+                w.arrive(header.node, self.datagrams.arrived_at)
             return
         if self._mirror_copy(key, header.node):
             return

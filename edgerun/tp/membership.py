@@ -37,6 +37,7 @@ BW_PROBE_BYTES = 2 * 1024 * 1024
 
 
 MIN_MEASURED_S = 0.2  # a device's speed is measured from at least this much kernel time (hundreds of blocks)
+MIN_SYNC_BLOCKS = 200  # a node's synchronization time is measured over at least this many blocks
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,24 @@ class NodeConn:
     peak_rss_mb: float = 0.0
     heartbeats: int = 0
     decode: KernelRate = field(default_factory=KernelRate)  # its one-token steps on its current share
+    # One-token blocks on its current share whose partial arrived, the seconds from sending each input to its
+    # partial's arrival, and both as they stood when its last heartbeat (with `decode`) came.
+    arrival_s: float = 0.0
+    arrival_blocks: int = 0
+    reported_arrivals: tuple[float, int] = (0.0, 0)
 
     def reset_estimators(self) -> None:
         self.arrival, self.lag = ArrivalEstimator(), ArrivalEstimator()
+        self.arrival_s, self.arrival_blocks, self.reported_arrivals = 0.0, 0, (0.0, 0)
+
+    @property
+    def sync_s(self) -> float | None:
+        """What a one-token block of this node takes beyond its kernels (its input's way there, its own work around
+        the kernels, its partial's way back), as measured up to its last heartbeat; None until enough blocks."""
+        seconds, blocks = self.reported_arrivals
+        if blocks < MIN_SYNC_BLOCKS or self.decode.seconds <= 0:
+            return None
+        return max(0.0, (seconds - self.decode.seconds) / blocks)
 
 
 
@@ -171,6 +187,7 @@ class Membership:
             case Heartbeat(rejected, compute_s, rss_mb, decode_bytes, decode_s):
                 node.rejected, node.compute_s, node.peak_rss_mb = rejected, compute_s, rss_mb
                 node.decode = KernelRate(decode_bytes, decode_s)
+                node.reported_arrivals = (node.arrival_s, node.arrival_blocks)  # what this decode time was part of
                 node.heartbeats += 1
             case _:
                 self.on_message(node, message)
