@@ -97,7 +97,8 @@ class Deployment:
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
         self.staged: PPPlan | None = None  # a better plan whose files are on its workers: swapped in mid-request
         self.shadow: PPPlan | None = None  # a standby plan whose files are on its workers: taken on a loss
-        self.preloaded: set[str] = set()  # workers holding the staged plan's stage loaded beside the one they serve
+        self.preloaded: set[str] = set()  # workers holding the staged (or shadow) plan's stage loaded beside theirs
+        self.shadow_stale = False  # a worker joined since the shadow plan was made
         self.kept_kv: dict[str, list[int]] = {}  # per worker, the layers whose KV it handed over itself (hot swap)
         # Per (worker, layer), the KV rows copied into its staged stage while the request ran (hot swap).
         self.precopied: dict[tuple[str, int], int] = {}
@@ -118,6 +119,8 @@ class Deployment:
         """A worker joined or left. One that comes back without the stage it ran leaves the plan Down."""
         if joined and any(worker.name in names for names in self.stage_workers):
             self.state = PipelineState.DOWN
+        if joined:  # a spare worker may make a better shadow plan: one off the running plan's workers, preloaded
+            self.shadow_stale = True
         self.changed.set()
 
     @staticmethod
@@ -221,12 +224,13 @@ class Deployment:
                     return
             self.log("repartitioning (a better plan)")
             await self.replan(candidate)
-        elif not self.ready(self.shadow):
+        elif self.shadow_stale or not self.ready(self.shadow):
             await self._prepare_shadow(devices)
 
     async def _prepare_shadow(self, devices: list[DeviceProfile]) -> None:
         """Seed 003 §5.2.5: first a plan on workers outside the running one (strict), else one where its
         workers take only layers they do not run (redundancy); its workers download their stages now."""
+        self.shadow_stale = False
         since = time.monotonic() - self.deployed_at
         for mode in SHADOW_MODES:
             plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
@@ -235,6 +239,7 @@ class Deployment:
                 params=self.cost_params()))
             if plan.complete:
                 await self._download_plan(plan)
+                await self._preload(plan)  # a fallback to it then loads nothing where its workers had room
                 self.shadow = plan
                 self.log(f"shadow plan ({mode}) standing by: {describe(plan)}")
                 return
@@ -278,8 +283,9 @@ class Deployment:
 
     async def _preload(self, plan: PPPlan) -> None:
         """Every native worker of `plan` whose budget holds its new stage beside the one it serves loads the new
-        one's session now, in the background of the request (PREPARE_MODEL with `preload`): the swap then hands
-        over sessions instead of loading them."""
+        one's session now, in the background of whatever runs (PREPARE_MODEL with `preload`): a swap to `plan` (a
+        staged plan) or a fallback to it (a shadow plan) then hands over sessions instead of loading them. A
+        worker holds one such stage: the last plan prepared."""
         self.preloaded = set()
         serving = {s.worker: self._stage_mb(s.first_layer, s.end_layer) for s in self.plan.stages} if self.plan \
             else {}
@@ -300,7 +306,7 @@ class Deployment:
             if isinstance(reply, tuple) and reply[0].get("loaded"):
                 self.preloaded.add(worker.name)
         if self.preloaded:
-            self.log(f"staged stages loaded beside the running ones on {', '.join(sorted(self.preloaded))}")
+            self.log(f"stages loaded ahead on {', '.join(sorted(self.preloaded))}")
 
     def kv_staying(self, plan: PPPlan) -> set[int]:
         """The layers whose KV stays on its worker in a hot swap to `plan`: held by the same worker before and
