@@ -74,6 +74,14 @@ class StageSession:
                 self.binding.bind_ortvalue_input(past, buffer)
                 self.binding.bind_ortvalue_output(present, buffer)
 
+    def warm_up(self) -> None:
+        """Run one position and forget it: a session's first run allocates what later runs reuse, which would
+        otherwise fall on the first real token (a hot swap's, the moment it is timed)."""
+        x = np.zeros((1, 1), np.int64) if self.input_name == "input_ids" else \
+            np.zeros((1, 1, self.config.hidden), np.float32)
+        self.run(x)
+        self.reset()
+
     def save_prefix(self) -> None:
         """Keep the KV rows of every position cached so far (a shared prompt prefix)."""
         self.prefix = (self.position, {name: a[:, :, :self.position].copy() for name, a in self.kv.items()})

@@ -310,10 +310,15 @@ class Deployment:
 
     def kv_staying(self, plan: PPPlan) -> set[int]:
         """The layers whose KV stays on its worker in a hot swap to `plan`: held by the same worker before and
-        after, whose new stage is preloaded (it copies them from its old session to its new one itself)."""
+        after, where that worker keeps its stage as it is or has its new stage preloaded (it hands them from its
+        old session to its new one itself)."""
+        if self.plan is None:
+            return set()
         before = {layer: names[0] for s, names in zip(self.plan.stages, self.stage_workers, strict=True)
-                  for layer in range(s.first_layer, s.end_layer)} if self.plan else {}
-        return {layer for s in plan.stages if s.worker in self.preloaded
+                  for layer in range(s.first_layer, s.end_layer)}
+        serving = {(s.worker, s.first_layer, s.end_layer) for s in self.plan.stages}
+        return {layer for s in plan.stages
+                if s.worker in self.preloaded or (s.worker, s.first_layer, s.end_layer) in serving
                 for layer in range(s.first_layer, s.end_layer) if before.get(layer) == s.worker}
 
     # --- moving KV caches on a hot swap ---------------------------------------------------------------------
@@ -408,7 +413,7 @@ class Deployment:
         loop = asyncio.get_running_loop()
         self.state = PipelineState.COMMITTING if hot else PipelineState.DOWN
         self.staged = self.shadow = None  # both were made for the plan being replaced
-        preloaded, self.preloaded, self.kept_kv = self.preloaded, set(), {}
+        self.preloaded, self.kept_kv = set(), {}
         precopied, self.precopied = self.precopied, {}
         plan = plan or await self._plan(self.devices())
         self.log(f"plan: {describe(plan)}")
@@ -421,9 +426,9 @@ class Deployment:
                 spec = self.spec(s, name)
                 files = await loop.run_in_executor(None, self._stage_files, spec)
                 stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
-                # A hot swap: a preloaded worker copies the KV of the layers it keeps from its old session.
-                prepare.append((self.workers[name], {"stage": stage, "files": files,
-                                                     "keep_kv": hot and name in preloaded}))
+                # A hot swap: a worker keeps the KV of the layers it holds in both plans (its stage as it is, or
+                # handed to its preloaded new stage).
+                prepare.append((self.workers[name], {"stage": stage, "files": files, "keep_kv": hot}))
         replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
                                                            PREPARE_TIMEOUT_S)
                                          for worker, message in prepare))

@@ -252,18 +252,25 @@ class PipelineWorker:
                 new.session = await loop.run_in_executor(None, StageSession, directory, self.config, new.first_layer,
                                                          new.end_layer, int(preload["max_len"]), self.threads,
                                                          self.providers)
+                await loop.run_in_executor(None, new.session.warm_up)
                 self.preloaded = new
                 await self._send(PpMsg.PREPARE_DONE, request, {"loaded": True})
                 return
             old, ready, self.preloaded = self.stage, self.preloaded, None
-            self._release()
+            keep_kv = bool(message.get("keep_kv")) and old is not None and old.session is not None and \
+                old.session.position > 0
             kept: list[int] = []
-            took = ready is not None and ready.same_place(new)
-            if took:
-                if message.get("keep_kv") and old is not None and old.session is not None and old.session.position:
+            took = False
+            if old is not None and old.session is not None and old.same_place(new):
+                del ready  # the stage it serves already: kept, session, KV cache and all
+                kept = list(old.session.layers) if keep_kv else []
+            elif ready is not None and ready.same_place(new):
+                self._release()
+                if keep_kv:
                     kept = hand_over_kv(old.session, ready.session)
-                self.stage = ready
+                self.stage, took = ready, True
             else:
+                self._release()
                 del ready  # not this stage: its memory goes before the files are fetched
                 await self._fetch_files(request, message["files"], directory)
                 self.stage = new
