@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -149,6 +150,14 @@ class Deployment:
         activations = self.activations if conn.kind == "native" else Activations.F32
         return StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer, activations,
                                     dequantized=self.dequantized(conn))
+
+    async def _prepare_message(self, stage: Stage, worker: str) -> dict[str, Any]:
+        """PREPARE_MODEL's message handing `stage` to `worker`: its layers and its files (built, or reused, off the
+        loop)."""
+        spec = self.spec(stage, worker)
+        files = await asyncio.get_running_loop().run_in_executor(None, self._stage_files, spec)
+        return {"stage": {"first_layer": stage.first_layer, "end_layer": stage.end_layer, "lm_head": spec.lm_head},
+                "files": files}
 
     def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
         """Build (or reuse) a stage's graph and register its files for download by sha256."""
@@ -295,10 +304,7 @@ class Deployment:
             if worker.kind != "native" or self.dequantized(worker) or \
                     serving.get(s.worker, 0.0) + self._stage_mb(s.first_layer, s.end_layer) > self.budget_mb(worker):
                 continue
-            spec = self.spec(s, s.worker)
-            files = await asyncio.get_running_loop().run_in_executor(None, self._stage_files, spec)
-            stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
-            due.append((worker, {"stage": stage, "files": files, "preload": {"max_len": self.max_len}}))
+            due.append((worker, await self._prepare_message(s, s.worker) | {"preload": {"max_len": self.max_len}}))
         replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
                                                            PREPARE_TIMEOUT_S) for worker, message in due),
                                        return_exceptions=True)
@@ -360,11 +366,18 @@ class Deployment:
         if any(layer not in moved or (since.get(layer, 0) and self.precopied.get((name, layer)) != since[layer])
                for name, layer in due):
             return False
-        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD,
-                                                 {"layer": layer, "since": since.get(layer, 0)}, PpMsg.KV_LOADED,
-                                                 KV_TIMEOUT_S, {"keys": moved[layer][0], "values": moved[layer][1]})
-                               for name, layer in due))
+        await self._send_kv(due, moved, since)
         return True
+
+    async def _send_kv(self, due: list[tuple[str, int]], moved: dict[int, tuple[np.ndarray, np.ndarray]],
+                       since: dict[int, int], staged: bool = False) -> None:
+        """Each (worker, layer)'s moved rows, placed from since[layer] on (0 where absent), into the stage it
+        serves or, `staged`, into its preloaded one (KV_LOAD, one frame per layer)."""
+        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD,
+                                                 {"layer": layer, "since": since.get(layer, 0), "staged": staged},
+                                                 PpMsg.KV_LOADED, KV_TIMEOUT_S,
+                                                 {"keys": moved[layer][0], "values": moved[layer][1]})
+                               for name, layer in due))
 
     async def _precopy_kv(self, plan: PPPlan) -> None:
         """While the request runs, the rows cached so far of every layer that a swap to `plan` moves to a
@@ -378,10 +391,7 @@ class Deployment:
         if not targets:
             return
         moved = await self.fetch_kv(targets, {})
-        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD, {"layer": layer, "staged": True},
-                                                 PpMsg.KV_LOADED, KV_TIMEOUT_S,
-                                                 {"keys": moved[layer][0], "values": moved[layer][1]})
-                               for layer, name in targets.items()))
+        await self._send_kv([(name, layer) for layer, name in targets.items()], moved, {}, staged=True)
         self.precopied = {(name, layer): int(moved[layer][0].shape[2]) for layer, name in targets.items()}
 
     def precopied_rows(self) -> dict[int, int]:
@@ -410,7 +420,6 @@ class Deployment:
             return await self._deploy(plan, hot)
 
     async def _deploy(self, plan: PPPlan | None, hot: bool = False) -> PPPlan:
-        loop = asyncio.get_running_loop()
         self.state = PipelineState.COMMITTING if hot else PipelineState.DOWN
         self.staged = self.shadow = None  # both were made for the plan being replaced
         self.preloaded, self.kept_kv = set(), {}
@@ -423,12 +432,9 @@ class Deployment:
         prepare = []  # (worker, message): every file is built before the first worker is told
         for s, names in zip(plan.stages, stage_workers, strict=True):
             for name in names:  # replicas of one stage may be of different kinds, with different files
-                spec = self.spec(s, name)
-                files = await loop.run_in_executor(None, self._stage_files, spec)
-                stage = {"first_layer": s.first_layer, "end_layer": s.end_layer, "lm_head": spec.lm_head}
                 # A hot swap: a worker keeps the KV of the layers it holds in both plans (its stage as it is, or
                 # handed to its preloaded new stage).
-                prepare.append((self.workers[name], {"stage": stage, "files": files, "keep_kv": hot}))
+                prepare.append((self.workers[name], await self._prepare_message(s, name) | {"keep_kv": hot}))
         replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
                                                            PREPARE_TIMEOUT_S)
                                          for worker, message in prepare))
@@ -477,7 +483,7 @@ class Deployment:
                        key=lambda w: -w.measured_speed)
         out = []
         for s in plan.stages:
-            need = sum(self.profile.layer_weight_bytes[s.first_layer:s.end_layer]) / 1e6
+            need = self._stage_mb(s.first_layer, s.end_layer)
             extra = [w for w in spare if self.budget_mb(w) >= need][:self.replicas - 1]
             spare = [w for w in spare if w not in extra]
             out.append([s.worker] + [w.name for w in extra])

@@ -305,7 +305,8 @@ class PipelineMaster:
             self.log("hot swap")
             # The layers that change workers: their rows since the pre-copy (all of them without one).
             since = d.precopied_rows()
-            moving = [layer for layer in range(self.model.config.n_layers) if layer not in d.kv_staying(d.staged)]
+            staying = d.kv_staying(d.staged)
+            moving = [layer for layer in range(self.model.config.n_layers) if layer not in staying]
             moved = await d.fetch_kv(moving, since, self.cached_length) \
                 if self._kv_movable(d.staged, len(tokens)) else None
             fetched_at = time.perf_counter()

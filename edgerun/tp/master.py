@@ -46,6 +46,7 @@ from edgerun.tp.shard import DynamicQuantShard, QuantShard
 # A measured synchronization time stands for a node's whole exchange: the link's transfer term is left out.
 UNLIMITED_MBIT = 1e9
 
+
 class Master:
     def __init__(self, model: Model, key: bytes, config: MasterConfig | None = None, *,
                  loss: LossModel | None = None, predictors: PredictorSet | None = None,
@@ -166,7 +167,7 @@ class Master:
         rates = {"master": KernelRate(self.own_decode_bytes, self.own_decode_s)} | \
                 {n.name: n.decode for n in self.membership.alive()}
         self.measured |= {name: rate.speed for name, rate in rates.items() if rate.speed is not None}
-        self.measured_sync |= {n.name: n.sync_s for n in self.membership.alive() if n.sync_s is not None}
+        self.measured_sync |= {n.name: sync for n in self.membership.alive() if (sync := n.sync_s) is not None}
 
     def predicted_s(self) -> float:
         """The current plan's time per token at the speeds the devices showed on it. The plan's own figure used
