@@ -5,6 +5,8 @@ greedy tokens as the reference."""
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -420,6 +422,37 @@ def test_release_mapped_file_lets_go_of_its_pages(tmp_path) -> None:
     release_mapped_files([path])
     assert file_rss_kb() < touched - 48 * 1024, (touched, file_rss_kb())
     assert np.array_equal(mapped[::4096], data[::4096])
+
+
+def test_a_node_gives_back_what_it_frees_and_reports_the_peak_of_its_current_share() -> None:
+    """glibc's default lets freed multi-MB buffers (a prefill's) stay resident on the heap once a larger block
+    was freed; a node process fixes its thresholds so they go back, and restarts its peak when it takes a new
+    share. In a child process: the thresholds are the whole process's."""
+    script = """
+import numpy as np, re, sys
+from edgerun.profile.memory import reset_peak_rss, return_freed_memory
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) // 1024
+if sys.argv[1] == "fixed":
+    return_freed_memory()
+big = np.ones(24 << 20, np.uint8); del big  # freed from mmap: glibc's threshold rises to 24 MB by default
+base = status("VmRSS")
+held = [np.ones(4 << 20, np.uint8) for _ in range(10)]  # 40 MB of 4 MB buffers: below the trim threshold
+pin = np.ones(1 << 10, np.uint8)  # a small block above them keeps the heap from shrinking from its top
+del held
+after = status("VmRSS")
+before_reset = status("VmHWM")
+reset_peak_rss()
+print(after - base, before_reset - status("VmHWM"))
+"""
+    def run(mode: str) -> tuple[int, ...]:
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
+        return tuple(map(int, done.stdout.split()))
+
+    grown = {mode: run(mode) for mode in ("default", "fixed")}
+    assert grown["default"][0] > 24, grown  # the heap kept most of the 40 MB
+    assert grown["fixed"][0] < 12, grown  # all but noise went back
+    assert grown["fixed"][1] > 24, grown  # the peak restarted from what the process holds now
 
 
 def test_the_masters_fast_norm_equals_the_reference_norm_to_an_ulp() -> None:

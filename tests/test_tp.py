@@ -352,6 +352,7 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         # The node's own kernels and memory, from its heartbeats; the single engine timed in the same run.
         assert 0 < r["node_compute_ms_per_token"] < r["ms_per_token"]
         assert r["node_weight_mb"] > 0 and r["node_kv_mb"] > 0 and r["node_peak_rss_mb"] > r["node_weight_mb"]
+        assert r["node_overhead_mb"] == pytest.approx(r["node_peak_rss_mb"] - r["node_weight_mb"] - r["node_kv_mb"])
         assert r["single_ms_per_token"] > 0
         assert r["speedup"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
         assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took

@@ -35,6 +35,7 @@ from edgerun.sap.predictor import PredictorSet
 from edgerun.tp.config import OVERLAPS, MasterConfig
 from edgerun.tp.master import Master
 
+MIB = 2**20
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
 SECRET = "edgerun-bench"
 WARMUP_TOKENS = 8  # also what the adaptive timeout learns from before measuring
@@ -74,10 +75,12 @@ class TpResult:
     rejected: int
     node_compute_ms_per_token: float  # the busiest node's time in its kernels
     sync_overhead_us: float  # per synchronization: time beyond the slowest device's compute, over blocks
+    # Memory in MiB (2**20 bytes), as the kernel counts resident memory.
     master_weight_mb: float  # the master's share of quantized weights
     node_weight_mb: float  # the largest node share
     node_kv_mb: float  # that node's KV cache
-    node_peak_rss_mb: float  # the largest peak resident memory of any node process
+    node_peak_rss_mb: float  # the largest peak resident memory of any node process (since it took its share)
+    node_overhead_mb: float  # the most any node's peak RSS exceeds its share's weights and KV cache
     devices_used: int  # devices the plan gave units to, the master included (a planner may leave some out)
     rebalanced: bool  # the plan measured was made with the devices' measured speeds, after a warm-up
     single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
@@ -229,10 +232,11 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
         late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected,
         node_compute_ms_per_token=node_compute * 1e3, sync_overhead_us=overhead * 1e6,
-        master_weight_mb=master.shard.weight_bytes / 1e6,
-        node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / 1e6,
-        node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / 1e6,
+        master_weight_mb=master.shard.weight_bytes / MIB,
+        node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / MIB,
+        node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
+        node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
         devices_used=master.plan.devices_used, rebalanced=rebalanced)
 
 
@@ -321,17 +325,18 @@ def tp_table(results: list[TpResult]) -> str:
     rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
             f"{'compute':>8} "
             f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
-            f"{'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12} {'node MB w+kv/rss':>17}"]
+            f"{'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
     for r in results:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
-        memory = f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f}" if r.nodes else "-"
+        memory = (f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f} (+{r.node_overhead_mb:.0f})"
+                  if r.nodes else "-")
         rows.append(f"{r.nodes:>5} {r.devices_used:>4} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} "
                     f"{r.predicted_ms_per_token:>6.1f} {speedup:>8} {r.compute_ms_per_token:>8.1f} "
                     f"{r.node_compute_ms_per_token:>7.1f} "
                     f"{r.wait_ms_per_token:>8.1f} "
                     f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
-                    f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>17}")
+                    f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")
     if results and results[0].single_ms_per_token is not None:
         rows.append(f"single-process onnx engine: {results[0].single_ms_per_token:.1f} ms/token")
     return "\n".join(rows)

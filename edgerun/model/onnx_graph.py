@@ -509,15 +509,19 @@ def shard_mlp_graph(config: ModelConfig, layer: LayerWeights, ranges: Sequence[t
 
 
 def shard_head_graph(config: ModelConfig, output: QuantTensor, rows: np.ndarray, out: Path,
-                     accuracy_level: int = 0) -> int:
-    """Logits of some vocabulary rows: hidden (1, seq, hidden) after the final norm in, logits (1, seq, rows) out."""
+                     accuracy_level: int = 0, after_chunk: Callable[[], None] | None = None) -> int:
+    """Logits of some vocabulary rows: hidden (1, seq, hidden) after the final norm in, logits (1, seq, rows) out.
+    `after_chunk` runs after each chunk of rows is written (to let go of the model file's pages it read)."""
     g = _GraphWriter(shard_weights_path(out))
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden])]
     outputs = [helper.make_tensor_value_info("logits", f32, [1, "seq", len(rows)])]
     # One product per chunk of rows, each written out before the next is cut: a vocabulary of 128k rows cut
     # and re-encoded at once would hold several copies of the head in memory while the share is built.
-    chunks = [g.linear_forms("hidden", [slice_affine(output, rows[i:i + HEAD_CHUNK_ROWS])], accuracy_level)[0]
-              for i in range(0, len(rows), HEAD_CHUNK_ROWS)]
+    chunks = []
+    for i in range(0, len(rows), HEAD_CHUNK_ROWS):
+        chunks.append(g.linear_forms("hidden", [slice_affine(output, rows[i:i + HEAD_CHUNK_ROWS])], accuracy_level)[0])
+        if after_chunk is not None:
+            after_chunk()
     g.nodes.append(helper.make_node("Concat", chunks, ["logits"], name="logits", axis=-1))
     return _save(g, inputs, outputs, "edgerun_shard_head", out)

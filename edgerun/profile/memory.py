@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import resource
 import sys
@@ -37,6 +38,30 @@ def peak_rss_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS (VmHWM) afresh from what it holds now (Linux: clear_refs "5"), so a device
+    that drops one share for another reports the peak of the share it holds, not of one it let go of. Elsewhere,
+    or where /proc does not allow it, the peak stays the lifetime's."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def return_freed_memory() -> None:
+    """Have glibc hand large freed blocks back to the system at once. By default its threshold for serving an
+    allocation from mmap rises to the largest block freed so far, so the buffers of a prefill (several MB each,
+    freed when it ends) move onto the heap and stay resident there: 12-20 MB after each new prompt length on a
+    1B share, which no malloc_trim gives back. Fixed thresholds keep a device's memory at its share's size."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
 
 
 def release_mapped_files(paths: Iterable[Path]) -> None:

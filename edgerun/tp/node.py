@@ -54,7 +54,7 @@ from edgerun.net.wire import (
     whole_vector,
 )
 from edgerun.profile.device import device_summary
-from edgerun.profile.memory import peak_rss_mb
+from edgerun.profile.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
 from edgerun.tp.messages import (
     MAX_PROBE_BYTES,
     Assign,
@@ -230,6 +230,9 @@ class Node:
                 # The old share goes before the new one is built (no local name may keep it either: a device
                 # would hold both while it builds, the peak of its memory).
                 self.shard = None
+                gc.unfreeze()  # settle_heap froze the old share with everything else: its cycles must be collectable
+                gc.collect()
+                reset_peak_rss()  # the peak reported from now on is the new share's, its build included
                 kind = QuantShard
                 if message.priorities is not None:  # dynamic mapping: hold every unit
                     spec, kind = every_unit_spec(self.model.config, spec), DynamicQuantShard
@@ -467,6 +470,7 @@ class Node:
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
              speed: float, loss: LossModel | None, threads: int = 1, spin_s: float = 0.0,
              verbose: bool = False) -> None:
+    return_freed_memory()  # a node process holds a share and little else: what it frees goes back
     try:
         model = load_model(model_path)
     except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
