@@ -15,6 +15,18 @@ if TYPE_CHECKING:
 from edgerun.commands.common import model_arg
 
 
+def arch_traits(arch: str | None, shared_expert_ffn: int | None) -> dict[str, object]:
+    """What an --arch implies beyond its name: Qwen2's biases, Qwen3's query/key norms, qwen2moe's unnormalized
+    gates and shared expert (twice an expert's width unless given)."""
+    traits: dict[str, object] = {"shared_expert_ffn": shared_expert_ffn}
+    if arch is not None:
+        traits |= {"qkv_bias": arch in ("qwen2", "qwen2moe"), "qk_norm": arch == "qwen3moe",
+                   "norm_gates": arch != "qwen2moe"}
+    if arch == "qwen2moe" and shared_expert_ffn is None:
+        traits["shared_expert_ffn"] = -1  # custom_shape: twice the expert width
+    return traits
+
+
 def cmd_model_synth(args: argparse.Namespace) -> None:
     from edgerun.model.quant import WRITABLE_QTYPES
     from edgerun.model.synth import SynthSpec, custom_shape, write_synthetic
@@ -26,8 +38,9 @@ def cmd_model_synth(args: argparse.Namespace) -> None:
     try:
         config = custom_shape(args.shape, architecture=args.arch, n_layers=args.layers, hidden=args.hidden,
                               ffn=args.ffn, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                              vocab_size=args.vocab, tied_embeddings=args.tied,
-                              qkv_bias=None if args.arch is None else args.arch == "qwen2")
+                              vocab_size=args.vocab, tied_embeddings=args.tied, n_experts=args.experts,
+                              n_experts_used=args.experts_used, expert_ffn=args.expert_ffn,
+                              **arch_traits(args.arch, args.shared_expert_ffn))
         spec = SynthSpec(config, args.quant, args.seed)
         print(f"writing {config.n_params() / 1e9:.2f}B-parameter {config.architecture} model ({args.quant}) "
               f"to {args.out}", file=sys.stderr)
@@ -71,15 +84,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model_arg(p)
     p.set_defaults(func=cmd_model_info)
     p = model.add_parser("synth", help="write a model with seeded random weights",
-                         description="Write a valid model of any Llama or Qwen2 shape with seeded random weights. "
-                                     "Named shapes: tiny (tests), 1b, 3b (Llama 3.2), 8b (Llama 3.1); the "
-                                     "dimension options override the named shape.")
-    p.add_argument("--shape", default="tiny", help="tiny, 1b, 3b or 8b (default: tiny)")
-    p.add_argument("--arch", choices=("llama", "qwen2"), default=None, help="architecture (default: llama)")
+                         description="Write a valid model of any Llama, Qwen2 or mixture-of-experts shape with "
+                                     "seeded random weights. Named shapes: tiny (tests), 1b, 3b (Llama 3.2), 8b "
+                                     "(Llama 3.1), smollm2 (the shipped model's), moe-tiny (Qwen3-MoE layout, 16 "
+                                     "experts, 4 per token, for tests) and qwen3-30b-a3b (the real Qwen3-30B-A3B "
+                                     "shape: cut it with --layers); the dimension options override the named shape.")
+    p.add_argument("--shape", default="tiny", help="tiny, smollm2, 1b, 3b, 8b, moe-tiny or qwen3-30b-a3b "
+                   "(default: tiny)")
+    p.add_argument("--arch", choices=("llama", "qwen2", "qwen2moe", "qwen3moe"), default=None,
+                   help="architecture; llama with --experts is Mixtral's layout (default: the --shape's)")
     for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"),
                        ("--ffn", "MLP intermediate size"), ("--heads", "attention heads"),
                        ("--kv-heads", "key/value heads"), ("--head-dim", "size of one head"),
-                       ("--vocab", "vocabulary size")):
+                       ("--vocab", "vocabulary size"), ("--experts", "experts per layer (0: dense)"),
+                       ("--experts-used", "experts each token is routed to"),
+                       ("--expert-ffn", "intermediate size of one expert"),
+                       ("--shared-expert-ffn", "intermediate size of qwen2moe's shared expert (default with "
+                        "--arch qwen2moe: twice --expert-ffn)")):
         p.add_argument(flag, type=int, default=None, help=f"{what} (default: the --shape's)")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to "
                    "the embedding")

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# Architectures the forward pass implements. Qwen2 is Llama with biases on Q, K and V.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Architectures the forward pass implements. Qwen2 is Llama with biases on Q, K and V. The mixture-of-experts
+# ones: "qwen3moe" (RMS norms on each head's queries and keys, top-k routing with renormalized gates), "qwen2moe"
+# (Qwen2's biases, gates not renormalized, a shared expert scaled by its own sigmoid gate), and "llama" files
+# carrying experts (Mixtral: renormalized gates).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3moe")
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,14 @@ class ModelConfig:
     context_length: int
     tied_embeddings: bool
     qkv_bias: bool
+    # Mixture of experts (0 experts: a dense model). Every layer of an MoE model routes each token to
+    # `n_experts_used` of its `n_experts` SwiGLU experts of width `expert_ffn`; `ffn` is then unused.
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0  # qwen2moe: an expert every token takes, scaled by sigmoid(x . its gate)
+    norm_gates: bool = True  # the chosen experts' softmax weights renormalized to sum to one
+    qk_norm: bool = False  # qwen3moe: RMS norm over each head's query and key before RoPE
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -36,6 +48,15 @@ class ModelConfig:
             raise ValueError(f"{self.n_heads} attention heads do not divide into {self.n_kv_heads} KV heads")
         if self.head_dim % 2:
             raise ValueError(f"head dimension {self.head_dim} must be even for RoPE")
+        if self.architecture in MOE_ARCHITECTURES and not self.n_experts:
+            raise ValueError(f"a {self.architecture} model needs experts (expert_count in its metadata)")
+        if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn > 0):
+            raise ValueError(f"{self.n_experts} experts need 1 to {self.n_experts} used per token and a positive "
+                             f"expert width (got {self.n_experts_used} used, width {self.expert_ffn})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def q_dim(self) -> int:
@@ -55,7 +76,14 @@ class ModelConfig:
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.qkv_bias:
             attn += self.q_dim + 2 * self.kv_dim
-        layer = attn + 3 * h * f + 2 * h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        if self.is_moe:
+            mlp = self.n_experts * (h + 3 * h * self.expert_ffn)
+            mlp += 3 * h * self.shared_expert_ffn + (h if self.shared_expert_ffn else 0)
+        else:
+            mlp = 3 * h * f
+        layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.n_layers * layer + embed + h
 

@@ -11,8 +11,10 @@ from edgerun.model.config import ModelConfig
 from edgerun.model.quant import QuantTensor, check_qtype
 from edgerun.model.tokenizer import Vocabulary
 from edgerun.model.weights import (
+    ExpertWeights,
     LayerWeights,
     ModelWeights,
+    MoeWeights,
     rope_rows_from_interleaved,
     rope_rows_to_interleaved,
 )
@@ -33,6 +35,14 @@ LAYER_TENSORS = {
     "w_down": "ffn_down.weight",
 }
 OPTIONAL_LAYER_TENSORS = ("bq", "bk", "bv")
+DENSE_MLP_TENSORS = ("w_gate", "w_up", "w_down")
+# Mixture-of-experts tensors within "blk.N.", as llama.cpp names them: the experts stacked in one 3-D tensor each.
+ROUTER, EXPERTS = "ffn_gate_inp.weight", ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+SHARED = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+SHARED_GATE = "ffn_gate_inp_shexp.weight"
+QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")
+# Whether each architecture's chosen expert weights are renormalized to sum to one (as llama.cpp computes them).
+RENORMALIZED_GATES = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: object = None) -> object:
@@ -52,6 +62,10 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
             raise ValueError(f"per-layer {arch}.{key} is not supported")
         return value
 
+    n_experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if n_experts and "blk.0.ffn_gate_exps.weight" not in tensor_names:
+        raise ValueError("experts stored one tensor per expert (older Mixtral files) are not supported: "
+                         "convert the file with a current llama.cpp (experts stacked in ffn_*_exps)")
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise ValueError(f"RoPE scaling {scaling!r} is not supported")
@@ -73,6 +87,13 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         context_length=int(meta("context_length", 4096)),
         tied_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        n_experts=n_experts,
+        n_experts_used=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        expert_ffn=int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or 0) if n_experts else 0,
+        shared_expert_ffn=int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
+        if f"blk.0.{SHARED[0]}" in tensor_names else 0,
+        norm_gates=bool(_field(reader, f"{arch}.expert_weights_norm", RENORMALIZED_GATES.get(arch, True))),
+        qk_norm=f"blk.0.{QK_NORMS[0]}" in tensor_names,
     )
 
 
@@ -85,6 +106,13 @@ def _tensor(t: gguf.ReaderTensor) -> QuantTensor:
     return QuantTensor(qtype, shape, raw)
 
 
+def _per_expert(t: QuantTensor, n_experts: int, name: str) -> list[QuantTensor]:
+    """A stacked (experts, rows, cols) tensor as one matrix per expert, each a view of the file's bytes."""
+    if len(t.shape) != 3 or t.shape[0] != n_experts:
+        raise ValueError(f"{name}: expected {n_experts} stacked experts, found shape {t.shape}")
+    return [QuantTensor(t.qtype, t.shape[1:], t.stored[e]) for e in range(n_experts)]
+
+
 def read_weights(reader: gguf.GGUFReader, config: ModelConfig) -> ModelWeights:
     tensors = {t.name: t for t in reader.tensors}
 
@@ -94,7 +122,16 @@ def read_weights(reader: gguf.GGUFReader, config: ModelConfig) -> ModelWeights:
         return _tensor(tensors[name])
 
     def vector(name: str) -> np.ndarray:
-        return get(name).dequantize()
+        return get(name).dequantize().reshape(-1)
+
+    def moe(i: int) -> MoeWeights:
+        gate, up, down = (_per_expert(get(f"blk.{i}.{n}"), config.n_experts, n) for n in EXPERTS)
+        shared = None
+        if config.shared_expert_ffn:
+            shared = ExpertWeights(*(get(f"blk.{i}.{n}") for n in SHARED))
+        return MoeWeights(router=get(f"blk.{i}.{ROUTER}"),
+                          experts=tuple(ExpertWeights(*e) for e in zip(gate, up, down, strict=True)),
+                          shared=shared, shared_gate=vector(f"blk.{i}.{SHARED_GATE}") if shared else None)
 
     # llama.cpp stores Llama's Q and K rows interleaved for its pairwise RoPE; Qwen2 keeps them as is.
     interleaved = config.architecture == "llama"
@@ -107,10 +144,16 @@ def read_weights(reader: gguf.GGUFReader, config: ModelConfig) -> ModelWeights:
             name = f"blk.{i}.{suffix}"
             if field in OPTIONAL_LAYER_TENSORS:
                 fields[field] = vector(name) if name in tensors else None
+            elif config.is_moe and field in DENSE_MLP_TENSORS:
+                fields[field] = None
             elif field.endswith("norm"):
                 fields[field] = vector(name)
             else:
                 fields[field] = get(name)
+        if config.is_moe:
+            fields["moe"] = moe(i)
+        if config.qk_norm:
+            fields["q_norm"], fields["k_norm"] = (vector(f"blk.{i}.{n}") for n in QK_NORMS)
         if interleaved:
             fields["wq"] = fields["wq"].reorder_rows(q_rows)
             fields["wk"] = fields["wk"].reorder_rows(k_rows)
@@ -136,6 +179,22 @@ def _add_matrix(writer: gguf.GGUFWriter, name: str, t: QuantTensor) -> None:
         writer.add_tensor(name, np.ascontiguousarray(t.raw), raw_dtype=gguf.GGMLQuantizationType[t.qtype])
 
 
+def _stacked(tensors: list[QuantTensor]) -> QuantTensor:
+    """Matrices of one type and shape as one (n, rows, cols) tensor, as llama.cpp stores experts."""
+    first = tensors[0]
+    return QuantTensor(first.qtype, (len(tensors), *first.shape), np.stack([np.asarray(t.raw) for t in tensors]))
+
+
+def _add_moe(writer: gguf.GGUFWriter, i: int, moe: MoeWeights) -> None:
+    _add_matrix(writer, f"blk.{i}.{ROUTER}", moe.router)
+    for name, matrices in zip(EXPERTS, zip(*(e.matrices() for e in moe.experts), strict=True), strict=True):
+        _add_matrix(writer, f"blk.{i}.{name}", _stacked(list(matrices)))
+    if moe.shared is not None:
+        for name, matrix in zip(SHARED, moe.shared.matrices(), strict=True):
+            _add_matrix(writer, f"blk.{i}.{name}", matrix)
+        writer.add_tensor(f"blk.{i}.{SHARED_GATE}", np.asarray(moe.shared_gate, np.float32))
+
+
 def write_gguf(path: Path, config: ModelConfig, weights: ModelWeights, vocab: Vocabulary, name: str) -> None:
     arch = config.architecture
     writer = gguf.GGUFWriter(str(path), arch)
@@ -152,6 +211,14 @@ def write_gguf(path: Path, config: ModelConfig, weights: ModelWeights, vocab: Vo
     writer.add_rope_freq_base(config.rope_base)
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.is_moe:
+        writer.add_expert_count(config.n_experts)
+        writer.add_expert_used_count(config.n_experts_used)
+        writer.add_expert_feed_forward_length(config.expert_ffn)
+        if config.shared_expert_ffn:
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_ffn)
+        if config.norm_gates != RENORMALIZED_GATES.get(arch, True):
+            writer.add_expert_weights_norm(config.norm_gates)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
@@ -180,6 +247,11 @@ def write_gguf(path: Path, config: ModelConfig, weights: ModelWeights, vocab: Vo
                 _add_matrix(writer, f"blk.{i}.{suffix}", value)
             else:
                 writer.add_tensor(f"blk.{i}.{suffix}", np.asarray(value, np.float32))
+        if layer.q_norm is not None:
+            for suffix, norm in zip(QK_NORMS, (layer.q_norm, layer.k_norm), strict=True):
+                writer.add_tensor(f"blk.{i}.{suffix}", np.asarray(norm, np.float32))
+        if layer.moe is not None:
+            _add_moe(writer, i, layer.moe)
     writer.add_tensor("output_norm.weight", np.asarray(weights.output_norm, np.float32))
     if not config.tied_embeddings:
         _add_matrix(writer, "output.weight", weights.output)

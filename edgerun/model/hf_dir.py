@@ -139,6 +139,8 @@ def read_weights(directory: Path, config: ModelConfig) -> ModelWeights:
 
 def write_hf_dir(directory: Path, config: ModelConfig, weights: ModelWeights) -> None:
     """Write config.json and model.safetensors (the caller writes the tokenizer files)."""
+    if config.is_moe or config.qk_norm:
+        raise ValueError(f"{config.architecture} models are written as GGUF only (--format gguf)")
     directory.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["LlamaForCausalLM" if config.architecture == "llama" else "Qwen2ForCausalLM"],

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 from edgerun.model.config import ModelConfig
 from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
-from edgerun.model.weights import LayerWeights, ModelWeights
+from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
 
 # Bump when the graph layout changes, so cached graphs are rebuilt.
 # 3: large tensors page-aligned (mapped, not copied, by onnxruntime); 4: a mid-model stage normalizes its input
@@ -281,6 +281,9 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
         if layer.bq is not None:
             q, k, v = (g.node("Add", [t, g.constant("bias", b)])[0] for t, b in
                        ((q, layer.bq), (k, layer.bk), (v, layer.bv)))
+        if layer.q_norm is not None:  # Qwen3: each head's query and key RMS-normalized before RoPE
+            q, k = (_head_norm(g, t, norm, heads, config) for t, norm, heads in
+                    ((q, layer.q_norm, config.n_heads), (k, layer.k_norm, config.n_kv_heads)))
         g.nodes.append(helper.make_node(
             "GroupQueryAttention", [q, k, v, past_k, past_v, "seqlens_k", "total_seq_len", cos_name, sin_name],
             [f"attn_{i}", present_k, present_v], name=f"attention_{i}", domain="com.microsoft",
@@ -289,10 +292,10 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
         (pending,) = linear(f"attn_{i}", [layer.wo])
 
         xn, residual = _norm(g, residual, pending, layer.ffn_norm, eps)
-        gate, up = linear(xn, [layer.w_gate, layer.w_up])
-        (sig,) = g.node("Sigmoid", [gate])
-        (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
-        (pending,) = linear(act, [layer.w_down])
+        if layer.moe is None:
+            pending = _swiglu(g, xn, layer.w_gate, layer.w_up, layer.w_down, linear)
+        else:
+            pending = _experts(g, xn, layer.moe, config, linear)
 
     if spec.lm_head:
         # Only the last position's logits are needed: slice before the final norm and the head.
@@ -317,6 +320,61 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
             "graph_version": GRAPH_VERSION}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+Linear = Callable[[str, list[QuantTensor]], list[str]]
+
+
+def _swiglu(g: _GraphWriter, x: str, w_gate: QuantTensor, w_up: QuantTensor, w_down: QuantTensor,
+            linear: Linear) -> str:
+    gate, up = linear(x, [w_gate, w_up])
+    (sig,) = g.node("Sigmoid", [gate])
+    (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
+    return linear(act, [w_down])[0]
+
+
+def _head_norm(g: _GraphWriter, x: str, weight: np.ndarray, heads: int, config: ModelConfig) -> str:
+    """RMS norm over each head's slice of x (1, seq, heads * head_dim)."""
+    split = g.constant("shape", np.array([0, 0, heads, config.head_dim], np.int64))
+    (per_head,) = g.node("Reshape", [x, split])
+    (y,) = g.node("SimplifiedLayerNormalization", [per_head, g.constant("norm", np.asarray(weight, np.float32))],
+                  axis=-1, epsilon=config.norm_eps)
+    (out,) = g.node("Reshape", [y, g.constant("shape", np.array([0, 0, heads * config.head_dim], np.int64))])
+    return out
+
+
+def _experts(g: _GraphWriter, x: str, moe: MoeWeights, config: ModelConfig, linear: Linear) -> str:
+    """A mixture of experts on x (1, seq, hidden), as the reference routes it: softmax over the router's logits,
+    the top k kept (renormalized where the model says so) and scattered into a (1, seq, experts) gate table.
+    Each expert runs inside an If on whether any token chose it, so a one-token step computes only its k experts
+    (a prefill computes the union of its tokens' choices, each token weighted by its own gate, zero where it did
+    not choose the expert)."""
+    (logits,) = linear(x, [moe.router])
+    (probs,) = g.node("Softmax", [logits], axis=-1)
+    values, indices = g.node("TopK", [probs, g.constant("k", np.array([config.n_experts_used], np.int64))],
+                             n_outputs=2, axis=-1, largest=1, sorted=1)
+    if config.norm_gates:
+        (total,) = g.node("ReduceSum", [values, g.constant("axes", np.array([-1], np.int64))], keepdims=1)
+        (values,) = g.node("Div", [values, total])
+    (shape,) = g.node("Shape", [probs])
+    (zeros,) = g.node("ConstantOfShape", [shape], value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    (gates,) = g.node("ScatterElements", [zeros, indices, values], axis=-1)
+    out_shape = g.shape_with_width(x, config.hidden)
+    zero = g.constant("zero", np.array(0.0, np.float32))
+    outputs = []
+    for e, expert in enumerate(moe.experts):
+        (column,) = g.node("Gather", [gates, g.constant("index", np.array([e], np.int64))], axis=-1)  # (1, seq, 1)
+        (chosen,) = g.node("Greater", [g.node("ReduceMax", [column], keepdims=0)[0], zero])
+
+        def weighted(expert: ExpertWeights = expert, column: str = column) -> str:
+            return g.node("Mul", [_swiglu(g, x, *expert.matrices(), linear), column])[0]
+
+        outputs.append(g.gated(chosen, weighted, out_shape, config.hidden))
+    if moe.shared is not None:
+        (score,) = g.node("MatMul", [x, g.constant("shared_gate", moe.shared_gate.reshape(-1, 1), weight=True)])
+        (scale,) = g.node("Sigmoid", [score])
+        outputs += g.node("Mul", [_swiglu(g, x, *moe.shared.matrices(), linear), scale])
+    return g.node("Sum", outputs)[0]
 
 
 def _norm(g: _GraphWriter, residual: str, pending: str | None, weight: np.ndarray, eps: float) -> tuple[str, str]:

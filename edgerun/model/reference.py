@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgerun.model.config import ModelConfig
-from edgerun.model.weights import LayerWeights, ModelWeights
+from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -77,6 +77,45 @@ class BlockHooks:
 
 
 @dataclass
+class DenseExpert:
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+
+    @classmethod
+    def from_weights(cls, w: ExpertWeights) -> DenseExpert:
+        return cls(w.w_gate.dequantize(), w.w_up.dequantize(), w.w_down.dequantize())
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return (silu(x @ self.w_gate.T) * (x @ self.w_up.T)) @ self.w_down.T
+
+
+@dataclass
+class DenseMoe:
+    router: np.ndarray  # (n_experts, hidden)
+    experts: list[DenseExpert]
+    shared: DenseExpert | None
+    shared_gate: np.ndarray | None
+
+    @classmethod
+    def from_weights(cls, w: MoeWeights) -> DenseMoe:
+        return cls(w.router.dequantize(), [DenseExpert.from_weights(e) for e in w.experts],
+                   None if w.shared is None else DenseExpert.from_weights(w.shared), w.shared_gate)
+
+
+def route(logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's k experts and their weights, (seq, k) each: the softmax over all experts' logits, the k
+    largest kept (ties to the lower index, as a stable sort), renormalized to sum to one where the model says so."""
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return chosen, weights.astype(np.float32)
+
+
+@dataclass
 class DenseLayer:
     """One layer's weights dequantized to float32."""
 
@@ -89,16 +128,22 @@ class DenseLayer:
     bk: np.ndarray | None
     bv: np.ndarray | None
     ffn_norm: np.ndarray
-    w_gate: np.ndarray
-    w_up: np.ndarray
-    w_down: np.ndarray
+    w_gate: np.ndarray | None
+    w_up: np.ndarray | None
+    w_down: np.ndarray | None
+    moe: DenseMoe | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
 
     @classmethod
     def from_weights(cls, w: LayerWeights) -> DenseLayer:
+        dense = w.moe is None
         return cls(
             attn_norm=w.attn_norm, wq=w.wq.dequantize(), wk=w.wk.dequantize(), wv=w.wv.dequantize(),
             wo=w.wo.dequantize(), bq=w.bq, bk=w.bk, bv=w.bv, ffn_norm=w.ffn_norm,
-            w_gate=w.w_gate.dequantize(), w_up=w.w_up.dequantize(), w_down=w.w_down.dequantize(),
+            w_gate=w.w_gate.dequantize() if dense else None, w_up=w.w_up.dequantize() if dense else None,
+            w_down=w.w_down.dequantize() if dense else None,
+            moe=None if dense else DenseMoe.from_weights(w.moe), q_norm=w.q_norm, k_norm=w.k_norm,
         )
 
 
@@ -129,8 +174,19 @@ class ReferenceModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of float32 matrices one decode step reads."""
-        per_layer = sum(getattr(self.layers[0], f).nbytes for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+        """Bytes of float32 matrices one decode step reads (a mixture of experts: its router and the experts
+        one token takes)."""
+        first = self.layers[0]
+        per_layer = sum(getattr(first, f).nbytes for f in ("wq", "wk", "wv", "wo"))
+        if first.moe is None:
+            per_layer += first.w_gate.nbytes + first.w_up.nbytes + first.w_down.nbytes
+        else:
+            expert = first.moe.experts[0]
+            per_layer += first.moe.router.nbytes + self.config.n_experts_used * (
+                expert.w_gate.nbytes + expert.w_up.nbytes + expert.w_down.nbytes)
+            if first.moe.shared is not None:
+                shared = first.moe.shared
+                per_layer += shared.w_gate.nbytes + shared.w_up.nbytes + shared.w_down.nbytes
         return per_layer * len(self.layers) + self.output.nbytes
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -167,8 +223,10 @@ class ReferenceModel:
         q, k, v = x @ layer.wq.T, x @ layer.wk.T, x @ layer.wv.T
         if layer.bq is not None:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-        q = apply_rope(q.reshape(seq, c.n_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.reshape(seq, c.n_kv_heads, c.head_dim), cos, sin)
+        q, k = q.reshape(seq, c.n_heads, c.head_dim), k.reshape(seq, c.n_kv_heads, c.head_dim)
+        if layer.q_norm is not None:  # Qwen3: each head's query and key RMS-normalized before RoPE
+            q, k = rms_norm(q, layer.q_norm, c.norm_eps), rms_norm(k, layer.k_norm, c.norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = cache.length
         end = start + seq
         cache.k[index, :, start:end] = k.transpose(1, 0, 2)
@@ -194,6 +252,8 @@ class ReferenceModel:
     def mlp(self, index: int, layer: DenseLayer, x: np.ndarray, hooks: BlockHooks | None) -> np.ndarray:
         if hooks:
             hooks.mlp_input(index, x)
+        if layer.moe is not None:
+            return self.experts(layer.moe, x)
         act = silu(x @ layer.w_gate.T) * (x @ layer.w_up.T)
         out = act @ layer.w_down.T
         if hooks and hooks.wants_partials:
@@ -202,4 +262,16 @@ class ReferenceModel:
             replaced = hooks.group_outputs(index, np.stack(parts))
             if replaced is not None:
                 return replaced
+        return out
+
+    def experts(self, moe: DenseMoe, x: np.ndarray) -> np.ndarray:
+        """A mixture of experts: each token through its chosen experts, weighted by their gates (and through
+        the shared expert, scaled by its sigmoid gate). Tokens are grouped per expert, one product each."""
+        chosen, weights = route(x @ moe.router.T, self.config.n_experts_used, self.config.norm_gates)
+        out = np.zeros_like(x)
+        for e in np.unique(chosen):
+            tokens, slot = np.nonzero(chosen == e)
+            out[tokens] += weights[tokens, slot, None] * moe.experts[e](x[tokens])
+        if moe.shared is not None:
+            out += moe.shared(x) / (1.0 + np.exp(-(x @ moe.shared_gate)[:, None]))
         return out

@@ -17,7 +17,7 @@ from edgerun.model import gguf_file, hf_dir
 from edgerun.model.config import ModelConfig
 from edgerun.model.quant import quantize
 from edgerun.model.tokenizer import Tokenizer, Vocabulary
-from edgerun.model.weights import LayerWeights, ModelWeights
+from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
 
 # Llama 3.2 1B / 3B and Llama 3.1 8B shapes; "tiny" is for tests (every dimension a multiple of
 # 256, so K-quants apply).
@@ -28,6 +28,13 @@ SHAPES: dict[str, ModelConfig] = {
     "1b": ModelConfig("llama", 16, 2048, 8192, 32, 8, 64, 128256, 500000.0, 1e-5, 8192, True, False),
     "3b": ModelConfig("llama", 28, 3072, 8192, 24, 8, 128, 128256, 500000.0, 1e-5, 8192, True, False),
     "8b": ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0, 1e-5, 8192, False, False),
+    # Mixtures of experts. moe-tiny is for tests: Qwen3-MoE's layout (per-head query/key norms, top-k routing
+    # with renormalized gates) at 16 experts, 4 per token. qwen3-30b-a3b is the real shape of seed 001's model
+    # family (48 layers, hidden 2048, 128 experts of width 768, 8 per token): cut it with --layers to benchmark.
+    "moe-tiny": ModelConfig("qwen3moe", 2, 256, 512, 4, 2, 64, 512, 10000.0, 1e-6, 512, True, False,
+                            n_experts=16, n_experts_used=4, expert_ffn=256, qk_norm=True),
+    "qwen3-30b-a3b": ModelConfig("qwen3moe", 48, 2048, 6144, 32, 4, 128, 151936, 1000000.0, 1e-6, 40960, False,
+                                 False, n_experts=128, n_experts_used=8, expert_ffn=768, qk_norm=True),
 }
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -83,15 +90,30 @@ def synth_weights(spec: SynthSpec) -> ModelWeights:
     def bias(n: int) -> np.ndarray | None:
         return (0.1 * rng.standard_normal(n)).astype(np.float32) if c.qkv_bias else None
 
-    layers = tuple(
-        LayerWeights(
-            attn_norm=norm(c.hidden), wq=matrix(c.q_dim, c.hidden), wk=matrix(c.kv_dim, c.hidden),
-            wv=matrix(c.kv_dim, c.hidden), wo=matrix(c.hidden, c.q_dim), bq=bias(c.q_dim), bk=bias(c.kv_dim),
-            bv=bias(c.kv_dim), ffn_norm=norm(c.hidden), w_gate=matrix(c.ffn, c.hidden),
-            w_up=matrix(c.ffn, c.hidden), w_down=matrix(c.hidden, c.ffn),
-        )
-        for _ in range(c.n_layers)
-    )
+    def expert(width: int) -> ExpertWeights:
+        return ExpertWeights(matrix(width, c.hidden), matrix(width, c.hidden), matrix(c.hidden, width))
+
+    def moe() -> MoeWeights:
+        # The router in float32, as converters keep it: a quantized router flips near-tied expert choices.
+        router = quantize(rng.standard_normal((c.n_experts, c.hidden), dtype=np.float32) * 0.5, "F32")
+        experts = tuple(expert(c.expert_ffn) for _ in range(c.n_experts))
+        if not c.shared_expert_ffn:
+            return MoeWeights(router, experts)
+        return MoeWeights(router, experts, expert(c.shared_expert_ffn),
+                          (0.1 * rng.standard_normal(c.hidden)).astype(np.float32))
+
+    def layer() -> LayerWeights:
+        attn = dict(attn_norm=norm(c.hidden), wq=matrix(c.q_dim, c.hidden), wk=matrix(c.kv_dim, c.hidden),
+                    wv=matrix(c.kv_dim, c.hidden), wo=matrix(c.hidden, c.q_dim), bq=bias(c.q_dim),
+                    bk=bias(c.kv_dim), bv=bias(c.kv_dim), ffn_norm=norm(c.hidden))
+        if c.qk_norm:
+            attn |= dict(q_norm=norm(c.head_dim), k_norm=norm(c.head_dim))
+        if c.is_moe:
+            return LayerWeights(**attn, w_gate=None, w_up=None, w_down=None, moe=moe())
+        return LayerWeights(**attn, w_gate=matrix(c.ffn, c.hidden), w_up=matrix(c.ffn, c.hidden),
+                            w_down=matrix(c.hidden, c.ffn))
+
+    layers = tuple(layer() for _ in range(c.n_layers))
     # Embeddings scaled up so that random logits are not flat.
     embd = quantize(rng.standard_normal((c.vocab_size, c.hidden), dtype=np.float32), _embedding_qtype(spec.qtype))
     output = embd if c.tied_embeddings else matrix(c.vocab_size, c.hidden)
@@ -144,7 +166,11 @@ def write_synthetic(spec: SynthSpec, out: Path, fmt: str) -> None:
 
 
 def custom_shape(base: str, **overrides: object) -> ModelConfig:
-    """A named shape with some dimensions replaced (None values are ignored)."""
+    """A named shape with some dimensions replaced (None values are ignored; a shared expert width of -1 is
+    twice the expert width)."""
     if base not in SHAPES:
         raise ValueError(f"unknown shape {base!r} (choose from {', '.join(SHAPES)})")
-    return replace(SHAPES[base], **{k: v for k, v in overrides.items() if v is not None})
+    config = replace(SHAPES[base], **{k: v for k, v in overrides.items() if v is not None and v != -1})
+    if overrides.get("shared_expert_ffn") == -1:
+        config = replace(config, shared_expert_ffn=2 * config.expert_ffn)
+    return config

@@ -15,6 +15,32 @@ from edgerun.model.quant import QuantTensor
 
 
 @dataclass(frozen=True)
+class ExpertWeights:
+    """One SwiGLU expert (or a qwen2moe shared expert)."""
+
+    w_gate: QuantTensor  # (expert_ffn, hidden)
+    w_up: QuantTensor  # (expert_ffn, hidden)
+    w_down: QuantTensor  # (hidden, expert_ffn)
+
+    def matrices(self) -> tuple[QuantTensor, QuantTensor, QuantTensor]:
+        return self.w_gate, self.w_up, self.w_down
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.matrices())
+
+
+@dataclass(frozen=True)
+class MoeWeights:
+    """A layer's mixture of experts: the router, the experts, and qwen2moe's shared expert with its gate."""
+
+    router: QuantTensor  # (n_experts, hidden): each token's expert logits
+    experts: tuple[ExpertWeights, ...]
+    shared: ExpertWeights | None = None
+    shared_gate: np.ndarray | None = None  # float32 (hidden,): sigmoid(x . shared_gate) scales the shared expert
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     attn_norm: np.ndarray  # float32 (hidden,)
     wq: QuantTensor  # (q_dim, hidden)
@@ -25,13 +51,25 @@ class LayerWeights:
     bk: np.ndarray | None
     bv: np.ndarray | None
     ffn_norm: np.ndarray
-    w_gate: QuantTensor  # (ffn, hidden)
-    w_up: QuantTensor  # (ffn, hidden)
-    w_down: QuantTensor  # (hidden, ffn)
+    w_gate: QuantTensor | None  # (ffn, hidden); None in a mixture-of-experts layer
+    w_up: QuantTensor | None  # (ffn, hidden)
+    w_down: QuantTensor | None  # (hidden, ffn)
+    moe: MoeWeights | None = None
+    q_norm: np.ndarray | None = None  # float32 (head_dim,), qwen3moe: each head's query and key normalized
+    k_norm: np.ndarray | None = None
 
     def matrices(self) -> Iterator[tuple[str, QuantTensor]]:
-        yield from (("wq", self.wq), ("wk", self.wk), ("wv", self.wv), ("wo", self.wo),
-                    ("w_gate", self.w_gate), ("w_up", self.w_up), ("w_down", self.w_down))
+        yield from (("wq", self.wq), ("wk", self.wk), ("wv", self.wv), ("wo", self.wo))
+        if self.moe is None:
+            yield from (("w_gate", self.w_gate), ("w_up", self.w_up), ("w_down", self.w_down))
+            return
+        yield "router", self.moe.router
+        for e, expert in enumerate(self.moe.experts):
+            yield from ((f"expert{e}.w_gate", expert.w_gate), (f"expert{e}.w_up", expert.w_up),
+                        (f"expert{e}.w_down", expert.w_down))
+        if self.moe.shared is not None:
+            yield from (("shared.w_gate", self.moe.shared.w_gate), ("shared.w_up", self.moe.shared.w_up),
+                        ("shared.w_down", self.moe.shared.w_down))
 
 
 @dataclass(frozen=True)
