@@ -82,7 +82,8 @@ def write_with_architecture(path: Path, arch: str) -> None:
     """A complete tiny GGUF whose general.architecture (and metadata prefix) is `arch`."""
     spec = SynthSpec(SHAPES["tiny"], "Q4_0", 0)
     c = spec.config
-    config = SimpleNamespace(**{**c.to_dict(), "architecture": arch}, q_dim=c.q_dim, kv_dim=c.kv_dim)
+    config = SimpleNamespace(**{**c.to_dict(), "architecture": arch}, q_dim=c.q_dim, kv_dim=c.kv_dim,
+                             is_moe=False)
     gguf_file.write_gguf(path, config, synth_weights(spec), synth_vocabulary(c.vocab_size), arch)  # type: ignore[arg-type]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,16 +16,12 @@ if TYPE_CHECKING:
 from edgerun.commands.common import model_arg
 
 
-def arch_traits(arch: str | None, shared_expert_ffn: int | None) -> dict[str, object]:
+def arch_traits(arch: str | None) -> dict[str, object]:
     """What an --arch implies beyond its name: Qwen2's biases, Qwen3's query/key norms, qwen2moe's unnormalized
-    gates and shared expert (twice an expert's width unless given)."""
-    traits: dict[str, object] = {"shared_expert_ffn": shared_expert_ffn}
-    if arch is not None:
-        traits |= {"qkv_bias": arch in ("qwen2", "qwen2moe"), "qk_norm": arch == "qwen3moe",
-                   "norm_gates": arch != "qwen2moe"}
-    if arch == "qwen2moe" and shared_expert_ffn is None:
-        traits["shared_expert_ffn"] = -1  # custom_shape: twice the expert width
-    return traits
+    gates."""
+    if arch is None:
+        return {}
+    return {"qkv_bias": arch in ("qwen2", "qwen2moe"), "qk_norm": arch == "qwen3moe", "norm_gates": arch != "qwen2moe"}
 
 
 def cmd_model_synth(args: argparse.Namespace) -> None:
@@ -40,7 +37,9 @@ def cmd_model_synth(args: argparse.Namespace) -> None:
                               ffn=args.ffn, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
                               vocab_size=args.vocab, tied_embeddings=args.tied, n_experts=args.experts,
                               n_experts_used=args.experts_used, expert_ffn=args.expert_ffn,
-                              **arch_traits(args.arch, args.shared_expert_ffn))
+                              shared_expert_ffn=args.shared_expert_ffn, **arch_traits(args.arch))
+        if config.architecture == "qwen2moe" and not config.shared_expert_ffn:  # its shared expert: twice an expert
+            config = replace(config, shared_expert_ffn=2 * config.expert_ffn)
         spec = SynthSpec(config, args.quant, args.seed)
         print(f"writing {config.n_params() / 1e9:.2f}B-parameter {config.architecture} model ({args.quant}) "
               f"to {args.out}", file=sys.stderr)

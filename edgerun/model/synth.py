@@ -31,7 +31,7 @@ SHAPES: dict[str, ModelConfig] = {
     # Mixtures of experts. moe-tiny is for tests: Qwen3-MoE's layout (per-head query/key norms, top-k routing
     # with renormalized gates) at 16 experts, 4 per token. qwen3-30b-a3b is the real shape of seed 001's model
     # family (48 layers, hidden 2048, 128 experts of width 768, 8 per token): cut it with --layers to benchmark.
-    "moe-tiny": ModelConfig("qwen3moe", 2, 256, 512, 4, 2, 64, 512, 10000.0, 1e-6, 512, True, False,
+    "moe-tiny": ModelConfig("qwen3moe", 2, 256, 512, 4, 2, 64, 512, 10000.0, 1e-6, 512, False, False,
                             n_experts=16, n_experts_used=4, expert_ffn=256, qk_norm=True),
     "qwen3-30b-a3b": ModelConfig("qwen3moe", 48, 2048, 6144, 32, 4, 128, 151936, 1000000.0, 1e-6, 40960, False,
                                  False, n_experts=128, n_experts_used=8, expert_ffn=768, qk_norm=True),
@@ -166,11 +166,7 @@ def write_synthetic(spec: SynthSpec, out: Path, fmt: str) -> None:
 
 
 def custom_shape(base: str, **overrides: object) -> ModelConfig:
-    """A named shape with some dimensions replaced (None values are ignored; a shared expert width of -1 is
-    twice the expert width)."""
+    """A named shape with some dimensions replaced (None values are ignored)."""
     if base not in SHAPES:
         raise ValueError(f"unknown shape {base!r} (choose from {', '.join(SHAPES)})")
-    config = replace(SHAPES[base], **{k: v for k, v in overrides.items() if v is not None and v != -1})
-    if overrides.get("shared_expert_ffn") == -1:
-        config = replace(config, shared_expert_ffn=2 * config.expert_ffn)
-    return config
+    return replace(SHAPES[base], **{k: v for k, v in overrides.items() if v is not None})

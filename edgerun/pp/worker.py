@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import shutil
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -351,8 +352,15 @@ class PipelineWorker:
                 await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": f["sha256"], "seconds": seconds,
                                                                  "bytes": size})
             link = directory / f["name"]
+            if link.exists() and link.is_symlink() == self.config.is_moe:
+                link.unlink()  # made for the other kind of graph
             if not link.exists():
-                link.symlink_to(path)
+                if self.config.is_moe:
+                    # onnxruntime refuses external weights behind a link of either kind in a subgraph (the
+                    # experts' If branches), so a mixture of experts' stage holds a copy.
+                    shutil.copyfile(path, link)
+                else:
+                    link.symlink_to(path)
 
     async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
         session = self._session()

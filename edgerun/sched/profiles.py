@@ -210,13 +210,20 @@ def model_profile(name: str, config: ModelConfig, weights: ModelWeights, context
     attn_bytes = (layer.wq.nbytes + layer.wo.nbytes) * unit_heads / c.n_heads + \
                  (layer.wk.nbytes + layer.wv.nbytes) / c.n_kv_heads
     attn_params = 2 * unit_heads * c.head_dim * c.hidden + 2 * c.head_dim * c.hidden
-    mlp_bytes = (layer.w_gate.nbytes + layer.w_up.nbytes + layer.w_down.nbytes) * group_size / c.ffn
     vocab_bytes = weights.output.nbytes * vocab_block / c.vocab_size
     kv_per_unit = 2 * c.head_dim * ACTIVATION_BYTES
     layer_bytes = [float(sum(t.nbytes for _, t in lw.matrices())) for lw in weights.layers]
-    read_bytes = list(layer_bytes)
+    if layer.moe is None:
+        mlp_bytes = (layer.w_gate.nbytes + layer.w_up.nbytes + layer.w_down.nbytes) * group_size / c.ffn
+        read_bytes = list(layer_bytes)
+        mlp_width = c.ffn
+    else:  # a token reads the router and its k experts (and the shared one) of the layer's experts
+        mlp_bytes = 0.0  # no neuron groups: tensor-parallel plans take dense models
+        unread = sum(e.nbytes for e in layer.moe.experts) - c.n_experts_used * layer.moe.experts[0].nbytes
+        read_bytes = [b - unread for b in layer_bytes]
+        mlp_width = c.n_experts_used * c.expert_ffn + c.shared_expert_ffn
     read_bytes[-1] += weights.output.nbytes
-    layer_flops = [2.0 * (attn_params * c.n_kv_heads + 3 * c.hidden * c.ffn)] * c.n_layers
+    layer_flops = [2.0 * (attn_params * c.n_kv_heads + 3 * c.hidden * mlp_width)] * c.n_layers
     layer_bytes[0] += weights.token_embd.nbytes
     layer_bytes[-1] += weights.output.nbytes  # tied or not, the last stage needs the LM head
     layer_flops[-1] += 2.0 * c.vocab_size * c.hidden

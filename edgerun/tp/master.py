@@ -57,6 +57,9 @@ class Master:
         self.model, self.key, self.predictors, self.log = model, key, predictors, log
         self.model_sha256 = model_sha256(model.path)
         # Settings are checked before anything is opened: a refused master leaves no thread or socket behind.
+        if model.config.is_moe:
+            raise EdgerunError(f"tensor-parallel plans split dense models; {model.path.name} is a mixture of "
+                               "experts: run it with edgerun generate or a pipeline (--plan dp)")
         unit_order_for(model, self.model_sha256, config.mapping, predictors, config.group_size)
         host, port = config.host, config.port
         self.model_server = None if config.files_port is not None else \
