@@ -72,6 +72,29 @@ def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
         print(f"[master] {len(tokens)} tokens in {time.perf_counter() - start:.2f} s; {stats}", file=sys.stderr)
 
 
+def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]) -> None:
+    """--plan moe: a MoEx hub and its expert workers."""
+    from edgerun.model.sampling import Sampler
+    from edgerun.moe.hub import HubConfig, MoeHub
+
+    if args.expert_timeout_ms <= 0:
+        raise EdgerunError("--expert-timeout-ms must be positive")
+    hub = MoeHub(model, cluster_key(args), HubConfig(
+        host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas, hedge=args.hedge,
+        expert_timeout_s=args.expert_timeout_ms / 1000), log=log)
+    log(f"listening on port {hub.port} (expert workers: edgerun node --mode moe --master HOST:{hub.port}); "
+        f"waiting for {args.expect} worker(s)")
+    try:
+        with _advertise("moe", args.host, hub.port, args.advertise, log):
+            hub.wait_for_workers(args.expect)
+            _serve_prompts(args, model, lambda ids, emit: (
+                hub.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, emit),
+                f"{hub.stats.dispatches} expert dispatches, {hub.stats.sent} sent (hedged), "
+                f"{hub.stats.redispatched} redispatched"))
+    finally:
+        hub.close()
+
+
 def cmd_master(args: argparse.Namespace) -> None:
     limit_blas_threads(args.threads)
     from edgerun.model.loader import load_model
@@ -84,6 +107,9 @@ def cmd_master(args: argparse.Namespace) -> None:
     model = load_model(args.model)
     params = SamplingParams(args.temperature, seed=args.seed)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.plan == "moe":
+        _run_hub(args, model, params, log)
+        return
     if args.plan == "dp":
         from edgerun.model.onnx_graph import Activations
         from edgerun.pp.master import PipelineConfig, PipelineMaster, Route, chat_template_prefix
@@ -161,12 +187,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Wait for --expect nodes, plan who computes which attention units and MLP "
                                    "neuron groups, then generate: from --prompt, or one prompt per line of stdin.")
     model_arg(p)
-    p.add_argument("--plan", choices=PLANS, default="halo", help="tensor-parallel planner, or dp: pipeline layer "
-                   "ranges over WebSocket workers and browser pages (default: halo)")
+    p.add_argument("--plan", choices=(*PLANS, "moe"), default="halo", help="tensor-parallel planner; dp: pipeline "
+                   "layer ranges over WebSocket workers and browser pages; moe: a mixture-of-experts model's experts "
+                   "on expert workers (edgerun node --mode moe), the rest here (default: halo)")
     p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
     route_arg(p)
     p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "
-                   "where spare ones can hold it and take the first answer (hedged replicas; default: 1)")
+                   "where spare ones can hold it and take the first answer (hedged replicas); with --plan moe: "
+                   "workers holding each expert (default: 1)")
+    p.add_argument("--hedge", type=int, default=1, help="with --plan moe: replicas each expert dispatch goes to at "
+                   "once, the first answer taken and the others cancelled (at most --replicas; default: 1)")
+    p.add_argument("--expert-timeout-ms", type=float, default=5000.0, help="with --plan moe: after this a "
+                   "dispatch goes to another replica; three timeouts in a row leave a worker out (default: 5000)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, every interface)")
     p.add_argument("--port", type=int, default=7000, help="TCP port nodes connect to (default: 7000)")
     p.add_argument("--transport", choices=("udp", "tcp"), default="udp",

@@ -46,6 +46,16 @@ def cmd_node(args: argparse.Namespace) -> None:
     name = args.name or (profile.name if profile else f"node-{os.getpid()}")
     if args.master is None:
         args.master = _discover_master(args.mode)
+    if args.mode == "moe":
+        from edgerun.moe.worker import run_expert_worker
+
+        url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/moe"
+        try:
+            run_expert_worker(url, cluster_key(args), name, args.memory_budget, args.threads,
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
+        except OSError as e:
+            raise EdgerunError(f"cannot reach the hub at {url}: {e}") from e
+        return
     if args.mode == "pp":
         import asyncio
 
@@ -89,12 +99,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="serve as one device of a tensor-parallel or pipeline cluster",
                        description="Join a master and compute what it assigns until it shuts down: with --mode tp, "
                                    "a share of every layer from the local model file; with --mode pp, a range of "
-                                   "layers as an ONNX stage downloaded from the master.")
-    p.add_argument("--master", default=None, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws; "
-                   "default: the first master of --mode found on the LAN by mDNS)")
-    p.add_argument("--mode", choices=("tp", "pp"), default="tp",
-                   help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp) "
-                        "(default: tp)")
+                                   "layers as an ONNX stage downloaded from the master; with --mode moe, the "
+                                   "experts of a mixture-of-experts model the hub places here, fetched from it.")
+    p.add_argument("--master", default=None, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws, moe "
+                   "ws://HOST:PORT/moe; default: the first master of --mode found on the LAN by mDNS)")
+    p.add_argument("--mode", choices=("tp", "pp", "moe"), default="tp",
+                   help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp); moe: expert "
+                        "worker of a mixture-of-experts hub (--plan moe) (default: tp)")
     model_arg(p)
     p.add_argument("--name", default=None, help="node name (default: the profile's name, else node-PID)")
     p.add_argument("-v", "--verbose", action="store_true",

@@ -583,3 +583,20 @@ def shard_head_graph(config: ModelConfig, output: QuantTensor, rows: np.ndarray,
             after_chunk()
     g.nodes.append(helper.make_node("Concat", chunks, ["logits"], name="logits", axis=-1))
     return _save(g, inputs, outputs, "edgerun_shard_head", out)
+
+
+def expert_graph(config: ModelConfig, expert: ExpertWeights, out: Path, accuracy_level: int = 0) -> int:
+    """One expert of a mixture, weighted: hidden (1, seq, hidden) and gates (1, seq, 1) in, gates * SwiGLU(hidden)
+    out (what an expert worker returns to its hub)."""
+    g = _GraphWriter(shard_weights_path(out))
+    f32 = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden]),
+              helper.make_tensor_value_info("gates", f32, [1, "seq", 1])]
+    outputs = [helper.make_tensor_value_info("weighted", f32, [1, "seq", config.hidden])]
+
+    def linear(x: str, tensors: list[QuantTensor]) -> list[str]:
+        return g.linear(x, tensors, accuracy_level)
+
+    y = _swiglu(g, "hidden", *expert.matrices(), linear)
+    g.nodes.append(helper.make_node("Mul", [y, "gates"], ["weighted"], name="weighted"))
+    return _save(g, inputs, outputs, "edgerun_expert", out)

@@ -20,6 +20,7 @@ FIND_TIMEOUT_S = 5.0  # how long a node listens for masters before it gives up
 class ClusterMode(Enum):
     TP = "tp"  # tensor-parallel: nodes join over TCP + UDP (edgerun master --plan halo, edgerun serve)
     PP = "pp"  # pipeline: workers join over WebSocket (edgerun master --plan dp)
+    MOE = "moe"  # mixture of experts: expert workers join a hub over WebSocket (edgerun master --plan moe)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,335 @@
+"""The MoEx hub (`edgerun master --plan moe`): attention, norms, routers, embedding and LM head here; experts on
+workers.
+
+Per layer the hub routes each token (softmax, top k, renormalized where the model says so), groups the tokens per
+chosen expert, and sends one DISPATCH per (expert, tokens) to `hedge` of that expert's replicas, the least
+loaded-looking first (lowest latency seen). The first RESULT wins; the other replicas get a CANCEL. A dispatch
+whose replicas have all gone, or that times out, goes to a replica not tried yet at once (no re-prefill); a
+worker that times out three times in a row is left out until it answers again. The outputs come back weighted by
+their gates, so the hub only adds them.
+
+Where experts live is `sched.moe.place_experts` over the connected workers' budgets; workers fetch their experts'
+blobs from /experts/<sha256> here. The hub's own numbers are the numpy reference's (attention, norms, routing),
+so a cluster's tokens are the reference's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from edgerun.errors import EdgerunError
+from edgerun.model.generate import EngineLost, generate
+from edgerun.model.loader import Model
+from edgerun.model.reference import KVCache, ReferenceModel, rms_norm, rope_tables, route
+from edgerun.model.sampling import Sampler
+from edgerun.moe.experts import expert_blobs
+from edgerun.net.channel import EventLoopThread
+from edgerun.net.http_server import HttpServer, bind
+from edgerun.net.wire import (
+    MOEX_MAX_FRAME,
+    ExpertCancel,
+    ExpertDispatch,
+    ExpertHeartbeat,
+    ExpertResult,
+    WeightSync,
+    WireError,
+    moex_frame,
+    open_moex_frame,
+)
+from edgerun.pp.workers import LinkClosed, WorkerLink
+from edgerun.sched.moe import ExpertPlacement, ExpertWorker, place_experts
+
+STRIKES = 3  # consecutive timeouts after which a worker is left out of dispatch
+
+
+@dataclass(frozen=True)
+class HubConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_len: int = 1024
+    replicas: int = 2  # workers holding each expert
+    hedge: int = 1  # replicas each dispatch goes to at once (at most `replicas`)
+    expert_timeout_s: float = 5.0  # after this a dispatch goes to another replica
+    sync_timeout_s: float = 300.0  # for workers to fetch and load their experts
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or not 1 <= self.hedge <= self.replicas:
+            raise EdgerunError(f"--hedge {self.hedge} must be between 1 and --replicas {self.replicas}")
+        if self.expert_timeout_s <= 0:
+            raise EdgerunError("the expert timeout must be positive")
+
+
+class ExpertsLost(EngineLost):
+    """Every replica of an expert is gone: the hub places the experts again over the workers left."""
+
+
+@dataclass(eq=False)
+class HubWorker:
+    name: str
+    budget_mb: float
+    link: WorkerLink
+    alive: bool = True
+    strikes: int = 0
+    latency_s: float = 0.0  # a moving average of its answers' round trips
+    synced: asyncio.Future | None = None  # resolved by its answer to a WEIGHT_SYNC
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and self.strikes < STRIKES
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    sent: dict[str, float] = field(default_factory=dict)  # worker -> when
+
+
+@dataclass
+class HubStats:
+    dispatches: int = 0  # (expert, tokens) requests
+    sent: int = 0  # frames, hedged copies included
+    redispatched: int = 0  # after a timeout or a lost replica
+    expert_s: float = 0.0  # time in the expert phase, over layers
+    layers: int = 0
+    phase_ms: list[float] = field(default_factory=list)  # each layer's expert phase
+
+
+class MoeHub:
+    """An engine (the one generation loop drives it) whose experts run on workers."""
+
+    name = "moe"
+
+    def __init__(self, model: Model, key: bytes, config: HubConfig | None = None,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        if not model.config.is_moe:
+            raise EdgerunError(f"--plan moe needs a mixture-of-experts model; {model.path.name} is dense")
+        self.model, self.key, self.config, self.log = model, key, config or HubConfig(), log
+        self.reference = ReferenceModel(model.config, model.weights)
+        self.blobs = expert_blobs(model.weights)
+        self.by_sha = {sha: blob for sha, blob in self.blobs.values()}
+        self.expert_mb = max(len(blob) for _, blob in self.blobs.values()) / 2**20
+        self.workers: dict[str, HubWorker] = {}
+        self.placement: ExpertPlacement | None = None
+        self.pending: dict[int, _Pending] = {}
+        self.seqs = itertools.count(1)
+        self.stats = HubStats()
+        self.cache: KVCache = self.reference.new_cache(self.config.max_len)
+        self.joined = asyncio.Event()
+        self.net = EventLoopThread()
+        app = Starlette(routes=[WebSocketRoute("/moe", self._serve), Route("/experts/{sha256}", self._blob)])
+        self.server = HttpServer(app, bind(self.config.host, self.config.port), self.net, max_message=MOEX_MAX_FRAME)
+        self.port = self.server.port
+
+    def reconfigure(self, config: HubConfig) -> None:
+        """New hedging, timeouts or replication (taking effect at the next dispatch; replicas at the next deploy);
+        the host and port stay those it listens on."""
+        self.config = config
+
+    # --- workers -------------------------------------------------------------------------------------------
+    async def _blob(self, request: Request) -> Response:
+        blob = self.by_sha.get(request.path_params["sha256"])
+        if blob is None:
+            return PlainTextResponse("no such expert\n", status_code=404)
+        return Response(blob, media_type="application/octet-stream")
+
+    async def _serve(self, ws: WebSocket) -> None:
+        await ws.accept()
+        link = WorkerLink(ws)
+        worker = None
+        try:
+            hello = open_moex_frame(await link.receive() or b"", self.key)
+            if not isinstance(hello, ExpertHeartbeat) or not isinstance(hello.info.get("name"), str):
+                raise WireError("a worker must say its name first")
+            name, budget = hello.info["name"], float(hello.info.get("budget_mb", 0))
+            if name in self.workers and self.workers[name].alive:
+                raise WireError(f"a worker named {name} is already connected")
+            worker = self.workers[name] = HubWorker(name, budget, link)
+            self.log(f"expert worker {name} joined ({budget:.0f} MB)")
+            self.joined.set()
+            while True:
+                data = await link.receive()
+                if data is not None:
+                    self._reply(worker, open_moex_frame(data, self.key))
+        except (WireError, LinkClosed, ValueError, TypeError) as e:
+            self.log(f"expert worker {worker.name if worker else '?'} left or was refused: {e}")
+        finally:
+            if worker is not None:
+                self._lost(worker)
+
+    def _reply(self, worker: HubWorker, message: object) -> None:
+        match message:
+            case ExpertResult(seq):
+                pending = self.pending.get(seq)
+                if pending is None or pending.future.done():
+                    return  # a hedged copy that lost the race
+                took = time.perf_counter() - pending.sent.get(worker.name, time.perf_counter())
+                worker.latency_s = took if worker.latency_s == 0 else 0.8 * worker.latency_s + 0.2 * took
+                worker.strikes = 0
+                pending.future.set_result(message.y)
+                for other in pending.sent:
+                    if other != worker.name and self.workers[other].alive:
+                        self._send(self.workers[other], ExpertCancel(seq))
+            case ExpertHeartbeat(_, info) if worker.synced is not None and not worker.synced.done():
+                worker.synced.set_result(info)
+            case ExpertHeartbeat():
+                worker.strikes = 0
+            case _:
+                self.log(f"expert worker {worker.name}: unexpected {type(message).__name__}")
+
+    def _lost(self, worker: HubWorker) -> None:
+        worker.alive = False
+        if worker.synced is not None and not worker.synced.done():
+            worker.synced.set_result({"ready": False, "error": "left"})
+        for pending in self.pending.values():  # dispatches that now have no live replica are retried at once
+            if worker.name in pending.sent and not pending.future.done() and \
+                    not any(self.workers[n].alive for n in pending.sent):
+                pending.future.set_exception(TimeoutError(worker.name))
+
+    def _send(self, worker: HubWorker, message: object) -> None:
+        async def send() -> None:
+            with contextlib.suppress(LinkClosed):
+                await worker.link.send(moex_frame(message, self.key))
+        asyncio.get_running_loop().create_task(send())
+
+    def wait_for_workers(self, n: int, timeout_s: float = 120.0) -> None:
+        async def wait() -> None:
+            while len([w for w in self.workers.values() if w.alive]) < n:
+                self.joined.clear()
+                await self.joined.wait()
+        try:
+            self.net.run(asyncio.wait_for(wait(), timeout_s))
+        except TimeoutError:
+            raise EdgerunError(f"{n} expert workers did not join within {timeout_s:.0f} s") from None
+        self.deploy()
+
+    def deploy(self) -> ExpertPlacement:
+        """Place every expert over the live workers and have each hold its share."""
+        return self.net.run(self._deploy())
+
+    async def _deploy(self) -> ExpertPlacement:
+        alive = [w for w in self.workers.values() if w.alive]
+        c = self.model.config
+        placement = place_experts([ExpertWorker(w.name, w.budget_mb) for w in alive], c.n_layers, c.n_experts,
+                                  min(self.config.replicas, len(alive)), self.expert_mb)
+        loop = asyncio.get_running_loop()
+        for w in alive:
+            w.synced = loop.create_future()
+            experts = [[layer, e, self.blobs[(layer, e)][0]] for layer, e in placement.experts_of(w.name)]
+            self._send(w, WeightSync(next(self.seqs), {"config": c.to_dict(), "experts": experts}))
+        answers = await asyncio.wait_for(asyncio.gather(*(w.synced for w in alive)), self.config.sync_timeout_s)
+        failed = [f"{w.name}: {a.get('error')}" for w, a in zip(alive, answers, strict=True) if not a.get("ready")]
+        if failed:
+            raise EdgerunError(f"expert workers failed to load their experts ({'; '.join(failed)})")
+        self.placement = placement
+        shares = ", ".join(f"{w.name} {len(placement.experts_of(w.name))} experts ({placement.held_mb[w.name]:.1f} MB)"
+                           for w in alive)
+        self.log(f"placed {len(placement.replicas)} experts x {min(self.config.replicas, len(alive))} replicas: "
+                 f"{shares}")
+        return placement
+
+    # --- the engine ----------------------------------------------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        return self.config.max_len
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.reference.weight_bytes
+
+    def reset(self) -> None:
+        self.cache = self.reference.new_cache(self.config.max_len)
+
+    def release(self) -> None:
+        """Nothing to let go of between requests."""
+
+    def recover(self, lost: EngineLost) -> None:
+        self.log(f"{lost}: placing the experts again over the workers left")
+        self.deploy()
+
+    def step(self, tokens: Sequence[int]) -> np.ndarray:
+        return self.net.run(self._step(tokens))
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
+                 stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
+        return generate(self, prompt, max_tokens, sampler, stop_ids, on_token).tokens
+
+    async def _step(self, tokens: Sequence[int]) -> np.ndarray:
+        ref, c, cache = self.reference, self.model.config, self.cache
+        start = cache.length
+        if start + len(tokens) > cache.max_len:
+            raise EdgerunError(f"context of {cache.max_len} tokens exceeded")
+        x = ref.embed(tokens)
+        cos, sin = rope_tables(c.head_dim, c.rope_base, np.arange(start, start + len(tokens)))
+        for i, layer in enumerate(ref.layers):
+            x = x + ref.attention(i, layer, rms_norm(x, layer.attn_norm, c.norm_eps), cache, cos, sin, None)
+            x = x + await self._mixture(i, layer.moe, rms_norm(x, layer.ffn_norm, c.norm_eps))
+        cache.length = start + len(tokens)
+        return (rms_norm(x[-1:], ref.output_norm, c.norm_eps) @ ref.output.T)[0]
+
+    async def _mixture(self, layer: int, moe, x: np.ndarray) -> np.ndarray:
+        """The layer's experts on x (tokens, hidden), computed on the workers, weighted and summed."""
+        c = self.model.config
+        chosen, weights = route(x @ moe.router.T, c.n_experts_used, c.norm_gates)
+        started = time.perf_counter()
+        jobs = []
+        for e in np.unique(chosen):
+            rows, slot = np.nonzero(chosen == e)
+            jobs.append((rows, self._expert(layer, int(e), x[rows], weights[rows, slot])))
+        outputs = await asyncio.gather(*(job for _, job in jobs))
+        took = time.perf_counter() - started
+        self.stats.expert_s += took
+        self.stats.layers += 1
+        self.stats.phase_ms.append(took * 1e3)
+        out = np.zeros_like(x)
+        for (rows, _), y in zip(jobs, outputs, strict=True):
+            out[rows] += y
+        if moe.shared is not None:  # the shared expert every token takes stays on the hub
+            out += moe.shared(x) / (1.0 + np.exp(-(x @ moe.shared_gate)[:, None]))
+        return out
+
+    async def _expert(self, layer: int, expert: int, x: np.ndarray, gates: np.ndarray) -> np.ndarray:
+        """One (expert, tokens) dispatch, hedged, retried on other replicas until one answers."""
+        self.stats.dispatches += 1
+        tried: set[str] = set()
+        while True:
+            candidates = [self.workers[n] for n in self.placement.replicas[(layer, expert)]
+                          if n not in tried and self.workers[n].healthy]
+            if not candidates:  # the unhealthy ones are a last resort before giving up
+                candidates = [self.workers[n] for n in self.placement.replicas[(layer, expert)]
+                              if n not in tried and self.workers[n].alive]
+            if not candidates:
+                raise ExpertsLost(f"no live replica of expert {expert} of layer {layer}")
+            targets = sorted(candidates, key=lambda w: w.latency_s)[:self.config.hedge]
+            seq = next(self.seqs)
+            pending = self.pending[seq] = _Pending(asyncio.get_running_loop().create_future())
+            for w in targets:
+                pending.sent[w.name] = time.perf_counter()
+                self._send(w, ExpertDispatch(seq, layer, expert, x, gates))
+                tried.add(w.name)
+            self.stats.sent += len(targets)
+            try:
+                return await asyncio.wait_for(pending.future, self.config.expert_timeout_s)
+            except TimeoutError:
+                for w in targets:
+                    if w.alive and not pending.future.done():
+                        w.strikes += 1
+                        self._send(w, ExpertCancel(seq))
+                self.stats.redispatched += 1
+            finally:
+                del self.pending[seq]
+
+    def close(self) -> None:
+        self.server.close()
+        self.net.stop()

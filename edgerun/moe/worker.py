@@ -1,0 +1,157 @@
+"""An expert worker (`edgerun node --mode moe`): holds the experts its hub places on it and computes them.
+
+It connects to the hub's WebSocket, says who it is (a HEARTBEAT with its name, memory budget and kind), and then
+answers frames: WEIGHT_SYNC names the experts to hold with their blobs' sha256 (fetched over HTTP from the hub
+unless cached, checked, then loaded); DISPATCH asks for one expert on some tokens, answered by a RESULT with the
+gate-weighted output; CANCEL drops a dispatch that another replica has answered. Dispatches wait in arrival order
+and run one at a time in an executor (onnxruntime releases the GIL, so frames keep being read meanwhile): a
+cancelled one that has not started is never computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import threading
+import time
+import urllib.request
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import websockets
+
+from edgerun.model.config import ModelConfig
+from edgerun.moe.experts import ExpertRunner, blob_dir, read_expert_blob
+from edgerun.net.backoff import Backoff
+from edgerun.net.wire import (
+    MOEX_MAX_FRAME,
+    ExpertCancel,
+    ExpertDispatch,
+    ExpertHeartbeat,
+    ExpertResult,
+    WeightSync,
+    WireError,
+    moex_frame,
+    open_moex_frame,
+)
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+def fetch_blob(base_url: str, sha256: str) -> Path:
+    """The expert blob with this sha256: from the cache, or fetched from the hub and checked."""
+    target = blob_dir() / sha256
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with urllib.request.urlopen(f"{base_url}/experts/{sha256}", timeout=60) as response:
+        data = response.read()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"expert blob {sha256[:12]} arrived with another hash")
+    partial = target.with_name(f".{sha256}.{os.getpid()}.{threading.get_ident()}")  # workers may share a cache
+    partial.write_bytes(data)
+    os.replace(partial, target)
+    return target
+
+
+class ExpertWorkerNode:
+    def __init__(self, url: str, key: bytes, name: str, budget_mb: float, threads: int | None = 1,
+                 log: Callable[[str], None] = print) -> None:
+        self.url, self.key, self.name, self.budget_mb, self.threads, self.log = url, key, name, budget_mb, threads, log
+        scheme, _, rest = url.partition("://")
+        self.base_url = f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}"
+        self.runner: ExpertRunner | None = None
+        self.queue: OrderedDict[int, ExpertDispatch] = OrderedDict()  # seq -> dispatch not started yet
+        self.ready = asyncio.Event()
+        self.computed = 0
+
+    async def run(self, wait_s: float = 60.0) -> None:
+        """Serve until the hub closes the connection."""
+        backoff = Backoff(wait_s)
+        while True:
+            try:
+                ws = await asyncio.wait_for(websockets.connect(self.url, max_size=MOEX_MAX_FRAME, compression=None),
+                                            CONNECT_TIMEOUT_S)
+                break
+            except (OSError, TimeoutError, websockets.InvalidHandshake) as e:
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise OSError(f"no hub answered at {self.url} within {wait_s:.0f} s") from e
+                await asyncio.sleep(delay)
+        self.log(f"expert worker {self.name}: connected to {self.url}")
+        async with ws:
+            await ws.send(moex_frame(ExpertHeartbeat(0, {"name": self.name, "budget_mb": self.budget_mb,
+                                                         "kind": "native"}), self.key))
+            computing = asyncio.create_task(self._compute(ws))
+            try:
+                async for data in ws:
+                    if isinstance(data, bytes):
+                        await self._received(ws, data)
+            except websockets.ConnectionClosed:
+                pass
+            finally:
+                computing.cancel()
+        self.log(f"expert worker {self.name}: the hub closed the connection")
+
+    async def _received(self, ws: websockets.ClientConnection, data: bytes) -> None:
+        try:
+            message = open_moex_frame(data, self.key)
+        except WireError as e:
+            self.log(f"expert worker {self.name}: dropped a frame ({e})")
+            return
+        match message:
+            case ExpertDispatch():
+                self.queue[message.seq] = message
+                self.ready.set()
+            case ExpertCancel(seq):
+                self.queue.pop(seq, None)
+            case WeightSync(seq, info):
+                await self._sync(ws, seq, info)
+            case _:
+                self.log(f"expert worker {self.name}: unexpected {type(message).__name__}")
+
+    async def _sync(self, ws: websockets.ClientConnection, seq: int, info: dict) -> None:
+        """Hold exactly the experts the hub lists: fetch and load the new ones, drop the others."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            config = ModelConfig(**info["config"])
+            if self.runner is None or self.runner.config != config:
+                self.runner = ExpertRunner(config, self.threads)
+            wanted = {(int(layer), int(expert)): str(sha) for layer, expert, sha in info["experts"]}
+            self.runner.keep_only(set(wanted))
+            for key, sha in wanted.items():
+                if key not in self.runner.sessions:
+                    path = await loop.run_in_executor(None, fetch_blob, self.base_url, sha)
+                    weights = read_expert_blob(path.read_bytes())
+                    await loop.run_in_executor(None, self.runner.load, *key, weights)
+            reply = {"ready": True, "experts": len(wanted), "seconds": time.perf_counter() - started}
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            reply = {"ready": False, "error": f"{type(e).__name__}: {e}"}
+        self.log(f"expert worker {self.name}: {reply}")
+        await ws.send(moex_frame(ExpertHeartbeat(seq, reply), self.key))
+
+    async def _compute(self, ws: websockets.ClientConnection) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.ready.wait()
+            if not self.queue:
+                self.ready.clear()
+                continue
+            _, d = self.queue.popitem(last=False)
+            try:
+                y = await loop.run_in_executor(None, self.runner.run, d.layer, d.expert, d.x, d.gates)
+            except (KeyError, AttributeError, ValueError) as e:  # not held (a stale placement) or a bad shape
+                self.log(f"expert worker {self.name}: cannot compute expert {d.expert} of layer {d.layer} ({e})")
+                continue
+            self.computed += 1
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.send(moex_frame(ExpertResult(d.seq, d.layer, d.expert, y), self.key))
+
+
+def run_expert_worker(url: str, key: bytes, name: str, budget_mb: float, threads: int | None = 1,
+                      log: Callable[[str], None] = print) -> None:
+    asyncio.run(ExpertWorkerNode(url, key, name, budget_mb, threads, log).run())

@@ -1,0 +1,114 @@
+"""A MoEx hub with expert workers in their own processes, over real WebSockets: the numpy reference's greedy
+tokens with and without hedging, a worker killed mid-request served by its replicas without a re-prefill, and a
+hub that survives whatever a peer sends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import websockets
+
+from edgerun.model.generate import ReferenceEngine, generate
+from edgerun.model.loader import Model, load_model
+from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
+from edgerun.moe.hub import HubConfig, MoeHub
+from edgerun.net.wire import ExpertHeartbeat, derive_key, moex_frame
+
+SECRET = "moe-tests"
+GREEDY = Sampler(SamplingParams())
+PROMPT = "Experts of a mixture, each on a worker of its own"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    path = tmp_path_factory.mktemp("moe") / "moe-tiny.gguf"
+    write_synthetic(SynthSpec(SHAPES["moe-tiny"], "Q4_0", seed=5), path, "gguf")
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def expected(model: Model) -> list[int]:
+    return generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), 64, GREEDY).tokens
+
+
+def start_worker(port: int, name: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "moe", "--master",
+                             f"127.0.0.1:{port}", "--key", SECRET, "--name", name, "--memory-budget", "50",
+                             "--threads", "1"], stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def cluster(model: Model, workers: int, config: HubConfig) -> Iterator[tuple[MoeHub, list[subprocess.Popen], list]]:
+    logs: list[str] = []
+    hub = MoeHub(model, derive_key(SECRET), config, log=logs.append)
+    procs = [start_worker(hub.port, f"e{i}") for i in range(workers)]
+    try:
+        hub.wait_for_workers(workers)
+        yield hub, procs, logs
+    finally:
+        hub.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_hub_and_three_workers_give_the_references_tokens_hedged_or_not(model: Model, expected: list[int]) -> None:
+    prompt = model.tokenizer.encode(PROMPT)
+    assert len(set(expected)) > 4  # a sequence worth comparing
+    with cluster(model, 3, HubConfig(max_len=256, replicas=2)) as (hub, _, logs):
+        assert hub.generate(prompt, 64, GREEDY) == expected
+        single = hub.stats.sent
+        assert single == hub.stats.dispatches  # h = 1: one frame per (expert, tokens)
+        hub.reconfigure(replace(hub.config, hedge=2))
+        assert hub.generate(prompt, 64, GREEDY) == expected
+        assert hub.stats.sent - single == 2 * (hub.stats.dispatches - single)  # every dispatch went to both
+        assert hub.stats.redispatched == 0
+    # Every expert of both layers on two distinct workers, each worker holding a share.
+    assert any("placed 32 experts x 2 replicas" in line for line in logs), logs
+
+
+def test_a_killed_worker_is_replaced_by_its_replicas_without_a_prefill(model: Model, expected: list[int]) -> None:
+    prompt = model.tokenizer.encode(PROMPT)
+    with cluster(model, 3, HubConfig(max_len=256, replicas=2)) as (hub, procs, logs):
+        seen: list[int] = []
+
+        def kill_at_ten(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 10:
+                procs[1].send_signal(signal.SIGKILL)
+
+        result = generate(hub, prompt, 64, GREEDY, on_token=kill_at_ten)
+        assert result.tokens == expected
+        assert result.recoveries == 0  # no re-prefill: the surviving replicas answered
+        assert any("e1 left" in line for line in logs), logs
+
+
+def test_the_hub_survives_garbage_and_impostors(model: Model, expected: list[int]) -> None:
+    """Frames with a foreign key, random bytes, text, a second worker under a taken name: each refused, and the
+    cluster still computes the reference's tokens."""
+    prompt = model.tokenizer.encode(PROMPT)
+
+    async def pester(port: int) -> None:
+        url = f"ws://127.0.0.1:{port}/moe"
+        for first in (b"\x00" * 40, moex_frame(ExpertHeartbeat(0, {"name": "x"}), derive_key("other")), "text",
+                      moex_frame(ExpertHeartbeat(0, {"name": "e0", "budget_mb": 1}), derive_key(SECRET)),
+                      moex_frame(ExpertHeartbeat(0, {"budget_mb": 1}), derive_key(SECRET))):
+            with contextlib.suppress(websockets.ConnectionClosed):
+                async with websockets.connect(url) as ws:
+                    await ws.send(first)
+                    await asyncio.wait_for(ws.recv(), 5)
+
+    with cluster(model, 2, HubConfig(max_len=256, replicas=2)) as (hub, _, logs):
+        asyncio.run(pester(hub.port))
+        assert hub.generate(prompt, 64, GREEDY) == expected
+        assert len([w for w in hub.workers.values() if w.alive]) == 2
+    assert any("already connected" in line for line in logs), logs
