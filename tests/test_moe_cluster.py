@@ -11,7 +11,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import websockets
