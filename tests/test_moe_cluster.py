@@ -111,3 +111,25 @@ def test_the_hub_survives_garbage_and_impostors(model: Model, expected: list[int
         assert hub.generate(prompt, 64, GREEDY) == expected
         assert len([w for w in hub.workers.values() if w.alive]) == 2
     assert any("already connected" in line for line in logs), logs
+
+
+def test_bench_moe_times_each_hedge_beside_the_latency_model(model: Model, capsys: pytest.CaptureFixture) -> None:
+    """A base row without injected latency, then one per hedging factor with every reply held back by a
+    log-normal delay: hedging sends that many frames per dispatch and shortens the expert phase, which lands near
+    the model's prediction (base + Eq. 18)."""
+    import json
+
+    from edgerun.cli import main
+
+    assert main(["bench", "moe", "--model", str(model.path), "--workers", "2", "--replicas", "2", "--hedge", "1,2",
+                 "--latency", "lognormal:30:0.6", "--tokens", "12", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["hedge"], r["latency"]) for r in rows] == [(1, "none"), (1, "lognormal:30:0.6"), (2, "lognormal:30:0.6")]
+    base, h1, h2 = rows
+    assert h1["frames_per_dispatch"] == 1 and h2["frames_per_dispatch"] == 2
+    assert h1["expert_mean_ms"] > base["expert_mean_ms"] + 10 and h2["expert_mean_ms"] < h1["expert_mean_ms"]
+    for r in (h1, h2):
+        assert r["model_mean_ms"] > base["expert_mean_ms"] and r["tokens_per_s"] > 0 and r["single_ms_per_token"] > 0
+        assert r["expert_mean_ms"] == pytest.approx(r["model_mean_ms"], rel=0.5)  # 11 decode steps x 2 layers
+    assert main(["bench", "moe", "--model", str(model.path), "--replicas", "2", "--hedge", "3"]) == 2
+    assert "between 1 and --replicas" in capsys.readouterr().err

@@ -118,6 +118,36 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
             print(swap_table(swaps))
 
 
+def cmd_bench_moe(args: argparse.Namespace) -> None:
+    from edgerun.bench.moe import bench_moe, default_moe_model, moe_table
+    from edgerun.model.loader import load_model
+    from edgerun.sched.moe import LogNormal
+
+    try:
+        hedges = [int(h) for h in args.hedge.split(",") if h.strip()]
+    except ValueError:
+        raise EdgerunError(f"--hedge takes hedging factors, comma-separated: 1,2,3, not {args.hedge!r}") from None
+    if args.workers < 1 or args.tokens < 2 or args.threads < 1:
+        raise EdgerunError("--workers and --threads must be at least 1, --tokens at least 2")
+    if not 1 <= args.replicas <= args.workers:
+        raise EdgerunError(f"--replicas must be between 1 and --workers ({args.workers})")
+    if not hedges or min(hedges) < 1 or max(hedges) > args.replicas:
+        raise EdgerunError(f"--hedge factors must be between 1 and --replicas ({args.replicas})")
+    latency = None if args.latency in (None, "none") else LogNormal.parse(args.latency)
+    model = load_model(args.model or default_moe_model())
+    if not model.config.is_moe:
+        raise EdgerunError(f"{model.path.name} is not a mixture of experts (try: edgerun model synth --shape moe-tiny)")
+
+    def progress(m: str) -> None:
+        print(f"local MoEx cluster: {m}...", file=sys.stderr, flush=True)
+
+    rows, single = bench_moe(model, args.workers, args.replicas, hedges, latency, args.tokens, args.threads, progress)
+    if args.json:
+        print(json.dumps([asdict(r) | {"single_ms_per_token": single} for r in rows], indent=2))
+    else:
+        print(moe_table(rows, single))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from edgerun.model.generate import ENGINES
 
@@ -163,6 +193,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table (swap rows "
                    "carry a \"swap\" key)")
     p.set_defaults(func=cmd_bench_pp)
+    p = bench.add_parser("moe", help="a local MoEx hub and expert workers: the expert phase per layer at each "
+                         "hedging factor against the latency model",
+                         description="Start a MoEx hub in this process and --workers expert worker processes on "
+                                     "loopback, each expert on --replicas of them, and generate --tokens tokens "
+                                     "greedily: first at hedge 1 without injected latency (the cluster's own "
+                                     "expert phase, the model's base), then, with --latency, at each --hedge with "
+                                     "every worker holding its replies back by a delay drawn from that "
+                                     "distribution. Prints the expert phase of a decode step's layer (mean, p50, "
+                                     "p99) beside the latency model's mean and p99 (seed 001 Eqs. 8, 18), decode "
+                                     "tok/s, hedged frames per dispatch, and the single-process onnx engine in "
+                                     "the same run.")
+    p.add_argument("--model", default=None, help="a mixture-of-experts GGUF file (default: moe-tiny, written "
+                   "into the cache on first use)")
+    p.add_argument("--workers", type=int, default=3, help="expert worker processes (default: 3)")
+    p.add_argument("--replicas", type=int, default=2, help="workers holding each expert (default: 2)")
+    p.add_argument("--hedge", default="1,2", help="hedging factors to time, comma-separated, each at most "
+                   "--replicas (default: 1,2)")
+    p.add_argument("--latency", default=None, metavar="lognormal:MEDIAN_MS:SIGMA",
+                   help="delay injected before every expert reply (default: none, only the base row)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
+    share_threads_arg(p, 1)
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows, one per hedging factor, with "
+                   "hedge, expert_mean_ms, expert_p99_ms, model_mean_ms and tokens_per_s among their keys")
+    p.set_defaults(func=cmd_bench_moe)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
                          description="Start a master in this process and node processes on loopback, generate "
                                      "--tokens tokens greedily for every combination of --nodes, --plr and "

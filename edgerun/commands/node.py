@@ -48,11 +48,14 @@ def cmd_node(args: argparse.Namespace) -> None:
         args.master = _discover_master(args.mode)
     if args.mode == "moe":
         from edgerun.moe.worker import run_expert_worker
+        from edgerun.sched.moe import LogNormal
 
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/moe"
         try:
             run_expert_worker(url, cluster_key(args), name, args.memory_budget, args.threads,
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
+                              log=lambda m: print(m, file=sys.stderr, flush=True),
+                              latency=None if args.inject_latency is None else LogNormal.parse(args.inject_latency),
+                              seed=args.loss_seed)
         except OSError as e:
             raise EdgerunError(f"cannot reach the hub at {url}: {e}") from e
         return
@@ -123,6 +126,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pp: the port (on every interface) where the previous stage of a chained route connects to "
                         "hand this worker its passes, authenticated with the cluster key like every frame (default: 0, "
                         "any free port; the worker tells the master which)")
+    p.add_argument("--inject-latency", default=None, metavar="lognormal:MEDIAN_MS:SIGMA",
+                   help="moe: hold each expert reply back by a delay drawn from this distribution (seeded by "
+                        "--loss-seed), as a slow or jittery device would: for benchmarks of hedged dispatch "
+                        "(default: none)")
     share_threads_arg(p, DEFAULT_THREADS)
     spin_arg(p)
     cluster_args(p)

@@ -103,7 +103,7 @@ class HubStats:
     redispatched: int = 0  # after a timeout or a lost replica
     expert_s: float = 0.0  # time in the expert phase, over layers
     layers: int = 0
-    phase_ms: list[float] = field(default_factory=list)  # each layer's expert phase
+    phase_ms: list[float] = field(default_factory=list)  # each one-token layer's expert phase (decode steps)
 
 
 class MoeHub:
@@ -291,7 +291,8 @@ class MoeHub:
         took = time.perf_counter() - started
         self.stats.expert_s += took
         self.stats.layers += 1
-        self.stats.phase_ms.append(took * 1e3)
+        if len(x) == 1:
+            self.stats.phase_ms.append(took * 1e3)
         out = np.zeros_like(x)
         for (rows, _), y in zip(jobs, outputs, strict=True):
             out[rows] += y

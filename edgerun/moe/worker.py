@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import websockets
 
 from edgerun.model.config import ModelConfig
@@ -37,6 +38,7 @@ from edgerun.net.wire import (
     moex_frame,
     open_moex_frame,
 )
+from edgerun.sched.moe import LogNormal
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -57,10 +59,19 @@ def fetch_blob(base_url: str, sha256: str) -> Path:
     return target
 
 
+CANCELS_KEPT = 4096  # cancelled sequence ids remembered, for replies still held back by injected latency
+
+
 class ExpertWorkerNode:
     def __init__(self, url: str, key: bytes, name: str, budget_mb: float, threads: int | None = 1,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, latency: LogNormal | None = None,
+                 seed: int | None = 0) -> None:
+        """`latency`: a delay drawn per dispatch and added before its reply (a benchmark's slow or jittery device;
+        replies wait concurrently, so one slow draw does not hold back the next dispatch)."""
         self.url, self.key, self.name, self.budget_mb, self.threads, self.log = url, key, name, budget_mb, threads, log
+        self.latency, self.rng = latency, np.random.default_rng(seed)
+        self.cancelled: OrderedDict[int, None] = OrderedDict()
+        self.held_back: set[asyncio.Task] = set()
         scheme, _, rest = url.partition("://")
         self.base_url = f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}"
         self.runner: ExpertRunner | None = None
@@ -107,7 +118,10 @@ class ExpertWorkerNode:
                 self.queue[message.seq] = message
                 self.ready.set()
             case ExpertCancel(seq):
-                self.queue.pop(seq, None)
+                if self.queue.pop(seq, None) is None and self.latency is not None:
+                    self.cancelled[seq] = None  # a reply held back by injected latency is not sent
+                    while len(self.cancelled) > CANCELS_KEPT:
+                        self.cancelled.popitem(last=False)
             case WeightSync(seq, info):
                 await self._sync(ws, seq, info)
             case _:
@@ -148,10 +162,24 @@ class ExpertWorkerNode:
                 self.log(f"expert worker {self.name}: cannot compute expert {d.expert} of layer {d.layer} ({e})")
                 continue
             self.computed += 1
+            frame = moex_frame(ExpertResult(d.seq, d.layer, d.expert, y), self.key)
+            if self.latency is None:
+                with contextlib.suppress(websockets.ConnectionClosed):
+                    await ws.send(frame)
+                continue
+            delay = self.latency.median_ms * float(np.exp(self.latency.sigma * self.rng.standard_normal())) / 1e3
+            task = asyncio.create_task(self._send_after(ws, d.seq, frame, delay))
+            self.held_back.add(task)
+            task.add_done_callback(self.held_back.discard)
+
+    async def _send_after(self, ws: websockets.ClientConnection, seq: int, frame: bytes, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if seq not in self.cancelled:
             with contextlib.suppress(websockets.ConnectionClosed):
-                await ws.send(moex_frame(ExpertResult(d.seq, d.layer, d.expert, y), self.key))
+                await ws.send(frame)
 
 
 def run_expert_worker(url: str, key: bytes, name: str, budget_mb: float, threads: int | None = 1,
-                      log: Callable[[str], None] = print) -> None:
-    asyncio.run(ExpertWorkerNode(url, key, name, budget_mb, threads, log).run())
+                      log: Callable[[str], None] = print, latency: LogNormal | None = None,
+                      seed: int | None = 0) -> None:
+    asyncio.run(ExpertWorkerNode(url, key, name, budget_mb, threads, log, latency, seed).run())

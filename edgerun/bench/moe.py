@@ -1,0 +1,149 @@
+"""`edgerun bench moe`: a local MoEx cluster (a hub in this process, expert workers as processes on loopback),
+its expert phase per layer measured at each hedging factor beside what the latency model predicts (seed 001
+Eqs. 8 and 18), and the single-process onnx engine's speed on the same model in the same run.
+
+With `--latency lognormal:MEDIAN:SIGMA` every worker holds each reply back by a delay drawn from that
+distribution. A first row at h = 1 without injected latency measures the cluster's own expert phase (the
+dispatch, the workers' kernels, the replies): the model's prediction for the other rows is that base plus the
+expected slowest of k experts, each the fastest of h replicas, of the injected delay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from edgerun.bench.single import cluster_baseline_ms
+from edgerun.model.generate import generate
+from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import Activations
+from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.moe.hub import HubConfig, MoeHub
+from edgerun.net.wire import derive_key
+from edgerun.sched.moe import LogNormal, expected_expert_phase_ms, expert_phase_quantile_ms
+
+SECRET = "edgerun-bench"
+PROMPT = "Distributed inference splits one model across several machines because"
+WARMUP_TOKENS = 4
+CONTEXT = 512
+
+
+@dataclass(frozen=True)
+class MoeRow:
+    hedge: int
+    latency: str  # the injected distribution, or "none"
+    workers: int
+    replicas: int
+    k: int  # experts each token takes per layer
+    tokens: int
+    expert_mean_ms: float  # the expert phase of a decode step's layer, measured
+    expert_p50_ms: float
+    expert_p99_ms: float
+    model_mean_ms: float  # the latency model's prediction (the base row's mean plus Eq. 18)
+    model_p99_ms: float
+    tokens_per_s: float  # decode
+    ms_per_token: float
+    frames_per_dispatch: float  # hedged copies sent per (expert, tokens)
+    redispatched: int
+
+
+def start_worker(port: int, name: str, latency: LogNormal | None, seed: int, threads: int) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "edgerun.cli", "node", "--mode", "moe", "--master", f"127.0.0.1:{port}", "--key",
+            SECRET, "--name", name, "--memory-budget", "100000", "--threads", str(threads), "--loss-seed", str(seed)]
+    if latency is not None:
+        argv += ["--inject-latency", f"lognormal:{latency.median_ms:g}:{latency.sigma:g}"]
+    return subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def local_hub(model: Model, workers: int, replicas: int, latency: LogNormal | None,
+              threads: int = 1) -> Iterator[MoeHub]:
+    hub = MoeHub(model, derive_key(SECRET), HubConfig(max_len=CONTEXT, replicas=replicas))
+    procs = [start_worker(hub.port, f"e{i}", latency, i + 1, threads) for i in range(workers)]
+    try:
+        hub.wait_for_workers(workers)
+        yield hub
+    finally:
+        hub.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _measure(hub: MoeHub, model: Model, tokens: int, hedge: int, latency: LogNormal | None,
+             base_ms: float | None) -> MoeRow:
+    hub.reconfigure(replace(hub.config, hedge=hedge))
+    greedy = Sampler(SamplingParams())
+    prompt = model.tokenizer.encode(PROMPT)
+    generate(hub, prompt, WARMUP_TOKENS, greedy)
+    before = (hub.stats.dispatches, hub.stats.sent, hub.stats.redispatched)
+    hub.stats.phase_ms.clear()
+    result = generate(hub, prompt, tokens, greedy)
+    phases = np.array(hub.stats.phase_ms)
+    k = model.config.n_experts_used
+    if latency is None:
+        model_mean = model_p99 = float(phases.mean())
+    else:
+        base = base_ms or 0.0
+        model_mean = base + expected_expert_phase_ms(latency, k, hedge)
+        model_p99 = base + expert_phase_quantile_ms(latency, k, hedge, 0.99)
+    dispatches = hub.stats.dispatches - before[0]
+    return MoeRow(
+        hedge=hedge, latency="none" if latency is None else f"lognormal:{latency.median_ms:g}:{latency.sigma:g}",
+        workers=len(hub.workers), replicas=hub.config.replicas, k=k, tokens=len(result.tokens),
+        expert_mean_ms=float(phases.mean()), expert_p50_ms=float(np.percentile(phases, 50)),
+        expert_p99_ms=float(np.percentile(phases, 99)), model_mean_ms=model_mean, model_p99_ms=model_p99,
+        tokens_per_s=result.decode_tok_s, ms_per_token=(result.prefill_s + result.decode_s) / len(result.tokens) * 1e3,
+        frames_per_dispatch=(hub.stats.sent - before[1]) / max(1, dispatches),
+        redispatched=hub.stats.redispatched - before[2])
+
+
+def bench_moe(model: Model, workers: int, replicas: int, hedges: list[int], latency: LogNormal | None, tokens: int,
+              threads: int = 1, progress: Callable[[str], None] = lambda _: None) -> tuple[list[MoeRow], float]:
+    """Rows: the base (h = 1, no injected latency), then each hedge with `latency`; and the single engine's
+    ms/token on the same model and prompt."""
+    progress(f"single-process onnx engine, {threads} thread(s)")
+    single = cluster_baseline_ms(model, model.tokenizer.encode(PROMPT), tokens, threads, Activations.INT8, CONTEXT,
+                                 WARMUP_TOKENS)
+    rows = []
+    progress(f"hub + {workers} expert workers, {replicas} replicas, no injected latency")
+    with local_hub(model, workers, replicas, None, threads) as hub:
+        rows.append(_measure(hub, model, tokens, 1, None, None))
+    if latency is not None:
+        progress(f"hub + {workers} expert workers, injected latency lognormal:{latency.median_ms:g}:{latency.sigma:g}")
+        with local_hub(model, workers, replicas, latency, threads) as hub:
+            for h in hedges:
+                progress(f"hedge {h}")
+                rows.append(_measure(hub, model, tokens, h, latency, rows[0].expert_mean_ms))
+    return rows, single
+
+
+def moe_table(rows: list[MoeRow], single_ms: float) -> str:
+    lines = [f"{'hedge':>5} {'latency':>18} {'workers':>7} {'r':>2} {'k':>2} {'expert ms mean':>14} {'p50':>7} "
+             f"{'p99':>7} {'model mean':>10} {'model p99':>9} {'tok/s':>7} {'frames/disp':>11} {'redisp':>6}"]
+    for r in rows:
+        lines.append(f"{r.hedge:>5} {r.latency:>18} {r.workers:>7} {r.replicas:>2} {r.k:>2} {r.expert_mean_ms:>14.2f} "
+                     f"{r.expert_p50_ms:>7.2f} {r.expert_p99_ms:>7.2f} {r.model_mean_ms:>10.2f} "
+                     f"{r.model_p99_ms:>9.2f} {r.tokens_per_s:>7.1f} {r.frames_per_dispatch:>11.2f} "
+                     f"{r.redispatched:>6}")
+    lines.append(f"single-process onnx engine: {single_ms:.1f} ms/token ({1e3 / single_ms:.1f} tok/s, prefill "
+                 "included as in the rows' ms/token)")
+    return "\n".join(lines)
+
+
+def default_moe_model() -> Path:
+    """moe-tiny, written once into the cache: the benchmark's model when none is given."""
+    from edgerun.model.onnx_graph import cache_root
+    from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
+
+    path = cache_root() / "models" / "moe-tiny.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_synthetic(SynthSpec(SHAPES["moe-tiny"], "Q4_0"), path, "gguf")
+    return path
