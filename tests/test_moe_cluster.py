@@ -133,3 +133,22 @@ def test_bench_moe_times_each_hedge_beside_the_latency_model(model: Model, capsy
         assert r["expert_mean_ms"] == pytest.approx(r["model_mean_ms"], rel=0.5)  # 11 decode steps x 2 layers
     assert main(["bench", "moe", "--model", str(model.path), "--replicas", "2", "--hedge", "3"]) == 2
     assert "between 1 and --replicas" in capsys.readouterr().err
+
+
+def test_an_expert_deadline_drops_late_experts_and_rescales_the_gates_of_those_that_came(model: Model,
+                                                                                      expected: list[int]) -> None:
+    """Workers that answer in 40-ms-median log-normal time against a 25 ms deadline: some experts of most layers
+    are dropped, generation goes on with the rest (the gates of those that came scaled to the full sum); with the
+    deadline far away every expert counts and the tokens are the reference's."""
+    from edgerun.bench.moe import local_hub
+    from edgerun.sched.moe import LogNormal
+
+    prompt = model.tokenizer.encode(PROMPT)
+    with local_hub(model, 2, 2, latency=LogNormal(40, 0.5)) as hub:
+        hub.reconfigure(replace(hub.config, expert_deadline_s=0.025))
+        tokens = hub.generate(prompt, 8, GREEDY)
+        assert len(tokens) == 8 and hub.stats.dropped > 0
+        dropped = hub.stats.dropped
+        hub.reconfigure(replace(hub.config, expert_deadline_s=10.0))
+        assert hub.generate(prompt, 8, GREEDY) == expected[:8]
+        assert hub.stats.dropped == dropped

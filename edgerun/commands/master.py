@@ -77,11 +77,12 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
     from edgerun.model.sampling import Sampler
     from edgerun.moe.hub import HubConfig, MoeHub
 
-    if args.expert_timeout_ms <= 0:
-        raise EdgerunError("--expert-timeout-ms must be positive")
+    if args.expert_timeout_ms <= 0 or (args.expert_deadline_ms is not None and args.expert_deadline_ms <= 0):
+        raise EdgerunError("--expert-timeout-ms and --expert-deadline-ms must be positive")
     hub = MoeHub(model, cluster_key(args), HubConfig(
         host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas, hedge=args.hedge,
-        expert_timeout_s=args.expert_timeout_ms / 1000), log=log)
+        expert_timeout_s=args.expert_timeout_ms / 1000,
+        expert_deadline_s=None if args.expert_deadline_ms is None else args.expert_deadline_ms / 1000), log=log)
     log(f"listening on port {hub.port} (expert workers: edgerun node --mode moe --master HOST:{hub.port}); "
         f"waiting for {args.expect} worker(s)")
     try:
@@ -90,7 +91,7 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
             _serve_prompts(args, model, lambda ids, emit: (
                 hub.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, emit),
                 f"{hub.stats.dispatches} expert dispatches, {hub.stats.sent} sent (hedged), "
-                f"{hub.stats.redispatched} redispatched"))
+                f"{hub.stats.redispatched} redispatched, {hub.stats.dropped} dropped at the deadline"))
     finally:
         hub.close()
 
@@ -197,6 +198,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "workers holding each expert (default: 1)")
     p.add_argument("--hedge", type=int, default=1, help="with --plan moe: replicas each expert dispatch goes to at "
                    "once, the first answer taken and the others cancelled (at most --replicas; default: 1)")
+    p.add_argument("--expert-deadline-ms", type=float, default=None, help="with --plan moe: an expert none of whose "
+                   "replicas answered this long after its layer was dispatched is dropped, and the token's other "
+                   "gates are scaled up to their full sum (default: none, wait for every expert)")
     p.add_argument("--expert-timeout-ms", type=float, default=5000.0, help="with --plan moe: after this a "
                    "dispatch goes to another replica; three timeouts in a row leave a worker out (default: 5000)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, every interface)")

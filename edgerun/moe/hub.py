@@ -62,13 +62,16 @@ class HubConfig:
     replicas: int = 2  # workers holding each expert
     hedge: int = 1  # replicas each dispatch goes to at once (at most `replicas`)
     expert_timeout_s: float = 5.0  # after this a dispatch goes to another replica
+    # Beyond the seed: an expert none of whose replicas answered this long after the layer's dispatch is dropped
+    # and the token's other gates scaled up to their full sum (HALO's idea applied to experts). None: wait.
+    expert_deadline_s: float | None = None
     sync_timeout_s: float = 300.0  # for workers to fetch and load their experts
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or not 1 <= self.hedge <= self.replicas:
             raise EdgerunError(f"--hedge {self.hedge} must be between 1 and --replicas {self.replicas}")
-        if self.expert_timeout_s <= 0:
-            raise EdgerunError("the expert timeout must be positive")
+        if self.expert_timeout_s <= 0 or (self.expert_deadline_s is not None and self.expert_deadline_s <= 0):
+            raise EdgerunError("the expert timeout and deadline must be positive")
 
 
 class ExpertsLost(EngineLost):
@@ -101,6 +104,7 @@ class HubStats:
     dispatches: int = 0  # (expert, tokens) requests
     sent: int = 0  # frames, hedged copies included
     redispatched: int = 0  # after a timeout or a lost replica
+    dropped: int = 0  # (expert, tokens) dispatches left out at the expert deadline
     expert_s: float = 0.0  # time in the expert phase, over layers
     layers: int = 0
     phase_ms: list[float] = field(default_factory=list)  # each one-token layer's expert phase (decode steps)
@@ -286,16 +290,36 @@ class MoeHub:
         jobs = []
         for e in np.unique(chosen):
             rows, slot = np.nonzero(chosen == e)
-            jobs.append((rows, self._expert(layer, int(e), x[rows], weights[rows, slot])))
-        outputs = await asyncio.gather(*(job for _, job in jobs))
+            jobs.append((rows, slot, asyncio.ensure_future(self._expert(layer, int(e), x[rows], weights[rows, slot]))))
+        tasks = [task for _, _, task in jobs]
+        if self.config.expert_deadline_s is None:
+            await asyncio.gather(*tasks)
+        else:
+            _, late = await asyncio.wait(tasks, timeout=self.config.expert_deadline_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         took = time.perf_counter() - started
         self.stats.expert_s += took
         self.stats.layers += 1
         if len(x) == 1:
             self.stats.phase_ms.append(took * 1e3)
         out = np.zeros_like(x)
-        for (rows, _), y in zip(jobs, outputs, strict=True):
-            out[rows] += y
+        answered = np.zeros_like(weights)  # the gates of the experts that answered, per token and slot
+        dropped = 0
+        for rows, slot, task in jobs:
+            if task.cancelled():
+                dropped += 1
+                continue
+            out[rows] += task.result()
+            answered[rows, slot] = weights[rows, slot]
+        self.stats.dropped += dropped
+        if dropped:
+            # The experts that answered stand in for the token's whole mixture: their outputs (already weighted)
+            # scaled by the gates' full sum over the sum of those that came. A token none of whose experts came
+            # keeps only its residual.
+            kept = answered.sum(axis=1)
+            out *= np.where(kept > 0, weights.sum(axis=1) / np.maximum(kept, 1e-30), 0.0)[:, None].astype(out.dtype)
         if moe.shared is not None:  # the shared expert every token takes stays on the hub
             out += moe.shared(x) / (1.0 + np.exp(-(x @ moe.shared_gate)[:, None]))
         return out
@@ -322,6 +346,11 @@ class MoeHub:
             self.stats.sent += len(targets)
             try:
                 return await asyncio.wait_for(pending.future, self.config.expert_timeout_s)
+            except asyncio.CancelledError:  # the expert deadline passed: the replicas may stop
+                for w in targets:
+                    if w.alive:
+                        self._send(w, ExpertCancel(seq))
+                raise
             except TimeoutError:
                 for w in targets:
                     if w.alive and not pending.future.done():
