@@ -89,6 +89,11 @@ def test_a_killed_worker_is_replaced_by_its_replicas_without_a_prefill(model: Mo
         assert result.tokens == expected
         assert result.recoveries == 0  # no re-prefill: the surviving replicas answered
         assert any("e1 left" in line for line in logs), logs
+        # In the background its experts got new replicas on the two left: each now holds every expert.
+        hub.settle()
+        assert any("experts of e1 replicated again" in line for line in logs), logs
+        assert {len(hub.placement.experts_of(name)) for name in ("e0", "e2")} == {32}
+        assert hub.generate(prompt, 64, GREEDY) == expected
 
 
 def test_the_hub_survives_garbage_and_impostors(model: Model, expected: list[int]) -> None:

@@ -87,6 +87,7 @@ class HubWorker:
     strikes: int = 0
     latency_s: float = 0.0  # a moving average of its answers' round trips
     synced: asyncio.Future | None = None  # resolved by its answer to a WEIGHT_SYNC
+    sync_seq: int = -1  # that WEIGHT_SYNC's sequence id, which the answer carries
 
     @property
     def healthy(self) -> bool:
@@ -126,6 +127,8 @@ class MoeHub:
         self.expert_mb = max(len(blob) for _, blob in self.blobs.values()) / 2**20
         self.workers: dict[str, HubWorker] = {}
         self.placement: ExpertPlacement | None = None
+        self.placement_moves = 0  # replicas the last placement moved to other workers
+        self.background: set[asyncio.Task] = set()
         self.pending: dict[int, _Pending] = {}
         self.seqs = itertools.count(1)
         self.stats = HubStats()
@@ -185,14 +188,16 @@ class MoeHub:
                 for other in pending.sent:
                     if other != worker.name and self.workers[other].alive:
                         self._send(self.workers[other], ExpertCancel(seq))
-            case ExpertHeartbeat(_, info) if worker.synced is not None and not worker.synced.done():
-                worker.synced.set_result(info)
-            case ExpertHeartbeat():
+            case ExpertHeartbeat(seq, info) if seq == worker.sync_seq and worker.synced is not None and \
+                    not worker.synced.done():
+                worker.synced.set_result(info)  # its answer to the WEIGHT_SYNC
+            case ExpertHeartbeat():  # a periodic one: a worker left out after timeouts is back
                 worker.strikes = 0
             case _:
                 self.log(f"expert worker {worker.name}: unexpected {type(message).__name__}")
 
     def _lost(self, worker: HubWorker) -> None:
+        was_placed = self.placement is not None and worker.alive and bool(self.placement.experts_of(worker.name))
         worker.alive = False
         if worker.synced is not None and not worker.synced.done():
             worker.synced.set_result({"ready": False, "error": "left"})
@@ -200,6 +205,27 @@ class MoeHub:
             if worker.name in pending.sent and not pending.future.done() and \
                     not any(self.workers[n].alive for n in pending.sent):
                 pending.future.set_exception(TimeoutError(worker.name))
+        if was_placed and any(w.alive for w in self.workers.values()):
+            # Its experts are served by their other replicas at once; in the background they get new replicas,
+            # so a second loss does not find an expert with none left. Dispatch keeps the old placement until
+            # every worker holds the new one.
+            task = asyncio.get_running_loop().create_task(self._replicate_again(worker.name))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for background work (experts replicated again after a loss) to end."""
+        async def settle() -> None:
+            while self.background:
+                await asyncio.gather(*self.background, return_exceptions=True)
+        self.net.run(asyncio.wait_for(settle(), timeout_s))
+
+    async def _replicate_again(self, lost: str) -> None:
+        try:
+            await self._deploy()
+            self.log(f"experts of {lost} replicated again: {self.placement_moves} replicas moved")
+        except (EdgerunError, TimeoutError) as e:
+            self.log(f"replicating the experts of {lost} again failed ({e}); its experts' other replicas serve")
 
     def _send(self, worker: HubWorker, message: object) -> None:
         async def send() -> None:
@@ -229,13 +255,14 @@ class MoeHub:
                                   min(self.config.replicas, len(alive)), self.expert_mb)
         loop = asyncio.get_running_loop()
         for w in alive:
-            w.synced = loop.create_future()
+            w.synced, w.sync_seq = loop.create_future(), next(self.seqs)
             experts = [[layer, e, self.blobs[(layer, e)][0]] for layer, e in placement.experts_of(w.name)]
-            self._send(w, WeightSync(next(self.seqs), {"config": c.to_dict(), "experts": experts}))
+            self._send(w, WeightSync(w.sync_seq, {"config": c.to_dict(), "experts": experts}))
         answers = await asyncio.wait_for(asyncio.gather(*(w.synced for w in alive)), self.config.sync_timeout_s)
         failed = [f"{w.name}: {a.get('error')}" for w, a in zip(alive, answers, strict=True) if not a.get("ready")]
         if failed:
             raise EdgerunError(f"expert workers failed to load their experts ({'; '.join(failed)})")
+        self.placement_moves = 0 if self.placement is None else self.placement.moved(placement)
         self.placement = placement
         shares = ", ".join(f"{w.name} {len(placement.experts_of(w.name))} experts ({placement.held_mb[w.name]:.1f} MB)"
                            for w in alive)

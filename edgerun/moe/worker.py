@@ -41,6 +41,7 @@ from edgerun.net.wire import (
 from edgerun.sched.moe import LogNormal
 
 CONNECT_TIMEOUT_S = 10.0
+HEARTBEAT_S = 1.0  # a worker the hub left out after timeouts is taken back at its next heartbeat
 
 
 def fetch_blob(base_url: str, sha256: str) -> Path:
@@ -97,6 +98,7 @@ class ExpertWorkerNode:
             await ws.send(moex_frame(ExpertHeartbeat(0, {"name": self.name, "budget_mb": self.budget_mb,
                                                          "kind": "native"}), self.key))
             computing = asyncio.create_task(self._compute(ws))
+            beating = asyncio.create_task(self._heartbeats(ws))
             try:
                 async for data in ws:
                     if isinstance(data, bytes):
@@ -105,7 +107,17 @@ class ExpertWorkerNode:
                 pass
             finally:
                 computing.cancel()
+                beating.cancel()
         self.log(f"expert worker {self.name}: the hub closed the connection")
+
+    async def _heartbeats(self, ws: websockets.ClientConnection) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            seq += 1
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.send(moex_frame(ExpertHeartbeat(seq, {"computed": self.computed, "queued": len(self.queue)}),
+                                         self.key))
 
     async def _received(self, ws: websockets.ClientConnection, data: bytes) -> None:
         try:
