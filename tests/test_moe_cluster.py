@@ -157,3 +157,19 @@ def test_an_expert_deadline_drops_late_experts_and_rescales_the_gates_of_those_t
         hub.reconfigure(replace(hub.config, expert_deadline_s=10.0))
         assert hub.generate(prompt, 8, GREEDY) == expected[:8]
         assert hub.stats.dropped == dropped
+
+
+def test_adaptive_hedging_sends_one_copy_to_a_fast_pool_and_more_past_the_threshold(model: Model,
+                                                                                   expected: list[int]) -> None:
+    from edgerun.bench.moe import local_hub
+
+    prompt = model.tokenizer.encode(PROMPT)
+    with local_hub(model, 2, 2, latency=None) as hub:
+        hub.reconfigure(replace(hub.config, hedge=2, adaptive_hedge=True))
+        assert hub.generate(prompt, 16, GREEDY) == expected[:16]
+        first = hub.stats.sent / hub.stats.dispatches
+        assert 1 < first < 1.5  # hedged only until each worker had answered: then its median is the pool's
+        sent, dispatches = hub.stats.sent, hub.stats.dispatches
+        hub.reconfigure(replace(hub.config, hedge_threshold_ms=1e-3))  # slower than this: every dispatch hedged
+        assert hub.generate(prompt, 16, GREEDY) == expected[:16]
+        assert hub.stats.sent - sent == 2 * (hub.stats.dispatches - dispatches)

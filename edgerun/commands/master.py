@@ -72,6 +72,16 @@ def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
         print(f"[master] {len(tokens)} tokens in {time.perf_counter() - start:.2f} s; {stats}", file=sys.stderr)
 
 
+def _positive_int(text: str, option: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise EdgerunError(f"{option} takes a positive number or auto, not {text!r}")
+    return value
+
+
 def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]) -> None:
     """--plan moe: a MoEx hub and its expert workers."""
     from edgerun.model.sampling import Sampler
@@ -80,7 +90,9 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
     if args.expert_timeout_ms <= 0 or (args.expert_deadline_ms is not None and args.expert_deadline_ms <= 0):
         raise EdgerunError("--expert-timeout-ms and --expert-deadline-ms must be positive")
     hub = MoeHub(model, cluster_key(args), HubConfig(
-        host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas, hedge=args.hedge,
+        host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
+        hedge=args.replicas if args.hedge == "auto" else _positive_int(args.hedge, "--hedge"),
+        adaptive_hedge=args.hedge == "auto",
         expert_timeout_s=args.expert_timeout_ms / 1000,
         expert_deadline_s=None if args.expert_deadline_ms is None else args.expert_deadline_ms / 1000), log=log)
     log(f"listening on port {hub.port} (expert workers: edgerun node --mode moe --master HOST:{hub.port}); "
@@ -196,8 +208,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "
                    "where spare ones can hold it and take the first answer (hedged replicas); with --plan moe: "
                    "workers holding each expert (default: 1)")
-    p.add_argument("--hedge", type=int, default=1, help="with --plan moe: replicas each expert dispatch goes to at "
-                   "once, the first answer taken and the others cancelled (at most --replicas; default: 1)")
+    p.add_argument("--hedge", default="1", help="with --plan moe: replicas each expert dispatch goes to at once, the "
+                   "first answer taken and the others cancelled (at most --replicas); auto: one replica while the "
+                   "fastest-looking one's recent median round trip is within 1.5 times the workers' median, else "
+                   "--replicas of them (seed 001's adaptive hedging) (default: 1)")
     p.add_argument("--expert-deadline-ms", type=float, default=None, help="with --plan moe: an expert none of whose "
                    "replicas answered this long after its layer was dispatched is dropped, and the token's other "
                    "gates are scaled up to their full sum (default: none, wait for every expert)")

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ from edgerun.pp.workers import LinkClosed, WorkerLink
 from edgerun.sched.moe import ExpertPlacement, ExpertWorker, place_experts
 
 STRIKES = 3  # consecutive timeouts after which a worker is left out of dispatch
+RECENT = 32  # round trips per worker that adaptive hedging takes the median of
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,11 @@ class HubConfig:
     # and the token's other gates scaled up to their full sum (HALO's idea applied to experts). None: wait.
     expert_deadline_s: float | None = None
     sync_timeout_s: float = 300.0  # for workers to fetch and load their experts
+    # Adaptive hedging (seed 001 §4.1): a dispatch goes to one replica when the fastest-looking one's recent median
+    # round trip is within the threshold, else to `hedge` of them. The threshold: hedge_threshold_ms, or (None)
+    # 1.5 times the median over the workers' recent medians.
+    adaptive_hedge: bool = False
+    hedge_threshold_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or not 1 <= self.hedge <= self.replicas:
@@ -86,12 +93,17 @@ class HubWorker:
     alive: bool = True
     strikes: int = 0
     latency_s: float = 0.0  # a moving average of its answers' round trips
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # its last answers' round trips (s)
     synced: asyncio.Future | None = None  # resolved by its answer to a WEIGHT_SYNC
     sync_seq: int = -1  # that WEIGHT_SYNC's sequence id, which the answer carries
 
     @property
     def healthy(self) -> bool:
         return self.alive and self.strikes < STRIKES
+
+    @property
+    def p50_s(self) -> float:
+        return float(np.median(self.recent)) if self.recent else 0.0
 
 
 @dataclass
@@ -183,6 +195,7 @@ class MoeHub:
                     return  # a hedged copy that lost the race
                 took = time.perf_counter() - pending.sent.get(worker.name, time.perf_counter())
                 worker.latency_s = took if worker.latency_s == 0 else 0.8 * worker.latency_s + 0.2 * took
+                worker.recent.append(took)
                 worker.strikes = 0
                 pending.future.set_result(message.y)
                 for other in pending.sent:
@@ -363,7 +376,7 @@ class MoeHub:
                               if n not in tried and self.workers[n].alive]
             if not candidates:
                 raise ExpertsLost(f"no live replica of expert {expert} of layer {layer}")
-            targets = sorted(candidates, key=lambda w: w.latency_s)[:self.config.hedge]
+            targets = sorted(candidates, key=lambda w: w.latency_s)[:self._hedge(candidates)]
             seq = next(self.seqs)
             pending = self.pending[seq] = _Pending(asyncio.get_running_loop().create_future())
             for w in targets:
@@ -386,6 +399,18 @@ class MoeHub:
                 self.stats.redispatched += 1
             finally:
                 del self.pending[seq]
+
+    def _hedge(self, candidates: list[HubWorker]) -> int:
+        """How many replicas this dispatch goes to."""
+        if not self.config.adaptive_hedge:
+            return self.config.hedge
+        fastest = min(candidates, key=lambda w: w.p50_s)
+        if self.config.hedge_threshold_ms is not None:
+            threshold = self.config.hedge_threshold_ms / 1e3
+        else:
+            medians = [w.p50_s for w in self.workers.values() if w.healthy and w.recent]
+            threshold = 1.5 * float(np.median(medians)) if medians else 0.0
+        return 1 if fastest.recent and fastest.p50_s <= threshold else self.config.hedge
 
     def close(self) -> None:
         self.server.close()
