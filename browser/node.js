@@ -207,4 +207,9 @@ function start() {
 }
 
 show();
-start();
+if (params.get("mode") === "moe") { // an expert worker of a MoEx hub (edgerun master --plan moe)
+  const {startExperts} = await import("/expert.js");
+  startExperts({ort, key, params, status, show});
+} else {
+  start();
+}

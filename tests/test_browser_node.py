@@ -232,3 +232,42 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
         master.close()
         native.kill()
         native.wait()
+
+
+def test_a_browser_tab_serves_experts_beside_a_native_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MoEx hub with one native expert worker and one headless Chromium tab in expert mode (WebAssembly, float32
+    expert graphs), each expert on one of them: the numpy reference's greedy tokens on moe-tiny for 64 tokens."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
+    from edgerun.moe.hub import HubConfig, MoeHub
+
+    monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "moe-tiny.gguf"
+    write_synthetic(SynthSpec(SHAPES["moe-tiny"], "Q4_0", seed=5), path, "gguf")
+    model = load_model(path)
+    prompt = model.tokenizer.encode("Experts of a mixture, each on a worker of its own")
+    reference = generate(ReferenceEngine(model, 256), prompt, N_TOKENS, Sampler(SamplingParams())).tokens
+    logs: list[str] = []
+    hub = MoeHub(model, derive_key(SECRET), HubConfig(max_len=256, replicas=1), log=logs.append)
+    native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "moe", "--master",
+                               f"127.0.0.1:{hub.port}", "--key", SECRET, "--name", "native", "--memory-budget", "50",
+                               "--threads", "1"], env=dict(os.environ), stderr=subprocess.DEVNULL)
+    try:
+        with sync_playwright() as p:
+            browser, page, errors = open_page(p)
+            page.goto(f"http://127.0.0.1:{hub.port}/node?mode=moe&name=tab&memory=500#key={SECRET}")
+            hub.wait_for_workers(2, timeout_s=120)
+            assert hub.workers["tab"].kind == "browser"
+            assert {len(hub.placement.experts_of(n)) > 0 for n in ("native", "tab")} == {True}  # both hold experts
+            tokens = hub.generate(prompt, N_TOKENS, Sampler(SamplingParams()))
+            status = page.inner_text("#status")
+            browser.close()
+        assert not errors, errors
+        assert tokens == reference, (tokens, reference)
+        assert "experts:" in status and "passes served: 0" not in status, status
+    finally:
+        hub.close()
+        native.kill()
+        native.wait()

@@ -585,9 +585,11 @@ def shard_head_graph(config: ModelConfig, output: QuantTensor, rows: np.ndarray,
     return _save(g, inputs, outputs, "edgerun_shard_head", out)
 
 
-def expert_graph(config: ModelConfig, expert: ExpertWeights, out: Path, accuracy_level: int = 0) -> int:
+def expert_graph(config: ModelConfig, expert: ExpertWeights, out: Path, accuracy_level: int = 0,
+                 dequantized: bool = False) -> int:
     """One expert of a mixture, weighted: hidden (1, seq, hidden) and gates (1, seq, 1) in, gates * SwiGLU(hidden)
-    out (what an expert worker returns to its hub)."""
+    out (what an expert worker returns to its hub). `dequantized`: float32 matrices (a browser tab on WebAssembly,
+    whose onnxruntime-web has no 4-bit kernel of its own)."""
     g = _GraphWriter(shard_weights_path(out))
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("hidden", f32, [1, "seq", config.hidden]),
@@ -595,6 +597,8 @@ def expert_graph(config: ModelConfig, expert: ExpertWeights, out: Path, accuracy
     outputs = [helper.make_tensor_value_info("weighted", f32, [1, "seq", config.hidden])]
 
     def linear(x: str, tensors: list[QuantTensor]) -> list[str]:
+        if dequantized:
+            return g.linear_forms(x, [t.dequantize() for t in tensors], accuracy_level)
         return g.linear(x, tensors, accuracy_level)
 
     y = _swiglu(g, "hidden", *expert.matrices(), linear)

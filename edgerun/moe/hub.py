@@ -17,22 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import cache_root, expert_graph, shard_weights_path
 from edgerun.model.reference import KVCache, ReferenceModel, rms_norm, rope_tables, route
 from edgerun.model.sampling import Sampler
 from edgerun.moe.experts import expert_blobs
@@ -49,6 +52,7 @@ from edgerun.net.wire import (
     moex_frame,
     open_moex_frame,
 )
+from edgerun.pp.http import ISOLATED, page_routes
 from edgerun.pp.workers import LinkClosed, WorkerLink
 from edgerun.sched.moe import ExpertPlacement, ExpertWorker, place_experts
 
@@ -90,6 +94,7 @@ class HubWorker:
     name: str
     budget_mb: float
     link: WorkerLink
+    kind: str = "native"  # or "browser": a tab, which takes each expert as an ONNX graph with float32 weights
     alive: bool = True
     strikes: int = 0
     latency_s: float = 0.0  # a moving average of its answers' round trips
@@ -147,7 +152,9 @@ class MoeHub:
         self.cache: KVCache = self.reference.new_cache(self.config.max_len)
         self.joined = asyncio.Event()
         self.net = EventLoopThread()
-        app = Starlette(routes=[WebSocketRoute("/moe", self._serve), Route("/experts/{sha256}", self._blob)])
+        self.files: dict[str, Path] = {}  # browser workers' expert graphs and weights, by sha256
+        app = Starlette(routes=[WebSocketRoute("/moe", self._serve), Route("/experts/{sha256}", self._blob),
+                                Route("/files/{sha256}", self._file), *page_routes()])
         self.server = HttpServer(app, bind(self.config.host, self.config.port), self.net, max_message=MOEX_MAX_FRAME)
         self.port = self.server.port
 
@@ -155,6 +162,27 @@ class MoeHub:
         """New hedging, timeouts or replication (taking effect at the next dispatch; replicas at the next deploy);
         the host and port stay those it listens on."""
         self.config = config
+
+    def _browser_graph(self, layer: int, expert: int) -> list[str]:
+        """The sha256 of an expert's ONNX graph and of its float32 weights file, built once into the cache."""
+        sha = self.blobs[(layer, expert)][0]
+        out = cache_root() / "moe" / "graphs" / sha / "expert.onnx"
+        if not (out.is_file() and shard_weights_path(out).is_file()):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            expert_graph(self.model.config, self.model.weights.layers[layer].moe.experts[expert], out, 0,
+                         dequantized=True)
+        hashes = []
+        for path in (out, shard_weights_path(out)):
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            self.files[digest] = path
+            hashes.append(digest)
+        return hashes
+
+    async def _file(self, request: Request) -> Response:
+        path = self.files.get(request.path_params["sha256"])
+        if path is None:
+            return PlainTextResponse("no such file\n", status_code=404)
+        return FileResponse(path, media_type="application/octet-stream", headers=ISOLATED)
 
     # --- workers -------------------------------------------------------------------------------------------
     async def _blob(self, request: Request) -> Response:
@@ -174,8 +202,9 @@ class MoeHub:
             name, budget = hello.info["name"], float(hello.info.get("budget_mb", 0))
             if name in self.workers and self.workers[name].alive:
                 raise WireError(f"a worker named {name} is already connected")
-            worker = self.workers[name] = HubWorker(name, budget, link)
-            self.log(f"expert worker {name} joined ({budget:.0f} MB)")
+            kind = "browser" if hello.info.get("kind") == "browser" else "native"
+            worker = self.workers[name] = HubWorker(name, budget, link, kind)
+            self.log(f"expert worker {name} joined ({kind}, {budget:.0f} MB)")
             self.joined.set()
             while True:
                 data = await link.receive()
@@ -269,7 +298,12 @@ class MoeHub:
         loop = asyncio.get_running_loop()
         for w in alive:
             w.synced, w.sync_seq = loop.create_future(), next(self.seqs)
-            experts = [[layer, e, self.blobs[(layer, e)][0]] for layer, e in placement.experts_of(w.name)]
+            experts = []
+            for layer, e in placement.experts_of(w.name):
+                entry = [layer, e, self.blobs[(layer, e)][0]]
+                if w.kind == "browser":  # the graph and its float32 weights, built here once
+                    entry += await loop.run_in_executor(None, self._browser_graph, layer, e)
+                experts.append(entry)
             self._send(w, WeightSync(w.sync_seq, {"config": c.to_dict(), "experts": experts}))
         answers = await asyncio.wait_for(asyncio.gather(*(w.synced for w in alive)), self.config.sync_timeout_s)
         failed = [f"{w.name}: {a.get('error')}" for w, a in zip(alive, answers, strict=True) if not a.get("ready")]

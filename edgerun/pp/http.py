@@ -16,7 +16,7 @@ from starlette.websockets import WebSocket
 
 from edgerun.pp.workers import WorkerLink, Workers
 
-PAGE_SCRIPTS = ("node.js", "frames.js", "sampling.js")
+PAGE_SCRIPTS = ("node.js", "frames.js", "sampling.js", "expert.js")
 
 
 def browser_dir() -> Path:
@@ -52,6 +52,20 @@ def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[
             return PlainTextResponse("no such stage file\n", status_code=404)
         return FileResponse(path, media_type="application/octet-stream", headers=ISOLATED)
 
+    async def status_page(request: Request) -> Response:
+        return PlainTextResponse(status())
+
+    return [
+        WebSocketRoute("/ws", worker),
+        Route("/files/{sha256}", stage_file),
+        Route("/status", status_page),
+        *page_routes(),
+    ]
+
+
+def page_routes() -> list[BaseRoute]:
+    """The browser node page, its scripts and onnxruntime-web's files (a pipeline master's and a MoEx hub's)."""
+
     async def node_page(request: Request) -> Response:
         return _page_file(browser_dir() / "node.html")
 
@@ -67,14 +81,5 @@ def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[
             return PlainTextResponse("no such file\n", status_code=404)
         return _page_file(browser_dir() / "node_modules" / "onnxruntime-web" / "dist" / name)
 
-    async def status_page(request: Request) -> Response:
-        return PlainTextResponse(status())
-
-    return [
-        WebSocketRoute("/ws", worker),
-        Route("/files/{sha256}", stage_file),
-        Route("/node", node_page),
-        Route("/ort/{name}", runtime_file),
-        Route("/status", status_page),
-        *(Route(f"/{name}", page_script(name)) for name in PAGE_SCRIPTS),
-    ]
+    return [Route("/node", node_page), Route("/ort/{name}", runtime_file),
+            *(Route(f"/{name}", page_script(name)) for name in PAGE_SCRIPTS)]
