@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import websockets
@@ -173,3 +174,28 @@ def test_adaptive_hedging_sends_one_copy_to_a_fast_pool_and_more_past_the_thresh
         hub.reconfigure(replace(hub.config, hedge_threshold_ms=1e-3))  # slower than this: every dispatch hedged
         assert hub.generate(prompt, 16, GREEDY) == expected[:16]
         assert hub.stats.sent - sent == 2 * (hub.stats.dispatches - dispatches)
+
+
+def test_bad_moe_settings_are_one_line_each(model: Model, shipped_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from edgerun.cli import main
+    from edgerun.errors import EdgerunError
+
+    for argv, says in (([str(shipped_path)], "is dense"), ([str(model.path), "--expect", "1", "--replicas", "2"],
+                                                            "at most --expect"),
+                       ([str(model.path), "--hedge", "x"], "--hedge takes")):
+        assert main(["master", "--plan", "moe", "--no-advertise", "--port", "0", "--key", SECRET, "--model",
+                     *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    # A worker whose budget holds no expert: the placement says what it needs.
+    hub = MoeHub(model, derive_key(SECRET), HubConfig(max_len=256, replicas=1))
+    tiny = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "moe", "--master",
+                             f"127.0.0.1:{hub.port}", "--key", SECRET, "--name", "tiny", "--memory-budget", "0.01"],
+                            stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(EdgerunError, match="budgets hold"):
+            hub.wait_for_workers(1)
+    finally:
+        hub.close()
+        tiny.kill()
+        tiny.wait()

@@ -26,7 +26,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.moe.hub import HubConfig, MoeHub
 from edgerun.net.wire import derive_key
-from edgerun.sched.moe import LogNormal, expected_expert_phase_ms, expert_phase_quantile_ms
+from edgerun.sched.moe import LogNormal, expected_expert_phase_ms, expert_phase_quantile_ms, worker_memory_bytes
 
 SECRET = "edgerun-bench"
 PROMPT = "Distributed inference splits one model across several machines because"
@@ -51,6 +51,9 @@ class MoeRow:
     ms_per_token: float
     frames_per_dispatch: float  # hedged copies sent per (expert, tokens)
     redispatched: int
+    worker_held_mb: float  # the most expert weights (MiB) the placement gave one worker
+    eq3_mb: float  # seed 001 Eq. 3's per-worker figure: r * E / N experts per layer, all layers
+    worker_rss_mb: float  # the largest peak RSS (MiB) a worker reported
 
 
 def start_worker(port: int, name: str, latency: LogNormal | None, seed: int, threads: int) -> subprocess.Popen:
@@ -94,6 +97,8 @@ def _measure(hub: MoeHub, model: Model, tokens: int, hedge: int, latency: LogNor
         model_mean = base + expected_expert_phase_ms(latency, k, hedge)
         model_p99 = base + expert_phase_quantile_ms(latency, k, hedge, 0.99)
     dispatches = hub.stats.dispatches - before[0]
+    c, placement = model.config, hub.placement
+    hub.settle_heartbeats()
     return MoeRow(
         hedge=hedge, latency="none" if latency is None else f"lognormal:{latency.median_ms:g}:{latency.sigma:g}",
         workers=len(hub.workers), replicas=hub.config.replicas, k=k, tokens=len(result.tokens),
@@ -101,7 +106,11 @@ def _measure(hub: MoeHub, model: Model, tokens: int, hedge: int, latency: LogNor
         expert_p99_ms=float(np.percentile(phases, 99)), model_mean_ms=model_mean, model_p99_ms=model_p99,
         tokens_per_s=result.decode_tok_s, ms_per_token=(result.prefill_s + result.decode_s) / len(result.tokens) * 1e3,
         frames_per_dispatch=(hub.stats.sent - before[1]) / max(1, dispatches),
-        redispatched=hub.stats.redispatched - before[2])
+        redispatched=hub.stats.redispatched - before[2],
+        worker_held_mb=max(placement.held_mb.values()),
+        eq3_mb=worker_memory_bytes(hub.config.replicas, c.n_experts, len(hub.workers), c.n_layers, 1.0,
+                                   placement.expert_mb),
+        worker_rss_mb=max(w.peak_rss_mb for w in hub.workers.values()))
 
 
 def bench_moe(model: Model, workers: int, replicas: int, hedges: list[int], latency: LogNormal | None, tokens: int,
@@ -126,12 +135,13 @@ def bench_moe(model: Model, workers: int, replicas: int, hedges: list[int], late
 
 def moe_table(rows: list[MoeRow], single_ms: float) -> str:
     lines = [f"{'hedge':>5} {'latency':>18} {'workers':>7} {'r':>2} {'k':>2} {'expert ms mean':>14} {'p50':>7} "
-             f"{'p99':>7} {'model mean':>10} {'model p99':>9} {'tok/s':>7} {'frames/disp':>11} {'redisp':>6}"]
+             f"{'p99':>7} {'model mean':>10} {'model p99':>9} {'tok/s':>7} {'frames/disp':>11} {'redisp':>6} "
+             f"{'worker MiB held/Eq.3/rss':>24}"]
     for r in rows:
         lines.append(f"{r.hedge:>5} {r.latency:>18} {r.workers:>7} {r.replicas:>2} {r.k:>2} {r.expert_mean_ms:>14.2f} "
                      f"{r.expert_p50_ms:>7.2f} {r.expert_p99_ms:>7.2f} {r.model_mean_ms:>10.2f} "
                      f"{r.model_p99_ms:>9.2f} {r.tokens_per_s:>7.1f} {r.frames_per_dispatch:>11.2f} "
-                     f"{r.redispatched:>6}")
+                     f"{r.redispatched:>6} {f'{r.worker_held_mb:.0f}/{r.eq3_mb:.0f}/{r.worker_rss_mb:.0f}':>24}")
     lines.append(f"single-process onnx engine: {single_ms:.1f} ms/token ({1e3 / single_ms:.1f} tok/s, prefill "
                  "included as in the rows' ms/token)")
     return "\n".join(lines)

@@ -89,6 +89,9 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
 
     if args.expert_timeout_ms <= 0 or (args.expert_deadline_ms is not None and args.expert_deadline_ms <= 0):
         raise EdgerunError("--expert-timeout-ms and --expert-deadline-ms must be positive")
+    if args.replicas < 1 or args.expect < args.replicas:
+        raise EdgerunError(f"--replicas {args.replicas} needs at least 1 and at most --expect ({args.expect}) workers: "
+                           "each expert's replicas are on distinct workers")
     hub = MoeHub(model, cluster_key(args), HubConfig(
         host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
         hedge=args.replicas if args.hedge == "auto" else _positive_int(args.hedge, "--hedge"),

@@ -101,6 +101,7 @@ class HubWorker:
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # its last answers' round trips (s)
     synced: asyncio.Future | None = None  # resolved by its answer to a WEIGHT_SYNC
     sync_seq: int = -1  # that WEIGHT_SYNC's sequence id, which the answer carries
+    peak_rss_mb: float = 0.0  # what the worker said in its last heartbeat (0: it does not say)
 
     @property
     def healthy(self) -> bool:
@@ -230,11 +231,13 @@ class MoeHub:
                 for other in pending.sent:
                     if other != worker.name and self.workers[other].alive:
                         self._send(self.workers[other], ExpertCancel(seq))
-            case ExpertHeartbeat(seq, info) if seq == worker.sync_seq and worker.synced is not None and \
-                    not worker.synced.done():
+            case ExpertHeartbeat(seq, info) if "ready" in info and seq == worker.sync_seq and \
+                    worker.synced is not None and not worker.synced.done():
                 worker.synced.set_result(info)  # its answer to the WEIGHT_SYNC
-            case ExpertHeartbeat():  # a periodic one: a worker left out after timeouts is back
+            case ExpertHeartbeat(_, info):  # a periodic one: a worker left out after timeouts is back
                 worker.strikes = 0
+                with contextlib.suppress(TypeError, ValueError):
+                    worker.peak_rss_mb = float(info.get("peak_rss_mb", worker.peak_rss_mb))
             case _:
                 self.log(f"expert worker {worker.name}: unexpected {type(message).__name__}")
 
@@ -254,6 +257,10 @@ class MoeHub:
             task = asyncio.get_running_loop().create_task(self._replicate_again(worker.name))
             self.background.add(task)
             task.add_done_callback(self.background.discard)
+
+    def settle_heartbeats(self) -> None:
+        """Let a heartbeat interval pass, so every worker's figures (its memory) are fresh."""
+        self.net.run(asyncio.sleep(1.2))
 
     def settle(self, timeout_s: float = 60.0) -> None:
         """Wait for background work (experts replicated again after a loss) to end."""
@@ -293,8 +300,10 @@ class MoeHub:
     async def _deploy(self) -> ExpertPlacement:
         alive = [w for w in self.workers.values() if w.alive]
         c = self.model.config
+        # The first placement holds the replicas asked for; after losses, as many as there are workers left.
+        replicas = self.config.replicas if self.placement is None else min(self.config.replicas, len(alive))
         placement = place_experts([ExpertWorker(w.name, w.budget_mb) for w in alive], c.n_layers, c.n_experts,
-                                  min(self.config.replicas, len(alive)), self.expert_mb)
+                                  replicas, self.expert_mb)
         loop = asyncio.get_running_loop()
         for w in alive:
             w.synced, w.sync_seq = loop.create_future(), next(self.seqs)
@@ -313,7 +322,7 @@ class MoeHub:
         self.placement = placement
         shares = ", ".join(f"{w.name} {len(placement.experts_of(w.name))} experts ({placement.held_mb[w.name]:.1f} MB)"
                            for w in alive)
-        self.log(f"placed {len(placement.replicas)} experts x {min(self.config.replicas, len(alive))} replicas: "
+        self.log(f"placed {len(placement.replicas)} experts x {replicas} replicas: "
                  f"{shares}")
         return placement
 

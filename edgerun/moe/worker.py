@@ -38,6 +38,7 @@ from edgerun.net.wire import (
     moex_frame,
     open_moex_frame,
 )
+from edgerun.profile.memory import peak_rss_mb
 from edgerun.sched.moe import LogNormal
 
 CONNECT_TIMEOUT_S = 10.0
@@ -79,6 +80,7 @@ class ExpertWorkerNode:
         self.queue: OrderedDict[int, ExpertDispatch] = OrderedDict()  # seq -> dispatch not started yet
         self.ready = asyncio.Event()
         self.computed = 0
+        self.preempted = 0  # stale dispatches dropped unstarted
 
     async def run(self, wait_s: float = 60.0) -> None:
         """Serve until the hub closes the connection."""
@@ -116,8 +118,8 @@ class ExpertWorkerNode:
             await asyncio.sleep(HEARTBEAT_S)
             seq += 1
             with contextlib.suppress(websockets.ConnectionClosed):
-                await ws.send(moex_frame(ExpertHeartbeat(seq, {"computed": self.computed, "queued": len(self.queue)}),
-                                         self.key))
+                await ws.send(moex_frame(ExpertHeartbeat(seq, {"computed": self.computed, "queued": len(self.queue),
+                                                               "peak_rss_mb": peak_rss_mb()}), self.key))
 
     async def _received(self, ws: websockets.ClientConnection, data: bytes) -> None:
         try:
@@ -127,6 +129,12 @@ class ExpertWorkerNode:
             return
         match message:
             case ExpertDispatch():
+                # The seed's preemption: the hub sends a layer's dispatches only once the last layer's are done,
+                # so what still waits here from another layer (a hedged copy whose cancel has not come, a dispatch
+                # given up on) is stale: dropped, so a slow worker does not fall further behind.
+                for seq in [s for s, d in self.queue.items() if d.layer != message.layer]:
+                    del self.queue[seq]
+                    self.preempted += 1
                 self.queue[message.seq] = message
                 self.ready.set()
             case ExpertCancel(seq):
