@@ -98,8 +98,9 @@ class DenseMoe:
     shared_gate: np.ndarray | None
 
     @classmethod
-    def from_weights(cls, w: MoeWeights) -> DenseMoe:
-        return cls(w.router.dequantize(), [DenseExpert.from_weights(e) for e in w.experts],
+    def from_weights(cls, w: MoeWeights, experts: bool = True) -> DenseMoe:
+        """`experts=False`: the router and the shared expert only (a MoEx hub, whose experts are on workers)."""
+        return cls(w.router.dequantize(), [DenseExpert.from_weights(e) for e in w.experts] if experts else [],
                    None if w.shared is None else DenseExpert.from_weights(w.shared), w.shared_gate)
 
 
@@ -136,14 +137,14 @@ class DenseLayer:
     k_norm: np.ndarray | None = None
 
     @classmethod
-    def from_weights(cls, w: LayerWeights) -> DenseLayer:
+    def from_weights(cls, w: LayerWeights, experts: bool = True) -> DenseLayer:
         dense = w.moe is None
         return cls(
             attn_norm=w.attn_norm, wq=w.wq.dequantize(), wk=w.wk.dequantize(), wv=w.wv.dequantize(),
             wo=w.wo.dequantize(), bq=w.bq, bk=w.bk, bv=w.bv, ffn_norm=w.ffn_norm,
             w_gate=w.w_gate.dequantize() if dense else None, w_up=w.w_up.dequantize() if dense else None,
             w_down=w.w_down.dequantize() if dense else None,
-            moe=None if dense else DenseMoe.from_weights(w.moe), q_norm=w.q_norm, k_norm=w.k_norm,
+            moe=None if dense else DenseMoe.from_weights(w.moe, experts), q_norm=w.q_norm, k_norm=w.k_norm,
         )
 
 
@@ -164,10 +165,12 @@ class KVCache:
 class ReferenceModel:
     """Prefill and decode with a KV cache, in numpy."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, group_size: int = 256) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, group_size: int = 256,
+                 experts: bool = True) -> None:
+        """`experts=False`: a mixture of experts' experts stay undequantized (they run elsewhere)."""
         self.config = config
         self.group_size = group_size
-        self.layers = [DenseLayer.from_weights(layer) for layer in weights.layers]
+        self.layers = [DenseLayer.from_weights(layer, experts) for layer in weights.layers]
         self.token_embd = weights.token_embd
         self.output_norm = weights.output_norm
         self.output = weights.output.dequantize()
@@ -181,9 +184,8 @@ class ReferenceModel:
         if first.moe is None:
             per_layer += first.w_gate.nbytes + first.w_up.nbytes + first.w_down.nbytes
         else:
-            expert = first.moe.experts[0]
-            per_layer += first.moe.router.nbytes + self.config.n_experts_used * (
-                expert.w_gate.nbytes + expert.w_up.nbytes + expert.w_down.nbytes)
+            c = self.config
+            per_layer += first.moe.router.nbytes + c.n_experts_used * 3 * c.hidden * c.expert_ffn * 4
             if first.moe.shared is not None:
                 shared = first.moe.shared
                 per_layer += shared.w_gate.nbytes + shared.w_up.nbytes + shared.w_down.nbytes

@@ -139,7 +139,8 @@ class MoeHub:
         if not model.config.is_moe:
             raise EdgerunError(f"--plan moe needs a mixture-of-experts model; {model.path.name} is dense")
         self.model, self.key, self.config, self.log = model, key, config or HubConfig(), log
-        self.reference = ReferenceModel(model.config, model.weights)
+        self.reference = ReferenceModel(model.config, model.weights, experts=False)  # experts are the workers'
+
         self.blobs = expert_blobs(model.weights)
         self.by_sha = {sha: blob for sha, blob in self.blobs.values()}
         self.expert_mb = max(len(blob) for _, blob in self.blobs.values()) / 2**20
