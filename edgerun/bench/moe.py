@@ -135,15 +135,16 @@ def bench_moe(model: Model, workers: int, replicas: int, hedges: list[int], late
 
 def moe_table(rows: list[MoeRow], single_ms: float) -> str:
     lines = [f"{'hedge':>5} {'latency':>18} {'workers':>7} {'r':>2} {'k':>2} {'expert ms mean':>14} {'p50':>7} "
-             f"{'p99':>7} {'model mean':>10} {'model p99':>9} {'tok/s':>7} {'frames/disp':>11} {'redisp':>6} "
-             f"{'worker MiB held/Eq.3/rss':>24}"]
+             f"{'p99':>7} {'model mean':>10} {'model p99':>9} {'tok/s':>7} {'ms/token':>8} {'vs single':>9} "
+             f"{'frames/disp':>11} {'redisp':>6} {'worker MiB held/Eq.3/rss':>24}"]
     for r in rows:
         lines.append(f"{r.hedge:>5} {r.latency:>18} {r.workers:>7} {r.replicas:>2} {r.k:>2} {r.expert_mean_ms:>14.2f} "
                      f"{r.expert_p50_ms:>7.2f} {r.expert_p99_ms:>7.2f} {r.model_mean_ms:>10.2f} "
-                     f"{r.model_p99_ms:>9.2f} {r.tokens_per_s:>7.1f} {r.frames_per_dispatch:>11.2f} "
+                     f"{r.model_p99_ms:>9.2f} {r.tokens_per_s:>7.1f} {r.ms_per_token:>8.1f} "
+                     f"{single_ms / r.ms_per_token:>8.2f}x {r.frames_per_dispatch:>11.2f} "
                      f"{r.redispatched:>6} {f'{r.worker_held_mb:.0f}/{r.eq3_mb:.0f}/{r.worker_rss_mb:.0f}':>24}")
-    lines.append(f"single-process onnx engine: {single_ms:.1f} ms/token ({1e3 / single_ms:.1f} tok/s, prefill "
-                 "included as in the rows' ms/token)")
+    lines.append(f"single-process onnx engine: {single_ms:.1f} ms/token, prefill included as in the rows' ms/token "
+                 "(tok/s: decode only)")
     return "\n".join(lines)
 
 
