@@ -137,3 +137,38 @@ def test_a_pipeline_of_native_workers_runs_a_mixture_of_experts(tmp_path: Path) 
     with local_pipeline(model, [2.5, 2.5], 256, logs.append) as (master, _):
         assert master.generate(prompt, 24, SamplingParams()) == expected
     assert any("w0 layers 0-0" in line or "w1 layers 0-0" in line for line in logs), logs  # two stages
+
+
+def test_a_dropped_expert_gives_its_gate_to_the_others(moe_path: Path) -> None:
+    """Keeping only each token's first choice: its output is that expert's times the gates' full sum."""
+    from edgerun.model.reference import BlockHooks
+
+    class FirstOnly(BlockHooks):
+        def expert_kept(self, layer: int, chosen: np.ndarray) -> np.ndarray:
+            return np.arange(chosen.shape[1])[None, :] == 0
+
+    model = load_model(moe_path)
+    reference = ReferenceModel(model.config, model.weights)
+    layer = reference.layers[0]
+    x = np.random.default_rng(0).standard_normal((5, model.config.hidden)).astype(np.float32)
+    chosen, weights = route(x @ layer.moe.router.T, model.config.n_experts_used, model.config.norm_gates)
+    want = np.stack([weights[t].sum() * layer.moe.experts[chosen[t, 0]](x[t:t + 1])[0] for t in range(5)])
+    if layer.moe.shared is not None:
+        want += layer.moe.shared(x) / (1.0 + np.exp(-(x @ layer.moe.shared_gate)[:, None]))
+    np.testing.assert_allclose(reference.experts(layer.moe, x, 0, FirstOnly()), want, rtol=1e-4, atol=1e-5)
+
+
+def test_eval_prices_experts_missing_their_deadline(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from edgerun.cli import main
+
+    path = tmp_path / "moe.gguf"
+    write_synthetic(SynthSpec(MOE, "Q4_0"), path, "gguf")
+    assert main(["eval", "--model", str(path), "--policy", "experts", "--nglr", "0.5", "--plr", "0.2", "--tokens",
+                 "128", "--chunk", "64", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["policy"] == "experts" and 0.05 < row["units_lost"] < 0.15  # about half the experts, a fifth of the time
+    assert row["top1_agreement"] < 1.0 or row["kl"] > 0  # dropping experts changes the output
+    assert main(["eval", "--policy", "experts", "--tokens", "64", "--chunk", "64"]) == 2  # the shipped model: dense
+    assert "needs a mixture-of-experts model" in capsys.readouterr().err

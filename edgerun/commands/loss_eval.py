@@ -69,7 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nglr", default="0.25,0.5,0.75,0.875", help="neuron-group loss ratios (default: "
                    "0.25,0.5,0.75,0.875)")
     p.add_argument("--policy", default="none,random,sap,oracle",
-                   help="none, random, sap, oracle, high-norm, comma-separated (default: none,random,sap,oracle)")
+                   help="none, random, sap, oracle, high-norm, comma-separated; for a mixture-of-experts model also "
+                        "experts: a share NGLR of each layer's experts on workers that miss the expert deadline with "
+                        "chance PLR, their gates given to the others (default: none,random,sap,oracle)")
     p.add_argument("--sap", type=Path, default=None, help="predictor file (default: MODEL.sap.npz)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size without predictors "
                    "(default: 256; with them, theirs)")

@@ -75,6 +75,10 @@ class BlockHooks:
         """Each MLP neuron group's contribution to the block output, (n_groups, seq, hidden). Return
         an output to use instead of the full one, or None."""
 
+    def expert_kept(self, layer: int, chosen: np.ndarray) -> np.ndarray | None:
+        """Which of each token's chosen experts (seq, k) count (False: it missed its deadline; the gates of those
+        that count are scaled to the full sum, as a MoEx hub does). None: all of them."""
+
 
 @dataclass
 class DenseExpert:
@@ -255,7 +259,7 @@ class ReferenceModel:
         if hooks:
             hooks.mlp_input(index, x)
         if layer.moe is not None:
-            return self.experts(layer.moe, x)
+            return self.experts(layer.moe, x, index, hooks)
         act = silu(x @ layer.w_gate.T) * (x @ layer.w_up.T)
         out = act @ layer.w_down.T
         if hooks and hooks.wants_partials:
@@ -266,10 +270,16 @@ class ReferenceModel:
                 return replaced
         return out
 
-    def experts(self, moe: DenseMoe, x: np.ndarray) -> np.ndarray:
+    def experts(self, moe: DenseMoe, x: np.ndarray, index: int = 0, hooks: BlockHooks | None = None) -> np.ndarray:
         """A mixture of experts: each token through its chosen experts, weighted by their gates (and through
         the shared expert, scaled by its sigmoid gate). Tokens are grouped per expert, one product each."""
         chosen, weights = route(x @ moe.router.T, self.config.n_experts_used, self.config.norm_gates)
+        kept = None if hooks is None else hooks.expert_kept(index, chosen)
+        if kept is not None:
+            full = weights.sum(axis=1, keepdims=True)
+            weights = np.where(kept, weights, np.float32(0))
+            total = weights.sum(axis=1, keepdims=True)
+            weights = np.where(total > 0, weights * (full / np.maximum(total, 1e-30)), 0).astype(np.float32)
         out = np.zeros_like(x)
         for e in np.unique(chosen):
             tokens, slot = np.nonzero(chosen == e)

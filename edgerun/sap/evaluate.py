@@ -35,7 +35,10 @@ from edgerun.net.wire import Block
 from edgerun.sap.calibrate import attention_units, token_chunks
 from edgerun.sap.predictor import PredictorSet
 
-POLICIES = ("none", "random", "sap", "oracle", "high-norm")
+# "experts", for a mixture of experts: a share NGLR of each layer's experts sits on workers that miss the expert
+# deadline with chance PLR per dispatch; a missed expert is left out of its token's mixture, the others' gates
+# scaled to the full sum (what `edgerun master --plan moe --expert-deadline-ms` does).
+POLICIES = ("none", "random", "sap", "oracle", "high-norm", "experts")
 
 
 def lossy_devices(nglr: float) -> int:
@@ -49,9 +52,11 @@ class LossInjector(BlockHooks):
     wants_partials = True
 
     def __init__(self, policy: str, plr: float, nglr: float, predictors: PredictorSet | None, seed: int,
-                 sequence: int, max_len: int, n_kv_heads: int, parity: int = 0) -> None:
+                 sequence: int, max_len: int, n_kv_heads: int, parity: int = 0, n_experts: int = 0) -> None:
         if policy not in POLICIES:
             raise EdgerunError(f"unknown policy {policy!r} ({', '.join(POLICIES)})")
+        if policy == "experts" and not n_experts:
+            raise EdgerunError("policy experts needs a mixture-of-experts model")
         if policy == "sap" and predictors is None:
             raise EdgerunError("policy sap needs predictors: run `edgerun sap calibrate` and `edgerun sap train`")
         if not 0.0 <= plr <= 1.0 or not 0.0 <= nglr <= 1.0:
@@ -62,7 +67,7 @@ class LossInjector(BlockHooks):
         self.block_loss = plr ** (1 + parity)  # a device's partial and all its parity copies lost
         self.seed, self.sequence, self.max_len = seed, sequence, max_len
         self.devices = lossy_devices(nglr)
-        self.n_kv_heads = n_kv_heads
+        self.n_kv_heads, self.n_experts = n_kv_heads, n_experts
         self.start = 0
         self.previous_input: np.ndarray | None = None  # attention input of the layer before
         self.current_input: np.ndarray | None = None
@@ -80,7 +85,22 @@ class LossInjector(BlockHooks):
         self.current_mlp_input = x_norm
 
     def head_outputs(self, layer: int, parts: np.ndarray) -> np.ndarray | None:
+        if self.policy == "experts":
+            return None
         return self._drop(layer, Block.ATTN, attention_units(parts, self.n_kv_heads))
+
+    def expert_kept(self, layer: int, chosen: np.ndarray) -> np.ndarray | None:
+        if self.policy != "experts" or self.plr == 0.0 or self.nglr == 0.0:
+            return None
+        # Which experts sit on the lossy workers: the same in every sequence (a placement), drawn per layer.
+        placement = np.random.default_rng([self.seed, layer]).permutation(self.n_experts)
+        lossy = placement[:round(self.nglr * self.n_experts)]
+        seq = chosen.shape[0]
+        late = self._rng(layer, Block.MLP, 2).random((self.max_len, self.n_experts)) < self.plr
+        dropped = np.isin(chosen, lossy) & late[self.start:self.start + seq][np.arange(seq)[:, None], chosen]
+        self.lost_units += int(dropped.sum())
+        self.units_seen += dropped.size
+        return ~dropped
 
     def group_outputs(self, layer: int, parts: np.ndarray) -> np.ndarray | None:
         return self._drop(layer, Block.MLP, parts)
@@ -190,7 +210,7 @@ def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: S
         for s in settings:
             plr, nglr, policy = s
             hooks = LossInjector(policy, plr, nglr, predictors, seed, sequence, max_len, model.config.n_kv_heads,
-                                 parity)
+                                 parity, model.config.n_experts)
             lossy = _log_softmax(reference.forward(ids, reference.new_cache(max_len), hooks, all_logits=True)[:-1])
             nll[s] -= float(lossy[np.arange(len(targets)), targets].sum())
             agree[s] += int((lossy.argmax(axis=-1) == ref_top).sum())
@@ -199,7 +219,7 @@ def evaluate(model: Model, texts: Sequence[str], plrs: Sequence[float], nglrs: S
             lost[s][1] += hooks.units_seen
             # Greedy continuations draw their loss events from another sequence number than the scoring pass.
             hooks = LossInjector(policy, plr, nglr, predictors, seed, len(chunks) + sequence, max_len,
-                                 model.config.n_kv_heads, parity)
+                                 model.config.n_kv_heads, parity, model.config.n_experts)
             matches[s] += _greedy(reference, ids[:prompt_tokens], continuation, max_len, hooks) == ref_continuation
         scored += len(targets)
         sequences += 1
