@@ -478,3 +478,34 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
         native.kill()
         native.wait()
         s.close()
+
+
+def test_serve_moves_a_mixture_of_experts_to_its_expert_workers(tmp_path: Path) -> None:
+    """--plan moe --no-local: two expert workers join the server's port; completions over the API equal the numpy
+    reference's greedy tokens, computed by the hub and its workers."""
+    from edgerun.model.generate import ReferenceEngine
+    from edgerun.model.loader import load_model
+    from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
+
+    path = tmp_path / "moe-tiny.gguf"
+    write_synthetic(SynthSpec(SHAPES["moe-tiny"], "Q4_0", seed=5), path, "gguf")
+    model = load_model(path)
+    prompt = "Experts of a mixture, each on a worker of its own"
+    expected = generate(ReferenceEngine(model, 512), model.tokenizer.encode(prompt), 24, Sampler(SamplingParams()),
+                        model.tokenizer.stop_ids).tokens
+    s = Serving("--model", str(path), "--plan", "moe", "--replicas", "2", "--no-local", "--no-advertise",
+                "--max-context", "512")
+    workers = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "moe", "--master", s.cluster,
+                                 "--name", name, "--key", CLUSTER_KEY, "--threads", "1", "--memory-budget", "50"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name in ("x1", "x2")]
+    try:
+        wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 2, 180,
+                   "the hub to place its experts")
+        reply = s.client().completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+        assert reply.choices[0].text == model.tokenizer.decode(expected)
+        assert {n["holds"] for n in s.state()["nodes"]} == {"32 experts"}  # r = 2 over 2: each holds all
+    finally:
+        for proc in workers:
+            proc.kill()
+            proc.wait()
+        s.close()

@@ -29,7 +29,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from edgerun.errors import EdgerunError
@@ -135,7 +135,9 @@ class MoeHub:
     name = "moe"
 
     def __init__(self, model: Model, key: bytes, config: HubConfig | None = None,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 log: Callable[[str], None] = lambda _: None, net: EventLoopThread | None = None) -> None:
+        """With `net` (`edgerun serve`'s loop) the hub serves nothing itself: its routes() go beside the server's
+        and workers join at config.port, the server's; else it listens on config.host:config.port."""
         if not model.config.is_moe:
             raise EdgerunError(f"--plan moe needs a mixture-of-experts model; {model.path.name} is dense")
         self.model, self.key, self.config, self.log = model, key, config or HubConfig(), log
@@ -153,12 +155,19 @@ class MoeHub:
         self.stats = HubStats()
         self.cache: KVCache = self.reference.new_cache(self.config.max_len)
         self.joined = asyncio.Event()
-        self.net = EventLoopThread()
         self.files: dict[str, Path] = {}  # browser workers' expert graphs and weights, by sha256
-        app = Starlette(routes=[WebSocketRoute("/moe", self._serve), Route("/experts/{sha256}", self._blob),
-                                Route("/files/{sha256}", self._file), *page_routes()])
-        self.server = HttpServer(app, bind(self.config.host, self.config.port), self.net, max_message=MOEX_MAX_FRAME)
-        self.port = self.server.port
+        self.own_net = net is None
+        self.net = net or EventLoopThread()
+        self.server = None
+        if self.own_net:
+            self.server = HttpServer(Starlette(routes=self.routes()), bind(self.config.host, self.config.port),
+                                     self.net, max_message=MOEX_MAX_FRAME)
+        self.port = self.config.port if self.server is None else self.server.port
+
+    def routes(self) -> list[BaseRoute]:
+        """Workers' WebSocket (/moe), expert blobs and browser graphs by sha256, and the browser node page."""
+        return [WebSocketRoute("/moe", self._serve), Route("/experts/{sha256}", self._blob),
+                Route("/files/{sha256}", self._file), *page_routes()]
 
     def reconfigure(self, config: HubConfig) -> None:
         """New hedging, timeouts or replication (taking effect at the next dispatch; replicas at the next deploy);
@@ -456,6 +465,21 @@ class MoeHub:
             threshold = 1.5 * float(np.median(medians)) if medians else 0.0
         return 1 if fastest.recent and fastest.p50_s <= threshold else self.config.hedge
 
+    def probe_ms(self, steps: int = 3) -> float:
+        """ms per one-token step measured now on a scratch cache (after a warm-up step): what a deployment
+        predicts, since a MoE step's time is mostly the workers' round trips, which only running shows."""
+        kept, self.cache = self.cache, self.reference.new_cache(steps + 2)
+        try:
+            self.step([1])
+            started = time.perf_counter()
+            for _ in range(steps):
+                self.step([1])
+            return (time.perf_counter() - started) / steps * 1e3
+        finally:
+            self.cache = kept
+
     def close(self) -> None:
-        self.server.close()
-        self.net.stop()
+        if self.server is not None:
+            self.server.close()
+        if self.own_net:
+            self.net.stop()

@@ -37,9 +37,14 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
-    p.add_argument("--plan", choices=(*TP_PLANS, "dp"), default="halo",
-                   help="tensor-parallel planner, or dp: a pipeline of workers (`edgerun node --mode pp`) and browser "
-                        "tabs (http://HOST:PORT/node) holding ranges of layers (default: halo)")
+    p.add_argument("--plan", choices=(*TP_PLANS, "dp", "moe"), default="halo",
+                   help="tensor-parallel planner; dp: a pipeline of workers (`edgerun node --mode pp`) and browser "
+                        "tabs (http://HOST:PORT/node) holding ranges of layers; moe: a mixture-of-experts model's "
+                        "experts on expert workers (`edgerun node --mode moe --master HOST:PORT`) and tabs "
+                        "(http://HOST:PORT/node?mode=moe), the rest here (default: halo)")
+    p.add_argument("--replicas", type=int, default=1, help="--plan moe: workers holding each expert (default: 1)")
+    p.add_argument("--hedge", default="1", help="--plan moe: replicas each expert dispatch goes to at once, or auto "
+                   "(one while the fastest-looking replica is quick, else --replicas) (default: 1)")
     p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
                    help="tensor-parallel: udp sends partial results over UDP with a timeout (a late or lost one costs "
                         "a little accuracy, not a stall); tcp waits for every node, exact (default: udp)")
@@ -102,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          threads=args.threads, model_name=args.model_name,
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=args.transport, activations=Activations(args.activations),
-                         route=Route(args.route))
+                         route=Route(args.route), replicas=args.replicas, hedge=args.hedge)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

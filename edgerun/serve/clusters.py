@@ -1,5 +1,6 @@
-"""The two kinds of cluster `edgerun serve` can move requests to, behind one interface: a tensor-parallel master
-and its nodes (--plan halo, minmax, ...), or a pipeline master and its workers and browser tabs (--plan dp).
+"""The kinds of cluster `edgerun serve` can move requests to, behind one interface: a tensor-parallel master and
+its nodes (--plan halo, minmax, ...), a pipeline master and its workers and browser tabs (--plan dp), or a MoEx
+hub and its expert workers (--plan moe).
 
 Each says who is present, deploys a plan over them (returning its predicted ms/token), and describes its
 devices and plan for the dashboard. Both engines run under the one generation loop (model.generate)."""
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 from starlette.routing import BaseRoute
 
 from edgerun.model.generate import EngineLost, Stepper, TokenStepper
+from edgerun.moe.hub import MoeHub
 from edgerun.pp.master import PipelineMaster
 from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
 from edgerun.tp.master import Master
@@ -127,6 +129,66 @@ class TensorParallel:
 
     def close(self) -> None:
         self.master.close()
+
+
+class Experts:
+    """A MoEx hub: expert workers (`edgerun node --mode moe`) and browser tabs (node?mode=moe) hold the experts."""
+
+    kind = "experts"
+
+    def __init__(self, hub: MoeHub) -> None:
+        self.hub = hub
+        self.port = hub.port
+
+    @property
+    def engine(self) -> MoeHub:
+        return self.hub
+
+    def members(self) -> tuple[str, ...]:
+        return tuple(sorted(w.name for w in self.hub.workers.values() if w.alive))
+
+    def deploy(self) -> tuple[str, float]:
+        placement = self.hub.deploy()
+        held = ", ".join(f"{name} {len(placement.experts_of(name))}" for name in self.members())
+        return f"experts over {held}", self.hub.probe_ms()
+
+    def rebalance(self) -> bool:
+        return False  # a join is placed at the next deploy; a loss is replicated again in the background
+
+    def on_lost(self, lost: EngineLost) -> None:
+        """Nothing: the hub saw the worker leave; deploy() places its experts over the workers left."""
+
+    def nodes(self) -> list[dict[str, Any]]:
+        placement = self.hub.placement
+        return [{"name": w.name, "kind": w.kind, "device": w.kind, "alive": w.alive,
+                 "state": "serving" if w.healthy else ("lost" if not w.alive else "left out"),
+                 "memory_mb": w.peak_rss_mb or None, "budget_mb": w.budget_mb, "speed_gb_s": None,
+                 "rtt_ms": w.p50_s * 1e3 if w.recent else None, "loss": None,
+                 "holds": f"{len(placement.experts_of(w.name))} experts" if placement else "nothing"}
+                for w in self.hub.workers.values()]
+
+    def plan(self) -> dict[str, Any] | None:
+        placement = self.hub.placement
+        if placement is None:
+            return None
+        names = sorted(placement.held_mb)
+        return {"strategy": "moe", "devices": names, "memory_mb": [placement.held_mb[n] for n in names],
+                "compute_ms": [], "predicted_ms_per_token": None}
+
+    def counters(self) -> dict[str, int]:
+        s = self.hub.stats
+        return {"blocks": s.dispatches, "blocks_incomplete": s.dropped, "late_packets": s.redispatched,
+                "rejected": 0}
+
+    def routes(self) -> list[BaseRoute]:
+        return self.hub.routes()
+
+    def set_own_speed(self, weight_bytes_per_s: float) -> None:
+        """The hub's own share (attention, routers, head) is not planned."""
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.hub.close()
 
 
 class Pipeline:

@@ -28,7 +28,7 @@ class ServeConfig:
     port: int = 8000  # HTTP: the API and the dashboard
     cluster_port: int | None = 7000  # tensor-parallel nodes connect here; None: no cluster
     key: bytes = b""  # the cluster's derived key
-    plan: str = "halo"  # tensor-parallel planner, or "dp": a pipeline
+    plan: str = "halo"  # tensor-parallel planner, "dp": a pipeline, or "moe": a MoEx hub and expert workers
     transport: str = "udp"  # tensor-parallel: lossy layers over UDP with a timeout, or "tcp": wait for every node
     prefer: Prefer = Prefer.AUTO
     api_key: str | None = None
@@ -43,6 +43,8 @@ class ServeConfig:
     activations: Activations = Activations.INT8  # of the quantized products: this engine's and the cluster's
     route: Route = Route.CHAIN  # a pipeline's passes: stage to stage, or through this server
     wait_s: float = 30.0  # how long a request waits for nodes when nothing can serve it, before a 503
+    replicas: int = 1  # --plan moe: workers holding each expert
+    hedge: str = "1"  # --plan moe: replicas each dispatch goes to, or "auto"
 
     def __post_init__(self) -> None:
         if not self.local and self.cluster_port is None:
@@ -53,6 +55,9 @@ class ServeConfig:
             raise EdgerunError("--max-queue, --max-tokens and --threads must be at least 1, --max-context 16")
         if not 0 <= self.port < 65536 or (self.cluster_port is not None and not 0 <= self.cluster_port < 65536):
             raise EdgerunError("ports must lie in 0..65535")
+        if self.replicas < 1 or not (self.hedge == "auto" or (self.hedge.isdigit() and
+                                                             1 <= int(self.hedge) <= self.replicas)):
+            raise EdgerunError(f"--hedge must be auto or 1..--replicas ({self.replicas}), not {self.hedge!r}")
 
 
 class Server:
@@ -88,7 +93,7 @@ class Server:
             if self.cluster is not None and config.advertise:
                 from edgerun.net.discovery import Advertiser, ClusterMode
 
-                mode = ClusterMode.PP if config.plan == "dp" else ClusterMode.TP
+                mode = {"dp": ClusterMode.PP, "moe": ClusterMode.MOE}.get(config.plan, ClusterMode.TP)
                 self.advertiser = Advertiser(mode, config.host, self.cluster.port, log=log)
             self.switch = EngineSwitch(single, self.cluster, config.prefer, max_len, log)
             self.metrics = Metrics()
@@ -109,6 +114,15 @@ class Server:
 
         config, log = self.config, self.log
         try:
+            if config.plan == "moe":
+                from edgerun.moe.hub import HubConfig, MoeHub
+                from edgerun.serve.clusters import Experts
+
+                # Expert workers and tabs come to this server's port: the hub's routes sit beside the API.
+                return Experts(MoeHub(model, config.key, HubConfig(
+                    host=config.host, port=self.port, max_len=max_len, replicas=config.replicas,
+                    hedge=config.replicas if config.hedge == "auto" else int(config.hedge),
+                    adaptive_hedge=config.hedge == "auto"), log=lambda m: log(f"experts: {m}"), net=self.net))
             if config.plan == "dp":
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
@@ -139,11 +153,12 @@ class Server:
 
     def run(self) -> None:
         where = f"http://{'localhost' if self.config.host in ('0.0.0.0', '::') else self.config.host}:{self.port}"
-        mode = "--mode pp " if self.config.plan == "dp" else ""
+        mode = {"dp": "--mode pp ", "moe": "--mode moe "}.get(self.config.plan, "")
         nodes = "" if self.cluster is None else \
             f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}`"
-        if self.config.plan == "dp" and self.cluster is not None:
-            nodes += f", browser tabs at http://HOST:{self.cluster.port}/node"
+        if self.config.plan in ("dp", "moe") and self.cluster is not None:
+            nodes += f", browser tabs at http://HOST:{self.cluster.port}/node" + \
+                ("?mode=moe" if self.config.plan == "moe" else "")
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
