@@ -482,7 +482,7 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
 
 def test_serve_moves_a_mixture_of_experts_to_its_expert_workers(tmp_path: Path) -> None:
     """--plan moe --no-local: two expert workers join the server's port; completions over the API equal the numpy
-    reference's greedy tokens, computed by the hub and its workers."""
+    reference's greedy tokens, computed by the hub and its workers (float32 expert kernels, as the reference)."""
     from edgerun.model.generate import ReferenceEngine
     from edgerun.model.loader import load_model
     from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
@@ -494,7 +494,7 @@ def test_serve_moves_a_mixture_of_experts_to_its_expert_workers(tmp_path: Path) 
     expected = generate(ReferenceEngine(model, 512), model.tokenizer.encode(prompt), 24, Sampler(SamplingParams()),
                         model.tokenizer.stop_ids).tokens
     s = Serving("--model", str(path), "--plan", "moe", "--replicas", "2", "--no-local", "--no-advertise",
-                "--max-context", "512")
+                "--max-context", "512", "--activations", "f32")
     workers = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "moe", "--master", s.cluster,
                                  "--name", name, "--key", CLUSTER_KEY, "--threads", "1", "--memory-budget", "50"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name in ("x1", "x2")]

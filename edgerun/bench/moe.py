@@ -65,9 +65,9 @@ def start_worker(port: int, name: str, latency: LogNormal | None, seed: int, thr
 
 
 @contextlib.contextmanager
-def local_hub(model: Model, workers: int, replicas: int, latency: LogNormal | None,
-              threads: int = 1) -> Iterator[MoeHub]:
-    hub = MoeHub(model, derive_key(SECRET), HubConfig(max_len=CONTEXT, replicas=replicas))
+def local_hub(model: Model, workers: int, replicas: int, latency: LogNormal | None, threads: int = 1,
+              activations: Activations = Activations.F32) -> Iterator[MoeHub]:
+    hub = MoeHub(model, derive_key(SECRET), HubConfig(max_len=CONTEXT, replicas=replicas, activations=activations))
     procs = [start_worker(hub.port, f"e{i}", latency, i + 1, threads) for i in range(workers)]
     try:
         hub.wait_for_workers(workers)
@@ -114,19 +114,20 @@ def _measure(hub: MoeHub, model: Model, tokens: int, hedge: int, latency: LogNor
 
 
 def bench_moe(model: Model, workers: int, replicas: int, hedges: list[int], latency: LogNormal | None, tokens: int,
-              threads: int = 1, progress: Callable[[str], None] = lambda _: None) -> tuple[list[MoeRow], float]:
+              threads: int = 1, progress: Callable[[str], None] = lambda _: None,
+              activations: Activations = Activations.INT8) -> tuple[list[MoeRow], float]:
     """Rows: the base (h = 1, no injected latency), then each hedge with `latency`; and the single engine's
     ms/token on the same model and prompt."""
     progress(f"single-process onnx engine, {threads} thread(s)")
-    single = cluster_baseline_ms(model, model.tokenizer.encode(PROMPT), tokens, threads, Activations.INT8, CONTEXT,
+    single = cluster_baseline_ms(model, model.tokenizer.encode(PROMPT), tokens, threads, activations, CONTEXT,
                                  WARMUP_TOKENS)
     rows = []
     progress(f"hub + {workers} expert workers, {replicas} replicas, no injected latency")
-    with local_hub(model, workers, replicas, None, threads) as hub:
+    with local_hub(model, workers, replicas, None, threads, activations) as hub:
         rows.append(_measure(hub, model, tokens, 1, None, None))
     if latency is not None:
         progress(f"hub + {workers} expert workers, injected latency lognormal:{latency.median_ms:g}:{latency.sigma:g}")
-        with local_hub(model, workers, replicas, latency, threads) as hub:
+        with local_hub(model, workers, replicas, latency, threads, activations) as hub:
             for h in hedges:
                 progress(f"hedge {h}")
                 rows.append(_measure(hub, model, tokens, h, latency, rows[0].expert_mean_ms))

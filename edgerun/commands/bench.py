@@ -121,6 +121,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
 def cmd_bench_moe(args: argparse.Namespace) -> None:
     from edgerun.bench.moe import bench_moe, default_moe_model, moe_table
     from edgerun.model.loader import load_model
+    from edgerun.model.onnx_graph import Activations
     from edgerun.sched.moe import LogNormal
 
     try:
@@ -141,7 +142,8 @@ def cmd_bench_moe(args: argparse.Namespace) -> None:
     def progress(m: str) -> None:
         print(f"local MoEx cluster: {m}...", file=sys.stderr, flush=True)
 
-    rows, single = bench_moe(model, args.workers, args.replicas, hedges, latency, args.tokens, args.threads, progress)
+    rows, single = bench_moe(model, args.workers, args.replicas, hedges, latency, args.tokens, args.threads, progress,
+                             Activations(args.activations))
     if args.json:
         print(json.dumps([asdict(r) | {"single_ms_per_token": single} for r in rows], indent=2))
     else:
@@ -214,6 +216,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="delay injected before every expert reply (default: none, only the base row)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
     share_threads_arg(p, 1)
+    activations_arg(p)
     p.add_argument("--json", action="store_true", help="print a JSON list of rows, one per hedging factor, with "
                    "hedge, expert_mean_ms, expert_p99_ms, model_mean_ms and tokens_per_s among their keys")
     p.set_defaults(func=cmd_bench_moe)

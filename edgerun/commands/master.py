@@ -84,6 +84,7 @@ def _positive_int(text: str, option: str) -> int:
 
 def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]) -> None:
     """--plan moe: a MoEx hub and its expert workers."""
+    from edgerun.model.onnx_graph import Activations
     from edgerun.model.sampling import Sampler
     from edgerun.moe.hub import HubConfig, MoeHub
 
@@ -95,7 +96,7 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
     hub = MoeHub(model, cluster_key(args), HubConfig(
         host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
         hedge=args.replicas if args.hedge == "auto" else _positive_int(args.hedge, "--hedge"),
-        adaptive_hedge=args.hedge == "auto",
+        adaptive_hedge=args.hedge == "auto", activations=Activations(args.activations),
         expert_timeout_s=args.expert_timeout_ms / 1000,
         expert_deadline_s=None if args.expert_deadline_ms is None else args.expert_deadline_ms / 1000), log=log)
     log(f"listening on port {hub.port} (expert workers: edgerun node --mode moe --master HOST:{hub.port}); "

@@ -35,7 +35,7 @@ from starlette.websockets import WebSocket
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
-from edgerun.model.onnx_graph import cache_root, expert_graph, shard_weights_path
+from edgerun.model.onnx_graph import Activations, cache_root, expert_graph, shard_weights_path
 from edgerun.model.reference import KVCache, ReferenceModel, rms_norm, rope_tables, route
 from edgerun.model.sampling import Sampler
 from edgerun.moe.experts import expert_blobs
@@ -77,6 +77,9 @@ class HubConfig:
     # 1.5 times the median over the workers' recent medians.
     adaptive_hedge: bool = False
     hedge_threshold_ms: float | None = None
+    # Of the native workers' expert kernels: float32 gives the numpy reference's numbers (the hub's own are the
+    # reference's); int8, as the single engine computes, is 2-4x faster on CPUs and rounds differently.
+    activations: Activations = Activations.F32
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or not 1 <= self.hedge <= self.replicas:
@@ -323,7 +326,8 @@ class MoeHub:
                 if w.kind == "browser":  # the graph and its float32 weights, built here once
                     entry += await loop.run_in_executor(None, self._browser_graph, layer, e)
                 experts.append(entry)
-            self._send(w, WeightSync(w.sync_seq, {"config": c.to_dict(), "experts": experts}))
+            self._send(w, WeightSync(w.sync_seq, {"config": c.to_dict(), "experts": experts,
+                                                   "activations": self.config.activations.value}))
         answers = await asyncio.wait_for(asyncio.gather(*(w.synced for w in alive)), self.config.sync_timeout_s)
         failed = [f"{w.name}: {a.get('error')}" for w, a in zip(alive, answers, strict=True) if not a.get("ready")]
         if failed:

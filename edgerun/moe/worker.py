@@ -25,6 +25,7 @@ import numpy as np
 import websockets
 
 from edgerun.model.config import ModelConfig
+from edgerun.model.onnx_graph import Activations
 from edgerun.moe.experts import ExpertRunner, blob_dir, read_expert_blob
 from edgerun.net.backoff import Backoff
 from edgerun.net.wire import (
@@ -153,8 +154,9 @@ class ExpertWorkerNode:
         started = time.perf_counter()
         try:
             config = ModelConfig(**info["config"])
-            if self.runner is None or self.runner.config != config:
-                self.runner = ExpertRunner(config, self.threads)
+            activations = Activations(info.get("activations", Activations.F32.value))
+            if self.runner is None or self.runner.config != config or self.runner.activations != activations:
+                self.runner = ExpertRunner(config, self.threads, activations)
             wanted = {(int(layer), int(expert)): str(sha) for layer, expert, sha in info["experts"]}
             self.runner.keep_only(set(wanted))
             for key, sha in wanted.items():

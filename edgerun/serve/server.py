@@ -122,7 +122,8 @@ class Server:
                 return Experts(MoeHub(model, config.key, HubConfig(
                     host=config.host, port=self.port, max_len=max_len, replicas=config.replicas,
                     hedge=config.replicas if config.hedge == "auto" else int(config.hedge),
-                    adaptive_hedge=config.hedge == "auto"), log=lambda m: log(f"experts: {m}"), net=self.net))
+                    adaptive_hedge=config.hedge == "auto", activations=config.activations),
+                    log=lambda m: log(f"experts: {m}"), net=self.net))
             if config.plan == "dp":
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
