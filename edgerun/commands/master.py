@@ -72,31 +72,22 @@ def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
         print(f"[master] {len(tokens)} tokens in {time.perf_counter() - start:.2f} s; {stats}", file=sys.stderr)
 
 
-def _positive_int(text: str, option: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise EdgerunError(f"{option} takes a positive number or auto, not {text!r}")
-    return value
-
-
 def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]) -> None:
     """--plan moe: a MoEx hub and its expert workers."""
     from edgerun.model.onnx_graph import Activations
     from edgerun.model.sampling import Sampler
     from edgerun.moe.hub import HubConfig, MoeHub
+    from edgerun.sched.moe import hedge_setting
 
     if args.expert_timeout_ms <= 0 or (args.expert_deadline_ms is not None and args.expert_deadline_ms <= 0):
         raise EdgerunError("--expert-timeout-ms and --expert-deadline-ms must be positive")
     if args.replicas < 1 or args.expect < args.replicas:
         raise EdgerunError(f"--replicas {args.replicas} needs at least 1 and at most --expect ({args.expect}) workers: "
                            "each expert's replicas are on distinct workers")
+    hedge, adaptive = hedge_setting(args.hedge, args.replicas)
     hub = MoeHub(model, cluster_key(args), HubConfig(
-        host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
-        hedge=args.replicas if args.hedge == "auto" else _positive_int(args.hedge, "--hedge"),
-        adaptive_hedge=args.hedge == "auto", activations=Activations(args.activations),
+        host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas, hedge=hedge,
+        adaptive_hedge=adaptive, activations=Activations(args.activations),
         expert_timeout_s=args.expert_timeout_ms / 1000,
         expert_deadline_s=None if args.expert_deadline_ms is None else args.expert_deadline_ms / 1000), log=log)
     log(f"listening on port {hub.port} (expert workers: edgerun node --mode moe --master HOST:{hub.port}); "

@@ -101,11 +101,25 @@ class DenseMoe:
     shared: DenseExpert | None
     shared_gate: np.ndarray | None
 
+    def shared_output(self, x: np.ndarray) -> np.ndarray | float:
+        """qwen2moe's shared expert, scaled by its sigmoid gate; 0 where the model has none."""
+        if self.shared is None:
+            return 0.0
+        return self.shared(x) / (1.0 + np.exp(-(x @ self.shared_gate)[:, None]))
+
     @classmethod
     def from_weights(cls, w: MoeWeights, experts: bool = True) -> DenseMoe:
         """`experts=False`: the router and the shared expert only (a MoEx hub, whose experts are on workers)."""
         return cls(w.router.dequantize(), [DenseExpert.from_weights(e) for e in w.experts] if experts else [],
                    None if w.shared is None else DenseExpert.from_weights(w.shared), w.shared_gate)
+
+
+def kept_gate_scale(weights: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Per token, the factor that brings the gates of its kept experts (`kept`, (seq, k) booleans) up to the full
+    sum of its gates: the experts that count stand in for those dropped (a missed expert deadline). 0 for a token
+    none of whose experts was kept: it keeps only its residual."""
+    part = np.where(kept, weights, 0).sum(axis=1)
+    return np.where(part > 0, weights.sum(axis=1) / np.maximum(part, 1e-30), 0).astype(np.float32)
 
 
 def route(logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -276,14 +290,9 @@ class ReferenceModel:
         chosen, weights = route(x @ moe.router.T, self.config.n_experts_used, self.config.norm_gates)
         kept = None if hooks is None else hooks.expert_kept(index, chosen)
         if kept is not None:
-            full = weights.sum(axis=1, keepdims=True)
-            weights = np.where(kept, weights, np.float32(0))
-            total = weights.sum(axis=1, keepdims=True)
-            weights = np.where(total > 0, weights * (full / np.maximum(total, 1e-30)), 0).astype(np.float32)
+            weights = np.where(kept, weights, np.float32(0)) * kept_gate_scale(weights, kept)[:, None]
         out = np.zeros_like(x)
         for e in np.unique(chosen):
             tokens, slot = np.nonzero(chosen == e)
             out[tokens] += weights[tokens, slot, None] * moe.experts[e](x[tokens])
-        if moe.shared is not None:
-            out += moe.shared(x) / (1.0 + np.exp(-(x @ moe.shared_gate)[:, None]))
-        return out
+        return out + moe.shared_output(x)

@@ -36,7 +36,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, cache_root, expert_graph, shard_weights_path
-from edgerun.model.reference import KVCache, ReferenceModel, rms_norm, rope_tables, route
+from edgerun.model.reference import KVCache, ReferenceModel, kept_gate_scale, rms_norm, rope_tables, route
 from edgerun.model.sampling import Sampler
 from edgerun.moe.experts import expert_blobs
 from edgerun.net.channel import EventLoopThread
@@ -100,7 +100,6 @@ class HubWorker:
     kind: str = "native"  # or "browser": a tab, which takes each expert as an ONNX graph with float32 weights
     alive: bool = True
     strikes: int = 0
-    latency_s: float = 0.0  # a moving average of its answers' round trips
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # its last answers' round trips (s)
     synced: asyncio.Future | None = None  # resolved by its answer to a WEIGHT_SYNC
     sync_seq: int = -1  # that WEIGHT_SYNC's sequence id, which the answer carries
@@ -127,8 +126,6 @@ class HubStats:
     sent: int = 0  # frames, hedged copies included
     redispatched: int = 0  # after a timeout or a lost replica
     dropped: int = 0  # (expert, tokens) dispatches left out at the expert deadline
-    expert_s: float = 0.0  # time in the expert phase, over layers
-    layers: int = 0
     phase_ms: list[float] = field(default_factory=list)  # each one-token layer's expert phase (decode steps)
 
 
@@ -159,6 +156,7 @@ class MoeHub:
         self.cache: KVCache = self.reference.new_cache(self.config.max_len)
         self.joined = asyncio.Event()
         self.files: dict[str, Path] = {}  # browser workers' expert graphs and weights, by sha256
+        self.graph_hashes: dict[tuple[int, int], list[str]] = {}  # (layer, expert) -> those files' sha256
         self.own_net = net is None
         self.net = net or EventLoopThread()
         self.server = None
@@ -178,7 +176,10 @@ class MoeHub:
         self.config = config
 
     def _browser_graph(self, layer: int, expert: int) -> list[str]:
-        """The sha256 of an expert's ONNX graph and of its float32 weights file, built once into the cache."""
+        """The sha256 of an expert's ONNX graph and of its float32 weights file, built once into the cache and
+        hashed once per hub."""
+        if (layer, expert) in self.graph_hashes:
+            return self.graph_hashes[(layer, expert)]
         sha = self.blobs[(layer, expert)][0]
         out = cache_root() / "moe" / "graphs" / sha / "expert.onnx"
         if not (out.is_file() and shard_weights_path(out).is_file()):
@@ -190,6 +191,7 @@ class MoeHub:
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             self.files[digest] = path
             hashes.append(digest)
+        self.graph_hashes[(layer, expert)] = hashes
         return hashes
 
     async def _file(self, request: Request) -> Response:
@@ -236,9 +238,7 @@ class MoeHub:
                 pending = self.pending.get(seq)
                 if pending is None or pending.future.done():
                     return  # a hedged copy that lost the race
-                took = time.perf_counter() - pending.sent.get(worker.name, time.perf_counter())
-                worker.latency_s = took if worker.latency_s == 0 else 0.8 * worker.latency_s + 0.2 * took
-                worker.recent.append(took)
+                worker.recent.append(time.perf_counter() - pending.sent.get(worker.name, time.perf_counter()))
                 worker.strikes = 0
                 pending.future.set_result(message.y)
                 for other in pending.sent:
@@ -336,8 +336,7 @@ class MoeHub:
         self.placement = placement
         shares = ", ".join(f"{w.name} {len(placement.experts_of(w.name))} experts ({placement.held_mb[w.name]:.1f} MB)"
                            for w in alive)
-        self.log(f"placed {len(placement.replicas)} experts x {replicas} replicas: "
-                 f"{shares}")
+        self.log(f"placed {len(placement.replicas)} experts x {replicas} replicas: {shares}")
         return placement
 
     # --- the engine ----------------------------------------------------------------------------------------
@@ -397,29 +396,21 @@ class MoeHub:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
         took = time.perf_counter() - started
-        self.stats.expert_s += took
-        self.stats.layers += 1
         if len(x) == 1:
             self.stats.phase_ms.append(took * 1e3)
         out = np.zeros_like(x)
-        answered = np.zeros_like(weights)  # the gates of the experts that answered, per token and slot
+        answered = np.zeros(weights.shape, bool)  # per token and slot: its expert answered in time
         dropped = 0
         for rows, slot, task in jobs:
             if task.cancelled():
                 dropped += 1
                 continue
             out[rows] += task.result()
-            answered[rows, slot] = weights[rows, slot]
+            answered[rows, slot] = True
         self.stats.dropped += dropped
-        if dropped:
-            # The experts that answered stand in for the token's whole mixture: their outputs (already weighted)
-            # scaled by the gates' full sum over the sum of those that came. A token none of whose experts came
-            # keeps only its residual.
-            kept = answered.sum(axis=1)
-            out *= np.where(kept > 0, weights.sum(axis=1) / np.maximum(kept, 1e-30), 0.0)[:, None].astype(out.dtype)
-        if moe.shared is not None:  # the shared expert every token takes stays on the hub
-            out += moe.shared(x) / (1.0 + np.exp(-(x @ moe.shared_gate)[:, None]))
-        return out
+        if dropped:  # the experts that answered stand in for the token's whole mixture (outputs already weighted)
+            out *= kept_gate_scale(weights, answered)[:, None]
+        return out + moe.shared_output(x)  # the shared expert every token takes stays on the hub
 
     async def _expert(self, layer: int, expert: int, x: np.ndarray, gates: np.ndarray) -> np.ndarray:
         """One (expert, tokens) dispatch, hedged, retried on other replicas until one answers."""
@@ -433,7 +424,7 @@ class MoeHub:
                               if n not in tried and self.workers[n].alive]
             if not candidates:
                 raise ExpertsLost(f"no live replica of expert {expert} of layer {layer}")
-            targets = sorted(candidates, key=lambda w: w.latency_s)[:self._hedge(candidates)]
+            targets = sorted(candidates, key=lambda w: w.p50_s)[:self._hedge(candidates)]
             seq = next(self.seqs)
             pending = self.pending[seq] = _Pending(asyncio.get_running_loop().create_future())
             for w in targets:

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import os
-import threading
 import time
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +24,7 @@ from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_graph import Activations
 from edgerun.moe.experts import ExpertRunner, blob_dir, read_expert_blob
 from edgerun.net.backoff import Backoff
+from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import (
     MOEX_MAX_FRAME,
     ExpertCancel,
@@ -49,16 +46,8 @@ HEARTBEAT_S = 1.0  # a worker the hub left out after timeouts is taken back at i
 def fetch_blob(base_url: str, sha256: str) -> Path:
     """The expert blob with this sha256: from the cache, or fetched from the hub and checked."""
     target = blob_dir() / sha256
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with urllib.request.urlopen(f"{base_url}/experts/{sha256}", timeout=60) as response:
-        data = response.read()
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise ValueError(f"expert blob {sha256[:12]} arrived with another hash")
-    partial = target.with_name(f".{sha256}.{os.getpid()}.{threading.get_ident()}")  # workers may share a cache
-    partial.write_bytes(data)
-    os.replace(partial, target)
+    if not target.is_file():
+        fetch_checked(f"{base_url}/experts/{sha256}", target, sha256)
     return target
 
 
@@ -120,6 +109,7 @@ class ExpertWorkerNode:
             seq += 1
             with contextlib.suppress(websockets.ConnectionClosed):
                 await ws.send(moex_frame(ExpertHeartbeat(seq, {"computed": self.computed, "queued": len(self.queue),
+                                                               "preempted": self.preempted,
                                                                "peak_rss_mb": peak_rss_mb()}), self.key))
 
     async def _received(self, ws: websockets.ClientConnection, data: bytes) -> None:
@@ -189,8 +179,7 @@ class ExpertWorkerNode:
                 with contextlib.suppress(websockets.ConnectionClosed):
                     await ws.send(frame)
                 continue
-            delay = self.latency.median_ms * float(np.exp(self.latency.sigma * self.rng.standard_normal())) / 1e3
-            task = asyncio.create_task(self._send_after(ws, d.seq, frame, delay))
+            task = asyncio.create_task(self._send_after(ws, d.seq, frame, self.latency.draw_ms(self.rng) / 1e3))
             self.held_back.add(task)
             task.add_done_callback(self.held_back.discard)
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -74,28 +77,43 @@ class ModelServer:
         self.http.close()
 
 
+def fetch_checked(url: str, target: Path, sha256: str,
+                  progress: Callable[[int, int], None] | None = None) -> int:
+    """Stream `url` into `target` (a cache file named by its content) if its sha256 is `sha256`; the bytes fetched.
+    The partial file is named per process and thread, so fetchers sharing a cache do not trip over each other;
+    a file that arrives with another hash leaves nothing behind (OSError). `progress(done, total)` after each
+    chunk (total 0 when the server does not say)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
+    digest = hashlib.sha256()
+    done = 0
+    with urllib.request.urlopen(url, timeout=60) as response, partial.open("wb") as f:
+        total = int(response.headers.get("Content-Length", 0))
+        while chunk := response.read(1 << 20):
+            f.write(chunk)
+            digest.update(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
+    if digest.hexdigest() != sha256:
+        partial.unlink()
+        raise OSError(f"{url} arrived with another sha256")
+    os.replace(partial, target)
+    return done
+
+
 def fetch_model(host: str, port: int, sha256: str, suffix: str = ".gguf") -> Path:
     """The master's model file, from the cache or downloaded (with progress) and checked."""
     out = cache_root() / "models" / f"{sha256}{suffix}"
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".partial")
-    digest = hashlib.sha256()
-    with urllib.request.urlopen(f"http://{host}:{port}/model/{sha256}", timeout=60) as response, \
-            partial.open("wb") as f:
-        total = int(response.headers.get("Content-Length", 0))
-        done, shown = 0, -1
-        while chunk := response.read(1 << 20):
-            f.write(chunk)
-            digest.update(chunk)
-            done += len(chunk)
-            percent = done * 100 // total if total else 0
-            if percent // 10 != shown:
-                shown = percent // 10
-                print(f"downloading model: {percent}% of {total / 1e6:.0f} MB", file=sys.stderr, flush=True)
-    if digest.hexdigest() != sha256:
-        partial.unlink()
-        raise OSError("downloaded model does not match its sha256")
-    partial.rename(out)
+    shown = [-1]
+
+    def progress(done: int, total: int) -> None:
+        percent = done * 100 // total if total else 0
+        if percent // 10 != shown[0]:
+            shown[0] = percent // 10
+            print(f"downloading model: {percent}% of {total / 1e6:.0f} MB", file=sys.stderr, flush=True)
+
+    fetch_checked(f"http://{host}:{port}/model/{sha256}", out, sha256, progress)
     return out

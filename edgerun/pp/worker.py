@@ -16,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
 import shutil
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from edgerun.model.onnx_engine import StageSession, execution_providers
 from edgerun.model.onnx_graph import cache_root
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.backoff import Backoff
+from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
 from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb
@@ -51,19 +50,9 @@ def download(base_url: str, sha256: str) -> tuple[Path, float, int]:
     target = files_dir() / sha256
     if target.is_file():
         return target, 0.0, 0
-    target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    digest = hashlib.sha256()
-    partial = target.with_name(f".{sha256}.{os.getpid()}")
-    with urllib.request.urlopen(f"{base_url}/files/{sha256}", timeout=60) as response, open(partial, "wb") as out:
-        while chunk := response.read(1 << 20):
-            digest.update(chunk)
-            out.write(chunk)
-    if digest.hexdigest() != sha256:
-        partial.unlink()
-        raise ValueError(f"file {sha256[:12]} arrived with another hash")
-    partial.rename(target)
-    return target, time.perf_counter() - start, target.stat().st_size
+    size = fetch_checked(f"{base_url}/files/{sha256}", target, sha256)
+    return target, time.perf_counter() - start, size
 
 
 class PeerPortInUse(OSError):

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
+import numpy as np
+
 from edgerun.errors import EdgerunError
 
 POINTS_PER_WORKER = 64  # virtual ring points of a worker with the mean budget
@@ -84,6 +86,17 @@ def place_experts(workers: Sequence[ExpertWorker], n_layers: int, n_experts: int
     return ExpertPlacement(placed, held, expert_mb)
 
 
+def hedge_setting(text: str, replicas: int) -> tuple[int, bool]:
+    """--hedge as a hub takes it: (replicas a dispatch goes to, adaptive). "auto": adaptive, up to all replicas."""
+    if text == "auto":
+        return replicas, True
+    value = int(text) if text.isdigit() else 0
+    if not 1 <= value <= replicas:
+        raise EdgerunError(f"--hedge takes auto or a number of replicas from 1 to --replicas ({replicas}), "
+                           f"not {text!r}")
+    return value, False
+
+
 def worker_memory_bytes(replicas: int, n_experts: int, n_workers: int, moe_layers: int, expert_params: float,
                         bytes_per_param: float) -> float:
     """Seed 001 Eq. 3: what one worker holds with experts spread evenly, r*E/N per layer."""
@@ -119,6 +132,9 @@ class LogNormal:
         if self.sigma == 0:
             return 1.0 if t >= self.median_ms else 0.0
         return NormalDist().cdf((math.log(t) - math.log(self.median_ms)) / self.sigma)
+
+    def draw_ms(self, rng: np.random.Generator) -> float:
+        return self.median_ms * float(np.exp(self.sigma * rng.standard_normal()))
 
     def quantile(self, q: float) -> float:
         return self.median_ms * math.exp(self.sigma * NormalDist().inv_cdf(q)) if 0 < q < 1 else \

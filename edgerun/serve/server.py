@@ -16,6 +16,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.pp.deployment import Route
+from edgerun.sched.moe import hedge_setting
 from edgerun.serve.switch import Prefer
 
 SWITCH_INTERVAL_S = 0.0005
@@ -55,9 +56,9 @@ class ServeConfig:
             raise EdgerunError("--max-queue, --max-tokens and --threads must be at least 1, --max-context 16")
         if not 0 <= self.port < 65536 or (self.cluster_port is not None and not 0 <= self.cluster_port < 65536):
             raise EdgerunError("ports must lie in 0..65535")
-        if self.replicas < 1 or not (self.hedge == "auto" or (self.hedge.isdigit() and
-                                                             1 <= int(self.hedge) <= self.replicas)):
-            raise EdgerunError(f"--hedge must be auto or 1..--replicas ({self.replicas}), not {self.hedge!r}")
+        if self.replicas < 1:
+            raise EdgerunError("--replicas must be at least 1")
+        hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
 
 
 class Server:
@@ -119,10 +120,10 @@ class Server:
                 from edgerun.serve.clusters import Experts
 
                 # Expert workers and tabs come to this server's port: the hub's routes sit beside the API.
+                hedge, adaptive = hedge_setting(config.hedge, config.replicas)
                 return Experts(MoeHub(model, config.key, HubConfig(
-                    host=config.host, port=self.port, max_len=max_len, replicas=config.replicas,
-                    hedge=config.replicas if config.hedge == "auto" else int(config.hedge),
-                    adaptive_hedge=config.hedge == "auto", activations=config.activations),
+                    host=config.host, port=self.port, max_len=max_len, replicas=config.replicas, hedge=hedge,
+                    adaptive_hedge=adaptive, activations=config.activations),
                     log=lambda m: log(f"experts: {m}"), net=self.net))
             if config.plan == "dp":
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
