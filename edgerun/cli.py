@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         sap,
         status,
         testbed,
+        tune,
     )
     from edgerun.commands.common import DEFAULT_THREADS
     from edgerun.serve import cli as serve
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (generate, profile, plan, master):
         command.add_parser(sub)
     serve.add_commands(sub, DEFAULT_THREADS)
-    for command in (node, model, bench, testbed, netem, status, sap, loss_eval):
+    for command in (tune, node, model, bench, testbed, netem, status, sap, loss_eval):
         command.add_parser(sub)
     return parser
 

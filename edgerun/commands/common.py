@@ -190,9 +190,13 @@ def overlaps(text: str) -> tuple[str, ...]:
     return chosen
 
 
-def cluster_args(p: argparse.ArgumentParser) -> None:
+def key_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key", default=None, help="cluster secret that authenticates every packet "
                    "(default: $EDGERUN_KEY)")
+
+
+def cluster_args(p: argparse.ArgumentParser) -> None:
+    key_arg(p)
     p.add_argument("--loss", default="0", help="in-process packet loss on this side's UDP sends: 5%%, "
                    "bernoulli:0.05, ge:0.05[:burst] (Gilbert-Elliott bursts); default 0")
     p.add_argument("--loss-seed", type=int, default=None, help="seed for --loss (default: a random one)")

@@ -38,6 +38,11 @@ LAYER_TENSORS = {
 
 
 def read_safetensors(path: Path) -> dict[str, QuantTensor]:
+    return read_safetensors_with_metadata(path)[0]
+
+
+def read_safetensors_with_metadata(path: Path) -> tuple[dict[str, QuantTensor], dict[str, str]]:
+    """The tensors of a safetensors file, and the string map its header keeps under "__metadata__"."""
     with path.open("rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -60,11 +65,14 @@ def read_safetensors(path: Path) -> dict[str, QuantTensor]:
         shape = tuple(info["shape"])
         raw = data[begin:end].reshape(*shape[:-1], shape[-1] * ITEM_SIZE[dtype])
         tensors[name] = QuantTensor(SAFETENSORS_TYPES[dtype], shape, raw)
-    return tensors
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path.name}: __metadata__ is not a map")
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
-def write_safetensors(path: Path, tensors: dict[str, QuantTensor]) -> None:
-    header: dict[str, object] = {}
+def write_safetensors(path: Path, tensors: dict[str, QuantTensor], metadata: dict[str, str] | None = None) -> None:
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in tensors.items():
         if t.qtype not in SAFETENSORS_TYPES:

@@ -442,6 +442,18 @@ class PpMsg(IntEnum):
     KV_DATA = 17
     KV_LOAD = 18  # master -> worker: one layer's KV rows to continue from (a hot swap); answered by KV_LOADED
     KV_LOADED = 19
+    # Tuning (edgerun tune): a worker takes a training stage instead of an inference one.
+    TUNE_LOAD = 20  # master -> worker: model sha256, layer range, LoRA and optimizer settings, checkpoint tensors
+    TUNE_LOADED = 21
+    TUNE_FORWARD = 22  # master -> worker: a micro-batch's input (the last stage: with labels, answered with loss)
+    TUNE_OUTPUT = 23  # worker -> master: the output hidden state, or the loss and the input's gradient
+    TUNE_BACKWARD = 24  # master -> worker: the gradient of a micro-batch's output; answered by TUNE_GRAD
+    TUNE_GRAD = 25  # worker -> master: the gradient of that micro-batch's input (none from the first stage)
+    TUNE_STEP = 26  # master -> worker: apply the accumulated gradients (AdamW); answered by TUNE_STEPPED
+    TUNE_STEPPED = 27
+    TUNE_STATE = 28  # master -> worker: the LoRA matrices and optimizer moments, for a checkpoint
+    TUNE_STATE_DATA = 29
+    TUNE_EVAL = 30  # master -> worker: a forward pass without dropout or gradient; answered by TUNE_OUTPUT
 
 
 def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,

@@ -32,7 +32,7 @@ from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import PpMsg
 from edgerun.pp.workers import SPEED_SAMPLES, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import SHADOW_MODES, CostParams, PPPlan, Stage, accept, plan_pp, shadow_plan
-from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
+from edgerun.sched.profiles import DeviceProfile, model_profile
 
 REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan this often
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
@@ -135,10 +135,7 @@ class Deployment:
 
     def devices(self) -> list[DeviceProfile]:
         """The live workers as the planner sees them: measured speed, memory budget, latency, bandwidth."""
-        return [DeviceProfile(name=w.name, kind=w.kind, cores=1, compute=Compute(0.0, w.measured_speed),
-                              memory=Memory(self.budget_mb(w), self.budget_mb(w), self.budget_mb(w), 0.0),
-                              link=Link(w.rtt_ms, w.mbit, w.mbit, 0.0))
-                for w in self.workers.alive()]
+        return [w.device(self.budget_mb(w)) for w in self.workers.alive()]
 
     def spec(self, stage: Stage, worker: str) -> StageSpec:
         """The stage graph this worker runs. Native workers compute with the configured activations; browser tabs

@@ -34,6 +34,10 @@ from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
 from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb
+from edgerun.tune.worker import TuneRole
+
+TUNE_REQUESTS = frozenset({PpMsg.TUNE_LOAD, PpMsg.TUNE_FORWARD, PpMsg.TUNE_BACKWARD, PpMsg.TUNE_STEP,
+                           PpMsg.TUNE_STATE, PpMsg.TUNE_EVAL})
 
 
 def files_dir() -> Path:
@@ -118,6 +122,7 @@ class PipelineWorker:
         self.downloads: set[asyncio.Task] = set()  # DOWNLOAD_LAYERS in progress
         self.peer_port = peer_port  # where the previous stage of a chained route connects (0: any, then the one taken)
         self.next: websockets.ClientConnection | None = None  # the next stage's listener, on a chained route
+        self.tune: TuneRole | None = None  # a training stage's role, made when the first TUNE_LOAD comes
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
         """Connect, retrying with backoff for `wait_s` while the master is not up yet; every failure is said at
@@ -218,7 +223,12 @@ class PipelineWorker:
 
     async def _handle(self, kind: PpMsg, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
         loop = asyncio.get_running_loop()
-        if kind == PpMsg.INIT:
+        if kind in TUNE_REQUESTS:  # a training stage (edgerun tune): its own role, PyTorch only when asked
+            if self.tune is None:
+                self.tune = TuneRole(self.base_url, self.threads, self.log)
+            answer, reply, out = await self.tune.answer(kind, message, tensors)
+            await self._send(answer, request, reply, out)
+        elif kind == PpMsg.INIT:
             self.config = ModelConfig(**message["config"])
             await self._send(PpMsg.CONNECT, request, {
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,

@@ -18,6 +18,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from edgerun.model.generate import EngineLost
 from edgerun.net.wire import PpMsg, WireError, open_pp_frame, pp_frame
+from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory
 
 CONNECT_TIMEOUT_S = 10.0
 SPEED_SAMPLES = 15  # live compute speed: the median of this many recent decode passes (seed 003)
@@ -105,6 +106,12 @@ class WorkerConn:
     @property
     def host(self) -> str:
         return self.link.host
+
+    def device(self, budget_mb: float) -> DeviceProfile:
+        """The worker as the planners see it: measured speed, `budget_mb` of memory, its latency and bandwidth."""
+        return DeviceProfile(name=self.name, kind=self.kind, cores=1, compute=Compute(0.0, self.measured_speed),
+                             memory=Memory(budget_mb, budget_mb, budget_mb, 0.0),
+                             link=Link(self.rtt_ms, self.mbit, self.mbit, 0.0))
 
     @property
     def peer_port(self) -> int | None:

@@ -1,0 +1,221 @@
+"""Where `edgerun tune` runs its stages: in this process (`LocalStage`) or on pipeline workers (`RemoteStage`,
+driven by `TuneMaster`).
+
+The master serves what a pipeline master serves to workers (`/ws`) plus its model file by sha256
+(`/model/<sha256>`); workers are plain `edgerun node --mode pp` processes. It plans the stages with the pipeline
+DP (pure, sched.pp_plan) over the workers' memory budgets, pricing each layer's memory as its quantized
+weights plus the activations a training step keeps for the backward pass, with the "max" objective: with
+micro-batches in flight the slowest stage sets the pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+
+from edgerun.errors import EdgerunError
+from edgerun.model.config import ModelConfig
+from edgerun.model.loader import Model
+from edgerun.net.channel import EventLoopThread
+from edgerun.net.http_server import HttpServer, bind
+from edgerun.net.model_files import model_routes, model_sha256
+from edgerun.net.wire import PpMsg
+from edgerun.pp.http import pipeline_routes
+from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
+from edgerun.sched.pp_plan import Layers, PPPlan, plan_layers, workers_from_devices
+from edgerun.sched.profiles import model_profile
+from edgerun.tune.stage import StageTrainer
+from edgerun.tune.tuner import Checkpoint, StageClient, TuneConfig
+
+CALL_TIMEOUT_S = 600.0  # one stage's forward or backward pass of a micro-batch, on the slowest device
+LOAD_TIMEOUT_S = 900.0  # a worker fetching the model file and building its stage
+
+
+class LocalStage:
+    """A stage in this process: the single-process run, and tests."""
+
+    def __init__(self, trainer: StageTrainer) -> None:
+        self.trainer = trainer
+        self.first, self.end = trainer.first, trainer.end
+
+    async def forward(self, step: int, micro: int, x: np.ndarray) -> np.ndarray:
+        return self.trainer.forward(micro, x, (step, micro))
+
+    async def forward_loss(self, step: int, micro: int, x: np.ndarray, labels: np.ndarray,
+                           denominator: int) -> tuple[float, int, np.ndarray | None]:
+        return self.trainer.forward_loss(x, labels, (step, micro), denominator)
+
+    async def backward(self, micro: int, grad: np.ndarray) -> np.ndarray | None:
+        return self.trainer.backward(micro, grad)
+
+    async def evaluate(self, x: np.ndarray, labels: np.ndarray | None) -> tuple[np.ndarray | None, float, int]:
+        return self.trainer.eval_loss(x, labels)
+
+    async def step(self, lr: float) -> dict[str, Any]:
+        self.trainer.step(lr)
+        return {"compute_s": self.trainer.compute_s}
+
+    async def state(self) -> tuple[dict[str, np.ndarray], int]:
+        return self.trainer.state()
+
+
+class RemoteStage:
+    """A stage on a pipeline worker, over its WebSocket; WorkerLost when the worker goes or fails a request."""
+
+    def __init__(self, workers: Workers, worker: WorkerConn, first: int, end: int) -> None:
+        self.workers, self.worker, self.first, self.end = workers, worker, first, end
+        self.stats: dict[str, Any] = {}
+
+    async def _call(self, kind: PpMsg, message: dict[str, Any], expect: PpMsg,
+                    tensors: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return await self.workers.call(self.worker, kind, message, expect, CALL_TIMEOUT_S, tensors)
+
+    async def forward(self, step: int, micro: int, x: np.ndarray) -> np.ndarray:
+        _, out = await self._call(PpMsg.TUNE_FORWARD, {"step": step, "micro": micro}, PpMsg.TUNE_OUTPUT,
+                                  {"input": x})
+        return _tensor(out, "hidden", self.worker)
+
+    async def forward_loss(self, step: int, micro: int, x: np.ndarray, labels: np.ndarray,
+                           denominator: int) -> tuple[float, int, np.ndarray | None]:
+        reply, out = await self._call(PpMsg.TUNE_FORWARD, {"step": step, "micro": micro,
+                                                           "denominator": denominator},
+                                      PpMsg.TUNE_OUTPUT, {"input": x, "labels": labels})
+        grad = None if self.first == 0 else _tensor(out, "grad", self.worker)
+        return float(reply["loss"]), int(reply["count"]), grad
+
+    async def backward(self, micro: int, grad: np.ndarray) -> np.ndarray | None:
+        _, out = await self._call(PpMsg.TUNE_BACKWARD, {"micro": micro}, PpMsg.TUNE_GRAD, {"grad": grad})
+        return None if self.first == 0 else _tensor(out, "grad", self.worker)
+
+    async def evaluate(self, x: np.ndarray, labels: np.ndarray | None) -> tuple[np.ndarray | None, float, int]:
+        tensors = {"input": x} if labels is None else {"input": x, "labels": labels}
+        reply, out = await self._call(PpMsg.TUNE_EVAL, {}, PpMsg.TUNE_OUTPUT, tensors)
+        if labels is None:
+            return _tensor(out, "hidden", self.worker), 0.0, 0
+        return None, float(reply["loss"]), int(reply["count"])
+
+    async def step(self, lr: float) -> dict[str, Any]:
+        reply, _ = await self._call(PpMsg.TUNE_STEP, {"lr": lr}, PpMsg.TUNE_STEPPED)
+        self.stats = reply
+        return reply
+
+    async def state(self) -> tuple[dict[str, np.ndarray], int]:
+        reply, tensors = await self._call(PpMsg.TUNE_STATE, {}, PpMsg.TUNE_STATE_DATA)
+        return tensors, int(reply["steps"])
+
+
+def _tensor(tensors: dict[str, np.ndarray], name: str, worker: WorkerConn) -> np.ndarray:
+    if name not in tensors or tensors[name].dtype != np.float32:
+        raise WorkerLost(f"{worker.name} answered without a float32 {name}")
+    return tensors[name]
+
+
+def activation_bytes_per_token(config: ModelConfig) -> float:
+    """Float32 values one layer keeps per token for the backward pass: the normed inputs, Q, K, V (K and V
+    repeated per query head), the attention output, gate, up and their product, the residuals, and the
+    attention probabilities (one row per head, as long as the sequence: counted at 256 positions)."""
+    c = config
+    values = 6 * c.hidden + 3 * c.q_dim + 2 * c.kv_dim + 4 * c.ffn + c.n_heads * 256
+    return 4.0 * values
+
+
+def training_layers(model: Model, tokens_in_flight: int) -> Layers:
+    """The planner's per-layer metrics for training: compute in weight bytes (forward and backward stream every
+    matrix), memory the quantized weights plus the activations of the micro-batches in flight, and the hidden
+    states (forward) and their gradients (backward) crossing each cut."""
+    profile = model_profile(model.name, model.config, model.weights)
+    saved = activation_bytes_per_token(model.config) * tokens_in_flight
+    crossing = 2 * profile.activation_bytes_per_token * tokens_in_flight
+    n = model.config.n_layers
+    return Layers(cost=tuple(2 * b for b in profile.layer_read_bytes),
+                  weight=profile.layer_weight_bytes,
+                  memory=tuple(w + saved for w in profile.layer_weight_bytes),
+                  input=(crossing,) * n, output=(crossing,) * n)
+
+
+def training_plan(model: Model, workers: list[WorkerConn], tokens_in_flight: int) -> PPPlan:
+    devices = [w.device(w.memory_mb) for w in workers]
+    plan = plan_layers(training_layers(model, tokens_in_flight), workers_from_devices(devices),
+                       model_name=model.name, objective="max")
+    if not plan.complete:
+        mb = sum(training_layers(model, tokens_in_flight).memory) / 1e6
+        raise EdgerunError(f"the workers' memory ({', '.join(f'{w.name}: {w.memory_mb:.0f} MB' for w in workers)}) "
+                           f"cannot hold the model for training (about {mb:.0f} MB with "
+                           f"{tokens_in_flight} tokens in flight); add workers or lower --micro-size/--in-flight")
+    return plan
+
+
+class TuneMaster:
+    """Serves workers and the model file, and builds remote stages for a Tuner."""
+
+    def __init__(self, model: Model, key: bytes, config: TuneConfig, max_len: int, host: str = "0.0.0.0",
+                 port: int = 0, expect: int = 1, wait_s: float = 600.0, threads: int | None = None,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        self.model, self.key, self.config, self.log = model, key, config, log
+        self.expect, self.wait_s, self.threads, self.max_len = expect, wait_s, threads, max_len
+        self.sha256 = model_sha256(model.path)
+        self.plans: list[PPPlan] = []
+        self.stages: list[RemoteStage] = []
+        sock = bind(host, port)
+        self.net = EventLoopThread()
+        init = {"config": model.config.to_dict(), "max_len": max_len}
+        self.workers: Workers = self.net.call(lambda: Workers(key, init, log, lambda worker, joined: None))
+        routes = [*pipeline_routes(self.workers, {}, self.status_text), *model_routes(model.path, self.sha256)]
+        try:
+            self.http = HttpServer(Starlette(routes=routes), sock, self.net)
+        except BaseException:
+            sock.close()
+            raise
+        self.port = self.http.port
+
+    def status_text(self) -> str:
+        lines = [f"tuning {self.model.name}: {len(self.workers.alive())} workers"]
+        lines += [f"  {s.worker.name}: layers {s.first}-{s.end - 1}" for s in self.stages]
+        return "\n".join(lines) + "\n"
+
+    async def restart(self, checkpoint: Checkpoint | None) -> list[StageClient]:
+        """Plan over the workers present (waiting for `expect` the first time, for any one after a loss) and
+        load every stage, from `checkpoint` where given."""
+        need = self.expect if not self.plans else 1
+        try:
+            await asyncio.wait_for(self.workers.wait_for(need), self.wait_s)
+        except TimeoutError:
+            raise EdgerunError(f"{len(self.workers.alive())} of {need} workers connected within "
+                               f"{self.wait_s:.0f} s") from None
+        if not self.plans and self.expect > 1:
+            await asyncio.sleep(0)  # the last worker's handshake settles
+        alive = self.workers.alive()
+        tokens = self.config.micro_size * self.max_len * self.config.in_flight
+        plan = training_plan(self.model, alive, tokens)
+        self.plans.append(plan)
+        self.log("plan: " + ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages))
+        stages = [RemoteStage(self.workers, self.workers[s.worker], s.first_layer, s.end_layer) for s in plan.stages]
+        started = time.perf_counter()
+        await asyncio.gather(*(self._load(s, checkpoint) for s in stages))
+        self.log(f"{len(stages)} stages loaded in {time.perf_counter() - started:.1f} s")
+        self.stages = stages
+        return list(stages)
+
+    async def _load(self, stage: RemoteStage, checkpoint: Checkpoint | None) -> None:
+        prefixes = tuple(f".layers.{i}." for i in range(stage.first, stage.end))
+        tensors = {} if checkpoint is None else {n: a for n, a in checkpoint.tensors.items()
+                                                 if any(p in n for p in prefixes)}
+        message = {"model_sha256": self.sha256, "first_layer": stage.first, "end_layer": stage.end,
+                   "lora": self.config.lora.to_dict(), "optim": self.config.optim(),
+                   "steps": checkpoint.optimizer_steps if checkpoint else 0}
+        reply, _ = await self.workers.call(stage.worker, PpMsg.TUNE_LOAD, message, PpMsg.TUNE_LOADED,
+                                           LOAD_TIMEOUT_S, tensors or None)
+        stage.stats = reply
+
+    def run(self, coro, timeout: float | None = None):
+        return self.net.run(coro, timeout)
+
+    def close(self) -> None:
+        self.net.run(self.workers.close())
+        self.http.close()
+        self.net.stop()

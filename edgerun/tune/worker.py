@@ -1,0 +1,99 @@
+"""A pipeline worker's training role: what `edgerun node --mode pp` does with the TUNE_* messages.
+
+The master names its model file by sha256; the worker fetches it once over HTTP into its cache (or finds it
+there), memory-maps it and builds its stage's layers in their quantized form. PyTorch is imported only when a
+worker is first given a training stage, so an inference-only worker never needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.net.model_files import fetch_checked
+from edgerun.net.wire import PpMsg
+from edgerun.profile.memory import peak_rss_mb
+
+Reply = tuple[PpMsg, dict[str, Any], dict[str, np.ndarray]]
+
+
+def require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise EdgerunError("tuning needs PyTorch: pip install torch==2.13.0 (the CPU build), or "
+                           "pip install 'edgerun[tune]'") from None
+
+
+class TuneRole:
+    def __init__(self, base_url: str, threads: int | None, log) -> None:
+        self.base_url, self.threads, self.log = base_url, threads, log
+        self.trainer = None  # a tune.stage.StageTrainer once loaded
+        self.model_sha = ""
+        self.model = None
+
+    def _model(self, sha256: str):
+        from edgerun.model.loader import load_model
+        from edgerun.model.onnx_graph import cache_root
+
+        if self.model is None or self.model_sha != sha256:
+            path = cache_root() / "models" / f"{sha256}.gguf"
+            if not path.is_file():
+                self.log(f"fetching the model {sha256[:12]}… from the master")
+                fetch_checked(f"{self.base_url}/model/{sha256}", path, sha256)
+            self.model, self.model_sha = load_model(path), sha256
+        return self.model
+
+    def handle(self, kind: PpMsg, message: dict[str, Any], tensors: dict[str, np.ndarray]) -> Reply:
+        """Carry out one TUNE_* request (on a pool thread: it computes for seconds); its reply."""
+        if kind == PpMsg.TUNE_LOAD:
+            return self._load(message, tensors)
+        t = self.trainer
+        if t is None:
+            raise ValueError("no training stage loaded")
+        if kind == PpMsg.TUNE_FORWARD:
+            key = (int(message["step"]), int(message["micro"]))
+            if t.model.is_last:
+                loss, count, grad = t.forward_loss(tensors["input"], tensors["labels"], key,
+                                                   int(message["denominator"]))
+                return PpMsg.TUNE_OUTPUT, {"loss": loss, "count": count}, {} if grad is None else {"grad": grad}
+            return PpMsg.TUNE_OUTPUT, {}, {"hidden": t.forward(int(message["micro"]), tensors["input"], key)}
+        if kind == PpMsg.TUNE_BACKWARD:
+            grad = t.backward(int(message["micro"]), tensors["grad"])
+            return PpMsg.TUNE_GRAD, {}, {} if grad is None else {"grad": grad}
+        if kind == PpMsg.TUNE_EVAL:
+            out, loss, count = t.eval_loss(tensors["input"], tensors.get("labels"))
+            return PpMsg.TUNE_OUTPUT, {"loss": loss, "count": count}, {} if out is None else {"hidden": out}
+        if kind == PpMsg.TUNE_STEP:
+            t.step(float(message["lr"]))
+            return PpMsg.TUNE_STEPPED, {"compute_s": t.compute_s, "peak_rss_mb": peak_rss_mb()}, {}
+        if kind == PpMsg.TUNE_STATE:
+            state, steps = t.state()
+            return PpMsg.TUNE_STATE_DATA, {"steps": steps}, state
+        raise ValueError(f"{kind.name} is not a tuning request")
+
+    def _load(self, message: dict[str, Any], tensors: dict[str, np.ndarray]) -> Reply:
+        require_torch()
+        import torch
+
+        from edgerun.tune.lora import LoraConfig
+        from edgerun.tune.stage import OptimConfig, StageTrainer
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        model = self._model(str(message["model_sha256"]))
+        first, end = int(message["first_layer"]), int(message["end_layer"])
+        self.trainer = None  # the old stage's memory goes first
+        self.trainer = StageTrainer(model.config, model.weights, first, end,
+                                    LoraConfig.from_dict(message["lora"]), OptimConfig(**message["optim"]))
+        if tensors:
+            self.trainer.load_state(tensors, int(message.get("steps", 0)))
+        self.log(f"training layers {first}-{end - 1}{' and the LM head' if end == model.config.n_layers else ''}")
+        return PpMsg.TUNE_LOADED, {"frozen_bytes": self.trainer.model.frozen_bytes(),
+                                   "peak_rss_mb": peak_rss_mb()}, {}
+
+    async def answer(self, kind: PpMsg, message: dict[str, Any], tensors: dict[str, np.ndarray]) -> Reply:
+        return await asyncio.get_running_loop().run_in_executor(None, self.handle, kind, message, tensors)
