@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgerun.errors import EdgerunError
@@ -18,6 +19,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler, SamplingParams
 
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise EdgerunError("the prompt is empty")
     if args.max_tokens < 1:
@@ -27,6 +30,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise EdgerunError(str(e)) from e
     model = load_model(args.model)
+    if args.adapter is not None:
+        from edgerun.tune.lora import apply_adapter
+
+        model = apply_adapter(model, args.adapter)
     tok = model.tokenizer
     text = args.prompt
     if args.chat:
@@ -64,8 +71,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="generate text on this machine",
                        description="Generate text from a prompt on this machine, streaming tokens to stdout.")
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", help="the prompt text; - reads it from standard input (a multi-line prompt, such as "
+                   "the held-out prompt `edgerun tune` writes)")
     model_arg(p)
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="a LoRA adapter directory written by `edgerun tune` (its adapter/), added to the model's "
+                        "projections; refused if it was trained on another model (default: none)")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); higher is more random")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all; "

@@ -113,6 +113,12 @@ def cmd_master(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise EdgerunError("--max-tokens must be at least 1")
     model = load_model(args.model)
+    if args.adapter is not None:
+        if args.plan != "dp":
+            raise EdgerunError(f"--adapter runs on pipeline stages: use --plan dp, not --plan {args.plan}")
+        from edgerun.tune.lora import apply_adapter
+
+        model = apply_adapter(model, args.adapter)
     params = SamplingParams(args.temperature, seed=args.seed)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.plan == "moe":
@@ -198,6 +204,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", choices=(*PLANS, "moe"), default="halo", help="tensor-parallel planner; dp: pipeline "
                    "layer ranges over WebSocket workers and browser pages; moe: a mixture-of-experts model's experts "
                    "on expert workers (edgerun node --mode moe), the rest here (default: halo)")
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="with --plan dp: a LoRA adapter directory from `edgerun tune`, applied by every stage "
+                        "(default: none)")
     p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
     route_arg(p)
     p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "

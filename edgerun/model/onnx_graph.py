@@ -184,6 +184,14 @@ class _GraphWriter:
                 outputs += self.node("MatMul", [x, self.constant("weight", form.T, weight=True)])
         return outputs
 
+    def low_rank_add(self, x: str, y: str, a: np.ndarray, b: np.ndarray) -> str:
+        """y + (x @ A.T) @ B.T: a LoRA adapter's share, in float32 beside the quantized product."""
+        (down,) = self.node("MatMul", [x, self.constant("lora_a", np.ascontiguousarray(a.T, np.float32), weight=True)])
+        (up,) = self.node("MatMul", [down, self.constant("lora_b", np.ascontiguousarray(b.T, np.float32),
+                                                         weight=True)])
+        (out,) = self.node("Add", [y, up])
+        return out
+
     def _affine_product(self, x: str, form: AffineBlocks, accuracy_level: int) -> list[str]:
         n, k = form.codes.shape
         if form.bits == 4 or accuracy_level == 4:
@@ -253,10 +261,16 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
     kv_shape = [1, config.n_kv_heads, "max_len", config.head_dim]
     eps = config.norm_eps
 
+    # LoRA pairs by the matrix they add to: every product below picks up its adapter through `linear`.
+    lora = {id(getattr(layer, name)): (a, b) for layer in weights.layers for name, a, b in layer.lora}
+
     def linear(x: str, tensors: list[QuantTensor]) -> list[str]:
         if spec.dequantized:
-            return g.linear_forms(x, [t.dequantize() for t in tensors], spec.accuracy_level)
-        return g.linear(x, tensors, spec.accuracy_level)
+            outs = g.linear_forms(x, [t.dequantize() for t in tensors], spec.accuracy_level)
+        else:
+            outs = g.linear(x, tensors, spec.accuracy_level)
+        return [y if id(t) not in lora else g.low_rank_add(x, y, *lora[id(t)]) for t, y in zip(tensors, outs,
+                                                                                               strict=True)]
 
     residual = "hidden"
     if spec.embed:  # float32 rows, exactly the reference's dequantized embedding
@@ -395,7 +409,8 @@ def cache_root() -> Path:
 def cached_stage(model_path: Path, config: ModelConfig, weights: ModelWeights, spec: StageSpec) -> Path:
     """The directory of a built stage graph, building it once per model file and spec."""
     st = model_path.stat()
-    ident = json.dumps([str(model_path.resolve()), st.st_size, st.st_mtime_ns, asdict(spec), GRAPH_VERSION])
+    ident = json.dumps([str(model_path.resolve()), st.st_size, st.st_mtime_ns, asdict(spec), GRAPH_VERSION,
+                        weights.adapter_sha256])
     out = cache_root() / "onnx" / hashlib.sha256(ident.encode()).hexdigest()[:24]
     if (out / "meta.json").is_file():
         return out

@@ -157,13 +157,16 @@ class DenseLayer:
     @classmethod
     def from_weights(cls, w: LayerWeights, experts: bool = True) -> DenseLayer:
         dense = w.moe is None
-        return cls(
+        layer = cls(
             attn_norm=w.attn_norm, wq=w.wq.dequantize(), wk=w.wk.dequantize(), wv=w.wv.dequantize(),
             wo=w.wo.dequantize(), bq=w.bq, bk=w.bk, bv=w.bv, ffn_norm=w.ffn_norm,
             w_gate=w.w_gate.dequantize() if dense else None, w_up=w.w_up.dequantize() if dense else None,
             w_down=w.w_down.dequantize() if dense else None,
             moe=None if dense else DenseMoe.from_weights(w.moe, experts), q_norm=w.q_norm, k_norm=w.k_norm,
         )
+        for name, a, b in w.lora:  # the reference folds a LoRA adapter in: W + B @ A (B carries alpha/rank)
+            setattr(layer, name, getattr(layer, name) + b @ a)
+        return layer
 
 
 class KVCache:

@@ -57,6 +57,15 @@ class LayerWeights:
     moe: MoeWeights | None = None
     q_norm: np.ndarray | None = None  # float32 (head_dim,), qwen3moe: each head's query and key normalized
     k_norm: np.ndarray | None = None
+    # LoRA additions (edgerun tune): field name ("wq", ...) -> (A (rank, in), B (out, rank) times alpha/rank).
+    # Engines add ((x @ A.T) @ B.T) beside the quantized product; nothing folds them into the matrix.
+    lora: tuple[tuple[str, np.ndarray, np.ndarray], ...] = ()
+
+    def lora_of(self, field: str) -> tuple[np.ndarray, np.ndarray] | None:
+        for name, a, b in self.lora:
+            if name == field:
+                return a, b
+        return None
 
     def matrices(self) -> Iterator[tuple[str, QuantTensor]]:
         yield from (("wq", self.wq), ("wk", self.wk), ("wv", self.wv), ("wo", self.wo))
@@ -78,6 +87,8 @@ class ModelWeights:
     layers: tuple[LayerWeights, ...]
     output_norm: np.ndarray
     output: QuantTensor  # (vocab, hidden); the same object as token_embd when tied
+    # The LoRA adapter on the layers (LayerWeights.lora), if any: part of a built graph's identity.
+    adapter_sha256: str = ""
 
     def matrix_bytes(self) -> int:
         """Bytes of every matrix a decode step reads (the embedding table is only indexed)."""

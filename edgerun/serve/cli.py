@@ -42,6 +42,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                         "tabs (http://HOST:PORT/node) holding ranges of layers; moe: a mixture-of-experts model's "
                         "experts on expert workers (`edgerun node --mode moe --master HOST:PORT`) and tabs "
                         "(http://HOST:PORT/node?mode=moe), the rest here (default: halo)")
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="a LoRA adapter directory from `edgerun tune`, applied by this machine's engine and, with "
+                        "--plan dp, by every pipeline stage (default: none)")
     p.add_argument("--replicas", type=int, default=1, help="--plan moe: workers holding each expert (default: 1)")
     p.add_argument("--hedge", default="1", help="--plan moe: replicas each expert dispatch goes to at once, or auto "
                    "(one while the fastest-looking replica is quick, else --replicas) (default: 1)")
@@ -107,7 +110,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          threads=args.threads, model_name=args.model_name,
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=args.transport, activations=Activations(args.activations),
-                         route=Route(args.route), replicas=args.replicas, hedge=args.hedge)
+                         route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)
+    if args.adapter is not None and not args.no_cluster and args.plan not in ("dp",):
+        raise EdgerunError(f"--adapter runs on this machine's engine and pipeline stages: use --plan dp or "
+                           f"--no-cluster, not --plan {args.plan}")
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

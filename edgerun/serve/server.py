@@ -46,6 +46,7 @@ class ServeConfig:
     wait_s: float = 30.0  # how long a request waits for nodes when nothing can serve it, before a 503
     replicas: int = 1  # --plan moe: workers holding each expert
     hedge: str = "1"  # --plan moe: replicas each dispatch goes to, or "auto"
+    adapter: Path | None = None  # a LoRA adapter (edgerun tune) on the local engine and pipeline stages
 
     def __post_init__(self) -> None:
         if not self.local and self.cluster_port is None:
@@ -86,6 +87,10 @@ class Server:
         self.http: HttpServer | None = None
         try:
             self.model = model = load_model(config.model)
+            if config.adapter is not None:
+                from edgerun.tune.lora import apply_adapter
+
+                self.model = model = apply_adapter(model, config.adapter)
             max_len = min(config.max_context, model.config.context_length)
             single = OnnxEngine(model, max_len, threads=config.threads, activations=config.activations) \
                 if config.local else None

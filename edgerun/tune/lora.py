@@ -13,7 +13,7 @@ model. Q and K rows are in Hugging Face order, as edgerun holds every model's we
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
 from edgerun.model.hf_dir import read_safetensors_with_metadata, write_safetensors
+from edgerun.model.loader import Model
 from edgerun.model.quant import QuantTensor
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -180,3 +181,23 @@ def load_adapter(path: str | Path) -> Adapter:
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise EdgerunError(f"cannot read adapter {p}: {e}") from e
     return Adapter(config, base, {k: (a, b) for k, (a, b) in matrices.items()})
+
+
+def apply_adapter(model: Model, path: str | Path) -> Model:
+    """`model` with the adapter at `path` on its layers (LayerWeights.lora), every engine built from it then
+    adds the adapter's products; EdgerunError when the adapter was made for another model."""
+    from edgerun.net.model_files import file_sha256, model_sha256
+
+    adapter = load_adapter(path)
+    adapter.check_model(model.config, model_sha256(model.path), str(path))
+    p = Path(path).expanduser()
+    file = p / ADAPTER_FILE if p.is_dir() else p
+    layers = list(model.weights.layers)
+    for i, layer in enumerate(layers):
+        pairs = adapter.for_layer(i)
+        if pairs:
+            scaled = tuple((t.field, a, (b * np.float32(adapter.config.scale)).astype(np.float32))
+                           for t, (a, b) in sorted(pairs.items(), key=lambda kv: list(Target).index(kv[0])))
+            layers[i] = replace(layer, lora=scaled)
+    weights = replace(model.weights, layers=tuple(layers), adapter_sha256=file_sha256(file))
+    return replace(model, weights=weights)

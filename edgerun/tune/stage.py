@@ -51,7 +51,7 @@ class StageTrainer:
 
     def _input(self, x: np.ndarray) -> torch.Tensor:
         if self.model.is_first:
-            return torch.from_numpy(np.asarray(x, np.int64))
+            return torch.from_numpy(np.array(x, np.int64))
         return torch.from_numpy(np.array(x, np.float32)).requires_grad_(True)
 
     def forward(self, micro: int, x: np.ndarray, key: tuple[int, int]) -> np.ndarray:
