@@ -150,6 +150,40 @@ def cmd_bench_moe(args: argparse.Namespace) -> None:
         print(moe_table(rows, single))
 
 
+def cmd_bench_tune(args: argparse.Namespace) -> None:
+    from edgerun.tune.worker import require_torch
+
+    require_torch()
+    from edgerun.bench.tune import bench_tune, tune_table
+    from edgerun.model.loader import load_model
+    from edgerun.tune.data import PromptFormat, default_records, split, tokenize
+    from edgerun.tune.lora import LoraConfig
+    from edgerun.tune.tuner import TuneConfig
+
+    try:
+        counts = [int(n) for n in args.workers.split(",") if n.strip()]
+    except ValueError:
+        raise EdgerunError(f"--workers takes worker counts, comma-separated: 1,2,4, not {args.workers!r}") from None
+    if not counts or min(counts) < 1:
+        raise EdgerunError("--workers takes worker counts of at least 1, comma-separated: 1,2,4")
+    if args.steps < 2 or args.threads < 1:
+        raise EdgerunError("--steps must be at least 2 (the first is a warm-up) and --threads at least 1")
+    config = TuneConfig(steps=args.steps, micro_size=args.micro_size, micro_batches=args.accumulate,
+                        in_flight=args.in_flight, lora=LoraConfig(rank=args.rank))
+    model = load_model(args.model)
+    train, _ = split(default_records(), 0.1)
+    examples = tokenize(train, model.tokenizer, PromptFormat.ALPACA, args.max_len)
+
+    def progress(m: str) -> None:
+        print(f"bench tune: {m}...", file=sys.stderr, flush=True)
+
+    rows = bench_tune(model, counts, examples, config, args.threads, args.max_len, progress)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        print(tune_table(rows, config, args.threads))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from edgerun.model.generate import ENGINES
 
@@ -195,6 +229,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table (swap rows "
                    "carry a \"swap\" key)")
     p.set_defaults(func=cmd_bench_pp)
+    p = bench.add_parser("tune", help="LoRA training steps in one process and across local pipelines of workers",
+                         description="Train the same steps (the built-in dataset) in this process and on local "
+                                     "pipelines of --workers `edgerun node --mode pp` processes on loopback, each "
+                                     "with a memory budget that makes the plan use all of them; report steps/s and "
+                                     "tokens/s after a warm-up step, the ratio to the single process at the same "
+                                     "--threads, and per worker its layers, frozen quantized weights and peak RSS. "
+                                     "Needs PyTorch.")
+    model_arg(p)
+    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (default: 1,2,4)")
+    p.add_argument("--steps", type=int, default=4, help="steps per row, the first untimed (default: 4)")
+    p.add_argument("--micro-size", type=int, default=2, help="sequences per micro-batch (default: 2)")
+    p.add_argument("--accumulate", type=int, default=4, help="micro-batches per step (default: 4)")
+    p.add_argument("--in-flight", type=int, default=4, help="micro-batches in the pipeline at once (default: 4)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank, on q and v (default: 8)")
+    p.add_argument("--max-len", type=int, default=256, help="tokens per example at most (default: 256)")
+    p.add_argument("--threads", type=int, default=1, help="PyTorch threads per process (default: 1)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+    p.set_defaults(func=cmd_bench_tune)
     p = bench.add_parser("moe", help="a local MoEx hub and expert workers: the expert phase per layer at each "
                          "hedging factor against the latency model",
                          description="Start a MoEx hub in this process and --workers expert worker processes on "

@@ -12,6 +12,7 @@ from edgerun.commands.common import cluster_key, key_arg, model_arg
 from edgerun.errors import EdgerunError
 
 DEFAULT_OUT = Path("tune-out")
+HELDOUT_TOKENS = 48  # of the held-out example's answer shown at the end
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
@@ -99,10 +100,36 @@ def cmd_tune(args: argparse.Namespace) -> None:
     adapter = adapter_from_state(result.final_state.tensors, lora, sha)
     adapter.save(args.out / "adapter")
     summary = {**result.summary(args.loss_window), "adapter": str(args.out / "adapter")}
+    if held_records:
+        summary["heldout_example"] = show_heldout(model, held_records[0], fmt, args.out, log)
     log(f"loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} (means of the first and last "
         f"{summary['loss_window']} steps); adapter saved in {args.out / 'adapter'}")
     if args.json:
         print(json.dumps(summary), flush=True)
+
+
+def show_heldout(model, record, fmt, out: Path, log) -> dict[str, str]:
+    """A held-out record's prompt answered greedily by the base model and by the tuned one (the single engine, as
+    `edgerun generate --adapter` runs it); the prompt is written to OUT/heldout_prompt.txt to reproduce it."""
+    from edgerun.model.generate import generate, make_engine
+    from edgerun.model.sampling import Sampler, SamplingParams
+    from edgerun.tune.data import format_prompt
+    from edgerun.tune.lora import apply_adapter
+
+    text = format_prompt(record, fmt, model.tokenizer)
+    (out / "heldout_prompt.txt").write_text(text)
+    prompt = model.tokenizer.encode(text)
+    answers = {}
+    for label, m in (("base", model), ("tuned", apply_adapter(model, out / "adapter"))):
+        result = generate(make_engine("onnx", m, len(prompt) + HELDOUT_TOKENS + 1, threads=1), prompt,
+                          HELDOUT_TOKENS, Sampler(SamplingParams()), m.tokenizer.stop_ids)
+        answers[label] = m.tokenizer.decode(result.tokens)
+    log(f"held-out prompt ({out / 'heldout_prompt.txt'}):\n{text}")
+    log(f"base model's answer:\n{answers['base']}\n")
+    log(f"tuned model's answer:\n{answers['tuned']}\n")
+    log(f"expected:\n{record.answer_text()}\n")
+    log(f"reproduce: cat {out / 'heldout_prompt.txt'} | edgerun generate --adapter {out / 'adapter'} -")
+    return {"prompt": text, "base": answers["base"], "tuned": answers["tuned"], "expected": record.answer_text()}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -125,9 +152,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="held-out examples scored before and after tuning; 0: none (default: 48)")
     p.add_argument("--max-len", type=int, default=256, help="tokens per example at most (default: 256)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
-    p.add_argument("--micro-size", type=int, default=4, help="sequences per micro-batch (default: 4)")
-    p.add_argument("--accumulate", type=int, default=1,
-                   help="micro-batches per optimizer step, gradients accumulated (default: 1)")
+    p.add_argument("--micro-size", type=int, default=2, help="sequences per micro-batch (default: 2)")
+    p.add_argument("--accumulate", type=int, default=2,
+                   help="micro-batches per optimizer step, gradients accumulated; with --in-flight, what keeps "
+                        "several stages busy at once (default: 2)")
     p.add_argument("--in-flight", type=int, default=2,
                    help="micro-batches in the pipeline at once, GPipe-style (default: 2)")
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default: 5e-5, the seed's)")

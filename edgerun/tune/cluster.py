@@ -69,7 +69,8 @@ class RemoteStage:
 
     def __init__(self, workers: Workers, worker: WorkerConn, first: int, end: int) -> None:
         self.workers, self.worker, self.first, self.end = workers, worker, first, end
-        self.stats: dict[str, Any] = {}
+        self.loaded: dict[str, Any] = {}  # TUNE_LOADED's report: the frozen weights' bytes, peak RSS
+        self.stats: dict[str, Any] = {}  # the last TUNE_STEPPED's: compute seconds so far, peak RSS
 
     async def _call(self, kind: PpMsg, message: dict[str, Any], expect: PpMsg,
                     tensors: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -210,7 +211,7 @@ class TuneMaster:
                    "steps": checkpoint.optimizer_steps if checkpoint else 0}
         reply, _ = await self.workers.call(stage.worker, PpMsg.TUNE_LOAD, message, PpMsg.TUNE_LOADED,
                                            LOAD_TIMEOUT_S, tensors or None)
-        stage.stats = reply
+        stage.loaded = reply
 
     def run(self, coro, timeout: float | None = None):
         return self.net.run(coro, timeout)

@@ -37,8 +37,8 @@ CHECKPOINT_FILE = "checkpoint.safetensors"
 @dataclass(frozen=True)
 class TuneConfig:
     steps: int = 200
-    micro_size: int = 4  # sequences per micro-batch
-    micro_batches: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    micro_size: int = 2  # sequences per micro-batch
+    micro_batches: int = 2  # micro-batches per optimizer step (gradient accumulation): two keep two stages busy
     in_flight: int = 2  # micro-batches in the pipeline at once
     lr: float = 5e-5  # AdamW, the seed's
     weight_decay: float = 0.1  # the seed's
