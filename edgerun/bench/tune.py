@@ -32,8 +32,9 @@ WARMUP_STEPS = 1  # not timed: the first step pays for allocations and lazily bu
 class WorkerMemory:
     name: str
     layers: str
-    frozen_mb: float
-    peak_rss_mb: float
+    frozen_mb: float  # the stage's frozen quantized weights
+    peak_rss_mb: float  # while training (from the end of loading on)
+    load_peak_rss_mb: float  # while building the stage from the model file
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ def bench_tune(model: Model, counts: Sequence[int], examples: Sequence[Example],
         torch.set_num_threads(previous)
     steps_s, tokens_s = _timed(records)
     rows = [TuneRow(0, steps_s, tokens_s, 1.0, [WorkerMemory("this process", f"0-{model.config.n_layers - 1}",
-                                                             stage[-1].model.frozen_bytes() / 1e6, peak_rss_mb())])]
+                                                             stage[-1].model.frozen_bytes() / 1e6, peak_rss_mb(),
+                                                             peak_rss_mb())])]
     del stage[:]
     single = tokens_s
     tokens_in_flight = config.micro_size * max_len * config.in_flight
@@ -87,7 +89,8 @@ def bench_tune(model: Model, counts: Sequence[int], examples: Sequence[Example],
         try:
             master.run(Tuner(config, examples, [], sha, None, on_step=records.append).run(master.restart))
             memory = [WorkerMemory(s.worker.name, f"{s.first}-{s.end - 1}", float(s.loaded["frozen_bytes"]) / 1e6,
-                                   float(s.stats.get("peak_rss_mb", 0.0))) for s in master.stages]
+                                   float(s.stats.get("peak_rss_mb", 0.0)), float(s.loaded["load_peak_rss_mb"]))
+                      for s in master.stages]
         finally:
             with contextlib.suppress(Exception):
                 master.close()
@@ -105,9 +108,10 @@ def tune_table(rows: Sequence[TuneRow], config: TuneConfig, threads: int) -> str
              f"{config.micro_batches} x {config.micro_size} sequences, {config.in_flight} in flight, {threads} "
              "thread(s) per process",
              f"{'workers':>8} {'steps/s':>8} {'tok/s':>8} {'x single':>8}  memory per worker (layers: frozen MB, "
-             "peak RSS MB)"]
+             "peak RSS MB training / loading)"]
     for r in rows:
-        memory = "; ".join(f"{m.name} {m.layers}: {m.frozen_mb:.0f}, {m.peak_rss_mb:.0f}" for m in r.memory)
+        memory = "; ".join(f"{m.name} {m.layers}: {m.frozen_mb:.0f}, {m.peak_rss_mb:.0f} / {m.load_peak_rss_mb:.0f}"
+                           for m in r.memory)
         label = "single" if r.workers == 0 else str(r.workers)
         lines.append(f"{label:>8} {r.steps_per_s:8.3f} {r.tokens_per_s:8.1f} {r.ratio_to_single:8.2f}  {memory}")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from edgerun.model.quant import AffineBlocks, QuantTensor, to_affine_blocks
 from edgerun.model.weights import LayerWeights, ModelWeights
 from edgerun.tune.lora import Adapter, LoraConfig, Target, tensor_name
 
+CHUNK_VALUES = 1 << 22  # a frozen matrix is dequantized this many values at a time (16 MB of float32)
 IGNORE = -100  # the label of a position whose prediction is not trained (prompt tokens, padding)
 
 
@@ -58,7 +59,13 @@ class FrozenMatrix:
             return self.dense.nbytes
         return self.codes.nbytes + self.scales.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
 
-    def weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def chunks(self) -> list[slice]:
+        """Row ranges of about CHUNK_VALUES values each: a large matrix (an LM head) is dequantized a range at a
+        time, so its float32 copy never exists whole."""
+        rows = max(1, CHUNK_VALUES // self.shape[1])
+        return [slice(r, min(r + rows, self.shape[0])) for r in range(0, self.shape[0], rows)]
+
+    def weight(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """The matrix (or the given rows of it) as float32."""
         if self.dense is not None:
             return self.dense if rows is None else self.dense[rows]
@@ -83,16 +90,26 @@ def _pack(form: AffineBlocks) -> np.ndarray:
 
 
 class _FrozenLinear(torch.autograd.Function):
-    """x @ W.T with W dequantized for the forward pass and again for the backward one, never stored."""
+    """x @ W.T with W dequantized (a range of rows at a time) for the forward pass and again for the backward one,
+    never stored."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, matrix: FrozenMatrix) -> torch.Tensor:  # type: ignore[override]
         ctx.matrix = matrix
-        return x @ matrix.weight().T
+        parts = matrix.chunks()
+        if len(parts) == 1:
+            return x @ matrix.weight().T
+        return torch.cat([x @ matrix.weight(rows).T for rows in parts], dim=-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad @ ctx.matrix.weight(), None
+        parts = ctx.matrix.chunks()
+        if len(parts) == 1:
+            return grad @ ctx.matrix.weight(), None
+        out = grad[..., parts[0]] @ ctx.matrix.weight(parts[0])
+        for rows in parts[1:]:
+            out += grad[..., rows] @ ctx.matrix.weight(rows)
+        return out, None
 
 
 def frozen_linear(x: torch.Tensor, matrix: FrozenMatrix) -> torch.Tensor:
