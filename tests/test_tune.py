@@ -203,6 +203,12 @@ def test_records_formats_and_default_data(shipped_model: Model, tmp_path: Path) 
     assert all(r.answer.startswith("(") and r.explanation for r in records)
 
 
+def test_an_earlier_run_is_not_overwritten_unasked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"")
+    assert main(["tune", "--out", str(tmp_path), "--steps", "1"]) == 2
+    assert "--resume to continue it, --overwrite to start over" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content, args, message", [
     ('{"instruction": "x", "output": "y"}\n{not json}\n', [], "line 2 is not JSON"),
     ('{"instruction": "x"}\n', [], "needs instruction and output"),

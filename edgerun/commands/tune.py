@@ -27,7 +27,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from edgerun.tune.data import PromptFormat, default_records, read_jsonl, split, tokenize
     from edgerun.tune.lora import LoraConfig, parse_targets
     from edgerun.tune.stage import OptimConfig, StageTrainer
-    from edgerun.tune.tuner import StepRecord, TuneConfig, Tuner, eta_text, load_checkpoint
+    from edgerun.tune.tuner import CHECKPOINT_FILE, StepRecord, TuneConfig, Tuner, eta_text, load_checkpoint
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -52,6 +52,9 @@ def cmd_tune(args: argparse.Namespace) -> None:
     if not train:
         raise EdgerunError(f"no training example keeps an answer token within --max-len {args.max_len}")
     sha = model_sha256(model.path)
+    if not args.resume and not args.overwrite and (args.out / CHECKPOINT_FILE).exists():
+        raise EdgerunError(f"{args.out} holds an earlier run's checkpoint: --resume to continue it, --overwrite to "
+                           "start over, or another --out")
     resume = load_checkpoint(args.out, config, sha) if args.resume else None
     if args.resume and resume is None:
         log(f"no checkpoint in {args.out}: starting from step 0")
@@ -180,6 +183,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"directory for checkpoint.safetensors and adapter/ (default: {DEFAULT_OUT})")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (default: off)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over where --out holds an earlier run's checkpoint (default: refuse)")
     p.add_argument("--loss-window", type=int, default=10, help="steps averaged into initial_loss and final_loss "
                    "(default: 10)")
     p.add_argument("--json", action="store_true", help="print each step as a JSON line and a JSON summary at the end")

@@ -190,7 +190,9 @@ class TuneMaster:
                                f"{self.wait_s:.0f} s") from None
         if not self.plans and self.expect > 1:
             await asyncio.sleep(0)  # the last worker's handshake settles
-        alive = self.workers.alive()
+        alive = [w for w in self.workers.alive() if w.kind == "native"]  # a tab's onnxruntime-web has no autograd
+        if not alive:
+            raise EdgerunError("no native worker to train on (browser tabs cannot take a training stage)")
         tokens = self.config.micro_size * self.max_len * self.config.in_flight
         plan = training_plan(self.model, alive, tokens)
         self.plans.append(plan)
