@@ -180,40 +180,57 @@ class Tuner:
         self.max_recoveries = 8
 
     async def run(self, restart: Restart, resume: Checkpoint | None = None) -> TuneResult:
+        """Train from `resume` (or from the start) to `config.steps`. A stage lost at any point (a step, a
+        checkpoint, an evaluation, loading) means new stages from the last checkpoint and the steps since again."""
         c = self.config
         checkpoint = resume
-        stages = await restart(checkpoint)
+        recoveries = 0
+        stages: list[StageClient] = []
+
+        async def recover(e: EngineLost | None) -> None:
+            nonlocal recoveries, stages
+            while True:
+                if e is not None:
+                    recoveries += 1
+                    if recoveries > self.max_recoveries:
+                        raise EdgerunError(f"gave up after {self.max_recoveries} recoveries ({e})") from e
+                    self.log(f"lost a stage ({e}); resuming from step {checkpoint.step if checkpoint else 0}")
+                try:
+                    stages = await restart(checkpoint)
+                    return
+                except EngineLost as lost:
+                    e = lost
+
+        async def evaluate() -> float:
+            while True:
+                try:
+                    return await self.evaluate(stages)
+                except EngineLost as e:
+                    await recover(e)
+
+        await recover(None)
         losses = list(checkpoint.losses) if checkpoint else []
         before = checkpoint.heldout_before if checkpoint else None
         if checkpoint is None and self.heldout:
-            before = await self.evaluate(stages)
+            before = await evaluate()
             self.log(f"held-out loss before tuning: {before:.4f} ({len(self.heldout)} examples)")
         step = checkpoint.step if checkpoint else 0
-        started, tokens, recoveries = time.perf_counter(), 0, 0
-        optimizer_steps = checkpoint.optimizer_steps if checkpoint else 0
-        while step < c.steps:
+        started, tokens = time.perf_counter(), 0
+        while step < c.steps or checkpoint is None or checkpoint.step != step:
             try:
-                record = await self._step(stages, step)
+                if step < c.steps:
+                    record = await self._step(stages, step)
+                    step += 1
+                    losses.append(record.loss)
+                    tokens += record.tokens
+                    self.on_step(record)
+                if (c.checkpoint_every and step % c.checkpoint_every == 0) or step == c.steps:
+                    checkpoint = await self._checkpoint(stages, step, losses, before)
             except EngineLost as e:
-                recoveries += 1
-                if recoveries > self.max_recoveries:
-                    raise EdgerunError(f"gave up after {self.max_recoveries} recoveries") from e
-                self.log(f"lost a stage at step {step + 1} ({e}); resuming from step "
-                         f"{checkpoint.step if checkpoint else 0}")
-                stages = await restart(checkpoint)
+                await recover(e)
                 step = checkpoint.step if checkpoint else 0
                 losses = list(checkpoint.losses) if checkpoint else []
-                continue
-            step += 1
-            optimizer_steps += 1
-            losses.append(record.loss)
-            tokens += record.tokens
-            self.on_step(record)
-            if c.checkpoint_every and (step % c.checkpoint_every == 0 or step == c.steps):
-                checkpoint = await self._checkpoint(stages, step, losses, before)
-        if checkpoint is None or checkpoint.step != step:
-            checkpoint = await self._checkpoint(stages, step, losses, before)
-        after = await self.evaluate(stages) if self.heldout else None
+        after = await evaluate() if self.heldout else None
         if after is not None:
             self.log(f"held-out loss after tuning: {after:.4f}")
         return TuneResult(losses, before, after, tokens, time.perf_counter() - started, recoveries,
