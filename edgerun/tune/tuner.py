@@ -48,9 +48,10 @@ class TuneConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_size", "micro_batches", "in_flight"):
+        for name, flag in (("steps", "steps"), ("micro_size", "micro-size"), ("micro_batches", "accumulate"),
+                           ("in_flight", "in-flight")):
             if getattr(self, name) < 1:
-                raise EdgerunError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+                raise EdgerunError(f"--{flag} must be at least 1, not {getattr(self, name)}")
         if not self.lr > 0 or self.weight_decay < 0:
             raise EdgerunError("--lr must be positive and --weight-decay at least 0")
         if self.checkpoint_every < 0 or self.eval_examples < 0:
