@@ -79,20 +79,22 @@ def test_training_forward_equals_the_reference(shipped_model: Model) -> None:
     assert stage.frozen_bytes() < 0.3 * 4 * shipped_model.config.n_params()
 
 
-@pytest.mark.parametrize("cuts", [(15,), (7, 20)])
-def test_pipeline_gradients_equal_a_single_process(shipped_model: Model, examples, cuts: tuple[int, ...]) -> None:
-    """One step through 2 and 3 stages (activations forward, gradients back, dropout on) gives every LoRA
-    matrix the gradient a single process computes, and the same loss."""
+@pytest.mark.parametrize("cuts, recompute", [((15,), False), ((7, 20), True)])
+def test_pipeline_gradients_equal_a_single_process(shipped_model: Model, examples, cuts: tuple[int, ...],
+                                                   recompute: bool) -> None:
+    """One step through 2 and 3 stages (activations forward, gradients back, dropout on; the 3 stages computing
+    each layer again for the backward pass) gives every LoRA matrix the gradient a single process computes, and
+    the same loss."""
     c = shipped_model.config
     lora = LoraConfig(rank=4, dropout=0.1, targets=(Target.Q, Target.V, Target.DOWN))
     adapter = random_adapter(shipped_model, lora)
     batch = make_batch(examples[:3])
     denominator = batch.n_labels
 
-    def trainers(bounds: list[int]) -> list[StageTrainer]:
+    def trainers(bounds: list[int], recompute: bool = False) -> list[StageTrainer]:
         out = []
         for first, end in itertools.pairwise(bounds):
-            t = StageTrainer(c, shipped_model.weights, first, end, lora, OptimConfig())
+            t = StageTrainer(c, shipped_model.weights, first, end, lora, OptimConfig(), recompute)
             t.model.load_adapter(adapter)
             out.append(t)
         return out
@@ -100,7 +102,7 @@ def test_pipeline_gradients_equal_a_single_process(shipped_model: Model, example
     (single,) = trainers([0, c.n_layers])
     loss_single, _, _ = single.forward_loss(batch.tokens, batch.labels, (0, 0), denominator)
     expected = single.gradients()
-    stages = trainers([0, *cuts, c.n_layers])
+    stages = trainers([0, *cuts, c.n_layers], recompute)
     x = batch.tokens
     for s in stages[:-1]:
         x = s.forward(0, x, (0, 0))

@@ -40,7 +40,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
                       seed=args.seed)
     config = TuneConfig(steps=args.steps, micro_size=args.micro_size, micro_batches=args.accumulate,
                         in_flight=args.in_flight, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                        checkpoint_every=args.checkpoint_every, eval_examples=args.eval_examples, lora=lora)
+                        checkpoint_every=args.checkpoint_every, eval_examples=args.eval_examples, lora=lora,
+                        recompute=args.recompute)
     model = load_model(args.model)
     if model.config.is_moe:
         raise EdgerunError("tuning a mixture-of-experts model is not supported")
@@ -82,7 +83,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
         async def local(checkpoint):
             trainer = StageTrainer(model.config, model.weights, 0, model.config.n_layers, lora,
-                                   OptimConfig(lr=config.lr, weight_decay=config.weight_decay))
+                                   OptimConfig(lr=config.lr, weight_decay=config.weight_decay), config.recompute)
             if checkpoint is not None:
                 trainer.load_state(checkpoint.tensors, checkpoint.optimizer_steps)
             return [LocalStage(trainer)]
@@ -161,6 +162,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "several stages busy at once (default: 2)")
     p.add_argument("--in-flight", type=int, default=2,
                    help="micro-batches in the pipeline at once, GPipe-style (default: 2)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each layer's input for the backward pass and compute the layer again there: "
+                        "about a third more compute for a fraction of the activations' memory, which is most of a "
+                        "training stage's (default: off)")
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default: 5e-5, the seed's)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: 0.1, the seed's)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8)")

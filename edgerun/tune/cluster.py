@@ -116,21 +116,24 @@ def _tensor(tensors: dict[str, np.ndarray], name: str, worker: WorkerConn) -> np
     return tensors[name]
 
 
-def activation_bytes_per_token(config: ModelConfig) -> float:
+def activation_bytes_per_token(config: ModelConfig, recompute: bool = False) -> float:
     """Float32 values one layer keeps per token for the backward pass: the normed inputs, Q, K, V (K and V
     repeated per query head), the attention output, gate, up and their product, the residuals, and the
-    attention probabilities (one row per head, as long as the sequence: counted at 256 positions)."""
+    attention probabilities (one row per head, as long as the sequence: counted at 256 positions). Recomputing,
+    only the layer's input is kept; the one layer being recomputed at a time is left out of the count."""
     c = config
+    if recompute:
+        return 4.0 * c.hidden
     values = 6 * c.hidden + 3 * c.q_dim + 2 * c.kv_dim + 4 * c.ffn + c.n_heads * 256
     return 4.0 * values
 
 
-def training_layers(model: Model, tokens_in_flight: int) -> Layers:
+def training_layers(model: Model, tokens_in_flight: int, recompute: bool = False) -> Layers:
     """The planner's per-layer metrics for training: compute in weight bytes (forward and backward stream every
     matrix), memory the quantized weights plus the activations of the micro-batches in flight, and the hidden
     states (forward) and their gradients (backward) crossing each cut."""
     profile = model_profile(model.name, model.config, model.weights)
-    saved = activation_bytes_per_token(model.config) * tokens_in_flight
+    saved = activation_bytes_per_token(model.config, recompute) * tokens_in_flight
     crossing = 2 * profile.activation_bytes_per_token * tokens_in_flight
     n = model.config.n_layers
     return Layers(cost=tuple(2 * b for b in profile.layer_read_bytes),
@@ -139,15 +142,17 @@ def training_layers(model: Model, tokens_in_flight: int) -> Layers:
                   input=(crossing,) * n, output=(crossing,) * n)
 
 
-def training_plan(model: Model, workers: list[WorkerConn], tokens_in_flight: int) -> PPPlan:
+def training_plan(model: Model, workers: list[WorkerConn], tokens_in_flight: int,
+                  recompute: bool = False) -> PPPlan:
     devices = [w.device(w.memory_mb) for w in workers]
-    plan = plan_layers(training_layers(model, tokens_in_flight), workers_from_devices(devices),
-                       model_name=model.name, objective="max")
+    layers = training_layers(model, tokens_in_flight, recompute)
+    plan = plan_layers(layers, workers_from_devices(devices), model_name=model.name, objective="max")
     if not plan.complete:
-        mb = sum(training_layers(model, tokens_in_flight).memory) / 1e6
+        mb = sum(layers.memory) / 1e6
         raise EdgerunError(f"the workers' memory ({', '.join(f'{w.name}: {w.memory_mb:.0f} MB' for w in workers)}) "
                            f"cannot hold the model for training (about {mb:.0f} MB with "
-                           f"{tokens_in_flight} tokens in flight); add workers or lower --micro-size/--in-flight")
+                           f"{tokens_in_flight} tokens in flight); add workers, lower --micro-size/--in-flight, or "
+                           "--recompute")
     return plan
 
 
@@ -194,7 +199,7 @@ class TuneMaster:
         if not alive:
             raise EdgerunError("no native worker to train on (browser tabs cannot take a training stage)")
         tokens = self.config.micro_size * self.max_len * self.config.in_flight
-        plan = training_plan(self.model, alive, tokens)
+        plan = training_plan(self.model, alive, tokens, self.config.recompute)
         self.plans.append(plan)
         self.log("plan: " + ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages))
         stages = [RemoteStage(self.workers, self.workers[s.worker], s.first_layer, s.end_layer) for s in plan.stages]
@@ -210,7 +215,7 @@ class TuneMaster:
                                                  if any(p in n for p in prefixes)}
         message = {"model_sha256": self.sha256, "first_layer": stage.first, "end_layer": stage.end,
                    "lora": self.config.lora.to_dict(), "optim": self.config.optim(),
-                   "steps": checkpoint.optimizer_steps if checkpoint else 0}
+                   "steps": checkpoint.optimizer_steps if checkpoint else 0, "recompute": self.config.recompute}
         reply, _ = await self.workers.call(stage.worker, PpMsg.TUNE_LOAD, message, PpMsg.TUNE_LOADED,
                                            LOAD_TIMEOUT_S, tensors or None)
         stage.loaded = reply

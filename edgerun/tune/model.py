@@ -22,6 +22,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
@@ -207,13 +208,16 @@ class StageModel(torch.nn.Module):
     the final norm and the LM head and turns hidden states into a loss."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, first: int, end: int,
-                 lora: LoraConfig | None) -> None:
+                 lora: LoraConfig | None, recompute: bool = False) -> None:
+        """`recompute`: keep only each layer's input for the backward pass and compute the layer again there
+        (about a third more compute for a fraction of the activations' memory). Dropout masks are seeded, so the
+        second pass draws the same ones."""
         super().__init__()
         if config.is_moe:
             raise EdgerunError("tuning a mixture-of-experts model is not supported")
         if not 0 <= first < end <= config.n_layers:
             raise ValueError(f"layers [{first}, {end}) are not a range of this {config.n_layers}-layer model")
-        self.config, self.first, self.end, self.lora = config, first, end, lora
+        self.config, self.first, self.end, self.lora, self.recompute = config, first, end, lora, recompute
         self.layers = torch.nn.ModuleList(Layer(config, weights.layers[i], i, lora) for i in range(first, end))
         self.embed = FrozenMatrix(weights.token_embd) if first == 0 else None
         self.head = None
@@ -266,7 +270,10 @@ class StageModel(torch.nn.Module):
             x = self.embed.weight(flat).view(*x.shape, self.config.hidden)
         cos, sin = rope_tables(self.config, x.shape[1])
         for layer in self.layers:
-            x = layer(x, cos, sin, key)
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, key, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, key)
         return x
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

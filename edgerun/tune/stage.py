@@ -33,8 +33,8 @@ class OptimConfig:
 
 class StageTrainer:
     def __init__(self, config: ModelConfig, weights: ModelWeights, first: int, end: int, lora: LoraConfig,
-                 optim: OptimConfig) -> None:
-        self.model = StageModel(config, weights, first, end, lora)
+                 optim: OptimConfig, recompute: bool = False) -> None:
+        self.model = StageModel(config, weights, first, end, lora, recompute)
         self.params = self.model.named_lora()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, weight_decay=optim.weight_decay)

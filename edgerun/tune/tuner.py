@@ -45,6 +45,7 @@ class TuneConfig:
     seed: int = 0  # data order (dropout and A's initial values: the LoRA config's seed)
     checkpoint_every: int = 10  # steps; 0: never
     eval_examples: int = 48  # held-out examples scored before and after (0: none)
+    recompute: bool = False  # stages keep each layer's input only and compute the layer again for backward
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:

@@ -92,7 +92,8 @@ class TuneRole:
         first, end = int(message["first_layer"]), int(message["end_layer"])
         self.trainer = None  # the old stage's memory goes first
         self.trainer = StageTrainer(model.config, model.weights, first, end,
-                                    LoraConfig.from_dict(message["lora"]), OptimConfig(**message["optim"]))
+                                    LoraConfig.from_dict(message["lora"]), OptimConfig(**message["optim"]),
+                                    recompute=bool(message.get("recompute", False)))
         if tensors:
             self.trainer.load_state(tensors, int(message.get("steps", 0)))
         # The stage copied its layers' codes out of the file: the file's pages it read on the way go, and the peak
