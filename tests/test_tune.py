@@ -282,3 +282,29 @@ def test_tune_over_worker_processes_survives_a_kill_and_equals_one_process(shipp
     assert result.heldout_after == pytest.approx(single.heldout_after, rel=1e-3)
     for name, value in single.final_state.tensors.items():
         np.testing.assert_allclose(result.final_state.tensors[name], value, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_pipeline_with_an_adapter_gives_the_single_engines_tokens(shipped_model: Model, tmp_path: Path) -> None:
+    """`edgerun master --plan dp --adapter`: the stages' graphs carry the adapter's products, and two workers
+    generate what the single engine with the adapter generates, not what the base model does."""
+    from edgerun.bench.pp import local_pipeline
+    from edgerun.model.onnx_engine import OnnxEngine
+    from edgerun.model.sampling import Sampler, SamplingParams
+
+    lora = LoraConfig(rank=4, targets=(Target.Q, Target.V))
+    random_adapter(shipped_model, lora, seed=5).save(tmp_path / "adapter")
+    tuned = apply_adapter(shipped_model, tmp_path / "adapter")
+    prompt = shipped_model.tokenizer.encode("The capital of France is")
+
+    def single(model: Model) -> list[int]:
+        from edgerun.model.generate import generate
+
+        return generate(OnnxEngine(model, max_len=64), prompt, 16, Sampler(SamplingParams())).tokens
+
+    expected = single(tuned)
+    assert expected != single(shipped_model)
+    with local_pipeline(tuned, [80, 80], 64) as (master, _):
+        master.start()
+        assert len(master.plan.stages) == 2
+        assert master.generate(prompt, 16) == expected
