@@ -23,7 +23,7 @@ from edgerun.model.loader import Model  # noqa: E402
 from edgerun.model.reference import ReferenceModel  # noqa: E402
 from edgerun.net.model_files import model_sha256  # noqa: E402
 from edgerun.net.wire import derive_key  # noqa: E402
-from edgerun.tune.cluster import LocalStage, TuneMaster  # noqa: E402
+from edgerun.tune.cluster import TuneMaster, local_restart  # noqa: E402
 from edgerun.tune.data import (  # noqa: E402
     PromptFormat,
     Record,
@@ -127,12 +127,7 @@ def test_steps_lower_the_loss_and_a_resumed_run_repeats_the_losses(shipped_model
     sha = model_sha256(shipped_model.path)
     train, held = examples[:12], examples[12:]
 
-    async def local(checkpoint):
-        t = StageTrainer(shipped_model.config, shipped_model.weights, 0, shipped_model.config.n_layers,
-                         config.lora, OptimConfig(lr=config.lr, weight_decay=config.weight_decay))
-        if checkpoint is not None:
-            t.load_state(checkpoint.tensors, checkpoint.optimizer_steps)
-        return [LocalStage(t)]
+    local = local_restart(shipped_model, config)
 
     whole = asyncio.run(Tuner(config, train, held, sha, tmp_path / "a").run(local))
     assert whole.losses[-1] < whole.losses[0] and whole.heldout_after < whole.heldout_before
@@ -247,10 +242,7 @@ def test_tune_over_worker_processes_survives_a_kill_and_equals_one_process(shipp
     sha = model_sha256(shipped_model.path)
     train, held = examples[:12], examples[12:]
 
-    async def local(checkpoint):
-        t = StageTrainer(shipped_model.config, shipped_model.weights, 0, shipped_model.config.n_layers,
-                         config.lora, OptimConfig(lr=config.lr, weight_decay=config.weight_decay))
-        return [LocalStage(t)]
+    local = local_restart(shipped_model, config)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers compute: another thread count rounds differently

@@ -20,10 +20,9 @@ from edgerun.model.loader import Model
 from edgerun.net.model_files import model_sha256
 from edgerun.net.wire import derive_key
 from edgerun.profile.memory import peak_rss_mb
-from edgerun.tune.cluster import LocalStage, TuneMaster, training_layers
+from edgerun.tune.cluster import LocalStage, TuneMaster, local_restart, training_layers
 from edgerun.tune.data import Example
-from edgerun.tune.stage import OptimConfig, StageTrainer
-from edgerun.tune.tuner import StageClient, StepRecord, TuneConfig, Tuner
+from edgerun.tune.tuner import Checkpoint, StageClient, StepRecord, TuneConfig, Tuner
 
 WARMUP_STEPS = 1  # not timed: the first step pays for allocations and lazily built kernels
 
@@ -60,12 +59,12 @@ def bench_tune(model: Model, counts: Sequence[int], examples: Sequence[Example],
     progress(f"single process, {threads} thread(s)")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    stage: list[StageTrainer] = []
+    restart = local_restart(model, config)
+    stage: list[LocalStage] = []
 
-    async def local(checkpoint) -> list[StageClient]:
-        stage.append(StageTrainer(model.config, model.weights, 0, model.config.n_layers, config.lora,
-                                  OptimConfig(**config.optim())))
-        return [LocalStage(stage[-1])]
+    async def local(checkpoint: Checkpoint | None) -> list[StageClient]:
+        stage[:] = await restart(checkpoint)  # kept for its size below
+        return list(stage)
 
     try:
         asyncio.run(Tuner(config, examples, [], sha, None, on_step=records.append).run(local))
@@ -73,7 +72,8 @@ def bench_tune(model: Model, counts: Sequence[int], examples: Sequence[Example],
         torch.set_num_threads(previous)
     steps_s, tokens_s = _timed(records)
     rows = [TuneRow(0, steps_s, tokens_s, 1.0, [WorkerMemory("this process", f"0-{model.config.n_layers - 1}",
-                                                             stage[-1].model.frozen_bytes() / 1e6, peak_rss_mb(),
+                                                             stage[0].trainer.model.frozen_bytes() / 1e6,
+                                                             peak_rss_mb(),
                                                              peak_rss_mb())])]
     del stage[:]
     single = tokens_s

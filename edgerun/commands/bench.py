@@ -41,6 +41,17 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
     print(json.dumps(results_json(results), indent=2) if args.json else results_table(results))
 
 
+def counts(text: str, option: str, least: int) -> list[int]:
+    """A comma-separated list of counts (nodes, workers), each at least `least`."""
+    try:
+        values = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < least:
+        raise EdgerunError(f"{option} takes counts of at least {least}, comma-separated, not {text!r}")
+    return values
+
+
 def cmd_bench_tp(args: argparse.Namespace) -> None:
     from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_json, tp_ratios, tp_table
     from edgerun.model.onnx_graph import Activations
@@ -48,12 +59,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     def split(text: str) -> list[str]:
         return [x.strip() for x in text.split(",") if x.strip()]
 
-    try:
-        node_counts = [int(n) for n in split(args.nodes)]
-    except ValueError:
-        raise EdgerunError(f"--nodes takes counts separated by commas, not {args.nodes!r}") from None
-    if not node_counts or min(node_counts) < 0:
-        raise EdgerunError("--nodes must be 0 or more")
+    node_counts = counts(args.nodes, "--nodes", 0)
     transports = split(args.transport)
     for transport in transports:
         if transport not in ("udp", "tcp"):
@@ -82,9 +88,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     from edgerun.model.onnx_graph import Activations
     from edgerun.pp.deployment import Route
 
-    counts = [int(n) for n in args.workers.split(",") if n.strip()]
-    if not counts or min(counts) < 1:
-        raise EdgerunError("--workers takes worker counts of at least 1, comma-separated: 1,2,4")
+    worker_counts = counts(args.workers, "--workers", 1)
     if args.tokens < 1 or args.threads < 1:
         raise EdgerunError("--tokens and --threads must be at least 1")
     activations = Activations(args.activations)
@@ -105,7 +109,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     def progress(m: str) -> None:
         print(f"local pipeline: {m}...", file=sys.stderr, flush=True)
 
-    rows, single = bench_pp(model, counts, args.tokens, args.threads, activations, routes, args.browser,
+    rows, single = bench_pp(model, worker_counts, args.tokens, args.threads, activations, routes, args.browser,
                             progress=progress)
     swaps = bench_swap(model, args.swap_context, args.threads, activations, progress) if args.swap_context else []
     if args.json:
@@ -160,12 +164,7 @@ def cmd_bench_tune(args: argparse.Namespace) -> None:
     from edgerun.tune.lora import LoraConfig
     from edgerun.tune.tuner import TuneConfig
 
-    try:
-        counts = [int(n) for n in args.workers.split(",") if n.strip()]
-    except ValueError:
-        raise EdgerunError(f"--workers takes worker counts, comma-separated: 1,2,4, not {args.workers!r}") from None
-    if not counts or min(counts) < 1:
-        raise EdgerunError("--workers takes worker counts of at least 1, comma-separated: 1,2,4")
+    worker_counts = counts(args.workers, "--workers", 1)
     if args.steps < 2 or args.threads < 1:
         raise EdgerunError("--steps must be at least 2 (the first is a warm-up) and --threads at least 1")
     config = TuneConfig(steps=args.steps, micro_size=args.micro_size, micro_batches=args.accumulate,
@@ -177,7 +176,7 @@ def cmd_bench_tune(args: argparse.Namespace) -> None:
     def progress(m: str) -> None:
         print(f"bench tune: {m}...", file=sys.stderr, flush=True)
 
-    rows = bench_tune(model, counts, examples, config, args.threads, args.max_len, progress)
+    rows = bench_tune(model, worker_counts, examples, config, args.threads, args.max_len, progress)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     else:

@@ -23,10 +23,9 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
     from edgerun.model.loader import load_model
     from edgerun.net.model_files import model_sha256
-    from edgerun.tune.cluster import LocalStage, TuneMaster
+    from edgerun.tune.cluster import TuneMaster, local_restart
     from edgerun.tune.data import PromptFormat, default_records, read_jsonl, split, tokenize
     from edgerun.tune.lora import LoraConfig, parse_targets
-    from edgerun.tune.stage import OptimConfig, StageTrainer
     from edgerun.tune.tuner import CHECKPOINT_FILE, StepRecord, TuneConfig, Tuner, eta_text, load_checkpoint
 
     def log(message: str) -> None:
@@ -79,18 +78,10 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
     tuner = Tuner(config, train, held, sha, args.out, log, on_step)
     if args.workers == 0:
-        torch.set_num_threads(args.threads)
-
-        async def local(checkpoint):
-            trainer = StageTrainer(model.config, model.weights, 0, model.config.n_layers, lora,
-                                   OptimConfig(lr=config.lr, weight_decay=config.weight_decay), config.recompute)
-            if checkpoint is not None:
-                trainer.load_state(checkpoint.tensors, checkpoint.optimizer_steps)
-            return [LocalStage(trainer)]
-
         import asyncio
 
-        result = asyncio.run(tuner.run(local, resume))
+        torch.set_num_threads(args.threads)
+        result = asyncio.run(tuner.run(local_restart(model, config), resume))
     else:
         master = TuneMaster(model, cluster_key(args), config, args.max_len, args.host, args.port, args.workers,
                             args.wait_s, log=log)

@@ -61,12 +61,6 @@ class LayerWeights:
     # Engines add ((x @ A.T) @ B.T) beside the quantized product; nothing folds them into the matrix.
     lora: tuple[tuple[str, np.ndarray, np.ndarray], ...] = ()
 
-    def lora_of(self, field: str) -> tuple[np.ndarray, np.ndarray] | None:
-        for name, a, b in self.lora:
-            if name == field:
-                return a, b
-        return None
-
     def matrices(self) -> Iterator[tuple[str, QuantTensor]]:
         yield from (("wq", self.wq), ("wk", self.wk), ("wv", self.wv), ("wo", self.wo))
         if self.moe is None:

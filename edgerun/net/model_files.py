@@ -102,8 +102,9 @@ def fetch_checked(url: str, target: Path, sha256: str,
     return done
 
 
-def fetch_model(host: str, port: int, sha256: str, suffix: str = ".gguf") -> Path:
-    """The master's model file, from the cache or downloaded (with progress) and checked."""
+def fetch_model(base_url: str, sha256: str, suffix: str = ".gguf") -> Path:
+    """The model file a master serves at `base_url` (http://HOST:PORT), from the cache or downloaded (with
+    progress) and checked."""
     out = cache_root() / "models" / f"{sha256}{suffix}"
     if out.is_file():
         return out
@@ -115,5 +116,5 @@ def fetch_model(host: str, port: int, sha256: str, suffix: str = ".gguf") -> Pat
             shown[0] = percent // 10
             print(f"downloading model: {percent}% of {total / 1e6:.0f} MB", file=sys.stderr, flush=True)
 
-    fetch_checked(f"http://{host}:{port}/model/{sha256}", out, sha256, progress)
+    fetch_checked(f"{base_url}/model/{sha256}", out, sha256, progress)
     return out

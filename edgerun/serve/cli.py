@@ -111,9 +111,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=args.transport, activations=Activations(args.activations),
                          route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)
-    if args.adapter is not None and not args.no_cluster and args.plan not in ("dp",):
-        raise EdgerunError(f"--adapter runs on this machine's engine and pipeline stages: use --plan dp or "
-                           f"--no-cluster, not --plan {args.plan}")
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

@@ -60,6 +60,9 @@ class ServeConfig:
         if self.replicas < 1:
             raise EdgerunError("--replicas must be at least 1")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
+        if self.adapter is not None and self.cluster_port is not None and self.plan != "dp":
+            raise EdgerunError(f"--adapter runs on this machine's engine and pipeline stages: use --plan dp or "
+                               f"--no-cluster, not --plan {self.plan}")
 
 
 class Server:

@@ -249,7 +249,7 @@ class Node:
         if self.model is not None and model_sha256(self.model.path) == sha256:
             return
         self.log(f"node {self.name}: the local model is not the master's ({sha256[:12]}); fetching it")
-        self.model = load_model(fetch_model(self.master[0], http_port, sha256))
+        self.model = load_model(fetch_model(f"http://{self.master[0]}:{http_port}", sha256))
 
     async def _heartbeat(self) -> None:
         summarized, last_compute, last_bytes, last_decode = time.monotonic(), 0.0, 0, 0.0

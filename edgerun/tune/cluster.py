@@ -29,8 +29,9 @@ from edgerun.pp.http import pipeline_routes
 from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import Layers, PPPlan, plan_layers, workers_from_devices
 from edgerun.sched.profiles import model_profile
-from edgerun.tune.stage import StageTrainer
-from edgerun.tune.tuner import Checkpoint, StageClient, TuneConfig
+from edgerun.tune.lora import parse_tensor_name
+from edgerun.tune.stage import OptimConfig, StageTrainer
+from edgerun.tune.tuner import Checkpoint, Restart, StageClient, TuneConfig
 
 CALL_TIMEOUT_S = 600.0  # one stage's forward or backward pass of a micro-batch, on the slowest device
 LOAD_TIMEOUT_S = 900.0  # a worker fetching the model file and building its stage
@@ -62,6 +63,19 @@ class LocalStage:
 
     async def state(self) -> tuple[dict[str, np.ndarray], int]:
         return self.trainer.state()
+
+
+def local_restart(model: Model, config: TuneConfig) -> Restart:
+    """A single process's stages for a Tuner: one stage of every layer, from a checkpoint where given."""
+
+    async def restart(checkpoint: Checkpoint | None) -> list[StageClient]:
+        trainer = StageTrainer(model.config, model.weights, 0, model.config.n_layers, config.lora,
+                               OptimConfig(**config.optim()), config.recompute)
+        if checkpoint is not None:
+            trainer.load_state(checkpoint.tensors, checkpoint.optimizer_steps)
+        return [LocalStage(trainer)]
+
+    return restart
 
 
 class RemoteStage:
@@ -160,10 +174,10 @@ class TuneMaster:
     """Serves workers and the model file, and builds remote stages for a Tuner."""
 
     def __init__(self, model: Model, key: bytes, config: TuneConfig, max_len: int, host: str = "0.0.0.0",
-                 port: int = 0, expect: int = 1, wait_s: float = 600.0, threads: int | None = None,
+                 port: int = 0, expect: int = 1, wait_s: float = 600.0,
                  log: Callable[[str], None] = lambda _: None) -> None:
-        self.model, self.key, self.config, self.log = model, key, config, log
-        self.expect, self.wait_s, self.threads, self.max_len = expect, wait_s, threads, max_len
+        self.model, self.config, self.log = model, config, log
+        self.expect, self.wait_s, self.max_len = expect, wait_s, max_len
         self.sha256 = model_sha256(model.path)
         self.plans: list[PPPlan] = []
         self.stages: list[RemoteStage] = []
@@ -193,8 +207,6 @@ class TuneMaster:
         except TimeoutError:
             raise EdgerunError(f"{len(self.workers.alive())} of {need} workers connected within "
                                f"{self.wait_s:.0f} s") from None
-        if not self.plans and self.expect > 1:
-            await asyncio.sleep(0)  # the last worker's handshake settles
         alive = [w for w in self.workers.alive() if w.kind == "native"]  # a tab's onnxruntime-web has no autograd
         if not alive:
             raise EdgerunError("no native worker to train on (browser tabs cannot take a training stage)")
@@ -210,9 +222,10 @@ class TuneMaster:
         return list(stages)
 
     async def _load(self, stage: RemoteStage, checkpoint: Checkpoint | None) -> None:
-        prefixes = tuple(f".layers.{i}." for i in range(stage.first, stage.end))
-        tensors = {} if checkpoint is None else {n: a for n, a in checkpoint.tensors.items()
-                                                 if any(p in n for p in prefixes)}
+        # This stage's layers' matrices and their moments (named after them: .exp_avg, .exp_avg_sq).
+        tensors = {} if checkpoint is None else {
+            n: a for n, a in checkpoint.tensors.items()
+            if stage.first <= parse_tensor_name(n.removesuffix(".exp_avg_sq").removesuffix(".exp_avg"))[0] < stage.end}
         message = {"model_sha256": self.sha256, "first_layer": stage.first, "end_layer": stage.end,
                    "lora": self.config.lora.to_dict(), "optim": self.config.optim(),
                    "steps": checkpoint.optimizer_steps if checkpoint else 0, "recompute": self.config.recompute}

@@ -21,13 +21,18 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
-from edgerun.model.hf_dir import read_safetensors_with_metadata, write_safetensors
+from edgerun.model.hf_dir import LAYER_TENSORS, read_safetensors_with_metadata, write_safetensors
 from edgerun.model.loader import Model
-from edgerun.model.quant import QuantTensor
+from edgerun.model.quant import quantize
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 BASE_KEY = "edgerun.base_sha256"
+
+
+# Hugging Face's projection name ("q_proj") -> the LayerWeights field holding it ("wq"), from the one table of names.
+_FIELD_OF_PROJECTION = {name.split(".")[1]: field for field, name in LAYER_TENSORS.items()
+                        if name.endswith("_proj.weight")}
 
 
 class Target(Enum):
@@ -43,12 +48,12 @@ class Target(Enum):
 
     @property
     def field(self) -> str:
-        return {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",
-                "up_proj": "w_up", "down_proj": "w_down"}[self.value]
+        return _FIELD_OF_PROJECTION[self.value]
 
     @property
     def module(self) -> str:
-        return "self_attn" if self in (Target.Q, Target.K, Target.V, Target.O) else "mlp"
+        """"self_attn" or "mlp", as Hugging Face names the projection's parent."""
+        return LAYER_TENSORS[self.field].split(".")[0]
 
     def shape(self, config: ModelConfig) -> tuple[int, int]:
         """(out, in) of the projection."""
@@ -113,6 +118,18 @@ def tensor_name(layer: int, target: Target, part: str) -> str:
     return f"base_model.model.model.layers.{layer}.{target.module}.{target.value}.lora_{part}.weight"
 
 
+def parse_tensor_name(name: str) -> tuple[int, Target, str]:
+    """(layer, target, "A" or "B") of a name `tensor_name` makes; ValueError for any other name."""
+    parts = name.split(".")
+    if len(parts) != 9 or parts[:4] != ["base_model", "model", "model", "layers"] or \
+            parts[7] not in ("lora_A", "lora_B") or parts[8] != "weight":
+        raise ValueError(f"unexpected tensor {name}")
+    target = Target(parts[6])
+    if parts[5] != target.module or not parts[4].isdigit():
+        raise ValueError(f"unexpected tensor {name}")
+    return int(parts[4]), target, parts[7][-1]
+
+
 @dataclass(frozen=True)
 class Adapter:
     """Float32 LoRA matrices by (layer, target): (A (rank, in), B (out, rank))."""
@@ -140,9 +157,7 @@ class Adapter:
         tensors = {}
         for (layer, target), (a, b) in sorted(self.matrices.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
             for part, m in (("A", a), ("B", b)):
-                m = np.ascontiguousarray(m, np.float32)
-                tensors[tensor_name(layer, target, part)] = QuantTensor("F32", m.shape, m.view(np.uint8).reshape(
-                    *m.shape[:-1], m.shape[-1] * 4))
+                tensors[tensor_name(layer, target, part)] = quantize(m, "F32")
         write_safetensors(directory / ADAPTER_FILE, tensors, {BASE_KEY: self.base_sha256, "format": "pt"})
         # PEFT's own keys, so its loader takes the directory; edgerun reads its own below.
         (directory / CONFIG_FILE).write_text(json.dumps({
@@ -165,12 +180,8 @@ def load_adapter(path: str | Path) -> Adapter:
         config = LoraConfig.from_dict(meta["edgerun"])
         matrices: dict[tuple[int, Target], list[np.ndarray | None]] = {}
         for name, t in tensors.items():
-            parts = name.split(".")
-            # base_model.model.model.layers.N.<module>.<target>.lora_<A|B>.weight
-            if len(parts) != 9 or parts[3] != "layers" or parts[7] not in ("lora_A", "lora_B"):
-                raise ValueError(f"unexpected tensor {name}")
-            pair = matrices.setdefault((int(parts[4]), Target(parts[6])), [None, None])
-            pair[parts[7] == "lora_B"] = np.array(t.dequantize(), np.float32)
+            layer, target, part = parse_tensor_name(name)
+            matrices.setdefault((layer, target), [None, None])[part == "B"] = np.array(t.dequantize(), np.float32)
         if any(a is None or b is None for a, b in matrices.values()):
             raise ValueError("a LoRA matrix lacks its pair")
         base = metadata.get(BASE_KEY)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from edgerun.errors import EdgerunError
+from edgerun.model import reference
 from edgerun.model.config import ModelConfig
 from edgerun.model.quant import AffineBlocks, QuantTensor, to_affine_blocks
 from edgerun.model.weights import LayerWeights, ModelWeights
@@ -159,10 +160,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tables(config: ModelConfig, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the reference computes them: float64 angles, rounded to float32."""
-    inv_freq = 1.0 / config.rope_base ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
-    angles = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return torch.from_numpy(np.cos(angles).astype(np.float32)), torch.from_numpy(np.sin(angles).astype(np.float32))
+    """The reference's tables (float64 angles, rounded to float32) as tensors."""
+    cos, sin = reference.rope_tables(config.head_dim, config.rope_base, np.arange(seq))
+    return torch.from_numpy(cos), torch.from_numpy(sin)
 
 
 class Layer(torch.nn.Module):

@@ -19,7 +19,7 @@ import torch
 
 from edgerun.model.config import ModelConfig
 from edgerun.model.weights import ModelWeights
-from edgerun.tune.lora import Adapter, LoraConfig, Target, tensor_name
+from edgerun.tune.lora import Adapter, LoraConfig, parse_tensor_name, tensor_name
 from edgerun.tune.model import StageModel
 
 
@@ -139,8 +139,7 @@ def adapter_from_state(tensors: dict[str, np.ndarray], lora: LoraConfig, base_sh
     """The adapter a checkpoint's LoRA matrices make (the moments left out)."""
     matrices = {}
     for name in tensors:
-        parts = name.split(".")
-        if len(parts) == 9 and parts[7] == "lora_A":
-            layer, target = int(parts[4]), Target(parts[6])
+        if name.endswith(".lora_A.weight"):  # the moments' names end in .exp_avg and .exp_avg_sq
+            layer, target, _ = parse_tensor_name(name)
             matrices[(layer, target)] = (tensors[name], tensors[tensor_name(layer, target, "B")])
     return Adapter(lora, base_sha256, matrices)

@@ -27,7 +27,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost
 from edgerun.model.hf_dir import read_safetensors_with_metadata, write_safetensors
-from edgerun.model.quant import QuantTensor
+from edgerun.model.quant import quantize
 from edgerun.tune.data import Batch, Example, batches, step_batches
 from edgerun.tune.lora import LoraConfig
 
@@ -98,10 +98,7 @@ class Checkpoint:
                 "losses": json.dumps(self.losses), "heldout_before": json.dumps(self.heldout_before),
                 "base_sha256": base_sha256, "lora": json.dumps(config.lora.to_dict()),
                 "config": json.dumps({k: v for k, v in asdict(config).items() if k != "lora"})}
-        tensors = {}
-        for name, a in self.tensors.items():
-            a = np.ascontiguousarray(a, np.float32)
-            tensors[name] = QuantTensor("F32", a.shape, a.view(np.uint8).reshape(*a.shape[:-1], a.shape[-1] * 4))
+        tensors = {name: quantize(a, "F32") for name, a in self.tensors.items()}
         path = directory / CHECKPOINT_FILE
         partial = path.with_suffix(".partial")
         write_safetensors(partial, tensors, meta)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edgerun.errors import EdgerunError
-from edgerun.net.model_files import fetch_checked
+from edgerun.net.model_files import fetch_model
 from edgerun.net.wire import PpMsg
 from edgerun.profile.memory import peak_rss_mb, release_mapped_files, reset_peak_rss
 
@@ -41,14 +41,9 @@ class TuneRole:
 
     def _model(self, sha256: str):
         from edgerun.model.loader import load_model
-        from edgerun.model.onnx_graph import cache_root
 
         if self.model is None or self.model_sha != sha256:
-            path = cache_root() / "models" / f"{sha256}.gguf"
-            if not path.is_file():
-                self.log(f"fetching the model {sha256[:12]}… from the master")
-                fetch_checked(f"{self.base_url}/model/{sha256}", path, sha256)
-            self.model, self.model_sha = load_model(path), sha256
+            self.model, self.model_sha = load_model(fetch_model(self.base_url, sha256)), sha256
         return self.model
 
     def handle(self, kind: PpMsg, message: dict[str, Any], tensors: dict[str, np.ndarray]) -> Reply:
