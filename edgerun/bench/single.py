@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edgerun.model.generate import generate, make_engine
+from edgerun.model.generate import GenerationResult, generate, make_engine
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations
@@ -102,13 +102,34 @@ def results_json(results: list[SingleResult]) -> list[dict[str, object]]:
     return [asdict(r) for r in results]
 
 
-def cluster_baseline_ms(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,
-                        max_len: int, warmup: int) -> float:
-    """ms per output token of the single-process onnx engine, timed as the cluster benchmarks (bench tp, bench pp)
-    time their clusters: a warm-up request of `warmup` tokens, then one of `tokens`, prefill included."""
+@dataclass(frozen=True)
+class RequestTiming:
+    """One timed request: its whole time over its tokens (what the cluster benchmarks compare), and its one-token
+    steps alone (the prompt's prefill, compute-bound, scales over devices unlike decoding: both are shown)."""
+
+    ms_per_token: float  # prefill included
+    decode_ms_per_token: float  # every token after the first
+
+    @classmethod
+    def of(cls, result: GenerationResult, elapsed_s: float) -> RequestTiming:
+        steps = len(result.tokens) - 1
+        return cls(elapsed_s / max(1, len(result.tokens)) * 1e3,
+                   result.decode_s / steps * 1e3 if steps > 0 else float("nan"))
+
+
+def cluster_baseline(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,
+                     max_len: int, warmup: int) -> RequestTiming:
+    """The single-process onnx engine timed as the cluster benchmarks (bench tp, bench pp) time their clusters: a
+    warm-up request of `warmup` tokens, then one of `tokens`, prefill included."""
     engine = OnnxEngine(model, max_len, threads=threads, activations=activations)
     greedy = Sampler(SamplingParams())
     generate(engine, prompt, warmup, greedy)
     start = time.perf_counter()
     result = generate(engine, prompt, tokens, greedy)
-    return (time.perf_counter() - start) / max(1, len(result.tokens)) * 1e3
+    return RequestTiming.of(result, time.perf_counter() - start)
+
+
+def cluster_baseline_ms(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,
+                        max_len: int, warmup: int) -> float:
+    """ms per output token of the single-process onnx engine, prefill included (see cluster_baseline)."""
+    return cluster_baseline(model, prompt, tokens, threads, activations, max_len, warmup).ms_per_token

@@ -10,6 +10,7 @@ namespaces whose links also take a rate limit, and whose nodes take CPU quotas.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import subprocess
@@ -21,8 +22,9 @@ from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
-from edgerun.bench.single import cluster_baseline_ms
+from edgerun.bench.single import RequestTiming, cluster_baseline
 from edgerun.errors import EdgerunError
+from edgerun.model.generate import generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
@@ -83,8 +85,11 @@ class TpResult:
     node_overhead_mb: float  # the most any node's peak RSS exceeds its share's weights and KV cache
     devices_used: int  # devices the plan gave units to, the master included (a planner may leave some out)
     rebalanced: bool  # the plan measured was made with the devices' measured speeds, after a warm-up
+    decode_ms_per_token: float = float("nan")  # the one-token steps alone (ms_per_token has the prompt's prefill)
     single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
     speedup: float | None = None  # single_ms_per_token / ms_per_token
+    single_decode_ms_per_token: float | None = None
+    decode_speedup: float | None = None  # single_decode_ms_per_token / decode_ms_per_token
 
 
 def kernel_rate(spec: str) -> float:
@@ -127,6 +132,7 @@ class TpBenchConfig:
     spin_us: float = 0.0  # master and nodes poll their UDP socket this long before sleeping
     rebalance: bool = True  # after a warm-up, replan with the speeds the devices showed (Master.rebalance)
     activations: Activations = Activations.INT8  # of every quantized product, the single baseline's too
+    pin: int = 0  # cores of its own for every device (master, each node, the single baseline); 0: not pinned
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -137,9 +143,45 @@ class TpBenchConfig:
             raise EdgerunError("--tokens must be at least 1")
         if self.threads < 1:
             raise EdgerunError("--threads must be at least 1")
+        if self.pin < 0:
+            raise EdgerunError("--pin takes a number of cores per device, 0 for none")
+        if self.pin and self.loss_at == "testbed":
+            raise EdgerunError("--pin is for loopback clusters; a testbed's nodes take --cpu-quota")
 
 
 LOSS_AT = ("process", "kernel", "testbed")
+
+
+# The cores this process may use, taken before --pin narrows them to the master's.
+USABLE_CORES = tuple(sorted(os.sched_getaffinity(0)))
+
+
+def device_cores(device: int, cores: int) -> set[int] | None:
+    """The cores of device `device` (0: the master) under --pin: `cores` consecutive cores of those this process
+    may use, device after device, wrapping around when there are more devices than cores; None unpinned."""
+    if cores < 1:
+        return None
+    usable = USABLE_CORES
+    return {usable[(device * cores + k) % len(usable)] for k in range(cores)}
+
+
+@contextlib.contextmanager
+def pinned(cores: set[int] | None) -> Iterator[None]:
+    """Every thread of this process on `cores` (threads started inside inherit it), as it was afterwards."""
+    if cores is None:
+        yield
+        return
+    threads = [int(t) for t in os.listdir("/proc/self/task")]
+    before = os.sched_getaffinity(0)
+    for tid in threads:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cores)
+    try:
+        yield
+    finally:
+        for tid in [int(t) for t in os.listdir("/proc/self/task")]:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, before)
 
 
 def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[str]:
@@ -173,7 +215,10 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
         try:
             for i in range(nodes):
                 argv = _node_argv(config, f"{address}:{master.port}", i, loss)
-                procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL) if bed is None else
+                cores = device_cores(i + 1, config.pin)
+                procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL,
+                                              preexec_fn=None if cores is None else
+                                              functools.partial(os.sched_setaffinity, 0, cores)) if bed is None else
                              testbed.popen(bed, i + 1, argv, stderr=subprocess.DEVNULL))
             master.wait_for_nodes(nodes, timeout_s=300)
             yield master
@@ -202,8 +247,9 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     node_compute0 = {n.index: n.compute_s for n in master.fresh_reports()}
     matched0, kdropped0 = kernel_counters()
     start = time.perf_counter()
-    generated = master.generate(prompt, config.tokens, greedy)
+    result = generate(master, prompt, config.tokens, greedy)
     elapsed = time.perf_counter() - start
+    generated = result.tokens
     matched1, kdropped1 = kernel_counters()
     reports = master.fresh_reports()
     n = max(1, len(generated))
@@ -221,7 +267,8 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         plan=master.config.strategy, mapping=master.config.mapping, group_size=master.config.group_size,
         overlap="+".join(sorted(master.config.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
-        ms_per_token=elapsed / n * 1e3, predicted_ms_per_token=master.predicted_s() * 1e3,
+        ms_per_token=elapsed / n * 1e3, decode_ms_per_token=RequestTiming.of(result, elapsed).decode_ms_per_token,
+        predicted_ms_per_token=master.predicted_s() * 1e3,
         compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
         other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=blocks,
@@ -240,10 +287,10 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         devices_used=master.plan.devices_used, rebalanced=rebalanced)
 
 
-def single_baseline(model: Model, config: TpBenchConfig) -> float:
-    """ms per output token of the single-process onnx engine on the same model, prompt, token count and
-    threads, timed as a cluster is (prefill included, after a warm-up request)."""
-    return cluster_baseline_ms(model, model.tokenizer.encode(BENCH_PROMPT), config.tokens, config.threads,
+def single_baseline(model: Model, config: TpBenchConfig) -> RequestTiming:
+    """The single-process onnx engine on the same model, prompt, token count and threads, timed as a cluster is
+    (prefill included, after a warm-up request)."""
+    return cluster_baseline(model, model.tokenizer.encode(BENCH_PROMPT), config.tokens, config.threads,
                                config.activations, CONTEXT, WARMUP_TOKENS)
 
 
@@ -267,7 +314,7 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
     results = []
     # The master in this process is held to the nodes' BLAS threads: with a thread per core in every process
     # of one machine, they would slow each other down.
-    with threadpool_limits(config.threads):
+    with threadpool_limits(config.threads), pinned(device_cores(0, config.pin)):
         single = None
         if baseline:
             progress(f"single-process onnx engine, {config.threads} thread(s)")
@@ -276,7 +323,9 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
             results += _bench_cluster(config, model, nodes, losses, transports, progress, plans, rates)
     if single is None:
         return results
-    return [replace(r, single_ms_per_token=single, speedup=single / r.ms_per_token) for r in results]
+    return [replace(r, single_ms_per_token=single.ms_per_token, speedup=single.ms_per_token / r.ms_per_token,
+                    single_decode_ms_per_token=single.decode_ms_per_token,
+                    decode_speedup=single.decode_ms_per_token / r.decode_ms_per_token) for r in results]
 
 
 def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list[str], transports: list[str],
@@ -321,24 +370,28 @@ def tp_table(results: list[TpResult]) -> str:
     predicts at the speeds the devices showed in the run (its model of the run, to check against ms/token);
     "lost wait" is the part of "wait" spent in blocks that ended incomplete; "node" the busiest node's kernels;
     "sync" the time per synchronization beyond the slowest device's compute (µs); "speed-up" against the
-    single-process engine (--baseline)."""
+    single-process engine (--baseline); "decode" the one-token steps alone (ms/token includes the prompt's
+    prefill), with their speed-up over the single engine's."""
     rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
-            f"{'compute':>8} "
+            f"{'decode':>7} {'(x)':>6} {'compute':>8} "
             f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
             f"{'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
     for r in results:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
+        decode_speedup = "" if r.decode_speedup is None else f"{r.decode_speedup:.2f}x"
         memory = (f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f} (+{r.node_overhead_mb:.0f})"
                   if r.nodes else "-")
         rows.append(f"{r.nodes:>5} {r.devices_used:>4} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} "
-                    f"{r.predicted_ms_per_token:>6.1f} {speedup:>8} {r.compute_ms_per_token:>8.1f} "
+                    f"{r.predicted_ms_per_token:>6.1f} {speedup:>8} {r.decode_ms_per_token:>7.1f} {decode_speedup:>6} "
+                    f"{r.compute_ms_per_token:>8.1f} "
                     f"{r.node_compute_ms_per_token:>7.1f} "
                     f"{r.wait_ms_per_token:>8.1f} "
                     f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")
     if results and results[0].single_ms_per_token is not None:
-        rows.append(f"single-process onnx engine: {results[0].single_ms_per_token:.1f} ms/token")
+        rows.append(f"single-process onnx engine: {results[0].single_ms_per_token:.1f} ms/token, decode "
+                    f"{results[0].single_decode_ms_per_token:.1f}")
     return "\n".join(rows)
 
 

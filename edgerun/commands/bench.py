@@ -71,7 +71,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
                            parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
-                           activations=Activations(args.activations))
+                           activations=Activations(args.activations), pin=args.pin)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
@@ -312,5 +312,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="after a warm-up on the plan made with the declared speeds, replan with the speeds each "
                         "device's kernels showed when that is predicted at least 5%% faster, as `edgerun master` "
                         "does between prompts (default: on)")
+    p.add_argument("--pin", type=int, default=0, metavar="CORES",
+                   help="give each device CORES cores of its own, as separate machines have: the master (and the "
+                        "single engine) the first CORES, node i the next, wrapping around the cores this process may "
+                        "use (Linux CPU affinity; loopback only). Give a device more cores than --threads: its "
+                        "network and control threads need one too (default: 0, not pinned)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
