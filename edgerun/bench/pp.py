@@ -34,20 +34,22 @@ CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 
 def start_worker(port: int, name: str, budget_mb: float, speed: float | None = None,
-                 threads: int = 1) -> subprocess.Popen:
+                 threads: int = 1, spin_us: float = 0.0) -> subprocess.Popen:
     args = [sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master", f"127.0.0.1:{port}", "--key",
-            SECRET, "--name", name, "--memory-budget", str(budget_mb), "--threads", str(threads)]
+            SECRET, "--name", name, "--memory-budget", str(budget_mb), "--threads", str(threads),
+            "--spin-us", str(spin_us)]
     return subprocess.Popen(args + (["--speed", str(speed)] if speed else []), stderr=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
 def local_pipeline(model: Model, budgets: Sequence[float], max_len: int = 512,
-                   log: Callable[[str], None] = lambda _: None, threads: int = 1,
+                   log: Callable[[str], None] = lambda _: None, threads: int = 1, spin_us: float = 0.0,
                    **options: object) -> Iterator[tuple[PipelineMaster, list]]:
     """A pipeline master and one worker process per memory budget (w0, w1, ...), all connected."""
-    master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=max_len, **options),
-                            log=log)
-    workers = [start_worker(master.port, f"w{i}", budget, threads=threads) for i, budget in enumerate(budgets)]
+    master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=max_len,
+                                                                      spin_us=spin_us, **options), log=log)
+    workers = [start_worker(master.port, f"w{i}", budget, threads=threads, spin_us=spin_us)
+               for i, budget in enumerate(budgets)]
     try:
         master.wait_for_workers(len(budgets), timeout_s=120)
         yield master, workers
@@ -254,7 +256,8 @@ def _pipeline_ms(master: PipelineMaster, prompt: list[int], tokens: int) -> floa
 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
              activations: Activations = Activations.INT8, routes: Sequence[Route] = (Route.CHAIN, Route.STAR),
-             browsers: int = 0, progress: Callable[[str], None] = lambda _: None) -> tuple[list[PpRow], float]:
+             browsers: int = 0, progress: Callable[[str], None] = lambda _: None,
+             spin_us: float = 0.0) -> tuple[list[PpRow], float]:
     """Rows for each worker count and route (and, with `browsers`, each worker count with that many Chromium tabs
     added), and the single engine's ms/token, the native stages and the single engine computing with the same
     activations, all measured in this run."""
@@ -268,7 +271,7 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
         for route in routes:
             progress(f"{n} worker(s), route {route}")
             with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations,
-                                route=route) as (master, _):
+                                route=route, spin_us=spin_us) as (master, _):
                 rows.append(_row(master, n, 0, prompt, tokens, single))
         if browsers:
             progress(f"{n} worker(s) and {browsers} browser tab(s)")

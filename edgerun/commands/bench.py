@@ -110,7 +110,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         print(f"local pipeline: {m}...", file=sys.stderr, flush=True)
 
     rows, single = bench_pp(model, worker_counts, args.tokens, args.threads, activations, routes, args.browser,
-                            progress=progress)
+                            progress=progress, spin_us=args.spin_us)
     swaps = bench_swap(model, args.swap_context, args.threads, activations, progress) if args.swap_context else []
     if args.json:
         print(json.dumps([asdict(r) | {"single_ms_per_token": single, "activations": activations.value}
@@ -215,6 +215,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
     share_threads_arg(p, 1)
     activations_arg(p)
+    spin_arg(p)
     p.add_argument("--browser", type=int, default=0, metavar="N",
                    help="also time each worker count with N headless Chromium tabs in the pipeline (needs "
                         "Playwright and Debian's chromium; the tabs use --threads WebAssembly threads) (default: 0)")

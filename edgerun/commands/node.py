@@ -62,6 +62,7 @@ def cmd_node(args: argparse.Namespace) -> None:
     if args.mode == "pp":
         import asyncio
 
+        from edgerun.net.channel import spinning_event_loop
         from edgerun.pp.worker import PeerPortInUse, PipelineWorker
 
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
@@ -71,7 +72,8 @@ def cmd_node(args: argparse.Namespace) -> None:
         if not 0 <= args.peer_port < 65536:
             raise EdgerunError(f"--peer-port must be 0..65535, not {args.peer_port}")
         try:
-            asyncio.run(worker.run())
+            with asyncio.Runner(loop_factory=lambda: spinning_event_loop(args.spin_us / 1e6)) as runner:
+                runner.run(worker.run())
         except PeerPortInUse as e:
             raise EdgerunError(f"--peer-port {args.peer_port} is in use ({e})") from e
         except OSError as e:

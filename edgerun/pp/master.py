@@ -87,8 +87,13 @@ class PipelineConfig:
     # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV rows; a
     # request that starts with them sends only the rest.
     prefix: tuple[int, ...] = ()
+    # Poll this long for a reply before sleeping (when the master serves its routes itself): a sleeping process
+    # wakes late for a packet, once per token on the pipeline's path. Holds a core while generating.
+    spin_us: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.spin_us < 0:
+            raise EdgerunError(f"--spin-us must not be negative, not {self.spin_us}")
         if self.replicas < 1:
             raise EdgerunError(f"--replicas must be at least 1, not {self.replicas}")
         if self.objective not in ("sum", "max"):
@@ -122,7 +127,7 @@ class PipelineMaster:
         self.stats = PassStats()
         self.http: HttpServer | None = None
         sock = bind(config.host, config.port) if net is None else None  # first: a port in use fails at once
-        self.net = net or EventLoopThread()
+        self.net = net or EventLoopThread(config.spin_us / 1e6)
         self.net.call(self._on_loop)
         if sock is None:
             self.port = config.port
