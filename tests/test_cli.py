@@ -435,6 +435,8 @@ def test_bench_pp_rows_use_every_worker_and_compare_with_the_single_engine() -> 
     for r in rows:
         assert 0 < r["stage_ms_per_token"] < r["ms_per_token"]
         assert r["ratio_to_single"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
+        assert r["decode_ratio_to_single"] == pytest.approx(r["single_decode_ms_per_token"] / r["decode_ms_per_token"])
+        assert r["other_ms_per_token"] == pytest.approx(r["decode_ms_per_token"] - r["stage_ms_per_token"])
     bad = run_subprocess(["bench", "pp", "--workers", "0"])
     assert bad.returncode == 2 and "--workers" in bad.stderr
     bad = run_subprocess(["bench", "pp", "--route", "ring"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgerun.bench.single import cluster_baseline_ms
+from edgerun.bench.single import RequestTiming, cluster_baseline
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.loader import Model
@@ -210,9 +210,11 @@ class PpRow:
     route: str  # how passes went: "chain" (stage to stage) or "star" (through the master)
     stages: int  # stages the plan used
     ms_per_token: float  # a request's time (prefill included) per generated token
+    decode_ms_per_token: float  # its one-token steps alone
     stage_ms_per_token: float  # the stages' own compute per decode step, as the workers report it
-    other_ms_per_token: float  # the rest: transfers between master and stages, the master's work
+    other_ms_per_token: float  # the rest of a decode step: transfers between master and stages, the master's work
     ratio_to_single: float  # the single-process engine's ms/token over this row's: above 1 is faster
+    decode_ratio_to_single: float  # the same for the one-token steps alone
     # With browser tabs: the first tab's stage, its mean one-token pass in the tab, and a native pass over the same
     # layers at the same threads in this process, with the row's activations and with float32 ones.
     tab_layers: str | None = None
@@ -246,24 +248,24 @@ SWAP_TOKENS = 128  # a swap benchmark's request: long enough for the staged plan
 WARMUP_TOKENS = 8  # a request before the timed one: sessions, caches, the workers' speed samples
 
 
-def _pipeline_ms(master: PipelineMaster, prompt: list[int], tokens: int) -> float:
-    """ms per output token, timed as cluster_baseline_ms times the single engine."""
+def _pipeline_timing(master: PipelineMaster, prompt: list[int], tokens: int) -> RequestTiming:
+    """A request timed as cluster_baseline times the single engine."""
     master.generate(prompt, WARMUP_TOKENS)
     start = time.perf_counter()
-    generated = master.generate(prompt, tokens)
-    return (time.perf_counter() - start) / max(1, len(generated)) * 1e3
+    result = generate(master, prompt, tokens, Sampler(SamplingParams()))
+    return RequestTiming.of(result, time.perf_counter() - start)
 
 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
              activations: Activations = Activations.INT8, routes: Sequence[Route] = (Route.CHAIN, Route.STAR),
              browsers: int = 0, progress: Callable[[str], None] = lambda _: None,
-             spin_us: float = 0.0) -> tuple[list[PpRow], float]:
+             spin_us: float = 0.0) -> tuple[list[PpRow], RequestTiming]:
     """Rows for each worker count and route (and, with `browsers`, each worker count with that many Chromium tabs
     added), and the single engine's ms/token, the native stages and the single engine computing with the same
     activations, all measured in this run."""
     progress(f"single-process onnx engine, {threads} thread(s)")
     prompt = model.tokenizer.encode(PROMPT)
-    single = cluster_baseline_ms(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
+    single = cluster_baseline(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
     layers = model_profile(model.name, model.config, model.weights, context=CONTEXT).layer_memory_bytes
     rows = []
     for n in worker_counts:
@@ -280,24 +282,26 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
 
 
 def _row(master: PipelineMaster, workers: int, browsers: int, prompt: list[int], tokens: int,
-         single: float) -> PpRow:
+         single: RequestTiming) -> PpRow:
     plan = master.start()
     # A shadow plan's workers download and load their stages after the start: time the pipeline after that.
     deadline = time.monotonic() + SETTLE_S
     while time.monotonic() < deadline and not master.deployment.settled:
         time.sleep(0.1)
     before = dataclasses.replace(master.stats)
-    ms = _pipeline_ms(master, prompt, tokens)
+    timing = _pipeline_timing(master, prompt, tokens)
     passes = master.stats.decode_passes - before.decode_passes
     stage_s = master.stats.decode_stage_s - before.decode_stage_s
     steps = passes / len(plan.stages)  # one-token steps (warm-up included: the per-step mean holds)
     stage_ms = stage_s / steps * 1e3 if steps else 0.0
     taken = Route.CHAIN if master.deployment.chained else Route.STAR
-    return PpRow(workers, browsers, str(taken), len(plan.stages), ms, stage_ms, ms - stage_ms, single / ms)
+    ms, decode_ms = timing.ms_per_token, timing.decode_ms_per_token
+    return PpRow(workers, browsers, str(taken), len(plan.stages), ms, decode_ms, stage_ms, decode_ms - stage_ms,
+                 single.ms_per_token / ms, single.decode_ms_per_token / decode_ms)
 
 
 def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], tokens: int, threads: int,
-                 activations: Activations, single: float, layers: Sequence[float]) -> PpRow:
+                 activations: Activations, single: RequestTiming, layers: Sequence[float]) -> PpRow:
     """A pipeline of native workers and Chromium tabs, each with a budget that makes the plan use all of them
     (tabs on WebAssembly hold float32 matrices: their budget is scaled up to hold as many layers), and the first
     tab's stage timed natively in this process."""
@@ -420,13 +424,16 @@ def swap_table(rows: Sequence[SwapRow]) -> str:
     return "\n".join(lines)
 
 
-def pp_table(rows: Sequence[PpRow], single: float, activations: Activations) -> str:
-    lines = [f"{'workers':>7} {'browser':>7} {'route':>5} {'stages':>6} {'ms/token':>9} {'stages ms':>9} "
-             f"{'other ms':>8} {'vs single':>9}"]
+def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activations) -> str:
+    """ms/token of whole requests (the prompt's prefill included) and of their one-token steps alone ("decode"),
+    which are the stages' own compute ("stages") and the rest ("other": transfers, the master)."""
+    lines = [f"{'workers':>7} {'browser':>7} {'route':>5} {'stages':>6} {'ms/token':>9} {'vs single':>9} "
+             f"{'decode':>7} {'vs single':>9} {'stages ms':>9} {'other ms':>8}"]
     lines += [f"{r.workers:>7} {r.browser:>7} {r.route:>5} {r.stages:>6} {r.ms_per_token:>9.1f} "
-              f"{r.stage_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.ratio_to_single:>8.2f}x" for r in rows]
-    lines.append(f"single-process onnx engine: {single:.1f} ms/token ({activations.value} activations, as the native "
-                 "stages)")
+              f"{r.ratio_to_single:>8.2f}x {r.decode_ms_per_token:>7.1f} {r.decode_ratio_to_single:>8.2f}x "
+              f"{r.stage_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f}" for r in rows]
+    lines.append(f"single-process onnx engine: {single.ms_per_token:.1f} ms/token, decode "
+                 f"{single.decode_ms_per_token:.1f} ({activations.value} activations, as the native stages)")
     for r in rows:
         if r.tab_layers is not None:
             lines.append(f"{r.workers} worker(s) + {r.browser} tab(s): layers {r.tab_layers} take {r.tab_pass_ms:.1f} "

@@ -113,7 +113,9 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
                             progress=progress, spin_us=args.spin_us)
     swaps = bench_swap(model, args.swap_context, args.threads, activations, progress) if args.swap_context else []
     if args.json:
-        print(json.dumps([asdict(r) | {"single_ms_per_token": single, "activations": activations.value}
+        print(json.dumps([asdict(r) | {"single_ms_per_token": single.ms_per_token,
+                                       "single_decode_ms_per_token": single.decode_ms_per_token,
+                                       "activations": activations.value}
                           for r in rows] + [{"swap": r.kind} | asdict(r) | {"pause_ms": r.pause_ms} for r in swaps],
                          indent=2))
     else:
