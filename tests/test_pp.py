@@ -135,6 +135,31 @@ def test_killing_a_worker_mid_generation_recovers_identically(model: Model, refe
         print(f"recovered in {master.recovery_seconds[0]:.2f} s")
 
 
+def test_a_spare_worker_that_loaded_a_running_stage_ahead_takes_it_over(model: Model,
+                                                                          reference_tokens: list[int]) -> None:
+    """Three workers, two stages: the spare cannot hold a whole standby plan, so it loads the first running stage
+    ahead. Killing that stage's worker hands the stage to the spare as it is, the other worker keeps its own,
+    and the output is the reference's."""
+    with pipeline(model, [80, 80, 80]) as (master, workers):
+        plan = master.start()
+        deadline = time.monotonic() + 120
+        while not master.deployment.covers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        covers = dict(master.deployment.covers)
+        assert len(covers) == 1, master.logs
+        spare, stage = next(iter(covers.items()))
+        assert spare not in {s.worker for s in plan.stages}
+        covered = next(s for s in plan.stages if (s.first_layer, s.end_layer) == (stage.first_layer, stage.end_layer))
+        kept = [s for s in plan.stages if s != covered]
+        kill_at_ten = kill_after(10, workers[int(covered.worker[1:])])
+        tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS, on_token=kill_at_ten)
+        assert tokens[:10] == reference_tokens[:10] and tokens == replayed(model, master, 0)
+        assert any(f"{spare} takes {covered.worker}'s layers {stage.first_layer}-{stage.end_layer - 1} (loaded "
+                   "ahead)" in line for line in master.logs), master.logs
+        assert set(master.plan.stages) == {stage, *kept}
+        print(f"recovered in {master.recovery_seconds[0]:.2f} s")
+
+
 class WrongShapeWorker(PipelineWorker):
     """Loads its stage like any worker, then answers every computation to the master with garbage."""
 

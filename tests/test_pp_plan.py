@@ -18,11 +18,13 @@ from edgerun.sched.pp_plan import (
     CostTriple,
     Layers,
     SearchParams,
+    Stage,
     Worker,
     accept,
     anneal_search,
     assign_in_order,
     choose_method,
+    cover_stages,
     exec_cost_us,
     init_cost,
     layers_from_model,
@@ -31,6 +33,7 @@ from edgerun.sched.pp_plan import (
     plan_pp,
     pp_plan_from_json,
     random_search,
+    replacement_plan,
     rho,
     shadow_plan,
     workers_from_devices,
@@ -312,6 +315,36 @@ def test_current_plan_counts_as_cached():
     fresh = plan_pp(m, devices[:2], server_up=True)
     assert again.stages == current.stages
     assert again.cost.init_sum < fresh.cost.init_sum
+
+
+def test_a_lost_stage_goes_to_a_spare_that_covers_it_and_the_others_stay():
+    m, devices = two_stage_setup()  # every device holds two of the four layers
+    current = plan_pp(m, devices[:2])
+    first, second = current.stages
+    everyone = {"a", "b", "c", "d"}
+
+    def fits(worker: str, stage: Stage) -> bool:
+        return worker != "d"  # d's budget holds neither stage
+
+    # c covers the first stage; the second stage's worker is lost: no spare has it loaded, c takes it anyway.
+    covers = cover_stages(current, ["d", "c"], fits)
+    assert covers == (Stage("c", first.first_layer, first.end_layer),)
+    lost_second = replacement_plan(current, everyone - {second.worker}, ["d", "c"], fits, {"c": covers[0]})
+    assert lost_second.stages == (first, Stage("c", second.first_layer, second.end_layer))
+    assert lost_second.method == "replacement" and lost_second.complete
+    # With two spares that fit, the one holding the lost stage loaded ahead is chosen over the first in order.
+    loaded = {"d": Stage("d", second.first_layer, second.end_layer)}
+    both = replacement_plan(current, everyone - {second.worker}, ["c", "d"], lambda w, s: True, loaded)
+    assert both.stages == (first, loaded["d"])
+    # Nothing lost, or no spare that can take a lost stage: None (plan afresh).
+    assert replacement_plan(current, everyone, ["c", "d"], fits) is None
+    assert replacement_plan(current, everyone - {first.worker}, ["d"], fits) is None
+    assert replacement_plan(current, everyone - {first.worker, "c"}, ["c", "d"], fits) is None
+    # Both stages lost: each takes a spare of its own.
+    two = replacement_plan(current, {"c", "d"}, ["c", "d"], lambda w, s: True)
+    assert [s.worker for s in two.stages] == ["c", "d"]
+    assert cover_stages(current, ["c", "d"], lambda w, s: True) == tuple(
+        Stage(w, s.first_layer, s.end_layer) for w, s in zip("cd", current.stages, strict=True))
 
 
 def test_shadow_plans():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -31,7 +32,17 @@ from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import PpMsg
 from edgerun.pp.workers import SPEED_SAMPLES, WorkerConn, WorkerLost, Workers
-from edgerun.sched.pp_plan import SHADOW_MODES, CostParams, PPPlan, Stage, accept, plan_pp, shadow_plan
+from edgerun.sched.pp_plan import (
+    SHADOW_MODES,
+    CostParams,
+    PPPlan,
+    Stage,
+    accept,
+    cover_stages,
+    plan_pp,
+    replacement_plan,
+    shadow_plan,
+)
 from edgerun.sched.profiles import DeviceProfile, model_profile
 
 REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan this often
@@ -99,6 +110,7 @@ class Deployment:
         self.staged: PPPlan | None = None  # a better plan whose files are on its workers: swapped in mid-request
         self.shadow: PPPlan | None = None  # a standby plan whose files are on its workers: taken on a loss
         self.preloaded: set[str] = set()  # workers holding the staged (or shadow) plan's stage loaded beside theirs
+        self.covers: dict[str, Stage] = {}  # spare workers holding a running stage loaded ahead (cover_stages)
         self.shadow_stale = False  # a worker joined since the shadow plan was made
         self.kept_kv: dict[str, list[int]] = {}  # per worker, the layers whose KV it handed over itself (hot swap)
         # Per (worker, layer), the KV rows copied into its staged stage while the request ran (hot swap).
@@ -185,12 +197,38 @@ class Deployment:
 
     def fallback(self) -> PPPlan | None:
         """After a loss: the staged plan, else the shadow plan, if all their workers are alive (their files
-        are on them already: only the sessions load). None: plan afresh."""
+        are on them already: only the sessions load); else the running plan with the lost stages handed to spare
+        workers, which load at most those (nothing where a spare covers its stage). None: plan afresh."""
         for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
             if self.ready(plan):
                 self.log(f"falling back to the {name} plan: {describe(plan)}")
                 return plan
-        return None
+        if self.plan is None:
+            return None
+        alive = {w.name for w in self.workers.alive()}
+        replacement = replacement_plan(self.plan, alive, self._spares(), self._fits, self.covers)
+        if replacement is not None:
+            handed = [f"{new.worker} takes {old.worker}'s layers {new.first_layer}-{new.end_layer - 1}"
+                      + (" (loaded ahead)" if self.covers.get(new.worker) == new else "")
+                      for old, new in zip(self.plan.stages, replacement.stages, strict=True) if old != new]
+            self.log(f"replacing lost workers: {'; '.join(handed)}")
+        return replacement
+
+    def _covered(self) -> bool:
+        """Spare workers hold running stages loaded ahead, and are still spare and alive."""
+        spares = set(self._spares())
+        running = {(s.first_layer, s.end_layer) for s in self.plan.stages} if self.plan else set()
+        return bool(self.covers) and all(w in spares and (s.first_layer, s.end_layer) in running
+                                         for w, s in self.covers.items())
+
+    def _spares(self) -> list[str]:
+        """Live workers that serve no stage of the running plan, fastest first."""
+        serving = {name for names in self.stage_workers for name in names}
+        return [w.name for w in sorted(self.workers.alive(), key=lambda w: -w.measured_speed)
+                if w.name not in serving]
+
+    def _fits(self, worker: str, stage: Stage) -> bool:
+        return self._stage_mb(stage.first_layer, stage.end_layer) <= self.budget_mb(self.workers[worker])
 
     # --- looking for better plans ----------------------------------------------------------------------
     async def repartition_loop(self) -> None:
@@ -230,25 +268,49 @@ class Deployment:
                     return
             self.log("repartitioning (a better plan)")
             await self.replan(candidate)
-        elif self.shadow_stale or not self.ready(self.shadow):
+        elif self.shadow_stale or not (self.ready(self.shadow) or self._covered()):
             await self._prepare_shadow(devices)
 
     async def _prepare_shadow(self, devices: list[DeviceProfile]) -> None:
         """Seed 003 §5.2.5: first a plan on workers outside the running one (strict), else one where its
-        workers take only layers they do not run (redundancy); its workers download their stages now."""
+        workers take only layers they do not run (redundancy); its workers download their stages now. Where the
+        spare workers cannot hold a strict plan but can hold some running stages, they load those ahead instead
+        (covers, which a recovery hands over as they are) and no redundancy plan is made: its workers serve
+        already and rarely have room to load anything ahead, and a worker holds one stage loaded ahead."""
         self.shadow_stale = False
         since = time.monotonic() - self.deployed_at
         for mode in SHADOW_MODES:
+            if mode == "redundancy" and self.plan is not None and await self._prepare_covers():
+                return
             plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
                 self.profile, devices, self.plan, mode=mode, objective=self.objective,
                 seconds_since_redistribution=since, server_up=self.state == PipelineState.UP,
                 params=self.cost_params()))
             if plan.complete:
+                self.covers = {}  # the spares' preloads are the shadow plan's now
                 await self._download_plan(plan)
                 await self._preload(plan)  # a fallback to it then loads nothing where its workers had room
                 self.shadow = plan
                 self.log(f"shadow plan ({mode}) standing by: {describe(plan)}")
                 return
+
+    async def _prepare_covers(self) -> bool:
+        """Spare workers load running stages ahead (cover_stages); True if any did."""
+        native = [name for name in self._spares() if self.workers[name].kind == "native"
+                  and not self.dequantized(self.workers[name])]
+        covers = cover_stages(self.plan, native, self._fits)
+        if not covers:
+            return False
+        if all(self.covers.get(s.worker) == s for s in covers):
+            return True  # loaded ahead already
+        plan = dataclasses.replace(self.plan, stages=covers, complete=False, method="cover")
+        await self._download_plan(plan)
+        await self._preload(plan)  # until it is done, a recovery may hand over the covers it replaces
+        self.covers = {s.worker: s for s in covers if s.worker in self.preloaded}
+        if self.covers:
+            self.log("running stages loaded ahead on spare workers: " + "; ".join(
+                f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in self.covers.values()))
+        return bool(self.covers)
 
     async def _download_plan(self, plan: PPPlan) -> None:
         """Every worker of `plan` fetches its stage's files into its cache (DOWNLOAD_LAYERS), in the
@@ -419,7 +481,7 @@ class Deployment:
     async def _deploy(self, plan: PPPlan | None, hot: bool = False) -> PPPlan:
         self.state = PipelineState.COMMITTING if hot else PipelineState.DOWN
         self.staged = self.shadow = None  # both were made for the plan being replaced
-        self.preloaded, self.kept_kv = set(), {}
+        self.preloaded, self.kept_kv, self.covers = set(), {}, {}
         precopied, self.precopied = self.precopied, {}
         plan = plan or await self._plan(self.devices())
         self.log(f"plan: {describe(plan)}")

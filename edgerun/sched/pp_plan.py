@@ -20,8 +20,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -694,6 +694,45 @@ def shadow_plan(model: ModelProfile, devices: Sequence[DeviceProfile], current: 
                        seconds_since_redistribution=seconds_since_redistribution, server_up=server_up,
                        params=params, search=search, seed=seed, clock=clock,
                        reuse=in_use if mode == "redundancy" else None)
+
+
+def cover_stages(current: PPPlan, spares: Sequence[str], fits: Callable[[str, Stage], bool]) -> tuple[Stage, ...]:
+    """Stages of `current` for spare workers to load ahead, each the very layers a serving worker runs, one per
+    spare, in stage order: where no spare set can hold a whole plan (a strict shadow), a loss of a covered stage's
+    worker is still recovered by handing its stage over (replacement_plan) with nothing to load."""
+    free = list(spares)
+    covers = []
+    for s in current.stages:
+        taker = next((w for w in free if fits(w, s)), None)
+        if taker is not None:
+            free.remove(taker)
+            covers.append(Stage(taker, s.first_layer, s.end_layer))
+    return tuple(covers)
+
+
+def replacement_plan(current: PPPlan, alive: Collection[str], spares: Sequence[str],
+                     fits: Callable[[str, Stage], bool], loaded: Mapping[str, Stage] | None = None) -> PPPlan | None:
+    """After workers are lost: `current` with each stage whose worker is gone handed to a spare worker (alive, in
+    no stage), the others kept where they are, with their sessions and KV caches. A spare that has that very stage
+    loaded ahead (`loaded`: worker -> stage) comes first, then the first spare whose budget holds it (`fits`).
+    None when no stage was lost, or a lost one finds no spare: plan afresh then. The plan keeps `current`'s
+    predicted costs (a spare is priced when the repartition loop next compares plans)."""
+    loaded = loaded or {}
+    free = [w for w in spares if w in alive]
+    stages = []
+    for s in current.stages:
+        if s.worker in alive:
+            stages.append(s)
+            continue
+        ready = [w for w in free if loaded.get(w) == Stage(w, s.first_layer, s.end_layer)]
+        takers = ready or [w for w in free if fits(w, s)]
+        if not takers:
+            return None
+        free.remove(takers[0])
+        stages.append(Stage(takers[0], s.first_layer, s.end_layer))
+    if tuple(stages) == current.stages:
+        return None
+    return replace(current, stages=tuple(stages), method="replacement")
 
 
 def plan_exec_us(plan: PPPlan, model: ModelProfile, devices: Sequence[DeviceProfile], *,
