@@ -16,6 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from edgerun.errors import EdgerunError
 from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_engine import OnnxEngine
@@ -343,7 +344,7 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
 
     path = synth_gguf(tiny_spec(tied=False))
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
-                 "--group-size", "64", "--baseline", "--plan", "minmax", "--no-rebalance", "--json"]) == 0
+                 "--group-size", "64", "--baseline", "--plan", "minmax", "--no-rebalance", "--pin", "1", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["transport"] for r in results] == ["udp", "tcp"]
     for r in results:
@@ -355,11 +356,32 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         assert r["node_overhead_mb"] == pytest.approx(r["node_peak_rss_mb"] - r["node_weight_mb"] - r["node_kv_mb"])
         assert r["single_ms_per_token"] > 0
         assert r["speedup"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
+        # The one-token steps alone, beside the whole request's (which has the prompt's prefill).
+        assert r["decode_ms_per_token"] > 0 and r["single_decode_ms_per_token"] > 0
+        assert r["decode_speedup"] == pytest.approx(r["single_decode_ms_per_token"] / r["decode_ms_per_token"])
         assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
     from edgerun.bench.tp import TpResult, tp_table
 
     table = tp_table([TpResult(**{k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
+
+
+def test_pinned_devices_take_cores_of_their_own_in_turn() -> None:
+    from edgerun.bench.tp import USABLE_CORES, TpBenchConfig, device_cores, pinned
+
+    n = len(USABLE_CORES)
+    assert device_cores(0, 0) is None  # not pinned
+    assert device_cores(0, 1) == {USABLE_CORES[0]} and device_cores(1, 1) == {USABLE_CORES[1 % n]}
+    assert device_cores(n, 1) == {USABLE_CORES[0]}  # more devices than cores: around again
+    assert len(device_cores(1, 2)) == min(2, n)
+    before = os.sched_getaffinity(0)
+    with pinned(device_cores(0, 1)):
+        assert os.sched_getaffinity(0) == {USABLE_CORES[0]}
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(EdgerunError, match="--pin"):
+        TpBenchConfig(pin=1, loss_at="testbed")
+    with pytest.raises(EdgerunError, match="--pin"):
+        TpBenchConfig(pin=-1)
 
 
 def test_measured_loss_puts_the_lossy_node_on_the_least_important_groups(tiny_spec, synth_gguf) -> None:

@@ -131,8 +131,8 @@ def cmd_master(args: argparse.Namespace) -> None:
         prefix = chat_template_prefix(model.tokenizer) if args.chat else []
         pipeline = PipelineMaster(model, cluster_key(args), PipelineConfig(
             host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
-            activations=Activations(args.activations), route=Route(args.route), prefix=tuple(prefix)),
-            log=log)  # a port in use: one line (EdgerunError)
+            activations=Activations(args.activations), route=Route(args.route), prefix=tuple(prefix),
+            spin_us=args.spin_us), log=log)  # a port in use: one line (EdgerunError)
         log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:
