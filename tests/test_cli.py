@@ -498,7 +498,7 @@ def test_pp_node_device_choice(capsys: Capsys) -> None:
     means the CPU and `cuda` is refused with the reason."""
     import onnxruntime as ort
 
-    from edgerun.model.onnx_engine import execution_providers
+    from edgerun.model.session import execution_providers
 
     assert execution_providers("cpu") == ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" in ort.get_available_providers():

@@ -414,8 +414,8 @@ def test_kv_rows_move_between_stage_sessions_in_parts_or_by_handover(model: Mode
     """A stage session's KV rows, fetched in two parts (`since`) and loaded into another session, or its buffers
     adopted by one that holds the same layers, let that session go on exactly as the first does; rows that do
     not fit are refused."""
-    from edgerun.model.onnx_engine import StageSession
     from edgerun.model.onnx_graph import StageSpec, cached_stage
+    from edgerun.model.session import StageSession
     from edgerun.pp.worker import hand_over_kv
 
     c = model.config

@@ -12,8 +12,8 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
-from edgerun.model.onnx_engine import StageSession
 from edgerun.model.onnx_graph import StageSpec
+from edgerun.model.session import StageSession
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -151,7 +151,7 @@ def moe_table(rows: list[MoeRow], single_ms: float) -> str:
 
 def default_moe_model() -> Path:
     """moe-tiny, written once into the cache: the benchmark's model when none is given."""
-    from edgerun.model.onnx_graph import cache_root
+    from edgerun.cache import cache_root
     from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
 
     path = cache_root() / "models" / "moe-tiny.gguf"

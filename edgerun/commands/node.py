@@ -29,8 +29,6 @@ from edgerun.commands.common import (
 
 def cmd_node(args: argparse.Namespace) -> None:
     limit_blas_threads(args.threads)
-    from edgerun.tp.node import run_node
-
     profile = None
     if args.profile is not None:
         from edgerun.sched.profiles import load_device
@@ -62,7 +60,7 @@ def cmd_node(args: argparse.Namespace) -> None:
     if args.mode == "pp":
         import asyncio
 
-        from edgerun.net.channel import spinning_event_loop
+        from edgerun.net.loops import spinning_event_loop
         from edgerun.pp.worker import PeerPortInUse, PipelineWorker
 
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
@@ -79,6 +77,8 @@ def cmd_node(args: argparse.Namespace) -> None:
         except OSError as e:
             raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
         return
+    from edgerun.tp.node import run_node  # here: a pipeline or expert worker starts without the TP stack
+
     master = host_port(args.master)
     try:
         run_node(master, args.model, cluster_key(args), name, args.memory_budget, args.speed, loss_arg(args),

@@ -89,3 +89,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def kv_names(layer: int) -> tuple[str, str, str, str]:
+    """A layer's KV cache inputs and outputs in every graph (stages, the whole model)."""
+    return f"past_key_{layer}", f"past_value_{layer}", f"present_key_{layer}", f"present_value_{layer}"

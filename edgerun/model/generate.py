@@ -6,15 +6,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
-from edgerun.model.loader import Model
-from edgerun.model.reference import KVCache, ReferenceModel
 from edgerun.model.sampling import Sampler
+
+if TYPE_CHECKING:  # the GGUF reader and the numpy model load with a model, not with this module (every command's
+    # parser reads ENGINES from it)
+    from edgerun.model.loader import Model
+    from edgerun.model.reference import KVCache
 
 # "onnx" quantizes activations to int8 inside MatMulNBits (Activations.INT8: fast, close to but not bit-close to
 # numpy); "onnx-f32" keeps them float32 (what the numpy reference computes, to rounding).
@@ -65,6 +68,8 @@ class ReferenceEngine:
     name = "numpy"
 
     def __init__(self, model: Model, max_len: int, group_size: int = 256) -> None:
+        from edgerun.model.reference import ReferenceModel
+
         self.reference = ReferenceModel(model.config, model.weights, group_size)
         self.config = model.config
         self.max_len = max_len

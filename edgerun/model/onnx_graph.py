@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -28,7 +27,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from edgerun.model.config import ModelConfig
+from edgerun.cache import cache_root
+from edgerun.model.config import ModelConfig, kv_names
 from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
 from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
@@ -88,10 +88,6 @@ class StageSpec:
             raise ValueError("only the stage holding layer 0 can hold the embedding")
         if self.lm_head and self.end_layer != config.n_layers:
             raise ValueError("only the stage holding the last layer can hold the LM head")
-
-
-def kv_names(layer: int) -> tuple[str, str, str, str]:
-    return f"past_key_{layer}", f"past_value_{layer}", f"present_key_{layer}", f"present_value_{layer}"
 
 
 class _GraphWriter:
@@ -400,10 +396,6 @@ def _norm(g: _GraphWriter, residual: str, pending: str | None, weight: np.ndarra
     y, _, _, total = g.node("SkipSimplifiedLayerNormalization", [pending, residual, w], n_outputs=4,
                             domain="com.microsoft", epsilon=eps)
     return y, total
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EDGERUN_CACHE", Path.home() / ".cache" / "edgerun"))
 
 
 def cached_stage(model_path: Path, config: ModelConfig, weights: ModelWeights, spec: StageSpec) -> Path:

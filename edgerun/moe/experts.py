@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edgerun.cache import cache_root
 from edgerun.model.config import ModelConfig
-from edgerun.model.onnx_engine import session_options
-from edgerun.model.onnx_graph import Activations, cache_root, expert_graph
+from edgerun.model.onnx_graph import Activations, expert_graph
 from edgerun.model.quant import QuantTensor
+from edgerun.model.session import session_options
 from edgerun.model.weights import ExpertWeights, ModelWeights
 
 MATRICES = ("w_gate", "w_up", "w_down")

@@ -32,10 +32,11 @@ from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from edgerun.cache import cache_root
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
-from edgerun.model.onnx_graph import Activations, cache_root, expert_graph, shard_weights_path
+from edgerun.model.onnx_graph import Activations, expert_graph, shard_weights_path
 from edgerun.model.reference import KVCache, ReferenceModel, kept_gate_scale, rms_norm, rope_tables, route
 from edgerun.model.sampling import Sampler
 from edgerun.moe.experts import expert_blobs

@@ -14,14 +14,15 @@ import threading
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import FileResponse, PlainTextResponse, Response
-from starlette.routing import BaseRoute, Route
+from edgerun.cache import cache_root
 
-from edgerun.model.onnx_graph import cache_root
-from edgerun.net.http_server import HttpServer, bind
+if TYPE_CHECKING:  # the HTTP stack is imported where a file is served: fetching needs none of it (a worker starts
+    # faster without it)
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import BaseRoute
 
 
 def _hash_file(path: Path, digest: hashlib._Hash) -> None:
@@ -57,6 +58,8 @@ def model_sha256(path: Path) -> str:
 
 def model_routes(path: Path, sha256: str) -> list[BaseRoute]:
     """The route that serves a model file at /model/<sha256>."""
+    from starlette.responses import FileResponse, PlainTextResponse
+    from starlette.routing import Route
 
     async def model_file(request: Request) -> Response:
         if request.path_params["sha256"] != sha256 or not path.is_file():
@@ -70,6 +73,10 @@ class ModelServer:
     """Serves exactly one file at /model/<sha256> on a port of its own; everything else is 404."""
 
     def __init__(self, path: Path, sha256: str, host: str = "0.0.0.0", port: int = 0) -> None:
+        from starlette.applications import Starlette
+
+        from edgerun.net.http_server import HttpServer, bind
+
         self.http = HttpServer(Starlette(routes=model_routes(path, sha256)), bind(host, port))
         self.port = self.http.port
 

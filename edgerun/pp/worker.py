@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import websockets
 
+from edgerun.cache import cache_root
 from edgerun.model.config import ModelConfig
-from edgerun.model.onnx_engine import StageSession, execution_providers
-from edgerun.model.onnx_graph import cache_root
 from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.model.session import StageSession, execution_providers
 from edgerun.net.backoff import Backoff
 from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame

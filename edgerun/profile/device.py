@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from edgerun.net.probe import measure_link
 from edgerun.profile.memory import memory_read_bandwidth
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory
 
@@ -112,6 +111,8 @@ def measure_device(*, name: str | None = None, model_path: Path | None = None, m
     link = LOOPBACK_LINK
     if master:
         progress(f"link to {master[0]}:{master[1]}")
+        from edgerun.net.probe import measure_link  # the network stack, only for a profile against a master
+
         m = measure_link(*master)
         link = Link(rtt_ms=m.rtt_ms, up_mbit=m.up_mbit, down_mbit=m.down_mbit, loss_rate=m.loss_rate)
         sources["link"] = f"{m.probes_sent} UDP echoes ({m.probes_lost} lost), 16 MB TCP each way"

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
-from edgerun.model.weights import ModelWeights
+
+if TYPE_CHECKING:  # a type here: the GGUF reader stays out of processes that only plan or describe devices
+    from edgerun.model.weights import ModelWeights
 
 DEVICE_SCHEMA = "edgerun.device/1"
 ACTIVATION_BYTES = 4  # float32 hidden states on the wire and in the KV cache

@@ -32,7 +32,6 @@ import numpy as np
 import onnxruntime as ort
 
 from edgerun.model.config import ModelConfig
-from edgerun.model.onnx_engine import session_options
 from edgerun.model.onnx_graph import (
     Activations,
     cache_root,
@@ -45,6 +44,7 @@ from edgerun.model.onnx_graph import (
 )
 from edgerun.model.quant import dequantize_columns
 from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
+from edgerun.model.session import session_options
 from edgerun.model.weights import LayerWeights, ModelWeights
 from edgerun.net.wire import Block
 from edgerun.profile.memory import release_mapped_files

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from edgerun.net.channel import EventLoopThread, SpinningSelector, spinning_event_loop
+from edgerun.net.channel import EventLoopThread
+from edgerun.net.loops import SpinningSelector, spinning_event_loop
 
 
 @pytest.fixture

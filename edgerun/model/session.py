@@ -1,0 +1,147 @@
+"""onnxruntime sessions of stage graphs: their options and providers, and StageSession, which runs a layer range
+with its KV cache bound in place. Imports onnxruntime and numpy only, so a pipeline worker starts without the
+graph builder (onnx) or the GGUF reader."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from edgerun.errors import EdgerunError
+from edgerun.model.config import ModelConfig, kv_names
+
+
+def session_options(threads: int | None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    if threads:
+        so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def execution_providers(device: str = "cpu") -> list[str]:
+    """onnxruntime's providers for a device: "cuda" needs the onnxruntime-gpu package (its CUDA provider),
+    "auto" takes CUDA where that package offers it and the CPU otherwise."""
+    if device not in DEVICES:
+        raise EdgerunError(f"unknown device {device!r} ({', '.join(DEVICES)})")
+    has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    if device == "cuda" and not has_cuda:
+        raise EdgerunError("--device cuda needs onnxruntime-gpu, whose CUDA provider this onnxruntime lacks "
+                           f"(it offers {', '.join(ort.get_available_providers())})")
+    if device != "cpu" and has_cuda:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+class StageSession:
+    """One stage graph (a layer range) in onnxruntime, with its layers' KV buffers bound as both past
+    and present, so the attention kernel appends in place. Used whole by OnnxEngine and per stage by
+    pipeline workers."""
+
+    def __init__(self, graph_dir: Path, config: ModelConfig, first_layer: int, end_layer: int, max_len: int,
+                 threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
+        self.config, self.layers, self.max_len = config, range(first_layer, end_layer), max_len
+        # With CUDA the KV buffers stay in host memory, bound as on the CPU; onnxruntime copies them.
+        self.session = ort.InferenceSession(str(Path(graph_dir) / "model.onnx"), session_options(threads),
+                                            providers=list(providers))
+        self.input_name = self.session.get_inputs()[0].name  # "input_ids" or "hidden"
+        self.output_name = self.session.get_outputs()[0].name  # "logits" or "hidden_out"
+        self.kv: dict[str, np.ndarray] = {}  # the bound KV buffers (onnxruntime shares their memory)
+        self.prefix: tuple[int, dict[str, np.ndarray]] | None = None  # a saved prefix's length and KV rows
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every cached position."""
+        c = self.config
+        self.position = 0
+        shape = (1, c.n_kv_heads, self.max_len, c.head_dim)
+        self.binding = self.session.io_binding()
+        self.binding.bind_output(self.output_name)  # first, so it is output 0
+        for i in self.layers:
+            past_k, past_v, present_k, present_v = kv_names(i)
+            for past, present in ((past_k, present_k), (past_v, present_v)):
+                self.kv[past] = np.zeros(shape, np.float32)
+                buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
+                self.binding.bind_ortvalue_input(past, buffer)
+                self.binding.bind_ortvalue_output(present, buffer)
+
+    def warm_up(self) -> None:
+        """Run one position and forget it: a session's first run allocates what later runs reuse, which would
+        otherwise fall on the first real token (a hot swap's, the moment it is timed)."""
+        x = np.zeros((1, 1), np.int64) if self.input_name == "input_ids" else \
+            np.zeros((1, 1, self.config.hidden), np.float32)
+        self.run(x)
+        self.reset()
+
+    def save_prefix(self) -> None:
+        """Keep the KV rows of every position cached so far (a shared prompt prefix)."""
+        self.prefix = (self.position, {name: a[:, :, :self.position].copy() for name, a in self.kv.items()})
+
+    def restore_prefix(self) -> int:
+        """Continue from the saved prefix, whatever ran since; returns its length."""
+        if self.prefix is None:
+            raise ValueError("no prefix saved")
+        length, rows = self.prefix
+        for name, a in self.kv.items():
+            a[:, :, :length] = rows[name]
+        self.position = length
+        return length
+
+    def adopt_kv(self, other: StageSession, layer: int) -> None:
+        """Take over another session's KV buffers of one layer, cached rows and all, without copying them (a
+        worker swapping stages keeps the layers both hold); the other session must not run again."""
+        if layer not in self.layers or layer not in other.layers or other.max_len != self.max_len:
+            raise ValueError(f"layer {layer}'s KV buffers do not fit this stage")
+        past_k, past_v, present_k, present_v = kv_names(layer)
+        for past, present in ((past_k, present_k), (past_v, present_v)):
+            self.kv[past] = other.kv[past]
+            buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
+            self.binding.bind_ortvalue_input(past, buffer)
+            self.binding.bind_ortvalue_output(present, buffer)
+        self.position = other.position
+
+    def kv_rows(self, layer: int, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's keys and values of the positions cached from `since` on, (1, kv heads, positions, head
+        dim) each."""
+        past_k, past_v, _, _ = kv_names(layer)
+        if layer not in self.layers or not 0 <= since <= self.position:
+            raise ValueError(f"no KV rows of layer {layer} from position {since} here")
+        return (np.ascontiguousarray(self.kv[past_k][:, :, since:self.position]),
+                np.ascontiguousarray(self.kv[past_v][:, :, since:self.position]))
+
+    def load_kv_rows(self, layer: int, keys: np.ndarray, values: np.ndarray, since: int = 0) -> None:
+        """Continue after these keys and values of one layer (another session's kv_rows from `since` on, the
+        rows before it loaded already): once every layer of the stage is loaded, the next run starts after
+        them."""
+        past_k, past_v, _, _ = kv_names(layer)
+        length = keys.shape[2] if keys.ndim == 4 else -1
+        expected = (1, self.config.n_kv_heads, length, self.config.head_dim)
+        if layer not in self.layers or keys.shape != expected or values.shape != expected or since < 0 or \
+                since + length > self.max_len:
+            raise ValueError(f"KV rows {keys.shape} from position {since} for layer {layer} do not fit this stage")
+        self.kv[past_k][:, :, since:since + length] = keys
+        self.kv[past_v][:, :, since:since + length] = values
+        self.position = since + length
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """Run token ids (1, seq) or hidden states (1, seq, hidden) after the positions cached; return
+        the stage's output (a copy: onnxruntime reuses its buffer)."""
+        total = self.position + x.shape[1]
+        if total > self.max_len:
+            raise ValueError(f"context of {self.max_len} tokens exceeded")
+        dtype = np.int64 if self.input_name == "input_ids" else np.float32
+        self.binding.bind_cpu_input(self.input_name, np.ascontiguousarray(x, dtype))
+        self.binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        self.binding.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        self.binding.bind_output(self.output_name)  # allocated per run: its shape follows the step's length
+        self.session.run_with_iobinding(self.binding)
+        self.position = total
+        return self.binding.get_outputs()[0].numpy().copy()
