@@ -71,7 +71,7 @@ def run_shares(model_path: Path, devices: int, which: list[int], threads: int, t
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="a GGUF file")
+    p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the shipped SmolLM2-135M)")
     p.add_argument("--devices", default="1,2,4,8", help="device counts, comma-separated (default: 1,2,4,8)")
     p.add_argument("--tokens", type=int, default=64, help="one-token steps timed per device (default: 64)")
     p.add_argument("--threads", type=int, default=1, help="onnxruntime threads per device (default: 1)")
@@ -92,6 +92,7 @@ def main() -> None:
     from edgerun.model.onnx_graph import Activations
 
     model = load_model(args.model)
+    args.model = model.path
     with threadpool_limits(args.threads):
         single = cluster_baseline(model, model.tokenizer.encode(BENCH_PROMPT), args.tokens, args.threads,
                                      Activations.INT8, CONTEXT, WARMUP_STEPS)

@@ -366,6 +366,27 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
 
 
+def test_the_kernel_ceiling_script_times_every_share_against_the_single_engine(tiny_spec, synth_gguf) -> None:
+    """scripts/tp_ceiling.py: a row per device count, the slowest share at least the mean, and the ceiling the
+    single engine's one-token step over the slowest share's."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tp_ceiling.py"
+    path = synth_gguf(tiny_spec(tied=False))
+    proc = subprocess.run([sys.executable, str(script), "--model", str(path), "--devices", "1,2", "--tokens", "3",
+                           "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["devices"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 < r["mean_ms"] <= r["slowest_ms"] and r["alone_ms"] > 0
+        assert r["ceiling"] == pytest.approx(r["single_decode_ms"] / r["slowest_ms"])
+    assert rows[0]["alone_ms"] == rows[0]["slowest_ms"]  # one device is alone
+    bad = subprocess.run([sys.executable, str(script), "--devices", "two"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--devices" in bad.stderr
+
+
 def test_pinned_devices_take_cores_of_their_own_in_turn() -> None:
     from edgerun.bench.tp import USABLE_CORES, TpBenchConfig, device_cores, pinned
 
