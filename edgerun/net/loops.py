@@ -21,9 +21,9 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 class SpinningSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
     """A selector that, when its loop goes idle right after handling something, polls without sleeping for up to
     `spin_s` before it sleeps. A process that sleeps between the messages of a stream that comes every few
-    milliseconds pays the wake-up of an idle core for each (0.5-0.9 ms measured on a VM's vCPUs, where a busy
-    one answers in 0.13 ms): on a pipeline's critical path, once per stage per token. It yields the core between
-    polls, so it takes nothing from a process that computes on the same core."""
+    milliseconds pays the wake-up of an idle core for each (on a VM here, a WebSocket round trip took 0.26 ms
+    against a busy peer and 1.14 ms against one idle for 10 ms): on a pipeline's critical path, once per stage
+    per token. It yields the core between polls, so a process computing on the same core is served first."""
 
     def __init__(self, spin_s: float) -> None:
         super().__init__()
