@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 WARMUP_STEPS = 8  # one-token steps before timing: sessions' first-run allocations
-CONTEXT = 512  # KV positions each share holds, as bench tp's engines
 
 
 def share_steps(model_path: str, devices: int, device: int, threads: int, tokens: int, ready, start, results) -> None:
     """One device: build its share, say so, wait for the start, then time `tokens` one-token steps."""
     import numpy as np
 
+    from edgerun.bench.tp import CONTEXT
     from edgerun.model.loader import load_model
     from edgerun.model.onnx_graph import Activations
     from edgerun.tp.shard import QuantShard, split_spec
@@ -86,16 +86,13 @@ def main() -> None:
 
     from threadpoolctl import threadpool_limits
 
-    from edgerun.bench.single import cluster_baseline
-    from edgerun.bench.tp import BENCH_PROMPT
+    from edgerun.bench.tp import TpBenchConfig, single_baseline
     from edgerun.model.loader import load_model
-    from edgerun.model.onnx_graph import Activations
 
     model = load_model(args.model)
     args.model = model.path
-    with threadpool_limits(args.threads):
-        single = cluster_baseline(model, model.tokenizer.encode(BENCH_PROMPT), args.tokens, args.threads,
-                                     Activations.INT8, CONTEXT, WARMUP_STEPS)
+    with threadpool_limits(args.threads):  # timed as `bench tp --baseline` times it
+        single = single_baseline(model, TpBenchConfig(model.path, tokens=args.tokens, threads=args.threads))
     rows = []
     for n in counts:
         together = run_shares(args.model, n, list(range(n)), args.threads, args.tokens)

@@ -161,8 +161,7 @@ def device_cores(device: int, cores: int) -> set[int] | None:
     may use, device after device, wrapping around when there are more devices than cores; None unpinned."""
     if cores < 1:
         return None
-    usable = USABLE_CORES
-    return {usable[(device * cores + k) % len(usable)] for k in range(cores)}
+    return {USABLE_CORES[(device * cores + k) % len(USABLE_CORES)] for k in range(cores)}
 
 
 @contextlib.contextmanager
@@ -249,6 +248,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     start = time.perf_counter()
     result = generate(master, prompt, config.tokens, greedy)
     elapsed = time.perf_counter() - start
+    timing = RequestTiming.of(result, elapsed)
     generated = result.tokens
     matched1, kdropped1 = kernel_counters()
     reports = master.fresh_reports()
@@ -267,7 +267,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         plan=master.config.strategy, mapping=master.config.mapping, group_size=master.config.group_size,
         overlap="+".join(sorted(master.config.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
-        ms_per_token=elapsed / n * 1e3, decode_ms_per_token=RequestTiming.of(result, elapsed).decode_ms_per_token,
+        ms_per_token=timing.ms_per_token, decode_ms_per_token=timing.decode_ms_per_token,
         predicted_ms_per_token=master.predicted_s() * 1e3,
         compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
@@ -291,7 +291,7 @@ def single_baseline(model: Model, config: TpBenchConfig) -> RequestTiming:
     """The single-process onnx engine on the same model, prompt, token count and threads, timed as a cluster is
     (prefill included, after a warm-up request)."""
     return cluster_baseline(model, model.tokenizer.encode(BENCH_PROMPT), config.tokens, config.threads,
-                               config.activations, CONTEXT, WARMUP_TOKENS)
+                            config.activations, CONTEXT, WARMUP_TOKENS)
 
 
 def _testbed_for(config: TpBenchConfig, nodes: int) -> testbed.TestbedSpec:
