@@ -66,7 +66,7 @@ def cmd_node(args: argparse.Namespace) -> None:
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
         worker = PipelineWorker(url, cluster_key(args), name, args.memory_budget, args.speed, args.threads,
                                 log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device,
-                                verbose=args.verbose, peer_port=args.peer_port)
+                                verbose=args.verbose, peer_port=args.peer_port, spin_s=args.spin_us / 1e6)
         if not 0 <= args.peer_port < 65536:
             raise EdgerunError(f"--peer-port must be 0..65535, not {args.peer_port}")
         try:
@@ -125,9 +125,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
                         "installed, else the CPU (default: auto)")
     p.add_argument("--peer-port", type=int, default=0,
-                   help="pp: the port (on every interface) where the previous stage of a chained route connects to "
-                        "hand this worker its passes, authenticated with the cluster key like every frame (default: 0, "
-                        "any free port; the worker tells the master which)")
+                   help="pp: the pass port (plain TCP, on every interface) where the master and the previous stage "
+                        "of a chained route send this worker its passes, authenticated with the cluster key like every "
+                        "frame (default: 0, any free port; the worker tells the master which)")
     p.add_argument("--inject-latency", default=None, metavar="lognormal:MEDIAN_MS:SIGMA",
                    help="moe: hold each expert reply back by a delay drawn from this distribution (seeded by "
                         "--loss-seed), as a slow or jittery device would: for benchmarks of hedged dispatch "

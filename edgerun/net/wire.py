@@ -454,6 +454,8 @@ class PpMsg(IntEnum):
     TUNE_STATE = 28  # master -> worker: the LoRA matrices and optimizer moments, for a checkpoint
     TUNE_STATE_DATA = 29
     TUNE_EVAL = 30  # master -> worker: a forward pass without dropout or gradient; answered by TUNE_OUTPUT
+    # Chained passes (pp.passes) go over a worker's pass port, plain TCP, as pp_stream packets.
+    PASS_HELLO = 31  # master -> worker, first on its link to the pass port, and the answer: results go back on it
 
 
 def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,
@@ -514,6 +516,46 @@ def open_pp_frame(data: bytes, key: bytes) -> tuple[PpMsg, int, dict[str, Any], 
             raise WireError(f"tensor {name!r} does not fit the payload")
         tensors[name] = np.frombuffer(payload, dtype, count, offset).reshape(shape)
     return kind, request, message, tensors
+
+
+# On a worker's pass port (plain TCP: a chained route's passes, pp.passes) each frame goes as a packet:
+#
+#     frame length u32 | pipeline frame (as above, HMAC and all)
+
+PP_STREAM_LENGTH = struct.Struct("<I")
+
+
+def pp_packet(frame: bytes) -> bytes:
+    """A pipeline frame as it goes over a pass port's stream."""
+    return PP_STREAM_LENGTH.pack(len(frame)) + frame
+
+
+class PpStream:
+    """Cuts a pass port's byte stream into pipeline frames (still sealed: open each with open_pp_frame)."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.broken: str | None = None  # why the stream can no longer be cut into frames
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The frames completed by `data`. A length no frame may have breaks the stream: `broken` says so, and
+        nothing more comes out of it."""
+        if self.broken is not None:
+            return []
+        self.buffer += data
+        frames = []
+        while len(self.buffer) >= PP_STREAM_LENGTH.size:
+            (n,) = PP_STREAM_LENGTH.unpack_from(self.buffer)
+            if not PP_HEADER.size + MAC_SIZE <= n <= PP_MAX_FRAME:
+                self.broken = f"frame length {n} out of range"
+                self.buffer.clear()
+                break
+            end = PP_STREAM_LENGTH.size + n
+            if len(self.buffer) < end:
+                break
+            frames.append(bytes(self.buffer[PP_STREAM_LENGTH.size:end]))
+            del self.buffer[:end]
+        return frames
 
 
 # --- MoEx frames (seed 001 §4.2): a hub and its expert workers over WebSocket binary frames ----------------------

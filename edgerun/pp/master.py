@@ -6,13 +6,16 @@ serve`, beside the API on the server's. The master is split by concern:
 
 - pp.workers: the WebSockets (handshake, request/reply calls, who is present);
 - pp.deployment: the state machine that plans layer ranges and moves between plans (running, staged, shadow);
+- pp.pass_links: a chained route's passes, over plain TCP to the workers' pass ports;
 - this module: generation. Every forward pass goes through the stages in turn; the last stage samples and
   returns only the token id. When a worker leaves mid-request, the deployment replans over the workers left
   (or falls back to its shadow plan) and the generation loop prefills the context again; since every stage is
   deterministic and sampling is seeded per position, the output equals an uninterrupted run.
 
 All of it runs on one event loop (the HTTP server's), in a thread of its own; the generation loop calls in
-from its thread and blocks on each step.
+from its thread and blocks on each step. A decode step on a chained route is the exception: the generation
+thread sends it and waits for its token itself (the loop's turn and two thread hand-offs cost about as much as a
+hop between stages).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg
 from edgerun.pp.deployment import Deployment, PipelineState, Route, describe
 from edgerun.pp.http import browser_dir, pipeline_routes
-from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
+from edgerun.pp.pass_links import Breach, PassLinks, PortClosed
+from edgerun.pp.workers import BadInput, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import PPPlan, Stage
 
 __all__ = ["PipelineConfig", "PipelineMaster", "PipelineState", "PlanSwap", "Route", "WorkerLost", "browser_dir",
@@ -87,8 +91,9 @@ class PipelineConfig:
     # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV rows; a
     # request that starts with them sends only the rest.
     prefix: tuple[int, ...] = ()
-    # Poll this long for a reply before sleeping (when the master serves its routes itself): a sleeping process
-    # wakes late for a packet, once per token on the pipeline's path. Holds a core while generating.
+    # Poll this long for a reply before sleeping (its event loop when the master serves its routes itself, and
+    # a chained route's links): a sleeping process wakes late for a packet, once per token on the pipeline's
+    # path. Holds a core while generating.
     spin_us: float = 0.0
 
     def __post_init__(self) -> None:
@@ -125,6 +130,7 @@ class PipelineMaster:
         self.lost_at: float | None = None  # when the request in flight lost a worker, until it has a token again
         self.request_losses = 0  # workers the request in flight lost
         self.stats = PassStats()
+        self.links = PassLinks(key, log, config.spin_us / 1e6)
         self.http: HttpServer | None = None
         sock = bind(config.host, config.port) if net is None else None  # first: a port in use fails at once
         self.net = net or EventLoopThread(config.spin_us / 1e6)
@@ -205,10 +211,18 @@ class PipelineMaster:
                        prefix: str | None = None) -> int:
         """One pass through every stage; the last stage's sampled token. `prefix`: "save" keeps the
         KV of this pass on every worker, "restore" continues from it."""
+        if self.deployment.chained:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(None, self._chained_pass, tokens, position,
+                                                                        sampling, prefix)
+            except Breach as e:
+                await self.workers.expel(e.worker, e.reason)
+                raise
+            except PortClosed as e:
+                await self.workers.drop(e.worker, f"pass port lost ({e.reason})")
+                raise
         tensors = {"input_ids": np.asarray([tokens], np.int64)}
         plan = self.deployment.plan
-        if self.deployment.chained:
-            return await self._forward_chained(tokens, tensors, position, sampling, prefix)
         for i, s in enumerate(plan.stages):
             last = i == len(plan.stages) - 1
             message = {"position": position, **({"sampling": sampling} if last else {}),
@@ -230,20 +244,27 @@ class PipelineMaster:
             tensors = {"hidden": out["hidden"]}
         raise AssertionError("a plan has at least one stage")
 
-    async def _forward_chained(self, tokens: Sequence[int], tensors: dict[str, np.ndarray], position: int,
-                               sampling: dict[str, Any], prefix: str | None) -> int:
-        """One pass down the chained route: the first stage gets the tokens, the last returns the sampled token
-        and every stage's compute seconds."""
+    def _chained_pass(self, tokens: Sequence[int], position: int, sampling: dict[str, Any],
+                      prefix: str | None = None) -> int:
+        """One pass down the chained route, blocking the calling thread: the first stage gets the tokens, the last
+        returns the sampled token and every stage's compute seconds. Breach for a worker to expel."""
         plan, d = self.deployment.plan, self.deployment
         chain = [self.workers[names[0]] for names in d.stage_workers]
         message = {"position": position, "sampling": sampling, **({"prefix": prefix} if prefix else {})}
         sent = time.perf_counter()
-        reply = await self.workers.call_chain(chain, message, tensors, COMPUTE_TIMEOUT_S)
+        try:
+            reply = self.links.forward(chain, self.workers.next_request(), message,
+                                       {"input_ids": np.asarray([tokens], np.int64)}, COMPUTE_TIMEOUT_S)
+        except BadInput as e:  # the stage before the one that refused its input sent it
+            index = [w.name for w in chain].index(e.worker)
+            if index > 0:
+                raise Breach(chain[index - 1], f"handed {e.worker} an input it cannot take") from e
+            raise
         wall = time.perf_counter() - sent
         seconds = reply.get("seconds")
         if not isinstance(seconds, list) or len(seconds) != len(chain) or \
                 not all(isinstance(t, float) and t >= 0 for t in seconds):
-            await self.workers.expel(chain[-1], f"returned stage times {seconds!r}")
+            raise Breach(chain[-1], f"returned stage times {seconds!r}")
         for worker in chain:
             worker.served += 1
         if len(tokens) == 1 and all(t > 0 for t in seconds):
@@ -251,7 +272,7 @@ class PipelineMaster:
             beyond = (wall - sum(seconds) - sum(w.rtt_ms for w in chain) / 1e3) / len(chain)
             for worker, stage, t in zip(chain, plan.stages, seconds, strict=True):
                 self._observe(worker, stage, t, t + beyond)
-        return await self._token(chain[-1], reply)
+        return self._checked_token(chain[-1], reply)
 
     def _observe(self, worker: WorkerConn, stage: Stage, seconds: float, wall: float) -> None:
         """A decode pass of one stage (what plans are priced by): `seconds` its compute, `wall` its time in
@@ -266,9 +287,16 @@ class PipelineMaster:
         self.deployment.overheads.append(max(0.0, wall - seconds))
 
     async def _token(self, worker: WorkerConn, reply: dict[str, Any]) -> int:
+        try:
+            return self._checked_token(worker, reply)
+        except Breach as e:
+            await self.workers.expel(e.worker, e.reason)
+            raise
+
+    def _checked_token(self, worker: WorkerConn, reply: dict[str, Any]) -> int:
         token = reply.get("token")
         if not isinstance(token, int) or not 0 <= token < self.model.config.vocab_size:
-            await self.workers.expel(worker, f"returned token {token!r}")
+            raise Breach(worker, f"returned token {token!r}")
         return token
 
     # --- moving KV caches on a hot swap ---------------------------------------------------------------
@@ -293,12 +321,21 @@ class PipelineMaster:
         """Run `tokens` from position `start` through every stage; the token the last stage samples after them.
         EngineLost (WorkerLost) when a worker is lost or a staged plan is ready to take over: the generation
         loop then calls recover() and prefills the context again."""
+        d = self.deployment
+        if start > 0 and d.chained and not d.ready(d.staged):  # a decode step: on this thread (module docstring)
+            try:
+                return self._chained_pass(tokens, start, _sampling(sampler))
+            except Breach as e:
+                self.net.run(self.workers.expel(e.worker, e.reason))
+                raise
+            except PortClosed as e:
+                self.net.run(self.workers.drop(e.worker, f"pass port lost ({e.reason})"))
+                raise
         return self.net.run(self._step_token(tokens, start, sampler))
 
     async def _step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int:
         d = self.deployment
-        sampling = {"temperature": sampler.params.temperature, "top_p": sampler.params.top_p,
-                    "top_k": sampler.params.top_k, "seed": sampler.seed}
+        sampling = _sampling(sampler)
         if start > 0:
             if d.ready(d.staged):
                 self.cached_length = start  # every stage's KV cache holds the positions before this one
@@ -391,6 +428,13 @@ class PipelineMaster:
 
         with contextlib.suppress(Exception):
             self.net.run(stop(), timeout=10)
+        self.links.close()
         if self.http is not None:  # its own server and loop; a server's loop that it shares runs on
             self.http.close()
             self.net.stop()
+
+
+def _sampling(sampler: Sampler) -> dict[str, Any]:
+    """A sampler's settings as a pass's message carries them to the last stage."""
+    return {"temperature": sampler.params.temperature, "top_p": sampler.params.top_p, "top_k": sampler.params.top_k,
+            "seed": sampler.seed}

@@ -6,17 +6,18 @@ onnxruntime, and runs forward passes on what the master sends. A last stage samp
 itself, so only the token id goes back. A sampled token depends on the seed and its position only, so
 a request replayed after a recovery draws the same tokens.
 
-It also listens for its predecessor in the pipeline (a WebSocket of its own, `peer_port` in its CONNECT):
-on a chained route the master sends a pass to the first stage only, each stage hands its output straight to
-the next one's listener, and the last stage returns the token, with every stage's compute time, to the master.
+It also listens on a pass port (plain TCP, `peer_port` in its CONNECT; pp.passes): on a chained route the
+master sends a pass to the first stage's port only, each stage hands its output straight to the next one's, and
+the last stage returns the token, with every stage's compute time, to the master. A thread serves that port and
+computes each pass as it comes: no event loop on a token's path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from edgerun.model.session import StageSession, execution_providers
 from edgerun.net.backoff import Backoff
 from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
+from edgerun.pp.passes import PassPort
 from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb
 from edgerun.tune.worker import TuneRole
@@ -105,8 +107,8 @@ CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handsha
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
                  log=print, device: str = "cpu", verbose: bool = False, peer_host: str = "0.0.0.0",
-                 peer_port: int = 0) -> None:
-        self.url, self.key, self.name, self.peer_host = url, key, name, peer_host
+                 peer_port: int = 0, spin_s: float = 0.0) -> None:
+        self.url, self.key, self.name, self.peer_host, self.spin_s = url, key, name, peer_host, spin_s
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.passes, self.pass_s = 0, 0.0  # forward passes computed, and their time
         self.memory_mb, self.speed, self.threads = memory_mb, speed, threads
@@ -120,8 +122,9 @@ class PipelineWorker:
         self.preloaded: _Stage | None = None  # a staged plan's stage, loaded beside the one serving
         self.max_len = 0
         self.downloads: set[asyncio.Task] = set()  # DOWNLOAD_LAYERS in progress
-        self.peer_port = peer_port  # where the previous stage of a chained route connects (0: any, then the one taken)
-        self.next: websockets.ClientConnection | None = None  # the next stage's listener, on a chained route
+        self.peer_port = peer_port  # the pass port, where chained passes come (0: any, then the one taken)
+        self.pass_port: PassPort | None = None
+        self.lock = threading.Lock()  # a pass (the pass port's thread or the loop's) and the stage it runs on
         self.tune: TuneRole | None = None  # a training stage's role, made when the first TUNE_LOAD comes
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
@@ -165,30 +168,26 @@ class PipelineWorker:
 
     async def _serve(self) -> None:
         try:
-            listener = await websockets.serve(self._from_peer, self.peer_host, self.peer_port, max_size=PP_MAX_FRAME,
-                                              compression=None)
+            self.pass_port = PassPort(self.peer_host, self.peer_port, self.key, self._chained_pass, self.log,
+                                      self.name, self.spin_s)
         except OSError as e:
             raise PeerPortInUse(str(e)) from e
-        async with listener:
-            self.peer_port = listener.sockets[0].getsockname()[1]
+        self.peer_port = self.pass_port.port
+        try:
             async with await self.connect() as ws:
                 self.ws = ws
-                try:
-                    async for data in ws:
-                        await self._received(data, from_master=True)
-                finally:
-                    await self._drop_next()
+                async for data in ws:
+                    await self._received(data)
+        finally:
+            self.pass_port.close()
 
-    async def _received(self, data: str | bytes, from_master: bool) -> None:
+    async def _received(self, data: str | bytes) -> None:
         if not isinstance(data, bytes):
             return
         try:
             kind, request, message, tensors = open_pp_frame(data, self.key)
         except WireError as e:
             self.log(f"worker {self.name}: dropped a frame ({e})")
-            return
-        if not from_master and kind != PpMsg.COMPUTATION:  # a peer only hands on passes
-            self.log(f"worker {self.name}: dropped a {kind.name} from a peer")
             return
         if kind == PpMsg.DOWNLOAD_LAYERS or (kind == PpMsg.PREPARE_MODEL and message.get("preload") is not None):
             # In the background: the stage held now keeps serving while files come and a staged stage loads.
@@ -198,24 +197,11 @@ class PipelineWorker:
         else:
             await self._answer(kind, request, message, tensors)
 
-    async def _from_peer(self, ws: websockets.ServerConnection) -> None:
-        """The previous stage's passes, on a chained route."""
-        with contextlib.suppress(websockets.ConnectionClosed):
-            async for data in ws:
-                await self._received(data, from_master=False)
-
-    async def _drop_next(self) -> None:
-        if self.next is not None:
-            await self.next.close()
-            self.next = None
-
     async def _answer(self, kind: PpMsg, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
         try:
             await self._handle(kind, request, message, tensors)
-        except MalformedInput as e:  # whoever sent it is at fault: on a chained route, the stage before
-            await self._send(PpMsg.ERROR, request, {"error": str(e), "reason": "input"})
-        except Exception as e:  # onnxruntime raises its own kinds: report it, the master decides
-            await self._send(PpMsg.ERROR, request, {"error": f"{type(e).__name__}: {e}"})
+        except Exception as e:
+            await self._send(PpMsg.ERROR, request, _error(e))
 
     async def _send(self, kind: PpMsg, request: int, message: dict[str, Any],
                     tensors: dict[str, np.ndarray] | None = None) -> None:
@@ -286,12 +272,12 @@ class PipelineWorker:
             if s.session is None or s.session.max_len != self.max_len:  # else preloaded: nothing to load
                 s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
                                                        s.end_layer, self.max_len, self.threads, self.providers)
-            await self._drop_next()
             following = message.get("next")  # a chained route: where this stage's output goes
-            if following is not None:
-                self.next = await asyncio.wait_for(websockets.connect(
-                    f"ws://{following['host']}:{int(following['port'])}/", max_size=PP_MAX_FRAME, compression=None),
-                    CONNECT_TIMEOUT_S)
+            if following is None:
+                self._port().drop_next()
+            else:
+                await loop.run_in_executor(None, self._port().connect_next, str(following["host"]),
+                                           int(following["port"]))
             await self._send(PpMsg.COMMIT_DONE, request, {"seconds": time.perf_counter() - start})
             self.log(f"worker {self.name}: holds layers {s.first_layer}-{s.end_layer - 1}"
                      f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
@@ -311,12 +297,18 @@ class PipelineWorker:
                                  int(message.get("since", 0)))
             await self._send(PpMsg.KV_LOADED, request, {})
         elif kind == PpMsg.INVALIDATE_CACHE:
-            if self.stage is not None and self.stage.session is not None:
-                self.stage.session.reset()
+            with self.lock:
+                if self.stage is not None and self.stage.session is not None:
+                    self.stage.session.reset()
         elif kind == PpMsg.RELEASE_SESSION:
             self._release()
             self.preloaded = None
-            await self._drop_next()
+            self._port().drop_next()
+
+    def _port(self) -> PassPort:
+        if self.pass_port is None:
+            raise ValueError("the pass port is not open")
+        return self.pass_port
 
     def _session(self) -> StageSession:
         if self.stage is None or self.stage.session is None:
@@ -339,7 +331,8 @@ class PipelineWorker:
         return x
 
     def _release(self) -> None:
-        self.stage = None
+        with self.lock:  # not while a pass runs on it
+            self.stage = None
 
     async def _fetch_files(self, request: int, files: list[dict[str, str]], directory: Path) -> None:
         """A stage's files into `directory` (links into the download cache), fetched where not cached."""
@@ -362,27 +355,47 @@ class PipelineWorker:
                     link.symlink_to(path)
 
     async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
-        session = self._session()
-        s = self.stage
-        position = int(message["position"])
-        if message.get("prefix") == "restore":  # the request starts with the saved prefix
-            session.restore_prefix()
-        elif position == 0:
-            session.reset()
-        if position != session.position:
-            raise ValueError(f"input at position {position}, but the cache holds {session.position}")
-        x = self._input(s, tensors)
-        start = time.perf_counter()
-        if x.shape[1] == 1:
+        """A pass from the master (the star route): its answer goes back on the WebSocket."""
+        if _is_step(tensors):
             # A one-token step runs on this thread: it takes milliseconds, and handing it to a pool thread and
             # back costs two thread wake-ups per stage per token, on the critical path of every token.
-            out = session.run(x)
+            kind, reply, out, onward = self._pass(request, message, tensors)
         else:  # a prefill may take seconds: the loop stays free for pings and the WebSocket's keepalive
-            out = await asyncio.get_running_loop().run_in_executor(None, session.run, x)
-        seconds = time.perf_counter() - start
-        self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
-        if message.get("prefix") == "save":
-            session.save_prefix()
+            kind, reply, out, onward = await asyncio.get_running_loop().run_in_executor(None, self._pass, request,
+                                                                                        message, tensors)
+        if onward:
+            raise ValueError("a chained pass comes to the pass port")
+        await self._send(kind, request, reply, out)
+
+    def _chained_pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
+                      ) -> tuple[PpMsg, dict[str, Any], dict[str, np.ndarray] | None, bool]:
+        """A pass from the pass port (pp.passes.PassCompute): an ERROR answer where it fails."""
+        try:
+            return self._pass(request, message, tensors)
+        except Exception as e:
+            return PpMsg.ERROR, _error(e), None, False
+
+    def _pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
+              ) -> tuple[PpMsg, dict[str, Any], dict[str, np.ndarray] | None, bool]:
+        """One forward pass over this worker's stage: the answer's kind, message and tensors, and whether it is
+        the next stage's input (a chained pass that does not end here) rather than the master's answer."""
+        with self.lock:
+            session = self._session()
+            s = self.stage
+            position = int(message["position"])
+            if message.get("prefix") == "restore":  # the request starts with the saved prefix
+                session.restore_prefix()
+            elif position == 0:
+                session.reset()
+            if position != session.position:
+                raise ValueError(f"input at position {position}, but the cache holds {session.position}")
+            x = self._input(s, tensors)
+            start = time.perf_counter()
+            out = session.run(x)
+            seconds = time.perf_counter() - start
+            self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
+            if message.get("prefix") == "save":
+                session.save_prefix()
         chain = message.get("chain")  # on a chained route: the compute seconds of the stages before this one
         if chain is not None:
             chain = [float(t) for t in chain] + [seconds]
@@ -391,12 +404,22 @@ class PipelineWorker:
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
                                     top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)))
             token = Sampler(params)(out[0, -1], position + x.shape[1])
-            await self._send(PpMsg.COMPUTATION_RESULT, request, {"token": token,
-                                                                  "seconds": seconds if chain is None else chain})
-        elif chain is not None:  # straight on to the next stage
-            if self.next is None:
-                raise ValueError("a chained pass, but no next stage to hand it to")
-            await self.next.send(pp_frame(PpMsg.COMPUTATION, request, {**message, "chain": chain}, self.key,
-                                          {"hidden": out}))
-        else:
-            await self._send(PpMsg.COMPUTATION_RESULT, request, {"seconds": seconds}, {"hidden": out})
+            return PpMsg.COMPUTATION_RESULT, {"token": token, "seconds": seconds if chain is None else chain}, None, \
+                False
+        if chain is not None:  # straight on to the next stage
+            return PpMsg.COMPUTATION, {**message, "chain": chain}, {"hidden": out}, True
+        return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, {"hidden": out}, False
+
+
+def _is_step(tensors: dict[str, np.ndarray]) -> bool:
+    """A one-token step's input (token ids or a hidden state of one position)."""
+    x = tensors.get("input_ids", tensors.get("hidden"))
+    return x is not None and x.ndim >= 2 and x.shape[1] == 1
+
+
+def _error(e: Exception) -> dict[str, str]:
+    """A failed request's ERROR message: malformed input is the sender's fault (on a chained route, the stage
+    before); anything else (onnxruntime raises its own kinds) the master decides on."""
+    if isinstance(e, MalformedInput):
+        return {"error": str(e), "reason": "input"}
+    return {"error": f"{type(e).__name__}: {e}"}

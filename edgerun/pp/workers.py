@@ -257,37 +257,6 @@ class Workers:
             raise WorkerLost(f"{worker.name} answered {got.name} to {kind.name}")
         return reply, out
 
-    async def call_chain(self, chain: list[WorkerConn], message: dict[str, Any], tensors: dict[str, np.ndarray],
-                         timeout: float) -> dict[str, Any]:
-        """A forward pass down a chained route: sent to the first worker, answered (COMPUTATION_RESULT) by the
-        last. The answer is awaited on every worker of the chain, so any of them leaving or failing the pass
-        ends it at once with WorkerLost."""
-        lost = [w.name for w in chain if not w.alive]
-        if lost:
-            raise WorkerLost(lost[0])
-        request = self.next_request()
-        future = asyncio.get_running_loop().create_future()
-        for worker in chain:
-            worker.pending[request] = future
-        try:
-            await chain[0].link.send(pp_frame(PpMsg.COMPUTATION, request, {**message, "chain": []}, self.key,
-                                              tensors))
-            got, reply, _, sender = await asyncio.wait_for(future, timeout)
-        except (LinkClosed, TimeoutError) as e:
-            raise WorkerLost(chain[0].name) from e
-        except BadInput as e:  # the stage before the one that refused its input sent it
-            index = [w.name for w in chain].index(e.worker)
-            if index > 0:
-                await self.expel(chain[index - 1], f"handed {e.worker} an input it cannot take")
-            raise
-        finally:
-            for worker in chain:
-                worker.pending.pop(request, None)
-        if sender != chain[-1].name or got != PpMsg.COMPUTATION_RESULT:
-            await self.expel(self[sender], f"answered a chained pass with {got.name} as stage "
-                             f"{[w.name for w in chain].index(sender) + 1} of {len(chain)}")
-        return reply
-
     async def tell(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any]) -> None:
         """A message that has no answer; nothing happens when the worker is gone."""
         with contextlib.suppress(LinkClosed):
@@ -299,6 +268,13 @@ class Workers:
         worker.alive = False
         await worker.link.close(POLICY_VIOLATION, "protocol violation")
         raise WorkerLost(worker.name)
+
+    async def drop(self, worker: WorkerConn, reason: str) -> None:
+        """A worker found gone other than by its WebSocket (its pass port closed): it counts as lost at once, and
+        its WebSocket closes (serve then says it left)."""
+        self.log(f"worker {worker.name}: {reason}")
+        worker.alive = False
+        await worker.link.close()
 
     async def wait_for(self, n: int) -> None:
         while len(self.alive()) < n:
