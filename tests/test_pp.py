@@ -290,9 +290,10 @@ def test_a_better_worker_joining_is_taken_by_a_repartition(model: Model, referen
 class SlowWorker(PipelineWorker):
     """A worker on a slow device: every pass takes 150 ms longer."""
 
-    async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
-        await asyncio.sleep(0.15)
-        await super()._compute(request, message, tensors)
+    def _pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
+              ) -> tuple[PpMsg, dict, dict[str, np.ndarray] | None, bool]:
+        time.sleep(0.15)
+        return super()._pass(request, message, tensors)
 
 
 def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tokens: list[int]) -> None:
