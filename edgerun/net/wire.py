@@ -36,6 +36,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -510,7 +511,7 @@ def open_pp_frame(data: bytes, key: bytes) -> tuple[PpMsg, int, dict[str, Any], 
                 int(d["bytes"])
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"tensor {name!r}: bad description") from e
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)  # not np.prod: 40 times slower on a tuple, once per tensor per hop
         if min(shape, default=0) < 0 or offset < 0 or size != count * np.dtype(dtype).itemsize or \
                 offset + size > len(payload):
             raise WireError(f"tensor {name!r} does not fit the payload")
