@@ -213,7 +213,11 @@ class PpRow:
     decode_ms_per_token: float  # its one-token steps alone
     stage_ms_per_token: float  # the stages' own compute per decode step, as the workers report it
     other_ms_per_token: float  # the rest of a decode step: transfers between master and stages, the master's work
-    ratio_to_single: float  # the single-process engine's ms/token over this row's: above 1 is faster
+    # The single-process engine timed just before and just after this row (their mean): on a shared machine its
+    # speed drifts from minute to minute, and a row is compared with the engine as fast as it was around it.
+    single_ms_per_token: float
+    single_decode_ms_per_token: float
+    ratio_to_single: float  # single_ms_per_token over this row's ms/token: above 1 is faster
     decode_ratio_to_single: float  # the same for the one-token steps alone
     # With browser tabs: the first tab's stage, its mean one-token pass in the tab, and a native pass over the same
     # layers at the same threads in this process, with the row's activations and with float32 ones.
@@ -261,28 +265,48 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
              browsers: int = 0, progress: Callable[[str], None] = lambda _: None,
              spin_us: float = 0.0) -> tuple[list[PpRow], RequestTiming]:
     """Rows for each worker count and route (and, with `browsers`, each worker count with that many Chromium tabs
-    added), and the single engine's ms/token, the native stages and the single engine computing with the same
-    activations, all measured in this run."""
-    progress(f"single-process onnx engine, {threads} thread(s)")
+    added), each against the single engine timed just before and after it, and the median single engine of the
+    run; the native stages and the single engine compute with the same activations."""
     prompt = model.tokenizer.encode(PROMPT)
-    single = cluster_baseline(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
+
+    def single() -> RequestTiming:
+        progress(f"single-process onnx engine, {threads} thread(s)")
+        return cluster_baseline(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
+
     layers = model_profile(model.name, model.config, model.weights, context=CONTEXT).layer_memory_bytes
+    singles = [single()]
     rows = []
+
+    def compared(row: PpRow) -> None:
+        singles.append(single())
+        rows.append(_compared(row, singles[-2:]))
+
     for n in worker_counts:
         budget = stage_budgets_mb(layers, n) if n > 1 else sum(layers) * 1.1 / 1e6
         for route in routes:
             progress(f"{n} worker(s), route {route}")
             with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations,
                                 route=route, spin_us=spin_us) as (master, _):
-                rows.append(_row(master, n, 0, prompt, tokens, single))
+                row = _row(master, n, 0, prompt, tokens)
+            compared(row)
         if browsers:
             progress(f"{n} worker(s) and {browsers} browser tab(s)")
-            rows.append(_browser_row(model, n, browsers, prompt, tokens, threads, activations, single, layers))
-    return rows, single
+            compared(_browser_row(model, n, browsers, prompt, tokens, threads, activations, layers))
+    return rows, RequestTiming(float(np.median([t.ms_per_token for t in singles])),
+                               float(np.median([t.decode_ms_per_token for t in singles])))
 
 
-def _row(master: PipelineMaster, workers: int, browsers: int, prompt: list[int], tokens: int,
-         single: RequestTiming) -> PpRow:
+def _compared(row: PpRow, around: Sequence[RequestTiming]) -> PpRow:
+    """The row against the mean of the single engine's timings around it."""
+    ms = float(np.mean([t.ms_per_token for t in around]))
+    decode = float(np.mean([t.decode_ms_per_token for t in around]))
+    return dataclasses.replace(row, single_ms_per_token=ms, single_decode_ms_per_token=decode,
+                               ratio_to_single=ms / row.ms_per_token,
+                               decode_ratio_to_single=decode / row.decode_ms_per_token)
+
+
+def _row(master: PipelineMaster, workers: int, browsers: int, prompt: list[int], tokens: int) -> PpRow:
+    """A row timed on this pipeline, not yet compared with the single engine (_compared)."""
     plan = master.start()
     # A shadow plan's workers download and load their stages after the start: time the pipeline after that.
     deadline = time.monotonic() + SETTLE_S
@@ -296,12 +320,13 @@ def _row(master: PipelineMaster, workers: int, browsers: int, prompt: list[int],
     stage_ms = stage_s / steps * 1e3 if steps else 0.0
     taken = Route.CHAIN if master.deployment.chained else Route.STAR
     ms, decode_ms = timing.ms_per_token, timing.decode_ms_per_token
+    nan = float("nan")
     return PpRow(workers, browsers, str(taken), len(plan.stages), ms, decode_ms, stage_ms, decode_ms - stage_ms,
-                 single.ms_per_token / ms, single.decode_ms_per_token / decode_ms)
+                 nan, nan, nan, nan)
 
 
 def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], tokens: int, threads: int,
-                 activations: Activations, single: RequestTiming, layers: Sequence[float]) -> PpRow:
+                 activations: Activations, layers: Sequence[float]) -> PpRow:
     """A pipeline of native workers and Chromium tabs, each with a budget that makes the plan use all of them
     (tabs on WebAssembly hold float32 matrices: their budget is scaled up to hold as many layers), and the first
     tab's stage timed natively in this process."""
@@ -314,7 +339,7 @@ def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], t
                 f"#key={SECRET}" for i in range(browsers)]
         with chromium_tabs(urls):
             master.wait_for_workers(workers + browsers, timeout_s=120)
-            row = _row(master, workers, browsers, prompt, tokens, single)
+            row = _row(master, workers, browsers, prompt, tokens)
             tab = master.workers["tab0"]
             stage = next(s for s in master.plan.stages if s.worker == "tab0")
             tab_ms = tab.decode_s / tab.decode_passes * 1e3 if tab.decode_passes else float("nan")
@@ -433,10 +458,16 @@ def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activati
               f"{r.ratio_to_single:>8.2f}x {r.decode_ms_per_token:>7.1f} {r.decode_ratio_to_single:>8.2f}x "
               f"{r.stage_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f}" for r in rows]
     lines.append(f"single-process onnx engine: {single.ms_per_token:.1f} ms/token, decode "
-                 f"{single.decode_ms_per_token:.1f} ({activations.value} activations, as the native stages)")
+                 f"{single.decode_ms_per_token:.1f} ({activations.value} activations, as the native stages; the "
+                 f"median of {len(rows) + 1} runs, one before the first row and one after each: each row is compared "
+                 f"with the two around it, decode {_span([r.single_decode_ms_per_token for r in rows])})")
     for r in rows:
         if r.tab_layers is not None:
             lines.append(f"{r.workers} worker(s) + {r.browser} tab(s): layers {r.tab_layers} take {r.tab_pass_ms:.1f} "
                          f"ms a pass in the tab, {r.native_pass_ms:.1f} natively ({activations.value}; "
                          f"{r.native_f32_pass_ms:.1f} in float32): {r.tab_pass_ms / r.native_pass_ms:.2f}x")
     return "\n".join(lines)
+
+
+def _span(values: Sequence[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"

@@ -113,9 +113,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
                             progress=progress, spin_us=args.spin_us)
     swaps = bench_swap(model, args.swap_context, args.threads, activations, progress) if args.swap_context else []
     if args.json:
-        print(json.dumps([asdict(r) | {"single_ms_per_token": single.ms_per_token,
-                                       "single_decode_ms_per_token": single.decode_ms_per_token,
-                                       "activations": activations.value}
+        print(json.dumps([asdict(r) | {"activations": activations.value}
                           for r in rows] + [{"swap": r.kind} | asdict(r) | {"pause_ms": r.pause_ms} for r in swaps],
                          indent=2))
     else:
@@ -209,9 +207,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "all of them, generate --tokens tokens greedily, and report ms/token, the "
                                      "stages' own compute and the rest (transfers, the master), beside the "
                                      "single-process onnx engine at the same --threads and --activations in the "
-                                     "same run. With --browser N, a row per worker count with N headless "
-                                     "Chromium tabs added, and the first tab's pass over its stage against a "
-                                     "native pass over the same layers.")
+                                     "same run, timed before the first row and after each: each row is compared "
+                                     "with the two runs around it, as the machine's speed drifts. With --browser "
+                                     "N, a row per worker count with N headless Chromium tabs added, and the "
+                                     "first tab's pass over its stage against a native pass over the same layers.")
     model_arg(p)
     p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (default: 1,2,4)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
