@@ -86,9 +86,10 @@ def test_refused_input_names_the_stage_and_a_closed_port_is_a_lost_worker(chain)
     ports[1].close()
     with pytest.raises(WorkerLost, match="w1"):
         links.forward(workers, 2, {"position": 0}, {"input_ids": np.array([[3]])}, 10)
-    workers[0].alive = False  # the control link saw it leave: nothing is sent
+    workers[0].alive = False  # the control link saw it leave: nothing is sent, and its connection goes
     with pytest.raises(WorkerLost, match="w0"):
         links.forward(workers, 3, {"position": 0}, {"input_ids": np.array([[3]])}, 10)
+    assert not links.links
     links.close()
 
 

@@ -47,6 +47,8 @@ class PassLinks:
         """One pass down the chain, blocking: the last stage's COMPUTATION_RESULT message. WorkerLost when a
         worker of the chain leaves, fails the pass or does not answer within `timeout` (BadInput where a stage
         refused the input it was handed); Breach when one answers out of turn."""
+        for name in [name for name, (w, _, _) in self.links.items() if not w.alive]:
+            self.drop(name)  # workers that left since: their connections go
         lost = [w.name for w in chain if not w.alive]
         if lost:
             raise WorkerLost(lost[0])
