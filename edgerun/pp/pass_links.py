@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from edgerun.net.loops import polled_select
 from edgerun.net.wire import PpMsg, PpStream, WireError, open_pp_frame, pp_frame, pp_packet
-from edgerun.pp.passes import CONNECT_TIMEOUT_S, RECV_BYTES, nodelay, spin_select
+from edgerun.pp.passes import CONNECT_TIMEOUT_S, RECV_BYTES, nodelay
 from edgerun.pp.workers import BadInput, WorkerConn, WorkerLost
 
 ALIVE_CHECK_S = 0.1  # how often a master waiting on a pass checks whether the control link saw a worker leave
@@ -64,7 +65,8 @@ class PassLinks:
             for sock, worker in zip(socks, chain, strict=True):
                 selector.register(sock, selectors.EVENT_READ, worker)
             while True:
-                ready = spin_select(selector, self.spin_s, min(ALIVE_CHECK_S, max(0.0, deadline - time.monotonic())))
+                ready = polled_select(selector.select, self.spin_s,
+                                      min(ALIVE_CHECK_S, max(0.0, deadline - time.monotonic())))
                 for key, _ in ready:
                     reply = self._answer(key.data, chain, request)
                     if reply is not None:

@@ -15,16 +15,15 @@ Control (plans, loads, KV moves, pings) and star-route passes stay on the worker
 from __future__ import annotations
 
 import contextlib
-import os
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from edgerun.net.loops import polled_select
 from edgerun.net.wire import PpMsg, PpStream, WireError, open_pp_frame, pp_frame, pp_packet
 
 CONNECT_TIMEOUT_S = 3.0
@@ -40,23 +39,6 @@ PassCompute = Callable[[int, dict[str, Any], dict[str, np.ndarray]],
 def nodelay(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
-
-
-def spin_select(selector: selectors.BaseSelector, spin_s: float,
-                timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
-    """Poll without sleeping for up to spin_s (yielding the core between polls), then wait: a process woken
-    from sleep by a packet can take hundreds of microseconds on a VM."""
-    if spin_s > 0:
-        start = time.perf_counter()
-        end = start + (spin_s if timeout is None else min(spin_s, timeout))
-        while time.perf_counter() < end:
-            ready = selector.select(0)
-            if ready:
-                return ready
-            os.sched_yield()
-        if timeout is not None:
-            timeout = max(0.0, timeout - (time.perf_counter() - start))
-    return selector.select(timeout)
 
 
 class PassPort:
@@ -110,7 +92,7 @@ class PassPort:
     def _serve(self) -> None:
         busy = False
         while not self.closed:
-            events = spin_select(self.selector, self.spin_s if busy else 0.0, None)
+            events = polled_select(self.selector.select, self.spin_s if busy else 0.0, None)
             busy = False
             for key, _ in events:
                 sock = key.fileobj
