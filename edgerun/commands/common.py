@@ -83,10 +83,9 @@ def spin_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin-us", type=float, default=0.0, metavar="US",
                    help="after the last message, keep polling for the next one this many microseconds before "
                         "sleeping (tensor-parallel: the UDP socket; pipeline: the pass port and the event loop): a "
-                        "sleeping process "
-                        "can take hundreds of microseconds to wake for a packet on virtual machines, several times "
-                        "a block's compute, once per block or stage on every token's path. Holds a core while "
-                        "generating: use it where each process has a core of its own (default: 0, off)")
+                        "sleeping process can take hundreds of microseconds to wake for a packet on virtual machines, "
+                        "several times a block's compute, once per block or stage on every token's path. Holds a "
+                        "core while generating: use it where each process has a core of its own (default: 0, off)")
 
 
 def rto_min_arg(p: argparse.ArgumentParser) -> None:

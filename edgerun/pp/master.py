@@ -215,11 +215,8 @@ class PipelineMaster:
             try:
                 return await asyncio.get_running_loop().run_in_executor(None, self._chained_pass, tokens, position,
                                                                         sampling, prefix)
-            except Breach as e:
-                await self.workers.expel(e.worker, e.reason)
-                raise
-            except PortClosed as e:
-                await self.workers.drop(e.worker, f"pass port lost ({e.reason})")
+            except (Breach, PortClosed) as e:
+                await self._settle(e)
                 raise
         tensors = {"input_ids": np.asarray([tokens], np.int64)}
         plan = self.deployment.plan
@@ -290,8 +287,16 @@ class PipelineMaster:
         try:
             return self._checked_token(worker, reply)
         except Breach as e:
-            await self.workers.expel(e.worker, e.reason)
+            await self._settle(e)
             raise
+
+    async def _settle(self, failure: Breach | PortClosed) -> None:
+        """What a pass's failure says about its worker: one that broke the protocol is expelled (WorkerLost, as
+        expel raises), one whose pass port closed counts as gone at once (the caller raises the PortClosed)."""
+        if isinstance(failure, Breach):
+            await self.workers.expel(failure.worker, failure.reason)
+        else:
+            await self.workers.drop(failure.worker, f"pass port lost ({failure.reason})")
 
     def _checked_token(self, worker: WorkerConn, reply: dict[str, Any]) -> int:
         token = reply.get("token")
@@ -325,11 +330,8 @@ class PipelineMaster:
         if start > 0 and d.chained and not d.ready(d.staged):  # a decode step: on this thread (module docstring)
             try:
                 return self._chained_pass(tokens, start, _sampling(sampler))
-            except Breach as e:
-                self.net.run(self.workers.expel(e.worker, e.reason))
-                raise
-            except PortClosed as e:
-                self.net.run(self.workers.drop(e.worker, f"pass port lost ({e.reason})"))
+            except (Breach, PortClosed) as e:
+                self.net.run(self._settle(e))
                 raise
         return self.net.run(self._step_token(tokens, start, sampler))
 
