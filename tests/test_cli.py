@@ -24,6 +24,7 @@ from edgerun.model.loader import Model, load_model
 from edgerun.model.quant import QuantTensor
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.model.synth import SHAPES, SynthSpec, synth_vocabulary, synth_weights
+from edgerun.net.loops import auto_spin_us
 
 TinySpec = Callable[..., SynthSpec]  # conftest's tiny_spec fixture
 SynthGguf = Callable[[SynthSpec], Path]  # conftest's synth_gguf fixture
@@ -437,10 +438,14 @@ def test_bench_pp_rows_use_every_worker_and_compare_with_the_single_engine() -> 
         assert r["ratio_to_single"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
         assert r["decode_ratio_to_single"] == pytest.approx(r["single_decode_ms_per_token"] / r["decode_ms_per_token"])
         assert r["other_ms_per_token"] == pytest.approx(r["decode_ms_per_token"] - r["stage_ms_per_token"])
+    assert [r["spin_us"] for r in rows] == [auto_spin_us(r["workers"] + 1, 1) for r in rows]  # --spin-us auto
     bad = run_subprocess(["bench", "pp", "--workers", "0"])
     assert bad.returncode == 2 and "--workers" in bad.stderr
     bad = run_subprocess(["bench", "pp", "--route", "ring"])
     assert bad.returncode == 2 and "--route" in bad.stderr
+    for spin in ("fast", "-5"):
+        bad = run_subprocess(["bench", "pp", "--spin-us", spin])
+        assert bad.returncode == 2 and "--spin-us" in bad.stderr
 
 
 @pytest.mark.slow

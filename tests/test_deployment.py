@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+import pytest
+
 from edgerun.model.loader import load_model
 from edgerun.net.wire import Block, Codec
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import plan_tp
 from edgerun.tp.config import MasterConfig
-from edgerun.tp.deployment import NodeLink, UnitOrder, deploy, holds
+from edgerun.tp.deployment import NodeLink, UnitOrder, deploy, holds, vocab_rows
 from edgerun.tp.messages import Route
 
 
@@ -62,3 +65,13 @@ def test_dynamic_deployment_holds_every_unit_and_sends_priorities(tiny_spec, syn
     assert d.own_spec.attn_units[0] == tuple(range(c.n_kv_heads))  # the master holds every unit
     assert a.priorities == (tuple(layer[1] for layer in plan.attn), tuple(layer[1] for layer in plan.mlp))
     assert d.own_priorities == (tuple(layer[0] for layer in plan.attn), tuple(layer[0] for layer in plan.mlp))
+
+
+def test_vocab_rows_are_each_blocks_rows_in_order_kept_read_only() -> None:
+    rows = vocab_rows((3, 0), 4, 14)
+    assert rows.tolist() == [12, 13, 0, 1, 2, 3]  # block 3 is cut at the vocabulary's end
+    assert vocab_rows((3, 0), 4, 14) is rows  # kept: the master places every head partial with them each token
+    with pytest.raises(ValueError):
+        rows[0] = 1
+    assert vocab_rows((), 4, 14).size == 0
+    assert np.array_equal(vocab_rows((1,), 4, 14), np.arange(4, 8))

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from edgerun.net.channel import EventLoopThread
-from edgerun.net.loops import SpinningSelector, spinning_event_loop
+from edgerun.net.loops import AUTO_SPIN_US, SpinningSelector, auto_spin_us, spinning_event_loop
 
 
 @pytest.fixture
@@ -94,3 +94,13 @@ def test_a_spinning_loop_thread_runs_coroutines_and_answers_in_time(pair: tuple[
     plain = spinning_event_loop(0.0)  # no spinning: the usual loop (uvloop's where installed)
     assert not isinstance(getattr(plain, "_selector", None), SpinningSelector)
     plain.close()
+
+
+def test_auto_spin_where_every_compute_thread_has_a_core() -> None:
+    """A benchmark's --spin-us auto: spin where the run's processes' compute threads fit the cores, else not."""
+    assert auto_spin_us(8, 1, cores=16) == AUTO_SPIN_US
+    assert auto_spin_us(8, 2, cores=16) == AUTO_SPIN_US
+    assert auto_spin_us(9, 2, cores=16) == 0.0
+    assert auto_spin_us(3, 1, cores=2) == 0.0
+    assert auto_spin_us(1, 1) == AUTO_SPIN_US  # this machine's cores by default
+

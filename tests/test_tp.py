@@ -340,7 +340,9 @@ def test_node_without_the_masters_model_fetches_it(tiny_spec, synth_gguf) -> Non
 def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
+    from edgerun.bench.tp import USABLE_CORES
     from edgerun.cli import main
+    from edgerun.net.loops import auto_spin_us
 
     path = synth_gguf(tiny_spec(tied=False))
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
@@ -360,10 +362,13 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         assert r["decode_ms_per_token"] > 0 and r["single_decode_ms_per_token"] > 0
         assert r["decode_speedup"] == pytest.approx(r["single_decode_ms_per_token"] / r["decode_ms_per_token"])
         assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
+        assert r["spin_us"] == auto_spin_us(2, 1, len(USABLE_CORES))  # auto: master and node poll where each has a core
     from edgerun.bench.tp import TpResult, tp_table
 
     table = tp_table([TpResult(**{k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
+    assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
+                                      f"spin: {results[0]['spin_us']:.0f} µs in every process")
 
 
 def test_the_kernel_ceiling_script_times_every_share_against_the_single_engine(tiny_spec, synth_gguf) -> None:

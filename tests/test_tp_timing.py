@@ -191,3 +191,36 @@ def test_node_answers_a_mirrored_block_once_over_both_channels(tiny_spec, synth_
     node.udp.close()
     node.net.stop()
     sink.close()
+
+
+@pytest.mark.parametrize("idle_spin", [False, True])
+def test_a_spinning_socket_holds_its_reader_only_where_told(idle_spin: bool) -> None:
+    """--spin-us: a node's socket (idle_spin) keeps reading after a datagram, so one that comes 20 ms later is
+    handled in the same call (up to MAX_SPIN_S, when the loop's timers get their turn); a master's returns at once:
+    its event loop runs the step being generated, which a reader spinning after a stray datagram held up for the
+    whole spin (2-3x slower tokens on the device)."""
+    import threading
+    import time
+
+    from edgerun.net.channel import Counters, DatagramSocket
+    from edgerun.net.wire import seal
+
+    got: list[int] = []
+    reader = DatagramSocket("127.0.0.1", KEY, Counters(), lambda header, _, __: got.append(header.position),
+                            spin_s=2.0, idle_spin=idle_spin)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        def send(position: int) -> None:
+            header = Header(MsgType.ACTIVATION, 1, position, 0, Block.ATTN, 0, tokens=1)
+            sender.sendto(seal(header, b"\0" * 4, KEY), ("127.0.0.1", reader.port))
+
+        send(0)
+        time.sleep(0.05)  # in the socket's queue
+        later = threading.Timer(0.02, send, (1,))
+        later.start()
+        reader.read_all()
+        later.join()
+        assert got == ([0, 1] if idle_spin else [0])
+    finally:
+        sender.close()
+        reader.close()

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgerun.bench.single import RequestTiming, cluster_baseline
+from edgerun.bench.single import RequestTiming, cluster_baseline, spin_line
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.loader import Model
 from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.net.loops import auto_spin_us
 from edgerun.net.wire import derive_key
 from edgerun.pp.deployment import dequantized_expansion
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Route
@@ -225,6 +226,7 @@ class PpRow:
     tab_pass_ms: float | None = None
     native_pass_ms: float | None = None
     native_f32_pass_ms: float | None = None
+    spin_us: float = 0.0  # how long the master and workers polled for their next message (--spin-us, auto resolved)
 
 
 def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
@@ -263,10 +265,11 @@ def _pipeline_timing(master: PipelineMaster, prompt: list[int], tokens: int) -> 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
              activations: Activations = Activations.INT8, routes: Sequence[Route] = (Route.CHAIN, Route.STAR),
              browsers: int = 0, progress: Callable[[str], None] = lambda _: None,
-             spin_us: float = 0.0) -> tuple[list[PpRow], RequestTiming]:
+             spin_us: float | None = 0.0) -> tuple[list[PpRow], RequestTiming]:
     """Rows for each worker count and route (and, with `browsers`, each worker count with that many Chromium tabs
     added), each against the single engine timed just before and after it, and the median single engine of the
-    run; the native stages and the single engine compute with the same activations."""
+    run; the native stages and the single engine compute with the same activations. `spin_us` None: auto, by the
+    row's processes (auto_spin_us)."""
     prompt = model.tokenizer.encode(PROMPT)
 
     def single() -> RequestTiming:
@@ -283,12 +286,13 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
 
     for n in worker_counts:
         budget = stage_budgets_mb(layers, n) if n > 1 else sum(layers) * 1.1 / 1e6
+        spin = auto_spin_us(n + 1, threads) if spin_us is None else spin_us
         for route in routes:
             progress(f"{n} worker(s), route {route}")
             with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations,
-                                route=route, spin_us=spin_us) as (master, _):
+                                route=route, spin_us=spin) as (master, _):
                 row = _row(master, n, 0, prompt, tokens)
-            compared(row)
+            compared(dataclasses.replace(row, spin_us=spin))
         if browsers:
             progress(f"{n} worker(s) and {browsers} browser tab(s)")
             compared(_browser_row(model, n, browsers, prompt, tokens, threads, activations, layers))
@@ -461,6 +465,9 @@ def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activati
                  f"{single.decode_ms_per_token:.1f} ({activations.value} activations, as the native stages; the "
                  f"median of {len(rows) + 1} runs, one before the first row and one after each: each row is compared "
                  f"with the two around it, decode {_span([r.single_decode_ms_per_token for r in rows])})")
+    spins = {r.workers + 1: r.spin_us for r in rows if not r.browser}  # tabs' rows do not spin
+    if spins:
+        lines.append(spin_line(spins))
     for r in rows:
         if r.tab_layers is not None:
             lines.append(f"{r.workers} worker(s) + {r.browser} tab(s): layers {r.tab_layers} take {r.tab_pass_ms:.1f} "

@@ -133,3 +133,12 @@ def cluster_baseline_ms(model: Model, prompt: list[int], tokens: int, threads: i
                         max_len: int, warmup: int) -> float:
     """ms per output token of the single-process onnx engine, prefill included (see cluster_baseline)."""
     return cluster_baseline(model, prompt, tokens, threads, activations, max_len, warmup).ms_per_token
+
+
+def spin_line(spins: dict[int, float]) -> str:
+    """Which rows polled their sockets (--spin-us), by processes on this machine."""
+    if len(set(spins.values())) == 1:
+        spin = next(iter(spins.values()))
+        return f"spin: {spin:.0f} µs in every process" if spin else "spin: off"
+    return "spin: " + ", ".join(f"{spin:.0f} µs with {n} processes" if spin else f"off with {n} processes"
+                                for n, spin in sorted(spins.items()))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
-from edgerun.bench.single import RequestTiming, cluster_baseline
+from edgerun.bench.single import RequestTiming, cluster_baseline, spin_line
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.loader import Model, load_model
@@ -30,6 +30,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net import testbed
 from edgerun.net.kernel_loss import loopback_loss, loss_counters
+from edgerun.net.loops import auto_spin_us
 from edgerun.net.loss import Bernoulli, NoLoss, parse_loss
 from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
@@ -90,6 +91,7 @@ class TpResult:
     speedup: float | None = None  # single_ms_per_token / ms_per_token
     single_decode_ms_per_token: float | None = None
     decode_speedup: float | None = None  # single_decode_ms_per_token / decode_ms_per_token
+    spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
 
 
 def kernel_rate(spec: str) -> float:
@@ -129,7 +131,7 @@ class TpBenchConfig:
     threads: int = 1  # BLAS threads of the master and of each node: all share one machine
     group_size: int = 256  # MLP neuron-group size
     parity_always: bool = False  # parity on clean links too (else once a link loses a packet)
-    spin_us: float = 0.0  # master and nodes poll their UDP socket this long before sleeping
+    spin_us: float | None = 0.0  # master and nodes poll their UDP socket this long before sleeping; None: auto
     rebalance: bool = True  # after a warm-up, replan with the speeds the devices showed (Master.rebalance)
     activations: Activations = Activations.INT8  # of every quantized product, the single baseline's too
     pin: int = 0  # cores of its own for every device (master, each node, the single baseline); 0: not pinned
@@ -284,7 +286,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
-        devices_used=master.plan.devices_used, rebalanced=rebalanced)
+        devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0)
 
 
 def single_baseline(model: Model, config: TpBenchConfig) -> RequestTiming:
@@ -320,7 +322,11 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
             progress(f"single-process onnx engine, {config.threads} thread(s)")
             single = single_baseline(model, config)
         for nodes in node_counts:
-            results += _bench_cluster(config, model, nodes, losses, transports, progress, plans, rates)
+            # auto: by the cores this process could use before --pin narrowed them to the master's
+            spin_us = auto_spin_us(nodes + 1, max(config.threads, config.pin), len(USABLE_CORES)) \
+                if config.spin_us is None else config.spin_us
+            results += _bench_cluster(replace(config, spin_us=spin_us), model, nodes, losses, transports, progress,
+                                      plans, rates)
     if single is None:
         return results
     return [replace(r, single_ms_per_token=single.ms_per_token, speedup=single.ms_per_token / r.ms_per_token,
@@ -392,6 +398,8 @@ def tp_table(results: list[TpResult]) -> str:
     if results and results[0].single_ms_per_token is not None:
         rows.append(f"single-process onnx engine: {results[0].single_ms_per_token:.1f} ms/token, decode "
                     f"{results[0].single_decode_ms_per_token:.1f}")
+    if results:
+        rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     return "\n".join(rows)
 
 

@@ -216,7 +216,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
     share_threads_arg(p, 1)
     activations_arg(p)
-    spin_arg(p)
+    spin_arg(p, auto=True)
     p.add_argument("--browser", type=int, default=0, metavar="N",
                    help="also time each worker count with N headless Chromium tabs in the pipeline (needs "
                         "Playwright and Debian's chromium; the tabs use --threads WebAssembly threads) (default: 0)")
@@ -304,7 +304,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
     udp_args(p)
     rto_min_arg(p)
-    spin_arg(p)
+    spin_arg(p, auto=True)
     activations_arg(p)
     share_threads_arg(p, 1)
     p.add_argument("--baseline", action="store_true",

@@ -79,13 +79,32 @@ def route_arg(p: argparse.ArgumentParser) -> None:
                    help=f"with --plan dp, how passes go through the stages: {ROUTE_HELP} (default: chain)")
 
 
-def spin_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spin-us", type=float, default=0.0, metavar="US",
-                   help="after the last message, keep polling for the next one this many microseconds before "
-                        "sleeping (tensor-parallel: the UDP socket; pipeline: the pass port and the event loop): a "
-                        "sleeping process can take hundreds of microseconds to wake for a packet on virtual machines, "
-                        "several times a block's compute, once per block or stage on every token's path. Holds a "
-                        "core while generating: use it where each process has a core of its own (default: 0, off)")
+def spin_arg(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    """--spin-us; `auto` (benchmarks, which start every process on this machine): the default is auto."""
+    what = ("after the last message, keep polling for the next one this many microseconds before sleeping "
+            "(tensor-parallel: the UDP socket; pipeline: the pass port and the event loop): a sleeping process can "
+            "take hundreds of microseconds to wake for a packet on virtual machines, several times a block's "
+            "compute, once per block or stage on every token's path. Holds a core while generating: use it where "
+            "each process has a core of its own")
+    if auto:
+        p.add_argument("--spin-us", type=spin_value, default=None, metavar="US|auto",
+                       help=f"{what}; auto: 20000 where this machine has a core for every compute thread of the "
+                            "run's processes, else 0 (default: auto)")
+    else:
+        p.add_argument("--spin-us", type=float, default=0.0, metavar="US", help=f"{what} (default: 0, off)")
+
+
+def spin_value(text: str) -> float | None:
+    """--spin-us of a benchmark: microseconds, or None for auto."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes microseconds or auto, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more microseconds, not {text}")
+    return value
 
 
 def rto_min_arg(p: argparse.ArgumentParser) -> None:

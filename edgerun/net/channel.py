@@ -273,15 +273,18 @@ class DatagramSocket:
 
     With `spin_s` > 0 a reader that runs out of datagrams keeps polling the socket, without sleeping, for that
     long before it blocks: on virtualized machines a sleeping thread takes a few hundred microseconds to wake
-    when a packet comes, more than a whole round trip. It stops spinning at once when one of the `watch`
-    descriptors (TCP streams the event loop reads) has data, and the loop's own reader returns to the loop at
-    least every MAX_SPIN_S so its timers (heartbeats) run. Spinning holds a core: use it where each process has
-    one of its own."""
+    when a packet comes, more than a whole round trip. `drain` spins so until its block is whole; the loop's own
+    reader spins so only with `idle_spin` (a node, whose work all comes as datagrams: a master awaits its
+    coroutines on that loop, which a spinning reader would hold up for spin_s after every stray datagram). It
+    stops spinning at once when one of the `watch` descriptors (TCP streams the event loop reads) has data, and
+    the loop's own reader returns to the loop at least every MAX_SPIN_S so its timers (heartbeats) run. Spinning
+    holds a core: use it where each process has one of its own."""
 
     MAX_SPIN_S = 0.05
 
     def __init__(self, host: str, key: bytes, counters: Counters,
-                 on_packet: Callable[[Header, bytes, tuple[str, int]], None], spin_s: float = 0.0) -> None:
+                 on_packet: Callable[[Header, bytes, tuple[str, int]], None], spin_s: float = 0.0,
+                 idle_spin: bool = False) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.bind((host, 0))
@@ -296,7 +299,7 @@ class DatagramSocket:
             self.stamped = False
         self.arrived_at = 0.0  # the datagram being handed to the callback: when it arrived (perf_counter time)
         self.key, self.counters, self.on_packet = key, counters, on_packet
-        self.spin_s = spin_s
+        self.spin_s, self.idle_spin = spin_s, idle_spin
         self._watched = select.poll()  # descriptors that end a spin of the loop's reader (watch_streams)
         self._drain_poller: tuple[list[int] | None, select.poll | None] = (None, None)  # drain's, by its watch
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -311,9 +314,10 @@ class DatagramSocket:
         self._watched = self._poller(fds, udp=False)
 
     def read_all(self) -> None:
-        """Hand every datagram waiting on the socket to the callback (and with spin_s, those that come soon)."""
+        """Hand every datagram waiting on the socket to the callback (and with idle_spin, those that come within
+        spin_s)."""
         self._read_available()
-        if self.spin_s > 0:
+        if self.idle_spin and self.spin_s > 0:
             started = time.perf_counter()
             self._spin(lambda: False, lambda: started + self.MAX_SPIN_S, self._watched)
 
@@ -358,6 +362,8 @@ class DatagramSocket:
                 return True
             if self._read_available():
                 idle_until = time.perf_counter() + self.spin_s
+            else:
+                os.sched_yield()  # a process computing on this core (more processes than cores) goes first
             spins += 1
             if spins % 32 == 0 and watched.poll(0):
                 return False

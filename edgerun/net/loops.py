@@ -22,6 +22,20 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+# A benchmark's --spin-us auto: what its processes poll for when every one has a core of its own. It spans a
+# token's period on the pipelines and models we time (20 ms), so a stage or node that waits for its next input
+# across a whole token still polls; a process that idled longer sleeps.
+AUTO_SPIN_US = 20000.0
+
+
+def auto_spin_us(processes: int, threads: int, cores: int | None = None) -> float:
+    """--spin-us auto for `processes` processes of `threads` compute threads on this machine (or one of `cores`
+    cores): AUTO_SPIN_US where each compute thread has a core, else 0. A process spinning on a core another one
+    computes on slows that one down more than its own wake-ups cost."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return AUTO_SPIN_US if processes * threads <= cores else 0.0
+
+
 def polled_select(select: Callable[[float | None], list[T]], spin_s: float, timeout: float | None) -> list[T]:
     """`select(0)` over and over for up to spin_s (within `timeout`), yielding the core between polls, then
     `select` with what is left of `timeout`: a process woken from sleep by a packet can take hundreds of

@@ -3,6 +3,7 @@ assignment each node is sent. Pure functions of the plan, the model and the conf
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,10 +74,15 @@ def spec_for_device(plan: TPPlan, i: int, group_size: int, vocab_block: int, ord
                      vocab_blocks=tuple(sorted(plan.vocab[i])), group_size=group_size, vocab_block=vocab_block)
 
 
-def vocab_rows(blocks: Sequence[int], block_rows: int, vocab: int) -> np.ndarray:
-    """LM-head rows of the given vocabulary blocks, in block order (the order a shard returns them)."""
-    return np.concatenate([np.arange(b * block_rows, min((b + 1) * block_rows, vocab)) for b in blocks]
+@functools.lru_cache(maxsize=256)
+def vocab_rows(blocks: tuple[int, ...], block_rows: int, vocab: int) -> np.ndarray:
+    """LM-head rows of the given vocabulary blocks, in block order (the order a shard returns them); read-only.
+    Kept per share: the master sizes and places every node's head partial with them each token, and building
+    them anew took ~0.1 ms per node (a 128k vocabulary in blocks of 256 rows)."""
+    rows = np.concatenate([np.arange(b * block_rows, min((b + 1) * block_rows, vocab)) for b in blocks]
                           or [np.zeros(0, np.int64)])
+    rows.flags.writeable = False
+    return rows
 
 
 @dataclass(frozen=True)

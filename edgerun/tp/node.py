@@ -201,7 +201,8 @@ class Node:
     async def _join(self) -> Welcome:
         reader, writer = await asyncio.open_connection(*self.master)
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
-        datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s)
+        datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s,
+                                   idle_spin=True)
         try:
             datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
             datagrams.attach(asyncio.get_running_loop())
