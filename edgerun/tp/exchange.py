@@ -42,6 +42,12 @@ from edgerun.tp.timeouts import Timeouts
 # lag behind by a TCP retransmission timeout or more, which is several tokens on a fast cluster.
 KEPT_POSITIONS = 64
 
+# A mirrored block (the first layer and the LM head over udp) drains its UDP copies at least this long: the
+# arrival estimates are learnt on the short attention and MLP blocks, and the LM head's partials come several
+# times later, so a drain that ended at the estimate handed nearly every head to the event loop (0.3-0.5 ms more
+# a token on the device). A TCP copy that comes first still ends the drain at once.
+MIRROR_DRAIN_S = 0.05
+
 BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
 
 
@@ -226,14 +232,22 @@ class BlockExchange:
         if not reliable:
             w.lag_bound = self.timeouts.after_first([n.lag for n in nodes])
             w.deadline = expected
+        else:
+            expected = max(expected, w.sent + MIRROR_DRAIN_S)
         if over_udp and w.outstanding:
             # The lean path: partials are taken straight off the socket on this thread until the block is whole
-            # or its deadline passes. A mirrored block (no deadline) drains so long for its UDP copies, then waits
-            # for its TCP copies on the loop. Data on a participant's TCP stream (a reply, a heartbeat, a closed
-            # connection) hands the wait to the event loop, which reads it.
+            # or its deadline passes. A mirrored block (no deadline) drains so long for its UDP copies (at least
+            # MIRROR_DRAIN_S), then waits for its TCP copies on the loop. Data on a participant's TCP stream (a
+            # reply, a mirrored partial's TCP copy, a heartbeat, a closed connection) goes to the event loop for as
+            # long as it takes to read it, and the drain goes on: a block left to the loop until its end waited for
+            # the loop to wake for each partial (0.5-2 ms more a token on the device, the LM head's most, as the
+            # faster nodes' TCP copies came while the slowest node's partial was on its way).
             watch = [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0]
-            self.datagrams.drain(lambda: w.outstanding == 0, lambda: expected if w.deadline is None else w.deadline,
-                                 watch)
+            while not self.datagrams.drain(lambda: w.outstanding == 0,
+                                           lambda: expected if w.deadline is None else w.deadline, watch):
+                await asyncio.sleep(0)  # the loop reads the stream that had data, and runs what it wakes
+                if w.outstanding == 0 or any(not n.alive for n in nodes):
+                    break
         if w.outstanding and not any(not n.alive for n in nodes) and (
                 reliable or w.deadline is None or time.perf_counter() < w.deadline):
             w.timed = True

@@ -458,14 +458,16 @@ class Node:
             return
         seq = x.shape[0]
         route = self.routes.of(layer, block, seq)
-        if route != Route.DATAGRAM:
-            self.channel.send(Partial(self.session, position, layer, block,
-                                      np.ascontiguousarray(out, "<f4").tobytes()))
+        # A mirrored partial's UDP copy first: the master takes it straight off its socket while it waits, and a
+        # TCP copy that came first would hand its wait to the event loop.
         if route != Route.RELIABLE:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
                             codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
             self.udp.send_all(fragment(header, out.reshape(-1), self.key, self.datagram_bytes, parity=self.parity),
                               (self.master[0], self.master_udp_port))
+        if route != Route.DATAGRAM:
+            self.channel.send(Partial(self.session, position, layer, block,
+                                      np.ascontiguousarray(out, "<f4").tobytes()))
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
