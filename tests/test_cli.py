@@ -538,3 +538,12 @@ def test_every_option_explains_itself_and_its_default() -> None:
 
     walk(build_parser(), "edgerun")
     assert not missing, "\n".join(missing)
+
+
+def test_a_rows_single_engine_is_the_mean_of_the_runs_around_it() -> None:
+    """bench tp and bench pp compare each row with the single engine timed just before and after it."""
+    from edgerun.bench.single import RequestTiming, span
+
+    around = RequestTiming.mean([RequestTiming(20.0, 10.0), RequestTiming(30.0, 14.0)])
+    assert (around.ms_per_token, around.decode_ms_per_token) == (25.0, 12.0)
+    assert span([14.04, 12.0]) == "12.0-14.0" and span([3.01, 2.98]) == "3.0" and span([]) == "-"

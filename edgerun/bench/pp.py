@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgerun.bench.single import RequestTiming, cluster_baseline, spin_line
+from edgerun.bench.single import RequestTiming, cluster_baseline, span, spin_line
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.loader import Model
@@ -302,11 +302,11 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
 
 def _compared(row: PpRow, around: Sequence[RequestTiming]) -> PpRow:
     """The row against the mean of the single engine's timings around it."""
-    ms = float(np.mean([t.ms_per_token for t in around]))
-    decode = float(np.mean([t.decode_ms_per_token for t in around]))
-    return dataclasses.replace(row, single_ms_per_token=ms, single_decode_ms_per_token=decode,
-                               ratio_to_single=ms / row.ms_per_token,
-                               decode_ratio_to_single=decode / row.decode_ms_per_token)
+    single = RequestTiming.mean(around)
+    return dataclasses.replace(row, single_ms_per_token=single.ms_per_token,
+                               single_decode_ms_per_token=single.decode_ms_per_token,
+                               ratio_to_single=single.ms_per_token / row.ms_per_token,
+                               decode_ratio_to_single=single.decode_ms_per_token / row.decode_ms_per_token)
 
 
 def _row(master: PipelineMaster, workers: int, browsers: int, prompt: list[int], tokens: int) -> PpRow:
@@ -464,7 +464,7 @@ def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activati
     lines.append(f"single-process onnx engine: {single.ms_per_token:.1f} ms/token, decode "
                  f"{single.decode_ms_per_token:.1f} ({activations.value} activations, as the native stages; the "
                  f"median of {len(rows) + 1} runs, one before the first row and one after each: each row is compared "
-                 f"with the two around it, decode {_span([r.single_decode_ms_per_token for r in rows])})")
+                 f"with the two around it, decode {span([r.single_decode_ms_per_token for r in rows])})")
     spins = {r.workers + 1: r.spin_us for r in rows if not r.browser}  # tabs' rows do not spin
     if spins:
         lines.append(spin_line(spins))
@@ -476,5 +476,3 @@ def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activati
     return "\n".join(lines)
 
 
-def _span(values: Sequence[float]) -> str:
-    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"

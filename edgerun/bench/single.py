@@ -6,7 +6,9 @@ Each engine runs in a fresh process so that its peak RSS is its own.
 from __future__ import annotations
 
 import multiprocessing
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -116,6 +118,13 @@ class RequestTiming:
         return cls(elapsed_s / max(1, len(result.tokens)) * 1e3,
                    result.decode_s / steps * 1e3 if steps > 0 else float("nan"))
 
+    @classmethod
+    def mean(cls, timings: Sequence[RequestTiming]) -> RequestTiming:
+        """The mean of several timings: a benchmark row's single engine, timed just before and just after the row
+        (on a shared machine its speed drifts from minute to minute)."""
+        return cls(statistics.fmean(t.ms_per_token for t in timings),
+                   statistics.fmean(t.decode_ms_per_token for t in timings))
+
 
 def cluster_baseline(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,
                      max_len: int, warmup: int) -> RequestTiming:
@@ -133,6 +142,14 @@ def cluster_baseline_ms(model: Model, prompt: list[int], tokens: int, threads: i
                         max_len: int, warmup: int) -> float:
     """ms per output token of the single-process onnx engine, prefill included (see cluster_baseline)."""
     return cluster_baseline(model, prompt, tokens, threads, activations, max_len, warmup).ms_per_token
+
+
+def span(values: Sequence[float]) -> str:
+    """Timings' range as a table prints it: "12.3-14.0", one figure where they agree, "-" for none."""
+    if not values:
+        return "-"
+    low, high = f"{min(values):.1f}", f"{max(values):.1f}"
+    return low if low == high else f"{low}-{high}"
 
 
 def spin_line(spins: dict[int, float]) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
-from edgerun.bench.single import RequestTiming, cluster_baseline, spin_line
+from edgerun.bench.single import RequestTiming, cluster_baseline, span, spin_line
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.loader import Model, load_model
@@ -317,21 +317,29 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
     # The master in this process is held to the nodes' BLAS threads: with a thread per core in every process
     # of one machine, they would slow each other down.
     with threadpool_limits(config.threads), pinned(device_cores(0, config.pin)):
-        single = None
-        if baseline:
+        singles = []  # the single engine, timed before the first node count and after each
+
+        def single() -> None:
             progress(f"single-process onnx engine, {config.threads} thread(s)")
-            single = single_baseline(model, config)
+            singles.append(single_baseline(model, config))
+
+        if baseline:
+            single()
         for nodes in node_counts:
             # auto: by the cores this process could use before --pin narrowed them to the master's
             spin_us = auto_spin_us(nodes + 1, max(config.threads, config.pin), len(USABLE_CORES)) \
                 if config.spin_us is None else config.spin_us
-            results += _bench_cluster(replace(config, spin_us=spin_us), model, nodes, losses, transports, progress,
-                                      plans, rates)
-    if single is None:
-        return results
-    return [replace(r, single_ms_per_token=single.ms_per_token, speedup=single.ms_per_token / r.ms_per_token,
-                    single_decode_ms_per_token=single.decode_ms_per_token,
-                    decode_speedup=single.decode_ms_per_token / r.decode_ms_per_token) for r in results]
+            rows = _bench_cluster(replace(config, spin_us=spin_us), model, nodes, losses, transports, progress,
+                                  plans, rates)
+            if baseline:  # each row against the single engine as fast as it was around it
+                single()
+                around = RequestTiming.mean(singles[-2:])
+                rows = [replace(r, single_ms_per_token=around.ms_per_token,
+                                speedup=around.ms_per_token / r.ms_per_token,
+                                single_decode_ms_per_token=around.decode_ms_per_token,
+                                decode_speedup=around.decode_ms_per_token / r.decode_ms_per_token) for r in rows]
+            results += rows
+    return results
 
 
 def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list[str], transports: list[str],
@@ -395,9 +403,11 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")
-    if results and results[0].single_ms_per_token is not None:
-        rows.append(f"single-process onnx engine: {results[0].single_ms_per_token:.1f} ms/token, decode "
-                    f"{results[0].single_decode_ms_per_token:.1f}")
+    singles = [r for r in results if r.single_ms_per_token is not None]
+    if singles:
+        rows.append(f"single-process onnx engine: {span([r.single_ms_per_token for r in singles])} ms/token, decode "
+                    f"{span([r.single_decode_ms_per_token for r in singles])} (timed before the first node count "
+                    "and after each: each row is compared with the mean of the two runs around it)")
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     return "\n".join(rows)
