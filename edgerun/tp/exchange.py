@@ -45,7 +45,7 @@ KEPT_POSITIONS = 64
 # A mirrored block (the first layer and the LM head over udp) drains its UDP copies at least this long: the
 # arrival estimates are learnt on the short attention and MLP blocks, and the LM head's partials come several
 # times later, so a drain that ended at the estimate handed nearly every head to the event loop (0.3-0.5 ms more
-# a token on the device). A TCP copy that comes first still ends the drain at once.
+# a token on the device). A TCP copy that comes first is read by the loop between drains and completes the block.
 MIRROR_DRAIN_S = 0.05
 
 BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
