@@ -474,5 +474,3 @@ def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activati
                          f"ms a pass in the tab, {r.native_pass_ms:.1f} natively ({activations.value}; "
                          f"{r.native_f32_pass_ms:.1f} in float32): {r.tab_pass_ms / r.native_pass_ms:.2f}x")
     return "\n".join(lines)
-
-
