@@ -8,6 +8,7 @@
 
 import * as ort from "/ort/ort.all.min.mjs";
 import {Msg, clusterKey, hex, openFrame, packFrame, sha256} from "/frames.js";
+import {KernelStage, kernelsSupported} from "/kernels.js";
 import {sample} from "/sampling.js";
 
 const params = new URLSearchParams(location.search);
@@ -21,12 +22,16 @@ const secret = new URLSearchParams(location.hash.slice(1)).get("key") || "";
 const key = clusterKey(secret);
 // WebGPU where the browser has an adapter for it (navigator.gpu alone may have none), WebAssembly otherwise.
 const adapter = navigator.gpu ? await navigator.gpu.requestAdapter().catch(() => null) : null;
-// The stage's matrices: "q4" as the model file stores them (MatMulNBits; WebGPU has a kernel for it), or "f32"
-// dequantized by the master (several times the memory): onnxruntime-web's WebAssembly has no MatMulNBits kernel of
-// its own and dequantizes every matrix on every pass, 20-30x slower than its float32 MatMul. ?weights= overrides.
-const weights = params.get("weights") || (adapter ? "q4" : "f32");
-const status = {connected: false, backend: adapter ? "webgpu" : "wasm", threads, weights, layers: "-", passes: 0,
-                lastMs: 0, error: ""};
+// The stage's matrices: "q4" as the model file stores them, in an ONNX graph (MatMulNBits; WebGPU has a kernel for
+// it); without WebGPU, "kernels": quantized as the file stores them, for edgerun's own WebAssembly kernels
+// (kernels.js; the master sends stage.bin), where the browser has relaxed SIMD; else "f32" dequantized by the
+// master (several times the memory): onnxruntime-web's WebAssembly has no MatMulNBits kernel of its own and
+// dequantizes every matrix on every pass, 20-30x slower than its float32 MatMul. ?weights= overrides.
+const weights = params.get("weights") || (adapter ? "q4" : await kernelsSupported() ? "kernels" : "f32");
+// The kernels compute on the page's own thread (onnxruntime-web's threads are its own).
+const computeThreads = weights === "kernels" ? 1 : threads;
+const status = {connected: false, backend: adapter ? "webgpu" : "wasm", threads: computeThreads, weights, layers: "-",
+                passes: 0, lastMs: 0, error: ""};
 window.edgerunStatus = status;
 
 function show() {
@@ -145,7 +150,8 @@ function start() {
         const memory = Number(params.get("memory") || (navigator.deviceMemory || 2) * 1024);
         send(Msg.CONNECT, request, {name: params.get("name") || `browser-${Math.floor(Math.random() * 1e6)}`,
           memory_mb: memory, speed: Number(params.get("speed") || 2e8),
-          capabilities: {kind: "browser", runtime: "onnxruntime-web", backend: status.backend, threads, weights},
+          capabilities: {kind: "browser", runtime: weights === "kernels" ? "edgerun-kernels" : "onnxruntime-web",
+                         backend: status.backend, threads: computeThreads, weights},
           cached: []});
       } else if (type === Msg.DOWNLOAD_LAYERS) {
         for (const sha of message.files) {
@@ -164,7 +170,9 @@ function start() {
         send(Msg.PREPARE_DONE, request, {});
       } else if (type === Msg.COMMIT_MODEL) {
         const started = performance.now();
-        stage = new Stage(prepared.spec, config, Number(message.max_len || maxLen));
+        // stage.bin: a stage for the WebAssembly kernels (the master sends it to a tab that asked for them).
+        const Runner = prepared.files["stage.bin"] ? KernelStage : Stage;
+        stage = new Runner(prepared.spec, config, Number(message.max_len || maxLen));
         await stage.load(prepared.files);
         send(Msg.COMMIT_DONE, request, {seconds: (performance.now() - started) / 1000});
       } else if (type === Msg.COMPUTATION) {

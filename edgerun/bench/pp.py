@@ -136,6 +136,10 @@ def cost_table(results: Sequence[CostResult]) -> str:
 class ChurnResult:
     seconds: float
     up_share: float  # share of samples (every 100 ms) with the master Up
+    state_shares: dict[PipelineState, float]  # share of samples in each state (Table 6.8's columns)
+    # The share of all samples not Up, by the number of workers alive then: with fewer alive than any plan needs,
+    # the departure schedule, not the deployment, kept the master down.
+    down_by_live: dict[int, float]
     tokens: int
     requests: int
     departures: int
@@ -144,20 +148,22 @@ class ChurnResult:
 
 
 def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: float, rejoin_s: float = 2.0,
-          tokens_per_request: int = 32, seed: int = 0, progress: Callable[[str], None] = lambda _: None) -> ChurnResult:
+          tokens_per_request: int = 32, seed: int = 0, progress: Callable[[str], None] = lambda _: None,
+          log: Callable[[str], None] = lambda _: None) -> ChurnResult:
     """Workers leave (SIGKILL) after exponential lifetimes of mean `mttf_s` and rejoin `rejoin_s` later,
-    while requests run back to back for `duration_s` (seed 000 Table 6.8's analogue)."""
+    while requests run back to back for `duration_s` (seed 000 Table 6.8's analogue). `log` gets the master's
+    log (plans, recoveries)."""
     rng = np.random.default_rng(seed)
     prompt = model.tokenizer.encode(PROMPT)
-    with local_pipeline(model, budgets) as (master, workers):
+    with local_pipeline(model, budgets, log=log) as (master, workers):
         master.start()
         stop = threading.Event()
-        up_samples: list[bool] = []
+        samples: list[tuple[PipelineState, int]] = []  # (state, live workers) every 100 ms
         departures = 0
 
         def sample() -> None:
             while not stop.is_set():
-                up_samples.append(master.state == PipelineState.UP)
+                samples.append((master.state, sum(w.poll() is None for w in workers)))
                 time.sleep(0.1)
 
         def chaos() -> None:
@@ -199,7 +205,11 @@ def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: flo
         for t in threads:
             t.join()
         recoveries = master.recovery_seconds
-        return ChurnResult(seconds, float(np.mean(up_samples)) if up_samples else 0.0, tokens, requests, departures,
+        n = max(len(samples), 1)
+        shares = {state: sum(s == state for s, _ in samples) / n for state in PipelineState}
+        down = [live for s, live in samples if s != PipelineState.UP]
+        by_live = {live: down.count(live) / n for live in sorted(set(down))}
+        return ChurnResult(seconds, shares[PipelineState.UP], shares, by_live, tokens, requests, departures,
                            len(recoveries), float(np.mean(recoveries)) if recoveries else 0.0)
 
 

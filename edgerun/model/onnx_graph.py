@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 
 from edgerun.cache import cache_root
 from edgerun.model.config import ModelConfig, kv_names
+from edgerun.model.kernel_stage import build_kernel_stage
 from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
 from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
@@ -72,6 +73,9 @@ class StageSpec:
     # MatMulNBits has no kernel of its own there and dequantizes every matrix on every call (20-30x slower than
     # its float32 MatMul). Several times the bytes; the same numbers as float32 activations to rounding.
     dequantized: bool = False
+    # Not an ONNX graph: stage.bin for the browser node's own WebAssembly kernels (kernel_stage), matrices as
+    # quantized as the file holds them, int8 activations (accuracy_level 4) as the native kernels compute.
+    kernels: bool = False
 
     @classmethod
     def for_layers(cls, config: ModelConfig, first_layer: int, end_layer: int, activations: Activations,
@@ -409,7 +413,12 @@ def cached_stage(model_path: Path, config: ModelConfig, weights: ModelWeights, s
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".build-"))
     try:
-        build_stage(config, weights, spec, tmp)
+        if spec.kernels:
+            spec.check(config)
+            size = build_kernel_stage(config, weights, spec.first_layer, spec.end_layer, spec.embed, spec.lm_head, tmp)
+            (tmp / "meta.json").write_text(json.dumps({"spec": asdict(spec), "weight_bytes": size}) + "\n")
+        else:
+            build_stage(config, weights, spec, tmp)
         try:
             tmp.rename(out)
         except OSError:  # another process built it first

@@ -27,11 +27,13 @@ from typing import Any
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.model import kernel_stage
+from edgerun.model.kernel_stage import KERNEL_STAGE_FILE
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import PpMsg
-from edgerun.pp.workers import SPEED_SAMPLES, WorkerConn, WorkerLost, Workers
+from edgerun.pp.workers import SPEED_SAMPLES, TabWeights, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import (
     SHADOW_MODES,
     CostParams,
@@ -104,6 +106,8 @@ class Deployment:
         self.log, self.warm = log, warm
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
         self.expansion = dequantized_expansion(model)
+        # Why tabs that ask for the WebAssembly kernels get float32 ONNX stages instead (None: they get kernels).
+        self.kernels_unsupported = kernel_stage.unsupported(model.config, model.weights)
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
@@ -136,10 +140,16 @@ class Deployment:
             self.shadow_stale = True
         self.changed.set()
 
-    @staticmethod
-    def dequantized(worker: WorkerConn) -> bool:
-        """A tab that asked for its stages' matrices in float32 (onnxruntime-web's WebAssembly: see StageSpec)."""
-        return worker.kind == "browser" and worker.capabilities.get("weights") == "f32"
+    def kernel_tab(self, worker: WorkerConn) -> bool:
+        """A tab that runs its stages on edgerun's WebAssembly kernels (stage.bin): it asked for them and they run
+        this model."""
+        return worker.tab_weights == TabWeights.KERNELS and self.kernels_unsupported is None
+
+    def dequantized(self, worker: WorkerConn) -> bool:
+        """A tab whose stages hold float32 matrices (onnxruntime-web's WebAssembly: see StageSpec): it asked for
+        them, or asked for the kernels, which do not run this model."""
+        weights = worker.tab_weights
+        return weights == TabWeights.F32 or (weights == TabWeights.KERNELS and self.kernels_unsupported is not None)
 
     def budget_mb(self, worker: WorkerConn) -> float:
         """The worker's memory budget in the planner's units, the quantized bytes of the layers it can hold."""
@@ -150,12 +160,16 @@ class Deployment:
         return [w.device(self.budget_mb(w)) for w in self.workers.alive()]
 
     def spec(self, stage: Stage, worker: str) -> StageSpec:
-        """The stage graph this worker runs. Native workers compute with the configured activations; browser tabs
-        with float32, whatever is configured: onnxruntime-web's MatMulNBits has no int8-activation kernel to
-        match the native one, and a tab's stage must compute what a native replica of it computes where both
-        are f32. A plan mixing int8 native stages and f32 tabs gives tokens close to, but not always equal to,
-        either reference's. A tab that asks for float32 weights gets its matrices dequantized."""
+        """The stage this worker runs. Native workers compute with the configured activations. A tab on edgerun's
+        WebAssembly kernels gets stage.bin and computes with int8 activations, as the native kernels do by default.
+        Other tabs (onnxruntime-web) compute with float32, whatever is configured: its MatMulNBits has no
+        int8-activation kernel to match the native one, and a tab's stage must compute what a native replica of it
+        computes where both are f32. A plan mixing int8 and f32 stages gives tokens close to, but not always equal
+        to, either reference's. A tab that asks for float32 weights gets its matrices dequantized."""
         conn = self.workers[worker]
+        if self.kernel_tab(conn):  # int8 activations, as the native kernels compute them
+            return dataclasses.replace(StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer,
+                                                            Activations.INT8), kernels=True)
         activations = self.activations if conn.kind == "native" else Activations.F32
         return StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer, activations,
                                     dequantized=self.dequantized(conn))
@@ -172,7 +186,7 @@ class Deployment:
         """Build (or reuse) a stage's graph and register its files for download by sha256."""
         directory = cached_stage(self.model.path, self.model.config, self.model.weights, spec)
         files = []
-        for name in ("model.onnx", "weights.bin"):
+        for name in (KERNEL_STAGE_FILE,) if spec.kernels else ("model.onnx", "weights.bin"):
             path = directory / name
             sha_file = directory / f"{name}.sha256"
             if not sha_file.exists():
@@ -558,7 +572,7 @@ class Deployment:
             s = stages.get(w.name)
             layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
             device = w.capabilities.get("device") or w.capabilities.get("backend")  # cpu/cuda, or wasm/webgpu
-            weights = ", float32 weights" if self.dequantized(w) else ""
+            weights = ", float32 weights" if self.dequantized(w) else ", wasm kernels" if self.kernel_tab(w) else ""
             lines.append(f"  {w.name}: {w.kind}{f' ({device})' if device else ''}{weights}, {w.memory_mb:.0f} MB, "
                          f"{layers}, {w.served} passes served")
         for name, plan in (("staged", self.staged), ("shadow", self.shadow)):

@@ -16,7 +16,7 @@ from starlette.websockets import WebSocket
 
 from edgerun.pp.workers import WorkerLink, Workers
 
-PAGE_SCRIPTS = ("node.js", "frames.js", "sampling.js", "expert.js")
+PAGE_SCRIPTS = ("node.js", "frames.js", "sampling.js", "expert.js", "kernels.js", "kernels.wasm")
 
 
 def browser_dir() -> Path:

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,14 @@ class WorkerLink:
         return self.ws.client.host if self.ws.client is not None else "127.0.0.1"
 
 
+class TabWeights(Enum):
+    """The matrices a browser tab asks for (node.js picks what its browser runs best)."""
+
+    KERNELS = "kernels"  # quantized, for edgerun's own WebAssembly kernels (kernel_stage): int8 activations
+    Q4 = "q4"  # quantized in an ONNX graph (MatMulNBits): WebGPU has a kernel for it
+    F32 = "f32"  # dequantized in an ONNX graph: onnxruntime-web's WebAssembly without the kernels
+
+
 @dataclass
 class WorkerConn:
     name: str
@@ -102,6 +111,14 @@ class WorkerConn:
     @property
     def kind(self) -> str:
         return str(self.capabilities.get("kind", "native"))
+
+    @property
+    def tab_weights(self) -> TabWeights | None:
+        """How a browser tab asked for its stages' matrices (None for native workers and unknown answers)."""
+        try:
+            return TabWeights(self.capabilities.get("weights")) if self.kind == "browser" else None
+        except ValueError:
+            return None
 
     @property
     def host(self) -> str:

@@ -1,0 +1,255 @@
+// A pipeline stage computed with edgerun's own WebAssembly kernels (kernels.wat): the matrices stay quantized as
+// the master's stage.bin holds them (edgerun/model/kernel_stage.py says the layout), and each product takes int8
+// activations quantized per block of 32, as onnxruntime's MatMulNBits does natively. Everything else (norms,
+// rotary embedding, attention over the KV cache, SwiGLU) is plain JavaScript: one token is a few hundred
+// thousand operations there, against tens of millions in the products.
+//
+// The interface is node.js's Stage's: reset, savePrefix, restorePrefix, run(x) -> {dims, data}.
+
+const BLOCK = 32;
+
+// Whether this browser runs the kernels (WebAssembly SIMD with the relaxed integer dot product).
+export async function kernelsSupported() {
+  try {
+    return WebAssembly.validate(await kernelBytes());
+  } catch {
+    return false;
+  }
+}
+
+let kernelBytesPromise = null;
+function kernelBytes() {
+  kernelBytesPromise ??= fetch("/kernels.wasm").then((r) => {
+    if (!r.ok) throw new Error(`/kernels.wasm: HTTP ${r.status}`);
+    return r.arrayBuffer();
+  });
+  return kernelBytesPromise;
+}
+
+function parseStage(bytes) {
+  const magic = String.fromCharCode(...bytes.subarray(0, 4));
+  if (magic !== "ERK1") throw new Error("stage.bin is not a kernel stage");
+  const length = new DataView(bytes.buffer, bytes.byteOffset).getUint32(4, true);
+  const header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + length)));
+  const start = 8 + length + ((64 - ((8 + length) % 64)) % 64);
+  return {header, data: bytes.subarray(start)};
+}
+
+export class KernelStage {
+  constructor(spec, config, maxLen) {
+    this.spec = spec;
+    this.config = config;
+    this.maxLen = maxLen;
+    this.position = 0;
+    this.prefixLength = null;
+  }
+
+  async load(files) {
+    const {header, data} = parseStage(files["stage.bin"]);
+    const h = this.h = header;
+    if (h.first_layer !== this.spec.first_layer || h.end_layer !== this.spec.end_layer) {
+      throw new Error(`stage.bin holds layers ${h.first_layer}-${h.end_layer - 1}, not the stage's`);
+    }
+    // The heap: every tensor, then the activation and output buffers, each at a multiple of 64.
+    let top = 64;
+    const place = (bytes) => { const at = top; top += Math.ceil(bytes / 64) * 64; return at; };
+    const at = {};
+    for (const [name, t] of Object.entries(h.tensors)) at[name] ??= {offset: t.offset, bytes: t.bytes};
+    const placed = new Map(); // file offset -> heap address (the tied embedding and head share one copy)
+    for (const t of Object.values(at)) {
+      if (!placed.has(t.offset)) placed.set(t.offset, place(t.bytes));
+      t.address = placed.get(t.offset);
+    }
+    const widest = Math.max(h.hidden, h.ffn, h.n_heads * h.head_dim);
+    const blocks = widest / BLOCK;
+    this.act = {aq: place(widest), sa: place(4 * blocks), corr: place(4 * blocks), asum: place(4 * blocks)};
+    const rowsMax = Math.max(h.ffn, h.n_heads * h.head_dim, h.lm_head ? h.vocab : 0);
+    this.outAddress = place(4 * rowsMax);
+    const {instance} = await WebAssembly.instantiate(await kernelBytes(), {});
+    this.kernels = instance.exports;
+    const memory = this.kernels.memory;
+    memory.grow(Math.ceil(Math.max(0, top - memory.buffer.byteLength) / 65536));
+    const heap = new Uint8Array(memory.buffer);
+    for (const [offset, address] of placed) {
+      const t = Object.values(at).find((x) => x.offset === offset);
+      heap.set(data.subarray(offset, offset + t.bytes), address);
+    }
+    this.u8 = heap;
+    this.i8 = new Int8Array(memory.buffer);
+    this.i32 = new Int32Array(memory.buffer);
+    this.f32 = new Float32Array(memory.buffer);
+    this.vector = (name) => this.f32.subarray(at[name].address / 4, (at[name].address + at[name].bytes) / 4);
+    this.matrix = (name) => {
+      const m = h.matrices[name];
+      return {...m, codes: at[`${name}.codes`].address, scales: at[`${name}.scales`].address,
+              offsets: m.offsets ? at[`${name}.offsets`].address : 0};
+    };
+    // Per layer: the KV cache, (kv heads, max_len, head_dim) each, and the rotary tables.
+    const kvSize = h.n_kv_heads * this.maxLen * h.head_dim;
+    this.keys = [];
+    this.values = [];
+    for (let i = h.first_layer; i < h.end_layer; i++) {
+      this.keys.push(new Float32Array(kvSize));
+      this.values.push(new Float32Array(kvSize));
+    }
+    const half = h.head_dim / 2;
+    this.invFreq = Float64Array.from({length: half}, (_, i) => 1 / h.rope_base ** ((2 * i) / h.head_dim));
+    this.reset();
+  }
+
+  reset() {
+    this.position = 0;
+  }
+
+  // Positions only grow, and a restored prefix's rows are never overwritten before it is restored: saving the
+  // prefix is remembering its length.
+  savePrefix() {
+    this.prefixLength = this.position;
+  }
+
+  restorePrefix() {
+    if (this.prefixLength === null) throw new Error("no prefix saved");
+    this.position = this.prefixLength;
+  }
+
+  // x: {dtype, shape: [1, seq(, hidden)], data}. Returns the hidden states of every token, or for the last stage
+  // the logits of the last token ({dims: [1, seq, vocab]} with only that row in data).
+  run(x) {
+    const h = this.h, seq = x.shape[1];
+    if (this.position + seq > this.maxLen) throw new Error(`context of ${this.maxLen} tokens exceeded`);
+    const out = h.lm_head ? null : new Float32Array(seq * h.hidden);
+    let logits = null;
+    for (let t = 0; t < seq; t++) {
+      const hidden = h.embed ? this.embed(Number(x.data[t])) : Float32Array.from(x.data.subarray(t * h.hidden,
+                                                                                                  (t + 1) * h.hidden));
+      for (let i = h.first_layer; i < h.end_layer; i++) this.layer(i, hidden, this.position);
+      this.position += 1;
+      if (out) out.set(hidden, t * h.hidden);
+      else if (t === seq - 1) logits = this.head(hidden);
+    }
+    return out ? {dims: [1, seq, h.hidden], data: out} : {dims: [1, seq, h.vocab], data: logits};
+  }
+
+  embed(token) {
+    const m = this.matrix("token_embd"), h = this.h;
+    if (!(token >= 0 && token < m.rows)) throw new Error(`token ${token} outside the vocabulary`);
+    const nb = m.cols / BLOCK, row = new Float32Array(m.cols);
+    const codes = m.codes + token * nb * (m.bits === 4 ? 16 : 32), scales = m.scales / 4 + token * nb;
+    for (let b = 0; b < nb; b++) {
+      const s = this.f32[scales + b], o = m.offsets ? this.f32[m.offsets / 4 + token * nb + b] : 0;
+      for (let j = 0; j < BLOCK; j++) {
+        let code;
+        if (m.bits === 8) code = this.i8[codes + b * 32 + j];
+        else code = (j < 16 ? this.u8[codes + b * 16 + j] & 15 : this.u8[codes + b * 16 + j - 16] >> 4) - 8;
+        row[b * BLOCK + j] = Math.fround(Math.fround(s * code) + o);
+      }
+    }
+    return row.length === h.hidden ? row : row.subarray(0, h.hidden);
+  }
+
+  // The activation into the kernels' int8 blocks: scale = max|x| / 127 per block, codes rounded to nearest even.
+  quantize(x, mid) {
+    const {aq, sa, corr, asum} = this.act;
+    for (let b = 0; b < x.length / BLOCK; b++) {
+      let amax = 0, sum = 0;
+      for (let j = 0; j < BLOCK; j++) {
+        const v = x[b * BLOCK + j];
+        amax = Math.max(amax, Math.abs(v));
+        sum += v;
+      }
+      const scale = Math.fround(amax / 127), inverse = scale ? Math.fround(1 / scale) : 0;
+      let codes = 0;
+      for (let j = 0; j < BLOCK; j++) {
+        const v = Math.fround(x[b * BLOCK + j] * inverse);
+        let q = Math.round(v);
+        if (q - v === 0.5 && q % 2 !== 0) q -= 1; // a tie goes to the even neighbour
+        q = Math.max(-127, Math.min(127, q));
+        this.i8[aq + b * BLOCK + j] = q;
+        codes += q;
+      }
+      this.f32[sa / 4 + b] = scale;
+      this.i32[corr / 4 + b] = mid * codes;
+      this.f32[asum / 4 + b] = sum;
+    }
+  }
+
+  // y = W x for a matrix of the stage (x already quantized for its bits by `quantize`); a view of the output
+  // buffer, valid until the next product.
+  product(name) {
+    const m = this.matrix(name), {aq, sa, corr, asum} = this.act;
+    this.kernels.gemv(m.bits, m.codes, m.scales, m.offsets, aq, sa, corr, asum, this.outAddress, m.rows,
+                      m.cols / BLOCK);
+    return this.f32.subarray(this.outAddress / 4, this.outAddress / 4 + m.rows);
+  }
+
+  // Products of one input with several matrices of the same bits (q, k, v; gate, up): one quantization.
+  products(x, names) {
+    const bits = this.h.matrices[names[0]].bits;
+    this.quantize(x, bits === 4 ? 8 : 0);
+    return names.map((name) => Float32Array.from(this.product(name)));
+  }
+
+  rmsNorm(x, weight) {
+    let sum = 0;
+    for (let i = 0; i < x.length; i++) sum += x[i] * x[i];
+    const inverse = 1 / Math.sqrt(sum / x.length + this.h.norm_eps);
+    const out = new Float32Array(x.length);
+    for (let i = 0; i < x.length; i++) out[i] = x[i] * inverse * weight[i];
+    return out;
+  }
+
+  rope(x, heads, position) {
+    const d = this.h.head_dim, half = d / 2;
+    for (let i = 0; i < half; i++) {
+      const angle = position * this.invFreq[i], c = Math.fround(Math.cos(angle)), s = Math.fround(Math.sin(angle));
+      for (let hd = 0; hd < heads; hd++) {
+        const a = x[hd * d + i], b = x[hd * d + i + half];
+        x[hd * d + i] = a * c - b * s;
+        x[hd * d + i + half] = b * c + a * s;
+      }
+    }
+  }
+
+  layer(i, hidden, position) {
+    const h = this.h, d = h.head_dim, k = i - h.first_layer;
+    const [q, key, value] = this.products(this.rmsNorm(hidden, this.vector(`${i}.attn_norm`)),
+                                          [`${i}.wq`, `${i}.wk`, `${i}.wv`]);
+    this.rope(q, h.n_heads, position);
+    this.rope(key, h.n_kv_heads, position);
+    const keys = this.keys[k], values = this.values[k];
+    for (let kv = 0; kv < h.n_kv_heads; kv++) {
+      keys.set(key.subarray(kv * d, (kv + 1) * d), (kv * this.maxLen + position) * d);
+      values.set(value.subarray(kv * d, (kv + 1) * d), (kv * this.maxLen + position) * d);
+    }
+    const attention = new Float32Array(h.n_heads * d), scores = new Float64Array(position + 1);
+    const group = h.n_heads / h.n_kv_heads, scale = 1 / Math.sqrt(d);
+    for (let head = 0; head < h.n_heads; head++) {
+      const base = Math.floor(head / group) * this.maxLen * d, qo = head * d;
+      let top = -Infinity;
+      for (let t = 0; t <= position; t++) {
+        let dot = 0;
+        for (let j = 0; j < d; j++) dot += q[qo + j] * keys[base + t * d + j];
+        scores[t] = dot * scale;
+        top = Math.max(top, scores[t]);
+      }
+      let total = 0;
+      for (let t = 0; t <= position; t++) total += (scores[t] = Math.exp(scores[t] - top));
+      for (let t = 0; t <= position; t++) {
+        const w = scores[t] / total, vo = base + t * d;
+        for (let j = 0; j < d; j++) attention[qo + j] += w * values[vo + j];
+      }
+    }
+    const [projected] = this.products(attention, [`${i}.wo`]);
+    for (let j = 0; j < h.hidden; j++) hidden[j] += projected[j];
+    const [gate, up] = this.products(this.rmsNorm(hidden, this.vector(`${i}.ffn_norm`)),
+                                     [`${i}.w_gate`, `${i}.w_up`]);
+    for (let j = 0; j < h.ffn; j++) gate[j] = (gate[j] / (1 + Math.exp(-gate[j]))) * up[j];
+    const [down] = this.products(gate, [`${i}.w_down`]);
+    for (let j = 0; j < h.hidden; j++) hidden[j] += down[j];
+  }
+
+  head(hidden) {
+    const [logits] = this.products(this.rmsNorm(hidden, this.vector("output_norm")), ["output"]);
+    return logits;
+  }
+}

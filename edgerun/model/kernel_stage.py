@@ -1,0 +1,139 @@
+"""A pipeline stage for the browser node's own WebAssembly kernels (browser/kernels.wat, browser/kernels.js).
+
+onnxruntime-web's WebAssembly has no quantized matrix kernel faster than its float32 MatMul, so a tab running an
+ONNX stage holds its matrices in float32 (5-6x the bytes) and reads them all on every pass. A kernel stage keeps
+them quantized: every matrix in onnx_graph's affine-block form (w = scale * (code - mid) + offset per block of 32
+columns), which the tab multiplies with int8 activations as onnxruntime's MatMulNBits does natively.
+
+One file, `stage.bin`:
+    b"ERK1", u32 little-endian header length, the header (JSON), zeros up to a multiple of 64, then the tensors,
+    each starting at a multiple of 64 bytes from the data's start.
+The header holds the model's shape, the stage's layers and, per tensor name, its offset, byte length and type:
+    "f32" vectors (norm weights);
+    a matrix "<name>" as "<name>.codes" (4-bit: 16 bytes a block, byte j = column j | column j + 16 << 4, the
+    GGUF order; 8-bit: 32 signed bytes a block, code - 128), "<name>.scales" and, where it has offsets,
+    "<name>.offsets" (f32, rows x blocks), with "matrices"[name] = {bits, rows, cols, offsets}.
+Layer i's tensors are named "<i>.attn_norm", "<i>.wq", ... as LayerWeights' fields; the embedding (first stage)
+and LM head (last) are "token_embd" and "output" (the same tensor when tied), with "output_norm".
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from edgerun.model.config import ModelConfig
+from edgerun.model.quant import AffineBlocks, QuantTensor, to_affine_blocks
+from edgerun.model.weights import ModelWeights
+
+KERNEL_STAGE_FILE = "stage.bin"
+MAGIC = b"ERK1"
+ALIGN = 64
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
+    """Why the kernels cannot run this model (None when they can): they implement the plain Llama block."""
+    if config.architecture != "llama":
+        return f"architecture {config.architecture} (the kernels run llama)"
+    if config.qkv_bias or config.qk_norm or config.n_experts:
+        return "attention biases, query/key norms or experts"
+    if weights.adapter_sha256:
+        return "a LoRA adapter"
+    matrices = [t for layer in weights.layers for _, t in layer.matrices()] + [weights.token_embd, weights.output]
+    for qtype in sorted({t.qtype for t in matrices}):
+        form = to_affine_blocks(next(t for t in matrices if t.qtype == qtype).take_rows(slice(0, 1)))
+        if form is None or form.block != 32 or form.bits not in (4, 8):
+            return f"{qtype} matrices (the kernels take 4- and 8-bit codes in blocks of 32)"
+    return None
+
+
+def packed_codes(form: AffineBlocks) -> np.ndarray:
+    """The codes as the kernels read them (see the module's docstring)."""
+    rows, cols = form.codes.shape
+    if form.bits == 8:
+        return (form.codes.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+    blocks = form.codes.reshape(rows, cols // 32, 32)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8).reshape(rows, cols // 2)
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.tensors: dict[str, dict[str, object]] = {}
+        self.matrices: dict[str, dict[str, object]] = {}
+
+    def tensor(self, name: str, array: np.ndarray, kind: str) -> None:
+        pad = -self.size % ALIGN
+        self.chunks.append(b"\0" * pad)
+        self.size += pad
+        data = np.ascontiguousarray(array).tobytes()
+        self.tensors[name] = {"offset": self.size, "bytes": len(data), "type": kind}
+        self.chunks.append(data)
+        self.size += len(data)
+
+    def matrix(self, name: str, t: QuantTensor) -> None:
+        if name in self.matrices:  # the tied embedding and LM head: one copy
+            return
+        form = to_affine_blocks(t)
+        if form is None or form.block != 32 or form.bits not in (4, 8):
+            raise ValueError(f"{name}: {t.qtype} has no 4- or 8-bit affine form in blocks of 32")
+        self.tensor(f"{name}.codes", packed_codes(form), "u8")
+        self.tensor(f"{name}.scales", form.scales.astype("<f4"), "f32")
+        if form.offsets is not None:
+            self.tensor(f"{name}.offsets", form.offsets.astype("<f4"), "f32")
+        rows, cols = t.shape
+        self.matrices[name] = {"bits": form.bits, "rows": rows, "cols": cols, "offsets": form.offsets is not None}
+
+
+def build_kernel_stage(config: ModelConfig, weights: ModelWeights, first_layer: int, end_layer: int, embed: bool,
+                       lm_head: bool, out_dir: Path) -> int:
+    """Write `stage.bin` for layers [first_layer, end_layer) into out_dir; return its size in bytes."""
+    reason = unsupported(config, weights)
+    if reason is not None:
+        raise ValueError(f"the browser kernels cannot run this model: {reason}")
+    w = _Writer()
+    if embed:
+        w.matrix("token_embd", weights.token_embd)
+    for i in range(first_layer, end_layer):
+        layer = weights.layers[i]
+        w.tensor(f"{i}.attn_norm", layer.attn_norm.astype("<f4"), "f32")
+        w.tensor(f"{i}.ffn_norm", layer.ffn_norm.astype("<f4"), "f32")
+        for name in LAYER_MATRICES:
+            w.matrix(f"{i}.{name}", getattr(layer, name))
+    if lm_head:
+        w.tensor("output_norm", weights.output_norm.astype("<f4"), "f32")
+        if weights.output is weights.token_embd and "token_embd" in w.matrices:
+            w.matrices["output"] = w.matrices["token_embd"]
+            for part in ("codes", "scales", "offsets"):
+                if f"token_embd.{part}" in w.tensors:
+                    w.tensors[f"output.{part}"] = w.tensors[f"token_embd.{part}"]
+        else:
+            w.matrix("output", weights.output)
+    header = json.dumps({
+        "format": 1, "first_layer": first_layer, "end_layer": end_layer, "embed": embed, "lm_head": lm_head,
+        "hidden": config.hidden, "ffn": config.ffn, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
+        "head_dim": config.head_dim, "vocab": config.vocab_size, "rope_base": config.rope_base,
+        "norm_eps": config.norm_eps, "tensors": w.tensors, "matrices": w.matrices}).encode()
+    start = 8 + len(header)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / KERNEL_STAGE_FILE
+    with path.open("wb") as f:
+        f.write(MAGIC + struct.pack("<I", len(header)) + header + b"\0" * (-start % ALIGN))
+        for chunk in w.chunks:
+            f.write(chunk)
+    return path.stat().st_size
+
+
+def read_kernel_stage(path: Path) -> tuple[dict, memoryview]:
+    """The header and the data of a stage file (for tests and tools)."""
+    raw = path.read_bytes()
+    if raw[:4] != MAGIC:
+        raise ValueError(f"{path} is not a kernel stage")
+    (length,) = struct.unpack_from("<I", raw, 4)
+    start = 8 + length
+    return json.loads(raw[8:start]), memoryview(raw)[start + (-start % ALIGN):]
