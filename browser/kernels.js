@@ -41,7 +41,7 @@ export class KernelStage {
     this.config = config;
     this.maxLen = maxLen;
     this.position = 0;
-    this.prefixLength = null;
+    this.prefix = null;
   }
 
   async load(files) {
@@ -101,15 +101,22 @@ export class KernelStage {
     this.position = 0;
   }
 
-  // Positions only grow, and a restored prefix's rows are never overwritten before it is restored: saving the
-  // prefix is remembering its length.
+  // The prefix (the chat template's start, computed once): a copy of its rows of every layer's cache, which a
+  // request from position 0 overwrites.
   savePrefix() {
-    this.prefixLength = this.position;
+    const d = this.h.head_dim, n = this.position;
+    const rows = (cache) => Array.from({length: this.h.n_kv_heads}, (_, kv) =>
+      cache.slice(kv * this.maxLen * d, (kv * this.maxLen + n) * d));
+    this.prefix = {length: n, keys: this.keys.map(rows), values: this.values.map(rows)};
   }
 
   restorePrefix() {
-    if (this.prefixLength === null) throw new Error("no prefix saved");
-    this.position = this.prefixLength;
+    if (!this.prefix) throw new Error("no prefix saved");
+    const d = this.h.head_dim;
+    for (const [saved, caches] of [[this.prefix.keys, this.keys], [this.prefix.values, this.values]]) {
+      saved.forEach((heads, layer) => heads.forEach((rows, kv) => caches[layer].set(rows, kv * this.maxLen * d)));
+    }
+    this.position = this.prefix.length;
   }
 
   // x: {dtype, shape: [1, seq(, hidden)], data}. Returns the hidden states of every token, or for the last stage
@@ -157,7 +164,7 @@ export class KernelStage {
         amax = Math.max(amax, Math.abs(v));
         sum += v;
       }
-      const scale = Math.fround(amax / 127), inverse = scale ? Math.fround(1 / scale) : 0;
+      const scale = Math.fround(amax / 127), inverse = amax ? Math.fround(127 / amax) : 0;
       let codes = 0;
       for (let j = 0; j < BLOCK; j++) {
         const v = Math.fround(x[b * BLOCK + j] * inverse);
@@ -221,7 +228,7 @@ export class KernelStage {
       keys.set(key.subarray(kv * d, (kv + 1) * d), (kv * this.maxLen + position) * d);
       values.set(value.subarray(kv * d, (kv + 1) * d), (kv * this.maxLen + position) * d);
     }
-    const attention = new Float32Array(h.n_heads * d), scores = new Float64Array(position + 1);
+    const attention = new Float64Array(h.n_heads * d), scores = new Float64Array(position + 1);
     const group = h.n_heads / h.n_kv_heads, scale = 1 / Math.sqrt(d);
     for (let head = 0; head < h.n_heads; head++) {
       const base = Math.floor(head / group) * this.maxLen * d, qo = head * d;
@@ -239,7 +246,7 @@ export class KernelStage {
         for (let j = 0; j < d; j++) attention[qo + j] += w * values[vo + j];
       }
     }
-    const [projected] = this.products(attention, [`${i}.wo`]);
+    const [projected] = this.products(Float32Array.from(attention), [`${i}.wo`]);
     for (let j = 0; j < h.hidden; j++) hidden[j] += projected[j];
     const [gate, up] = this.products(this.rmsNorm(hidden, this.vector(`${i}.ffn_norm`)),
                                      [`${i}.w_gate`, `${i}.w_up`]);

@@ -104,8 +104,6 @@ def wait_for(condition: Callable[[], bool], logs: list[str], timeout_s: float = 
         time.sleep(0.2)
 
 
-
-
 def test_javascript_sampling_matches_python(tmp_path: Path) -> None:
     """browser/sampling.js draws the same tokens as edgerun/model/sampling.py: greedy, temperature,
     top-k and top-p, over many seeds and positions, also with tied logits."""
@@ -196,9 +194,10 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
     try:
         with sync_playwright() as p:
             browser, page, errors = open_page(p)
-            # On WebAssembly the tab holds float32 matrices (5.6x the quantized bytes): 600 MB hold about 107 MB of
-            # the shipped model's 126, so neither the tab nor the native worker (80) holds it alone.
-            page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=600#key={SECRET}")
+            # onnxruntime-web's WebAssembly with float32 matrices (weights=f32: without it the tab takes the
+            # kernels, int8 activations; test_two_tabs_on_the_wasm_kernels...): 5.6x the quantized bytes, so 600 MB
+            # hold about 107 MB of the shipped model's 126, and neither the tab nor the native worker (80) holds it.
+            page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=600&weights=f32#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
             assert master.workers["browser"].capabilities["kind"] == "browser"
             # Served cross-origin isolated, the page computes with as many WebAssembly threads as it has cores.
@@ -213,7 +212,8 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
             # where it samples.
             page.goto("about:blank")
             wait_for(lambda: not master.workers["browser"].alive, logs)
-            page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=600&speed=1e10#key={SECRET}")
+            page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=600&speed=1e10&weights=f32"
+                      f"#key={SECRET}")
             wait_for(lambda: master.state == PipelineState.UP and master.workers["browser"].alive
                      and master.plan.stages[-1].worker == "browser", logs)
             sampled = master.generate(model.tokenizer.encode(PROMPT), 16, sampling)
@@ -271,3 +271,107 @@ def test_a_browser_tab_serves_experts_beside_a_native_worker(tmp_path: Path, mon
         hub.close()
         native.kill()
         native.wait()
+
+
+def test_the_wasm_kernels_compute_the_numpy_products() -> None:
+    """browser/kernels.wat, assembled and run in Chromium: 4-bit blocks with offsets and 8-bit blocks without, rows
+    of 18 blocks (four at a time, then a tail of two) and 48, against the numpy replica of their arithmetic."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    from edgerun.model.kernel_reference import _Matrix, product, quantize
+    from edgerun.model.kernel_stage import packed_codes
+    from edgerun.model.quant import AffineBlocks
+
+    rng = np.random.default_rng(3)
+    cases = []
+    for bits, rows, cols, offsets in ((4, 40, 576, True), (4, 24, 1536, True), (8, 40, 576, False),
+                                      (8, 16, 1536, True)):
+        form = AffineBlocks(bits, 32, rng.integers(0, 2 ** bits, (rows, cols)).astype(np.uint8),
+                            rng.uniform(0.001, 0.02, (rows, cols // 32)).astype(np.float32),
+                            rng.uniform(-0.1, 0.1, (rows, cols // 32)).astype(np.float32) if offsets else None)
+        x = (rng.standard_normal(cols) * rng.uniform(0.1, 10, cols)).astype(np.float32)
+        codes, scale, sums = quantize(x)
+        mid = 2 ** (bits - 1) if bits == 4 else 0  # 8-bit codes travel signed (code - 128)
+        cases.append({"bits": bits, "rows": rows, "nb": cols // 32, "expected": product(_Matrix.of(form), x),
+                      "arrays": [packed_codes(form), form.scales, form.offsets, codes.astype(np.int8),
+                                 scale.astype(np.float32), (mid * codes.sum(axis=1)).astype(np.int32),
+                                 sums.astype(np.float32)]})
+    master = PipelineMaster(load_model(), derive_key(SECRET), PipelineConfig(host="127.0.0.1"))  # serves the files
+    try:
+        with sync_playwright() as p:
+            browser, page, errors = open_page(p)
+            page.goto(f"http://127.0.0.1:{master.port}/status")
+            got = [page.evaluate("""async ([bits, rows, nb, arrays]) => {
+                const bytes = await (await fetch("/kernels.wasm")).arrayBuffer();
+                const k = (await WebAssembly.instantiate(bytes, {})).instance.exports;
+                k.memory.grow(64);
+                const heap = new Uint8Array(k.memory.buffer);
+                let top = 64;
+                const at = arrays.map((b64) => {
+                    if (b64 === null) return 0;
+                    const raw = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0)), address = top;
+                    heap.set(raw, address);
+                    top += Math.ceil(raw.length / 64) * 64;
+                    return address;
+                });
+                k.gemv(bits, ...at, top, rows, nb);
+                return Array.from(new Float32Array(k.memory.buffer, top, rows));
+            }""", [c["bits"], c["rows"], c["nb"], [None if a is None else base64.b64encode(
+                np.ascontiguousarray(a).tobytes()).decode() for a in c["arrays"]]]) for c in cases]
+            browser.close()
+        assert not errors, errors
+        for case, values in zip(cases, got, strict=True):
+            np.testing.assert_allclose(values, case["expected"], rtol=1e-5, atol=1e-4 * np.abs(case["expected"]).max())
+    finally:
+        master.close()
+
+
+def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tabs on edgerun's WebAssembly kernels (the default without WebGPU), neither holding the model alone, run
+    it as a two-stage pipeline: the tokens of the numpy replica of the kernels' arithmetic, for a plain request and
+    a chat request through the saved prefix's KV."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    from edgerun.bench.pp import stage_budgets_mb
+    from edgerun.model.kernel_reference import KernelReference
+    from edgerun.model.kernel_stage import expansion
+    from edgerun.sched.profiles import model_profile
+
+    model = load_model()
+    kernels = KernelReference(model.config, model.weights, 256)
+    reference = generate(kernels, model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
+    chat = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."}]))
+    chat_reference = generate(kernels, chat, 16, Sampler(SamplingParams())).tokens
+    monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
+    logs: list[str] = []
+    master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(
+        host="127.0.0.1", max_len=256, prefix=tuple(chat_template_prefix(model.tokenizer))), log=logs.append)
+    # Budgets with which two tabs must share the model: its layers in two ranges, in stage.bin's bytes.
+    layers = model_profile(model.name, model.config, model.weights, context=256).layer_memory_bytes
+    memory = stage_budgets_mb(layers, 2) * expansion(model.weights) * 1.02
+    try:
+        with sync_playwright() as p:
+            browser, page, errors = open_page(p, console_errors=True)
+            pages = [page, browser.new_page()]
+            pages[1].on("pageerror", lambda e: errors.append(str(e)))
+            for i, tab in enumerate(pages):
+                tab.goto(f"http://127.0.0.1:{master.port}/node?name=tab{i}&memory={memory:.0f}#key={SECRET}")
+            master.wait_for_workers(2, timeout_s=120)
+            for name in ("tab0", "tab1"):
+                assert master.workers[name].capabilities["weights"] == "kernels"
+                assert master.deployment.kernel_tab(master.workers[name])
+            plan = master.start()
+            assert {s.worker for s in plan.stages} == {"tab0", "tab1"}, logs
+            tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS)
+            chat_tokens = master.generate(chat, 16)
+            status = [tab.inner_text("#status") for tab in pages]
+            browser.close()
+        assert tokens == reference
+        assert chat_tokens == chat_reference
+        assert not [e for e in errors if "404" not in e], errors  # (the page asks for a favicon it has none of)
+        assert all("kernels weights" in s for s in status), status
+    finally:
+        master.close()

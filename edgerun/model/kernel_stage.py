@@ -35,6 +35,13 @@ ALIGN = 64
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def _forms(weights: ModelWeights) -> dict[str, AffineBlocks | None]:
+    """Per quantization type of the model's matrices, the affine form of one row (its bits and offsets)."""
+    matrices = [t for layer in weights.layers for _, t in layer.matrices()] + [weights.token_embd, weights.output]
+    return {qtype: to_affine_blocks(next(t for t in matrices if t.qtype == qtype).take_rows(slice(0, 1)))
+            for qtype in sorted({t.qtype for t in matrices})}
+
+
 def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
     """Why the kernels cannot run this model (None when they can): they implement the plain Llama block."""
     if config.architecture != "llama":
@@ -43,12 +50,23 @@ def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
         return "attention biases, query/key norms or experts"
     if weights.adapter_sha256:
         return "a LoRA adapter"
-    matrices = [t for layer in weights.layers for _, t in layer.matrices()] + [weights.token_embd, weights.output]
-    for qtype in sorted({t.qtype for t in matrices}):
-        form = to_affine_blocks(next(t for t in matrices if t.qtype == qtype).take_rows(slice(0, 1)))
+    for qtype, form in _forms(weights).items():
         if form is None or form.block != 32 or form.bits not in (4, 8):
             return f"{qtype} matrices (the kernels take 4- and 8-bit codes in blocks of 32)"
     return None
+
+
+def expansion(weights: ModelWeights) -> float:
+    """How many times the file's bytes a stage's matrices take in stage.bin (float32 scales and offsets beside the
+    codes): a tab on the kernels holds that many times fewer layers in its memory budget."""
+    forms = _forms(weights)
+    matrices = [t for layer in weights.layers for _, t in layer.matrices()] + [weights.output]
+    total = 0
+    for t in matrices:
+        form = forms[t.qtype]
+        rows, cols = t.shape
+        total += rows * cols * form.bits // 8 + rows * cols // 32 * 4 * (1 + (form.offsets is not None))
+    return total / weights.matrix_bytes()
 
 
 def packed_codes(form: AffineBlocks) -> np.ndarray:
