@@ -62,9 +62,20 @@ export class KernelStage {
     }
     const widest = Math.max(h.hidden, h.ffn, h.n_heads * h.head_dim);
     const blocks = widest / BLOCK;
-    this.act = {aq: place(widest), sa: place(4 * blocks), corr: place(4 * blocks), asum: place(4 * blocks)};
+    this.act = {x: place(4 * widest), aq: place(widest), sa: place(4 * blocks), corr: place(4 * blocks),
+                asum: place(4 * blocks)};
     const rowsMax = Math.max(h.ffn, h.n_heads * h.head_dim, h.lm_head ? h.vocab : 0);
     this.outAddress = place(4 * rowsMax);
+    // Attention: the query, each head's scores (then weights) over the positions, the heads' outputs, and per
+    // layer the KV cache, (kv heads, max_len, head_dim) each.
+    const d = h.head_dim, kvFloats = h.n_kv_heads * this.maxLen * d;
+    this.att = {q: place(4 * h.n_heads * d), scores: place(4 * this.maxLen), out: place(4 * h.n_heads * d)};
+    this.keys = [];
+    this.values = [];
+    for (let i = h.first_layer; i < h.end_layer; i++) {
+      this.keys.push(place(4 * kvFloats));
+      this.values.push(place(4 * kvFloats));
+    }
     const {instance} = await WebAssembly.instantiate(await kernelBytes(), {});
     this.kernels = instance.exports;
     const memory = this.kernels.memory;
@@ -84,14 +95,6 @@ export class KernelStage {
       return {...m, codes: at[`${name}.codes`].address, scales: at[`${name}.scales`].address,
               offsets: m.offsets ? at[`${name}.offsets`].address : 0};
     };
-    // Per layer: the KV cache, (kv heads, max_len, head_dim) each, and the rotary tables.
-    const kvSize = h.n_kv_heads * this.maxLen * h.head_dim;
-    this.keys = [];
-    this.values = [];
-    for (let i = h.first_layer; i < h.end_layer; i++) {
-      this.keys.push(new Float32Array(kvSize));
-      this.values.push(new Float32Array(kvSize));
-    }
     const half = h.head_dim / 2;
     this.invFreq = Float64Array.from({length: half}, (_, i) => 1 / h.rope_base ** ((2 * i) / h.head_dim));
     this.reset();
@@ -106,7 +109,7 @@ export class KernelStage {
   savePrefix() {
     const d = this.h.head_dim, n = this.position;
     const rows = (cache) => Array.from({length: this.h.n_kv_heads}, (_, kv) =>
-      cache.slice(kv * this.maxLen * d, (kv * this.maxLen + n) * d));
+      this.f32.slice(cache / 4 + kv * this.maxLen * d, cache / 4 + (kv * this.maxLen + n) * d));
     this.prefix = {length: n, keys: this.keys.map(rows), values: this.values.map(rows)};
   }
 
@@ -114,7 +117,8 @@ export class KernelStage {
     if (!this.prefix) throw new Error("no prefix saved");
     const d = this.h.head_dim;
     for (const [saved, caches] of [[this.prefix.keys, this.keys], [this.prefix.values, this.values]]) {
-      saved.forEach((heads, layer) => heads.forEach((rows, kv) => caches[layer].set(rows, kv * this.maxLen * d)));
+      saved.forEach((heads, layer) => heads.forEach((rows, kv) => this.f32.set(rows, caches[layer] / 4 +
+                                                                                        kv * this.maxLen * d)));
     }
     this.position = this.prefix.length;
   }
@@ -154,30 +158,11 @@ export class KernelStage {
     return row.length === h.hidden ? row : row.subarray(0, h.hidden);
   }
 
-  // The activation into the kernels' int8 blocks: scale = max|x| / 127 per block, codes rounded to nearest even.
+  // The activation into the kernels' int8 blocks (kernels.wat quantize).
   quantize(x, mid) {
-    const {aq, sa, corr, asum} = this.act;
-    for (let b = 0; b < x.length / BLOCK; b++) {
-      let amax = 0, sum = 0;
-      for (let j = 0; j < BLOCK; j++) {
-        const v = x[b * BLOCK + j];
-        amax = Math.max(amax, Math.abs(v));
-        sum += v;
-      }
-      const scale = Math.fround(amax / 127), inverse = amax ? Math.fround(127 / amax) : 0;
-      let codes = 0;
-      for (let j = 0; j < BLOCK; j++) {
-        const v = Math.fround(x[b * BLOCK + j] * inverse);
-        let q = Math.round(v);
-        if (q - v === 0.5 && q % 2 !== 0) q -= 1; // a tie goes to the even neighbour
-        q = Math.max(-127, Math.min(127, q));
-        this.i8[aq + b * BLOCK + j] = q;
-        codes += q;
-      }
-      this.f32[sa / 4 + b] = scale;
-      this.i32[corr / 4 + b] = mid * codes;
-      this.f32[asum / 4 + b] = sum;
-    }
+    const {x: at, aq, sa, corr, asum} = this.act;
+    this.f32.set(x, at / 4);
+    this.kernels.quantize(at, x.length / BLOCK, mid, aq, sa, corr, asum);
   }
 
   // y = W x for a matrix of the stage (x already quantized for its bits by `quantize`); a view of the output
@@ -225,28 +210,24 @@ export class KernelStage {
     this.rope(key, h.n_kv_heads, position);
     const keys = this.keys[k], values = this.values[k];
     for (let kv = 0; kv < h.n_kv_heads; kv++) {
-      keys.set(key.subarray(kv * d, (kv + 1) * d), (kv * this.maxLen + position) * d);
-      values.set(value.subarray(kv * d, (kv + 1) * d), (kv * this.maxLen + position) * d);
+      this.f32.set(key.subarray(kv * d, (kv + 1) * d), keys / 4 + (kv * this.maxLen + position) * d);
+      this.f32.set(value.subarray(kv * d, (kv + 1) * d), values / 4 + (kv * this.maxLen + position) * d);
     }
-    const attention = new Float64Array(h.n_heads * d), scores = new Float64Array(position + 1);
-    const group = h.n_heads / h.n_kv_heads, scale = 1 / Math.sqrt(d);
+    // Per head: the scores over the positions (kernels.wat), their softmax here, the weighted values (kernels.wat).
+    const att = this.att, positions = position + 1, group = h.n_heads / h.n_kv_heads;
+    const scores = this.f32.subarray(att.scores / 4, att.scores / 4 + positions);
+    this.f32.set(q, att.q / 4);
     for (let head = 0; head < h.n_heads; head++) {
-      const base = Math.floor(head / group) * this.maxLen * d, qo = head * d;
-      let top = -Infinity;
-      for (let t = 0; t <= position; t++) {
-        let dot = 0;
-        for (let j = 0; j < d; j++) dot += q[qo + j] * keys[base + t * d + j];
-        scores[t] = dot * scale;
-        top = Math.max(top, scores[t]);
-      }
-      let total = 0;
-      for (let t = 0; t <= position; t++) total += (scores[t] = Math.exp(scores[t] - top));
-      for (let t = 0; t <= position; t++) {
-        const w = scores[t] / total, vo = base + t * d;
-        for (let j = 0; j < d; j++) attention[qo + j] += w * values[vo + j];
-      }
+      const kv = Math.floor(head / group) * this.maxLen * d * 4;
+      this.kernels.scores(att.q + head * d * 4, keys + kv, att.scores, positions, d, 1 / Math.sqrt(d));
+      let top = -Infinity, total = 0;
+      for (let t = 0; t < positions; t++) top = Math.max(top, scores[t]);
+      for (let t = 0; t < positions; t++) total += (scores[t] = Math.exp(scores[t] - top));
+      for (let t = 0; t < positions; t++) scores[t] /= total;
+      this.kernels.mix(att.scores, values + kv, att.out + head * d * 4, positions, d);
     }
-    const [projected] = this.products(Float32Array.from(attention), [`${i}.wo`]);
+    const attention = this.f32.slice(att.out / 4, att.out / 4 + h.n_heads * d);
+    const [projected] = this.products(attention, [`${i}.wo`]);
     for (let j = 0; j < h.hidden; j++) hidden[j] += projected[j];
     const [gate, up] = this.products(this.rmsNorm(hidden, this.vector(`${i}.ffn_norm`)),
                                      [`${i}.w_gate`, `${i}.w_up`]);

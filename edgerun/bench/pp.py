@@ -17,6 +17,7 @@ import numpy as np
 
 from edgerun.bench.single import RequestTiming, cluster_baseline, span, spin_line
 from edgerun.errors import EdgerunError
+from edgerun.model import kernel_stage
 from edgerun.model.generate import generate
 from edgerun.model.loader import Model
 from edgerun.model.onnx_engine import OnnxEngine
@@ -26,6 +27,7 @@ from edgerun.net.loops import auto_spin_us
 from edgerun.net.wire import derive_key
 from edgerun.pp.deployment import dequantized_expansion
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Route
+from edgerun.pp.workers import TabWeights
 from edgerun.sched.pp_plan import PPPlan, Stage, plan_exec_us
 from edgerun.sched.profiles import model_profile
 
@@ -236,6 +238,8 @@ class PpRow:
     tab_pass_ms: float | None = None
     native_pass_ms: float | None = None
     native_f32_pass_ms: float | None = None
+    tab_weights: str | None = None  # how the tabs computed: "kernels" (edgerun's WebAssembly kernels) or "f32"
+    tab_threads: int | None = None  # the threads a tab computed with (the kernels: one)
     spin_us: float = 0.0  # how long the master and workers polled for their next message (--spin-us, auto resolved)
 
 
@@ -275,7 +279,8 @@ def _pipeline_timing(master: PipelineMaster, prompt: list[int], tokens: int) -> 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
              activations: Activations = Activations.INT8, routes: Sequence[Route] = (Route.CHAIN, Route.STAR),
              browsers: int = 0, progress: Callable[[str], None] = lambda _: None,
-             spin_us: float | None = 0.0) -> tuple[list[PpRow], RequestTiming]:
+             spin_us: float | None = 0.0,
+             tab_weights: TabWeights = TabWeights.KERNELS) -> tuple[list[PpRow], RequestTiming]:
     """Rows for each worker count and route (and, with `browsers`, each worker count with that many Chromium tabs
     added), each against the single engine timed just before and after it, and the median single engine of the
     run; the native stages and the single engine compute with the same activations. `spin_us` None: auto, by the
@@ -305,7 +310,7 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
             compared(dataclasses.replace(row, spin_us=spin))
         if browsers:
             progress(f"{n} worker(s) and {browsers} browser tab(s)")
-            compared(_browser_row(model, n, browsers, prompt, tokens, threads, activations, layers))
+            compared(_browser_row(model, n, browsers, prompt, tokens, threads, activations, layers, tab_weights))
     return rows, RequestTiming(float(np.median([t.ms_per_token for t in singles])),
                                float(np.median([t.decode_ms_per_token for t in singles])))
 
@@ -340,17 +345,19 @@ def _row(master: PipelineMaster, workers: int, browsers: int, prompt: list[int],
 
 
 def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], tokens: int, threads: int,
-                 activations: Activations, layers: Sequence[float]) -> PpRow:
+                 activations: Activations, layers: Sequence[float], tab_weights: TabWeights) -> PpRow:
     """A pipeline of native workers and Chromium tabs, each with a budget that makes the plan use all of them
-    (tabs on WebAssembly hold float32 matrices: their budget is scaled up to hold as many layers), and the first
-    tab's stage timed natively in this process."""
+    (a tab's matrices take more bytes than the file's, float32 ones 5-6x, the kernels' 1.2x: its budget is scaled up
+    to hold as many layers), and the first tab's stage timed natively in this process."""
     from edgerun.bench.browser import chromium_tabs, stage_pass_ms
 
     budget = stage_budgets_mb(layers, workers + browsers)
-    tab_mb = budget * dequantized_expansion(model) * 1.02
+    grown = kernel_stage.expansion(model.weights) if tab_weights == TabWeights.KERNELS else \
+        dequantized_expansion(model)
+    tab_mb = budget * grown * 1.02
     with local_pipeline(model, [budget] * workers, CONTEXT, threads=threads, activations=activations) as (master, _):
         urls = [f"http://127.0.0.1:{master.port}/node?name=tab{i}&memory={tab_mb:.0f}&threads={threads}"
-                f"#key={SECRET}" for i in range(browsers)]
+                f"&weights={tab_weights.value}#key={SECRET}" for i in range(browsers)]
         with chromium_tabs(urls):
             master.wait_for_workers(workers + browsers, timeout_s=120)
             row = _row(master, workers, browsers, prompt, tokens)
@@ -363,7 +370,8 @@ def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], t
         native[kind] = stage_pass_ms(cached_stage(model.path, model.config, model.weights, spec), model.config, spec,
                                      threads)
     return dataclasses.replace(row, tab_layers=f"{stage.first_layer}-{stage.end_layer - 1}", tab_pass_ms=tab_ms,
-                               native_pass_ms=native[activations], native_f32_pass_ms=native[Activations.F32])
+                               native_pass_ms=native[activations], native_f32_pass_ms=native[Activations.F32],
+                               tab_weights=tab_weights.value, tab_threads=tab.capabilities.get("threads"))
 
 
 # --- bench pp --swap-context: the pause of a hot swap mid-request ------------------------------------------------
@@ -481,6 +489,7 @@ def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activati
     for r in rows:
         if r.tab_layers is not None:
             lines.append(f"{r.workers} worker(s) + {r.browser} tab(s): layers {r.tab_layers} take {r.tab_pass_ms:.1f} "
-                         f"ms a pass in the tab, {r.native_pass_ms:.1f} natively ({activations.value}; "
+                         f"ms a pass in the tab ({r.tab_weights}, {r.tab_threads} thread(s)), "
+                         f"{r.native_pass_ms:.1f} natively ({activations.value}; "
                          f"{r.native_f32_pass_ms:.1f} in float32): {r.tab_pass_ms / r.native_pass_ms:.2f}x")
     return "\n".join(lines)

@@ -87,6 +87,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     from edgerun.model.loader import load_model
     from edgerun.model.onnx_graph import Activations
     from edgerun.pp.deployment import Route
+    from edgerun.pp.workers import TabWeights
 
     worker_counts = counts(args.workers, "--workers", 1)
     if args.tokens < 1 or args.threads < 1:
@@ -110,7 +111,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         print(f"local pipeline: {m}...", file=sys.stderr, flush=True)
 
     rows, single = bench_pp(model, worker_counts, args.tokens, args.threads, activations, routes, args.browser,
-                            progress=progress, spin_us=args.spin_us)
+                            progress=progress, spin_us=args.spin_us, tab_weights=TabWeights(args.tab_weights))
     swaps = bench_swap(model, args.swap_context, args.threads, activations, progress) if args.swap_context else []
     if args.json:
         print(json.dumps([asdict(r) | {"activations": activations.value}
@@ -220,6 +221,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--browser", type=int, default=0, metavar="N",
                    help="also time each worker count with N headless Chromium tabs in the pipeline (needs "
                         "Playwright and Debian's chromium; the tabs use --threads WebAssembly threads) (default: 0)")
+    p.add_argument("--tab-weights", choices=("kernels", "f32"), default="kernels",
+                   help="how the tabs compute: kernels, edgerun's WebAssembly kernels on the quantized matrices "
+                        "(one thread, int8 activations); f32, onnxruntime-web on float32 matrices (--threads "
+                        "threads) (default: kernels)")
     p.add_argument("--route", default="chain,star", help=f"routes to time, comma-separated: {ROUTE_HELP} "
                    "(default: chain,star)")
     p.add_argument("--swap-context", type=int, default=0, metavar="N",

@@ -4,8 +4,10 @@ is checked against.
 Int8 activations are not float32 ones: each product's input is rounded to 8 bits per block of 32, so a stage on the
 kernels computes what onnxruntime's MatMulNBits computes natively with int8 activations, not what the float
 reference computes, and its tokens may part from either reference's at a near-tie (the native engine's own batched
-and one-token passes differ by as much). This engine does exactly the kernels' steps (kernels.wat's block sums,
-kernels.js's quantization, norms, rotary embedding and attention), so a tab's tokens must be its tokens.
+and one-token passes differ by as much). This engine takes the kernels' steps (kernels.wat's quantization, integer
+block sums, attention scores and weighted values; kernels.js's norms, rotary embedding and softmax): the int8 codes
+are the same, and only float sums run in another order (float64 here, four float32 lanes there), so a tab's tokens
+must be its tokens.
 """
 
 from __future__ import annotations
