@@ -482,6 +482,7 @@ def test_bench_pp_times_a_browser_tab_against_a_native_pass_over_its_stage() -> 
     assert (native["browser"], native["route"], native["tab_layers"]) == (0, "chain", None)
     assert (mixed["workers"], mixed["browser"], mixed["route"], mixed["stages"]) == (1, 1, "star", 2)
     assert mixed["tab_layers"] is not None and mixed["tab_pass_ms"] > 0
+    assert (mixed["tab_weights"], mixed["tab_threads"]) == ("kernels", 1)  # the default: edgerun's wasm kernels
     assert 0 < mixed["native_pass_ms"] < mixed["native_f32_pass_ms"]  # int8 activations beat float32
 
 

@@ -112,10 +112,11 @@ class StageSession:
         """One layer's keys and values of the positions cached from `since` on, (1, kv heads, positions, head
         dim) each."""
         past_k, past_v, _, _ = kv_names(layer)
-        if layer not in self.layers or not 0 <= since <= self.position:
+        end = self.position  # read once: keys and values of the same rows, whatever runs meanwhile
+        if layer not in self.layers or not 0 <= since <= end:
             raise ValueError(f"no KV rows of layer {layer} from position {since} here")
-        return (np.ascontiguousarray(self.kv[past_k][:, :, since:self.position]),
-                np.ascontiguousarray(self.kv[past_v][:, :, since:self.position]))
+        return (np.ascontiguousarray(self.kv[past_k][:, :, since:end]),
+                np.ascontiguousarray(self.kv[past_v][:, :, since:end]))
 
     def load_kv_rows(self, layer: int, keys: np.ndarray, values: np.ndarray, since: int = 0) -> None:
         """Continue after these keys and values of one layer (another session's kv_rows from `since` on, the

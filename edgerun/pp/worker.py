@@ -284,7 +284,11 @@ class PipelineWorker:
         elif kind == PpMsg.COMPUTATION:
             await self._compute(request, message, tensors)
         elif kind == PpMsg.KV_FETCH:  # rows from position `since` on (0: all)
-            keys, values = self._session().kv_rows(int(message["layer"]), int(message.get("since", 0)))
+            # Under the pass lock: a hot swap's pre-copy fetches while the request runs, and a pass on the pass
+            # port's thread moving the position between the keys' read and the values' gave them different
+            # lengths (the master expelled the worker for it).
+            with self.lock:
+                keys, values = self._session().kv_rows(int(message["layer"]), int(message.get("since", 0)))
             await self._send(PpMsg.KV_DATA, request, {}, {"keys": keys, "values": values})
         elif kind == PpMsg.KV_LOAD:  # rows placed from position `since`; `staged`: into the preloaded stage
             if message.get("staged"):
