@@ -50,21 +50,55 @@ export class KernelStage {
     if (h.first_layer !== this.spec.first_layer || h.end_layer !== this.spec.end_layer) {
       throw new Error(`stage.bin holds layers ${h.first_layer}-${h.end_layer - 1}, not the stage's`);
     }
-    // The heap: every tensor, then the activation and output buffers, each at a multiple of 64.
+    // The heap: the tensors, then the activation and output buffers. A layer's products of one input (q, k, v;
+    // gate, up) are one product over their rows laid end to end (codes, then scales, then offsets), where their
+    // blocks agree; the tied embedding and head are one copy.
     let top = 64;
-    const place = (bytes) => { const at = top; top += Math.ceil(bytes / 64) * 64; return at; };
-    const at = {};
-    for (const [name, t] of Object.entries(h.tensors)) at[name] ??= {offset: t.offset, bytes: t.bytes};
-    const placed = new Map(); // file offset -> heap address (the tied embedding and head share one copy)
-    for (const t of Object.values(at)) {
-      if (!placed.has(t.offset)) placed.set(t.offset, place(t.bytes));
-      t.address = placed.get(t.offset);
+    const copies = new Map(); // file offset -> [heap address, bytes]
+    const placeRun = (names) => { // these tensors end to end; the address of the first
+      const first = copies.get(h.tensors[names[0]].offset);
+      if (first) return first[0];
+      const start = top;
+      for (const name of names) {
+        const t = h.tensors[name];
+        copies.set(t.offset, [top, t.bytes]);
+        top += t.bytes;
+      }
+      top = start + Math.ceil((top - start) / 64) * 64;
+      return start;
+    };
+    const vectors = {};
+    for (const [name, t] of Object.entries(h.tensors)) if (t.type === "f32" && !name.includes(".scales") &&
+                                                          !name.includes(".offsets")) vectors[name] = t;
+    for (const name of Object.keys(vectors)) vectors[name] = {address: placeRun([name]), bytes: vectors[name].bytes};
+    this.groups = {};
+    const group = (key, names) => { // one product descriptor per run of matrices that agree
+      const runs = [];
+      for (const name of names) {
+        const m = h.matrices[name], last = runs[runs.length - 1];
+        if (last && last.bits === m.bits && last.cols === m.cols && last.offsets === m.offsets) last.names.push(name);
+        else runs.push({bits: m.bits, cols: m.cols, offsets: m.offsets, names: [name]});
+      }
+      this.groups[key] = runs.map((r) => ({
+        bits: r.bits, cols: r.cols, parts: r.names.map((n) => h.matrices[n].rows),
+        rows: r.names.reduce((sum, n) => sum + h.matrices[n].rows, 0),
+        codes: placeRun(r.names.map((n) => `${n}.codes`)), scales: placeRun(r.names.map((n) => `${n}.scales`)),
+        offsets: r.offsets ? placeRun(r.names.map((n) => `${n}.offsets`)) : 0}));
+    };
+    if (h.embed) group("token_embd", ["token_embd"]);
+    for (let i = h.first_layer; i < h.end_layer; i++) {
+      group(`${i}.qkv`, [`${i}.wq`, `${i}.wk`, `${i}.wv`]);
+      group(`${i}.wo`, [`${i}.wo`]);
+      group(`${i}.gate_up`, [`${i}.w_gate`, `${i}.w_up`]);
+      group(`${i}.w_down`, [`${i}.w_down`]);
     }
+    if (h.lm_head) group("output", ["output"]);
+    const place = (bytes) => { const at = top; top += Math.ceil(bytes / 64) * 64; return at; };
     const widest = Math.max(h.hidden, h.ffn, h.n_heads * h.head_dim);
     const blocks = widest / BLOCK;
     this.act = {x: place(4 * widest), aq: place(widest), sa: place(4 * blocks), corr: place(4 * blocks),
                 asum: place(4 * blocks)};
-    const rowsMax = Math.max(h.ffn, h.n_heads * h.head_dim, h.lm_head ? h.vocab : 0);
+    const rowsMax = Math.max(2 * h.ffn, (h.n_heads + 2 * h.n_kv_heads) * h.head_dim, h.lm_head ? h.vocab : 0);
     this.outAddress = place(4 * rowsMax);
     // Attention: the query, each head's scores (then weights) over the positions, the heads' outputs, and per
     // layer the KV cache, (kv heads, max_len, head_dim) each.
@@ -81,20 +115,12 @@ export class KernelStage {
     const memory = this.kernels.memory;
     memory.grow(Math.ceil(Math.max(0, top - memory.buffer.byteLength) / 65536));
     const heap = new Uint8Array(memory.buffer);
-    for (const [offset, address] of placed) {
-      const t = Object.values(at).find((x) => x.offset === offset);
-      heap.set(data.subarray(offset, offset + t.bytes), address);
-    }
+    for (const [offset, [address, bytes]] of copies) heap.set(data.subarray(offset, offset + bytes), address);
     this.u8 = heap;
     this.i8 = new Int8Array(memory.buffer);
-    this.i32 = new Int32Array(memory.buffer);
     this.f32 = new Float32Array(memory.buffer);
-    this.vector = (name) => this.f32.subarray(at[name].address / 4, (at[name].address + at[name].bytes) / 4);
-    this.matrix = (name) => {
-      const m = h.matrices[name];
-      return {...m, codes: at[`${name}.codes`].address, scales: at[`${name}.scales`].address,
-              offsets: m.offsets ? at[`${name}.offsets`].address : 0};
-    };
+    this.vectors = Object.fromEntries(Object.entries(vectors).map(([name, v]) =>
+      [name, this.f32.subarray(v.address / 4, (v.address + v.bytes) / 4)]));
     const half = h.head_dim / 2;
     this.invFreq = Float64Array.from({length: half}, (_, i) => 1 / h.rope_base ** ((2 * i) / h.head_dim));
     this.reset();
@@ -142,7 +168,7 @@ export class KernelStage {
   }
 
   embed(token) {
-    const m = this.matrix("token_embd"), h = this.h;
+    const [m] = this.groups.token_embd;
     if (!(token >= 0 && token < m.rows)) throw new Error(`token ${token} outside the vocabulary`);
     const nb = m.cols / BLOCK, row = new Float32Array(m.cols);
     const codes = m.codes + token * nb * (m.bits === 4 ? 16 : 32), scales = m.scales / 4 + token * nb;
@@ -155,39 +181,38 @@ export class KernelStage {
         row[b * BLOCK + j] = Math.fround(Math.fround(s * code) + o);
       }
     }
-    return row.length === h.hidden ? row : row.subarray(0, h.hidden);
+    return row;
   }
 
-  // The activation into the kernels' int8 blocks (kernels.wat quantize).
-  quantize(x, mid) {
-    const {x: at, aq, sa, corr, asum} = this.act;
-    this.f32.set(x, at / 4);
-    this.kernels.quantize(at, x.length / BLOCK, mid, aq, sa, corr, asum);
+  // The products of a group's matrices (products' groups in load) with the activation in the heap's input buffer
+  // (`length` floats at act.x), each quantized once for its bits: views of the output buffer, one per matrix, in
+  // order, valid until the next call.
+  products(key, length) {
+    const {x, aq, sa, corr, asum} = this.act, views = [];
+    let out = this.outAddress, bits = 0;
+    for (const m of this.groups[key]) {
+      if (m.bits !== bits) this.kernels.quantize(x, length / BLOCK, m.bits === 4 ? 8 : 0, aq, sa, corr, asum);
+      bits = m.bits;
+      this.kernels.gemv(m.bits, m.codes, m.scales, m.offsets, aq, sa, corr, asum, out, m.rows, m.cols / BLOCK);
+      for (const rows of m.parts) {
+        views.push(this.f32.subarray(out / 4, out / 4 + rows));
+        out += 4 * rows;
+      }
+    }
+    return views;
   }
 
-  // y = W x for a matrix of the stage (x already quantized for its bits by `quantize`); a view of the output
-  // buffer, valid until the next product.
-  product(name) {
-    const m = this.matrix(name), {aq, sa, corr, asum} = this.act;
-    this.kernels.gemv(m.bits, m.codes, m.scales, m.offsets, aq, sa, corr, asum, this.outAddress, m.rows,
-                      m.cols / BLOCK);
-    return this.f32.subarray(this.outAddress / 4, this.outAddress / 4 + m.rows);
+  // The products' input buffer as a view, for a step to write its activation into.
+  input(length) {
+    return this.f32.subarray(this.act.x / 4, this.act.x / 4 + length);
   }
 
-  // Products of one input with several matrices of the same bits (q, k, v; gate, up): one quantization.
-  products(x, names) {
-    const bits = this.h.matrices[names[0]].bits;
-    this.quantize(x, bits === 4 ? 8 : 0);
-    return names.map((name) => Float32Array.from(this.product(name)));
-  }
-
+  // x normalized into the products' input buffer.
   rmsNorm(x, weight) {
     let sum = 0;
     for (let i = 0; i < x.length; i++) sum += x[i] * x[i];
-    const inverse = 1 / Math.sqrt(sum / x.length + this.h.norm_eps);
-    const out = new Float32Array(x.length);
+    const inverse = 1 / Math.sqrt(sum / x.length + this.h.norm_eps), out = this.input(x.length);
     for (let i = 0; i < x.length; i++) out[i] = x[i] * inverse * weight[i];
-    return out;
   }
 
   rope(x, heads, position) {
@@ -204,8 +229,8 @@ export class KernelStage {
 
   layer(i, hidden, position) {
     const h = this.h, d = h.head_dim, k = i - h.first_layer;
-    const [q, key, value] = this.products(this.rmsNorm(hidden, this.vector(`${i}.attn_norm`)),
-                                          [`${i}.wq`, `${i}.wk`, `${i}.wv`]);
+    this.rmsNorm(hidden, this.vectors[`${i}.attn_norm`]);
+    const [q, key, value] = this.products(`${i}.qkv`, h.hidden);
     this.rope(q, h.n_heads, position);
     this.rope(key, h.n_kv_heads, position);
     const keys = this.keys[k], values = this.values[k];
@@ -213,7 +238,8 @@ export class KernelStage {
       this.f32.set(key.subarray(kv * d, (kv + 1) * d), keys / 4 + (kv * this.maxLen + position) * d);
       this.f32.set(value.subarray(kv * d, (kv + 1) * d), values / 4 + (kv * this.maxLen + position) * d);
     }
-    // Per head: the scores over the positions (kernels.wat), their softmax here, the weighted values (kernels.wat).
+    // Per head: the scores over the positions (kernels.wat), their softmax here, the weighted values (kernels.wat)
+    // straight into the products' input buffer.
     const att = this.att, positions = position + 1, group = h.n_heads / h.n_kv_heads;
     const scores = this.f32.subarray(att.scores / 4, att.scores / 4 + positions);
     this.f32.set(q, att.q / 4);
@@ -224,20 +250,19 @@ export class KernelStage {
       for (let t = 0; t < positions; t++) top = Math.max(top, scores[t]);
       for (let t = 0; t < positions; t++) total += (scores[t] = Math.exp(scores[t] - top));
       for (let t = 0; t < positions; t++) scores[t] /= total;
-      this.kernels.mix(att.scores, values + kv, att.out + head * d * 4, positions, d);
+      this.kernels.mix(att.scores, values + kv, this.act.x + head * d * 4, positions, d);
     }
-    const attention = this.f32.slice(att.out / 4, att.out / 4 + h.n_heads * d);
-    const [projected] = this.products(attention, [`${i}.wo`]);
+    const [projected] = this.products(`${i}.wo`, h.n_heads * d);
     for (let j = 0; j < h.hidden; j++) hidden[j] += projected[j];
-    const [gate, up] = this.products(this.rmsNorm(hidden, this.vector(`${i}.ffn_norm`)),
-                                     [`${i}.w_gate`, `${i}.w_up`]);
-    for (let j = 0; j < h.ffn; j++) gate[j] = (gate[j] / (1 + Math.exp(-gate[j]))) * up[j];
-    const [down] = this.products(gate, [`${i}.w_down`]);
+    this.rmsNorm(hidden, this.vectors[`${i}.ffn_norm`]);
+    const [gate, up] = this.products(`${i}.gate_up`, h.hidden), act = this.input(h.ffn);
+    for (let j = 0; j < h.ffn; j++) act[j] = (gate[j] / (1 + Math.exp(-gate[j]))) * up[j];
+    const [down] = this.products(`${i}.w_down`, h.ffn);
     for (let j = 0; j < h.hidden; j++) hidden[j] += down[j];
   }
 
   head(hidden) {
-    const [logits] = this.products(this.rmsNorm(hidden, this.vector("output_norm")), ["output"]);
-    return logits;
+    this.rmsNorm(hidden, this.vectors.output_norm);
+    return Float32Array.from(this.products("output", this.h.hidden)[0]);
   }
 }
