@@ -1,8 +1,11 @@
 // A pipeline stage computed with edgerun's own WebAssembly kernels (kernels.wat): the matrices stay quantized as
 // the master's stage.bin holds them (edgerun/model/kernel_stage.py says the layout), and each product takes int8
-// activations quantized per block of 32, as onnxruntime's MatMulNBits does natively. Everything else (norms,
-// rotary embedding, attention over the KV cache, SwiGLU) is plain JavaScript: one token is a few hundred
-// thousand operations there, against tens of millions in the products.
+// activations quantized per block of 32, as onnxruntime's MatMulNBits does natively. The products, the
+// activations' quantization and attention's two loops over the KV cache (scores, weighted values) are kernels;
+// norms, rotary embedding, softmax and SwiGLU are plain JavaScript: a few thousand operations a layer, against
+// millions in the products. A prefill runs token by token: the products are bound by the kernels' arithmetic,
+// not by reading the matrices (16 tokens to one reading of each matrix measured no faster). The numpy replica
+// of all of it is edgerun/model/kernel_reference.py.
 //
 // The interface is node.js's Stage's: reset, savePrefix, restorePrefix, run(x) -> {dims, data}.
 
@@ -47,6 +50,7 @@ export class KernelStage {
   async load(files) {
     const {header, data} = parseStage(files["stage.bin"]);
     const h = this.h = header;
+    if (h.format !== 1) throw new Error(`stage.bin format ${h.format}; this page reads format 1`);
     if (h.first_layer !== this.spec.first_layer || h.end_layer !== this.spec.end_layer) {
       throw new Error(`stage.bin holds layers ${h.first_layer}-${h.end_layer - 1}, not the stage's`);
     }
@@ -67,10 +71,12 @@ export class KernelStage {
       top = start + Math.ceil((top - start) / 64) * 64;
       return start;
     };
-    const vectors = {};
-    for (const [name, t] of Object.entries(h.tensors)) if (t.type === "f32" && !name.includes(".scales") &&
-                                                          !name.includes(".offsets")) vectors[name] = t;
-    for (const name of Object.keys(vectors)) vectors[name] = {address: placeRun([name]), bytes: vectors[name].bytes};
+    const vectors = {}; // the tensors of no matrix: norm weights
+    for (const [name, t] of Object.entries(h.tensors)) {
+      if (!(name.replace(/\.(codes|scales|offsets)$/, "") in h.matrices)) {
+        vectors[name] = {address: placeRun([name]), bytes: t.bytes};
+      }
+    }
     this.groups = {};
     const group = (key, names) => { // one product descriptor per run of matrices that agree
       const runs = [];
