@@ -107,16 +107,16 @@ def _tab(name: str, weights: str) -> WorkerConn:
                       set())
 
 
-def _deployment(model: Model) -> Deployment:
+def _deployment(model: Model, activations: Activations = Activations.INT8) -> Deployment:
     workers = Workers(b"k" * 32, {}, lambda _: None, lambda *_: None)
-    return Deployment(model, workers, 64, "latency", 1, Activations.INT8, Route.CHAIN, lambda _: None,
-                      lambda: None)
+    return Deployment(model, workers, 64, "latency", 1, activations, Route.CHAIN, lambda _: None, lambda: None)
 
 
 def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model(tiny_spec, synth_gguf,
                                                                                   shipped_model: Model) -> None:
     """A kernels tab: stage.bin with int8 activations and its budget as it is (the planner's units are the file's
-    bytes); the same tab on a model the kernels do not run: a float32 ONNX stage, its budget shrunk to match."""
+    bytes); the same tab on a model the kernels do not run, or in a deployment asked for float32 activations: a
+    float32 ONNX stage, its budget shrunk to match."""
     d = _deployment(shipped_model)
     tab, f32, native = _tab("k", "kernels"), _tab("f", "f32"), WorkerConn(
         "n", SimpleNamespace(host="127.0.0.1"), 80.0, 1e8, {"kind": "native"}, set())
@@ -134,3 +134,7 @@ def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model
     qwen.workers.by_name[tab.name] = tab
     assert not qwen.kernel_tab(tab) and qwen.dequantized(tab) and qwen.budget_mb(tab) < 600.0
     assert not qwen.spec(stage, "k").kernels and qwen.spec(stage, "k").dequantized
+    exact = _deployment(shipped_model, Activations.F32)
+    exact.workers.by_name[tab.name] = tab
+    assert not exact.kernel_tab(tab) and exact.dequantized(tab) and exact.spec(stage, "k").dequantized
+    assert "float32" in exact.kernels_unsupported

@@ -107,7 +107,9 @@ class Deployment:
         self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
         self.expansion = dequantized_expansion(model)
         # Why tabs that ask for the WebAssembly kernels get float32 ONNX stages instead (None: they get kernels).
-        self.kernels_unsupported = kernel_stage.unsupported(model.config, model.weights)
+        # The kernels compute with int8 activations: a deployment asked for float32 ones gets them everywhere.
+        self.kernels_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
+            else kernel_stage.unsupported(model.config, model.weights)
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
