@@ -114,9 +114,9 @@ def _deployment(model: Model, activations: Activations = Activations.INT8) -> De
 
 def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model(tiny_spec, synth_gguf,
                                                                                   shipped_model: Model) -> None:
-    """A kernels tab: stage.bin with int8 activations and its budget as it is (the planner's units are the file's
-    bytes); the same tab on a model the kernels do not run, or in a deployment asked for float32 activations: a
-    float32 ONNX stage, its budget shrunk to match."""
+    """A kernels tab: stage.bin with int8 activations, its budget shrunk by the kernels' float32 scales and offsets
+    (the planner's units are the file's bytes); the same tab on a model the kernels do not run, or in a deployment
+    asked for float32 activations: a float32 ONNX stage, its budget shrunk to match."""
     d = _deployment(shipped_model)
     tab, f32, native = _tab("k", "kernels"), _tab("f", "f32"), WorkerConn(
         "n", SimpleNamespace(host="127.0.0.1"), 80.0, 1e8, {"kind": "native"}, set())
@@ -125,7 +125,9 @@ def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model
     stage = SimpleNamespace(first_layer=0, end_layer=3)
     spec = d.spec(stage, "k")
     assert spec.kernels and spec.accuracy_level == Activations.INT8.accuracy_level and not spec.dequantized
-    assert d.kernel_tab(tab) and not d.dequantized(tab) and d.budget_mb(tab) == 600.0
+    assert d.kernel_tab(tab) and not d.dequantized(tab)
+    assert d.budget_mb(tab) == pytest.approx(600.0 / expansion(shipped_model.weights))
+    assert d.budget_mb(f32) < d.budget_mb(tab) < 600.0 and d.budget_mb(native) == 80.0
     assert d.spec(stage, "f").dequantized and not d.spec(stage, "f").kernels
     assert not d.spec(stage, "n").kernels
     assert [f["name"] for f in d._stage_files(spec)] == [KERNEL_STAGE_FILE]

@@ -110,6 +110,8 @@ class Deployment:
         # The kernels compute with int8 activations: a deployment asked for float32 ones gets them everywhere.
         self.kernels_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
             else kernel_stage.unsupported(model.config, model.weights)
+        # How many times the file's bytes a stage takes in stage.bin (float32 scales and offsets beside the codes).
+        self.kernel_expansion = kernel_stage.expansion(model.weights) if self.kernels_unsupported is None else 1.0
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
@@ -154,8 +156,11 @@ class Deployment:
         return weights == TabWeights.F32 or (weights == TabWeights.KERNELS and self.kernels_unsupported is not None)
 
     def budget_mb(self, worker: WorkerConn) -> float:
-        """The worker's memory budget in the planner's units, the quantized bytes of the layers it can hold."""
-        return worker.memory_mb / self.expansion if self.dequantized(worker) else worker.memory_mb
+        """The worker's memory budget in the planner's units, the quantized bytes of the layers it can hold (a tab
+        holds its stages' matrices grown: float32, or the kernels' float32 scales and offsets)."""
+        if self.dequantized(worker):
+            return worker.memory_mb / self.expansion
+        return worker.memory_mb / self.kernel_expansion if self.kernel_tab(worker) else worker.memory_mb
 
     def devices(self) -> list[DeviceProfile]:
         """The live workers as the planner sees them: measured speed, memory budget, latency, bandwidth."""
