@@ -5,7 +5,7 @@
 // ONNX graph with float32 weights, fetched by sha256 from /files and run by onnxruntime-web), answers each
 // DISPATCH with the gate-weighted output (RESULT) and skips a dispatch the hub CANCELs before it starts.
 
-import {hex, hmacSha256, sha256} from "/frames.js";
+import {hex, hmacSha256, sha256Hex} from "/frames.js";
 
 const MAGIC = [0x4d, 0x6f, 0x45, 0x78]; // "MoEx"
 const VERSION = 1;
@@ -63,7 +63,7 @@ async function fetchFile(sha) {
   const response = await fetch(`/files/${sha}`);
   if (!response.ok) throw new Error(`/files/${sha}: HTTP ${response.status}`);
   const bytes = new Uint8Array(await response.arrayBuffer());
-  if (hex(sha256(bytes)) !== sha) throw new Error(`file ${sha.slice(0, 12)} arrived with another hash`);
+  if (await sha256Hex(bytes) !== sha) throw new Error(`file ${sha.slice(0, 12)} arrived with another hash`);
   return bytes;
 }
 

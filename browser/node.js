@@ -7,7 +7,7 @@
 // cluster secret comes from the page's fragment (#key=...), which never reaches the server.
 
 import * as ort from "/ort/ort.all.min.mjs";
-import {Msg, clusterKey, hex, openFrame, packFrame, sha256} from "/frames.js";
+import {Msg, clusterKey, openFrame, packFrame, sha256Hex} from "/frames.js";
 import {KernelStage, kernelsSupported} from "/kernels.js";
 import {sample} from "/sampling.js";
 
@@ -55,7 +55,7 @@ async function fetchFile(sha) {
     if (cache) await cache.put(url, response.clone()).catch(() => {});
   }
   const bytes = new Uint8Array(await response.arrayBuffer());
-  if (hex(sha256(bytes)) !== sha) throw new Error(`file ${sha.slice(0, 12)} arrived with another hash`);
+  if (await sha256Hex(bytes) !== sha) throw new Error(`file ${sha.slice(0, 12)} arrived with another hash`);
   return bytes;
 }
 
