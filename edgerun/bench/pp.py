@@ -137,8 +137,7 @@ def cost_table(results: Sequence[CostResult]) -> str:
 @dataclass(frozen=True)
 class ChurnResult:
     seconds: float
-    up_share: float  # share of samples (every 100 ms) with the master Up
-    state_shares: dict[PipelineState, float]  # share of samples in each state (Table 6.8's columns)
+    state_shares: dict[PipelineState, float]  # share of samples (every 100 ms) in each state (Table 6.8's columns)
     # The share of all samples not Up, by the number of workers alive then: with fewer alive than any plan needs,
     # the departure schedule, not the deployment, kept the master down.
     down_by_live: dict[int, float]
@@ -147,6 +146,10 @@ class ChurnResult:
     departures: int
     recoveries: int
     mean_recovery_s: float
+
+    @property
+    def up_share(self) -> float:
+        return self.state_shares[PipelineState.UP]
 
 
 def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: float, rejoin_s: float = 2.0,
@@ -211,7 +214,7 @@ def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: flo
         shares = {state: sum(s == state for s, _ in samples) / n for state in PipelineState}
         down = [live for s, live in samples if s != PipelineState.UP]
         by_live = {live: down.count(live) / n for live in sorted(set(down))}
-        return ChurnResult(seconds, shares[PipelineState.UP], shares, by_live, tokens, requests, departures,
+        return ChurnResult(seconds, shares, by_live, tokens, requests, departures,
                            len(recoveries), float(np.mean(recoveries)) if recoveries else 0.0)
 
 

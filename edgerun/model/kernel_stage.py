@@ -35,9 +35,19 @@ ALIGN = 64
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def _matrices(weights: ModelWeights) -> list[QuantTensor]:
+    """Every matrix a stage holds: the layers', the LM head and the embedding."""
+    return [t for layer in weights.layers for _, t in layer.matrices()] + [weights.output, weights.token_embd]
+
+
+def _kernel_form(form: AffineBlocks | None) -> bool:
+    """Whether the kernels multiply this form: 4- or 8-bit codes in blocks of 32."""
+    return form is not None and form.block == 32 and form.bits in (4, 8)
+
+
 def _forms(weights: ModelWeights) -> dict[str, AffineBlocks | None]:
     """Per quantization type of the model's matrices, the affine form of one row (its bits and offsets)."""
-    matrices = [t for layer in weights.layers for _, t in layer.matrices()] + [weights.token_embd, weights.output]
+    matrices = _matrices(weights)
     return {qtype: to_affine_blocks(next(t for t in matrices if t.qtype == qtype).take_rows(slice(0, 1)))
             for qtype in sorted({t.qtype for t in matrices})}
 
@@ -51,7 +61,7 @@ def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
     if weights.adapter_sha256:
         return "a LoRA adapter"
     for qtype, form in _forms(weights).items():
-        if form is None or form.block != 32 or form.bits not in (4, 8):
+        if not _kernel_form(form):
             return f"{qtype} matrices (the kernels take 4- and 8-bit codes in blocks of 32)"
     return None
 
@@ -60,9 +70,8 @@ def expansion(weights: ModelWeights) -> float:
     """How many times the file's bytes a stage's matrices take in stage.bin (float32 scales and offsets beside the
     codes): a tab on the kernels holds that many times fewer layers in its memory budget."""
     forms = _forms(weights)
-    matrices = [t for layer in weights.layers for _, t in layer.matrices()] + [weights.output]
     total = 0
-    for t in matrices:
+    for t in _matrices(weights)[:-1]:  # the embedding is only indexed (ModelWeights.matrix_bytes)
         form = forms[t.qtype]
         rows, cols = t.shape
         total += rows * cols * form.bits // 8 + rows * cols // 32 * 4 * (1 + (form.offsets is not None))
@@ -95,10 +104,8 @@ class _Writer:
         self.size += len(data)
 
     def matrix(self, name: str, t: QuantTensor) -> None:
-        if name in self.matrices:  # the tied embedding and LM head: one copy
-            return
         form = to_affine_blocks(t)
-        if form is None or form.block != 32 or form.bits not in (4, 8):
+        if not _kernel_form(form):
             raise ValueError(f"{name}: {t.qtype} has no 4- or 8-bit affine form in blocks of 32")
         self.tensor(f"{name}.codes", packed_codes(form), "u8")
         self.tensor(f"{name}.scales", form.scales.astype("<f4"), "f32")
@@ -106,6 +113,13 @@ class _Writer:
             self.tensor(f"{name}.offsets", form.offsets.astype("<f4"), "f32")
         rows, cols = t.shape
         self.matrices[name] = {"bits": form.bits, "rows": rows, "cols": cols, "offsets": form.offsets is not None}
+
+    def alias(self, name: str, existing: str) -> None:
+        """`name` for a matrix written already (the tied LM head and embedding: one copy)."""
+        self.matrices[name] = self.matrices[existing]
+        for part in ("codes", "scales", "offsets"):
+            if f"{existing}.{part}" in self.tensors:
+                self.tensors[f"{name}.{part}"] = self.tensors[f"{existing}.{part}"]
 
 
 def build_kernel_stage(config: ModelConfig, weights: ModelWeights, first_layer: int, end_layer: int, embed: bool,
@@ -125,11 +139,8 @@ def build_kernel_stage(config: ModelConfig, weights: ModelWeights, first_layer: 
             w.matrix(f"{i}.{name}", getattr(layer, name))
     if lm_head:
         w.tensor("output_norm", weights.output_norm.astype("<f4"), "f32")
-        if weights.output is weights.token_embd and "token_embd" in w.matrices:
-            w.matrices["output"] = w.matrices["token_embd"]
-            for part in ("codes", "scales", "offsets"):
-                if f"token_embd.{part}" in w.tensors:
-                    w.tensors[f"output.{part}"] = w.tensors[f"token_embd.{part}"]
+        if weights.output is weights.token_embd and embed:
+            w.alias("output", "token_embd")
         else:
             w.matrix("output", weights.output)
     header = json.dumps({
