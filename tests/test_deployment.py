@@ -13,7 +13,7 @@ from edgerun.net.wire import Block, Codec
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import plan_tp
 from edgerun.tp.config import MasterConfig
-from edgerun.tp.deployment import NodeLink, UnitOrder, deploy, holds, vocab_rows
+from edgerun.tp.deployment import NodeLink, UnitOrder, deploy, holds, row_span, vocab_rows
 from edgerun.tp.messages import Route
 
 
@@ -75,3 +75,23 @@ def test_vocab_rows_are_each_blocks_rows_in_order_kept_read_only() -> None:
         rows[0] = 1
     assert vocab_rows((), 4, 14).size == 0
     assert np.array_equal(vocab_rows((1,), 4, 14), np.arange(4, 8))
+
+
+def test_a_run_of_vocabulary_blocks_places_its_logits_as_one_slice(tiny_spec, synth_gguf) -> None:
+    assert row_span(vocab_rows((2, 3), 4, 14)) == slice(8, 14)  # the last block cut short at the vocabulary's end
+    gapped = vocab_rows((0, 2), 4, 14)
+    assert row_span(gapped) is gapped  # not consecutive: the index array itself
+    logits, part = np.zeros(14, np.float32), np.arange(1, 7, dtype=np.float32)
+    for rows in (vocab_rows((2, 3), 4, 14), vocab_rows((1, 3), 4, 14)):
+        by_span, by_index = logits.copy(), logits.copy()
+        by_span[row_span(rows)], by_index[rows] = part, part
+        assert np.array_equal(by_span, by_index)
+    assert len(np.zeros(14)[row_span(vocab_rows((), 4, 14))]) == 0
+    # Every device of a plan holds a run of blocks (Alg. 3), so the master's merge copies slices.
+    model = load_model(synth_gguf(tiny_spec()))
+    c = model.config
+    profile = model_profile("tiny", c, model.weights, context=64, group_size=32, vocab_block=16)
+    plan = plan_tp(profile, [device("a"), device("b"), device("c")], "even")
+    assert sum(1 for blocks in plan.vocab if blocks) == 3
+    assert all(isinstance(row_span(vocab_rows(tuple(sorted(blocks)), 16, c.vocab_size)), slice)
+               for blocks in plan.vocab if blocks)

@@ -85,6 +85,16 @@ def vocab_rows(blocks: tuple[int, ...], block_rows: int, vocab: int) -> np.ndarr
     return rows
 
 
+def row_span(rows: np.ndarray) -> slice | np.ndarray:
+    """Ascending `rows` as an index: a slice where they are consecutive, as a plan's vocabulary blocks are (Alg. 3
+    hands each device a run of priority indices, which are the blocks themselves), so that placing a device's
+    logits is one copy; scattering 16k rows through an index array took ~50 µs a device, a tenth of the LM head's
+    merge at 8 devices."""
+    if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
+
+
 @dataclass(frozen=True)
 class NodeLink:
     """What a deployment needs to know of a node's link."""

@@ -33,7 +33,7 @@ from edgerun.net.wire import (
     whole_vector,
 )
 from edgerun.tp.config import MasterConfig
-from edgerun.tp.deployment import vocab_rows
+from edgerun.tp.deployment import row_span, vocab_rows
 from edgerun.tp.membership import NodeConn
 from edgerun.tp.messages import Fetch, Input, ParityOn, Partial, Route, Routes
 from edgerun.tp.timeouts import Timeouts
@@ -294,7 +294,7 @@ class BlockExchange:
             node_rows = vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size)
             part = parts[node.index]
             vector = part.vector if isinstance(part, Reassembly) else part
-            logits[node_rows] = vector.reshape(-1)[-len(node_rows):]
+            logits[row_span(node_rows)] = vector.reshape(-1)[-len(node_rows):]
         return logits
 
     # --- what the nodes send ------------------------------------------------------------------------

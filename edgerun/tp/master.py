@@ -36,7 +36,7 @@ from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
 from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, plan_tp
 from edgerun.tp.config import MasterConfig
-from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, unit_order_for
+from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, StepStats
 from edgerun.tp.membership import KernelRate, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
@@ -311,7 +311,7 @@ class Master:
             else:  # the LM head: this device's vocabulary rows, computed while the nodes compute theirs
                 out = np.zeros(self.model.config.vocab_size, np.float32)
                 rows, own = self.shard.logits(x[-1:])
-                out[rows] = own[-1]
+                out[row_span(rows)] = own[-1]
             if x.shape[0] == 1:  # one-token steps measure the master's speed
                 self.own_decode_bytes += self.shard.block_bytes(layer, block,
                                                                 None if own_units is None else len(own_units))
