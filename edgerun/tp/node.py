@@ -49,6 +49,7 @@ from edgerun.net.wire import (
     MsgType,
     Reassembly,
     WireError,
+    as_f32,
     fragment,
     seal,
     whole_vector,
@@ -463,11 +464,11 @@ class Node:
         if route != Route.RELIABLE:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
                             codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
-            self.udp.send_all(fragment(header, out.reshape(-1), self.key, self.datagram_bytes, parity=self.parity),
+            self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes, parity=self.parity),
                               (self.master[0], self.master_udp_port))
         if route != Route.DATAGRAM:
             self.channel.send(Partial(self.session, position, layer, block,
-                                      np.ascontiguousarray(out, "<f4").tobytes()))
+                                      as_f32(out).tobytes()))
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,

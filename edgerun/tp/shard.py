@@ -198,6 +198,12 @@ class _ShareBase:
         self.lengths = [min(n, length) for n in self.lengths]
 
 
+def _rows(x: np.ndarray, hidden: int) -> np.ndarray:
+    """x as (tokens, hidden): itself where it is already two-dimensional (every caller's one-token input), with no
+    numpy call (see _Block.run)."""
+    return x if x.ndim == 2 else np.reshape(x, (-1, hidden))
+
+
 class _Block:
     """One onnxruntime session with its inputs and outputs bound; decode steps (one token) run on preallocated
     buffers bound once, into which each step copies its input and position, so the hot path allocates nothing
@@ -222,6 +228,7 @@ class _Block:
         # The one-token buffers: input, output, and where the graph takes them, the position and the units' flags.
         self.x1 = np.zeros((1, 1, int(inputs["hidden"].shape[-1])), np.float32)
         self.out1 = np.zeros((1, 1, width), np.float32)  # the one-token output, reused
+        self.out_row = self.out1.reshape(1, width)  # the same memory as a (tokens, width) row, as run returns it
         self.seqlens1 = np.zeros(1, np.int32) if "seqlens_k" in inputs else None
         self.total1 = np.zeros((), np.int32) if "total_seq_len" in inputs else None
         self.flags1 = np.zeros(int(inputs["flags"].shape[0]), np.bool_) if "flags" in inputs else None
@@ -243,21 +250,22 @@ class _Block:
         self.one_token_bound = True
 
     def run(self, x: np.ndarray, total: int | None = None, flags: np.ndarray | None = None) -> np.ndarray:
-        """The block's output for x (1, seq, hidden) (with `flags`, of the units they select); for one token, a
-        buffer reused by the next call."""
+        """The block's output (seq, width) for x (seq, hidden) (with `flags`, of the units they select); for one
+        token, a buffer reused by the next call. The one-token path makes as few numpy calls as it can: each
+        costs 10-20 µs right after a kernel has streamed weights through the caches (wire.as_f32)."""
         b = self.binding
-        if x.shape[1] == 1:
+        if x.shape[0] == 1:
             if not self.one_token_bound:
                 self._bind_one_token()
-            self.x1[...] = x
+            self.x1[...] = x  # (1, hidden) into (1, 1, hidden), converted to float32 on the way
             if total is not None:
                 self.seqlens1[0], self.total1[...] = total - 1, total
             if flags is not None:
                 self.flags1[...] = flags
             self.session.run_with_iobinding(b)
-            return self.out1
+            return self.out_row
         self.one_token_bound = False
-        b.bind_cpu_input("hidden", x)
+        b.bind_cpu_input("hidden", np.ascontiguousarray(x, np.float32).reshape(1, x.shape[0], -1))
         if flags is not None:
             b.bind_cpu_input("flags", flags)
         if total is not None:
@@ -265,7 +273,7 @@ class _Block:
             b.bind_cpu_input("total_seq_len", np.array(total, np.int32))
         b.bind_output(self.output)
         self.session.run_with_iobinding(b)
-        return b.get_outputs()[0].numpy()
+        return b.get_outputs()[0].numpy().reshape(x.shape[0], -1)
 
 
 def _shard_build_root() -> Path:
@@ -351,29 +359,29 @@ class QuantShard(_ShareBase):
         and values (later positions are forgotten). output=False: only the cache is filled."""
         if units is not None:
             raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
-        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
-        seq = x.shape[1]
+        x = _rows(x_norm, self.config.hidden)
+        seq = x.shape[0]
         end = self._advance(layer, start, seq)
         block = self.attn[layer]
         if block is None:
             return np.zeros((seq, self.config.hidden), np.float32) if output else None
         out = block.run(x, end)
-        return out.reshape(seq, -1) if output else None
+        return out if output else None
 
     def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
         if groups is not None:
             raise ValueError("a static share computes its own groups; dynamic mapping runs on DynamicQuantShard")
-        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
+        x = _rows(x_norm, self.config.hidden)
         block = self.mlp_blocks[layer]
         if block is None:
-            return np.zeros((x.shape[1], self.config.hidden), np.float32)
-        return block.run(x).reshape(x.shape[1], -1)
+            return np.zeros((x.shape[0], self.config.hidden), np.float32)
+        return block.run(x)
 
     def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
+        x = _rows(x_norm, self.config.hidden)
         if self.head is None:
-            return self.vocab_rows, np.zeros((x.shape[1], 0), np.float32)
-        return self.vocab_rows, self.head.run(x).reshape(x.shape[1], -1)
+            return self.vocab_rows, np.zeros((x.shape[0], 0), np.float32)
+        return self.vocab_rows, self.head.run(x)
 
 
 class DynamicQuantShard(QuantShard):
@@ -424,18 +432,16 @@ class DynamicQuantShard(QuantShard):
                   units: Sequence[int] | None = None) -> np.ndarray | None:
         """Partial attention output of `units` (every KV head for None) at positions start..start+seq-1, after
         caching keys and values of every head there; output=False: only the cache."""
-        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
-        seq = x.shape[1]
-        end = self._advance(layer, start, seq)
+        x = _rows(x_norm, self.config.hidden)
+        end = self._advance(layer, start, x.shape[0])
         flags = self._flags(self.config.n_kv_heads, units) if output else np.zeros(self.config.n_kv_heads, bool)
         out = self.attn[layer].run(x, end, flags)
-        return out.reshape(seq, -1) if output else None
+        return out if output else None
 
     def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
         """Partial MLP output of `groups` (every group for None)."""
-        x = np.ascontiguousarray(x_norm, np.float32).reshape(1, -1, self.config.hidden)
         flags = self._flags(n_groups(self.config.ffn, self.spec.group_size), groups)
-        return self.mlp_blocks[layer].run(x, None, flags).reshape(x.shape[1], -1)
+        return self.mlp_blocks[layer].run(_rows(x_norm, self.config.hidden), None, flags)
 
     def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
         """Weight bytes a step of `units` of the block's units streams (about: its share of the block's bytes)."""
