@@ -345,6 +345,15 @@ def test_a_lost_stage_goes_to_a_spare_that_covers_it_and_the_others_stay():
     assert [s.worker for s in two.stages] == ["c", "d"]
     assert cover_stages(current, ["c", "d"], lambda w, s: True) == tuple(
         Stage(w, s.first_layer, s.end_layer) for w, s in zip("cd", current.stages, strict=True))
+    # One spare for two stages: the stage that takes longer to load is the one covered (a loss of the other then
+    # costs the shorter load); equal costs keep stage order.
+    heavier_second = cover_stages(current, ["c"], lambda w, s: True, lambda s: s.first_layer)
+    assert heavier_second == (Stage("c", second.first_layer, second.end_layer),)
+    assert cover_stages(current, ["c"], lambda w, s: True, lambda s: 1.0) == (Stage("c", first.first_layer,
+                                                                                      first.end_layer),)
+    # With room for both, both are covered whatever they cost; the costlier first.
+    assert set(cover_stages(current, ["c", "d"], lambda w, s: True, lambda s: s.first_layer)) == {
+        Stage("c", second.first_layer, second.end_layer), Stage("d", first.first_layer, first.end_layer)}
 
 
 def test_shadow_plans():

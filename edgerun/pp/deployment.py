@@ -319,7 +319,11 @@ class Deployment:
         """Spare workers load running stages ahead (cover_stages); True if any did."""
         native = [name for name in self._spares() if self.workers[name].kind == "native"
                   and not self.dequantized(self.workers[name])]
-        covers = cover_stages(self.plan, native, self._fits)
+        # A stage's load is mostly onnxruntime repacking the weights its products read (the LM head's 8-bit rows
+        # among them, the embedding table, only indexed, not): the shipped model's first half loads in 100-180 ms
+        # here, its second half with the head in 200-330.
+        read = self.profile.layer_read_bytes
+        covers = cover_stages(self.plan, native, self._fits, lambda s: sum(read[s.first_layer:s.end_layer]))
         if not covers:
             return False
         if all(self.covers.get(s.worker) == s for s in covers):
