@@ -176,6 +176,9 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
         assert 0 < master.measured["n0"] < 1e11
         # The time per block beyond its kernels of the node that took part (n1 held next to nothing: too few blocks).
         assert 0 <= master.measured_sync["n0"] < 0.1
+        # The master's own time per node before its share, measured over the request, is what plans charge it.
+        assert master.stats.sends >= 2 * model.config.n_layers * (N_TOKENS - 1) and 0 < master.send_s_per_node < 0.01
+        assert master._devices(master.membership.alive())[0].compute.send_s_per_node == master.send_s_per_node
         assert n0_units(master) < before
         assert not master.rebalance(min_gain=0.02)  # nothing measured since: the same speeds give the same shares
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens

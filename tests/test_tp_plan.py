@@ -309,6 +309,9 @@ def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count
     assert objective(counts, devices, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + t_c))
     assert objective(counts, free_links, model, SyncModel.STAR) == \
         pytest.approx(compute + blocks * (session + 3 * STAR_PER_NODE_S))
+    # A master that measured its sends at 10 us a node is charged that: 3 x 10 us a block.
+    quick = [replace(free_links[0], compute=replace(free_links[0].compute, send_s_per_node=10e-6)), *free_links[1:]]
+    assert objective(counts, quick, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + 3 * 10e-6))
     # The master alone pays its sessions and nothing else; a node alone still pays its round trip every block.
     alone = plan_counts(plan_tp(model, devices[:1], "even"))
     assert objective(alone, devices[:1], model, SyncModel.STAR) == \

@@ -43,7 +43,7 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
     elif plan.sync == SyncModel.STAR and nodes:
         sync = (f"each of {2 * model.n_layers + 1} blocks per token: a node's round trip (up to "
                 f"{plan.t_c_s * 1e3:.3f} ms) or the master's {nodes} x {STAR_PER_NODE_S * 1e6:.0f} us of sends "
-                "and merges on top of its compute (star)")
+                "on top of its compute, until it measures its own (star)")
     else:
         sync = "no synchronization (one device)"
     rows.append(f"{sync}; predicted {plan.time_per_token_s * 1e3:.2f} ms per token; solved in "

@@ -24,6 +24,14 @@ DEVICE_SCHEMA = "edgerun.device/1"
 ACTIVATION_BYTES = 4  # float32 hidden states on the wire and in the KV cache
 
 
+# A master's time per node and block before its own share starts, until it has measured its own: sealing and
+# sending the node's input, and (counted here too, to err on the side of a lighter master share) taking in and
+# adding its partial. Measured with bench tp's per-block trace on the device machine (16 slow cores, 1B model, 7
+# nodes): 210-330 µs from the first send to the master's own compute and about 30 µs more per partial in one
+# stop; ~115 µs to its own compute in another.
+SEND_S_PER_NODE = 50e-6
+
+
 @dataclass(frozen=True)
 class Compute:
     matmul_gflops: float  # float32 matrix-multiply throughput
@@ -31,6 +39,9 @@ class Compute:
     session_overhead_ms: float = 0.2  # fixed cost per stage run, whatever its size
     layer_ms: float = 0.0  # measured decode time of one layer of `layer_model` (0: not measured)
     layer_model: str = ""
+    # A tensor-parallel master's time per node it hands a block's input to (sealing, sending) before its own share
+    # starts; a running master measures its own (SyncModel.STAR prices the master's blocks with it).
+    send_s_per_node: float = SEND_S_PER_NODE
 
 
 @dataclass(frozen=True)

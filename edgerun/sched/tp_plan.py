@@ -29,18 +29,16 @@ from typing import Any
 
 import pulp
 
-from edgerun.sched.profiles import ACTIVATION_BYTES, DeviceProfile, ModelProfile
+from edgerun.sched.profiles import ACTIVATION_BYTES, SEND_S_PER_NODE, DeviceProfile, ModelProfile
 
 TP_PLAN_SCHEMA = "edgerun.tp-plan/1"
 STRATEGIES = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
 LAYER_KINDS = ("attn", "mlp")  # unit types repeated in every layer; "vocab" (the LM head) comes once
 MINMAX_EPSILON = 1e-3
 ILP_TIME_LIMIT_S = 60.0
-# The master's own time per node and block under SyncModel.STAR: sealing and sending the node's input, taking its
-# partial off the socket, checking and adding it. Measured with bench tp's per-block trace on the device machine
-# (16 slow cores, 1B model, 7 nodes): 210-330 µs from the first send to the master's own compute, and about
-# 30 µs more per partial.
-STAR_PER_NODE_S = 50e-6
+# The master's own time per node and block under SyncModel.STAR where it has not measured its own
+# (Compute.send_s_per_node).
+STAR_PER_NODE_S = SEND_S_PER_NODE
 
 
 class SyncModel(Enum):
@@ -48,7 +46,7 @@ class SyncModel(Enum):
 
     PER_DEVICE = "per-device"  # HALO's Eq. (1): 2·L·(n_used − 1)·T_c, one synchronization per device and block
     STAR = "star"  # edgerun's master: per block, each device's session overhead and compute plus its own round
-    # trip (a node) or its work per node used (the master, STAR_PER_NODE_S each); the block lasts as its slowest
+    # trip (a node) or its work per node used (the master, Compute.send_s_per_node each); the block lasts as its slowest
 
 
 class InsufficientMemory(ValueError):
@@ -284,13 +282,13 @@ def plan_sync_seconds(counts: UnitCounts, devices: list[DeviceProfile], model: M
 def star_offsets(devices: list[DeviceProfile], model: ModelProfile, used: set[int] | list[int]) -> list[float]:
     """SyncModel.STAR: what each device adds to every block beside its compute, with `used` taking part. Each
     device that computes runs a session per block (`Compute.session_overhead_ms`). The master (devices[0]) seals
-    and sends each used node's input and takes in its partial, δ per node, whether or not it computes too; a node
-    waits for its round trip, T_c of its link."""
+    and sends each used node's input before its own share, `Compute.send_s_per_node` per node (measured by a
+    running master), whether or not it computes too; a node waits for its round trip, T_c of its link."""
     nodes = sum(1 for i in used if i != 0)
     offsets = []
     for i, d in enumerate(devices):
         session = d.compute.session_overhead_ms / 1e3 if i in used else 0.0
-        sync = nodes * STAR_PER_NODE_S if i == 0 else sync_seconds(d, model.hidden) if i in used else 0.0
+        sync = nodes * d.compute.send_s_per_node if i == 0 else sync_seconds(d, model.hidden) if i in used else 0.0
         offsets.append(session + sync)
     return offsets
 
@@ -669,7 +667,8 @@ def _star_ilp_counts(model: ModelProfile, devices: list[DeviceProfile], upper_bo
             compute = _work(model, k) / speeds[i] / time_scale * x[b][i] + \
                 devices[i].compute.session_overhead_ms / 1e3 / time_scale * use[i]
             if i == 0:
-                prob.addConstraint(t[b] >= compute + STAR_PER_NODE_S / time_scale * pulp.lpSum(use[1:]))
+                prob.addConstraint(t[b] >= compute + devices[0].compute.send_s_per_node / time_scale *
+                                   pulp.lpSum(use[1:]))
             else:
                 prob.addConstraint(t[b] >= compute + sync_seconds(devices[i], model.hidden) / time_scale * use[i])
     for i in range(n):

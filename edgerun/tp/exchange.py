@@ -67,6 +67,10 @@ class StepStats:
     partials_rebuilt: int = 0  # partials that lost a fragment and were rebuilt from the parity
     late_packets: int = 0
     max_overshoot_s: float = 0.0  # the longest a lossy block's wait ran past its deadline
+    # One-token blocks with nodes: the master's time from the first send to its own share, and the nodes sent to
+    # (Master.send_s_per_node: what the planner charges the master per node and block).
+    send_s: float = 0.0
+    sends: int = 0
 
 
 @dataclass
@@ -186,6 +190,9 @@ class BlockExchange:
         if nodes and over_udp:
             self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
         compute_start = time.perf_counter()
+        if nodes and seq == 1:
+            self.stats.send_s += compute_start - sent
+            self.stats.sends += len(nodes)
         out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start

@@ -33,12 +33,12 @@ from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_routes, model_sha256
 from edgerun.net.wire import Block, Header, MsgType
 from edgerun.sap.predictor import PredictorSet
-from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
+from edgerun.sched.profiles import SEND_S_PER_NODE, Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
 from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, plan_tp
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, StepStats
-from edgerun.tp.membership import KernelRate, Membership, NodeConn
+from edgerun.tp.membership import MIN_SYNC_BLOCKS, KernelRate, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
 from edgerun.tp.shard import DynamicQuantShard, QuantShard
@@ -137,9 +137,20 @@ class Master:
         return self.membership.lost_nodes()
 
     # --- planning (blocks on the nodes' replies: never on the loop thread) -------------------------
+    @property
+    def send_s_per_node(self) -> float:
+        """The master's time per node and one-token block from its first send to its own share, as measured
+        (over at least MIN_SYNC_BLOCKS node-blocks), else the planner's default. On the device machine it measured
+        ~16 µs a node at 7 nodes where the default says 50: plans made with the default left the master idle ~0.5 ms
+        a block while its nodes finished."""
+        s = self.stats
+        return s.send_s / s.sends if s.sends >= MIN_SYNC_BLOCKS else SEND_S_PER_NODE
+
     def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
         """A device as the planner sees it: at its measured speed once there is one, else at the declared `speed`."""
-        return DeviceProfile(name=name, kind="node", cores=1, compute=Compute(0.0, self.measured.get(name, speed)),
+        send = self.send_s_per_node if name == "master" else SEND_S_PER_NODE
+        return DeviceProfile(name=name, kind="node", cores=1,
+                             compute=Compute(0.0, self.measured.get(name, speed), send_s_per_node=send),
                              memory=Memory(budget_mb, budget_mb, budget_mb, 0.0),
                              link=link or Link(0.0, 10_000.0, 10_000.0, 0.0))
 
