@@ -27,8 +27,8 @@ def rms_norm_fast(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """rms_norm in a third of the time for one row (a decode step, on a tensor-parallel master's per-block path):
     one dot product and two multiplies instead of five array operations. It rounds differently, by about one
     ulp. Each numpy call counts: right after a block's kernel has streamed megabytes of weights through the
-    caches, one costs 10-20 µs, not 1-2 (this function: 61 µs there against 9 in a loop, on this project's CI
-    machine), so the sum of squares is one vdot of the row and its square root a float's."""
+    caches, one costs 10-20 µs, not 1-2 (this function: 61 µs there against 9 in a loop, on a 2-vCPU
+    virtual machine), so the sum of squares is one vdot of the row and its square root a float's."""
     if x.shape[0] != 1:
         return rms_norm(x, weight, eps)
     return x * (weight * np.float32(1.0 / math.sqrt(float(np.vdot(x, x)) / x.shape[1] + eps)))
