@@ -15,10 +15,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from edgerun.model.synth import SHAPES, SynthSpec, shape_only_weights, synth_weights
-from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, UnitCost, model_profile
+from edgerun.sched.profiles import (
+    SEND_S_PER_NODE,
+    Compute,
+    DeviceProfile,
+    Link,
+    Memory,
+    ModelProfile,
+    UnitCost,
+    model_profile,
+)
 from edgerun.sched.tp_plan import (
     LAYER_KINDS,
-    STAR_PER_NODE_S,
     STRATEGIES,
     TP_PLAN_SCHEMA,
     InsufficientMemory,
@@ -308,7 +316,7 @@ def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count
     # Links of 2 ms: the nodes' round trips outlast the master's 3 x 50 us; free links: the master's work decides.
     assert objective(counts, devices, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + t_c))
     assert objective(counts, free_links, model, SyncModel.STAR) == \
-        pytest.approx(compute + blocks * (session + 3 * STAR_PER_NODE_S))
+        pytest.approx(compute + blocks * (session + 3 * SEND_S_PER_NODE))
     # A master that measured its sends at 10 us a node is charged that: 3 x 10 us a block.
     quick = [replace(free_links[0], compute=replace(free_links[0].compute, send_s_per_node=10e-6)), *free_links[1:]]
     assert objective(counts, quick, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + 3 * 10e-6))

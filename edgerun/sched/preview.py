@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from edgerun.sched.pp_plan import PPPlan
-from edgerun.sched.profiles import DeviceProfile, ModelProfile
-from edgerun.sched.tp_plan import STAR_PER_NODE_S, SyncModel, TPPlan
+from edgerun.sched.profiles import SEND_S_PER_NODE, DeviceProfile, ModelProfile
+from edgerun.sched.tp_plan import SyncModel, TPPlan
 
 
 def _ranges(indices: tuple[int, ...]) -> str:
@@ -42,7 +42,7 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
         sync = f"synchronization {plan.t_c_s * 1e3:.3f} ms x {syncs} per token (Eq. 1)"
     elif plan.sync == SyncModel.STAR and nodes:
         sync = (f"each of {2 * model.n_layers + 1} blocks per token: a node's round trip (up to "
-                f"{plan.t_c_s * 1e3:.3f} ms) or the master's {nodes} x {STAR_PER_NODE_S * 1e6:.0f} us of sends "
+                f"{plan.t_c_s * 1e3:.3f} ms) or the master's {nodes} x {SEND_S_PER_NODE * 1e6:.0f} us of sends "
                 "on top of its compute, until it measures its own (star)")
     else:
         sync = "no synchronization (one device)"

@@ -29,16 +29,13 @@ from typing import Any
 
 import pulp
 
-from edgerun.sched.profiles import ACTIVATION_BYTES, SEND_S_PER_NODE, DeviceProfile, ModelProfile
+from edgerun.sched.profiles import ACTIVATION_BYTES, DeviceProfile, ModelProfile
 
 TP_PLAN_SCHEMA = "edgerun.tp-plan/1"
 STRATEGIES = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
 LAYER_KINDS = ("attn", "mlp")  # unit types repeated in every layer; "vocab" (the LM head) comes once
 MINMAX_EPSILON = 1e-3
 ILP_TIME_LIMIT_S = 60.0
-# The master's own time per node and block under SyncModel.STAR where it has not measured its own
-# (Compute.send_s_per_node).
-STAR_PER_NODE_S = SEND_S_PER_NODE
 
 
 class SyncModel(Enum):
