@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from edgerun.net.wire import Block, Codec, Header, MsgType, control_frame, open_packet, parse_control
+from edgerun.net.wire import Block, Codec, Header, MsgType, control_frame, open_frame, open_packet, parse_control
 from edgerun.tp import messages as m
 from edgerun.tp.shard import ShardSpec
 
@@ -44,13 +44,24 @@ def test_every_message_type_has_a_sample() -> None:
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda s: type(s).__name__)
 def test_round_trip_through_a_sealed_frame(message: m.Message) -> None:
-    frame = control_frame(9, *m.encode(message), KEY)
+    frame = bytes(control_frame(9, *m.encode(message), KEY))  # as a stream reads it
     header, body = open_packet(frame[4:], KEY)
     decoded = m.decode(*parse_control(header, body))
     assert decoded == message
     # Enums and tuples come back as such, not as JSON's ints and lists.
     for f in dataclasses.fields(decoded):
         assert type(getattr(decoded, f.name)) is type(getattr(message, f.name))
+
+
+@pytest.mark.parametrize("message", [s for s in SAMPLES if any(f.type == "Payload" for f in dataclasses.fields(s))],
+                         ids=lambda s: type(s).__name__)
+def test_payloads_decode_as_views_of_their_frame(message: m.Message) -> None:
+    """As a stream receives them (open_frame): the same message, its payload a read-only view, not a copy."""
+    frame = bytes(control_frame(9, *m.encode(message), KEY))
+    decoded = m.decode(*parse_control(*open_frame(frame[4:], KEY)))
+    assert decoded == message
+    (payload,) = [getattr(decoded, f.name) for f in dataclasses.fields(decoded) if f.type == "Payload"]
+    assert isinstance(payload, memoryview) and payload.readonly and payload.obj is not None
 
 
 def test_routes_are_data() -> None:

@@ -367,12 +367,16 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         # The one-token steps alone, beside the whole request's (which has the prompt's prefill).
         assert r["decode_ms_per_token"] > 0 and r["single_decode_ms_per_token"] > 0
         assert r["decode_speedup"] == pytest.approx(r["single_decode_ms_per_token"] / r["decode_ms_per_token"])
+        # The time to the first token: the prompt's prefill, a part of the whole request.
+        assert 0 < r["prefill_ms"] < r["ms_per_token"] * r["tokens"] and r["single_prefill_ms"] > 0
+        assert r["prefill_speedup"] == pytest.approx(r["single_prefill_ms"] / r["prefill_ms"])
         assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
         assert r["spin_us"] == auto_spin_us(2, 1, len(USABLE_CORES))  # auto: master and node poll where each has a core
     from edgerun.bench.tp import TpResult, tp_table
 
     table = tp_table([TpResult(**{k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
+    assert " prefill " in table.splitlines()[0] and f"{results[0]['prefill_ms']:.1f}" in table
     assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
                                       f"spin: {results[0]['spin_us']:.0f} µs in every process")
 

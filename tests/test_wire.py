@@ -41,6 +41,7 @@ from edgerun.net.wire import (
     fragment_size,
     frame_length,
     is_parity,
+    open_frame,
     open_packet,
     parse_control,
     seal,
@@ -541,6 +542,29 @@ def test_control_frame_round_trip(payload: bytes) -> None:
     assert header.type == MsgType.CONTROL
     assert header.session == 77
     assert parse_control(header, body) == (text, payload)
+
+
+def test_control_frame_layout_and_view() -> None:
+    """The frame built in place holds exactly the length prefix, the sealed header, JSON length, text and payload
+    that sealing their concatenation gives (only the nonce and tag differ); open_frame hands the payload out as a
+    view of the frame, and refuses what open_packet refuses."""
+    text, payload = b'{"message":"Ping","seq":1}', np.arange(1000, dtype=np.float32).tobytes()
+    frame = bytes(control_frame(5, text, payload, KEY))
+    body = (len(text)).to_bytes(4, "little") + text + payload
+    expected = seal(Header(MsgType.CONTROL, 5), body, KEY)
+    assert frame[:4] == len(expected).to_bytes(4, "little")
+    assert frame[4:-TRAILER] == expected[:-TRAILER]
+    header, view = open_frame(frame[4:], KEY)
+    assert isinstance(view, memoryview) and view.obj is not None and bytes(view) == body
+    got_text, got_payload = parse_control(header, view)
+    assert (got_text, bytes(got_payload)) == (text, payload)
+    assert isinstance(got_payload, memoryview)  # not copied on the way to numpy
+    np.testing.assert_array_equal(np.frombuffer(got_payload, "<f4"), np.arange(1000, dtype=np.float32))
+    for bad in (frame[4:-1] + bytes([frame[-1] ^ 1]), frame[4:20] + b"x" + frame[21:], frame[4:30]):
+        with pytest.raises(WireError):
+            open_frame(bad, KEY)
+    with pytest.raises(WireError):
+        open_frame(frame[4:], OTHER_KEY)
 
 
 def test_control_frame_rejections() -> None:

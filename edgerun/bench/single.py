@@ -111,19 +111,21 @@ class RequestTiming:
 
     ms_per_token: float  # prefill included
     decode_ms_per_token: float  # every token after the first
+    prefill_ms: float = float("nan")  # the prompt's prefill and first token: the time to the first token
 
     @classmethod
     def of(cls, result: GenerationResult, elapsed_s: float) -> RequestTiming:
         steps = len(result.tokens) - 1
         return cls(elapsed_s / max(1, len(result.tokens)) * 1e3,
-                   result.decode_s / steps * 1e3 if steps > 0 else float("nan"))
+                   result.decode_s / steps * 1e3 if steps > 0 else float("nan"), result.prefill_s * 1e3)
 
     @classmethod
     def mean(cls, timings: Sequence[RequestTiming]) -> RequestTiming:
         """The mean of several timings: a benchmark row's single engine, timed just before and just after the row
         (on a shared machine its speed drifts from minute to minute)."""
         return cls(statistics.fmean(t.ms_per_token for t in timings),
-                   statistics.fmean(t.decode_ms_per_token for t in timings))
+                   statistics.fmean(t.decode_ms_per_token for t in timings),
+                   statistics.fmean(t.prefill_ms for t in timings))
 
 
 def cluster_baseline(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,

@@ -91,6 +91,9 @@ class TpResult:
     speedup: float | None = None  # single_ms_per_token / ms_per_token
     single_decode_ms_per_token: float | None = None
     decode_speedup: float | None = None  # single_decode_ms_per_token / decode_ms_per_token
+    prefill_ms: float = float("nan")  # the prompt's prefill and first token (time to the first token)
+    single_prefill_ms: float | None = None
+    prefill_speedup: float | None = None  # single_prefill_ms / prefill_ms
     spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
 
 
@@ -270,6 +273,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         overlap="+".join(sorted(master.config.overlap)) or "none",
         rate_mbit=config.rate_mbit, tokens=len(generated),
         ms_per_token=timing.ms_per_token, decode_ms_per_token=timing.decode_ms_per_token,
+        prefill_ms=timing.prefill_ms,
         predicted_ms_per_token=master.predicted_s() * 1e3,
         compute_ms_per_token=compute * 1e3,
         pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
@@ -337,7 +341,9 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                 rows = [replace(r, single_ms_per_token=around.ms_per_token,
                                 speedup=around.ms_per_token / r.ms_per_token,
                                 single_decode_ms_per_token=around.decode_ms_per_token,
-                                decode_speedup=around.decode_ms_per_token / r.decode_ms_per_token) for r in rows]
+                                decode_speedup=around.decode_ms_per_token / r.decode_ms_per_token,
+                                single_prefill_ms=around.prefill_ms,
+                                prefill_speedup=around.prefill_ms / r.prefill_ms) for r in rows]
             results += rows
     return results
 
@@ -385,19 +391,21 @@ def tp_table(results: list[TpResult]) -> str:
     "lost wait" is the part of "wait" spent in blocks that ended incomplete; "node" the busiest node's kernels;
     "sync" the time per synchronization beyond the slowest device's compute (µs); "speed-up" against the
     single-process engine (--baseline); "decode" the one-token steps alone (ms/token includes the prompt's
-    prefill), with their speed-up over the single engine's."""
+    prefill), with their speed-up over the single engine's; "prefill" the prompt's prefill and first token in ms
+    (the time to the first token), with its speed-up."""
     rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
-            f"{'decode':>7} {'(x)':>6} {'compute':>8} "
+            f"{'decode':>7} {'(x)':>6} {'prefill':>8} {'(x)':>6} {'compute':>8} "
             f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
             f"{'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
     for r in results:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
         decode_speedup = "" if r.decode_speedup is None else f"{r.decode_speedup:.2f}x"
+        prefill_speedup = "" if r.prefill_speedup is None else f"{r.prefill_speedup:.2f}x"
         memory = (f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f} (+{r.node_overhead_mb:.0f})"
                   if r.nodes else "-")
         rows.append(f"{r.nodes:>5} {r.devices_used:>4} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} "
                     f"{r.predicted_ms_per_token:>6.1f} {speedup:>8} {r.decode_ms_per_token:>7.1f} {decode_speedup:>6} "
-                    f"{r.compute_ms_per_token:>8.1f} "
+                    f"{r.prefill_ms:>8.1f} {prefill_speedup:>6} {r.compute_ms_per_token:>8.1f} "
                     f"{r.node_compute_ms_per_token:>7.1f} "
                     f"{r.wait_ms_per_token:>8.1f} "
                     f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
@@ -406,7 +414,8 @@ def tp_table(results: list[TpResult]) -> str:
     singles = [r for r in results if r.single_ms_per_token is not None]
     if singles:
         rows.append(f"single-process onnx engine: {span([r.single_ms_per_token for r in singles])} ms/token, decode "
-                    f"{span([r.single_decode_ms_per_token for r in singles])} (timed before the first node count "
+                    f"{span([r.single_decode_ms_per_token for r in singles])}, prefill "
+                    f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes

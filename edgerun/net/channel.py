@@ -27,6 +27,7 @@ from edgerun.net.wire import (
     control_frame,
     frame_length,
     is_parity,
+    open_frame,
     open_packet,
     parse_control,
 )
@@ -235,7 +236,7 @@ class AsyncChannel:
         BadMessage for an authentic frame that holds no valid message (the stream stays usable)."""
         try:
             n = frame_length(await self.reader.readexactly(4))
-            header, body = open_packet(await self.reader.readexactly(n), self.key)
+            header, body = open_frame(await self.reader.readexactly(n), self.key)
         except asyncio.IncompleteReadError as e:
             raise ConnectionError("connection closed") from e
         return messages.decode(*parse_control(header, body))

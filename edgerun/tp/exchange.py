@@ -333,7 +333,7 @@ class BlockExchange:
             if len(message.vector) != 4 * w.sizes[node.index]:
                 self.counters.reject("misfit")
                 return
-            w.parts[node.index] = np.frombuffer(message.vector, "<f4").astype(np.float32)
+            w.parts[node.index] = np.frombuffer(message.vector, "<f4")  # read-only, as a datagram's: only read
             w.arrive(node.index)
         elif not self._mirror_copy(key, node.index):
             self.stats.late_packets += 1

@@ -1,7 +1,7 @@
 """The tensor-parallel control protocol: every message a master and its nodes exchange over their TCP stream.
 
 Each message is a frozen dataclass. On the wire it is one control frame (`wire.control_frame`): a JSON object
-holding the message's name and its fields, then the binary payload of its one `bytes` field if it has one (an
+holding the message's name and its fields, then the binary payload of its one `Payload` field if it has one (an
 activation, a partial, the predictors). `encode` and `decode` are the only code that turns messages into bytes
 and back; `decode` checks every field's type against the class, so a malformed message is a BadMessage, never a
 KeyError or a wrong type deep in the master or a node.
@@ -27,6 +27,11 @@ from edgerun.tp.shard import ShardSpec
 
 class BadMessage(WireError):
     """An authentic control frame that holds no valid message: refused, and the stream goes on."""
+
+
+# A message's binary field. Decoded, it is a read-only view of the frame it came in (wire.open_frame): a prefill's
+# activations and partials are hundreds of kilobytes, which are not copied again on their way to numpy.
+Payload = bytes | memoryview
 
 
 class Route(IntEnum):
@@ -124,7 +129,7 @@ class Partial:
     position: int
     layer: int
     block: Block
-    vector: bytes
+    vector: Payload
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class Pong:
 
 @dataclass(frozen=True)
 class BandwidthReply:
-    filler: bytes
+    filler: Payload
 
 
 # --- master -> node ---------------------------------------------------------------------------------
@@ -172,7 +177,7 @@ class Input:
     layer: int
     block: Block
     ranking: tuple[int, ...] | None  # dynamic mapping: the unit at each priority index
-    vector: bytes
+    vector: Payload
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,7 @@ class BandwidthProbe:
     """Answered by a BandwidthReply of `reply_bytes`."""
 
     reply_bytes: int
-    filler: bytes
+    filler: Payload
 
 
 @dataclass(frozen=True)
@@ -213,19 +218,20 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Messag
 MAX_PROBE_BYTES = 64 << 20  # the largest bandwidth reply a node sends
 
 
-def encode(message: Message) -> tuple[bytes, bytes]:
+def encode(message: Message) -> tuple[bytes, Payload]:
     """A message as its JSON text and its binary payload."""
-    fields, payload = {}, b""
+    fields: dict[str, Any] = {}
+    payload: Payload = b""
     for f in dataclasses.fields(message):
         value = getattr(message, f.name)
-        if isinstance(value, bytes):
+        if isinstance(value, bytes | memoryview):
             payload = value
         else:
             fields[f.name] = _plain(value)
     return json.dumps({"message": type(message).__name__, **fields}, separators=(",", ":")).encode(), payload
 
 
-def decode(text: bytes, payload: bytes) -> Message:
+def decode(text: bytes, payload: Payload) -> Message:
     """The message in a control frame's JSON text and payload; BadMessage if it is not exactly one of ours."""
     try:
         data = json.loads(text)
@@ -257,7 +263,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _build(cls: type, data: dict, payload: bytes | None) -> Any:
+def _build(cls: type, data: dict, payload: Payload | None) -> Any:
     hints = _hints(cls)
     fields = dataclasses.fields(cls)
     known = {f.name for f in fields}
@@ -265,7 +271,7 @@ def _build(cls: type, data: dict, payload: bytes | None) -> Any:
         raise BadMessage(f"{cls.__name__}: unknown fields {sorted(set(data) - known)}")
     values = {}
     for f in fields:
-        if hints[f.name] is bytes:
+        if hints[f.name] == Payload:
             values[f.name] = b"" if payload is None else payload
         elif f.name in data:
             values[f.name] = _coerce(data[f.name], hints[f.name], f"{cls.__name__}.{f.name}")

@@ -295,7 +295,7 @@ class Node:
                 if len(vector) % 4:
                     self.counters.reject("message")
                     return
-                x = np.frombuffer(vector, "<f4").astype(np.float32)
+                x = np.frombuffer(vector, "<f4")  # a view of the frame: the share reads it, never writes
                 entry = self._entry(Header(MsgType.ACTIVATION, session, position, layer, block), x.size)
                 if entry is not None:
                     entry.full = x
@@ -466,9 +466,8 @@ class Node:
                             codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
             self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes, parity=self.parity),
                               (self.master[0], self.master_udp_port))
-        if route != Route.DATAGRAM:
-            self.channel.send(Partial(self.session, position, layer, block,
-                                      as_f32(out).tobytes()))
+        if route != Route.DATAGRAM:  # the frame is built before send returns: a view of `out` is copied once
+            self.channel.send(Partial(self.session, position, layer, block, memoryview(as_f32(out)).cast("B")))
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
