@@ -135,7 +135,7 @@ class BlockExchange:
         self.configure(config)
         self.session = 0
         self.routes = Routes.for_transport(config.transport, model.n_layers)
-        self.recent_inputs: dict[BlockKey, tuple[bytes, tuple[int, ...] | None]] = {}  # kept for fetches
+        self.recent_inputs: dict[BlockKey, tuple[np.ndarray, tuple[int, ...] | None]] = {}  # kept for fetches
         self.pending_fetch: dict[BlockKey, list[NodeConn]] = {}  # fetches of inputs not sent yet
         self.wait: _Wait | None = None  # the block in merge
         self.merged: _Wait | None = None  # the block merged last, whose late partials still teach lags
@@ -174,25 +174,27 @@ class BlockExchange:
         key = (self.session, position, layer, int(block))
         route = self.routes.of(layer, block, seq)
         reliable, mirror, over_udp = route != Route.DATAGRAM, route == Route.MIRRORED, route != Route.RELIABLE
-        if nodes:  # kept for the nodes' fetches (a block no node takes part in has none)
-            data = as_f32(x).tobytes()
-            self.recent_inputs[key] = (data, ranking)
-            for node in self.pending_fetch.pop(key, []):
-                self.send_input(node, key, data, ranking)
         sent = time.perf_counter()
+        if reliable and nodes:
+            self._send_inputs(nodes, key, x, ranking)
+        if nodes and over_udp:
+            self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
+        if nodes and seq == 1:
+            self.stats.send_s += time.perf_counter() - sent
+            self.stats.sends += len(nodes)
+        # The block's bookkeeping once its inputs are out, off the nodes' path: no reply can be read before this
+        # coroutine waits (datagrams are read by this thread, streams by this loop).
         w = self.wait = _Wait(key, dict.fromkeys(n.index for n in nodes),
                               {n.index: self._reply_size(n, block, seq) for n in nodes}, loop.create_future(), sent,
                               len(nodes), seq, nodes={n.index: n for n in nodes})
         if mirror:
             self.mirrors[key] = w
-        if reliable and nodes:
-            self._send_inputs(nodes, key, data, ranking)
-        if nodes and over_udp:
-            self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
+        if nodes:  # kept for the nodes' fetches (a block no node takes part in has none); a block's input is a
+            # fresh array its step never writes again, so it is kept as it is, not copied
+            self.recent_inputs[key] = (x, ranking)
+            for node in self.pending_fetch.pop(key, []):
+                self.send_input(node, key, x, ranking)
         compute_start = time.perf_counter()
-        if nodes and seq == 1:
-            self.stats.send_s += compute_start - sent
-            self.stats.sends += len(nodes)
         out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
@@ -376,14 +378,15 @@ class BlockExchange:
         with contextlib.suppress(OSError, ConnectionError):
             node.channel.send(ParityOn(self.config.parity))
 
-    def send_input(self, node: NodeConn, key: BlockKey, data: bytes, ranking: tuple[int, ...] | None) -> None:
-        self._send_inputs([node], key, data, ranking)
+    def send_input(self, node: NodeConn, key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None) -> None:
+        self._send_inputs([node], key, x, ranking)
 
-    def _send_inputs(self, nodes: list[NodeConn], key: BlockKey, data: bytes,
+    def _send_inputs(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray,
                      ranking: tuple[int, ...] | None) -> None:
         """The block's input over TCP to these nodes: one frame, encoded and sealed once, on every stream."""
         session, position, layer, block = key
-        frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking, data))
+        frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking,
+                                             memoryview(as_f32(x)).cast("B")))
         for node in nodes:
             with contextlib.suppress(OSError, ConnectionError):
                 node.channel.send_frame(frame)

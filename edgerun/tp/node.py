@@ -451,13 +451,15 @@ class Node:
         else:
             _, out = self.shard.logits(x[-1:])
         took = time.perf_counter() - started
+        if out is not None:
+            self._send_partial(position, layer, block, x.shape[0], out)
+        # Counted once the partial is out: the accounts are off the master's path.
         self.compute_s += took
         if x.shape[0] == 1 and out is not None:
             self.decode_bytes += self.shard.block_bytes(layer, block, None if units is None else len(units))
             self.decode_s += took
-        if out is None:
-            return
-        seq = x.shape[0]
+
+    def _send_partial(self, position: int, layer: int, block: Block, seq: int, out: np.ndarray) -> None:
         route = self.routes.of(layer, block, seq)
         # A mirrored partial's UDP copy first: the master takes it straight off its socket while it waits, and a
         # TCP copy that came first would hand its wait to the event loop.
