@@ -406,7 +406,7 @@ JSON_LENGTH = struct.Struct("<I")
 FRAME_LENGTH = struct.Struct("<I")
 
 
-def control_frame(session: int, text: bytes, payload: bytes, key: bytes) -> bytearray:
+def control_frame(session: int, text: bytes, payload: bytes | memoryview, key: bytes) -> bytearray:
     """A length-prefixed control frame: the message's JSON length (u32), its JSON text, then its binary payload
     (tp.messages encodes and decodes the messages themselves). Built in place in one buffer, the payload copied
     once: a prefill's vectors are hundreds of kilobytes, and each copy of one (of the five that concatenating the
