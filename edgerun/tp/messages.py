@@ -224,7 +224,7 @@ def encode(message: Message) -> tuple[bytes, Payload]:
     payload: Payload = b""
     for f in dataclasses.fields(message):
         value = getattr(message, f.name)
-        if isinstance(value, bytes | memoryview):
+        if isinstance(value, Payload):
             payload = value
         else:
             fields[f.name] = _plain(value)
