@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,6 +106,10 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
         assert len(plan.stages) == stages and master.state == PipelineState.UP
         assert master.deployment.chained == (route == Route.CHAIN)
         assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
+        if len(os.sched_getaffinity(0)) > 1:  # the workers load their stages as two graphs at once
+            for s in plan.stages:
+                bounds = master.deployment.part_bounds(s, s.worker)
+                assert len(bounds) == 1 and s.first_layer < bounds[0] < s.end_layer
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         shown = capsys.readouterr().out
@@ -447,3 +452,45 @@ def test_kv_rows_move_between_stage_sessions_in_parts_or_by_handover(model: Mode
         copied.load_kv_rows(0, keys, values, since=60)  # past the context
     with pytest.raises(ValueError, match="no KV rows"):
         source.kv_rows(0, since=source.position + 1)
+
+
+def test_a_stage_in_two_parts_computes_what_the_whole_does(model: Model, tmp_path) -> None:
+    """A stage loaded as two graphs (their sessions created at once) gives the whole stage's outputs bit for bit,
+    prefill and steps, and takes a whole session's KV buffers over; bounds that do not split it are refused."""
+    from edgerun.model.onnx_graph import StageSpec, cached_stage
+    from edgerun.model.session import StageSession
+    from edgerun.pp.worker import hand_over_kv
+
+    c = model.config
+
+    def stage_dir(first: int, end: int) -> Path:
+        return cached_stage(model.path, c, model.weights, StageSpec.for_layers(c, first, end, Activations.INT8))
+
+    for first, bound, end in ((0, 5, 12), (12, 25, c.n_layers)):  # the embedding's stage, the LM head's
+        for i, (a, b) in enumerate(((first, bound), (bound, end))):
+            (tmp_path / f"{first}" / str(i)).parent.mkdir(exist_ok=True)
+            (tmp_path / f"{first}" / str(i)).symlink_to(stage_dir(a, b))
+        whole = StageSession(stage_dir(first, end), c, first, end, 64, threads=1)
+        parts = StageSession(tmp_path / f"{first}", c, first, end, 64, threads=1, bounds=[bound])
+        rng = np.random.default_rng(first)
+        x = rng.integers(0, c.vocab_size, (1, 9)) if first == 0 else \
+            rng.standard_normal((1, 9, c.hidden)).astype(np.float32)
+        assert np.array_equal(parts.run(x), whole.run(x))
+        assert np.array_equal(parts.run(x[:, :1]), whole.run(x[:, :1]))
+        assert all(np.array_equal(p, w) for layer in range(first, end)
+                   for p, w in zip(parts.kv_rows(layer), whole.kv_rows(layer), strict=True))
+        adopted = StageSession(tmp_path / f"{first}", c, first, end, 64, threads=1, bounds=[bound])
+        assert hand_over_kv(whole, adopted) == list(range(first, end)) and adopted.position == 10
+        assert np.array_equal(adopted.run(x[:, 1:2]), parts.run(x[:, 1:2]))
+    with pytest.raises(ValueError, match="do not split"):
+        StageSession(tmp_path / "0", c, 0, 12, 64, threads=1, bounds=[12])
+
+
+def test_a_worker_refuses_stage_files_named_outside_their_directory(tmp_path) -> None:
+    """Part files come as 0/model.onnx, 1/model.onnx, ...: a name that climbs out of the stage's directory (or is
+    absolute) is refused before anything is fetched or linked."""
+    worker = PipelineWorker("ws://127.0.0.1:1/ws", KEY, "w", 80, 1e9, 1)
+    for name in ("../model.onnx", "0/../../x", "/etc/passwd"):
+        with pytest.raises(ValueError, match="outside its directory"):
+            asyncio.run(worker._fetch_files(0, [{"name": name, "sha256": "0" * 64}], tmp_path / "stage"))
+    assert not (tmp_path / "stage").exists()

@@ -4,7 +4,9 @@ graph builder (onnx) or the GGUF reader."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -41,19 +43,50 @@ def execution_providers(device: str = "cpu") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-class StageSession:
-    """One stage graph (a layer range) in onnxruntime, with its layers' KV buffers bound as both past
-    and present, so the attention kernel appends in place. Used whole by OnnxEngine and per stage by
-    pipeline workers."""
+def part_dirs(graph_dir: Path, bounds: Sequence[int]) -> list[Path]:
+    """The graph directories of a stage in parts: its own directory for a stage in one part, else one
+    subdirectory per part, named 0, 1, ... (`bounds`: the layers where parts after the first begin)."""
+    return [Path(graph_dir)] if not bounds else [Path(graph_dir) / str(i) for i in range(len(bounds) + 1)]
 
-    def __init__(self, graph_dir: Path, config: ModelConfig, first_layer: int, end_layer: int, max_len: int,
-                 threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
-        self.config, self.layers, self.max_len = config, range(first_layer, end_layer), max_len
-        # With CUDA the KV buffers stay in host memory, bound as on the CPU; onnxruntime copies them.
-        self.session = ort.InferenceSession(str(Path(graph_dir) / "model.onnx"), session_options(threads),
+
+class _Part:
+    """One graph of a stage: an onnxruntime session over a contiguous run of the stage's layers."""
+
+    def __init__(self, graph_dir: Path, layers: range, threads: int | None, providers: Sequence[str]) -> None:
+        self.layers = layers
+        self.session = ort.InferenceSession(str(graph_dir / "model.onnx"), session_options(threads),
                                             providers=list(providers))
         self.input_name = self.session.get_inputs()[0].name  # "input_ids" or "hidden"
         self.output_name = self.session.get_outputs()[0].name  # "logits" or "hidden_out"
+        self.binding = self.session.io_binding()
+
+
+class StageSession:
+    """One stage (a layer range) in onnxruntime, with its layers' KV buffers bound as both past and present, so
+    the attention kernel appends in place. Used whole by OnnxEngine and per stage by pipeline workers.
+
+    A stage may come as several graphs over consecutive runs of its layers (`bounds`: where the parts after the
+    first begin), run one after the other. Their sessions are created at once on as many threads: a session's
+    creation is mostly onnxruntime repacking its weights on one thread, so a stage in two parts loads in
+    about half the time where two cores are free, which is what a pipeline waits for when a worker replaces a
+    lost one. Each further part costs one more session call per pass (tens of microseconds)."""
+
+    def __init__(self, graph_dir: Path, config: ModelConfig, first_layer: int, end_layer: int, max_len: int,
+                 threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 bounds: Sequence[int] = ()) -> None:
+        self.config, self.layers, self.max_len = config, range(first_layer, end_layer), max_len
+        edges = [first_layer, *bounds, end_layer]
+        if any(a >= b for a, b in itertools.pairwise(edges)):
+            raise ValueError(f"parts {edges} do not split layers {first_layer}-{end_layer - 1}")
+        runs = [range(a, b) for a, b in itertools.pairwise(edges)]
+        dirs = part_dirs(graph_dir, bounds)
+        # With CUDA the KV buffers stay in host memory, bound as on the CPU; onnxruntime copies them.
+        if len(runs) == 1:
+            self.parts = [_Part(dirs[0], runs[0], threads, providers)]
+        else:
+            with ThreadPoolExecutor(len(runs)) as pool:  # creation releases the GIL
+                self.parts = list(pool.map(lambda d, r: _Part(d, r, threads, providers), dirs, runs))
+        self.input_name = self.parts[0].input_name
         self.kv: dict[str, np.ndarray] = {}  # the bound KV buffers (onnxruntime shares their memory)
         self.prefix: tuple[int, dict[str, np.ndarray]] | None = None  # a saved prefix's length and KV rows
         self.reset()
@@ -63,15 +96,16 @@ class StageSession:
         c = self.config
         self.position = 0
         shape = (1, c.n_kv_heads, self.max_len, c.head_dim)
-        self.binding = self.session.io_binding()
-        self.binding.bind_output(self.output_name)  # first, so it is output 0
-        for i in self.layers:
-            past_k, past_v, present_k, present_v = kv_names(i)
-            for past, present in ((past_k, present_k), (past_v, present_v)):
-                self.kv[past] = np.zeros(shape, np.float32)
-                buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
-                self.binding.bind_ortvalue_input(past, buffer)
-                self.binding.bind_ortvalue_output(present, buffer)
+        for part in self.parts:
+            part.binding = part.session.io_binding()
+            part.binding.bind_output(part.output_name)  # first, so it is output 0
+            for i in part.layers:
+                past_k, past_v, present_k, present_v = kv_names(i)
+                for past, present in ((past_k, present_k), (past_v, present_v)):
+                    self.kv[past] = np.zeros(shape, np.float32)
+                    buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
+                    part.binding.bind_ortvalue_input(past, buffer)
+                    part.binding.bind_ortvalue_output(present, buffer)
 
     def warm_up(self) -> None:
         """Run one position and forget it: a session's first run allocates what later runs reuse, which would
@@ -100,12 +134,13 @@ class StageSession:
         worker swapping stages keeps the layers both hold); the other session must not run again."""
         if layer not in self.layers or layer not in other.layers or other.max_len != self.max_len:
             raise ValueError(f"layer {layer}'s KV buffers do not fit this stage")
+        binding = next(part.binding for part in self.parts if layer in part.layers)
         past_k, past_v, present_k, present_v = kv_names(layer)
         for past, present in ((past_k, present_k), (past_v, present_v)):
             self.kv[past] = other.kv[past]
             buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
-            self.binding.bind_ortvalue_input(past, buffer)
-            self.binding.bind_ortvalue_output(present, buffer)
+            binding.bind_ortvalue_input(past, buffer)
+            binding.bind_ortvalue_output(present, buffer)
         self.position = other.position
 
     def kv_rows(self, layer: int, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -139,10 +174,15 @@ class StageSession:
         if total > self.max_len:
             raise ValueError(f"context of {self.max_len} tokens exceeded")
         dtype = np.int64 if self.input_name == "input_ids" else np.float32
-        self.binding.bind_cpu_input(self.input_name, np.ascontiguousarray(x, dtype))
-        self.binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
-        self.binding.bind_cpu_input("total_seq_len", np.array(total, np.int32))
-        self.binding.bind_output(self.output_name)  # allocated per run: its shape follows the step's length
-        self.session.run_with_iobinding(self.binding)
+        x = np.ascontiguousarray(x, dtype)
+        seqlens_k, total_seq_len = np.array([total - 1], np.int32), np.array(total, np.int32)
+        for part in self.parts:
+            b = part.binding
+            b.bind_cpu_input(part.input_name, x)
+            b.bind_cpu_input("seqlens_k", seqlens_k)
+            b.bind_cpu_input("total_seq_len", total_seq_len)
+            b.bind_output(part.output_name)  # allocated per run: its shape follows the step's length
+            part.session.run_with_iobinding(b)
+            x = b.get_outputs()[0].numpy()  # the next part's input: bound (copied) before this buffer is reused
         self.position = total
-        return self.binding.get_outputs()[0].numpy().copy()
+        return x.copy()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -181,12 +182,38 @@ class Deployment:
         return StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer, activations,
                                     dequantized=self.dequantized(conn))
 
-    async def _prepare_message(self, stage: Stage, worker: str) -> dict[str, Any]:
-        """PREPARE_MODEL's message handing `stage` to `worker`: its layers and its files (built, or reused, off the
-        loop)."""
+    def part_bounds(self, stage: Stage, worker: str) -> list[int]:
+        """Where the parts after the first of `stage` begin on `worker` (StageSession): a native worker with two
+        cores or more gets its stage as two graphs, split where the weights its sessions repack (their load's
+        main cost) are most even, which it loads at once; anything else one graph."""
+        conn = self.workers[worker]
+        cores = int(conn.capabilities.get("cores") or 1)
+        if conn.kind != "native" or cores < 2 or stage.end_layer - stage.first_layer < 2:
+            return []
+        read = self.profile.layer_read_bytes
+        total = sum(read[stage.first_layer:stage.end_layer])
+        return [min(range(stage.first_layer + 1, stage.end_layer),
+                    key=lambda b: max(sum(read[stage.first_layer:b]), total - sum(read[stage.first_layer:b])))]
+
+    def _files(self, stage: Stage, worker: str) -> tuple[list[int], list[dict[str, str]]]:
+        """The stage's part bounds and its files as `worker` gets them (built, or reused): a stage in parts has
+        each part's files under the part's number (0/model.onnx, 1/model.onnx, ...)."""
         spec = self.spec(stage, worker)
-        files = await asyncio.get_running_loop().run_in_executor(None, self._stage_files, spec)
-        return {"stage": {"first_layer": stage.first_layer, "end_layer": stage.end_layer, "lm_head": spec.lm_head},
+        bounds = self.part_bounds(stage, worker)
+        if not bounds:
+            return [], self._stage_files(spec)
+        edges = [stage.first_layer, *bounds, stage.end_layer]
+        return bounds, [{**f, "name": f"{i}/{f['name']}"} for i, (a, b) in enumerate(itertools.pairwise(edges))
+                        for f in self._stage_files(dataclasses.replace(spec, first_layer=a, end_layer=b,
+                                                                       embed=a == 0 and spec.embed,
+                                                                       lm_head=b == stage.end_layer and spec.lm_head))]
+
+    async def _prepare_message(self, stage: Stage, worker: str) -> dict[str, Any]:
+        """PREPARE_MODEL's message handing `stage` to `worker`: its layers, its parts and its files (built, or
+        reused, off the loop)."""
+        bounds, files = await asyncio.get_running_loop().run_in_executor(None, self._files, stage, worker)
+        return {"stage": {"first_layer": stage.first_layer, "end_layer": stage.end_layer,
+                          "lm_head": stage.end_layer == self.model.config.n_layers, "parts": bounds},
                 "files": files}
 
     def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
@@ -343,7 +370,7 @@ class Deployment:
         loop = asyncio.get_running_loop()
         due: dict[str, set[str]] = {}  # worker -> files it lacks
         for s in plan.stages:
-            files = await loop.run_in_executor(None, self._stage_files, self.spec(s, s.worker))
+            _, files = await loop.run_in_executor(None, self._files, s, s.worker)
             due[s.worker] = {f["sha256"] for f in files} - self.workers[s.worker].cached
         requests = {name: self.workers.next_request() for name, files in due.items() if files}
         for name, request in requests.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import shutil
 import threading
 import time
@@ -79,12 +80,18 @@ class _Stage:
     end_layer: int
     lm_head: bool
     directory: Path
+    bounds: tuple[int, ...] = ()  # where its parts after the first begin (StageSession)
     session: StageSession | None = None
 
     def same_place(self, other: _Stage) -> bool:
         """The same layers from the same files."""
-        return (self.first_layer, self.end_layer, self.lm_head, self.directory) == \
-            (other.first_layer, other.end_layer, other.lm_head, other.directory)
+        return (self.first_layer, self.end_layer, self.lm_head, self.directory, self.bounds) == \
+            (other.first_layer, other.end_layer, other.lm_head, other.directory, other.bounds)
+
+    def load(self, config: ModelConfig, max_len: int, threads: int | None, providers: list[str]) -> StageSession:
+        """Its session, its parts created at once."""
+        return StageSession(self.directory, config, self.first_layer, self.end_layer, max_len, threads, providers,
+                            self.bounds)
 
 
 def hand_over_kv(old: StageSession, new: StageSession) -> list[int]:
@@ -219,7 +226,8 @@ class PipelineWorker:
             await self._send(PpMsg.CONNECT, request, {
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
                 "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device,
-                                 "host": device_summary(), "peer_port": self.peer_port},
+                                 "host": device_summary(), "peer_port": self.peer_port,
+                                 "cores": len(os.sched_getaffinity(0))},  # how many parts of a stage it loads at once
                 "cached": cached_files()})
         elif kind == PpMsg.PING:
             await self._send(PpMsg.PONG, request, {})
@@ -231,13 +239,13 @@ class PipelineWorker:
             stage = message["stage"]
             directory = cache_root() / "pp" / "stages" / hashlib.sha256(
                 "".join(f["sha256"] for f in message["files"]).encode()).hexdigest()[:24]
-            new = _Stage(int(stage["first_layer"]), int(stage["end_layer"]), bool(stage["lm_head"]), directory)
+            new = _Stage(int(stage["first_layer"]), int(stage["end_layer"]), bool(stage["lm_head"]), directory,
+                         tuple(int(b) for b in stage.get("parts", ())))
             preload = message.get("preload")
             if preload is not None:  # a staged plan's stage, loaded beside the one serving: its swap is a handover
                 await self._fetch_files(request, message["files"], directory)
-                new.session = await loop.run_in_executor(None, StageSession, directory, self.config, new.first_layer,
-                                                         new.end_layer, int(preload["max_len"]), self.threads,
-                                                         self.providers)
+                new.session = await loop.run_in_executor(None, new.load, self.config, int(preload["max_len"]),
+                                                         self.threads, self.providers)
                 await loop.run_in_executor(None, new.session.warm_up)
                 self.preloaded = new
                 await self._send(PpMsg.PREPARE_DONE, request, {"loaded": True})
@@ -270,8 +278,8 @@ class PipelineWorker:
             self.max_len = int(message["max_len"])
             s = self.stage
             if s.session is None or s.session.max_len != self.max_len:  # else preloaded: nothing to load
-                s.session = await loop.run_in_executor(None, StageSession, s.directory, self.config, s.first_layer,
-                                                       s.end_layer, self.max_len, self.threads, self.providers)
+                s.session = await loop.run_in_executor(None, s.load, self.config, self.max_len, self.threads,
+                                                       self.providers)
             following = message.get("next")  # a chained route: where this stage's output goes
             if following is None:
                 self._port().drop_next()
@@ -339,8 +347,12 @@ class PipelineWorker:
             self.stage = None
 
     async def _fetch_files(self, request: int, files: list[dict[str, str]], directory: Path) -> None:
-        """A stage's files into `directory` (links into the download cache), fetched where not cached."""
-        directory.mkdir(parents=True, exist_ok=True)
+        """A stage's files into `directory` (links into the download cache), fetched where not cached; a stage in
+        parts has each part's files in a directory of its own (0/, 1/, ...)."""
+        for f in files:
+            name = Path(f["name"])
+            if name.is_absolute() or ".." in name.parts:
+                raise ValueError(f"a stage file named {f['name']!r} would lie outside its directory")
         for f in files:
             path, seconds, size = await asyncio.get_running_loop().run_in_executor(None, download, self.base_url,
                                                                                    f["sha256"])
@@ -348,6 +360,7 @@ class PipelineWorker:
                 await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": f["sha256"], "seconds": seconds,
                                                                  "bytes": size})
             link = directory / f["name"]
+            link.parent.mkdir(parents=True, exist_ok=True)
             if link.exists() and link.is_symlink() == self.config.is_moe:
                 link.unlink()  # made for the other kind of graph
             if not link.exists():
