@@ -37,6 +37,7 @@ from edgerun.pp.master import (
     describe,
 )
 from edgerun.pp.worker import PipelineWorker
+from edgerun.sched.pp_plan import Stage
 
 KEY = derive_key(SECRET)
 PROMPT = "The capital of France is"
@@ -341,18 +342,46 @@ def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tok
             p.wait()
 
 
-def test_a_shadow_plan_takes_over_from_a_lost_worker(model: Model, reference_tokens: list[int],
-                                                    capsys: pytest.CaptureFixture) -> None:
-    """Four workers, two stages: the other two download a standby plan's stages (strict shadow). Killing a
-    running worker falls back to it: identical output, without planning or downloading anew."""
+def test_spares_that_hold_every_running_stage_cover_them_all(model: Model, reference_tokens: list[int]) -> None:
+    """Four workers, two stages: each spare loads one running stage ahead, so a loss of either stage's worker
+    is handed over with nothing to load, the other stage keeps its worker, and the other spare still covers
+    its stage for the next loss."""
     with pipeline(model, [80, 80, 80, 80]) as (master, workers):
         plan = master.start()
+        deadline = time.monotonic() + 120
+        while len(master.deployment.covers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        covers = dict(master.deployment.covers)
+        assert {(s.first_layer, s.end_layer) for s in covers.values()} == \
+            {(s.first_layer, s.end_layer) for s in plan.stages}, master.logs
+        assert master.shadow is None  # covers stand by instead of a plan of other boundaries
+        lost = plan.stages[0]
+        taker = next(w for w, s in covers.items() if (s.first_layer, s.end_layer) == (lost.first_layer, lost.end_layer))
+        other = next(w for w in covers if w != taker)
+        tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS,
+                                 on_token=kill_after(10, workers[int(lost.worker[1:])]))
+        assert tokens[:10] == reference_tokens[:10] and tokens == replayed(model, master, 0)
+        assert any(f"{taker} takes {lost.worker}'s layers {lost.first_layer}-{lost.end_layer - 1} (loaded ahead)"
+                   in line for line in master.logs), "\n".join(master.logs)
+        assert master.plan.stages == (Stage(taker, lost.first_layer, lost.end_layer), plan.stages[1])
+        assert master.deployment.covers.get(other) == covers[other]  # still loaded, still covering
+
+
+def test_a_shadow_plan_takes_over_from_a_lost_worker(model: Model, reference_tokens: list[int],
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """Two workers of 70 MB run the model in two stages; three of 50 MB cannot hold either stage, but can hold a
+    standby plan of three stages (strict shadow), whose stages they download and load. Killing a running
+    worker falls back to it: identical output, without planning or downloading anew."""
+    with pipeline(model, [70, 70, 50, 50, 50]) as (master, workers):
+        plan = master.start()
+        assert {s.worker for s in plan.stages} == {"w0", "w1"}
         deadline = time.monotonic() + 120
         while master.shadow is None and time.monotonic() < deadline:
             time.sleep(0.2)
         shadow = master.shadow
         assert shadow is not None, master.logs
         assert {s.worker for s in shadow.stages}.isdisjoint(s.worker for s in plan.stages)
+        assert not master.deployment.covers
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         assert "shadow plan:" in capsys.readouterr().out
         kill_at_ten = kill_after(10, workers[int(plan.stages[0].worker[1:])])

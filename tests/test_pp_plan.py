@@ -354,6 +354,14 @@ def test_a_lost_stage_goes_to_a_spare_that_covers_it_and_the_others_stay():
     # With room for both, both are covered whatever they cost; the costlier first.
     assert set(cover_stages(current, ["c", "d"], lambda w, s: True, lambda s: s.first_layer)) == {
         Stage("c", second.first_layer, second.end_layer), Stage("d", first.first_layer, first.end_layer)}
+    # A spare that holds a running stage loaded already keeps it: d holds the first (the costlier here), which c,
+    # first in order, would otherwise take; d keeps it and c takes the second, nothing loaded twice.
+    held = {"d": Stage("d", first.first_layer, first.end_layer)}
+    assert set(cover_stages(current, ["c", "d"], lambda w, s: True, lambda s: -s.first_layer, held)) == {
+        held["d"], Stage("c", second.first_layer, second.end_layer)}
+    # A loaded stage that is not a running one counts for nothing.
+    stale = {"c": Stage("c", first.first_layer, first.end_layer + 1)}
+    assert cover_stages(current, ["c"], lambda w, s: True, lambda s: s.first_layer, stale) == heavier_second
 
 
 def test_shadow_plans():

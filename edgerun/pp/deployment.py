@@ -320,12 +320,18 @@ class Deployment:
             await self._prepare_shadow(devices)
 
     async def _prepare_shadow(self, devices: list[DeviceProfile]) -> None:
-        """Seed 003 §5.2.5: first a plan on workers outside the running one (strict), else one where its
-        workers take only layers they do not run (redundancy); its workers download their stages now. Where the
-        spare workers cannot hold a strict plan but can hold some running stages, they load those ahead instead
-        (covers, which a recovery hands over as they are) and no redundancy plan is made: its workers serve
-        already and rarely have room to load anything ahead, and a worker holds one stage loaded ahead."""
+        """Stand by for a loss. Where the spare workers can hold every running stage, they load those stages ahead
+        (covers): a loss is recovered by handing the lost stage over as it is loaded, the other stages keep
+        serving where they are, and the other covers stay loaded for the next loss (a standby plan of other
+        boundaries would serve only while all its workers live, and its stages cover nothing). Else seed 003
+        §5.2.5: a plan on workers outside the running one (strict), else the running stages the spares can hold
+        (covers, the slowest to load first), else a plan where workers take only layers they do not run
+        (redundancy): its workers serve already and rarely have room to load anything ahead, and a worker holds
+        one stage loaded ahead."""
         self.shadow_stale = False
+        if self.plan is not None and await self._prepare_covers(whole=True):
+            self.shadow = None
+            return
         since = time.monotonic() - self.deployed_at
         for mode in SHADOW_MODES:
             if mode == "redundancy" and self.plan is not None and await self._prepare_covers():
@@ -335,31 +341,34 @@ class Deployment:
                 seconds_since_redistribution=since, server_up=self.state == PipelineState.UP,
                 params=self.cost_params()))
             if plan.complete:
-                self.covers = {}  # the spares' preloads are the shadow plan's now
                 await self._download_plan(plan)
                 await self._preload(plan)  # a fallback to it then loads nothing where its workers had room
+                self.covers = {}  # the spares' preloads are the shadow plan's now (kept for a loss until then)
                 self.shadow = plan
                 self.log(f"shadow plan ({mode}) standing by: {describe(plan)}")
                 return
 
-    async def _prepare_covers(self) -> bool:
-        """Spare workers load running stages ahead (cover_stages); True if any did."""
+    async def _prepare_covers(self, whole: bool = False) -> bool:
+        """Spare workers load running stages ahead (cover_stages), those that hold one already keeping it; True if
+        any holds one then. `whole`: only where they can cover every running stage (nothing loads otherwise)."""
         native = [name for name in self._spares() if self.workers[name].kind == "native"
                   and not self.dequantized(self.workers[name])]
         # A stage's load is mostly onnxruntime repacking the weights its products read (the LM head's 8-bit rows
         # among them, the embedding table, only indexed, not): the shipped model's first half loads in 100-180 ms
-        # here, its second half with the head in 200-330.
+        # here, its second half with the head in 200-330 (in one graph; in two parts at once, about 1.5x less).
         read = self.profile.layer_read_bytes
-        covers = cover_stages(self.plan, native, self._fits, lambda s: sum(read[s.first_layer:s.end_layer]))
-        if not covers:
+        covers = cover_stages(self.plan, native, self._fits, lambda s: sum(read[s.first_layer:s.end_layer]),
+                              self.covers)
+        if not covers or (whole and len(covers) < len(self.plan.stages)):
             return False
-        if all(self.covers.get(s.worker) == s for s in covers):
-            return True  # loaded ahead already
-        plan = dataclasses.replace(self.plan, stages=covers, complete=False, method="cover")
-        await self._download_plan(plan)
-        await self._preload(plan)  # until it is done, a recovery may hand over the covers it replaces
-        self.covers = {s.worker: s for s in covers if s.worker in self.preloaded}
-        if self.covers:
+        kept = {s.worker: s for s in covers if self.covers.get(s.worker) == s}
+        due = [s for s in covers if s.worker not in kept]
+        self.covers = kept  # a recovery may hand these over while the others load
+        if due:
+            plan = dataclasses.replace(self.plan, stages=tuple(due), complete=False, method="cover")
+            await self._download_plan(plan)
+            await self._preload(plan)
+            self.covers = kept | {s.worker: s for s in due if s.worker in self.preloaded}
             self.log("running stages loaded ahead on spare workers: " + "; ".join(
                 f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in self.covers.values()))
         return bool(self.covers)
@@ -533,7 +542,7 @@ class Deployment:
     async def _deploy(self, plan: PPPlan | None, hot: bool = False) -> PPPlan:
         self.state = PipelineState.COMMITTING if hot else PipelineState.DOWN
         self.staged = self.shadow = None  # both were made for the plan being replaced
-        self.preloaded, self.kept_kv, self.covers = set(), {}, {}
+        covers, self.preloaded, self.kept_kv, self.covers = self.covers, set(), {}, {}
         precopied, self.precopied = self.precopied, {}
         plan = plan or await self._plan(self.devices())
         self.log(f"plan: {describe(plan)}")
@@ -574,6 +583,11 @@ class Deployment:
             if worker.alive:  # out of the plan: its session and caches go
                 await self.workers.tell(worker, PpMsg.RELEASE_SESSION, {})
         self.plan, self.stage_workers = plan, stage_workers
+        # Spares that hold a stage of the new plan loaded ahead go on covering it (their sessions stay loaded).
+        running = {(s.first_layer, s.end_layer) for s in plan.stages}
+        self.covers = {name: s for name, s in covers.items() if name not in in_use and name in self.workers
+                       and self.workers[name].alive
+                       and (s.first_layer, s.end_layer) in running}
         await self.warm()
         self.state, self.deployed_at = PipelineState.UP, time.monotonic()
         self.log("state Up")

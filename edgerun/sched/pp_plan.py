@@ -697,16 +697,20 @@ def shadow_plan(model: ModelProfile, devices: Sequence[DeviceProfile], current: 
 
 
 def cover_stages(current: PPPlan, spares: Sequence[str], fits: Callable[[str, Stage], bool],
-                 load_cost: Callable[[Stage], float] = lambda _: 0.0) -> tuple[Stage, ...]:
+                 load_cost: Callable[[Stage], float] = lambda _: 0.0,
+                 loaded: Mapping[str, Stage] | None = None) -> tuple[Stage, ...]:
     """Stages of `current` for spare workers to load ahead, each the very layers a serving worker runs, one per
-    spare: where no spare set can hold a whole plan (a strict shadow), a loss of a covered stage's worker is still
-    recovered by handing its stage over (replacement_plan) with nothing to load. Where the spares cannot cover
-    every stage, the stages that take longest to load (`load_cost`) are covered first, so that a loss nobody
-    covers costs the shortest load; ties in stage order."""
+    spare: a loss of a covered stage's worker is then recovered by handing its stage over (replacement_plan) with
+    nothing to load. Where the spares cannot cover every stage, the stages that take longest to load
+    (`load_cost`) are covered first, so that a loss nobody covers costs the shortest load; ties in stage order.
+    A spare that holds a stage loaded already (`loaded`: worker -> stage) keeps it."""
+    loaded = loaded or {}
     free = list(spares)
     covers = []
     for s in sorted(current.stages, key=lambda s: -load_cost(s)):  # sorted is stable: ties keep stage order
-        taker = next((w for w in free if fits(w, s)), None)
+        holder = next((w for w in free if w in loaded and (loaded[w].first_layer, loaded[w].end_layer) ==
+                       (s.first_layer, s.end_layer)), None)
+        taker = holder or next((w for w in free if fits(w, s)), None)
         if taker is not None:
             free.remove(taker)
             covers.append(Stage(taker, s.first_layer, s.end_layer))
