@@ -342,7 +342,8 @@ def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tok
             p.wait()
 
 
-def test_spares_that_hold_every_running_stage_cover_them_all(model: Model, reference_tokens: list[int]) -> None:
+def test_spares_that_hold_every_running_stage_cover_them_all(model: Model, reference_tokens: list[int],
+                                                            capsys: pytest.CaptureFixture) -> None:
     """Four workers, two stages: each spare loads one running stage ahead, so a loss of either stage's worker
     is handed over with nothing to load, the other stage keeps its worker, and the other spare still covers
     its stage for the next loss."""
@@ -355,6 +356,10 @@ def test_spares_that_hold_every_running_stage_cover_them_all(model: Model, refer
         assert {(s.first_layer, s.end_layer) for s in covers.values()} == \
             {(s.first_layer, s.end_layer) for s in plan.stages}, master.logs
         assert master.shadow is None  # covers stand by instead of a plan of other boundaries
+        assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
+        shown = capsys.readouterr().out
+        assert "loaded ahead: " + ", ".join(f"{w} layers {s.first_layer}-{s.end_layer - 1}"
+                                            for w, s in sorted(covers.items())) in shown, shown
         lost = plan.stages[0]
         taker = next(w for w, s in covers.items() if (s.first_layer, s.end_layer) == (lost.first_layer, lost.end_layer))
         other = next(w for w in covers if w != taker)

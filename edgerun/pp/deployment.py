@@ -630,4 +630,7 @@ class Deployment:
         for name, plan in (("staged", self.staged), ("shadow", self.shadow)):
             if plan is not None:
                 lines.append(f"{name} plan: {describe(plan)}")
+        if self.covers:
+            lines.append("loaded ahead: " + ", ".join(f"{w} layers {s.first_layer}-{s.end_layer - 1}"
+                                                      for w, s in sorted(self.covers.items())))
         return "\n".join(lines) + "\n"
