@@ -359,6 +359,11 @@ def test_a_lost_stage_goes_to_a_spare_that_covers_it_and_the_others_stay():
     held = {"d": Stage("d", first.first_layer, first.end_layer)}
     assert set(cover_stages(current, ["c", "d"], lambda w, s: True, lambda s: -s.first_layer, held)) == {
         held["d"], Stage("c", second.first_layer, second.end_layer)}
+    # One spare holding the cheaper stage keeps it rather than switch to the costlier one (both would go
+    # uncovered while that loads).
+    assert cover_stages(current, ["d"], lambda w, s: True, lambda s: -s.first_layer,
+                        {"d": Stage("d", second.first_layer, second.end_layer)}) == (
+        Stage("d", second.first_layer, second.end_layer),)
     # A loaded stage that is not a running one counts for nothing.
     stale = {"c": Stage("c", first.first_layer, first.end_layer + 1)}
     assert cover_stages(current, ["c"], lambda w, s: True, lambda s: s.first_layer, stale) == heavier_second

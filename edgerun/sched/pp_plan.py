@@ -703,16 +703,21 @@ def cover_stages(current: PPPlan, spares: Sequence[str], fits: Callable[[str, St
     spare: a loss of a covered stage's worker is then recovered by handing its stage over (replacement_plan) with
     nothing to load. Where the spares cannot cover every stage, the stages that take longest to load
     (`load_cost`) are covered first, so that a loss nobody covers costs the shortest load; ties in stage order.
-    A spare that holds a stage loaded already (`loaded`: worker -> stage) keeps it."""
-    loaded = loaded or {}
-    free = list(spares)
+    A spare that holds a running stage loaded already (`loaded`: worker -> stage) keeps it, even where a costlier
+    stage goes uncovered: switching would leave both uncovered while the costlier loads."""
+    running = {(s.first_layer, s.end_layer) for s in current.stages}
+    held: dict[tuple[int, int], str] = {}  # a running stage's layers -> the spare holding it loaded already
+    for w in spares:
+        stage = (loaded or {}).get(w)
+        if stage is not None and (stage.first_layer, stage.end_layer) in running:
+            held.setdefault((stage.first_layer, stage.end_layer), w)
+    free = [w for w in spares if w not in held.values()]
     covers = []
     for s in sorted(current.stages, key=lambda s: -load_cost(s)):  # sorted is stable: ties keep stage order
-        holder = next((w for w in free if w in loaded and (loaded[w].first_layer, loaded[w].end_layer) ==
-                       (s.first_layer, s.end_layer)), None)
-        taker = holder or next((w for w in free if fits(w, s)), None)
+        taker = held.get((s.first_layer, s.end_layer)) or next((w for w in free if fits(w, s)), None)
         if taker is not None:
-            free.remove(taker)
+            if taker in free:
+                free.remove(taker)
             covers.append(Stage(taker, s.first_layer, s.end_layer))
     return tuple(covers)
 
