@@ -183,6 +183,6 @@ class StageSession:
             b.bind_cpu_input("total_seq_len", total_seq_len)
             b.bind_output(part.output_name)  # allocated per run: its shape follows the step's length
             part.session.run_with_iobinding(b)
-            x = b.get_outputs()[0].numpy()  # the next part's input: bound (copied) before this buffer is reused
+            x = b.get_outputs()[0].numpy()  # the next part's input (this part runs again only on the next pass)
         self.position = total
         return x.copy()
