@@ -36,7 +36,7 @@ from edgerun.pp.master import (
     chat_template_prefix,
     describe,
 )
-from edgerun.pp.worker import PipelineWorker
+from edgerun.pp.worker import PipelineWorker, load_threads
 from edgerun.sched.pp_plan import Stage
 
 KEY = derive_key(SECRET)
@@ -107,10 +107,10 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
         assert len(plan.stages) == stages and master.state == PipelineState.UP
         assert master.deployment.chained == (route == Route.CHAIN)
         assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
-        if len(os.sched_getaffinity(0)) > 1:  # the workers load their stages as two graphs at once
+        if load_threads() > 1:  # the workers load their stages as several graphs at once
             for s in plan.stages:
                 bounds = master.deployment.part_bounds(s, s.worker)
-                assert len(bounds) == 1 and s.first_layer < bounds[0] < s.end_layer
+                assert bounds and all(s.first_layer < b < s.end_layer for b in bounds), bounds
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         shown = capsys.readouterr().out

@@ -36,6 +36,7 @@ from edgerun.sched.pp_plan import (
     replacement_plan,
     rho,
     shadow_plan,
+    stage_parts,
     workers_from_devices,
 )
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, ModelProfile, UnitCost
@@ -531,3 +532,17 @@ def test_cost_result_errors():
                    running_measured_ms=(10.0, 10.0))
     assert r.error == pytest.approx(0.1)
     assert r.running_error == pytest.approx(0.15)  # (10 % + 20 %) / 2
+
+
+def test_a_stage_splits_into_parts_whose_largest_load_is_smallest():
+    """stage_parts: bounds that minimise the largest part's repacked bytes, in as few parts as give that."""
+    even = [1.0] * 12
+    assert stage_parts(even, 2, 10, 4) == [4, 6, 8]
+    assert stage_parts(even, 2, 10, 2) == [6]
+    assert stage_parts(even, 2, 10, 1) == [] and stage_parts(even, 3, 4, 4) == []  # one part, one layer
+    assert stage_parts(even, 0, 3, 8) == [1, 2]  # no more parts than layers
+    # An LM head heavier than the rest of its stage: two parts load as fast as four would.
+    head = [1.0] * 7 + [10.0]
+    assert stage_parts(head, 0, 8, 4) == [7]
+    # Uneven layers: the bound goes where the two sides are closest.
+    assert stage_parts([3.0, 1.0, 1.0, 1.0, 2.0], 0, 5, 2) == [2]

@@ -36,6 +36,7 @@ from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import PpMsg
 from edgerun.pp.workers import SPEED_SAMPLES, TabWeights, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import (
+    MAX_STAGE_PARTS,
     SHADOW_MODES,
     CostParams,
     PPPlan,
@@ -45,6 +46,7 @@ from edgerun.sched.pp_plan import (
     plan_pp,
     replacement_plan,
     shadow_plan,
+    stage_parts,
 )
 from edgerun.sched.profiles import DeviceProfile, model_profile
 
@@ -183,17 +185,16 @@ class Deployment:
                                     dequantized=self.dequantized(conn))
 
     def part_bounds(self, stage: Stage, worker: str) -> list[int]:
-        """Where the parts after the first of `stage` begin on `worker` (StageSession): a native worker with two
-        cores or more gets its stage as two graphs, split where the weights its sessions repack (their load's
-        main cost) are most even, which it loads at once; anything else one graph."""
+        """Where the parts after the first of `stage` begin on `worker` (StageSession): a native worker that creates
+        sessions on several threads at once (`load_threads`) gets its stage as that many graphs (at most
+        MAX_STAGE_PARTS), split so that the weights the largest part's session repacks (a load's main cost) are
+        fewest; anything else one graph."""
         conn = self.workers[worker]
-        cores = int(conn.capabilities.get("cores") or 1)
-        if conn.kind != "native" or cores < 2 or stage.end_layer - stage.first_layer < 2:
+        threads = int(conn.capabilities.get("load_threads") or 1)
+        if conn.kind != "native":
             return []
-        read = self.profile.layer_read_bytes
-        total = sum(read[stage.first_layer:stage.end_layer])
-        return [min(range(stage.first_layer + 1, stage.end_layer),
-                    key=lambda b: max(sum(read[stage.first_layer:b]), total - sum(read[stage.first_layer:b])))]
+        return stage_parts(self.profile.layer_read_bytes, stage.first_layer, stage.end_layer,
+                           min(threads, MAX_STAGE_PARTS))
 
     def _files(self, stage: Stage, worker: str) -> tuple[list[int], list[dict[str, str]]]:
         """The stage's part bounds and its files as `worker` gets them (built, or reused): a stage in parts has

@@ -30,7 +30,7 @@ import websockets
 from edgerun.cache import cache_root
 from edgerun.model.config import ModelConfig
 from edgerun.model.sampling import Sampler, SamplingParams
-from edgerun.model.session import StageSession, execution_providers
+from edgerun.model.session import CONCURRENT_SESSIONS, StageSession, execution_providers
 from edgerun.net.backoff import Backoff
 from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
@@ -60,6 +60,12 @@ def download(base_url: str, sha256: str) -> tuple[Path, float, int]:
     start = time.perf_counter()
     size = fetch_checked(f"{base_url}/files/{sha256}", target, sha256)
     return target, time.perf_counter() - start, size
+
+
+def load_threads() -> int:
+    """How many sessions (parts of a stage) this worker creates at once: its cores, where onnxruntime builds
+    sessions on several threads at once."""
+    return len(os.sched_getaffinity(0)) if CONCURRENT_SESSIONS else 1
 
 
 class PeerPortInUse(OSError):
@@ -227,7 +233,7 @@ class PipelineWorker:
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
                 "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device,
                                  "host": device_summary(), "peer_port": self.peer_port,
-                                 "cores": len(os.sched_getaffinity(0))},  # how many parts of a stage it loads at once
+                                 "load_threads": load_threads()},
                 "cached": cached_files()})
         elif kind == PpMsg.PING:
             await self._send(PpMsg.PONG, request, {})

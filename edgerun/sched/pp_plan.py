@@ -722,6 +722,31 @@ def cover_stages(current: PPPlan, spares: Sequence[str], fits: Callable[[str, St
     return tuple(covers)
 
 
+MAX_STAGE_PARTS = 4  # graphs a stage is split into for a parallel load, at most
+
+
+def stage_parts(load_bytes: Sequence[float], first: int, end: int, parts: int) -> list[int]:
+    """Where the parts after the first begin when layers [first, end) are split into at most `parts` runs of
+    consecutive layers, each created on a thread of its own (StageSession): the split whose largest part
+    (`load_bytes` per layer: the weights its session repacks) is smallest, since the load lasts as long as that
+    part's, in as few parts as give it (a part more is a session call more per pass: an LM head larger than the
+    rest of its stage makes two parts as good as four). Empty for one part."""
+    parts = max(1, min(parts, end - first))
+    prefix = list(itertools.accumulate(load_bytes[first:end], initial=0.0))
+
+    def cost(a: int, b: int) -> float:
+        return prefix[b - first] - prefix[a - first]
+
+    # best[k][a]: (largest part, bounds) splitting layers [a, end) into k parts; ties go to the earlier bound.
+    best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{}, {a: (cost(a, end), ()) for a in range(first, end)}]
+    for k in range(2, parts + 1):
+        best.append({a: min((max(cost(a, b), best[k - 1][b][0]), (b, *best[k - 1][b][1]))
+                            for b in range(a + 1, end - k + 2))
+                     for a in range(first, end - k + 1)})
+    shortest = min(best[k][first][0] for k in range(1, parts + 1))
+    return list(next(best[k][first][1] for k in range(1, parts + 1) if best[k][first][0] <= shortest))
+
+
 def replacement_plan(current: PPPlan, alive: Collection[str], spares: Sequence[str],
                      fits: Callable[[str, Stage], bool], loaded: Mapping[str, Stage] | None = None) -> PPPlan | None:
     """After workers are lost: `current` with each stage whose worker is gone handed to a spare worker (alive, in
