@@ -14,6 +14,8 @@ from pathlib import Path
 
 from edgerun.bench.pp import churn
 from edgerun.model.loader import load_model
+from edgerun.pp.worker import load_threads
+from edgerun.sched.pp_plan import MAX_STAGE_PARTS
 
 
 def say(message: str) -> None:
@@ -32,15 +34,23 @@ def main() -> None:
     p.add_argument("--rejoin", type=float, default=2.0, help="seconds before a departed worker restarts (default: 2)")
     p.add_argument("--seconds", type=float, default=120.0, help="how long requests run (default: 120)")
     p.add_argument("--seed", type=int, default=0, help="seed of the departure schedule (default: 0)")
+    p.add_argument("--load-threads", type=int, default=None, help="each worker's `edgerun node --load-threads`: "
+                   "a stage comes as that many graphs whose sessions it creates at once, so a replacement loads "
+                   f"faster (default: this machine's cores, {MAX_STAGE_PARTS} at most, where onnxruntime creates "
+                   "sessions concurrently, else 1)")
     p.add_argument("--out", type=Path, required=True, help="directory for churn.md")
     p.add_argument("--log", action="store_true", help="print the master's log (plans, losses, recoveries) with "
                    "timestamps beside the departures (default: departures and rejoins only)")
     args = p.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
+    threads = load_threads(MAX_STAGE_PARTS) if args.load_threads is None else args.load_threads
+    if threads < 1:
+        p.error(f"--load-threads must be at least 1, not {threads}")
     r = churn(load_model(args.model), budgets, args.mttf, args.seconds, args.rejoin, seed=args.seed,
-              progress=say, log=(lambda m: say(f"  master: {m}")) if args.log else (lambda _: None))
+              progress=say, log=(lambda m: say(f"  master: {m}")) if args.log else (lambda _: None),
+              load_threads=threads)
     summary = (f"# Pipeline under churn\n\nworkers {args.budgets} MB, MTTF {args.mttf:g} s, rejoin after "
-               f"{args.rejoin:g} s, {r.seconds:.0f} s\n\n"
+               f"{args.rejoin:g} s, stages loaded on {threads} thread(s), {r.seconds:.0f} s\n\n"
                f"- Up {r.up_share:.1%} of the time ("
                + ", ".join(f"{state.value} {share:.1%}" for state, share in r.state_shares.items()) + ")\n"
                "- not Up, by workers alive: " + (", ".join(f"{live} alive {share:.1%}" for live, share in

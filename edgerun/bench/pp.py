@@ -37,22 +37,23 @@ CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 
 def start_worker(port: int, name: str, budget_mb: float, speed: float | None = None,
-                 threads: int = 1, spin_us: float = 0.0) -> subprocess.Popen:
+                 threads: int = 1, spin_us: float = 0.0, load_threads: int = 1) -> subprocess.Popen:
     args = [sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master", f"127.0.0.1:{port}", "--key",
             SECRET, "--name", name, "--memory-budget", str(budget_mb), "--threads", str(threads),
-            "--spin-us", str(spin_us)]
+            "--spin-us", str(spin_us), "--load-threads", str(load_threads)]
     return subprocess.Popen(args + (["--speed", str(speed)] if speed else []), stderr=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
 def local_pipeline(model: Model, budgets: Sequence[float], max_len: int = 512,
                    log: Callable[[str], None] = lambda _: None, threads: int = 1, spin_us: float = 0.0,
-                   **options: object) -> Iterator[tuple[PipelineMaster, list]]:
-    """A pipeline master and one worker process per memory budget (w0, w1, ...), all connected."""
+                   load_threads: int = 1, **options: object) -> Iterator[tuple[PipelineMaster, list]]:
+    """A pipeline master and one worker process per memory budget (w0, w1, ...), all connected; each worker
+    creates a stage's sessions on up to `load_threads` threads (`edgerun node --load-threads`)."""
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=max_len,
                                                                       spin_us=spin_us, **options), log=log)
-    workers = [start_worker(master.port, f"w{i}", budget, threads=threads, spin_us=spin_us)
-               for i, budget in enumerate(budgets)]
+    workers = [start_worker(master.port, f"w{i}", budget, threads=threads, spin_us=spin_us,
+                            load_threads=load_threads) for i, budget in enumerate(budgets)]
     try:
         master.wait_for_workers(len(budgets), timeout_s=120)
         yield master, workers
@@ -154,13 +155,13 @@ class ChurnResult:
 
 def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: float, rejoin_s: float = 2.0,
           tokens_per_request: int = 32, seed: int = 0, progress: Callable[[str], None] = lambda _: None,
-          log: Callable[[str], None] = lambda _: None) -> ChurnResult:
+          log: Callable[[str], None] = lambda _: None, load_threads: int = 1) -> ChurnResult:
     """Workers leave (SIGKILL) after exponential lifetimes of mean `mttf_s` and rejoin `rejoin_s` later,
     while requests run back to back for `duration_s` (seed 000 Table 6.8's analogue). `log` gets the master's
-    log (plans, recoveries)."""
+    log (plans, recoveries). Workers create a stage's sessions on up to `load_threads` threads."""
     rng = np.random.default_rng(seed)
     prompt = model.tokenizer.encode(PROMPT)
-    with local_pipeline(model, budgets, log=log) as (master, workers):
+    with local_pipeline(model, budgets, log=log, load_threads=load_threads) as (master, workers):
         master.start()
         stop = threading.Event()
         samples: list[tuple[PipelineState, int]] = []  # (state, live workers) every 100 ms
@@ -187,7 +188,7 @@ def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: flo
                         rejoins[i] = now + rejoin_s
                 for i, at in list(rejoins.items()):
                     if now >= at:
-                        workers[i] = start_worker(master.port, f"w{i}", budgets[i])
+                        workers[i] = start_worker(master.port, f"w{i}", budgets[i], load_threads=load_threads)
                         progress(f"w{i} rejoined")
                         del rejoins[i]
                         deaths[i] = now + rng.exponential(mttf_s)

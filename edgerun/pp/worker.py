@@ -62,10 +62,10 @@ def download(base_url: str, sha256: str) -> tuple[Path, float, int]:
     return target, time.perf_counter() - start, size
 
 
-def load_threads() -> int:
-    """How many sessions (parts of a stage) this worker creates at once: its cores, where onnxruntime builds
-    sessions on several threads at once."""
-    return len(os.sched_getaffinity(0)) if CONCURRENT_SESSIONS else 1
+def load_threads(wanted: int) -> int:
+    """How many sessions (parts of a stage) this worker creates at once, of the `wanted`: no more than its cores,
+    and one where onnxruntime builds one session at a time."""
+    return max(1, min(wanted, len(os.sched_getaffinity(0)))) if CONCURRENT_SESSIONS else 1
 
 
 class PeerPortInUse(OSError):
@@ -120,8 +120,9 @@ CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handsha
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
                  log=print, device: str = "cpu", verbose: bool = False, peer_host: str = "0.0.0.0",
-                 peer_port: int = 0, spin_s: float = 0.0) -> None:
+                 peer_port: int = 0, spin_s: float = 0.0, load_threads: int = 1) -> None:
         self.url, self.key, self.name, self.peer_host, self.spin_s = url, key, name, peer_host, spin_s
+        self.load_threads = load_threads  # sessions of a stage created at once (StageSession in parts)
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.passes, self.pass_s = 0, 0.0  # forward passes computed, and their time
         self.memory_mb, self.speed, self.threads = memory_mb, speed, threads
@@ -233,7 +234,7 @@ class PipelineWorker:
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
                 "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device,
                                  "host": device_summary(), "peer_port": self.peer_port,
-                                 "load_threads": load_threads()},
+                                 "load_threads": load_threads(self.load_threads)},
                 "cached": cached_files()})
         elif kind == PpMsg.PING:
             await self._send(PpMsg.PONG, request, {})
