@@ -63,13 +63,13 @@ def cmd_node(args: argparse.Namespace) -> None:
         from edgerun.net.loops import spinning_event_loop
         from edgerun.pp.worker import PeerPortInUse, PipelineWorker
 
+        if args.load_threads < 1:
+            raise EdgerunError(f"--load-threads must be at least 1, not {args.load_threads}")
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
         worker = PipelineWorker(url, cluster_key(args), name, args.memory_budget, args.speed, args.threads,
                                 log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device,
                                 verbose=args.verbose, peer_port=args.peer_port, spin_s=args.spin_us / 1e6,
                                 load_threads=args.load_threads)
-        if args.load_threads < 1:
-            raise EdgerunError(f"--load-threads must be at least 1, not {args.load_threads}")
         if not 0 <= args.peer_port < 65536:
             raise EdgerunError(f"--peer-port must be 0..65535, not {args.peer_port}")
         try:
