@@ -546,3 +546,23 @@ def test_a_stage_splits_into_parts_whose_largest_load_is_smallest():
     assert stage_parts(head, 0, 8, 4) == [7]
     # Uneven layers: the bound goes where the two sides are closest.
     assert stage_parts([3.0, 1.0, 1.0, 1.0, 2.0], 0, 5, 2) == [2]
+
+
+def test_measured_speeds_price_a_stage_at_the_time_it_took():
+    """A worker's speed samples leave the session overhead out: the cost model adds SO to every stage, so a stage
+    priced with them takes the seconds it was measured at (not SO more), and a pass shorter than SO keeps a
+    finite speed."""
+    from types import SimpleNamespace
+
+    from edgerun.pp.workers import WorkerConn
+
+    conn = WorkerConn("w", SimpleNamespace(host="127.0.0.1"), 80.0, 1e8, {}, set())
+    for seconds in (0.0031, 0.0030, 0.0029):
+        conn.observe_decode(6e6, seconds)
+    worker = workers_from_devices([conn.device(80.0)])[0]
+    assert conn.session_overhead_ms > 0
+    assert worker.session_overhead_us == pytest.approx(conn.session_overhead_ms * 1e3)
+    assert worker.session_overhead_us + 6e6 / worker.speed == pytest.approx(3000.0)  # the median pass, in µs
+    assert conn.decode_passes == 3 and conn.decode_s == pytest.approx(0.009)
+    conn.observe_decode(1e5, 0.0001)  # shorter than the overhead: a tenth of it counts
+    assert conn.speeds[-1] == pytest.approx(1e5 / 0.00001)

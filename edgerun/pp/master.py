@@ -276,10 +276,7 @@ class PipelineMaster:
         the pass without the link's latency."""
         self.stats.decode_passes += 1
         self.stats.decode_stage_s += seconds
-        worker.decode_passes += 1
-        worker.decode_s += seconds
-        read = self.deployment.profile.layer_read_bytes[stage.first_layer:stage.end_layer]
-        worker.speeds.append(sum(read) / seconds)
+        worker.observe_decode(sum(self.deployment.profile.layer_read_bytes[stage.first_layer:stage.end_layer]), seconds)
         # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
         self.deployment.overheads.append(max(0.0, wall - seconds))
 
