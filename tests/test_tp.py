@@ -95,6 +95,35 @@ def test_lossless_udp_and_tcp_equal_the_reference(model: Model, reference_tokens
             assert len(set(shares)) > 1  # uneven speeds gave uneven shares
 
 
+def test_a_plan_that_leaves_every_node_out_runs_the_whole_model_engine(model: Model) -> None:
+    """A master whose plan gives no node a unit (none joined yet) computes the whole model as one graph, the single
+    engine's, so its tokens and logits are the single engine's exactly; once a node joins and the plan gives it a
+    share, the master goes back to its share."""
+    prompt = model.tokenizer.encode(PROMPT)
+    single = OnnxEngine(model, 256)
+    expected = generate(single, prompt, 16, GREEDY).tokens
+    single.reset()
+    want = single.step(prompt).copy()
+    for master, _ in cluster(model, [], activations=Activations.INT8):
+        assert master.whole is not None and master.shard is None and master.weight_bytes == single.weight_bytes
+        assert master.generate(prompt, 16, GREEDY) == expected
+        master.reset()
+        np.testing.assert_array_equal(master.step(prompt), want)
+        assert master.stats.blocks == 0 and master.own_decode_s > 0 and master.own_decode_bytes > 0
+        nodes = start_nodes(master.port, [1e9])
+        try:
+            master.wait_for_nodes(1, timeout_s=120)
+            plan = master.replan()
+            assert plan.devices_used == 2 and master.whole is None and master.shard is not None
+            master.reset()  # int8 on shares sums in another order (near ties may flip): the first logits, close
+            got = master.step(prompt)
+            assert got.argmax() == want.argmax() and np.abs(got - want).max() < 0.1 * np.abs(want).max()
+        finally:
+            for p in nodes:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("speeds", [[1e9, 1e9], [2e9, 1e9, 0.5e9], [1e9, 3e9, 1e9, 0.7e9]],
                          ids=["2-nodes", "3-nodes-uneven", "4-nodes-uneven"])

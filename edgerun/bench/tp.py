@@ -285,7 +285,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
         late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected,
         node_compute_ms_per_token=node_compute * 1e3, sync_overhead_us=overhead * 1e6,
-        master_weight_mb=master.shard.weight_bytes / MIB,
+        master_weight_mb=master.weight_bytes / MIB,
         node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / MIB,
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),

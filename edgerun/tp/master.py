@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
+from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
@@ -77,6 +78,11 @@ class Master:
         self.reconfigure(config)
         self.position = 0
         self.shard: QuantShard | None = None
+        # A plan that leaves every node out runs on the whole-model engine instead of a share: one graph a token
+        # rather than one a block (the share engine alone was 0.82x the single engine on the shipped model's
+        # shape, 61 calls a token), so a cluster whose nodes do not help is as fast as one process.
+        self.whole: OnnxEngine | None = None
+        self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
         # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
@@ -109,6 +115,12 @@ class Master:
     @property
     def stats(self) -> StepStats:
         return self.exchange.stats
+
+    @property
+    def weight_bytes(self) -> int:
+        """The quantized weights the master computes with: its share's, or the whole model's."""
+        return self.whole.weight_bytes if self.whole is not None else 0 if self.shard is None else \
+            self.shard.weight_bytes
 
     def _node_message(self, node: NodeConn, message: Message) -> None:
         match message:
@@ -244,7 +256,7 @@ class Master:
         self.plan, self.own_priorities = plan, d.own_priorities
         self.own_decode_bytes, self.own_decode_s = 0, 0.0
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
-        self.shard = None  # the old share goes before the new one is built
+        self.shard = self.whole = None  # the old share goes before the new one is built
         for node, assign in zip(alive, d.assignments, strict=True):
             node.index, node.spec, node.priorities, node.parity = \
                 assign.index, assign.spec, assign.priorities, assign.parity
@@ -253,16 +265,26 @@ class Master:
             node.ready.clear()
             node.channel.send(assign)
         # The master builds its own share while the nodes build theirs.
-        kind = DynamicQuantShard if self.config.mapping == "dynamic" else QuantShard
-        self.shard = kind(self.model.config, self.model.weights, d.own_spec, self.config.max_len, self.config.threads,
-                          self.config.activations, mapped_files=[self.model.path])
+        if self._alone(plan):
+            self.whole = OnnxEngine(self.model, self.config.max_len, self.config.threads, self.config.activations)
+            p = self.profile()
+            self.whole_step_bytes = int(p.n_layers * (p.n_attn_units * p.attn_unit.weight_bytes +
+                                                      p.n_mlp_groups * p.mlp_group.weight_bytes) +
+                                        p.n_vocab_blocks * p.vocab_unit.weight_bytes)
+        else:
+            kind = DynamicQuantShard if self.config.mapping == "dynamic" else QuantShard
+            self.shard = kind(self.model.config, self.model.weights, d.own_spec, self.config.max_len,
+                              self.config.threads, self.config.activations, mapped_files=[self.model.path])
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):
                 raise EdgerunError(f"node {node.name} did not load its share within 120 s")
         self.log(f"plan {plan.strategy}: " + ", ".join(
             f"{name} {mem / 1e6:.1f} MB" for name, mem in zip(plan.devices, plan.memory_bytes, strict=True)))
-        if self.config.mapping == "dynamic":
+        if self.whole is not None:
+            self.log(f"the plan leaves every node out: the master runs the whole model as one graph "
+                     f"({self.whole.weight_bytes / 1e6:.1f} MB of quantized weights)")
+        elif self.config.mapping == "dynamic":
             self.log(f"dynamic mapping: every device holds every unit ({self.shard.weight_bytes / 1e6:.0f} MB of "
                      f"quantized weights, {self.shard.cache_bytes / 1e6:.1f} MB of KV cache) and computes the share "
                      "above of the units ranked for each token")
@@ -274,10 +296,18 @@ class Master:
                      f"{self.shard.cache_bytes / 1e6:.1f} MB of KV cache")
         return plan
 
+    def _alone(self, plan: TPPlan) -> bool:
+        """Whether `plan` gives no node any unit, under static mapping (dynamic mapping ranks units for its nodes;
+        with none it computes every unit as the whole model does, and keeps its own path)."""
+        return self.config.mapping != "dynamic" and not any(plan.memory_bytes[1:])
+
     # --- generation (on the loop thread) ------------------------------------------------------------
     def _reset(self) -> None:
         self.exchange.new_session(self.exchange.session + 1)
-        self.shard.truncate(0)
+        if self.whole is not None:
+            self.whole.reset()
+        else:
+            self.shard.truncate(0)
         for node in self.membership.alive():
             with contextlib.suppress(OSError, ConnectionError):
                 node.channel.send(Reset(self.exchange.session))
@@ -331,9 +361,24 @@ class Master:
 
         return await self.exchange.run(nodes, start, layer, block, x, ranking, own_share, while_waiting)
 
+    def _whole_step(self, tokens: Sequence[int]) -> np.ndarray:
+        """A step of a plan that leaves every node out: the whole-model engine's logits. Its one-token steps
+        measure the master's speed as a share's would (every unit's weight bytes)."""
+        started = time.perf_counter()
+        logits = self.whole.step(tokens)
+        took = time.perf_counter() - started
+        self.stats.compute_s += took
+        if len(tokens) == 1:
+            self.own_decode_bytes += self.whole_step_bytes
+            self.own_decode_s += took
+        self.position += len(tokens)
+        return logits
+
     async def _step(self, tokens: Sequence[int]) -> np.ndarray:
         # Blocks drained on the spot never yield: let the loop read the nodes' streams (heartbeats) once a step.
         await asyncio.sleep(0)
+        if self.whole is not None:
+            return self._whole_step(tokens)
         c = self.model.config
         x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
         start = self.position
