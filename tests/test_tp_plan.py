@@ -320,10 +320,11 @@ def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count
     # A master that measured its sends at 10 us a node is charged that: 3 x 10 us a block.
     quick = [replace(free_links[0], compute=replace(free_links[0].compute, send_s_per_node=10e-6)), *free_links[1:]]
     assert objective(counts, quick, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + 3 * 10e-6))
-    # The master alone pays its sessions and nothing else; a node alone still pays its round trip every block.
+    # The master alone runs the whole model as one graph a token: one session and nothing else; a node alone still
+    # pays its session and round trip every block.
     alone = plan_counts(plan_tp(model, devices[:1], "even"))
     assert objective(alone, devices[:1], model, SyncModel.STAR) == \
-        pytest.approx(objective(alone, devices[:1], model) + blocks * session)
+        pytest.approx(objective(alone, devices[:1], model) + session)
     on_node = UnitCounts(tuple((0, *layer) for layer in alone.attn), tuple((0, *layer) for layer in alone.mlp),
                          (0, *alone.vocab))
     assert objective(on_node, devices[:2], model, SyncModel.STAR) == \
@@ -496,3 +497,22 @@ def test_a_plans_counts_priced_again_give_its_own_prediction(tiny: ModelProfile,
               for i, d in enumerate(devices)]
     replanned = plan_tp(tiny, slower, strategy)
     assert replanned.time_per_token_s <= objective(plan_counts(plan), slower, tiny) * (1 + 1e-9)
+
+
+def test_halo_and_the_ilp_leave_every_node_out_where_one_graph_on_the_master_is_faster() -> None:
+    """Under the star, a plan that gives no node a unit runs as one graph a token (one session's fixed cost, no
+    synchronization): halo and the ILP take it where it beats their split, as for a small model whose blocks cost
+    less than a node's round trip, and still split a model whose compute outweighs the synchronizations, or one
+    the master cannot hold; the ratio strategies keep their shares."""
+    small = make_model(4, 4, 8, 4, 0.001, 0.001, 0.001)  # 1 kB a unit: 1 µs of compute at 1 GB/s
+    devices = [device(f"d{i}", 1.0, 10_000.0, rtt_ms=0.5 if i else 0.0, mbit=1000.0) for i in range(3)]
+    session = devices[0].compute.session_overhead_ms / 1e3
+    for strategy in ("halo", "ilp"):
+        plan = plan_tp(small, devices, strategy, sync=SyncModel.STAR)
+        assert plan.devices_used == 1 and plan.memory_bytes[0] > 0, strategy
+        assert plan.time_per_token_s == pytest.approx(session + (4 * (4 + 8) + 4) * 1e3 / 1e9)
+    assert plan_tp(small, devices, "minmax", sync=SyncModel.STAR).devices_used == 3
+    large = make_model(4, 4, 8, 4, 10.0, 10.0, 10.0)  # 10 ms a unit: the split wins
+    assert plan_tp(large, devices, "halo", sync=SyncModel.STAR).devices_used == 3
+    tight = [replace(devices[0], memory=replace(devices[0].memory, budget_mb=0.02)), *devices[1:]]
+    assert plan_tp(small, tight, "halo", sync=SyncModel.STAR).devices_used > 1  # the master cannot hold it all

@@ -303,9 +303,14 @@ def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: Mode
     """Seconds per token. PER_DEVICE, Eq. (1): each block lasts as long as its slowest device, plus
     2·L·(n_used − 1) synchronizations (unlike the paper's formula the LM head's block is counted too, and n is the
     number of devices that hold any unit). STAR: each block lasts as long as its slowest device counting what that
-    device does beside its compute (`star_offsets`): the master's work per node, a node's round trip."""
+    device does beside its compute (`star_offsets`): the master's work per node, a node's round trip; a plan that
+    leaves every node out runs as one graph a token (the whole-model engine), one session's fixed cost in all."""
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     used = _used_devices(plan_counts)
+    if sync == SyncModel.STAR and used == [0]:
+        work = _work(model, "vocab") * plan_counts.vocab[0] + sum(
+            _work(model, kind) * layer[0] for kind in LAYER_KINDS for layer in plan_counts.layer_kind(kind))
+        return devices[0].compute.session_overhead_ms / 1e3 + work / speeds[0]
     offsets = star_offsets(devices, model, used) if sync == SyncModel.STAR else [0.0] * len(devices)
     total = _block_seconds(model, "vocab", plan_counts.vocab, speeds, offsets, used)
     for kind in LAYER_KINDS:
@@ -817,6 +822,20 @@ def plan_counts(plan: TPPlan) -> UnitCounts:
                       vocab=tuple(len(blocks) for blocks in plan.vocab))
 
 
+def _or_alone(counts: UnitCounts, model: ModelProfile, devices: list[DeviceProfile]) -> UnitCounts:
+    """`counts`, or every unit on the master where it holds them all and is predicted faster so (SyncModel.STAR): its
+    one graph a token can beat a split whose synchronizations cost more than the compute they spread (a small
+    model), which a search over per-block times does not see."""
+    n = len(devices)
+    alone = UnitCounts(attn=((model.n_attn_units,) + (0,) * (n - 1),) * model.n_layers,
+                       mlp=((model.n_mlp_groups,) + (0,) * (n - 1),) * model.n_layers,
+                       vocab=(model.n_vocab_blocks,) + (0,) * (n - 1))
+    if memory_used(alone, model)[0] > devices[0].budget_bytes or alone == counts:
+        return counts
+    star = SyncModel.STAR
+    return alone if objective(alone, devices, model, star) < objective(counts, devices, model, star) else counts
+
+
 def _heuristic_counts(strategy: str, model: ModelProfile, devices: list[DeviceProfile],
                       sync: SyncModel = SyncModel.PER_DEVICE) -> UnitCounts:
     budgets = [d.budget_bytes for d in devices]
@@ -857,7 +876,11 @@ def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
                 candidate = _heuristic_counts(heuristic, model, devices, sync)
             except InsufficientMemory:  # its repair could not pack the units; the ILP may still
                 continue
-            if all(u <= d.budget_bytes for u, d in zip(memory_used(candidate, model), devices, strict=True)):
+            # A candidate on the master alone is priced as one graph a token (objective), which the ILP's per-block
+            # model cannot reach: no bound for it (_or_alone weighs it after the solve).
+            alone = sync == SyncModel.STAR and _used_devices(candidate) == [0]
+            if not alone and all(u <= d.budget_bytes for u, d in
+                                 zip(memory_used(candidate, model), devices, strict=True)):
                 value = objective(candidate, devices, model, sync)
                 if bound is None or value < bound:
                     bound, incumbent = value, candidate
@@ -865,6 +888,8 @@ def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
         counts, status = ilp_counts(model, devices, bound, ilp_time_limit_s, sync, incumbent)
     else:
         counts = _heuristic_counts(strategy, model, devices, sync)
+    if strategy in ("halo", "ilp") and sync == SyncModel.STAR:
+        counts = _or_alone(counts, model, devices)
     solve_seconds = time.perf_counter() - start
 
     plrs = [float(d.link.loss_rate) for d in devices]
