@@ -42,6 +42,7 @@ MIB = 2**20
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
 SECRET = "edgerun-bench"
 WARMUP_TOKENS = 8  # also what the adaptive timeout learns from before measuring
+REBALANCE_WARMUPS = 8  # requests of 2 * WARMUP_TOKENS at most before a rebalance, for the devices' speeds
 CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 
@@ -234,10 +235,18 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
 
 
 def _rebalance(master: Master, model: Model) -> bool:
-    """Warm up on the plan made with the declared speeds, then replan with those the devices showed, as
-    `edgerun master` does; True if the plan changed."""
-    master.generate(model.tokenizer.encode(BENCH_PROMPT), WARMUP_TOKENS * 2, Sampler(SamplingParams()))
-    master.fresh_reports()  # the nodes' measurements of those steps
+    """Warm up on the plan made with the declared speeds until every device of it has measured its speed (at most
+    REBALANCE_WARMUPS requests), then replan with those the devices showed, as `edgerun master` does between
+    requests; True if the plan changed. (A small model's share of a few milliseconds a token measures nothing in
+    one short request: the replan kept the declared speeds and a split slower than the master alone.)"""
+    prompt = model.tokenizer.encode(BENCH_PROMPT)
+    used = [name for name, held in zip(master.plan.devices, master.plan.memory_bytes, strict=True) if held > 0]
+    for _ in range(REBALANCE_WARMUPS):
+        master.generate(prompt, WARMUP_TOKENS * 2, Sampler(SamplingParams()))
+        master.fresh_reports()  # the nodes' measurements of those steps
+        master.take_measurements()
+        if all(name in master.measured for name in used):
+            break
     return master.rebalance()
 
 
