@@ -208,6 +208,11 @@ class ModelProfile:
         unit = {"attn": self.attn_unit, "mlp": self.mlp_group, "vocab": self.vocab_unit}[kind]
         return unit.weight_bytes + unit.kv_bytes_per_token * self.context
 
+    def total_tp_weight_bytes(self) -> float:
+        """Every unit's weight bytes: what a one-token step of the whole model streams, as the planners count it."""
+        per_layer = self.n_attn_units * self.attn_unit.weight_bytes + self.n_mlp_groups * self.mlp_group.weight_bytes
+        return self.n_layers * per_layer + self.n_vocab_blocks * self.vocab_unit.weight_bytes
+
     def total_tp_memory(self) -> float:
         per_layer = self.n_attn_units * self.unit_memory("attn") + self.n_mlp_groups * self.unit_memory("mlp")
         return self.n_layers * per_layer + self.n_vocab_blocks * self.unit_memory("vocab")

@@ -308,9 +308,7 @@ def objective(plan_counts: UnitCounts, devices: list[DeviceProfile], model: Mode
     speeds = [d.compute.weight_bytes_per_s for d in devices]
     used = _used_devices(plan_counts)
     if sync == SyncModel.STAR and used == [0]:
-        work = _work(model, "vocab") * plan_counts.vocab[0] + sum(
-            _work(model, kind) * layer[0] for kind in LAYER_KINDS for layer in plan_counts.layer_kind(kind))
-        return devices[0].compute.session_overhead_ms / 1e3 + work / speeds[0]
+        return devices[0].compute.session_overhead_ms / 1e3 + compute_seconds(plan_counts, devices, model)[0]
     offsets = star_offsets(devices, model, used) if sync == SyncModel.STAR else [0.0] * len(devices)
     total = _block_seconds(model, "vocab", plan_counts.vocab, speeds, offsets, used)
     for kind in LAYER_KINDS:

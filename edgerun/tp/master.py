@@ -267,10 +267,7 @@ class Master:
         # The master builds its own share while the nodes build theirs.
         if self._alone(plan):
             self.whole = OnnxEngine(self.model, self.config.max_len, self.config.threads, self.config.activations)
-            p = self.profile()
-            self.whole_step_bytes = int(p.n_layers * (p.n_attn_units * p.attn_unit.weight_bytes +
-                                                      p.n_mlp_groups * p.mlp_group.weight_bytes) +
-                                        p.n_vocab_blocks * p.vocab_unit.weight_bytes)
+            self.whole_step_bytes = int(self.profile().total_tp_weight_bytes())
         else:
             kind = DynamicQuantShard if self.config.mapping == "dynamic" else QuantShard
             self.shard = kind(self.model.config, self.model.weights, d.own_spec, self.config.max_len,
@@ -296,10 +293,11 @@ class Master:
                      f"{self.shard.cache_bytes / 1e6:.1f} MB of KV cache")
         return plan
 
-    def _alone(self, plan: TPPlan) -> bool:
-        """Whether `plan` gives no node any unit, under static mapping (dynamic mapping ranks units for its nodes;
-        with none it computes every unit as the whole model does, and keeps its own path)."""
-        return self.config.mapping != "dynamic" and not any(plan.memory_bytes[1:])
+    @staticmethod
+    def _alone(plan: TPPlan) -> bool:
+        """Whether `plan` gives no node any unit: the master computes every unit, whatever the mapping, as the
+        planners price it (one graph a token)."""
+        return not any(plan.memory_bytes[1:])
 
     # --- generation (on the loop thread) ------------------------------------------------------------
     def _reset(self) -> None:
