@@ -100,7 +100,7 @@ class TensorParallel:
                 "name": n.name, "kind": "native", "device": n.device, "alive": n.alive,
                 "state": ("ready" if n.ready.is_set() else "loading") if n.alive else "lost",
                 "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
-                "speed_gb_s": (n.decode.speed or n.speed) / 1e9,
+                "speed_gb_s": (n.speed if (m := n.decode.measured()) is None else m.speed) / 1e9,
                 "rtt_ms": None if n.link is None else n.link.rtt_ms,
                 "loss": None if n.link is None else n.link.loss_rate,
                 "holds": None if spec is None else (

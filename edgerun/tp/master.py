@@ -39,13 +39,24 @@ from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, pla
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, StepStats
-from edgerun.tp.membership import MIN_SYNC_BLOCKS, KernelRate, Membership, NodeConn
+from edgerun.tp.kernel_fit import KernelFit, Measured
+from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
 from edgerun.tp.shard import DynamicQuantShard, QuantShard
 
 # A measured synchronization time stands for a node's whole exchange: the link's transfer term is left out.
 UNLIMITED_MBIT = 1e9
+
+
+def planned_compute(speed: float, send_s_per_node: float, measured: Measured | None) -> Compute:
+    """A device's compute as the planner prices it: its declared speed and the default fixed cost per block until
+    it has been measured, then its measured speed and, where its blocks told it apart, its fixed cost."""
+    if measured is None:
+        return Compute(0.0, speed, send_s_per_node=send_s_per_node)
+    if measured.fixed_s is None:
+        return Compute(0.0, measured.speed, send_s_per_node=send_s_per_node)
+    return Compute(0.0, measured.speed, measured.fixed_s * 1e3, send_s_per_node=send_s_per_node)
 
 
 class Master:
@@ -87,11 +98,11 @@ class Master:
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
         # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
         self.assignments: dict[tuple[int, int, int, int], Assignment] = {}
-        # Devices' speeds as measured on their shares (weight bytes per second of one-token steps), by name: they
-        # replace the declared speeds in every later plan. The master's own steps on its current share:
-        self.measured: dict[str, float] = {}
+        # Devices' speeds and fixed costs per block as measured on their shares (one-token blocks), by name: they
+        # replace the declared ones in every later plan. The master's own blocks on its current share:
+        self.measured: dict[str, Measured] = {}
         self.measured_sync: dict[str, float] = {}  # nodes' seconds per block beyond their kernels, by name
-        self.own_decode_bytes, self.own_decode_s = 0, 0.0
+        self.own_decode = KernelFit()
         self.server = self.net.run(self._listen(host, port))
         self.port = self.server.sockets[0].getsockname()[1]
 
@@ -159,10 +170,11 @@ class Master:
         return s.send_s / s.sends if s.sends >= MIN_SYNC_BLOCKS else SEND_S_PER_NODE
 
     def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
-        """A device as the planner sees it: at its measured speed once there is one, else at the declared `speed`."""
+        """A device as the planner sees it: at its measured speed and fixed cost per block once there are some, else
+        at the declared `speed` and the planner's default fixed cost."""
         send = self.send_s_per_node if name == "master" else SEND_S_PER_NODE
         return DeviceProfile(name=name, kind="node", cores=1,
-                             compute=Compute(0.0, self.measured.get(name, speed), send_s_per_node=send),
+                             compute=planned_compute(speed, send, self.measured.get(name)),
                              memory=Memory(budget_mb, budget_mb, budget_mb, 0.0),
                              link=link or Link(0.0, 10_000.0, 10_000.0, 0.0))
 
@@ -188,11 +200,10 @@ class Master:
                              group_size=self.config.group_size, vocab_block=self.config.vocab_block)
 
     def take_measurements(self) -> None:
-        """Keep, for later plans, every device's speed measured on its current share where there is enough to
-        say (see KernelRate)."""
-        rates = {"master": KernelRate(self.own_decode_bytes, self.own_decode_s)} | \
-                {n.name: n.decode for n in self.membership.alive()}
-        self.measured |= {name: rate.speed for name, rate in rates.items() if rate.speed is not None}
+        """Keep, for later plans, every device's speed and fixed cost per block measured on its current share where
+        there is enough to say (see KernelFit)."""
+        fits = {"master": self.own_decode} | {n.name: n.decode for n in self.membership.alive()}
+        self.measured |= {name: m for name, fit in fits.items() if (m := fit.measured()) is not None}
         self.measured_sync |= {n.name: sync for n in self.membership.alive() if (sync := n.sync_s) is not None}
 
     def predicted_s(self) -> float:
@@ -225,7 +236,8 @@ class Master:
             return False
         if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now:
             return False
-        speeds = ", ".join(f"{d.name} {d.compute.weight_bytes_per_s / 1e9:.2f} GB/s" for d in devices)
+        speeds = ", ".join(f"{d.name} {d.compute.weight_bytes_per_s / 1e9:.2f} GB/s + "
+                           f"{d.compute.session_overhead_ms * 1e3:.0f} µs a block" for d in devices)
         self.log(f"measured speeds ({speeds}): replanning, {now * 1e3:.1f} -> {better.time_per_token_s * 1e3:.1f} "
                  "ms/token predicted")
         self.replan(better)
@@ -254,7 +266,7 @@ class Master:
                    [NodeLink(n.datagram_bytes, n.lossy or (n.link is not None and n.link.loss_rate > 0))
                     for n in alive])
         self.plan, self.own_priorities = plan, d.own_priorities
-        self.own_decode_bytes, self.own_decode_s = 0, 0.0
+        self.own_decode = KernelFit()
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
         self.shard = self.whole = None  # the old share goes before the new one is built
         for node, assign in zip(alive, d.assignments, strict=True):
@@ -352,9 +364,9 @@ class Master:
                 rows, own = self.shard.logits(x[-1:])
                 out[row_span(rows)] = own[-1]
             if x.shape[0] == 1:  # one-token steps measure the master's speed
-                self.own_decode_bytes += self.shard.block_bytes(layer, block,
-                                                                None if own_units is None else len(own_units))
-                self.own_decode_s += time.perf_counter() - started
+                self.own_decode = self.own_decode.add(
+                    self.shard.block_bytes(layer, block, None if own_units is None else len(own_units)),
+                    time.perf_counter() - started)
             return out
 
         return await self.exchange.run(nodes, start, layer, block, x, ranking, own_share, while_waiting)
@@ -367,8 +379,7 @@ class Master:
         took = time.perf_counter() - started
         self.stats.compute_s += took
         if len(tokens) == 1:
-            self.own_decode_bytes += self.whole_step_bytes
-            self.own_decode_s += took
+            self.own_decode = self.own_decode.add(self.whole_step_bytes, took)
         self.position += len(tokens)
         return logits
 

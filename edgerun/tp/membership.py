@@ -16,6 +16,7 @@ from edgerun.errors import EdgerunError
 from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, path_datagram_bytes
 from edgerun.net.wire import KEY_REJECTED, BadMac, Header, MsgType, WireError, seal
 from edgerun.sched.profiles import Link
+from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
     BadMessage,
     BandwidthProbe,
@@ -36,24 +37,7 @@ NODE_SILENT_S = 3.0  # no heartbeat for this long: the node is gone
 BW_PROBE_BYTES = 2 * 1024 * 1024
 
 
-MIN_MEASURED_S = 0.2  # a device's speed is measured from at least this much kernel time (hundreds of blocks)
 MIN_SYNC_BLOCKS = 200  # a node's synchronization time is measured over at least this many blocks
-
-
-@dataclass(frozen=True)
-class KernelRate:
-    """Weight bytes a device's kernels streamed in one-token steps, and the seconds they took."""
-
-    bytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def speed(self) -> float | None:
-        """Bytes per second, once there is enough to say."""
-        return self.bytes / self.seconds if self.seconds >= MIN_MEASURED_S and self.bytes > 0 else None
-
-    def add(self, nbytes: int, seconds: float) -> KernelRate:
-        return KernelRate(self.bytes + nbytes, self.seconds + seconds)
 
 
 @dataclass
@@ -90,7 +74,7 @@ class NodeConn:
     compute_s: float = 0.0
     peak_rss_mb: float = 0.0
     heartbeats: int = 0
-    decode: KernelRate = field(default_factory=KernelRate)  # its one-token steps on its current share
+    decode: KernelFit = field(default_factory=KernelFit)  # its one-token blocks on its current share
     # One-token blocks on its current share whose partial arrived, the seconds from sending each input to its
     # partial's arrival, and both as they stood when its last heartbeat (with `decode`) came.
     arrival_s: float = 0.0
@@ -184,9 +168,8 @@ class Membership:
             case Pong() | BandwidthReply():
                 node.pongs.append(time.perf_counter())
                 node.pong.set()
-            case Heartbeat(rejected, compute_s, rss_mb, decode_bytes, decode_s):
-                node.rejected, node.compute_s, node.peak_rss_mb = rejected, compute_s, rss_mb
-                node.decode = KernelRate(decode_bytes, decode_s)
+            case Heartbeat(rejected, compute_s, rss_mb, decode):
+                node.rejected, node.compute_s, node.peak_rss_mb, node.decode = rejected, compute_s, rss_mb, decode
                 node.reported_arrivals = (node.arrival_s, node.arrival_blocks)  # what this decode time was part of
                 node.heartbeats += 1
             case _:

@@ -16,12 +16,13 @@ import functools
 import json
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any, Union
 
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import Block, Codec, WireError
+from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.shard import ShardSpec
 
 
@@ -105,10 +106,9 @@ class Heartbeat:
     rejected: int  # packets refused
     compute_s: float  # time in the share's kernels
     peak_rss_mb: float
-    # One-token steps since the share was assigned: the weight bytes their kernels streamed and the time they
-    # took. Their ratio is the device's measured speed, which replaces the declared one in later plans.
-    decode_bytes: int = 0
-    decode_s: float = 0.0
+    # One-token blocks since the share was assigned: the device's measured speed and fixed cost per block, which
+    # replace the declared ones in later plans.
+    decode: KernelFit = field(default_factory=KernelFit)
 
 
 @dataclass(frozen=True)
@@ -275,7 +275,7 @@ def _build(cls: type, data: dict, payload: Payload | None) -> Any:
             values[f.name] = b"" if payload is None else payload
         elif f.name in data:
             values[f.name] = _coerce(data[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
-        elif f.default is dataclasses.MISSING:
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise BadMessage(f"{cls.__name__}: missing field {f.name}")
     return cls(**values)
 

@@ -56,6 +56,7 @@ from edgerun.net.wire import (
 )
 from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
+from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
     MAX_PROBE_BYTES,
     Assign,
@@ -152,7 +153,7 @@ class Node:
         # per block, the units the master's ranking puts at those indices. None: static shares.
         self.priorities: Priorities | None = None
         self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
-        self.decode_bytes, self.decode_s = 0, 0.0  # one-token steps on the current share: its measured speed
+        self.decode = KernelFit()  # one-token blocks on the current share: its measured speed
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
@@ -254,23 +255,22 @@ class Node:
         self.model = load_model(fetch_model(f"http://{self.master[0]}:{http_port}", sha256))
 
     async def _heartbeat(self) -> None:
-        summarized, last_compute, last_bytes, last_decode = time.monotonic(), 0.0, 0, 0.0
+        summarized, last_compute, last_decode = time.monotonic(), 0.0, KernelFit()
         while self.running:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode_bytes,
-                                            self.decode_s))
+                self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode))
             except (OSError, ConnectionError):
                 return
             now = time.monotonic()
             if self.verbose and now - summarized >= SUMMARY_S and self.compute_s > last_compute:
                 busy = self.compute_s - last_compute
-                rate = (self.decode_bytes - last_bytes) / max(self.decode_s - last_decode, 1e-9) / 1e9
+                rate = (self.decode.bytes - last_decode.bytes) / max(self.decode.seconds - last_decode.seconds,
+                                                                     1e-9) / 1e9
                 self.log(f"node {self.name}: {busy * 1e3:.0f} ms in kernels over the last {now - summarized:.0f} s "
                          f"({100 * busy / (now - summarized):.0f}% busy), one-token steps at {rate:.2f} GB/s, "
                          f"{self.counters.total()} packets rejected, peak RSS {peak_rss_mb():.0f} MB")
-                summarized, last_compute, last_bytes, last_decode = \
-                    now, self.compute_s, self.decode_bytes, self.decode_s
+                summarized, last_compute, last_decode = now, self.compute_s, self.decode
 
     def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard | Shard) -> None:
         self.spec, self.shard = spec, shard
@@ -279,7 +279,7 @@ class Node:
         self.parity, self.datagram_bytes = message.parity, message.datagram_bytes
         self.priorities = message.priorities
         self.master_udp_port = message.udp_port
-        self.decode_bytes, self.decode_s = 0, 0.0
+        self.decode = KernelFit()
         self.channel.set_rto_min(message.rto_min_ms)
         self._new_session(message.session)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
@@ -456,8 +456,8 @@ class Node:
         # Counted once the partial is out: the accounts are off the master's path.
         self.compute_s += took
         if x.shape[0] == 1 and out is not None:
-            self.decode_bytes += self.shard.block_bytes(layer, block, None if units is None else len(units))
-            self.decode_s += took
+            self.decode = self.decode.add(self.shard.block_bytes(layer, block, None if units is None else len(units)),
+                                          took)
 
     def _send_partial(self, position: int, layer: int, block: Block, seq: int, out: np.ndarray) -> None:
         route = self.routes.of(layer, block, seq)

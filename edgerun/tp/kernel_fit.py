@@ -1,0 +1,70 @@
+"""A device's kernel time per block as a fixed cost plus its weight bytes over a speed, fitted from the one-token
+blocks it ran.
+
+A block's time is one onnxruntime run: a fixed cost (the run's own overhead, the graph's small nodes) and the
+time to stream its weights. The planners price a block the same way (`Compute.session_overhead_ms` plus bytes
+over `Compute.weight_bytes_per_s`), so a device's measured speed must leave the fixed cost out: the bytes of a
+share over the time of its blocks counts it in, and a small share, dozens of short blocks a token, then looks
+slow. Priced at that speed, the master computing the whole model as one graph (one fixed cost a token) looked
+slower than splitting it, and the plans split a small model over nodes that made it slower (synthetic
+SmolLM2 shape on the device machine: 28.4 ms/token predicted for four devices against 17.7 measured alone).
+
+The blocks of a share differ in size (attention, MLP, the LM head), so a least-squares line through their
+(bytes, seconds) gives both: its slope is the inverse speed, its intercept the fixed cost. The sums it needs
+travel in a node's heartbeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgerun.sched.profiles import Compute
+
+MIN_MEASURED_S = 0.2  # a device's speed is measured from at least this much kernel time (hundreds of blocks)
+# The blocks' sizes must spread at least this much (standard deviation over mean) for a line through them to
+# say anything: blocks of one size give the speed and fixed cost together, not each.
+MIN_SPREAD = 0.05
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A device's speed and fixed cost per block as measured; fixed_s None: the blocks could not tell it apart
+    from the speed (the speed then leaves out the planner's default fixed cost, as it prices one)."""
+
+    speed: float  # weight bytes per second
+    fixed_s: float | None
+
+
+@dataclass(frozen=True)
+class KernelFit:
+    """Sums over one-token blocks of a device's kernels: count, weight bytes, seconds, bytes squared and bytes
+    times seconds."""
+
+    blocks: int = 0
+    bytes: float = 0.0
+    seconds: float = 0.0
+    bytes_sq: float = 0.0
+    cross: float = 0.0
+
+    def add(self, nbytes: float, seconds: float) -> KernelFit:
+        return KernelFit(self.blocks + 1, self.bytes + nbytes, self.seconds + seconds,
+                         self.bytes_sq + nbytes * nbytes, self.cross + nbytes * seconds)
+
+    def measured(self, default_fixed_s: float = Compute.session_overhead_ms / 1e3) -> Measured | None:
+        """Speed and fixed cost once there is enough to say. Where the blocks are all of one size, or the line
+        through them is not a cost (a slope of zero or less), `default_fixed_s` a block is taken out of the time
+        (at most nine tenths of it) and the fixed cost left to the planner's default; a line that would give a
+        negative fixed cost gives none and the plain ratio."""
+        if self.seconds < MIN_MEASURED_S or self.bytes <= 0 or self.blocks < 2:
+            return None
+        n = self.blocks
+        mean_x, mean_y = self.bytes / n, self.seconds / n
+        var_x = self.bytes_sq / n - mean_x * mean_x
+        slope = (self.cross / n - mean_x * mean_y) / var_x if var_x > 0 else 0.0
+        if var_x < (MIN_SPREAD * mean_x) ** 2 or slope <= 0:
+            variable = max(self.seconds - n * default_fixed_s, self.seconds / 10)
+            return Measured(self.bytes / variable, None)
+        fixed = mean_y - slope * mean_x
+        if fixed < 0:
+            return Measured(self.bytes / self.seconds, 0.0)
+        return Measured(1 / slope, fixed)
