@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -373,7 +374,7 @@ def test_node_without_the_masters_model_fetches_it(tiny_spec, synth_gguf) -> Non
     assert "fetching it" in err and "downloading model: 100%" in err
 
 
-def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     import json
 
     from edgerun.bench.tp import USABLE_CORES
@@ -382,7 +383,8 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
 
     path = synth_gguf(tiny_spec(tied=False))
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
-                 "--group-size", "64", "--baseline", "--plan", "minmax", "--no-rebalance", "--pin", "1", "--json"]) == 0
+                 "--group-size", "64", "--baseline", "--plan", "minmax", "--no-rebalance", "--pin", "1", "--json",
+                 "--trace", str(tmp_path / "trace")]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["transport"] for r in results] == ["udp", "tcp"]
     for r in results:
@@ -402,13 +404,25 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         assert r["prefill_speedup"] == pytest.approx(r["single_prefill_ms"] / r["prefill_ms"])
         assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
         assert r["spin_us"] == auto_spin_us(2, 1, len(USABLE_CORES))  # auto: master and node poll where each has a core
+    # --trace: the udp row's one-token blocks leg by leg, from the master's and the node's timelines (tcp inputs
+    # reach the node on its stream, which the node's timeline does not see).
+    legs = {leg["name"]: leg for leg in results[0]["legs"]}
+    assert {"node kernel", "master's own share", "block, send to merged"} <= set(legs)
+    assert (tmp_path / "trace" / "nodes1" / "master.jsonl").stat().st_size > 0
+    assert (tmp_path / "trace" / "nodes1" / "node-0.jsonl").stat().st_size > 0
+    assert 0 < legs["node kernel"]["median_us"] < legs["block, send to merged"]["median_us"]
+    assert legs["input to the node"]["median_us"] > 0 and legs["master merges"]["median_us"] > 0
     from edgerun.bench.tp import TpResult, tp_table
+    from edgerun.tp.trace import Leg
 
-    table = tp_table([TpResult(**{k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__})])
+    row = {k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__}
+    table = tp_table([TpResult(**row | {"legs": ()})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
     assert " prefill " in table.splitlines()[0] and f"{results[0]['prefill_ms']:.1f}" in table
     assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
                                       f"spin: {results[0]['spin_us']:.0f} µs in every process")
+    traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"])})])
+    assert "critical path" in traced.splitlines()[-1] and "node kernel " in traced.splitlines()[-1]
 
 
 def test_the_kernel_ceiling_script_times_every_share_against_the_single_engine(tiny_spec, synth_gguf) -> None:

@@ -37,6 +37,7 @@ from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
 from edgerun.tp.config import OVERLAPS, MasterConfig
 from edgerun.tp.master import Master
+from edgerun.tp.trace import Leg, breakdown
 
 MIB = 2**20
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
@@ -96,6 +97,7 @@ class TpResult:
     single_prefill_ms: float | None = None
     prefill_speedup: float | None = None  # single_prefill_ms / prefill_ms
     spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
+    legs: tuple[Leg, ...] = ()  # --trace: where a one-token block's time went, leg by leg of its critical path
 
 
 def kernel_rate(spec: str) -> float:
@@ -138,6 +140,7 @@ class TpBenchConfig:
     spin_us: float | None = 0.0  # master and nodes poll their UDP socket this long before sleeping; None: auto
     rebalance: bool = True  # after a warm-up, replan with the speeds the devices showed (Master.rebalance)
     activations: Activations = Activations.INT8  # of every quantized product, the single baseline's too
+    trace_dir: Path | None = None  # --trace: master's and nodes' timelines, a directory per node count
     pin: int = 0  # cores of its own for every device (master, each node, the single baseline); 0: not pinned
 
     def __post_init__(self) -> None:
@@ -200,6 +203,10 @@ def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[st
     return argv
 
 
+def _trace_dir(config: TpBenchConfig, nodes: int) -> Path | None:
+    return None if config.trace_dir is None else config.trace_dir / f"nodes{nodes}"
+
+
 @contextlib.contextmanager
 def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                   bed: testbed.TestbedSpec | None = None) -> Iterator[Master]:
@@ -213,13 +220,15 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
             max_len=CONTEXT, rto_min_ms=config.rto_min_ms, timeout_deviations=config.timeout_deviations,
             parity=config.parity, parity_always=config.parity_always, mapping=config.mapping,
             overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads,
-            spin_us=config.spin_us, activations=config.activations)
+            spin_us=config.spin_us, activations=config.activations, trace_dir=_trace_dir(config, nodes))
         master = Master(model, derive_key(SECRET), master_config, loss=parse_loss(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:
             for i in range(nodes):
                 argv = _node_argv(config, f"{address}:{master.port}", i, loss)
+                if master_config.trace_dir is not None:
+                    argv += ["--trace", str(master_config.trace_dir / f"node-{i}.jsonl")]
                 cores = device_cores(i + 1, config.pin)
                 procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL,
                                               preexec_fn=None if cores is None else
@@ -265,7 +274,11 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     timing = RequestTiming.of(result, elapsed)
     generated = result.tokens
     matched1, kdropped1 = kernel_counters()
-    reports = master.fresh_reports()
+    reports = master.fresh_reports()  # after the nodes' heartbeats, which flushed their traces
+    legs: tuple[Leg, ...] = ()
+    if master.trace is not None:
+        master.trace.flush()
+        legs = tuple(breakdown(master.config.trace_dir, master.exchange.session))
     n = max(1, len(generated))
     compute = (s.compute_s - before["compute_s"]) / n
     wait = (s.wait_s - before["wait_s"]) / n
@@ -299,7 +312,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
-        devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0)
+        devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs)
 
 
 def single_baseline(model: Model, config: TpBenchConfig) -> RequestTiming:
@@ -428,6 +441,11 @@ def tp_table(results: list[TpResult]) -> str:
                     "and after each: each row is compared with the mean of the two runs around it)")
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
+    for r in results:
+        if r.legs:
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: a one-token block's critical path "
+                        "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " +
+                        "; ".join(f"{leg.name} {leg.median_us:.0f}/{leg.mean_us:.0f}" for leg in r.legs))
     return "\n".join(rows)
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgerun.errors import EdgerunError
@@ -71,7 +72,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
                            parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
-                           activations=Activations(args.activations), pin=args.pin)
+                           activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
@@ -324,5 +325,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "single engine) the first CORES, node i the next, wrapping around the cores this process may "
                         "use (Linux CPU affinity; loopback only). Give a device more cores than --threads: its "
                         "network and control threads need one too (default: 0, not pinned)")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="record when each one-token block's input was sent, reached each node, was computed and "
+                        "answered, and when its partials reached the master (DIR/nodesN/*.jsonl, one clock for "
+                        "every process of this host), and print where a block's time went, leg by leg of its "
+                        "critical path (default: off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)

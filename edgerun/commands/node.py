@@ -85,7 +85,7 @@ def cmd_node(args: argparse.Namespace) -> None:
     master = host_port(args.master)
     try:
         run_node(master, args.model, cluster_key(args), name, args.memory_budget, args.speed, loss_arg(args),
-                 args.threads, args.spin_us / 1e6, verbose=args.verbose)
+                 args.threads, args.spin_us / 1e6, verbose=args.verbose, trace=args.trace)
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
 
@@ -142,6 +142,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="moe: hold each expert reply back by a delay drawn from this distribution (seeded by "
                         "--loss-seed), as a slow or jittery device would: for benchmarks of hedged dispatch "
                         "(default: none)")
+    p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="tp: append this node's timeline of one-token blocks to FILE as JSON lines, once a heartbeat "
+                        "(when each input came, was taken, computed and answered), for `edgerun bench tp --trace`'s "
+                        "breakdown of a synchronization (default: none)")
     share_threads_arg(p, DEFAULT_THREADS)
     spin_arg(p)
     cluster_args(p)

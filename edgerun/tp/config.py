@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
@@ -55,6 +56,7 @@ class MasterConfig:
     threads: int = 1  # onnxruntime threads of the master's own share
     activations: Activations = Activations.INT8  # of every device's quantized products (its kernels' numbers)
     spin_us: float = 0.0  # how long the master polls for partials without sleeping (DatagramSocket.spin_s)
+    trace_dir: Path | None = None  # where the master writes its timeline of one-token blocks (tp.trace)
 
     def __post_init__(self) -> None:
         unknown = set(self.overlap) - set(OVERLAPS)

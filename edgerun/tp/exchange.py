@@ -38,6 +38,7 @@ from edgerun.tp.deployment import row_span, vocab_rows
 from edgerun.tp.membership import NodeConn
 from edgerun.tp.messages import Fetch, Input, ParityOn, Partial, Route, Routes
 from edgerun.tp.timeouts import Timeouts
+from edgerun.tp.trace import Event, Trace
 
 # Inputs of this many recent positions are kept for nodes that missed one and fetch it: a node may
 # lag behind by a TCP retransmission timeout or more, which is several tokens on a fast cluster.
@@ -129,9 +130,10 @@ class BlockExchange:
     """Runs one block at a time over the nodes (on the event loop's thread)."""
 
     def __init__(self, model: ModelConfig, key: bytes, config: MasterConfig, udp: LossyUdp,
-                 datagrams: DatagramSocket, counters: Counters, log: Callable[[str], None]) -> None:
-        self.model, self.key, self.udp, self.datagrams, self.counters, self.log = \
-            model, key, udp, datagrams, counters, log
+                 datagrams: DatagramSocket, counters: Counters, log: Callable[[str], None],
+                 trace: Trace | None = None) -> None:
+        self.model, self.key, self.udp, self.datagrams, self.counters, self.log, self.trace = \
+            model, key, udp, datagrams, counters, log, trace
         self.configure(config)
         self.session = 0
         self.routes = Routes.for_transport(config.transport, model.n_layers)
@@ -207,6 +209,8 @@ class BlockExchange:
         if lost:  # its units are gone for every later step too: replan
             raise NodeLost(lost[0].name)
         self._account(w, nodes, reliable, ended, wait_start)
+        if self.trace is not None and seq == 1 and nodes:
+            self._record(w, compute_start, wait_start, ended)
         if block == Block.HEAD:
             return self._assemble_logits(out, nodes, w.parts)
         # Each numpy call here costs 10-20 µs after the share's kernel (wire.as_f32): the first partial's sum is
@@ -300,6 +304,16 @@ class BlockExchange:
                 if node.index in w.arrived:
                     node.arrival.observe(w.arrived[node.index])
                     node.lag.observe(w.arrived[node.index] - first)
+
+    def _record(self, w: _Wait, sent: float, computed: float, merged: float) -> None:
+        """The block's moments in the trace (after the block: nothing of it on the nodes' path)."""
+        add = self.trace.add
+        add(Event.SEND, w.key, w.sent)
+        add(Event.SENT, w.key, sent)
+        add(Event.OWN, w.key, computed)
+        for index, after in w.arrived.items():
+            add(Event.ARRIVED, w.key, w.sent + after, index)
+        add(Event.MERGED, w.key, merged)
 
     def _reply_size(self, node: NodeConn, block: Block, seq: int) -> int:
         """Elements of a node's partial: its vocabulary rows of the last token for the LM head."""

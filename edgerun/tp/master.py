@@ -44,6 +44,7 @@ from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
 from edgerun.tp.shard import DynamicQuantShard, QuantShard
+from edgerun.tp.trace import Trace
 
 # A measured synchronization time stands for a node's whole exchange: the link's transfer term is left out.
 UNLIMITED_MBIT = 1e9
@@ -82,7 +83,9 @@ class Master:
         self.net = EventLoopThread()
         self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, config.spin_us / 1e6)
         self.udp_port = self.datagrams.port
-        self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log)
+        self.trace = None if config.trace_dir is None else Trace(config.trace_dir / "master.jsonl", "master")
+        self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log,
+                                      self.trace)
         self.membership = Membership(key, Welcome(self.model_sha256, files_port, self.udp_port),
                                      self.net, self.udp, self.counters, self._node_message,
                                      self.exchange.on_node_lost, log)
@@ -313,6 +316,8 @@ class Master:
 
     # --- generation (on the loop thread) ------------------------------------------------------------
     def _reset(self) -> None:
+        if self.trace is not None:  # the last request's blocks, between requests
+            self.trace.flush()
         self.exchange.new_session(self.exchange.session + 1)
         if self.whole is not None:
             self.whole.reset()
@@ -452,6 +457,8 @@ class Master:
         return generate(self, prompt, max_tokens, sampler, stop_ids, on_token).tokens
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.flush()
         for node in self.membership.alive():
             with contextlib.suppress(OSError, ConnectionError):
                 node.channel.send(Shutdown())

@@ -81,6 +81,7 @@ from edgerun.tp.messages import (
     Welcome,
 )
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec
+from edgerun.tp.trace import Event, Trace
 
 HEARTBEAT_S = 0.5
 SUMMARY_S = 5.0  # how often a verbose node says what it did
@@ -124,8 +125,10 @@ class _Input:
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
                  speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, trace: Path | None = None) -> None:
+        """`trace`: a file the node appends its timeline of one-token blocks to (tp.trace)."""
         self.master = master
+        self.trace = None if trace is None else Trace(trace, name)
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.threads = threads  # onnxruntime threads of the share
         self.spin_s = spin_s  # how long to poll for the next input without sleeping (DatagramSocket.spin_s)
@@ -258,6 +261,8 @@ class Node:
         summarized, last_compute, last_decode = time.monotonic(), 0.0, KernelFit()
         while self.running:
             await asyncio.sleep(HEARTBEAT_S)
+            if self.trace is not None:  # between blocks
+                self.trace.flush()
             try:
                 self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode))
             except (OSError, ConnectionError):
@@ -351,6 +356,10 @@ class Node:
         return entry
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
+        if self.trace is not None and header.tokens == 1 and header.type == MsgType.ACTIVATION:
+            key = (header.session, header.position, header.layer, header.block)
+            self.trace.add(Event.RECEIVED, key, self.datagrams.arrived_at)
+            self.trace.add(Event.HANDLED, key, time.perf_counter())
         if header.type == MsgType.PROBE:
             # A link probe from the master: echo it, through this side's loss like any datagram.
             self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
@@ -453,6 +462,10 @@ class Node:
         took = time.perf_counter() - started
         if out is not None:
             self._send_partial(position, layer, block, x.shape[0], out)
+            if self.trace is not None and x.shape[0] == 1:
+                key = (self.session, position, layer, int(block))
+                self.trace.add(Event.COMPUTED, key, started + took)
+                self.trace.add(Event.REPLIED, key, time.perf_counter(), self.index)
         # Counted once the partial is out: the accounts are off the master's path.
         self.compute_s += took
         if x.shape[0] == 1 and out is not None:
@@ -474,7 +487,7 @@ class Node:
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
              speed: float, loss: LossModel | None, threads: int = 1, spin_s: float = 0.0,
-             verbose: bool = False) -> None:
+             verbose: bool = False, trace: Path | None = None) -> None:
     return_freed_memory()  # a node process holds a share and little else: what it frees goes back
     try:
         model = load_model(model_path)
@@ -482,5 +495,6 @@ def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name:
         print(f"{e}; will fetch the master's model", file=sys.stderr)
         model = None
     node = Node(master, model, key, name, budget_mb, speed, loss,
-                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads, spin_s=spin_s, verbose=verbose)
+                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads, spin_s=spin_s, verbose=verbose,
+                trace=trace)
     node.run()

@@ -1,0 +1,52 @@
+"""tp.trace: the master's and the nodes' timelines of one-token blocks, and a block's critical path leg by leg."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgerun.tp.trace import Event, Trace, breakdown
+
+
+def test_a_blocks_time_splits_into_the_legs_of_its_critical_path(tmp_path: Path) -> None:
+    """Two nodes; node 1 answers last, so the nodes' legs are its. Each step's second block starts 20 µs after
+    the first merged ("between blocks"); the session before the last is left out."""
+    master, n0, n1 = Trace(tmp_path / "master.jsonl", "master"), Trace(tmp_path / "n0.jsonl", "n0"), \
+        Trace(tmp_path / "n1.jsonl", "n1")
+    us = 1e-6
+    for session in (1, 2):
+        t = 100.0 * session
+        for block in (0, 1):
+            key = (session, 5, 3, block)
+            master.add(Event.SEND, key, t)
+            master.add(Event.SENT, key, t + 10 * us)
+            master.add(Event.OWN, key, t + 110 * us)
+            for node, trace, late in ((0, n0, 0), (1, n1, 30)):
+                trace.add(Event.RECEIVED, key, t + 15 * us)
+                trace.add(Event.HANDLED, key, t + 20 * us)
+                trace.add(Event.COMPUTED, key, t + (120 + late) * us)
+                trace.add(Event.REPLIED, key, t + (125 + late) * us, node)
+                master.add(Event.ARRIVED, key, t + (124 + late) * us, node)
+            master.add(Event.MERGED, key, t + 170 * us)
+            t += 190 * us
+    for trace in (master, n0, n1):
+        trace.flush()
+        assert not trace.events
+    legs = {leg.name: leg for leg in breakdown(tmp_path)}
+    expected = {"between blocks": 20, "master sends": 10, "input to the node": 15, "node picks it up": 5,
+                "node kernel": 130, "node's partial to the master": 4, "master merges": 16,
+                "master's own share": 100, "block, send to merged": 170}
+    assert set(legs) == set(expected)
+    for name, value in expected.items():
+        assert legs[name].median_us == pytest.approx(value) and legs[name].mean_us == pytest.approx(value), name
+    assert len((tmp_path / "master.jsonl").read_text().splitlines()) == 2 * 2 * 6
+
+
+def test_a_block_some_event_of_which_is_missing_is_left_out(tmp_path: Path) -> None:
+    master = Trace(tmp_path / "master.jsonl", "master")
+    key = (1, 0, 0, 0)
+    master.add(Event.SEND, key, 1.0)
+    master.add(Event.MERGED, key, 1.001)  # no node's events: nothing to split
+    master.flush()
+    assert breakdown(tmp_path) == []
