@@ -412,17 +412,22 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     assert (tmp_path / "trace" / "nodes1" / "node-0.jsonl").stat().st_size > 0
     assert 0 < legs["node kernel"]["median_us"] < legs["block, send to merged"]["median_us"]
     assert legs["input to the node"]["median_us"] > 0 and legs["master merges"]["median_us"] > 0
-    from edgerun.bench.tp import TpResult, tp_table
+    from edgerun.bench.tp import DeviceRun, TpResult, tp_table
     from edgerun.tp.trace import Leg
 
+    # ... and each device's share with its kernels as measured in the run
+    assert [d["name"] for d in results[0]["devices"]] == ["master", "bench-0"]
+    assert all(d["weight_mb"] > 0 for d in results[0]["devices"])
     row = {k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__}
-    table = tp_table([TpResult(**row | {"legs": ()})])
+    table = tp_table([TpResult(**row | {"legs": (), "devices": ()})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
     assert " prefill " in table.splitlines()[0] and f"{results[0]['prefill_ms']:.1f}" in table
     assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
                                       f"spin: {results[0]['spin_us']:.0f} µs in every process")
-    traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"])})])
-    assert "critical path" in traced.splitlines()[-1] and "node kernel " in traced.splitlines()[-1]
+    traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"]),
+                                         "devices": tuple(DeviceRun(**d) for d in results[0]["devices"])})])
+    assert "critical path" in traced.splitlines()[-2] and "node kernel " in traced.splitlines()[-2]
+    assert "shares" in traced.splitlines()[-1] and "bench-0 " in traced.splitlines()[-1]
 
 
 def test_the_kernel_ceiling_script_times_every_share_against_the_single_engine(tiny_spec, synth_gguf) -> None:

@@ -10,8 +10,9 @@ from edgerun.tp.trace import Event, Trace, breakdown
 
 
 def test_a_blocks_time_splits_into_the_legs_of_its_critical_path(tmp_path: Path) -> None:
-    """Two nodes; node 1 answers last, so the nodes' legs are its. Each step's second block starts 20 µs after
-    the first merged ("between blocks"); the session before the last is left out."""
+    """Two nodes; node 1 answers last, so the nodes' legs are its, and 44 µs after the master's own share ended.
+    Each step's second block starts 20 µs after the first merged ("between blocks"); the session before the last
+    is left out."""
     master, n0, n1 = Trace(tmp_path / "master.jsonl", "master"), Trace(tmp_path / "n0.jsonl", "n0"), \
         Trace(tmp_path / "n1.jsonl", "n1")
     us = 1e-6
@@ -34,19 +35,29 @@ def test_a_blocks_time_splits_into_the_legs_of_its_critical_path(tmp_path: Path)
         trace.flush()
         assert not trace.events
     legs = {leg.name: leg for leg in breakdown(tmp_path)}
-    expected = {"between blocks": 20, "master sends": 10, "input to the node": 15, "node picks it up": 5,
-                "node kernel": 130, "node's partial to the master": 4, "master merges": 16,
-                "master's own share": 100, "block, send to merged": 170}
+    expected = {"between blocks": 20, "master sends": 10, "master's own share": 100, "waiting on the nodes": 44,
+                "the master's share beyond the nodes'": 0, "master merges": 16, "block, send to merged": 170,
+                "input to the node": 15, "node picks it up": 5, "node kernel": 130, "node's partial to the master": 4}
     assert set(legs) == set(expected)
     for name, value in expected.items():
         assert legs[name].median_us == pytest.approx(value) and legs[name].mean_us == pytest.approx(value), name
     assert len((tmp_path / "master.jsonl").read_text().splitlines()) == 2 * 2 * 6
 
 
-def test_a_block_some_event_of_which_is_missing_is_left_out(tmp_path: Path) -> None:
-    master = Trace(tmp_path / "master.jsonl", "master")
-    key = (1, 0, 0, 0)
-    master.add(Event.SEND, key, 1.0)
-    master.add(Event.MERGED, key, 1.001)  # no node's events: nothing to split
+def test_a_block_some_event_of_which_is_missing_or_out_of_order_is_left_out(tmp_path: Path) -> None:
+    """A block with no node's events has nothing to split; a mirrored block whose TCP copy the node computed
+    before its datagram was handled tells nothing of the datagram's way."""
+    master, node = Trace(tmp_path / "master.jsonl", "master"), Trace(tmp_path / "n0.jsonl", "n0")
+    for block, handled in ((0, None), (1, 1.0008)):
+        key = (1, 0, 0, block)
+        for event, at in ((Event.SEND, 1.0), (Event.SENT, 1.0001), (Event.OWN, 1.0004), (Event.MERGED, 1.001)):
+            master.add(event, key, at)
+        if handled is not None:
+            master.add(Event.ARRIVED, key, 1.0006, 0)
+            node.add(Event.COMPUTED, key, 1.0005)
+            node.add(Event.REPLIED, key, 1.00055, 0)
+            node.add(Event.RECEIVED, key, 1.0007)
+            node.add(Event.HANDLED, key, handled)
     master.flush()
+    node.flush()
     assert breakdown(tmp_path) == []

@@ -37,6 +37,7 @@ from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
 from edgerun.tp.config import OVERLAPS, MasterConfig
 from edgerun.tp.master import Master
+from edgerun.tp.membership import NodeConn
 from edgerun.tp.trace import Leg, breakdown
 
 MIB = 2**20
@@ -45,6 +46,17 @@ SECRET = "edgerun-bench"
 WARMUP_TOKENS = 8  # also what the adaptive timeout learns from before measuring
 REBALANCE_WARMUPS = 8  # requests of 2 * WARMUP_TOKENS at most before a rebalance, for the devices' speeds
 CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
+
+
+@dataclass(frozen=True)
+class DeviceRun:
+    """A device of the plan measured: its share's quantized weights, and its kernels' speed and fixed cost per
+    block as fitted from its one-token blocks (None until measured)."""
+
+    name: str
+    weight_mb: float
+    speed_gb_s: float | None
+    fixed_us: float | None
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ class TpResult:
     prefill_speedup: float | None = None  # single_prefill_ms / prefill_ms
     spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
     legs: tuple[Leg, ...] = ()  # --trace: where a one-token block's time went, leg by leg of its critical path
+    devices: tuple[DeviceRun, ...] = ()  # --trace: each device's share and its kernels as measured in the run
 
 
 def kernel_rate(spec: str) -> float:
@@ -276,9 +289,11 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     matched1, kdropped1 = kernel_counters()
     reports = master.fresh_reports()  # after the nodes' heartbeats, which flushed their traces
     legs: tuple[Leg, ...] = ()
+    devices: tuple[DeviceRun, ...] = ()
     if master.trace is not None:
         master.trace.flush()
         legs = tuple(breakdown(master.config.trace_dir, master.exchange.session))
+        devices = _device_runs(master, reports)
     n = max(1, len(generated))
     compute = (s.compute_s - before["compute_s"]) / n
     wait = (s.wait_s - before["wait_s"]) / n
@@ -312,7 +327,19 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
-        devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs)
+        devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
+        devices=devices)
+
+
+def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ...]:
+    master.take_measurements()
+    held = {"master": master.weight_bytes} | {r.name: r.weight_bytes for r in reports}
+    runs = []
+    for name in master.plan.devices:
+        m = master.measured.get(name)
+        runs.append(DeviceRun(name, held.get(name, 0) / MIB, None if m is None else m.speed / 1e9,
+                              None if m is None or m.fixed_s is None else m.fixed_s * 1e6))
+    return tuple(runs)
 
 
 def single_baseline(model: Model, config: TpBenchConfig) -> RequestTiming:
@@ -446,6 +473,12 @@ def tp_table(results: list[TpResult]) -> str:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: a one-token block's critical path "
                         "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " +
                         "; ".join(f"{leg.name} {leg.median_us:.0f}/{leg.mean_us:.0f}" for leg in r.legs))
+        if r.devices:
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: shares (MiB of weights, kernels measured "
+                        "as speed + fixed cost a block): " + "; ".join(
+                            f"{d.name} {d.weight_mb:.0f} MiB" + ("" if d.speed_gb_s is None else
+                                                                 f" {d.speed_gb_s:.2f} GB/s") +
+                            ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") for d in r.devices))
     return "\n".join(rows)
 
 

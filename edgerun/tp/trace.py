@@ -64,21 +64,31 @@ class Leg:
     mean_us: float
 
 
-# A block's critical path, leg by leg: each from one event to the next, the nodes' legs at the node whose partial
-# came last. "between blocks" is the master's work from one block's output to the next block's first send (the
-# residual add and the norm, the bookkeeping of both blocks).
-LEGS = (
-    ("between blocks", "prev merged", Event.SEND),
-    ("master sends", Event.SEND, Event.SENT),
-    ("input to the node", Event.SEND, Event.RECEIVED),
-    ("node picks it up", Event.RECEIVED, Event.HANDLED),
-    ("node kernel", Event.HANDLED, Event.COMPUTED),
-    # to the master's socket: on loopback the partial is there before the node's send returns (REPLIED)
-    ("node's partial to the master", Event.COMPUTED, Event.ARRIVED),
-    ("master merges", Event.ARRIVED, Event.MERGED),
-    ("master's own share", Event.SENT, Event.OWN),
-    ("block, send to merged", Event.SEND, Event.MERGED),
-)
+# A block's legs. The master's: from the block before's output to this block's first send ("between blocks": the
+# residual add, the norm, both blocks' bookkeeping), its sends, its own share, then whichever came last, its share
+# or the last partial, the other's lead over it ("waiting on the nodes" or "the master's share beyond the nodes'"),
+# and the merge from then to the block's output. The node's, at the node whose partial came last: its input's way
+# there, its handler taking it, its kernel, its partial's way to the master's socket.
+LEGS = ("between blocks", "master sends", "master's own share", "waiting on the nodes",
+        "the master's share beyond the nodes'", "master merges", "block, send to merged",
+        "input to the node", "node picks it up", "node kernel", "node's partial to the master")
+
+
+def _legs(m: dict[Event, float], node: dict[Event, float], arrived: float, before: float | None) -> dict[str, float]:
+    """One block's legs in seconds (see LEGS)."""
+    last = max(m[Event.OWN], arrived)
+    legs = {"master sends": m[Event.SENT] - m[Event.SEND], "master's own share": m[Event.OWN] - m[Event.SENT],
+            "waiting on the nodes": max(0.0, arrived - m[Event.OWN]),
+            "the master's share beyond the nodes'": max(0.0, m[Event.OWN] - arrived),
+            "master merges": m[Event.MERGED] - last, "block, send to merged": m[Event.MERGED] - m[Event.SEND],
+            "input to the node": node[Event.RECEIVED] - m[Event.SEND],
+            "node picks it up": node[Event.HANDLED] - node[Event.RECEIVED],
+            "node kernel": node[Event.COMPUTED] - node[Event.HANDLED],
+            # to the master's socket: on loopback the partial is there before the node's send returns
+            "node's partial to the master": arrived - node[Event.COMPUTED]}
+    if before is not None:
+        legs["between blocks"] = m[Event.SEND] - before
+    return legs
 
 
 def breakdown(directory: Path, session: int | None = None) -> list[Leg]:
@@ -99,8 +109,8 @@ def breakdown(directory: Path, session: int | None = None) -> list[Leg]:
                     arrivals.setdefault(key, {})[r["n"]] = r["t"]
                 else:
                     master.setdefault(key, {})[event] = r["t"]
-            else:
-                nodes.setdefault((r["p"], key), {})[event] = r["t"]
+            else:  # a node's first sight of an input: a mirrored block's other copy comes later
+                nodes.setdefault((r["p"], key), {}).setdefault(event, r["t"])
                 if event == Event.REPLIED:
                     index_of[r["p"]] = r["n"]
     if session is None and master:  # the master's last session, and only it
@@ -109,25 +119,22 @@ def breakdown(directory: Path, session: int | None = None) -> list[Leg]:
     by_node: dict[tuple[int, BlockKey], dict[Event, float]] = {
         (index_of[p], key): events for (p, key), events in nodes.items() if p in index_of}
     ordered = sorted(master, key=lambda k: (k[0], k[1], k[3] == HEAD, k[2], k[3]))  # the head ends a step
-    samples: dict[str, list[float]] = {name: [] for name, _, _ in LEGS}
+    samples: dict[str, list[float]] = {name: [] for name in LEGS}
     previous: dict[Event, float] | None = None
     previous_key: BlockKey = (-1, -1, -1, -1)
     for key in ordered:
-        m = master[key]
-        came = arrivals.get(key, {})
+        m, came = master[key], arrivals.get(key, {})
+        before = previous.get(Event.MERGED) if previous is not None and previous_key[:2] == key[:2] else None
+        previous, previous_key = m, key
         if not came or any(e not in m for e in (Event.SEND, Event.SENT, Event.OWN, Event.MERGED)):
-            previous, previous_key = m, key
             continue
         last = max(came, key=came.get)
-        n = by_node.get((last, key))
-        if n is None or len(n) < 4:
-            previous, previous_key = m, key
+        n = by_node.get((last, key), {})
+        # Only an input the node took as a datagram and then computed: a mirrored block's TCP copy may have come
+        # first, and its datagram was handled after the kernel.
+        if not all(e in n for e in (Event.RECEIVED, Event.HANDLED, Event.COMPUTED)) or \
+                not n[Event.RECEIVED] <= n[Event.HANDLED] <= n[Event.COMPUTED]:
             continue
-        times = {**n, **m, Event.ARRIVED: came[last]}
-        if previous is not None and previous_key[:2] == key[:2] and Event.MERGED in previous:
-            times["prev merged"] = previous[Event.MERGED]  # the same step's block before
-        for name, start, end in LEGS:
-            if start in times and end in times:
-                samples[name].append((times[end] - times[start]) * 1e6)
-        previous, previous_key = m, key
+        for name, value in _legs(m, n, came[last], before).items():
+            samples[name].append(value * 1e6)
     return [Leg(name, statistics.median(v), statistics.fmean(v)) for name, v in samples.items() if v]
