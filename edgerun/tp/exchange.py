@@ -95,6 +95,9 @@ class _Wait:
     from_parity: int = 0  # one-datagram partials whose data was lost and whose parity copy came
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
     nodes: dict[int, NodeConn] = field(default_factory=dict)  # the participants by index
+    # The block's output so far: the master's share plus the partials folded in as they came (not the LM head's).
+    total: np.ndarray | None = None
+    folded: set[int] = field(default_factory=set)
 
     def arrive(self, index: int, at: float | None = None) -> None:
         """A participant's reply is whole: it came at `at` (perf_counter time; now if not known)."""
@@ -143,6 +146,8 @@ class BlockExchange:
         self.merged: _Wait | None = None  # the block merged last, whose late partials still teach lags
         self.mirrors: dict[BlockKey, _Wait] = {}  # recent mirrored blocks, for their second copies
         self.stats = StepStats()
+        # The block merged last, not yet counted (_account): counted while the next block's nodes compute.
+        self.unaccounted: tuple[_Wait, list[NodeConn], bool, float, float] | None = None
 
     def configure(self, config: MasterConfig) -> None:
         self.config = config
@@ -150,7 +155,8 @@ class BlockExchange:
                                  config.timeout_deviations)
 
     def new_session(self, session: int, routes: Routes | None = None) -> None:
-        """A new request or a new deployment: nothing of the old one is kept."""
+        """A new request or a new deployment: nothing of the old one is kept (what it ran is counted)."""
+        self.settle()
         self.session = session
         if routes is not None:
             self.routes = routes
@@ -200,6 +206,14 @@ class BlockExchange:
         out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
+        # While the nodes compute: the block before's accounts, and the partials that came during the master's
+        # share into the sum (each numpy call costs 10-20 µs after a kernel, wire.as_f32): after the last partial
+        # only its own add is left, not one per node.
+        self.settle()
+        if block != Block.HEAD:
+            w.total = out
+            for index in w.arrived:
+                self._fold(w, index)
         if while_waiting is not None:
             while_waiting()
         await self._wait(w, nodes, reliable, over_udp)
@@ -208,25 +222,37 @@ class BlockExchange:
         lost = [n for n in nodes if not n.alive]
         if lost:  # its units are gone for every later step too: replan
             raise NodeLost(lost[0].name)
-        self._account(w, nodes, reliable, ended, wait_start)
+        self.unaccounted = (w, nodes, reliable, ended, wait_start)
         if self.trace is not None and seq == 1 and nodes:
             self._record(w, compute_start, wait_start, ended)
         if block == Block.HEAD:
+            self.settle()  # the step's last block: counted before the step returns
             return self._assemble_logits(out, nodes, w.parts)
-        # Each numpy call here costs 10-20 µs after the share's kernel (wire.as_f32): the first partial's sum is
-        # the new array (the share's one-token output is a buffer its block reuses), and a one-token partial is
-        # added as it came, (hidden,) broadcast onto (1, hidden).
-        merged = None
-        for part in w.parts.values():
-            if part is not None:
-                vector = part.vector if isinstance(part, Reassembly) else part
-                if vector.size != out.shape[-1]:
-                    vector = vector.reshape(out.shape)
-                if merged is None:
-                    merged = out + vector
-                else:
-                    merged += vector
-        return out if merged is None else merged
+        # A partial that did not come whole adds what of it came (a lossy block's missing fragments are zeros).
+        for index, part in w.parts.items():
+            if part is not None and index not in w.folded:
+                self._fold(w, index)
+        return w.total
+
+    def _fold(self, w: _Wait, index: int) -> None:
+        """Add a node's partial into the block's output. The first makes the sum a new array (the master's
+        one-token output is a buffer its block reuses); a one-token partial is added as it came, (hidden,)
+        broadcast onto (1, hidden)."""
+        part = w.parts[index]
+        vector = part.vector if isinstance(part, Reassembly) else part
+        if vector.size != w.total.shape[-1]:
+            vector = vector.reshape(w.total.shape)
+        if w.folded:
+            w.total += vector
+        else:
+            w.total = w.total + vector
+        w.folded.add(index)
+
+    def settle(self) -> None:
+        """Count the block merged last, if it is not yet (its accounts wait for the next block's slack)."""
+        if self.unaccounted is not None:
+            pending, self.unaccounted = self.unaccounted, None
+            self._account(*pending)
 
     def _send_datagrams(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None,
                         codec: Codec) -> None:
@@ -351,6 +377,8 @@ class BlockExchange:
                 return
             w.parts[node.index] = np.frombuffer(message.vector, "<f4")  # read-only, as a datagram's: only read
             w.arrive(node.index)
+            if w.total is not None:
+                self._fold(w, node.index)
         elif not self._mirror_copy(key, node.index):
             self.stats.late_packets += 1
 
@@ -367,10 +395,14 @@ class BlockExchange:
                     w.parts[header.node] = vector
                     w.from_parity += is_parity(header)
                     w.arrive(header.node, self.datagrams.arrived_at)
+                    if w.total is not None:
+                        self._fold(w, header.node)
                     return
                 target = w.parts[header.node] = Reassembly(w.sizes[header.node], w.nodes[header.node].datagram_bytes)
             if isinstance(target, Reassembly) and add_fragment(target, header, payload, self.counters):
                 w.arrive(header.node, self.datagrams.arrived_at)
+                if w.total is not None:
+                    self._fold(w, header.node)
             return
         if self._mirror_copy(key, header.node):
             return
