@@ -25,10 +25,10 @@ def blocks(sizes: list[int], repeats: int, noise: float = 0.0, seed: int = 0) ->
 
 
 def test_blocks_of_several_sizes_give_the_speed_and_the_fixed_cost_apart() -> None:
-    """A quarter share of a small model: attention, MLP and head blocks of 0.1, 0.3 and 1 MB. Their ratio of bytes
-    to time would say 1.6 GB/s (the fixed cost counted in); the line through them says 2 GB/s and 60 µs."""
-    fit = blocks([100_000, 300_000, 1_000_000], 400, noise=0.05)
-    assert fit.bytes / fit.seconds < 0.85 * SPEED
+    """A quarter share of a small model: attention and MLP blocks of 0.1 and 0.3 MB. Their ratio of bytes to time
+    would say 1.4 GB/s (the fixed cost counted in); the line through them says 2 GB/s and 60 µs."""
+    fit = blocks([100_000, 300_000], 1000, noise=0.05)
+    assert fit.bytes / fit.seconds < 0.75 * SPEED
     m = fit.measured()
     assert m is not None and m.speed == pytest.approx(SPEED, rel=0.03) and m.fixed_s == pytest.approx(FIXED, rel=0.1)
 
@@ -70,11 +70,11 @@ def test_plans_priced_at_the_fitted_speed_and_fixed_cost_are_priced_as_the_block
     model = load_model(None)
     profile = model_profile(model.name, model.config, model.weights, context=256)
     share = profile.total_tp_weight_bytes() / 4
-    sizes = [int(share * f) for f in (0.004, 0.008, 0.2)]  # an attention block, an MLP block, the head's rows
+    sizes = [int(share * f) for f in (0.004, 0.012)]  # an attention block, an MLP block
     speed = 5e9
     fit = KernelFit()
     rng = random.Random(0)
-    for _ in range(400):
+    for _ in range(3000):
         for size in sizes:
             fit = fit.add(size, (FIXED + size / speed) * (1 + rng.uniform(-0.05, 0.05)))
     fitted = fit.measured()

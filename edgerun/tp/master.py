@@ -368,7 +368,7 @@ class Master:
                 out = np.zeros(self.model.config.vocab_size, np.float32)
                 rows, own = self.shard.logits(x[-1:])
                 out[row_span(rows)] = own[-1]
-            if x.shape[0] == 1:  # one-token steps measure the master's speed
+            if x.shape[0] == 1 and block != Block.HEAD:  # the layers' one-token blocks measure its kernels
                 self.own_decode = self.own_decode.add(
                     self.shard.block_bytes(layer, block, None if own_units is None else len(own_units)),
                     time.perf_counter() - started)

@@ -468,7 +468,7 @@ class Node:
                 self.trace.add(Event.REPLIED, key, time.perf_counter(), self.index)
         # Counted once the partial is out: the accounts are off the master's path.
         self.compute_s += took
-        if x.shape[0] == 1 and out is not None:
+        if x.shape[0] == 1 and out is not None and block != Block.HEAD:  # the layers' blocks (KernelFit)
             self.decode = self.decode.add(self.shard.block_bytes(layer, block, None if units is None else len(units)),
                                           took)
 
