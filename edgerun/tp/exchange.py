@@ -72,6 +72,7 @@ class StepStats:
     # (Master.send_s_per_node: what the planner charges the master per node and block).
     send_s: float = 0.0
     sends: int = 0
+    fold_s: float = 0.0  # of one-token blocks: adding the nodes' partials into the sum (BlockExchange._fold)
 
 
 @dataclass
@@ -238,6 +239,7 @@ class BlockExchange:
         """Add a node's partial into the block's output. The first makes the sum a new array (the master's
         one-token output is a buffer its block reuses); a one-token partial is added as it came, (hidden,)
         broadcast onto (1, hidden)."""
+        started = time.perf_counter()
         part = w.parts[index]
         vector = part.vector if isinstance(part, Reassembly) else part
         if vector.size != w.total.shape[-1]:
@@ -247,6 +249,8 @@ class BlockExchange:
         else:
             w.total = w.total + vector
         w.folded.add(index)
+        if w.tokens == 1:
+            self.stats.fold_s += time.perf_counter() - started
 
     def settle(self) -> None:
         """Count the block merged last, if it is not yet (its accounts wait for the next block's slack)."""
