@@ -469,6 +469,9 @@ def tp_table(results: list[TpResult]) -> str:
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     for r in results:
+        if r.devices and not r.legs:
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: no one-token block with a node's partial "
+                        "to trace (the plan leaves every node out, or its blocks went over TCP)")
         if r.legs:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: a one-token block's critical path "
                         "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " +
