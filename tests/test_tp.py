@@ -210,8 +210,9 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
         # The master's own time per node before its share, measured over the request, is what plans charge it.
         assert master.stats.sends >= 2 * model.config.n_layers * (N_TOKENS - 1) and 0 < master.send_s_per_node < 0.01
         assert master._devices(master.membership.alive())[0].compute.send_s_per_node == master.send_s_per_node
-        s = master.stats  # ... sending the nodes' inputs and adding their partials
-        assert s.fold_s > 0 and master.send_s_per_node == pytest.approx((s.send_s + s.fold_s) / s.sends)
+        s = master.stats  # ... sending the nodes' inputs, adding their partials and counting them
+        assert s.fold_s > 0 and s.account_s > 0
+        assert master.send_s_per_node == pytest.approx((s.send_s + s.fold_s + s.account_s) / s.sends)
         assert n0_units(master) < before
         assert not master.rebalance(min_gain=0.02)  # nothing measured since: the same speeds give the same shares
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens

@@ -73,6 +73,7 @@ class StepStats:
     send_s: float = 0.0
     sends: int = 0
     fold_s: float = 0.0  # of one-token blocks: adding the nodes' partials into the sum (BlockExchange._fold)
+    account_s: float = 0.0  # of one-token blocks with nodes: counting them (BlockExchange._account)
 
 
 @dataclass
@@ -256,7 +257,10 @@ class BlockExchange:
         """Count the block merged last, if it is not yet (its accounts wait for the next block's slack)."""
         if self.unaccounted is not None:
             pending, self.unaccounted = self.unaccounted, None
+            started = time.perf_counter()
             self._account(*pending)
+            if pending[0].tokens == 1 and pending[1]:
+                self.stats.account_s += time.perf_counter() - started
 
     def _send_datagrams(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None,
                         codec: Codec) -> None:

@@ -166,7 +166,8 @@ class Master:
     @property
     def send_s_per_node(self) -> float:
         """The master's time per node and one-token block beside its own share: from its first send to its share,
-        and adding the node's partial into the block's sum, as measured (over at least MIN_SYNC_BLOCKS node-blocks),
+        adding the node's partial into the block's sum and counting it, as measured (over at least MIN_SYNC_BLOCKS
+        node-blocks),
         else the planner's default. On the device machine sending measured ~16 µs a node at 7 nodes where the
         default says 50: plans made with the default left the master idle ~0.5 ms a block while its nodes finished.
         The adds are charged too: a master whose share ends after the partials came adds them all then, on the
@@ -174,7 +175,7 @@ class Master:
         seven nodes' partials, and merged for 160 µs more); with a share that ends first, it adds them while it
         waits."""
         s = self.stats
-        return (s.send_s + s.fold_s) / s.sends if s.sends >= MIN_SYNC_BLOCKS else SEND_S_PER_NODE
+        return (s.send_s + s.fold_s + s.account_s) / s.sends if s.sends >= MIN_SYNC_BLOCKS else SEND_S_PER_NODE
 
     def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
         """A device as the planner sees it: at its measured speed and fixed cost per block once there are some, else
