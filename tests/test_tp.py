@@ -187,8 +187,10 @@ def test_a_nodes_sync_time_is_its_arrivals_beyond_its_kernels() -> None:
 
 @pytest.mark.slow
 def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model, reference_tokens: list[int]) -> None:
-    """n0 declares itself a hundred times faster than the others and gets nearly every unit; after one request
-    the master knows its measured speed and hands out shares that fit it, and the tokens stay the reference's.
+    """n0 declares itself ten times faster than the master and n1 (which declare about what this machine's kernels
+    do) and gets most units; after one request the master knows its measured speed and hands out shares that
+    fit it, and the tokens stay the reference's. (Where the others declared a tenth of what they run at, n0's
+    true speed was still the fastest the plan knew of, and it rightly kept every unit.)
     (On loopback the synchronizations the plan prices dominate the shipped model's time. The shares are first
     minmax's, so that n1 holds some, and rebalanced by halo, whose local search prices the synchronizations:
     minmax's shares at the measured speeds, which ignore them, were once predicted slower than the shares they
@@ -198,14 +200,14 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
         i = master.plan.devices.index("n0")  # nodes take their places in the plan in the order they joined
         return sum(len(layer[i]) for layer in master.plan.mlp)
 
-    for master, _ in cluster(model, [1e11, 1e9], timeout_ms=2000):
+    for master, _ in cluster(model, [1e11, 1e10], timeout_ms=2000, speed=1e10):
         before = n0_units(master)
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
         master.fresh_reports()
         master.reconfigure(replace(master.config, strategy="halo"))
         assert master.rebalance(min_gain=0.0)
         assert 0 < master.measured["n0"].speed < 1e11
-        # The time per block beyond its kernels of the node that took part (n1 held next to nothing: too few blocks).
+        # The time per block beyond its kernels of the node that took part.
         assert 0 <= master.measured_sync["n0"] < 0.1
         # The master's own time per node before its share, measured over the request, is what plans charge it.
         assert master.stats.sends >= 2 * model.config.n_layers * (N_TOKENS - 1) and 0 < master.send_s_per_node < 0.01
