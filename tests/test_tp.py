@@ -173,7 +173,7 @@ def test_a_nodes_sync_time_is_its_arrivals_beyond_its_kernels() -> None:
 
     node = NodeConn(0, "n0", None, "127.0.0.1", 0, 100.0, 1e9)
     assert node.sync_s is None
-    node.decode = KernelFit(100, 1e9, 0.8)
+    node.decode, node.decode_s = KernelFit(100, 1e9, 0.7), 0.8  # the kernels' time, the LM head's included
     node.arrival_s, node.arrival_blocks = 1.4, MIN_SYNC_BLOCKS * 2
     node.reported_arrivals = (1.0, MIN_SYNC_BLOCKS * 2)  # the heartbeat's decode time covered these
     assert node.sync_s == pytest.approx(0.2 / (MIN_SYNC_BLOCKS * 2))

@@ -74,7 +74,8 @@ class NodeConn:
     compute_s: float = 0.0
     peak_rss_mb: float = 0.0
     heartbeats: int = 0
-    decode: KernelFit = field(default_factory=KernelFit)  # its one-token blocks on its current share
+    decode: KernelFit = field(default_factory=KernelFit)  # its layers' one-token blocks on its current share
+    decode_s: float = 0.0  # the kernel time of all its one-token blocks, the LM head's too
     # One-token blocks on its current share whose partial arrived, the seconds from sending each input to its
     # partial's arrival, and both as they stood when its last heartbeat (with `decode`) came.
     arrival_s: float = 0.0
@@ -90,9 +91,9 @@ class NodeConn:
         """What a one-token block of this node takes beyond its kernels (its input's way there, its own work around
         the kernels, its partial's way back), as measured up to its last heartbeat; None until enough blocks."""
         seconds, blocks = self.reported_arrivals
-        if blocks < MIN_SYNC_BLOCKS or self.decode.seconds <= 0:
+        if blocks < MIN_SYNC_BLOCKS or self.decode_s <= 0:
             return None
-        return max(0.0, (seconds - self.decode.seconds) / blocks)
+        return max(0.0, (seconds - self.decode_s) / blocks)
 
 
 
@@ -168,8 +169,9 @@ class Membership:
             case Pong() | BandwidthReply():
                 node.pongs.append(time.perf_counter())
                 node.pong.set()
-            case Heartbeat(rejected, compute_s, rss_mb, decode):
-                node.rejected, node.compute_s, node.peak_rss_mb, node.decode = rejected, compute_s, rss_mb, decode
+            case Heartbeat(rejected, compute_s, rss_mb, decode, decode_s):
+                node.rejected, node.compute_s, node.peak_rss_mb = rejected, compute_s, rss_mb
+                node.decode, node.decode_s = decode, decode_s
                 node.reported_arrivals = (node.arrival_s, node.arrival_blocks)  # what this decode time was part of
                 node.heartbeats += 1
             case _:

@@ -109,6 +109,8 @@ class Heartbeat:
     # One-token blocks since the share was assigned: the device's measured speed and fixed cost per block, which
     # replace the declared ones in later plans.
     decode: KernelFit = field(default_factory=KernelFit)
+    # ... and the time of every one-token block's kernels, the LM head's included (NodeConn.sync_s).
+    decode_s: float = 0.0
 
 
 @dataclass(frozen=True)

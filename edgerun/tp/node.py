@@ -156,7 +156,8 @@ class Node:
         # per block, the units the master's ranking puts at those indices. None: static shares.
         self.priorities: Priorities | None = None
         self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
-        self.decode = KernelFit()  # one-token blocks on the current share: its measured speed
+        self.decode = KernelFit()  # the layers' one-token blocks on the current share: its measured speed
+        self.decode_s = 0.0  # every one-token block's kernels on the current share, the LM head's too
         self.running = True
         self.channel: AsyncChannel | None = None
         self.master_udp_port = 0
@@ -264,7 +265,8 @@ class Node:
             if self.trace is not None:  # between blocks
                 self.trace.flush()
             try:
-                self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode))
+                self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode,
+                                            self.decode_s))
             except (OSError, ConnectionError):
                 return
             now = time.monotonic()
@@ -284,7 +286,7 @@ class Node:
         self.parity, self.datagram_bytes = message.parity, message.datagram_bytes
         self.priorities = message.priorities
         self.master_udp_port = message.udp_port
-        self.decode = KernelFit()
+        self.decode, self.decode_s = KernelFit(), 0.0
         self.channel.set_rto_min(message.rto_min_ms)
         self._new_session(message.session)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
@@ -468,9 +470,11 @@ class Node:
                 self.trace.add(Event.REPLIED, key, time.perf_counter(), self.index)
         # Counted once the partial is out: the accounts are off the master's path.
         self.compute_s += took
-        if x.shape[0] == 1 and out is not None and block != Block.HEAD:  # the layers' blocks (KernelFit)
-            self.decode = self.decode.add(self.shard.block_bytes(layer, block, None if units is None else len(units)),
-                                          took)
+        if x.shape[0] == 1 and out is not None:
+            self.decode_s += took
+            if block != Block.HEAD:  # the layers' blocks (KernelFit)
+                self.decode = self.decode.add(
+                    self.shard.block_bytes(layer, block, None if units is None else len(units)), took)
 
     def _send_partial(self, position: int, layer: int, block: Block, seq: int, out: np.ndarray) -> None:
         route = self.routes.of(layer, block, seq)
