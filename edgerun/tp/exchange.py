@@ -97,9 +97,10 @@ class _Wait:
     from_parity: int = 0  # one-datagram partials whose data was lost and whose parity copy came
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
     nodes: dict[int, NodeConn] = field(default_factory=dict)  # the participants by index
-    # The block's output so far: the master's share plus the partials folded in as they came (not the LM head's).
+    # The master's share once computed (not the LM head's), and its sum with the partials folded in as they
+    # came: every one in `arrived` (None until the first).
+    own: np.ndarray | None = None
     total: np.ndarray | None = None
-    folded: set[int] = field(default_factory=set)
 
     def arrive(self, index: int, at: float | None = None) -> None:
         """A participant's reply is whole: it came at `at` (perf_counter time; now if not known)."""
@@ -216,7 +217,7 @@ class BlockExchange:
         # only its own add is left, not one per node.
         self.settle()
         if block != Block.HEAD:
-            w.total = out
+            w.own = out
             for index in w.arrived:
                 self._fold(w, index)
         if while_waiting is not None:
@@ -235,9 +236,9 @@ class BlockExchange:
             return self._assemble_logits(out, nodes, w.parts)
         # A partial that did not come whole adds what of it came (a lossy block's missing fragments are zeros).
         for index, part in w.parts.items():
-            if part is not None and index not in w.folded:
+            if part is not None and index not in w.arrived:
                 self._fold(w, index)
-        return w.total
+        return out if w.total is None else w.total
 
     def _fold(self, w: _Wait, index: int) -> None:
         """Add a node's partial into the block's output. The first makes the sum a new array (the master's
@@ -246,13 +247,12 @@ class BlockExchange:
         started = time.perf_counter()
         part = w.parts[index]
         vector = part.vector if isinstance(part, Reassembly) else part
-        if vector.size != w.total.shape[-1]:
-            vector = vector.reshape(w.total.shape)
-        if w.folded:
-            w.total += vector
+        if vector.size != w.own.shape[-1]:
+            vector = vector.reshape(w.own.shape)
+        if w.total is None:
+            w.total = w.own + vector
         else:
-            w.total = w.total + vector
-        w.folded.add(index)
+            w.total += vector
         if w.tokens == 1:
             self.stats.fold_s += time.perf_counter() - started
 
@@ -388,7 +388,7 @@ class BlockExchange:
                 return
             w.parts[node.index] = np.frombuffer(message.vector, "<f4")  # read-only, as a datagram's: only read
             w.arrive(node.index)
-            if w.total is not None:
+            if w.own is not None:
                 self._fold(w, node.index)
         elif not self._mirror_copy(key, node.index):
             self.stats.late_packets += 1
@@ -406,13 +406,13 @@ class BlockExchange:
                     w.parts[header.node] = vector
                     w.from_parity += is_parity(header)
                     w.arrive(header.node, self.datagrams.arrived_at)
-                    if w.total is not None:
+                    if w.own is not None:
                         self._fold(w, header.node)
                     return
                 target = w.parts[header.node] = Reassembly(w.sizes[header.node], w.nodes[header.node].datagram_bytes)
             if isinstance(target, Reassembly) and add_fragment(target, header, payload, self.counters):
                 w.arrive(header.node, self.datagrams.arrived_at)
-                if w.total is not None:
+                if w.own is not None:
                     self._fold(w, header.node)
             return
         if self._mirror_copy(key, header.node):

@@ -25,7 +25,7 @@ HEAD = 2  # wire.Block.HEAD
 class Event(Enum):
     # master
     SEND = "send"  # about to send the block's input
-    SENT = "sent"  # every node's input is out
+    SENT = "sent"  # every node's input is out and the block's bookkeeping done: the master's own share starts
     OWN = "own"  # the master's own share is computed
     ARRIVED = "arrived"  # a node's partial reached the master's socket (kernel time stamp), per node
     MERGED = "merged"  # the block's output is whole
@@ -94,28 +94,27 @@ def _legs(m: dict[Event, float], node: dict[Event, float], arrived: float, befor
 def breakdown(directory: Path, session: int | None = None) -> list[Leg]:
     """The legs of one-token blocks' critical paths over every trace file in `directory` (microseconds), of one
     session (None: the master's last): only blocks every event of which was recorded."""
+    records = [json.loads(line) for path in sorted(Path(directory).glob("*.jsonl"))
+               for line in path.read_text().splitlines()]
+    if session is None:  # the master's last
+        session = max((r["k"][0] for r in records if r["p"] == "master"), default=None)
     master: dict[BlockKey, dict[Event, float]] = {}
     arrivals: dict[BlockKey, dict[int, float]] = {}
     nodes: dict[tuple[str, BlockKey], dict[Event, float]] = {}
     index_of: dict[str, int] = {}  # node process -> its index, from its REPLIED events
-    for path in sorted(Path(directory).glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            key, event = tuple(r["k"]), Event(r["e"])
-            if session is not None and key[0] != session:
-                continue
-            if r["p"] == "master":
-                if event == Event.ARRIVED:
-                    arrivals.setdefault(key, {})[r["n"]] = r["t"]
-                else:
-                    master.setdefault(key, {})[event] = r["t"]
-            else:  # a node's first sight of an input: a mirrored block's other copy comes later
-                nodes.setdefault((r["p"], key), {}).setdefault(event, r["t"])
-                if event == Event.REPLIED:
-                    index_of[r["p"]] = r["n"]
-    if session is None and master:  # the master's last session, and only it
-        last = max(k[0] for k in master)
-        return breakdown(directory, last)
+    for r in records:
+        key, event = tuple(r["k"]), Event(r["e"])
+        if key[0] != session:
+            continue
+        if r["p"] == "master":
+            if event == Event.ARRIVED:
+                arrivals.setdefault(key, {})[r["n"]] = r["t"]
+            else:
+                master.setdefault(key, {})[event] = r["t"]
+        else:  # a node's first sight of an input: a mirrored block's other copy comes later
+            nodes.setdefault((r["p"], key), {}).setdefault(event, r["t"])
+            if event == Event.REPLIED:
+                index_of[r["p"]] = r["n"]
     by_node: dict[tuple[int, BlockKey], dict[Event, float]] = {
         (index_of[p], key): events for (p, key), events in nodes.items() if p in index_of}
     ordered = sorted(master, key=lambda k: (k[0], k[1], k[3] == HEAD, k[2], k[3]))  # the head ends a step
