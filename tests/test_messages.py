@@ -136,4 +136,4 @@ def test_header_fields_have_one_meaning_each() -> None:
     """A datagram's token count is its own field, and a link probe its own type."""
     header = Header(MsgType.PARTIAL, 1, tokens=3)
     assert header.tokens == 3 and "flags" not in Header._fields
-    assert {t.name for t in MsgType} == {"ACTIVATION", "PARTIAL", "CONTROL", "PROBE"}
+    assert {t.name for t in MsgType} == {"ACTIVATION", "PARTIAL", "CONTROL", "PROBE", "RESEND"}

@@ -25,7 +25,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import MAX_UDP_PAYLOAD
 from edgerun.net.loss import parse_loss
-from edgerun.net.wire import Block, Codec, Header, MsgType, control_frame, derive_key, fragment, seal
+from edgerun.net.wire import Block, Codec, Header, MsgType, Resend, control_frame, derive_key, fragment, seal
 from edgerun.tp import messages
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.master import Master
@@ -301,7 +301,7 @@ def mutate(datagram: bytes, rng: random.Random) -> bytes:
     if choice == 2:
         return bytes(data[: rng.randrange(len(data))])
     # Authentic but wild: a header the receiver does not expect, sealed with the right key.
-    header = Header(MsgType(rng.choice([1, 2, 4])), rng.randrange(1 << 32), rng.randrange(1 << 32),
+    header = Header(MsgType(rng.choice([1, 2, 4, 7])), rng.randrange(1 << 32), rng.randrange(1 << 32),
                     rng.randrange(1 << 16), rng.choice([0, 1, 2]), rng.randrange(256), rng.randrange(4), 4,
                     Codec(rng.randrange(3)), rng.randrange(256), rng.randrange(1 << 20))  # a PROBE would be valid
     return seal(header, rng.randbytes(rng.randrange(0, 600)), KEY)
@@ -335,7 +335,8 @@ def authentic_malformed_messages(port: int, rng: random.Random, n: int = 300) ->
 def test_fuzzed_datagrams_are_counted_and_nothing_breaks(model: Model, reference_tokens: list[int]) -> None:
     n = int(os.environ.get("EDGERUN_TP_FUZZ_N", "2000"))
     rng = random.Random(0)
-    valid = fragment(Header(MsgType.PARTIAL, 1, 0, 1, Block.MLP, 1, tokens=1), np.ones(576, np.float32), KEY)
+    partial = Header(MsgType.PARTIAL, 1, 0, 1, Block.MLP, 1, tokens=1)
+    valid = [*fragment(partial, np.ones(576, np.float32), KEY), Resend(1, 0, 0, Block.HEAD, 1, (0, 1)).seal(KEY)]
     prompt = model.tokenizer.encode(PROMPT)
     for master, _ in cluster(model, [1e9], timeout_ms=2000):
         node = master.nodes[0]

@@ -30,6 +30,7 @@ from edgerun.net.wire import (
     Header,
     MsgType,
     Reassembly,
+    Resend,
     WireError,
     authenticate,
     control_frame,
@@ -593,6 +594,37 @@ def test_frame_length_bounds() -> None:
             frame_length(prefix(n))
 
 
+def test_resend_requests_round_trip_and_malformed_ones_are_refused() -> None:
+    for request in [Resend(7, 3, 0, Block.HEAD, 2, (0, 5, 44)), Resend(1, 0, 0, Block.ATTN, 1)]:
+        assert Resend.open(*open_packet(request.seal(KEY), KEY)) == request
+    header = Header(MsgType.RESEND, 1, block=Block.MLP)
+    for payload in [b"\x01", b"\x00" * (2 * 4096 + 2)]:  # half an index; more fragments than any vector has
+        with pytest.raises(WireError):
+            Resend.open(*open_packet(seal(header, payload, KEY), KEY))
+    with pytest.raises(WireError):
+        Resend.open(*open_packet(seal(header._replace(block=9), b"", KEY), KEY))
+
+
+def test_fragments_sent_again_complete_a_vector_exactly() -> None:
+    """A receiver that lost two fragments (more than its parity rebuilds) names them (Reassembly.missing); the
+    sender seals just those again (fragment(..., only=...)) and the vector is whole and exact."""
+    x = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    header = Header(MsgType.PARTIAL, 1, 2, 0, Block.HEAD, 1, codec=Codec.F32, tokens=1)
+    sent = fragment(header, x, KEY, 1472, parity=2)
+    reassembly = Reassembly(x.size, 1472)
+    assert reassembly.missing() == ()
+    for i, datagram in enumerate(sent):
+        if i not in (3, 8):
+            reassembly.add(*open_packet(datagram, KEY))
+    assert not reassembly.complete and reassembly.missing() == (3, 8)
+    again = fragment(header, x, KEY, 1472, only=(*reassembly.missing(), 99))  # 99: no such fragment, left out
+    assert [open_packet(d, KEY)[0].frag_index for d in again] == [3, 8]
+    for datagram in again:
+        reassembly.add(*open_packet(datagram, KEY))
+    assert reassembly.complete and np.array_equal(reassembly.vector, x)
+    assert len(fragment(header, x[:100], KEY, 1472, only=(0,))) == 1  # a one-datagram vector: its datagram
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # fuzz
 
@@ -613,6 +645,8 @@ def fuzz_corpus() -> list[bytes]:
         corpus += fragment(header, rng.standard_normal(1000).astype(np.float32), KEY)
     corpus.append(control_frame(5, b'{"message":"Ping","seq":1}', b"\x01\x02", KEY)[4:])
     corpus.append(seal(Header(MsgType.PROBE, 5, position=2, node=3), b"", KEY))
+    corpus.append(Resend(5, 2, 0, Block.HEAD, 3, (0, 4, 7)).seal(KEY))
+    corpus.append(Resend(5, 2, 0, Block.ATTN, 1).seal(KEY))
     return corpus
 
 
@@ -706,6 +740,13 @@ def receive(data: bytes, reassembly: Reassembly) -> str:
         header, payload = open_packet(data, KEY)
     except WireError:
         return "rejected: open_packet"
+    if header.type == MsgType.RESEND:
+        try:
+            request = Resend.open(header, payload)
+        except WireError:
+            return "rejected: Resend.open"
+        assert all(0 <= i < 1 << 16 for i in request.fragments) and request.block in Block
+        return "accepted"
     with contextlib.suppress(WireError):
         decode_vector(payload, header.codec, fragment_size(header, FUZZ_TOTAL))
     try:

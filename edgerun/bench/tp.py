@@ -84,6 +84,7 @@ class TpResult:
     blocks_incomplete: int
     incomplete_wait_ms_per_token: float  # of wait: waiting in blocks that ended incomplete
     partials_rebuilt: int  # from a parity fragment
+    partials_resent: int  # mirrored partials whole over UDP after the master asked for fragments they lacked
     datagrams_sent: int
     datagrams_dropped: int  # by the in-process loss model on the master's side
     kernel_matched: int  # cluster packets the kernel saw (kernel loss only)
@@ -318,6 +319,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
         incomplete_wait_ms_per_token=(s.incomplete_wait_s - before["incomplete_wait_s"]) / n * 1e3,
         partials_rebuilt=s.partials_rebuilt - before["partials_rebuilt"],
+        partials_resent=s.completed_after_ask - before["completed_after_ask"],
         datagrams_sent=master.udp.sent - sent, datagrams_dropped=master.udp.dropped - dropped,
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
         late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected,
@@ -441,11 +443,12 @@ def tp_table(results: list[TpResult]) -> str:
     "sync" the time per synchronization beyond the slowest device's compute (µs); "speed-up" against the
     single-process engine (--baseline); "decode" the one-token steps alone (ms/token includes the prompt's
     prefill), with their speed-up over the single engine's; "prefill" the prompt's prefill and first token in ms
-    (the time to the first token), with its speed-up."""
+    (the time to the first token), with its speed-up; "rebuilt" partials rebuilt from a parity fragment, "resent"
+    mirrored partials that came whole after the master asked for fragments they lacked."""
     rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
             f"{'decode':>7} {'(x)':>6} {'prefill':>8} {'(x)':>6} {'compute':>8} "
             f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
-            f"{'rebuilt':>7} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
+            f"{'rebuilt':>7} {'resent':>6} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
     for r in results:
         speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
         decode_speedup = "" if r.decode_speedup is None else f"{r.decode_speedup:.2f}x"
@@ -458,7 +461,8 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{r.node_compute_ms_per_token:>7.1f} "
                     f"{r.wait_ms_per_token:>8.1f} "
                     f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
-                    f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.late_packets:>9} "
+                    f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.partials_resent:>6} "
+                    f"{r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")
     singles = [r for r in results if r.single_ms_per_token is not None]
     if singles:

@@ -28,6 +28,12 @@ of k fragments is then lost only when two of its k + 1 datagrams are: at 5 % los
 0.25 % of vectors instead of 5 %. The parity may be sent more than once: with two copies a
 one-fragment vector (whose parity is a copy of its data) is lost only when all three datagrams are,
 0.0125 % at 5 % loss; a receiver takes the first copy and ignores the others.
+
+A parity fragment rebuilds one loss, which suits a vector of a few fragments. The mirrored blocks (the first layer
+and the LM head, which must arrive whole) carry longer ones: the LM head's partial is tens of fragments, two of
+which go missing at 5 % loss more often than not. Their receiver asks for what did not come with a RESEND
+datagram (`Resend`: its payload the missing fragments' indices, u16 each, none meaning all), and the sender seals
+those fragments again.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any, NamedTuple
@@ -81,6 +88,7 @@ class MsgType(IntEnum):
     PARTIAL = 2  # node -> master: the node's partial block output
     CONTROL = 4  # a control message (tp.messages) on the reliable channel
     PROBE = 6  # master -> node -> master: a link-loss probe the node echoes
+    RESEND = 7  # a request for the fragments of a mirrored block's vector that did not come (Resend)
 
 
 class Block(IntEnum):
@@ -97,6 +105,7 @@ class Codec(IntEnum):
 
 _MSG_TYPES = {m.value: m for m in MsgType}
 _CODECS = {c.value: c for c in Codec}
+_BLOCKS = {b.value: b for b in Block}
 
 
 class Header(NamedTuple):
@@ -285,18 +294,22 @@ def _xor(payloads: list[bytes], size: int) -> bytes:
 
 
 def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472, parity: int = 0,
-             prefix: bytes = b"") -> list[bytes]:
+             prefix: bytes = b"", only: Collection[int] | None = None) -> list[bytes]:
     """A vector as sealed datagrams that each fit `mtu_payload` bytes (1472: a 1500-byte Ethernet MTU
     less IPv4 and UDP headers), each payload starting with `prefix`, then `parity` copies of the
-    parity fragment."""
+    parity fragment. `only`: just these data fragments, no parity (what a Resend asks for; indices
+    beyond the vector's are left out)."""
     x = as_f32(x)
     per = elements_per_fragment(header.codec, mtu_payload, len(prefix))
-    if x.size <= per:  # one datagram holds it all (loopback, small vectors): the common case, kept short
+    if x.size <= per and only is None:  # one datagram holds it all (loopback, small vectors): the common case
         payload = prefix + encode_vector(x, header.codec)
         datagrams = [_sealed(header, 0, 1, 0, payload, key)]
         return datagrams + [_sealed(header, 1, 1, 0, payload, key)] * int(parity) if parity else datagrams
     x = x.reshape(-1)
     count = -(-x.size // per)
+    if only is not None:
+        return [_sealed(header, i, count, i * per, prefix + encode_vector(x[i * per:(i + 1) * per], header.codec),
+                        key) for i in sorted(set(only)) if 0 <= i < count]
     payloads = [prefix + encode_vector(x[i * per:(i + 1) * per], header.codec) for i in range(count)]
     datagrams = [_sealed(header, i, count, i * per, p, key) for i, p in enumerate(payloads)]
     if parity:
@@ -315,6 +328,40 @@ def whole_vector(header: Header, payload: bytes, total: int, prefix: int = 0) ->
     if header.codec == Codec.F32:
         return np.frombuffer(payload, "<f4", total, prefix)
     return decode_vector(payload[prefix:], header.codec, total)
+
+
+MAX_RESEND_FRAGMENTS = 4096  # a Resend names at most this many fragments (a 64k-float vector in 1472-byte datagrams
+# is 45 of them)
+RESEND_INDEX = np.dtype("<u2")
+
+
+@dataclass(frozen=True)
+class Resend:
+    """A request for the data fragments of a mirrored block's vector that did not come: master -> node for the
+    node's partial, node -> master for the node's input (`node` is the node's index either way). No fragments
+    named: every one of them. Such a block's TCP copy would bring the vector too, but on a lossy link a TCP
+    stream takes tens of milliseconds to recover a lost segment; a Resend takes a round trip."""
+
+    session: int
+    position: int
+    layer: int
+    block: Block
+    node: int
+    fragments: tuple[int, ...] = ()
+
+    def seal(self, key: bytes) -> bytes:
+        header = Header(MsgType.RESEND, self.session, self.position, self.layer, self.block, self.node)
+        return seal(header, np.asarray(self.fragments, RESEND_INDEX).tobytes(), key)
+
+    @classmethod
+    def open(cls, header: Header, payload: bytes) -> Resend:
+        """The request a RESEND datagram (opened with open_packet) carries; WireError if it is malformed."""
+        if len(payload) % RESEND_INDEX.itemsize or len(payload) > MAX_RESEND_FRAGMENTS * RESEND_INDEX.itemsize:
+            raise WireError(f"a resend request of {len(payload)} bytes")
+        if header.block not in _BLOCKS or header.frag_count != 1:
+            raise WireError(f"a resend request for block {header.block}, fragment count {header.frag_count}")
+        fragments = tuple(int(i) for i in np.frombuffer(payload, RESEND_INDEX))
+        return cls(header.session, header.position, header.layer, _BLOCKS[header.block], header.node, fragments)
 
 
 def fragment_size(header: Header, total: int, mtu_payload: int = 1472, prefix: int = 0) -> int:
@@ -398,6 +445,10 @@ class Reassembly:
     @property
     def complete(self) -> bool:
         return self.count is not None and len(self.received) == self.count
+
+    def missing(self) -> tuple[int, ...]:
+        """The data fragments not in yet (none known before the first fragment)."""
+        return () if self.count is None else tuple(sorted(set(range(self.count)) - self.received))
 
 
 JSON_LENGTH = struct.Struct("<I")

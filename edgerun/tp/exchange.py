@@ -27,6 +27,7 @@ from edgerun.net.wire import (
     Header,
     MsgType,
     Reassembly,
+    Resend,
     WireError,
     as_f32,
     fragment,
@@ -49,6 +50,12 @@ KEPT_POSITIONS = 64
 # times later, so a drain that ended at the estimate handed nearly every head to the event loop (0.3-0.5 ms more
 # a token on the device). A TCP copy that comes first is read by the loop between drains and completes the block.
 MIRROR_DRAIN_S = 0.05
+
+# A mirrored block asks again for what has not come (Resend) this long after its first partial is in, and then as
+# often, until it is whole or its drain ends. On a lossy link the TCP copy of a partial of tens of fragments (the LM
+# head's) took 30-50 ms to get through on the testbed at 5% loss, every token; a round trip there is a few hundred
+# microseconds.
+RESEND_S = 0.002
 
 BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
 
@@ -74,6 +81,11 @@ class StepStats:
     sends: int = 0
     fold_s: float = 0.0  # of one-token blocks: adding the nodes' partials into the sum (BlockExchange._fold)
     account_s: float = 0.0  # of one-token blocks with nodes: counting them (BlockExchange._account)
+    # Mirrored blocks: requests for a partial's missing fragments, inputs sent again (a node asked, or nothing of
+    # its partial came), and partials that came whole over UDP after the master asked for some of their fragments.
+    resend_asks: int = 0
+    inputs_resent: int = 0
+    completed_after_ask: int = 0
 
 
 @dataclass
@@ -101,6 +113,13 @@ class _Wait:
     # came: every one in `arrived` (None until the first).
     own: np.ndarray | None = None
     total: np.ndarray | None = None
+    # A mirrored block (the first layer, the LM head) must come whole: what is missing is asked for again
+    # (BlockExchange._ask), first when a partial's parity shows its data is all sent, then every RESEND_S from
+    # `retry_at` on. `heard`: when each node's last datagram of the block came; `asked`: when it was last asked.
+    mirror: bool = False
+    heard: dict[int, float] = field(default_factory=dict)
+    asked: dict[int, float] = field(default_factory=dict)
+    retry_at: float | None = None
 
     def arrive(self, index: int, at: float | None = None) -> None:
         """A participant's reply is whole: it came at `at` (perf_counter time; now if not known)."""
@@ -111,8 +130,11 @@ class _Wait:
         self.outstanding -= 1
         if self.outstanding == 0:
             self.finish()
-        elif len(self.arrived) == 1 and self.lag_bound is not None and self.deadline is not None:
-            self.expire_at(min(self.deadline, now + self.lag_bound))
+        elif len(self.arrived) == 1:
+            if self.lag_bound is not None and self.deadline is not None:
+                self.expire_at(min(self.deadline, now + self.lag_bound))
+            if self.mirror and self.retry_at is None:
+                self.retry_at = now + RESEND_S
 
     def expire_at(self, deadline: float) -> None:
         self.deadline = deadline
@@ -200,7 +222,7 @@ class BlockExchange:
         # coroutine waits (datagrams are read by this thread, streams by this loop).
         w = self.wait = _Wait(key, dict.fromkeys(n.index for n in nodes),
                               {n.index: self._reply_size(n, block, seq) for n in nodes}, loop.create_future(), sent,
-                              len(nodes), seq, nodes={n.index: n for n in nodes})
+                              len(nodes), seq, nodes={n.index: n for n in nodes}, mirror=mirror)
         if mirror:
             self.mirrors[key] = w
         if nodes:  # kept for the nodes' fetches (a block no node takes part in has none); a block's input is a
@@ -302,11 +324,21 @@ class BlockExchange:
             # long as it takes to read it, and the drain goes on: a block left to the loop until its end waited for
             # the loop to wake for each partial (0.5-2 ms more a token on the device, the LM head's most, as the
             # faster nodes' TCP copies came while the slowest node's partial was on its way).
+            # A mirrored block's drain also ends at each time to ask again for what is missing, and goes on.
             watch = [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0]
-            while not self.datagrams.drain(lambda: w.outstanding == 0,
-                                           lambda: expected if w.deadline is None else w.deadline, watch):
-                await asyncio.sleep(0)  # the loop reads the stream that had data, and runs what it wakes
-                if w.outstanding == 0 or any(not n.alive for n in nodes):
+
+            def until() -> float:
+                end = expected if w.deadline is None else w.deadline
+                return end if w.retry_at is None else min(end, w.retry_at)
+
+            while True:
+                if not self.datagrams.drain(lambda: w.outstanding == 0, until, watch):
+                    await asyncio.sleep(0)  # the loop reads the stream that had data, and runs what it wakes
+                    if w.outstanding == 0 or any(not n.alive for n in nodes):
+                        break
+                elif w.outstanding and w.retry_at is not None and time.perf_counter() < expected:
+                    self._ask_again(w)
+                else:
                     break
         if w.outstanding and not any(not n.alive for n in nodes) and (
                 reliable or w.deadline is None or time.perf_counter() < w.deadline):
@@ -398,6 +430,8 @@ class BlockExchange:
         w = self.wait
         key = (header.session, header.position, header.layer, header.block)
         if w is not None and key == w.key and header.node in w.parts and header.node not in w.arrived:
+            if w.mirror:
+                w.heard[header.node] = time.perf_counter()
             target = w.parts[header.node]
             if target is None:
                 # The lean path: a partial in one datagram (most are) is a view of it, with no reassembly.
@@ -414,12 +448,64 @@ class BlockExchange:
                 w.arrive(header.node, self.datagrams.arrived_at)
                 if w.own is not None:
                     self._fold(w, header.node)
+                self.stats.completed_after_ask += header.node in w.asked
+            elif w.mirror and is_parity(header) and isinstance(target, Reassembly) and \
+                    header.node not in w.asked:
+                self._ask(w, header.node)  # the parity comes after every data fragment: those missing were lost
             return
         if self._mirror_copy(key, header.node):
             return
         if not is_parity(header):  # the parity of a partial already merged is expected, not late
             self.stats.late_packets += 1
         self._late(key, header, payload)
+
+    def _ask(self, w: _Wait, index: int) -> None:
+        """Ask a node for the fragments of its partial that have not come (all of them if none has)."""
+        part = w.parts[index]
+        missing = part.missing() if isinstance(part, Reassembly) else ()
+        node, now = w.nodes[index], time.perf_counter()
+        session, position, layer, block = w.key
+        with contextlib.suppress(OSError):
+            self.udp.send_all([Resend(session, position, layer, Block(block), index, missing).seal(self.key)],
+                              (node.host, node.udp_port))
+        w.asked[index] = now
+        w.retry_at = now + RESEND_S
+        self.stats.resend_asks += 1
+
+    def _ask_again(self, w: _Wait) -> None:
+        """A mirrored block's time to ask again: a node whose fragments stopped coming is asked for the rest; one of
+        which nothing came gets its input again (it may be what was lost) and is asked for its whole partial."""
+        now = time.perf_counter()
+        w.retry_at = now + RESEND_S
+        for index, part in w.parts.items():
+            if index in w.arrived or now - w.heard.get(index, -1.0) < RESEND_S / 2:
+                continue
+            if part is None:
+                self._resend_input(w.nodes[index], w.key)
+            self._ask(w, index)
+
+    def on_resend(self, request: Resend) -> None:
+        """A node asks for the fragments of a mirrored block's input that did not reach it."""
+        key = (request.session, request.position, request.layer, int(request.block))
+        w = self.mirrors.get(key)
+        if w is None or request.node not in w.nodes:  # not a mirrored block of this session, or long gone
+            self.counters.reject("stale")
+            return
+        self._resend_input(w.nodes[request.node], key, request.fragments or None)
+
+    def _resend_input(self, node: NodeConn, key: BlockKey, fragments: tuple[int, ...] | None = None) -> None:
+        """A mirrored block's input to one node again, sealed anew: these data fragments, or every one."""
+        kept = self.recent_inputs.get(key)
+        if kept is None:
+            return
+        x, ranking = kept
+        session, position, layer, block = key
+        header = Header(MsgType.ACTIVATION, session, position, layer, block, 0, codec=Codec.F32, tokens=x.shape[0])
+        with contextlib.suppress(OSError):
+            self.udp.send_all(fragment(header, x, self.key, node.datagram_bytes,
+                                       prefix=b"" if ranking is None else bytes(ranking), only=fragments),
+                              (node.host, node.udp_port))
+        self.stats.inputs_resent += 1
 
     def on_node_lost(self, node: NodeConn) -> None:
         if self.wait is not None and node.index in self.wait.parts:

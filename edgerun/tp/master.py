@@ -32,7 +32,7 @@ from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_routes, model_sha256
-from edgerun.net.wire import Block, Header, MsgType
+from edgerun.net.wire import Block, Header, MsgType, Resend, WireError
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import SEND_S_PER_NODE, Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
 from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, plan_tp
@@ -150,6 +150,13 @@ class Master:
             self.membership.probe_echoed(header)
         elif header.type == MsgType.PARTIAL:
             self.exchange.on_datagram(header, payload)
+        elif header.type == MsgType.RESEND:
+            try:
+                request = Resend.open(header, payload)
+            except WireError:
+                self.counters.reject("message")
+                return
+            self.exchange.on_resend(request)
         else:
             self.counters.reject("unexpected")
 

@@ -48,9 +48,11 @@ from edgerun.net.wire import (
     KeyRejected,
     MsgType,
     Reassembly,
+    Resend,
     WireError,
     as_f32,
     fragment,
+    is_parity,
     seal,
     whole_vector,
 )
@@ -85,6 +87,7 @@ from edgerun.tp.trace import Event, Trace
 
 HEARTBEAT_S = 0.5
 SUMMARY_S = 5.0  # how often a verbose node says what it did
+KEPT_PARTIALS = 8  # mirrored partials kept for the master's Resend requests (three a token: layer 0's, the head's)
 JOIN_WAIT_S = 60.0  # how long a node keeps trying to reach its master
 MAX_RETRY_S = 8.0  # the longest pause between two tries
 
@@ -111,6 +114,7 @@ class _Input:
     prefix: int  # bytes of unit ranking before each datagram's elements
     reassembly: Reassembly | None = None  # made for a vector that comes in several datagrams
     fetched: bool = False
+    asked: bool = False  # a mirrored input's missing fragments were asked for (Resend)
     full: np.ndarray | None = None  # set when it came whole (over TCP, or in one datagram)
     ranking: tuple[int, ...] | None = None  # dynamic mapping: the unit at each priority index, if it came whole
     done: bool = False  # a stateless block computed already (its other copy may still come)
@@ -146,6 +150,10 @@ class Node:
         self.attn_layers: list[int] = []  # layers where this node holds attention units
         self.session = -1
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
+        # The last mirrored partials sent (their headers and vectors), for the master's Resend requests.
+        self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray]] = {}
+        self.resent = 0  # partial fragments sent again on request
+        self.asked = 0  # Resend requests for inputs' missing fragments
         self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
@@ -322,6 +330,7 @@ class Node:
     def _new_session(self, session: int) -> None:
         self.session = session
         self.inputs.clear()
+        self.kept_partials.clear()
         self.latest_seen = (-1, -1, -1)
         if self.shard is not None:
             self.shard.truncate(0)
@@ -366,6 +375,9 @@ class Node:
             # A link probe from the master: echo it, through this side's loss like any datagram.
             self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
             return
+        if header.type == MsgType.RESEND:
+            self._resend(header, payload)
+            return
         if (header.type != MsgType.ACTIVATION or header.block not in (Block.ATTN, Block.MLP, Block.HEAD)
                 or self.model is None):
             self.counters.reject("unexpected")
@@ -388,6 +400,30 @@ class Node:
             entry.reassembly = Reassembly(entry.total, self.datagram_bytes, prefix=entry.prefix)
         if add_fragment(entry.reassembly, header, payload, self.counters):
             self._take(header.position, header.layer, Block(header.block), entry)
+        elif is_parity(header) and not entry.asked and not entry.reassembly.complete and \
+                self.routes.of(header.layer, Block(header.block), header.tokens) == Route.MIRRORED:
+            # A mirrored input's data is all sent once its parity comes: ask for what was lost rather than wait for
+            # the TCP copy, which takes tens of milliseconds to get through a lossy link.
+            entry.asked = True
+            self.asked += 1
+            request = Resend(header.session, header.position, header.layer, Block(header.block), self.index,
+                             entry.reassembly.missing())
+            self.udp.send_all([request.seal(self.key)], (self.master[0], self.master_udp_port))
+
+    def _resend(self, header: Header, payload: bytes) -> None:
+        """The master asks for fragments of a mirrored partial that did not reach it: seal them again."""
+        try:
+            request = Resend.open(header, payload)
+        except WireError:
+            self.counters.reject("message")
+            return
+        kept = self.kept_partials.get((request.session, request.position, request.layer, int(request.block)))
+        if kept is None:  # not computed yet (its input is on its way), or long gone
+            return
+        partial, out = kept
+        datagrams = fragment(partial, out, self.key, self.datagram_bytes, only=request.fragments or None)
+        self.resent += len(datagrams)
+        self.udp.send_all(datagrams, (self.master[0], self.master_udp_port))
 
     def _take(self, position: int, layer: int, block: Block, entry: _Input) -> None:
         """An input is complete: compute on it, or queue it behind a missing attention input."""
@@ -485,6 +521,10 @@ class Node:
                             codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
             self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes, parity=self.parity),
                               (self.master[0], self.master_udp_port))
+            if route == Route.MIRRORED:  # kept for the master's requests: `out` is a buffer its block reuses
+                self.kept_partials[(self.session, position, layer, int(block))] = (header, out.copy())
+                while len(self.kept_partials) > KEPT_PARTIALS:
+                    del self.kept_partials[next(iter(self.kept_partials))]
         if route != Route.DATAGRAM:  # the frame is built before send returns: a view of `out` is copied once
             self.channel.send(Partial(self.session, position, layer, block, memoryview(as_f32(out)).cast("B")))
 
