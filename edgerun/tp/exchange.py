@@ -231,14 +231,7 @@ class BlockExchange:
             for node in self.pending_fetch.pop(key, []):
                 self.send_input(node, key, x, ranking)
         compute_start = time.perf_counter()
-        if seq == 1:
-            out = own_share()
-        else:
-            # A prefill block's share computes on a worker thread (onnxruntime lets go of the GIL) while this loop
-            # takes the nodes' partials in: tokens x hidden floats each (573 KB for 70 tokens of the 1B), which
-            # read, checked and added after the share kept the last one 8 ms behind the master's share of every
-            # prefill block at 8 devices on the device (the prefill 2.7-2.9x the single engine's).
-            out = await loop.run_in_executor(None, own_share)
+        out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
         # While the nodes compute: the block before's accounts, and the partials that came during the master's

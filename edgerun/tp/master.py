@@ -9,9 +9,8 @@ the master replans over the devices left and re-prefills the request.
 The master is three parts and the generation loop that drives them: membership (tp.membership: nodes
 joining, heartbeats, link probes), deployment (tp.deployment: plan -> shares -> assignments) and the block
 exchange (tp.exchange: send, wait, merge, timeouts). Generation runs as a coroutine on the same event loop
-that receives the nodes' packets, so a partial that arrives is merged without any thread hand-off. Planning,
-which blocks on replies, runs in a worker thread, and so does the master's own share of a prefill block, so the
-loop takes in the nodes' large prefill partials while it computes.
+that receives the nodes' packets, so a partial that arrives is merged without any thread hand-off; only
+planning, which blocks on replies, runs in a worker thread.
 """
 
 from __future__ import annotations
