@@ -330,8 +330,8 @@ def whole_vector(header: Header, payload: bytes, total: int, prefix: int = 0) ->
     return decode_vector(payload[prefix:], header.codec, total)
 
 
-MAX_RESEND_FRAGMENTS = 4096  # a Resend names at most this many fragments (a 64k-float vector in 1472-byte datagrams
-# is 45 of them)
+MAX_RESEND_FRAGMENTS = 4096  # a Resend names at most this many fragments (an LM-head partial of 16,384 floats is
+# 45 datagrams of 1472 bytes)
 RESEND_INDEX = np.dtype("<u2")
 
 

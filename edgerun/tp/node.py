@@ -87,7 +87,7 @@ from edgerun.tp.trace import Event, Trace
 
 HEARTBEAT_S = 0.5
 SUMMARY_S = 5.0  # how often a verbose node says what it did
-KEPT_PARTIALS = 8  # mirrored partials kept for the master's Resend requests (three a token: layer 0's, the head's)
+KEPT_PARTIALS = 8  # mirrored partials kept for the master's Resend requests (three a token: layer 0's two, the head)
 JOIN_WAIT_S = 60.0  # how long a node keeps trying to reach its master
 MAX_RETRY_S = 8.0  # the longest pause between two tries
 
@@ -152,8 +152,6 @@ class Node:
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
         # The last mirrored partials sent (their headers and vectors), for the master's Resend requests.
         self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray]] = {}
-        self.resent = 0  # partial fragments sent again on request
-        self.asked = 0  # Resend requests for inputs' missing fragments
         self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
@@ -405,7 +403,6 @@ class Node:
             # A mirrored input's data is all sent once its parity comes: ask for what was lost rather than wait for
             # the TCP copy, which takes tens of milliseconds to get through a lossy link.
             entry.asked = True
-            self.asked += 1
             request = Resend(header.session, header.position, header.layer, Block(header.block), self.index,
                              entry.reassembly.missing())
             self.udp.send_all([request.seal(self.key)], (self.master[0], self.master_udp_port))
@@ -421,9 +418,8 @@ class Node:
         if kept is None:  # not computed yet (its input is on its way), or long gone
             return
         partial, out = kept
-        datagrams = fragment(partial, out, self.key, self.datagram_bytes, only=request.fragments or None)
-        self.resent += len(datagrams)
-        self.udp.send_all(datagrams, (self.master[0], self.master_udp_port))
+        self.udp.send_all(fragment(partial, out, self.key, self.datagram_bytes, only=request.fragments or None),
+                          (self.master[0], self.master_udp_port))
 
     def _take(self, position: int, layer: int, block: Block, entry: _Input) -> None:
         """An input is complete: compute on it, or queue it behind a missing attention input."""
