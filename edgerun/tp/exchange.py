@@ -115,10 +115,10 @@ class _Wait:
     total: np.ndarray | None = None
     # A mirrored block (the first layer, the LM head) must come whole: what is missing is asked for again
     # (BlockExchange._ask), first when a partial's parity shows its data is all sent, then every RESEND_S from
-    # `retry_at` on. `heard`: when each node's last datagram of the block came; `asked`: when it was last asked.
+    # `retry_at` on. `heard`: when each node's last datagram of the block came; `asked`: the nodes asked so far.
     mirror: bool = False
     heard: dict[int, float] = field(default_factory=dict)
-    asked: dict[int, float] = field(default_factory=dict)
+    asked: set[int] = field(default_factory=set)
     retry_at: float | None = None
 
     def arrive(self, index: int, at: float | None = None) -> None:
@@ -463,13 +463,13 @@ class BlockExchange:
         """Ask a node for the fragments of its partial that have not come (all of them if none has)."""
         part = w.parts[index]
         missing = part.missing() if isinstance(part, Reassembly) else ()
-        node, now = w.nodes[index], time.perf_counter()
+        node = w.nodes[index]
         session, position, layer, block = w.key
         with contextlib.suppress(OSError):
             self.udp.send_all([Resend(session, position, layer, Block(block), index, missing).seal(self.key)],
                               (node.host, node.udp_port))
-        w.asked[index] = now
-        w.retry_at = now + RESEND_S
+        w.asked.add(index)
+        w.retry_at = time.perf_counter() + RESEND_S
         self.stats.resend_asks += 1
 
     def _ask_again(self, w: _Wait) -> None:

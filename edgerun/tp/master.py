@@ -174,9 +174,9 @@ class Master:
     def send_s_per_node(self) -> float:
         """The master's time per node and one-token block beside its own share: from its first send to its share,
         adding the node's partial into the block's sum and counting it, as measured (over at least MIN_SYNC_BLOCKS
-        node-blocks),
-        else the planner's default. On the device machine sending measured ~16 µs a node at 7 nodes where the
-        default says 50: plans made with the default left the master idle ~0.5 ms a block while its nodes finished.
+        node-blocks), else the planner's default. On the device machine sending measured ~16 µs a node at 7 nodes
+        where the default says 50: plans made with the default left the master idle ~0.5 ms a block while its nodes
+        finished.
         The adds are charged too: a master whose share ends after the partials came adds them all then, on the
         block's path (~20 µs each there: a master planned without them finished its 1B share ~100 µs after its
         seven nodes' partials, and merged for 160 µs more); with a share that ends first, it adds them while it
