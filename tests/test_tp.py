@@ -75,6 +75,11 @@ def cluster(model: Model, speeds: list[float], *, loss: str = "0", **settings: o
             p.wait()
 
 
+# Logits. The largest |dlogit| over the whole vocabulary reached 2.5 here, but the flips came where the single
+# engine's top two were 0.03, 0.08 and 0.19 apart: the leading logits move far less than the tail.
+NEAR_TIE = 0.25
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("speeds", [[1e9, 1e9], [2e9, 1e9, 0.5e9], [1e9, 3e9, 1e9, 0.7e9]],
                          ids=["2-nodes", "3-nodes-uneven", "4-nodes-uneven"])
@@ -125,6 +130,11 @@ def test_a_plan_that_leaves_every_node_out_runs_the_whole_model_engine(model: Mo
                 p.wait()
 
 
+# Logits. The largest |dlogit| over the whole vocabulary reached 2.5 here, but the flips came where the single
+# engine's top two were 0.03, 0.08 and 0.19 apart: the leading logits move far less than the tail.
+NEAR_TIE = 0.25
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("speeds", [[1e9, 1e9], [2e9, 1e9, 0.5e9], [1e9, 3e9, 1e9, 0.7e9]],
                          ids=["2-nodes", "3-nodes-uneven", "4-nodes-uneven"])
@@ -132,7 +142,9 @@ def test_int8_cluster_agrees_with_the_single_engine(model: Model, speeds: list[f
     """With int8 activations (the default) every device quantizes the blocks it multiplies as the single engine
     does, but the master normalizes in numpy and sums partials in another order, so a near-tie may break the
     other way. Fed the single engine's greedy tokens (so one flip does not change every later input), the
-    cluster's argmax agrees at ≥ 62 of 64 steps, over udp and tcp, and its logits stay close."""
+    cluster's argmax differs only at near-ties (the single engine's logits of the two tokens within NEAR_TIE of
+    each other: 3 of this prompt's 64 steps), over udp and tcp, and its logits stay close. The order partials
+    arrive in, and so the order they are summed in, varies from run to run: which near-ties flip does too."""
     prompt = model.tokenizer.encode(PROMPT)
     single = OnnxEngine(model, 256)
     expected = generate(single, prompt, N_TOKENS, GREEDY).tokens
@@ -148,7 +160,10 @@ def test_int8_cluster_agrees_with_the_single_engine(model: Model, speeds: list[f
             agree = sum(int(g.argmax()) == int(w.argmax()) for g, w in zip(got, want, strict=True))
             worst = max(float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True))
             print(f"int8 {len(speeds)} nodes {transport}: top-1 agreement {agree}/{N_TOKENS}, max |dlogit| {worst:.3f}")
-            assert agree >= 62, (transport, agree)
+            flips = [float(w.max() - w[int(g.argmax())]) for g, w in zip(got, want, strict=True)
+                     if int(g.argmax()) != int(w.argmax())]
+            assert all(gap < NEAR_TIE for gap in flips), (transport, flips)
+            assert agree >= 61, (transport, agree)
             assert worst < 0.1 * max(float(np.abs(w).max()) for w in want), (transport, worst)
 
 
@@ -288,6 +303,15 @@ def test_kill_a_node_mid_generation(model: Model, reference_tokens: list[int]) -
         assert tokens == reference_tokens[:32]
         assert master.lost_nodes() == ["n0"]
         assert master.generate(prompt, 8, GREEDY) == reference_tokens[:8]  # still serving
+        # A node that dies between requests, and is known dead before the next one starts, still holds units of
+        # the plan: the request replans rather than leave its units out of every block.
+        os.kill(nodes[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while master.lost_nodes() != ["n0", "n1"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert master.lost_nodes() == ["n0", "n1"]
+        assert master.generate(prompt, 8, GREEDY) == reference_tokens[:8]
+        assert master.plan is not None and master.plan.devices == ("master",)
 
 
 def mutate(datagram: bytes, rng: random.Random) -> bytes:

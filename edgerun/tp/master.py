@@ -38,7 +38,7 @@ from edgerun.sched.profiles import SEND_S_PER_NODE, Compute, DeviceProfile, Link
 from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, plan_tp
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
-from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, StepStats
+from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
 from edgerun.tp.kernel_fit import KernelFit, Measured
 from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
@@ -98,6 +98,8 @@ class Master:
         self.whole: OnnxEngine | None = None
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
+        # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
+        self.deployed: list[NodeConn] = []
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
         # Dynamic mapping, per recent (session, position, layer, block): the ranking and what each device got.
         self.assignments: dict[tuple[int, int, int, int], Assignment] = {}
@@ -280,7 +282,7 @@ class Master:
         d = deploy(self.model.config, plan, self.config, self.unit_order, session, self.udp_port,
                    [NodeLink(n.datagram_bytes, n.lossy or (n.link is not None and n.link.loss_rate > 0))
                     for n in alive])
-        self.plan, self.own_priorities = plan, d.own_priorities
+        self.plan, self.own_priorities, self.deployed = plan, d.own_priorities, alive
         self.own_decode = KernelFit()
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
         self.shard = self.whole = None  # the old share goes before the new one is built
@@ -341,7 +343,12 @@ class Master:
         self.position = 0
 
     def _participants(self, layer: int, block: Block) -> list[NodeConn]:
-        return [n for n in self.nodes if n.alive and n.spec is not None and holds(n.spec, n.priorities, layer, block)]
+        """The deployed nodes that hold units of this block. One of them found dead (between requests, or
+        between blocks) is NodeLost here: left out, its units would be missing from every later step."""
+        nodes = [n for n in self.deployed if n.spec is not None and holds(n.spec, n.priorities, layer, block)]
+        if lost := [n for n in nodes if not n.alive]:
+            raise NodeLost(lost[0].name)
+        return nodes
 
     def _rank(self, layer: int, block: Block, features: np.ndarray | None) -> tuple[int, ...] | None:
         """Dynamic mapping: the block's units from the most to the least important, predicted from
