@@ -72,6 +72,7 @@ class NodeConn:
     weight_bytes: int = 0
     cache_bytes: int = 0
     compute_s: float = 0.0
+    session_compute: tuple[int, float] = (0, 0.0)  # (session, its kernels' seconds in it so far)
     peak_rss_mb: float = 0.0
     heartbeats: int = 0
     decode: KernelFit = field(default_factory=KernelFit)  # its layers' one-token blocks on its current share
@@ -169,8 +170,9 @@ class Membership:
             case Pong() | BandwidthReply():
                 node.pongs.append(time.perf_counter())
                 node.pong.set()
-            case Heartbeat(rejected, compute_s, rss_mb, decode, decode_s):
+            case Heartbeat(rejected, compute_s, rss_mb, decode, decode_s, session, session_compute_s):
                 node.rejected, node.compute_s, node.peak_rss_mb = rejected, compute_s, rss_mb
+                node.session_compute = (session, session_compute_s)
                 node.decode, node.decode_s = decode, decode_s
                 node.reported_arrivals = (node.arrival_s, node.arrival_blocks)  # what this decode time was part of
                 node.heartbeats += 1

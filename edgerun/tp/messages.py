@@ -111,6 +111,10 @@ class Heartbeat:
     decode: KernelFit = field(default_factory=KernelFit)
     # ... and the time of every one-token block's kernels, the LM head's included (NodeConn.sync_s).
     decode_s: float = 0.0
+    # The session (request) it is in, and its kernels' time since that session began: what one request cost a
+    # node, read after the request without an idle wait before it (bench tp).
+    session: int = 0
+    session_compute_s: float = 0.0
 
 
 @dataclass(frozen=True)

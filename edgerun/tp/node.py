@@ -162,6 +162,7 @@ class Node:
         # per block, the units the master's ranking puts at those indices. None: static shares.
         self.priorities: Priorities | None = None
         self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
+        self.session_compute_s = 0.0  # ... of it, since the session began
         self.decode = KernelFit()  # the layers' one-token blocks on the current share: its measured speed
         self.decode_s = 0.0  # every one-token block's kernels on the current share, the LM head's too
         self.running = True
@@ -272,7 +273,7 @@ class Node:
                 self.trace.flush()
             try:
                 self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode,
-                                            self.decode_s))
+                                            self.decode_s, self.session, self.session_compute_s))
             except (OSError, ConnectionError):
                 return
             now = time.monotonic()
@@ -326,7 +327,7 @@ class Node:
                 self.counters.reject("unexpected")
 
     def _new_session(self, session: int) -> None:
-        self.session = session
+        self.session, self.session_compute_s = session, 0.0
         self.inputs.clear()
         self.kept_partials.clear()
         self.latest_seen = (-1, -1, -1)
@@ -502,6 +503,7 @@ class Node:
                 self.trace.add(Event.REPLIED, key, time.perf_counter(), self.index)
         # Counted once the partial is out: the accounts are off the master's path.
         self.compute_s += took
+        self.session_compute_s += took
         if x.shape[0] == 1 and out is not None:
             self.decode_s += took
             if block != Block.HEAD:  # the layers' blocks (KernelFit)
