@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,7 @@ from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
+from edgerun.net.http_server import bind
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_routes, model_sha256
 from edgerun.net.wire import Block, Header, MsgType, Resend, WireError
@@ -74,7 +76,11 @@ class Master:
             raise EdgerunError(f"tensor-parallel plans split dense models; {model.path.name} is a mixture of "
                                "experts: run it with edgerun generate or a pipeline (--plan dp)")
         unit_order_for(model, self.model_sha256, config.mapping, predictors, config.group_size)
-        host, port = config.host, config.port
+        host = config.host
+        # Bound before any thread starts: a port in use fails here with nothing to tear down (a master that
+        # raised later left its loop and file server threads running into the interpreter's exit, which could
+        # crash the process after its one-line error).
+        listener = bind(host, config.port)
         self.model_server = None if config.files_port is not None else \
             ModelServer(model.path, self.model_sha256, host)
         files_port = config.files_port if self.model_server is None else self.model_server.port
@@ -108,7 +114,7 @@ class Master:
         self.measured: dict[str, Measured] = {}
         self.measured_sync: dict[str, float] = {}  # nodes' seconds per block beyond their kernels, by name
         self.own_decode = KernelFit()
-        self.server = self.net.run(self._listen(host, port))
+        self.server = self.net.run(self._listen(listener))
         self.port = self.server.sockets[0].getsockname()[1]
 
     def reconfigure(self, config: MasterConfig) -> None:
@@ -119,8 +125,8 @@ class Master:
         self.datagrams.spin_s = config.spin_us / 1e6
         self.config = config
 
-    async def _listen(self, host: str, port: int) -> asyncio.Server:
-        server = await self.membership.listen(host, port)
+    async def _listen(self, listener: socket.socket) -> asyncio.Server:
+        server = await self.membership.listen(listener)
         self.datagrams.attach(asyncio.get_running_loop())
         return server
 

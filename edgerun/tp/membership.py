@@ -5,6 +5,7 @@ fetches) are handed on to it."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -112,8 +113,9 @@ class Membership:
         self.nodes: list[NodeConn] = []
         self.running = True
 
-    async def listen(self, host: str, port: int) -> asyncio.Server:
-        server = await asyncio.start_server(self._serve_node, host, port)
+    async def listen(self, listener: socket.socket) -> asyncio.Server:
+        """Accept nodes on `listener`, a bound and listening TCP socket."""
+        server = await asyncio.start_server(self._serve_node, sock=listener)
         self.watch_task = asyncio.get_running_loop().create_task(self._watch())
         return server
 
