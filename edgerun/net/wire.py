@@ -307,10 +307,13 @@ def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472,
         return datagrams + [_sealed(header, 1, 1, 0, payload, key)] * int(parity) if parity else datagrams
     x = x.reshape(-1)
     count = -(-x.size // per)
+
+    def payload(i: int) -> bytes:
+        return prefix + encode_vector(x[i * per:(i + 1) * per], header.codec)
+
     if only is not None:
-        return [_sealed(header, i, count, i * per, prefix + encode_vector(x[i * per:(i + 1) * per], header.codec),
-                        key) for i in sorted(set(only)) if 0 <= i < count]
-    payloads = [prefix + encode_vector(x[i * per:(i + 1) * per], header.codec) for i in range(count)]
+        return [_sealed(header, i, count, i * per, payload(i), key) for i in sorted(set(only)) if 0 <= i < count]
+    payloads = [payload(i) for i in range(count)]
     datagrams = [_sealed(header, i, count, i * per, p, key) for i, p in enumerate(payloads)]
     if parity:
         # One fragment's parity is the fragment itself: no XOR to compute.

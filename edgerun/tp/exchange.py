@@ -291,14 +291,11 @@ class BlockExchange:
                         codec: Codec) -> None:
         """The input as datagrams to every node; nodes on paths of one MTU get the same datagrams, encoded and
         sealed once."""
-        session, position, layer, block = key
-        header = Header(MsgType.ACTIVATION, session, position, layer, block, 0, codec=codec, tokens=x.shape[0])
         datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity copies)
         copies = max(n.parity for n in nodes)
         for node in nodes:
             if node.datagram_bytes not in datagrams:
-                sealed = fragment(header, x, self.key, node.datagram_bytes, parity=copies,
-                                  prefix=b"" if ranking is None else bytes(ranking))
+                sealed = self._input_datagrams(key, x, ranking, codec, node.datagram_bytes, parity=copies)
                 datagrams[node.datagram_bytes] = (sealed[:len(sealed) - copies], sealed[len(sealed) - copies:])
         # Every node's data first, then the parity copies: the last node's input does not wait behind them.
         for node in nodes:
@@ -306,6 +303,14 @@ class BlockExchange:
         for node in nodes:
             if node.parity:
                 self.udp.send_all(datagrams[node.datagram_bytes][1][:node.parity], (node.host, node.udp_port))
+
+    def _input_datagrams(self, key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None, codec: Codec,
+                         datagram_bytes: int, parity: int = 0, only: tuple[int, ...] | None = None) -> list[bytes]:
+        """A block's input sealed as datagrams of `datagram_bytes` (see wire.fragment), each led by the ranking."""
+        session, position, layer, block = key
+        header = Header(MsgType.ACTIVATION, session, position, layer, block, 0, codec=codec, tokens=x.shape[0])
+        return fragment(header, x, self.key, datagram_bytes, parity=parity,
+                        prefix=b"" if ranking is None else bytes(ranking), only=only)
 
     async def _wait(self, w: _Wait, nodes: list[NodeConn], reliable: bool, over_udp: bool) -> None:
         """Until every partial is in, the deadline passes (lossy blocks) or a participant is lost."""
@@ -504,11 +509,8 @@ class BlockExchange:
         if kept is None:
             return
         x, ranking = kept
-        session, position, layer, block = key
-        header = Header(MsgType.ACTIVATION, session, position, layer, block, 0, codec=Codec.F32, tokens=x.shape[0])
-        with contextlib.suppress(OSError):
-            self.udp.send_all(fragment(header, x, self.key, node.datagram_bytes,
-                                       prefix=b"" if ranking is None else bytes(ranking), only=fragments),
+        with contextlib.suppress(OSError):  # in float32, as a mirrored block's input goes
+            self.udp.send_all(self._input_datagrams(key, x, ranking, Codec.F32, node.datagram_bytes, only=fragments),
                               (node.host, node.udp_port))
         self.stats.inputs_resent += 1
 
