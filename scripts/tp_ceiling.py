@@ -1,13 +1,15 @@
 """The kernel ceiling of tensor-parallel mode: how fast N devices could be if synchronization cost nothing.
 
 The model's units are dealt evenly over N devices (`split_spec`); each device is a process that builds its share
-(`QuantShard`, the engine TP nodes run) and then runs its blocks back to back, every layer's attention and MLP and
-its LM-head rows, for one-token steps, with no exchange at all. All N start together, so they compete for the
-machine's memory bandwidth and caches as a real cluster on one host does. The slowest device's ms/token is the best
-decoding any data path could give. The baseline is the single-process engine (same model, threads, context), timed
-in the same run: its one-token steps (`decode`, what the shares run) and its whole request with the prompt's
-prefill (`request`, what `bench tp` compares). "alone" is device 0's share run by itself: the split's own cost
-(more, smaller kernel calls) without the other devices' contention.
+(`QuantShard`, the engine TP nodes run) and runs one-token steps of its blocks, every layer's attention and MLP and
+its LM-head rows, with every block started on all N at once and no exchange at all (edgerun.bench.ceiling, what
+`edgerun bench tp --ceiling` runs beside a cluster): they compete for the machine's memory bandwidth and caches as a
+real cluster on one host does, block by block. Summed over the blocks, the slowest device's time in each is the best
+decoding any data path could give ("in step"); "mean" is the devices' own kernels per token, averaged. The baseline
+is the single-process engine (same model, threads, context), timed in the same run: its one-token steps (`decode`,
+what the shares run) and its whole request with the prompt's prefill (`request`, what `bench tp` compares). "alone"
+is device 0's share run by itself: the split's own cost (more, smaller kernel calls) without the other devices'
+contention.
 
     python scripts/tp_ceiling.py --model 1b.gguf --devices 1,2,4,8 [--tokens 64] [--threads 1] [--json]
 """
@@ -16,57 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
-import time
 from pathlib import Path
-
-WARMUP_STEPS = 8  # one-token steps before timing: sessions' first-run allocations
-
-
-def share_steps(model_path: str, devices: int, device: int, threads: int, tokens: int, ready, start, results) -> None:
-    """One device: build its share, say so, wait for the start, then time `tokens` one-token steps."""
-    import numpy as np
-
-    from edgerun.bench.tp import CONTEXT
-    from edgerun.model.loader import load_model
-    from edgerun.model.onnx_graph import Activations
-    from edgerun.tp.shard import QuantShard, split_spec
-
-    model = load_model(Path(model_path))
-    c = model.config
-    spec = split_spec(c, devices)[device]
-    shard = QuantShard(c, model.weights, spec, CONTEXT, threads, Activations.INT8, mapped_files=[model.path])
-    x = np.random.default_rng(device).standard_normal((1, c.hidden)).astype(np.float32)
-    ready.put(device)
-    start.wait()
-    times = []
-    for position in range(WARMUP_STEPS + tokens):
-        began = time.perf_counter()
-        for layer in range(c.n_layers):
-            shard.attention(layer, x, position)
-            shard.mlp(layer, x)
-        shard.logits(x)
-        times.append(time.perf_counter() - began)
-    results.put((device, statistics.median(times[WARMUP_STEPS:]) * 1e3))
-
-
-def run_shares(model_path: Path, devices: int, which: list[int], threads: int, tokens: int) -> dict[int, float]:
-    """Median ms/token of each device in `which`, all running at once."""
-    ctx = mp.get_context("spawn")
-    ready, results, start = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=share_steps, args=(str(model_path), devices, d, threads, tokens, ready, start, results))
-             for d in which]
-    for p in procs:
-        p.start()
-    for _ in which:
-        ready.get(timeout=1800)
-    start.set()
-    out = dict(results.get(timeout=1800) for _ in which)
-    for p in procs:
-        p.join()
-    return out
 
 
 def main() -> None:
@@ -86,8 +40,10 @@ def main() -> None:
 
     from threadpoolctl import threadpool_limits
 
-    from edgerun.bench.tp import TpBenchConfig, single_baseline
+    from edgerun.bench.ceiling import kernel_ceiling
+    from edgerun.bench.tp import CONTEXT, TpBenchConfig, single_baseline
     from edgerun.model.loader import load_model
+    from edgerun.model.onnx_graph import Activations
 
     model = load_model(args.model)
     args.model = model.path
@@ -95,10 +51,12 @@ def main() -> None:
         single = single_baseline(model, TpBenchConfig(model.path, tokens=args.tokens, threads=args.threads))
     rows = []
     for n in counts:
-        together = run_shares(args.model, n, list(range(n)), args.threads, args.tokens)
-        alone = together[0] if n == 1 else run_shares(args.model, n, [0], args.threads, args.tokens)[0]
-        slowest = max(together.values())
-        rows.append({"devices": n, "slowest_ms": slowest, "mean_ms": statistics.mean(together.values()),
+        together = kernel_ceiling(args.model, n, args.threads, Activations.INT8.value, args.tokens, CONTEXT)
+        alone = together.device_ms_per_token[0] if n == 1 else \
+            kernel_ceiling(args.model, n, args.threads, Activations.INT8.value, args.tokens, CONTEXT, which=[0])\
+            .device_ms_per_token[0]
+        slowest = together.decode_ms_per_token
+        rows.append({"devices": n, "slowest_ms": slowest, "mean_ms": statistics.mean(together.device_ms_per_token),
                      "alone_ms": alone, "single_decode_ms": single.decode_ms_per_token,
                      "single_request_ms": single.ms_per_token, "ceiling": single.decode_ms_per_token / slowest})
         print(f"tp_ceiling: {n} device(s) done", file=sys.stderr, flush=True)
@@ -107,7 +65,7 @@ def main() -> None:
         return
     print(f"single-process engine, {args.threads} thread(s): decode {single.decode_ms_per_token:.1f} ms/token, "
           f"whole request {single.ms_per_token:.1f} ms/token")
-    print(f"{'devices':>7} {'slowest ms':>10} {'mean ms':>8} {'alone ms':>8} {'ceiling':>8}")
+    print(f"{'devices':>7} {'in step ms':>10} {'mean ms':>8} {'alone ms':>8} {'ceiling':>8}")
     for r in rows:
         print(f"{r['devices']:>7} {r['slowest_ms']:>10.1f} {r['mean_ms']:>8.1f} {r['alone_ms']:>8.1f} "
               f"{r['ceiling']:>7.2f}x")

@@ -420,7 +420,7 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     path = synth_gguf(tiny_spec(tied=False))
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
                  "--group-size", "64", "--baseline", "--plan", "minmax", "--no-rebalance", "--pin", "1", "--json",
-                 "--trace", str(tmp_path / "trace")]) == 0
+                 "--trace", str(tmp_path / "trace"), "--ceiling"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["transport"] for r in results] == ["udp", "tcp"]
     for r in results:
@@ -438,6 +438,10 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         # The time to the first token: the prompt's prefill, a part of the whole request.
         assert 0 < r["prefill_ms"] < r["ms_per_token"] * r["tokens"] and r["single_prefill_ms"] > 0
         assert r["prefill_speedup"] == pytest.approx(r["single_prefill_ms"] / r["prefill_ms"])
+        # --ceiling: the two devices' kernels alone, in step, for the node count (one figure for both transports).
+        assert r["ceiling_decode_ms_per_token"] == results[0]["ceiling_decode_ms_per_token"] > 0
+        assert r["ceiling_decode_speedup"] == pytest.approx(r["single_decode_ms_per_token"] /
+                                                            r["ceiling_decode_ms_per_token"])
         assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
         assert r["spin_us"] == auto_spin_us(2, 1, len(USABLE_CORES))  # auto: master and node poll where each has a core
     # --trace: the udp row's one-token blocks leg by leg, from the master's and the node's timelines (tcp inputs
@@ -529,3 +533,16 @@ def test_measured_loss_puts_the_lossy_node_on_the_least_important_groups(tiny_sp
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_kernel_ceiling_runs_each_share_in_a_process_of_its_own(tiny_spec, synth_gguf, tmp_path: Path) -> None:
+    """bench.ceiling: every device's even share runs in its own process; the time per token is the slowest device's
+    kernel in each block, summed, so it is at least each device's own; a device that fails is named."""
+    from edgerun.bench.ceiling import kernel_ceiling
+
+    path = synth_gguf(tiny_spec(tied=False))
+    ceiling = kernel_ceiling(path, 3, 1, "int8", 4, 64)
+    assert ceiling.devices == 3 and ceiling.tokens == 4 and len(ceiling.device_ms_per_token) == 3
+    assert all(0 < ms <= ceiling.decode_ms_per_token for ms in ceiling.device_ms_per_token)
+    with pytest.raises(RuntimeError, match=r"device \d failed: .*not found"):
+        kernel_ceiling(tmp_path / "missing.gguf", 2, 1, "int8", 1, 64)

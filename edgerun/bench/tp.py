@@ -22,6 +22,7 @@ from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
+from edgerun.bench.ceiling import kernel_ceiling
 from edgerun.bench.single import RequestTiming, cluster_baseline, span, spin_line
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
@@ -112,6 +113,10 @@ class TpResult:
     spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
     legs: tuple[Leg, ...] = ()  # --trace: where a one-token block's time went, leg by leg of its critical path
     devices: tuple[DeviceRun, ...] = ()  # --trace: each device's share and its kernels as measured in the run
+    # --ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
+    # (bench.ceiling): the decode this machine allows the cluster with nothing but its kernels
+    ceiling_decode_ms_per_token: float | None = None
+    ceiling_decode_speedup: float | None = None  # single_decode_ms_per_token / ceiling_decode_ms_per_token
 
 
 def kernel_rate(spec: str) -> float:
@@ -156,6 +161,7 @@ class TpBenchConfig:
     activations: Activations = Activations.INT8  # of every quantized product, the single baseline's too
     trace_dir: Path | None = None  # --trace: master's and nodes' timelines, a directory per node count
     pin: int = 0  # cores of its own for every device (master, each node, the single baseline); 0: not pinned
+    ceiling: bool = False  # also time each node count's kernels alone, in step, without the network (bench.ceiling)
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -389,6 +395,12 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                 if config.spin_us is None else config.spin_us
             rows = _bench_cluster(replace(config, spin_us=spin_us), model, nodes, losses, transports, progress,
                                   plans, rates)
+            if config.ceiling:
+                progress(f"kernel ceiling: {nodes + 1} device(s)' shares in step, no network")
+                cores = [device_cores(i, config.pin) for i in range(nodes + 1)] if config.pin else None
+                ceiling = kernel_ceiling(config.model_path, nodes + 1, config.threads, config.activations.value,
+                                         config.tokens, CONTEXT, cores)
+                rows = [replace(r, ceiling_decode_ms_per_token=ceiling.decode_ms_per_token) for r in rows]
             if baseline:  # each row against the single engine as fast as it was around it
                 single()
                 around = RequestTiming.mean(singles[-2:])
@@ -397,7 +409,9 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                                 single_decode_ms_per_token=around.decode_ms_per_token,
                                 decode_speedup=around.decode_ms_per_token / r.decode_ms_per_token,
                                 single_prefill_ms=around.prefill_ms,
-                                prefill_speedup=around.prefill_ms / r.prefill_ms) for r in rows]
+                                prefill_speedup=around.prefill_ms / r.prefill_ms,
+                                ceiling_decode_speedup=None if r.ceiling_decode_ms_per_token is None else
+                                around.decode_ms_per_token / r.ceiling_decode_ms_per_token) for r in rows]
             results += rows
     return results
 
@@ -473,6 +487,13 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{span([r.single_decode_ms_per_token for r in singles])}, prefill "
                     f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")
+    ceilings = {r.nodes: r for r in results if r.ceiling_decode_ms_per_token is not None}
+    for nodes, r in ceilings.items():
+        times = "" if r.ceiling_decode_speedup is None else f" = {r.ceiling_decode_speedup:.2f}x the single engine's"
+        rows.append(f"kernel ceiling, {nodes + 1} device(s) (--ceiling: even shares' kernels alone, every block in "
+                    f"step, no network): decode {r.ceiling_decode_ms_per_token:.1f} ms/token{times}; the cluster's "
+                    f"decode {r.decode_ms_per_token:.1f} is "
+                    f"{r.decode_ms_per_token / r.ceiling_decode_ms_per_token:.2f}x it")
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     for r in results:

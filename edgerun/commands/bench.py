@@ -72,7 +72,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
                            parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
-                           activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace)
+                           activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace,
+                           ceiling=args.ceiling)
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
@@ -330,5 +331,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "answered, and when its partials reached the master (DIR/nodesN/*.jsonl, one clock for "
                         "every process of this host), and print where a block's time went, leg by leg of its "
                         "critical path (default: off)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time, for each node count, the kernels alone: every device's even share in a process "
+                        "of its own (--threads, --pin as the cluster's), every one-token block started on all of "
+                        "them at once, no network and no master's work; prints the decode this machine allows the "
+                        "cluster and how far the cluster's decode is from it (default: off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)

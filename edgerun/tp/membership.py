@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgerun.errors import EdgerunError
-from edgerun.net.channel import AsyncChannel, Counters, EventLoopThread, LossyUdp, path_datagram_bytes
+from edgerun.net.channel import (
+    STREAM_LIMIT,
+    AsyncChannel,
+    Counters,
+    EventLoopThread,
+    LossyUdp,
+    path_datagram_bytes,
+)
 from edgerun.net.wire import KEY_REJECTED, BadMac, Header, MsgType, WireError, seal
 from edgerun.sched.profiles import Link
 from edgerun.tp.kernel_fit import KernelFit
@@ -115,7 +122,7 @@ class Membership:
 
     async def listen(self, listener: socket.socket) -> asyncio.Server:
         """Accept nodes on `listener`, a bound and listening TCP socket."""
-        server = await asyncio.start_server(self._serve_node, sock=listener)
+        server = await asyncio.start_server(self._serve_node, sock=listener, limit=STREAM_LIMIT)
         self.watch_task = asyncio.get_running_loop().create_task(self._watch())
         return server
 

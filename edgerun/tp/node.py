@@ -31,6 +31,7 @@ from edgerun.model.loader import Model, load_model
 from edgerun.net.backoff import Backoff
 from edgerun.net.channel import (
     ETHERNET_UDP_PAYLOAD,
+    STREAM_LIMIT,
     AsyncChannel,
     Counters,
     DatagramSocket,
@@ -212,7 +213,7 @@ class Node:
                 time.sleep(delay)
 
     async def _join(self) -> Welcome:
-        reader, writer = await asyncio.open_connection(*self.master)
+        reader, writer = await asyncio.open_connection(*self.master, limit=STREAM_LIMIT)
         self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
         datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s,
                                    idle_spin=True)

@@ -1,0 +1,144 @@
+"""What a tensor-parallel cluster's kernels alone allow on this machine (`edgerun bench tp --ceiling`).
+
+Each device's even share of the model (tp.shard.split_spec) runs in a process of its own, one-token steps of
+every block, and every block starts on all of them at once, as in a cluster: a barrier in shared memory stands
+for the master's input, with no network, no master's sends or sums, nothing but the kernels. A block lasts as long
+as its slowest device's kernel, so the ceiling's time per token is, summed over the blocks, the slowest device's
+time in each. Beside a cluster row, the cluster's decode over the ceiling's is what synchronization costs; the
+ceiling over the single engine is what the machine gives the kernels: devices of one host share its memory
+bandwidth, and blocks that stream their weights at the same moment on every device contend for it at once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.synchronize
+import os
+import queue
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BARRIER_TIMEOUT_S = 120.0  # a device that has not reached a block by then has died or hangs
+RESULT_TIMEOUT_S = 900.0  # building the shares and running the steps
+WARMUP_TOKENS = 2  # untimed steps before the timed ones (each block's first run allocates)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    devices: int  # run in step (of a split over as many, or more where only some were run)
+    tokens: int  # one-token steps timed
+    decode_ms_per_token: float  # over the blocks, the slowest device's kernel in each, summed
+    device_ms_per_token: tuple[float, ...]  # each device's own kernels per token
+
+
+class _Barrier:
+    """All `parties` processes wait at each call until every one has made as many calls. A spin on a shared
+    counter: a block is a few hundred microseconds, and a process woken from a sleep takes longer than that on
+    some machines."""
+
+    def __init__(self, parties: int, arrived: object, lock: multiprocessing.synchronize.Lock) -> None:
+        self.parties, self.arrived, self.lock, self.calls = parties, arrived, lock, 0
+
+    def wait(self) -> None:
+        self.calls += 1
+        with self.lock:
+            self.arrived.value += 1  # type: ignore[attr-defined]
+        target = self.parties * self.calls
+        deadline = time.monotonic() + BARRIER_TIMEOUT_S
+        while self.arrived.value < target:  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                raise TimeoutError("a device of the kernel ceiling did not reach its next block")
+
+
+def _device(model_path: Path | None, devices: int, index: int, parties: int, threads: int, activations: str,
+            tokens: int, context: int, cores: set[int] | None, arrived: object,
+            lock: multiprocessing.synchronize.Lock, results: mp.Queue) -> None:
+    """One device of `devices`: build its share, run the steps in step with the other `parties` - 1 processes,
+    put (index, per-block seconds)."""
+    try:
+        from threadpoolctl import threadpool_limits
+
+        from edgerun.model.loader import load_model
+        from edgerun.model.onnx_graph import Activations
+        from edgerun.net.wire import Block
+        from edgerun.tp.shard import QuantShard, split_spec
+
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+        model = load_model(model_path)
+        c = model.config
+        with threadpool_limits(threads):
+            share = QuantShard(c, model.weights, split_spec(c, devices)[index], context, threads,
+                               Activations(activations), mapped_files=[model.path])
+            x = np.random.default_rng(index).standard_normal((1, c.hidden)).astype(np.float32)
+            barrier = _Barrier(parties, arrived, lock)
+            blocks = [(layer, block) for layer in range(c.n_layers) for block in (Block.ATTN, Block.MLP)]
+            blocks.append((c.n_layers, Block.HEAD))
+            seconds: list[float] = []
+            for position in range(WARMUP_TOKENS + tokens):
+                for layer, block in blocks:
+                    barrier.wait()
+                    started = time.perf_counter()
+                    if block == Block.ATTN:
+                        share.attention(layer, x, position)
+                    elif block == Block.MLP:
+                        share.mlp(layer, x)
+                    else:
+                        share.logits(x)
+                    if position >= WARMUP_TOKENS:
+                        seconds.append(time.perf_counter() - started)
+        results.put((index, seconds))
+    except BaseException as e:  # the parent reports it; the others time out at their next barrier
+        results.put((index, f"{type(e).__name__}: {e}"))
+
+
+def _gather(procs: list[mp.Process], which: list[int], results: mp.Queue) -> dict[int, list[float]]:
+    """Each device's per-block seconds; an error for a device that failed or died without a word."""
+    per_device: dict[int, list[float]] = {}
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    while len(per_device) < len(procs):
+        try:
+            index, seconds = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [i for i, p in zip(which, procs, strict=True) if p.exitcode is not None and i not in per_device]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"the kernel ceiling's device {dead[0]} ended without a result" if dead else
+                                   "the kernel ceiling's devices did not finish in time") from None
+            continue
+        if isinstance(seconds, str):
+            raise RuntimeError(f"the kernel ceiling's device {index} failed: {seconds}")
+        per_device[index] = seconds
+    return per_device
+
+
+def kernel_ceiling(model_path: Path | None, devices: int, threads: int, activations: str, tokens: int,
+                   context: int, cores: list[set[int] | None] | None = None,
+                   which: Sequence[int] | None = None) -> Ceiling:
+    """The kernels-only decode time per token of `devices` even shares run in step (see the module's doc):
+    of those in `which` only, where given (device 0's share by itself: the split's own cost without the others'
+    contention). `cores[i]`, where given, is device i's CPU affinity."""
+    which = list(range(devices)) if which is None else list(which)
+    if devices < 1 or tokens < 1 or not which or any(not 0 <= i < devices for i in which):
+        raise ValueError("a kernel ceiling needs at least one device of the split and one token")
+    ctx = mp.get_context("spawn")  # a fresh interpreter per device, as a node process is
+    arrived, lock, results = ctx.RawValue("q", 0), ctx.Lock(), ctx.Queue()
+    procs = [ctx.Process(target=_device, daemon=True,
+                         args=(model_path, devices, i, len(which), threads, activations, tokens, context,
+                               None if cores is None else cores[i], arrived, lock, results))
+             for i in which]
+    for p in procs:
+        p.start()
+    try:
+        per_device = _gather(procs, which, results)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    blocks = np.array([per_device[i] for i in which])  # (devices run, tokens * blocks a token)
+    return Ceiling(len(which), tokens, float(blocks.max(axis=0).sum() / tokens * 1e3),
+                   tuple(float(s) for s in blocks.sum(axis=1) / tokens * 1e3))
