@@ -462,6 +462,9 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     table = tp_table([TpResult(**row | {"legs": (), "devices": ()})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
     assert " prefill " in table.splitlines()[0] and f"{results[0]['prefill_ms']:.1f}" in table
+    ceiling = next(line for line in table.splitlines() if line.startswith("kernel ceiling, 2 device(s)"))
+    assert f"decode {results[0]['ceiling_decode_ms_per_token']:.1f} ms/token" in ceiling
+    assert f"({results[0]['decode_ms_per_token'] / results[0]['ceiling_decode_ms_per_token']:.2f}x it)" in ceiling
     assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
                                       f"spin: {results[0]['spin_us']:.0f} µs in every process")
     traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"]),

@@ -487,13 +487,14 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{span([r.single_decode_ms_per_token for r in singles])}, prefill "
                     f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")
-    ceilings = {r.nodes: r for r in results if r.ceiling_decode_ms_per_token is not None}
-    for nodes, r in ceilings.items():
-        times = "" if r.ceiling_decode_speedup is None else f" = {r.ceiling_decode_speedup:.2f}x the single engine's"
+    for nodes in dict.fromkeys(r.nodes for r in results if r.ceiling_decode_ms_per_token is not None):
+        same = [r for r in results if r.nodes == nodes]
+        ceiling, speedup = same[0].ceiling_decode_ms_per_token, same[0].ceiling_decode_speedup
+        times = "" if speedup is None else f" = {speedup:.2f}x the single engine's"
         rows.append(f"kernel ceiling, {nodes + 1} device(s) (--ceiling: even shares' kernels alone, every block in "
-                    f"step, no network): decode {r.ceiling_decode_ms_per_token:.1f} ms/token{times}; the cluster's "
-                    f"decode {r.decode_ms_per_token:.1f} is "
-                    f"{r.decode_ms_per_token / r.ceiling_decode_ms_per_token:.2f}x it")
+                    f"step, no network): decode {ceiling:.1f} ms/token{times}; the cluster's decode: " + "; ".join(
+                        f"{r.transport} at loss {r.loss} {r.decode_ms_per_token:.1f} ms/token "
+                        f"({r.decode_ms_per_token / ceiling:.2f}x it)" for r in same))
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     for r in results:
