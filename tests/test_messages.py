@@ -137,3 +137,65 @@ def test_header_fields_have_one_meaning_each() -> None:
     header = Header(MsgType.PARTIAL, 1, tokens=3)
     assert header.tokens == 3 and "flags" not in Header._fields
     assert {t.name for t in MsgType} == {"ACTIVATION", "PARTIAL", "CONTROL", "PROBE", "RESEND"}
+
+
+def test_a_control_stream_reads_whole_frames_however_its_bytes_arrive() -> None:
+    """channel.FrameReader over a real TCP stream: frames that come a byte at a time, several in one write, or in
+    one large piece are each received whole and in order; a length no frame has (or the master's KEY_REJECTED)
+    ends the stream with a WireError once the frames before it are taken; a closed stream, with a ConnectionError.
+    """
+    import asyncio
+    import socket
+
+    from edgerun.net.channel import AsyncChannel, FrameReader, connect_channel
+    from edgerun.net.wire import KEY_REJECTED, KeyRejected, WireError
+
+    sent = [SAMPLES[0], m.Input(3, 0, 1, Block.MLP, None, bytes(range(256)) * 2400), m.Ping(2), m.Ping(3)]
+    frames = [bytes(control_frame(0, *m.encode(message), KEY)) for message in sent]
+
+    async def serve(trailer: bytes) -> list[object]:
+        loop = asyncio.get_running_loop()
+        received: list[object] = []
+        done = loop.create_future()
+
+        async def take(reader: FrameReader) -> None:
+            channel = AsyncChannel(reader, KEY, loop)
+            try:
+                while True:
+                    received.append(await channel.receive())
+            except (WireError, ConnectionError) as e:
+                received.append(e)
+                done.set_result(None)
+
+        server = await loop.create_server(lambda: FrameReader(lambda r: loop.create_task(take(r))), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        writer = socket.create_connection(("127.0.0.1", port))
+        writer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for byte in frames[0]:  # a byte at a time
+            writer.send(bytes([byte]))
+            await asyncio.sleep(0)
+        writer.sendall(frames[1])  # 614 KB in one piece
+        writer.sendall(frames[2] + frames[3] + trailer)  # two frames, then what ends the stream
+        if not trailer:
+            writer.close()
+        await asyncio.wait_for(done, 10)
+        writer.close()
+        server.close()
+        return received
+
+    for trailer, error in ((b"", ConnectionError), (KEY_REJECTED, KeyRejected), (b"\x01\x00\x00\x00", WireError)):
+        received = asyncio.run(serve(trailer))
+        assert received[:4] == sent, trailer
+        assert len(received) == 5 and isinstance(received[4], error), received[4:]
+
+    async def client_side() -> m.Message:  # connect_channel: the node's end
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: FrameReader(lambda r: AsyncChannel(r, KEY, loop).send(m.Pong(9))), "127.0.0.1", 0)
+        channel = await connect_channel("127.0.0.1", server.sockets[0].getsockname()[1], KEY, loop)
+        reply = await asyncio.wait_for(channel.receive(), 10)
+        channel.close()
+        server.close()
+        return reply
+
+    assert asyncio.run(client_side()) == m.Pong(9)

@@ -15,10 +15,10 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.net.channel import (
-    STREAM_LIMIT,
     AsyncChannel,
     Counters,
     EventLoopThread,
+    FrameReader,
     LossyUdp,
     path_datagram_bytes,
 )
@@ -118,20 +118,28 @@ class Membership:
         self.on_message, self.on_lost, self.log = on_message, on_lost, log
         self.cond = threading.Condition()  # nodes joining and leaving
         self.nodes: list[NodeConn] = []
+        self.serving: set[asyncio.Task] = set()  # each connection's handler (_serve_node)
         self.running = True
 
     async def listen(self, listener: socket.socket) -> asyncio.Server:
         """Accept nodes on `listener`, a bound and listening TCP socket."""
-        server = await asyncio.start_server(self._serve_node, sock=listener, limit=STREAM_LIMIT)
-        self.watch_task = asyncio.get_running_loop().create_task(self._watch())
+        loop = asyncio.get_running_loop()
+
+        def serve(frames: FrameReader) -> None:  # the loop keeps only weak references to its tasks
+            task = loop.create_task(self._serve_node(frames))
+            self.serving.add(task)
+            task.add_done_callback(self.serving.discard)
+
+        server = await loop.create_server(lambda: FrameReader(serve), sock=listener)
+        self.watch_task = loop.create_task(self._watch())
         return server
 
     def alive(self) -> list[NodeConn]:
         return [n for n in self.nodes if n.alive]
 
-    async def _serve_node(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = AsyncChannel(reader, writer, self.key, self.net.loop)
-        addr = writer.get_extra_info("peername")
+    async def _serve_node(self, frames: FrameReader) -> None:
+        channel = AsyncChannel(frames, self.key, self.net.loop)
+        addr = channel.transport.get_extra_info("peername")
         node: NodeConn | None = None
         try:
             message = await asyncio.wait_for(channel.receive(), 10)
@@ -160,7 +168,7 @@ class Membership:
                 if isinstance(e, BadMac):  # said on both sides: the node reads KEY_REJECTED (closing flushes it)
                     self.log(f"a node at {addr[0]} failed authentication: its --key (or EDGERUN_KEY) is not "
                              "this master's; refused")
-                    writer.write(KEY_REJECTED)
+                    channel.transport.write(KEY_REJECTED)
             else:
                 self.log(f"node {node.name} lost ({e})")
         finally:

@@ -31,13 +31,13 @@ from edgerun.model.loader import Model, load_model
 from edgerun.net.backoff import Backoff
 from edgerun.net.channel import (
     ETHERNET_UDP_PAYLOAD,
-    STREAM_LIMIT,
     AsyncChannel,
     Counters,
     DatagramSocket,
     EventLoopThread,
     LossyUdp,
     add_fragment,
+    connect_channel,
     path_datagram_bytes,
 )
 from edgerun.net.loss import LossModel
@@ -213,8 +213,7 @@ class Node:
                 time.sleep(delay)
 
     async def _join(self) -> Welcome:
-        reader, writer = await asyncio.open_connection(*self.master, limit=STREAM_LIMIT)
-        self.channel = AsyncChannel(reader, writer, self.key, self.net.loop)
+        self.channel = await connect_channel(*self.master, self.key, self.net.loop)
         datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s,
                                    idle_spin=True)
         try:
