@@ -17,6 +17,7 @@ contention.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -51,10 +52,10 @@ def main() -> None:
         single = single_baseline(model, TpBenchConfig(model.path, tokens=args.tokens, threads=args.threads))
     rows = []
     for n in counts:
-        together = kernel_ceiling(args.model, n, args.threads, Activations.INT8.value, args.tokens, CONTEXT)
-        alone = together.device_ms_per_token[0] if n == 1 else \
-            kernel_ceiling(args.model, n, args.threads, Activations.INT8.value, args.tokens, CONTEXT, which=[0])\
-            .device_ms_per_token[0]
+        shares = functools.partial(kernel_ceiling, args.model, n, args.threads, Activations.INT8.value, args.tokens,
+                                   CONTEXT)
+        together = shares()
+        alone = together.device_ms_per_token[0] if n == 1 else shares(which=[0]).device_ms_per_token[0]
         slowest = together.decode_ms_per_token
         rows.append({"devices": n, "slowest_ms": slowest, "mean_ms": statistics.mean(together.device_ms_per_token),
                      "alone_ms": alone, "single_decode_ms": single.decode_ms_per_token,

@@ -397,7 +397,7 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                                   plans, rates)
             if config.ceiling:
                 progress(f"kernel ceiling: {nodes + 1} device(s)' shares in step, no network")
-                cores = [device_cores(i, config.pin) for i in range(nodes + 1)] if config.pin else None
+                cores = [device_cores(i, config.pin) for i in range(nodes + 1)]  # all None unpinned
                 ceiling = kernel_ceiling(config.model_path, nodes + 1, config.threads, config.activations.value,
                                          config.tokens, CONTEXT, cores)
                 rows = [replace(r, ceiling_decode_ms_per_token=ceiling.decode_ms_per_token) for r in rows]
