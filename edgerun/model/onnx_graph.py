@@ -28,6 +28,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from edgerun.cache import cache_root
+from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig, kv_names
 from edgerun.model.kernel_stage import build_kernel_stage
 from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
@@ -404,6 +405,8 @@ def _norm(g: _GraphWriter, residual: str, pending: str | None, weight: np.ndarra
 
 def cached_stage(model_path: Path, config: ModelConfig, weights: ModelWeights, spec: StageSpec) -> Path:
     """The directory of a built stage graph, building it once per model file and spec."""
+    if not spec.kernels:  # a graph of onnxruntime's attention, which a graph built before this check may hold
+        check_head_dim(config)
     st = model_path.stat()
     ident = json.dumps([str(model_path.resolve()), st.st_size, st.st_mtime_ns, asdict(spec), GRAPH_VERSION,
                         weights.adapter_sha256])
@@ -469,10 +472,23 @@ def _attention_io(config: ModelConfig, kv_heads: int, max_len: int, flags: bool)
     return inputs, outputs
 
 
+ATTENTION_HEAD_MULTIPLE = 16  # onnxruntime's GroupQueryAttention on CPU takes heads of a multiple of 16 values
+
+
+def check_head_dim(config: ModelConfig) -> None:
+    """An EdgerunError, before anything is built, for a model whose heads onnxruntime's attention cannot run
+    (it would fail at the first step, deep inside a session)."""
+    if config.head_dim % ATTENTION_HEAD_MULTIPLE:
+        raise EdgerunError(f"this model's attention heads have {config.head_dim} values; onnxruntime's attention "
+                           f"takes a multiple of {ATTENTION_HEAD_MULTIPLE} (the numpy engine runs any: "
+                           "edgerun generate --engine numpy)")
+
+
 def _grouped_attention(g: _GraphWriter, config: ModelConfig, q: str, k: str, v: str, kv_heads: int,
                        max_len: int) -> None:
     """Rotary attention of `kv_heads` KV heads and their query heads, appending k and v to the bound cache in
     place: "heads" (1, seq, kv_heads * heads_per_kv * head_dim) and the presents."""
+    check_head_dim(config)
     cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(max_len))
     g.nodes.append(helper.make_node(
         "GroupQueryAttention", [q, k, v, "past_key", "past_value", "seqlens_k", "total_seq_len",
