@@ -31,6 +31,7 @@ SAMPLES: list[m.Message] = [
     m.Input(3, 0, 1, Block.HEAD, None, b"\x00" * 8),
     m.Input(3, 9, 1, Block.ATTN, (2, 0, 1), b"\x01" * 8),
     m.Reset(5),
+    m.Reset(6, 40),
     m.ParityOn(2),
     m.Ping(1),
     m.BandwidthProbe(1 << 20, bytes(64)),
@@ -90,6 +91,7 @@ def test_routes_are_data() -> None:
     b'{"message": "Input", "session": 1, "position": 2, "layer": 3, "block": 0, "ranking": 5}',
     b'{"message": "Heartbeat", "rejected": 0, "compute_s": null, "peak_rss_mb": 1}',  # null for a number
     b'{"message": "Assign", "session": 1}',
+    b'{"message": "Reset", "session": 1, "top": 0}',  # out of its range: a sampler draws from one logit at least
     b'{"message": "Ping", "seq": 1',  # truncated
     b"[" * 100_000,  # nested past the parser's recursion
     b"\xff\xfe",  # not text

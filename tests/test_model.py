@@ -17,7 +17,7 @@ from edgerun.model.generate import Engine, ReferenceEngine, StopReason, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.quant import SUPPORTED_QTYPES, WRITABLE_QTYPES, QuantTensor, quantize, to_affine_blocks
 from edgerun.model.reference import BlockHooks, DenseLayer, ReferenceModel, apply_rope, n_groups, rope_tables
-from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.model.sampling import Sampler, SamplingParams, largest
 from edgerun.model.synth import SynthSpec, synth_weights
 from edgerun.model.weights import rope_rows_from_interleaved, rope_rows_to_interleaved
 
@@ -591,6 +591,19 @@ def test_top_k_limits_candidates() -> None:
     top5 = set(np.argsort(-logits)[:5].tolist())
     draws = _draws(SamplingParams(temperature=100.0, top_k=5, seed=3), logits, 500)
     assert set(draws) == top5
+
+
+def test_the_largest_logits_are_the_samplers_candidates_in_its_order() -> None:
+    """largest(logits, k) is the sampler's stable order cut at k, ties by index included (few distinct values make
+    many ties, at the cut too); the sampler needs one candidate greedy, k with top-k and all of them otherwise."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        logits = rng.integers(-3, 3, int(rng.integers(1, 60))).astype(np.float32)
+        k = int(rng.integers(1, 70))
+        assert largest(logits, k).tolist() == np.argsort(-logits, kind="stable")[:k].tolist()
+    assert Sampler(SamplingParams()).candidates == 1
+    assert Sampler(SamplingParams(temperature=0.7, top_k=40)).candidates == 40
+    assert Sampler(SamplingParams(temperature=0.7, top_p=0.9)).candidates is None
 
 
 def test_top_p_keeps_the_smallest_covering_prefix() -> None:

@@ -96,6 +96,51 @@ def test_lossless_udp_and_tcp_equal_the_reference(model: Model, reference_tokens
             assert len(set(shares)) > 1  # uneven speeds gave uneven shares
 
 
+class FullLogits:
+    """A master as an engine that returns logits for the generation loop to sample: its nodes send every row."""
+
+    def __init__(self, master: Master) -> None:
+        self.master = master
+
+    @property
+    def max_len(self) -> int:
+        return self.master.max_len
+
+    def reset(self) -> None:
+        self.master.reset()
+
+    def step(self, tokens: list[int]) -> np.ndarray:
+        return self.master.step(tokens)
+
+    def release(self) -> None:
+        self.master.release()
+
+
+def test_nodes_send_only_the_logits_the_sampler_can_draw(model: Model) -> None:
+    """A top-k draw over the cluster, whose nodes send their k largest logits and their rows, picks the tokens the
+    same draw picks from every row; greedy steps gather one logit a node; a step that wants more than its request
+    declared is refused rather than given minus infinity for logits it needs."""
+    prompt = model.tokenizer.encode(PROMPT)
+    sampler = Sampler(SamplingParams(temperature=0.9, top_k=5, seed=11))
+    for master, _ in cluster(model, [1e9, 1e9]):
+        assert generate(master, prompt, 24, sampler).tokens == generate(FullLogits(master), prompt, 24, sampler).tokens
+        master.reset()
+        logits = master.net.run(master._step(prompt, 1))
+        own = len(master.shard.vocab_rows)
+        assert np.isfinite(logits).sum() == own + sum(bool(n.spec.vocab_blocks) for n in master.deployed)  # one a node
+        assert int(np.argmax(logits)) == int(np.argmax(master_logits(master, prompt)))
+        master.reset()
+        master.net.run(master._step(prompt, 5))
+        with pytest.raises(RuntimeError):
+            master.step([1])
+
+
+def master_logits(master: Master, prompt: list[int]) -> np.ndarray:
+    """Every row of the prompt's last logits, as a fresh request."""
+    master.reset()
+    return master.step(prompt)
+
+
 def test_a_plan_that_leaves_every_node_out_runs_the_whole_model_engine(model: Model) -> None:
     """A master whose plan gives no node a unit (none joined yet) computes the whole model as one graph, the single
     engine's, so its tokens and logits are the single engine's exactly; once a node joins and the plan gives it a

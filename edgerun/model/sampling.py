@@ -51,6 +51,16 @@ class Sampler:
         # Without a seed, a random one for this sampler; it stays fixed, so positions still decide the draws.
         self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
 
+    @property
+    def candidates(self) -> int | None:
+        """How many of the largest logits a draw can pick from (greedy: one; top-k: k), None for all of them. An
+        engine whose logits are spread over devices may gather only each device's `largest` that many: the
+        draw is the same, as every other logit could be minus infinity."""
+        p = self.params
+        if p.temperature == 0.0:
+            return 1
+        return p.top_k if p.top_k > 0 else None
+
     def __call__(self, logits: np.ndarray, position: int) -> int:
         """The token at `position` (its index in the sequence) from the logits before it."""
         p = self.params
@@ -68,3 +78,17 @@ class Sampler:
             cdf = cdf[:int(np.searchsorted(cdf, p.top_p * cdf[-1])) + 1]
         index = int(np.searchsorted(cdf, uniform(self.seed, position) * cdf[-1], side="right"))
         return int(candidates[min(index, cdf.size - 1)])
+
+
+def largest(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest logits, the larger first and equal ones by index: the candidates the sampler takes
+    (its stable sort), so the k a device keeps of its own rows hold every one of them the whole vocabulary's draw
+    can pick. In linear time: a vocabulary share is tens of thousands of rows, sorted in milliseconds."""
+    logits = logits.reshape(-1)
+    k = min(k, logits.size)
+    if k == 1:
+        return np.array([int(np.argmax(logits))])  # the first of the largest
+    threshold = np.partition(logits, logits.size - k)[logits.size - k]  # the k-th largest value
+    above = np.flatnonzero(logits > threshold)
+    chosen = np.concatenate([above, np.flatnonzero(logits == threshold)[:k - above.size]])
+    return chosen[np.lexsort((chosen, -logits[chosen]))]

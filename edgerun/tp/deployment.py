@@ -95,6 +95,14 @@ def row_span(rows: np.ndarray) -> slice | np.ndarray:
     return rows
 
 
+def place_head_top(logits: np.ndarray, rows: np.ndarray, partial: np.ndarray) -> None:
+    """A device's head_top partial into the whole vocabulary's logits: its chosen rows get their logits, its
+    other rows minus infinity (no draw of at most `top` candidates picks them)."""
+    k = partial.size // 2
+    logits[row_span(rows)] = -np.inf
+    logits[rows[partial[k:].astype(np.int64)]] = partial[:k]
+
+
 @dataclass(frozen=True)
 class NodeLink:
     """What a deployment needs to know of a node's link."""

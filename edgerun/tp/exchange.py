@@ -35,9 +35,10 @@ from edgerun.net.wire import (
     whole_vector,
 )
 from edgerun.tp.config import MasterConfig
-from edgerun.tp.deployment import row_span, vocab_rows
+from edgerun.tp.deployment import place_head_top, row_span, vocab_rows
 from edgerun.tp.membership import NodeConn
 from edgerun.tp.messages import Fetch, Input, ParityOn, Partial, Route, Routes
+from edgerun.tp.shard import head_top_size
 from edgerun.tp.timeouts import Timeouts
 from edgerun.tp.trace import Event, Trace
 
@@ -164,6 +165,7 @@ class BlockExchange:
             model, key, udp, datagrams, counters, log, trace
         self.configure(config)
         self.session = 0
+        self.head_top: int | None = None  # the session's nodes send their this many largest logits (Reset.top)
         self.routes = Routes.for_transport(config.transport, model.n_layers)
         self.recent_inputs: dict[BlockKey, tuple[np.ndarray, tuple[int, ...] | None]] = {}  # kept for fetches
         self.pending_fetch: dict[BlockKey, list[NodeConn]] = {}  # fetches of inputs not sent yet
@@ -182,7 +184,7 @@ class BlockExchange:
     def new_session(self, session: int, routes: Routes | None = None) -> None:
         """A new request or a new deployment: nothing of the old one is kept (what it ran is counted)."""
         self.settle()
-        self.session = session
+        self.session, self.head_top = session, None
         if routes is not None:
             self.routes = routes
         self.recent_inputs.clear()
@@ -392,7 +394,8 @@ class BlockExchange:
     def _reply_size(self, node: NodeConn, block: Block, seq: int) -> int:
         """Elements of a node's partial: its vocabulary rows of the last token for the LM head."""
         if block == Block.HEAD:
-            return len(vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size))
+            rows = len(vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size))
+            return rows if self.head_top is None else head_top_size(rows, self.head_top)
         return seq * self.model.hidden
 
     def _assemble_logits(self, logits: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:
@@ -401,6 +404,9 @@ class BlockExchange:
             node_rows = vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size)
             part = parts[node.index]
             vector = part.vector if isinstance(part, Reassembly) else part
+            if self.head_top is not None:
+                place_head_top(logits, node_rows, vector.reshape(-1))
+                continue
             logits[row_span(node_rows)] = vector.reshape(-1)[-len(node_rows):]
         return logits
 

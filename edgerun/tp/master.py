@@ -97,6 +97,8 @@ class Master:
                                      self.exchange.on_node_lost, log)
         self.reconfigure(config)
         self.position = 0
+        # A request's Reset goes to the nodes with its first step, which knows what the sampler draws from.
+        self.reset_pending = False
         self.shard: QuantShard | None = None
         # A plan that leaves every node out runs on the whole-model engine instead of a share: one graph a token
         # rather than one a block (the share engine alone was 0.82x the single engine on the shipped model's
@@ -343,10 +345,17 @@ class Master:
             self.whole.reset()
         else:
             self.shard.truncate(0)
+        self.reset_pending = True
+        self.position = 0
+
+    def _announce(self, top: int | None) -> None:
+        """The request's Reset to every node: its session, and how many of the largest logits its sampler draws
+        from (each node's LM-head partial is then that many, not its whole vocabulary share)."""
+        self.exchange.head_top = top
         for node in self.membership.alive():
             with contextlib.suppress(OSError, ConnectionError):
-                node.channel.send(Reset(self.exchange.session))
-        self.position = 0
+                node.channel.send(Reset(self.exchange.session, top))
+        self.reset_pending = False
 
     def _participants(self, layer: int, block: Block) -> list[NodeConn]:
         """The deployed nodes that hold units of this block. One of them found dead (between requests, or
@@ -413,7 +422,13 @@ class Master:
         self.position += len(tokens)
         return logits
 
-    async def _step(self, tokens: Sequence[int]) -> np.ndarray:
+    async def _step(self, tokens: Sequence[int], top: int | None = None) -> np.ndarray:
+        """The last token's logits; with `top`, only each node's `top` largest of its rows are filled in (the
+        others are minus infinity): what a sampler that draws from no more needs."""
+        if self.reset_pending:
+            self._announce(top)
+        elif self.exchange.head_top is not None and (top is None or top > self.exchange.head_top):
+            raise RuntimeError(f"this request's steps gather {self.exchange.head_top} logits a node, not {top}")
         # Blocks drained on the spot never yield: let the loop read the nodes' streams (heartbeats) once a step.
         await asyncio.sleep(0)
         if self.whole is not None:
@@ -462,6 +477,11 @@ class Master:
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens after those already seen; the last token's logits."""
         return self.net.run(self._step(tokens))
+
+    def step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int:
+        """Run tokens after those already seen; the token the sampler draws (the generation loop's step): the
+        nodes send only the logits it can draw (Sampler.candidates)."""
+        return sampler(self.net.run(self._step(tokens, sampler.candidates)), start + len(tokens))
 
     def recover(self, lost: EngineLost) -> None:
         """After a node was lost mid-step: plan over the devices left (the generation loop re-prefills)."""

@@ -188,9 +188,17 @@ class Input:
 
 @dataclass(frozen=True)
 class Reset:
-    """A new request: forget the KV cache."""
+    """A new request: forget the KV cache. `top`: the request's sampler draws from no more than this many of the
+    largest logits (greedy: 1), so a node's LM-head partial is its `top` largest logits and their rows, not every
+    row of its vocabulary share (a 1B's 128k rows over 8 devices: 45 datagrams each a token, 1 so); None: every
+    row."""
 
     session: int
+    top: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.top is not None and self.top < 1:
+            raise ValueError(f"top must be at least 1, not {self.top}")
 
 
 @dataclass(frozen=True)
@@ -283,7 +291,10 @@ def _build(cls: type, data: dict, payload: Payload | None) -> Any:
             values[f.name] = _coerce(data[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise BadMessage(f"{cls.__name__}: missing field {f.name}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:  # a field out of its range (the class's own check)
+        raise BadMessage(f"{cls.__name__}: {e}") from e
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

@@ -83,7 +83,7 @@ from edgerun.tp.messages import (
     Shutdown,
     Welcome,
 )
-from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec
+from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec, head_top
 from edgerun.tp.trace import Event, Trace
 
 HEARTBEAT_S = 0.5
@@ -150,6 +150,7 @@ class Node:
         self.shard: QuantShard | Shard | None = None  # Shard: the float reference, which tests run
         self.attn_layers: list[int] = []  # layers where this node holds attention units
         self.session = -1
+        self.top: int | None = None  # the session's sampler draws from this many logits at most (Reset.top)
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
         # The last mirrored partials sent (their headers and vectors), for the master's Resend requests.
         self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray]] = {}
@@ -303,8 +304,8 @@ class Node:
 
     def _control(self, message: Message) -> None:
         match message:
-            case Reset(session):
-                self._new_session(session)
+            case Reset(session, top):
+                self._new_session(session, top)
             case Input(session, position, layer, block, ranking, vector):
                 if len(vector) % 4:
                     self.counters.reject("message")
@@ -326,8 +327,8 @@ class Node:
             case _:
                 self.counters.reject("unexpected")
 
-    def _new_session(self, session: int) -> None:
-        self.session, self.session_compute_s = session, 0.0
+    def _new_session(self, session: int, top: int | None = None) -> None:
+        self.session, self.session_compute_s, self.top = session, 0.0, top
         self.inputs.clear()
         self.kept_partials.clear()
         self.latest_seen = (-1, -1, -1)
@@ -494,6 +495,8 @@ class Node:
             out = self.shard.mlp(layer, x, groups=units) if output else None
         else:
             _, out = self.shard.logits(x[-1:])
+            if self.top is not None:  # the session's sampler picks from no more: the rest stays here
+                out = head_top(out, self.top)
         took = time.perf_counter() - started
         if out is not None:
             self._send_partial(position, layer, block, x.shape[0], out)

@@ -44,6 +44,7 @@ from edgerun.model.onnx_graph import (
 )
 from edgerun.model.quant import dequantize_columns
 from edgerun.model.reference import apply_rope, n_groups, rope_tables, silu
+from edgerun.model.sampling import largest
 from edgerun.model.session import session_options
 from edgerun.model.weights import LayerWeights, ModelWeights
 from edgerun.net.wire import Block
@@ -96,6 +97,19 @@ def split_spec(config: ModelConfig, n: int, group_size: int = 256, vocab_block: 
         )
         for d in range(n)
     ]
+
+
+def head_top(logits: np.ndarray, top: int) -> np.ndarray:
+    """A device's LM-head partial for a sampler that draws from `top` logits at most: its `top` largest logits
+    (sampling.largest, of its own rows), then their places among its rows, all float32 (a place is below 2^24:
+    exact). The master's deployment.place_head_top puts them back."""
+    chosen = largest(logits, top)
+    return np.concatenate([logits.reshape(-1)[chosen], chosen]).astype(np.float32)
+
+
+def head_top_size(rows: int, top: int) -> int:
+    """Elements of a head_top partial of a device with `rows` vocabulary rows."""
+    return 2 * min(top, rows)
 
 
 def _row_index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
