@@ -213,6 +213,21 @@ def test_master_loop_matches_reference_greedy(kind: str, name: str, n: int) -> N
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
 
 
+def test_every_block_allocates_from_the_processs_one_arena() -> None:
+    """A share's blocks take their buffers from one arena of the process (share_cpu_arena): neither one arena each,
+    which would keep every block's peak, nor none, which maps large buffers afresh at every step; two shares of one
+    process share it too (onnxruntime registers the arena once)."""
+    config, weights = model("llama")
+    for spec in split_spec(config, 2, 128, VOCAB_BLOCK):
+        shard = QuantShard(config, weights, spec, MAX_LEN, threads=1)
+        blocks = [b for b in (*shard.attn, *shard.mlp_blocks, shard.head) if b is not None]
+        assert blocks
+        for block in blocks:
+            options = block.session.get_session_options()
+            assert options.get_session_config_entry("session.use_env_allocators") == "1"
+            assert not options.enable_cpu_mem_arena
+
+
 @shard_kinds
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_logit_rows_reassemble_the_lm_head(kind: str, n: int) -> None:

