@@ -67,12 +67,10 @@ class Sampler:
         if p.temperature == 0.0:
             return int(np.argmax(logits))
         z = logits.astype(np.float64) / p.temperature
-        # Candidates from the most to the least likely, ties by index (a stable sort), so that every
-        # implementation keeps the same top-k and top-p prefix. Sums are running sums (cumsum), which
-        # JavaScript computes in the same order.
-        candidates = np.argsort(-z, kind="stable")
-        if 0 < p.top_k < z.size:
-            candidates = candidates[:p.top_k]
+        # Candidates from the most to the least likely, ties by index (a stable sort; with top-k, `largest`, the
+        # same order cut at k), so that every implementation keeps the same top-k and top-p prefix. Sums are
+        # running sums (cumsum), which JavaScript computes in the same order.
+        candidates = largest(z, p.top_k) if p.top_k > 0 else np.argsort(-z, kind="stable")
         cdf = np.cumsum(np.exp(z[candidates] - z[candidates[0]]))
         if p.top_p < 1.0:  # the shortest prefix whose probability reaches top-p
             cdf = cdf[:int(np.searchsorted(cdf, p.top_p * cdf[-1])) + 1]
@@ -81,9 +79,9 @@ class Sampler:
 
 
 def largest(logits: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest logits, the larger first and equal ones by index: the candidates the sampler takes
-    (its stable sort), so the k a device keeps of its own rows hold every one of them the whole vocabulary's draw
-    can pick. In linear time: a vocabulary share is tens of thousands of rows, sorted in milliseconds."""
+    """Indices of the k largest logits, the larger first and equal ones by index: a top-k sampler's candidates, so
+    the k a device keeps of its own rows hold every one the whole vocabulary's draw can pick. In linear time: a
+    vocabulary share is tens of thousands of rows, sorted in milliseconds."""
     logits = logits.reshape(-1)
     k = min(k, logits.size)
     if k == 1:
