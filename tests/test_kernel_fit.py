@@ -9,7 +9,7 @@ import pytest
 
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory, model_profile
 from edgerun.sched.tp_plan import SyncModel, plan_tp
-from edgerun.tp.kernel_fit import MIN_MEASURED_S, KernelFit, Measured
+from edgerun.tp.kernel_fit import MIN_MEASURED_S, SAME_WITHIN, KernelFit, Measured, pooled, pooled_measurements
 from edgerun.tp.master import planned_compute
 
 SPEED, FIXED = 2e9, 60e-6  # bytes per second, seconds a block
@@ -94,3 +94,53 @@ def test_plans_priced_at_the_fitted_speed_and_fixed_cost_are_priced_as_the_block
         assert plan.time_per_token_s == pytest.approx(took, rel=0.03)
         ratio = devices(Measured(fit.bytes / fit.seconds, None))
         assert objective(plan_counts(plan), ratio, profile, SyncModel.STAR) > 1.15 * took
+
+
+def test_measurements_that_agree_within_their_noise_are_pooled() -> None:
+    values = {"a": 100.0, "b": 110.0, "c": 92.0, "slow": 40.0}
+    mean = pytest.approx(302 / 3)
+    assert pooled(values, within=0.15) == {"a": mean, "b": mean, "c": mean, "slow": 40.0}
+    assert pooled({"a": 1.0}) == {"a": 1.0} and pooled({}) == {}
+    assert pooled({"a": 1.0, "b": 2.0}, within=0.1) == {"a": 1.0, "b": 2.0}  # the median 1.5: neither close
+    measured = pooled_measurements({"a": Measured(4e9, 100e-6), "b": Measured(4.4e9, None), "c": Measured(1e9, 120e-6)},
+                                   within=0.2)
+    # Speeds: the median 4e9 pools a and b, not c; fixed costs: a's and c's agree within 20% of their median.
+    assert measured == {"a": Measured(4.2e9, pytest.approx(110e-6)), "b": Measured(4.2e9, None),
+                        "c": Measured(1e9, pytest.approx(110e-6))}
+
+
+def test_identical_devices_that_measure_apart_get_even_shares_once_pooled() -> None:
+    """Eight identical devices of the 1B shape, measured some 10-15% apart (the device machine measured 4.0-5.0 GB/s
+    and 176-251 µs of synchronization on such a cluster). Unpooled, halo gives some plans a node with two attention
+    units and one with none; pooled, every device holds one unit and four groups of each layer. A device twice as
+    slow is not pooled and holds fewer."""
+    from edgerun.model.synth import SHAPES, shape_only_weights
+
+    config = SHAPES["1b"]
+    profile = model_profile("llama-1b-Q4_0", config, shape_only_weights(config, "Q4_0"), context=256)
+    rng = random.Random(0)
+
+    def devices(speeds: dict[str, float], fixed: dict[str, float], syncs: dict[str, float]) -> list[DeviceProfile]:
+        master = DeviceProfile(name="master", kind="node", cores=1, compute=Compute(0.0, 4.6e9, 0.15, 20e-6),
+                               memory=Memory(4000, 4000, 4000, 0.0), link=Link(0.0, 1e9, 1e9, 0.0))
+        return [master] + [DeviceProfile(name=n, kind="node", cores=1, compute=Compute(0.0, speeds[n], fixed[n] * 1e3),
+                                         memory=Memory(4000, 4000, 4000, 0.0), link=Link(syncs[n] * 1e3, 1e9, 1e9, 0.0))
+                           for n in speeds]
+
+    names = [f"n{i}" for i in range(7)]
+    uneven = 0
+    for _ in range(5):
+        speeds = {n: 4.5e9 * rng.uniform(0.88, 1.12) for n in names}
+        fixed = {n: 145e-6 * rng.uniform(0.88, 1.12) for n in names}
+        syncs = {n: 215e-6 * rng.uniform(0.85, 1.15) for n in names}
+        raw = plan_tp(profile, devices(speeds, fixed, syncs), "halo", sync=SyncModel.STAR).counts()
+        uneven += len(set(raw.attn)) > 1 or any(len(set(layer)) > 1 for layer in raw.attn)
+        plan = plan_tp(profile, devices(pooled(speeds), pooled(fixed), pooled(syncs)), "halo", sync=SyncModel.STAR)
+        counts = plan.counts()
+        assert set(counts.attn) == {(1,) * 8} and set(counts.mlp) == {(4,) * 8}
+    assert uneven  # what pooling is for: unpooled, some of those plans were not even
+    speeds = {n: 4.5e9 for n in names} | {"n3": 2.2e9}
+    counts = plan_tp(profile, devices(pooled(speeds), {n: 145e-6 for n in names}, {n: 215e-6 for n in names}),
+                     "halo", sync=SyncModel.STAR).counts()
+    assert sum(layer[4] for layer in counts.mlp) < sum(layer[1] for layer in counts.mlp)
+    assert SAME_WITHIN < 0.5

@@ -19,6 +19,8 @@ line needs travel in a node's heartbeat.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from edgerun.sched.profiles import Compute
@@ -71,3 +73,32 @@ class KernelFit:
         if fixed < 0:
             return Measured(self.bytes / self.seconds, 0.0)
         return Measured(1 / slope, fixed)
+
+
+# Nodes whose measurements agree this closely (relative to their median) are planned as one kind of device, at the
+# mean of their measurements. Identical devices measure apart on a busy host (a warm-up's few hundred blocks,
+# another process on the core for a while): eight processes of the 1B on the device machine measured 4.0-5.0 GB/s,
+# fixed costs of 124-162 µs and synchronizations of 176-251 µs a block. The planner turned such differences into
+# whole units: one of those clusters got a plan with one node holding two attention units and another none, and
+# MLP groups from 2 to 5 a device; two of its prefill blocks in three waited for the busiest node (301-355 ms of
+# kernels a prefill against 220 for the others), and its decode took 41.2 ms/token where even shares took 31.9 in
+# the same call. A unit there is a quarter to an eighth of a device's share of a block, more than the differences
+# pooled; devices that differ by more (a Raspberry Pi beside a Jetson) keep their own figures.
+SAME_WITHIN = 0.25
+
+
+def pooled(values: Mapping[str, float], within: float = SAME_WITHIN) -> dict[str, float]:
+    """`values` with every one within `within` of their median (relative to it) replaced by the mean of those."""
+    if len(values) < 2:
+        return dict(values)
+    median = statistics.median(values.values())
+    close = [name for name, v in values.items() if abs(v - median) <= within * abs(median)]
+    mean = statistics.fmean(values[name] for name in close) if close else 0.0
+    return {name: mean if name in close else v for name, v in values.items()}
+
+
+def pooled_measurements(measured: Mapping[str, Measured], within: float = SAME_WITHIN) -> dict[str, Measured]:
+    """Devices' measurements with their speeds pooled, and their fixed costs among those that have one (`pooled`)."""
+    speeds = pooled({name: m.speed for name, m in measured.items()}, within)
+    fixed = pooled({name: m.fixed_s for name, m in measured.items() if m.fixed_s is not None}, within)
+    return {name: Measured(speeds[name], fixed.get(name)) for name in measured}

@@ -41,7 +41,7 @@ from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, pla
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
-from edgerun.tp.kernel_fit import KernelFit, Measured
+from edgerun.tp.kernel_fit import KernelFit, Measured, pooled, pooled_measurements
 from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
@@ -194,31 +194,38 @@ class Master:
         s = self.stats
         return (s.send_s + s.fold_s + s.account_s) / s.sends if s.sends >= MIN_SYNC_BLOCKS else SEND_S_PER_NODE
 
-    def _device(self, name: str, budget_mb: float, speed: float, link: Link | None = None) -> DeviceProfile:
+    def _device(self, name: str, budget_mb: float, speed: float, measured: Measured | None,
+                link: Link | None = None) -> DeviceProfile:
         """A device as the planner sees it: at its measured speed and fixed cost per block once there are some, else
         at the declared `speed` and the planner's default fixed cost."""
         send = self.send_s_per_node if name == "master" else SEND_S_PER_NODE
         return DeviceProfile(name=name, kind="node", cores=1,
-                             compute=planned_compute(speed, send, self.measured.get(name)),
+                             compute=planned_compute(speed, send, measured),
                              memory=Memory(budget_mb, budget_mb, budget_mb, 0.0),
                              link=link or Link(0.0, 10_000.0, 10_000.0, 0.0))
 
     def _devices(self, alive: list[NodeConn]) -> list[DeviceProfile]:
+        """The master and these nodes as the planner sees them. The nodes' measurements that agree within their
+        noise are pooled (kernel_fit.SAME_WITHIN); the master's stand alone (it also sends and merges)."""
+        names = {n.name for n in alive}
+        measured = pooled_measurements({name: m for name, m in self.measured.items() if name in names})
         # Measured synchronization times stand for the probes' where every node has one: a mix of the two would
         # favour whichever nodes happen to have been timed.
         timed = all(n.name in self.measured_sync for n in alive)
-        return [self._device("master", self.config.budget_mb, self.config.speed)] + \
-               [self._device(n.name, n.budget_mb, n.speed, self._link(n) if timed else n.link) for n in alive]
+        syncs = pooled({n.name: self.measured_sync[n.name] for n in alive}) if timed else {}
+        return [self._device("master", self.config.budget_mb, self.config.speed, self.measured.get("master"))] + \
+               [self._device(n.name, n.budget_mb, n.speed, measured.get(n.name),
+                             self._link(n, syncs[n.name]) if timed else n.link) for n in alive]
 
-    def _link(self, node: NodeConn) -> Link | None:
+    @staticmethod
+    def _link(node: NodeConn, sync_s: float) -> Link | None:
         """A node's link as the planner sees it once its blocks have been timed: its measured synchronization time
-        per block stands for the probe's round trip and transfer. (The probe, a round trip of Python echoes at
-        join, says little of the block exchange: on loopback here it says 0.5 ms where a block's exchange takes
+        per block (`sync_s`) stands for the probe's round trip and transfer. (The probe, a round trip of Python echoes
+        at join, says little of the block exchange: on loopback here it says 0.5 ms where a block's exchange takes
         0.4-0.5 ms beyond the node's kernels, and it cannot see a master busy with its own share.)"""
-        sync = self.measured_sync.get(node.name)
-        if sync is None or node.link is None:
-            return node.link
-        return Link(sync * 1e3, UNLIMITED_MBIT, UNLIMITED_MBIT, node.link.loss_rate)
+        if node.link is None:
+            return None
+        return Link(sync_s * 1e3, UNLIMITED_MBIT, UNLIMITED_MBIT, node.link.loss_rate)
 
     def profile(self) -> ModelProfile:
         return model_profile(self.model.name, self.model.config, self.model.weights, context=self.config.max_len,
