@@ -1,11 +1,12 @@
-/* The datagram path of a tensor-parallel block in native code: sealing and sending a block's datagrams, and a
- * master's merge of the one-datagram partials of a block (receive, check, authenticate, add), with no interpreter
+/* The datagram path of a tensor-parallel master in native code: a block's input sent to every node in one system
+ * call, and the merge of a block's one-datagram partials (receive, check, authenticate, add) with no interpreter
  * work per datagram. Everything else (fragments, parity rebuilds, Resend, loss models, control) stays in Python
- * (edgerun.net.native loads this file, compiled once per machine, through ctypes: no Python API here).
+ * (edgerun.net.native compiles this file once per machine and loads it through ctypes: no Python API here).
  *
  * The wire format is edgerun.net.wire's: a 30-byte header, the payload, a 12-byte nonce and the 16-byte GMAC tag
- * (AES-256-GCM over header and payload, nothing encrypted). GMAC comes from the system's OpenSSL (libcrypto.so.3,
- * opened at run time: no headers are needed to build this file), as the cryptography package computes it.
+ * (AES-256-GCM over header and payload, nothing encrypted). The tag is checked with the system's OpenSSL
+ * (libcrypto.so.3, opened at run time: no headers are needed to build this file), as the cryptography package
+ * makes it.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -28,7 +29,6 @@
 #define MAX_ADDRS 256
 
 /* OpenSSL's EVP interface, as far as GMAC needs it (EVP_CIPHER_CTX and EVP_CIPHER are opaque). */
-#define EVP_CTRL_GCM_GET_TAG 0x10
 #define EVP_CTRL_GCM_SET_TAG 0x11
 typedef void *(*ctx_new_f)(void);
 typedef void (*ctx_free_f)(void *);
@@ -43,9 +43,9 @@ static struct {
     ctx_new_f ctx_new;
     ctx_free_f ctx_free;
     cipher_f aes_256_gcm;
-    init_f encrypt_init, decrypt_init;
-    update_f encrypt_update, decrypt_update;
-    final_f encrypt_final, decrypt_final;
+    init_f decrypt_init;
+    update_f decrypt_update;
+    final_f decrypt_final;
     ctrl_f ctrl;
 } evp;
 
@@ -58,29 +58,25 @@ static int load_libcrypto(void) {
     evp.ctx_new = (ctx_new_f)dlsym(lib, "EVP_CIPHER_CTX_new");
     evp.ctx_free = (ctx_free_f)dlsym(lib, "EVP_CIPHER_CTX_free");
     evp.aes_256_gcm = (cipher_f)dlsym(lib, "EVP_aes_256_gcm");
-    evp.encrypt_init = (init_f)dlsym(lib, "EVP_EncryptInit_ex");
     evp.decrypt_init = (init_f)dlsym(lib, "EVP_DecryptInit_ex");
-    evp.encrypt_update = (update_f)dlsym(lib, "EVP_EncryptUpdate");
     evp.decrypt_update = (update_f)dlsym(lib, "EVP_DecryptUpdate");
-    evp.encrypt_final = (final_f)dlsym(lib, "EVP_EncryptFinal_ex");
     evp.decrypt_final = (final_f)dlsym(lib, "EVP_DecryptFinal_ex");
     evp.ctrl = (ctrl_f)dlsym(lib, "EVP_CIPHER_CTX_ctrl");
-    if (!evp.ctx_new || !evp.ctx_free || !evp.aes_256_gcm || !evp.encrypt_init || !evp.decrypt_init ||
-        !evp.encrypt_update || !evp.decrypt_update || !evp.encrypt_final || !evp.decrypt_final || !evp.ctrl)
+    if (!evp.ctx_new || !evp.ctx_free || !evp.aes_256_gcm || !evp.decrypt_init || !evp.decrypt_update ||
+        !evp.decrypt_final || !evp.ctrl)
         return 0;
     evp.loaded = 1;
     return 1;
 }
 
-/* One cluster key's ciphers: its key schedule is made once. Used by one thread at a time. */
+/* One cluster key's cipher (its key schedule made once) and a receive buffer. Used by one thread at a time. */
 typedef struct {
-    void *seal, *open;
+    void *open;
     unsigned char buf[MAX_DATAGRAM];
 } er_ctx;
 
 void er_free(er_ctx *c) {
     if (!c) return;
-    if (c->seal) evp.ctx_free(c->seal);
     if (c->open) evp.ctx_free(c->open);
     free(c);
 }
@@ -89,23 +85,12 @@ er_ctx *er_new(const unsigned char *key) {
     if (!load_libcrypto()) return NULL;
     er_ctx *c = calloc(1, sizeof(er_ctx));
     if (!c) return NULL;
-    c->seal = evp.ctx_new();
     c->open = evp.ctx_new();
-    if (!c->seal || !c->open || evp.encrypt_init(c->seal, evp.aes_256_gcm(), NULL, key, NULL) != 1 ||
-        evp.decrypt_init(c->open, evp.aes_256_gcm(), NULL, key, NULL) != 1) {
+    if (!c->open || evp.decrypt_init(c->open, evp.aes_256_gcm(), NULL, key, NULL) != 1) {
         er_free(c);
         return NULL;
     }
     return c;
-}
-
-/* The tag of `body` under `nonce` into `tag`; 1 if it could be made. */
-static int gmac(er_ctx *c, const unsigned char *body, int len, const unsigned char *nonce, unsigned char *tag) {
-    unsigned char none[16];
-    int n = 0;
-    return evp.encrypt_init(c->seal, NULL, NULL, NULL, nonce) == 1 &&
-           evp.encrypt_update(c->seal, NULL, &n, body, len) == 1 && evp.encrypt_final(c->seal, none, &n) == 1 &&
-           evp.ctrl(c->seal, EVP_CTRL_GCM_GET_TAG, TAG, tag) == 1;
 }
 
 /* 1 if a datagram of `len` bytes carries the tag of its header and payload under its nonce. */
@@ -118,18 +103,6 @@ int er_authentic(er_ctx *c, const unsigned char *d, int len) {
            evp.decrypt_update(c->open, NULL, &n, d, len - TRAILER) == 1 &&
            evp.ctrl(c->open, EVP_CTRL_GCM_SET_TAG, TAG, (void *)(d + len - TAG)) == 1 &&
            evp.decrypt_final(c->open, none, &n) > 0;
-}
-
-/* header (HEADER bytes, its length field already the payload's), payload, nonce and tag into `out`: the
- * datagram's length, or -1. */
-int er_seal(er_ctx *c, const unsigned char *header, const unsigned char *payload, int plen,
-            const unsigned char *nonce, unsigned char *out, int cap) {
-    int len = HEADER + plen + TRAILER;
-    if (plen < 0 || len > cap) return -1;
-    memcpy(out, header, HEADER);
-    memcpy(out + HEADER, payload, plen);
-    memcpy(out + HEADER + plen, nonce, NONCE);
-    return gmac(c, out, HEADER + plen, nonce, out + HEADER + plen + NONCE) ? len : -1;
 }
 
 /* One datagram to n addresses (IPv4, network order) in one system call: how many went out (a full socket

@@ -1,6 +1,8 @@
 """The native datagram path (fastpath.c): a block's datagrams sent to every node in one system call, and a master's
-merge of a block's one-datagram partials (receive, check, authenticate, add) without the interpreter, which on
-the device machine's cores spent 20-35 µs a datagram on the same work.
+merge of a block's one-datagram partials (receive, check, authenticate, add) without the interpreter. Here (2 slow
+vCPUs) the Python path took 5.7 µs to receive and open a partial and about 18 more to merge it; the native drain
+takes 5.8 µs in all. (A node's receive and send were tried natively too: their system calls are most of their
+cost, and they were no faster.)
 
 The C file is compiled once per machine with the system's C compiler into edgerun's cache directory and loaded
 through ctypes; it takes GMAC from the system's OpenSSL. Where either is missing, or EDGERUN_NATIVE=0, `load`
@@ -88,10 +90,8 @@ def load() -> ctypes.CDLL | None:
         library.er_new.restype, library.er_new.argtypes = p, [p]
         library.er_free.restype, library.er_free.argtypes = None, [p]
         library.er_authentic.restype, library.er_authentic.argtypes = i, [p, p, i]
-        library.er_seal.restype, library.er_seal.argtypes = i, [p, p, p, i, p, p, i]
         library.er_send_many.restype, library.er_send_many.argtypes = i, [i, p, i, p, p, i]
-        library.er_drain.restype = i
-        library.er_drain.argtypes = [p, p]
+        library.er_drain.restype, library.er_drain.argtypes = i, [p, p]
         _library = library
         return library
 
