@@ -18,7 +18,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from edgerun.net import native
 from edgerun.net.loops import spinning_event_loop
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.wire import (
@@ -106,8 +105,6 @@ class LossyUdp:
         self.sent = 0
         self.dropped = 0
         self._lock = threading.Lock()
-        self.native = native.load()  # sendmmsg for a datagram to several addresses (None: one sendto each)
-        self._destinations: dict[tuple[tuple[str, int], ...], native.Destinations] = {}
 
     def send_all(self, datagrams: list[bytes], addr: tuple[str, int]) -> None:
         # One lock round per call, not per datagram: a master sends every block to each of its nodes.
@@ -123,23 +120,6 @@ class LossyUdp:
             except OSError:
                 with self._lock:
                     self.dropped += 1
-
-    def send_many(self, datagrams: list[bytes], addrs: list[tuple[str, int]]) -> None:
-        """Each datagram to every address: natively in one system call per datagram where there is no in-process
-        loss to apply (a master sends a block's input to each of its nodes)."""
-        if self.native is None or not isinstance(self.loss, NoLoss) or len(addrs) < 2:
-            for addr in addrs:
-                self.send_all(datagrams, addr)
-            return
-        key = tuple(addrs)
-        to = self._destinations.get(key)
-        if to is None:
-            to = self._destinations[key] = native.Destinations(addrs)
-        fd = self.sock.fileno()
-        missed = sum(to.count - native.send_many(self.native, fd, d, to) for d in datagrams)
-        with self._lock:
-            self.sent += len(datagrams) * to.count
-            self.dropped += missed
 
     def close(self) -> None:
         self.sock.close()
@@ -447,17 +427,13 @@ class DatagramSocket:
             except OSError:  # e.g. an ICMP error from an earlier send to a node that left
                 continue
             n += 1
-            self.handle(data, arrival_time(ancillary, clock_offset), addr)
-
-    def handle(self, data: bytes, arrived_at: float, addr: tuple[str, int] = ("", 0)) -> None:
-        """One datagram off the socket (arrived at `arrived_at`, perf_counter time) to the callback if authentic."""
-        self.arrived_at = arrived_at
-        try:
-            header, payload = open_packet(data, self.key)
-        except WireError as e:
-            self.counters.reject(str(e).split(" ")[0])
-            return
-        self.on_packet(header, payload, addr)
+            self.arrived_at = arrival_time(ancillary, clock_offset)
+            try:
+                header, payload = open_packet(data, self.key)
+            except WireError as e:
+                self.counters.reject(str(e).split(" ")[0])
+                continue
+            self.on_packet(header, payload, addr)
 
     def _poller(self, watch: list[int], udp: bool) -> select.poll:
         poller = select.poll()

@@ -57,7 +57,6 @@ class MasterConfig:
     activations: Activations = Activations.INT8  # of every device's quantized products (its kernels' numbers)
     spin_us: float = 0.0  # how long the master polls for partials without sleeping (DatagramSocket.spin_s)
     trace_dir: Path | None = None  # where the master writes its timeline of one-token blocks (tp.trace)
-    native: bool = True  # merge one-datagram partials natively where the library builds (net.native)
 
     def __post_init__(self) -> None:
         unknown = set(self.overlap) - set(OVERLAPS)

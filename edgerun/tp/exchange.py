@@ -20,11 +20,7 @@ import numpy as np
 from edgerun.model.config import ModelConfig
 from edgerun.model.generate import EngineLost
 from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, add_fragment
-from edgerun.net.native import Drained, NativeDatagrams
 from edgerun.net.wire import (
-    HEADER,
-    MAGIC,
-    VERSION,
     Added,
     Block,
     Codec,
@@ -34,7 +30,6 @@ from edgerun.net.wire import (
     Resend,
     WireError,
     as_f32,
-    elements_per_fragment,
     fragment,
     is_parity,
     whole_vector,
@@ -92,7 +87,6 @@ class StepStats:
     resend_asks: int = 0
     inputs_resent: int = 0
     completed_after_ask: int = 0
-    native_blocks: int = 0  # blocks whose partials the native drain merged (net.native)
 
 
 @dataclass
@@ -184,11 +178,6 @@ class BlockExchange:
 
     def configure(self, config: MasterConfig) -> None:
         self.config = config
-        # The native merge of one-datagram partials (None: the Python path), used on the loop's thread only.
-        if not config.native:
-            self.native = None
-        elif getattr(self, "native", None) is None:
-            self.native = NativeDatagrams.for_key(self.key)
         self.timeouts = Timeouts(None if config.timeout_ms is None else config.timeout_ms / 1000,
                                  config.timeout_deviations)
 
@@ -311,8 +300,8 @@ class BlockExchange:
                 sealed = self._input_datagrams(key, x, ranking, codec, node.datagram_bytes, parity=copies)
                 datagrams[node.datagram_bytes] = (sealed[:len(sealed) - copies], sealed[len(sealed) - copies:])
         # Every node's data first, then the parity copies: the last node's input does not wait behind them.
-        for size, (data, _) in datagrams.items():
-            self.udp.send_many(data, [(n.host, n.udp_port) for n in nodes if n.datagram_bytes == size])
+        for node in nodes:
+            self.udp.send_all(datagrams[node.datagram_bytes][0], (node.host, node.udp_port))
         for node in nodes:
             if node.parity:
                 self.udp.send_all(datagrams[node.datagram_bytes][1][:node.parity], (node.host, node.udp_port))
@@ -349,10 +338,8 @@ class BlockExchange:
                 end = expected if w.deadline is None else w.deadline
                 return end if w.retry_at is None else min(end, w.retry_at)
 
-            native = self._native_block(w, nodes, reliable)
             while True:
-                if not (self._native_drain(w, watch) if native else
-                        self.datagrams.drain(lambda: w.outstanding == 0, until, watch)):
+                if not self.datagrams.drain(lambda: w.outstanding == 0, until, watch):
                     await asyncio.sleep(0)  # the loop reads the stream that had data, and runs what it wakes
                     if w.outstanding == 0 or any(not n.alive for n in nodes):
                         break
@@ -368,47 +355,6 @@ class BlockExchange:
             await w.future
         w.finish()
         self.wait, self.merged = None, w
-
-    def _native_block(self, w: _Wait, nodes: list[NodeConn], reliable: bool) -> bool:
-        """Whether the native drain merges this block: a lossy one-token block of a layer whose partials are float32
-        vectors of one datagram each, every one of which has yet to come."""
-        return (self.native is not None and not reliable and w.tokens == 1 and w.own is not None
-                and self.config.codec == Codec.F32 and all(p is None for p in w.parts.values())
-                and all(n.index < 256 and elements_per_fragment(Codec.F32, n.datagram_bytes) >= self.model.hidden
-                        for n in nodes))
-
-    def _native_drain(self, w: _Wait, watch: list[int]) -> bool:
-        """DatagramSocket.drain for a block `_native_block` accepts, natively (fastpath.c): its partials are taken
-        off the socket, authenticated and added into the block's sum with no interpreter work per partial. Any
-        other datagram is handed to the Python path as it comes. False as soon as a watched stream has data."""
-        native = self.native
-        if w.total is None:
-            w.total = as_f32(w.own).copy()
-        awaited = [index for index, part in w.parts.items() if part is None]
-        session, position, layer, block = w.key
-        match = HEADER.pack(MAGIC, VERSION, MsgType.PARTIAL, session, position, layer, block, 0, 0, 1, 0, 1, 0,
-                            0)[:15]
-        native.begin(self.datagrams.sock.fileno(), match, w.total, awaited, bool(w.arrived), w.lag_bound, watch,
-                     self.datagrams.spin_s)
-        self.stats.native_blocks += 1
-        while True:
-            drained = native.drain(w.deadline)
-            for index in awaited:  # the partials it merged: arrived, as the Python path counts them
-                if w.parts[index] is None and not native.awaited(index):
-                    w.parts[index], at, parity = native.take(index)
-                    w.from_parity += parity
-                    w.arrive(index, at)
-            w.deadline = min(w.deadline, native.merge.deadline)
-            if drained != Drained.OTHER:
-                return drained != Drained.WATCHED
-            self.datagrams.handle(native.other_datagram(), native.merge.other_at)
-            for index in awaited:  # one the Python path took up (its first fragment came) is its own from now on
-                if w.parts[index] is not None:
-                    native.drop(index)
-            if not w.outstanding:
-                return True
-            if not native.merge.outstanding:
-                return self.datagrams.drain(lambda: w.outstanding == 0, lambda: w.deadline, watch)
 
     def _account(self, w: _Wait, nodes: list[NodeConn], reliable: bool, ended: float, wait_start: float) -> None:
         """Count the block, note the links that lost a partial, and teach the estimators its arrivals."""
