@@ -456,7 +456,8 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     from edgerun.cli import main
     from edgerun.net.loops import auto_spin_us
 
-    path = synth_gguf(tiny_spec(tied=False))
+    spec = tiny_spec(tied=False)
+    path = synth_gguf(spec)
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
                  "--group-size", "64", "--baseline", "--plan", "minmax", "--no-rebalance", "--pin", "1", "--json",
                  "--trace", str(tmp_path / "trace"), "--ceiling"]) == 0
@@ -498,7 +499,7 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     assert [d["name"] for d in results[0]["devices"]] == ["master", "bench-0"]
     assert all(d["weight_mb"] > 0 for d in results[0]["devices"])
     row = {k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__}
-    table = tp_table([TpResult(**row | {"legs": (), "devices": ()})])
+    table = tp_table([TpResult(**row | {"legs": (), "devices": (), "traced": False})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
     assert " prefill " in table.splitlines()[0] and f"{results[0]['prefill_ms']:.1f}" in table
     ceiling = next(line for line in table.splitlines() if line.startswith("kernel ceiling, 2 device(s)"))
@@ -510,6 +511,18 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
                                          "devices": tuple(DeviceRun(**d) for d in results[0]["devices"])})])
     assert "critical path" in traced.splitlines()[-2] and "node kernel " in traced.splitlines()[-2]
     assert "shares" in traced.splitlines()[-1] and "bench-0 " in traced.splitlines()[-1]
+    # tcp's row was traced, and its inputs went over the node's stream, which the node's timeline does not see: the
+    # table says so, and an untraced row says nothing of tracing.
+    tcp = TpResult(**{k: v for k, v in results[1].items() if k in TpResult.__dataclass_fields__} |
+                   {"legs": (), "devices": ()})
+    assert results[1]["traced"] and "no one-token block" in tp_table([tcp])
+    assert "no one-token block" not in tp_table([replace(tcp, traced=False)])
+    # The units each device holds (the plan's), which a row's speed depends on: every layer's are all placed.
+    devices = results[0]["devices"]
+    assert "attention units and" in traced.splitlines()[-1]
+    assert all(d["attn_units"][0] <= d["attn_units"][1] for d in devices) and sum(d["vocab_blocks"] for d in devices)
+    groups = spec.config.ffn // 64  # --group-size 64
+    assert sum(d["mlp_groups"][0] for d in devices) <= groups <= sum(d["mlp_groups"][1] for d in devices)
 
 
 def test_the_kernel_ceiling_script_times_every_share_against_the_single_engine(tiny_spec, synth_gguf) -> None:

@@ -51,13 +51,25 @@ CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 @dataclass(frozen=True)
 class DeviceRun:
-    """A device of the plan measured: its share's quantized weights, and its kernels' speed and fixed cost per
-    block as fitted from its one-token blocks (None until measured)."""
+    """A device of the plan measured: its share's quantized weights and units (the fewest and most attention units
+    and MLP groups it holds in a layer, its vocabulary blocks), and its kernels' speed and fixed cost per block as
+    fitted from its one-token blocks (None until measured)."""
 
     name: str
     weight_mb: float
     speed_gb_s: float | None
     fixed_us: float | None
+    attn_units: tuple[int, int] = (0, 0)
+    mlp_groups: tuple[int, int] = (0, 0)
+    vocab_blocks: int = 0
+
+    def units(self) -> str:
+        def span(low_high: tuple[int, int]) -> str:
+            low, high = low_high
+            return f"{low}" if low == high else f"{low}-{high}"
+
+        return (f"{span(self.attn_units)} attention units and {span(self.mlp_groups)} MLP groups a layer, "
+                f"{self.vocab_blocks} vocabulary blocks")
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,8 @@ class TpResult:
     prefill_speedup: float | None = None  # single_prefill_ms / prefill_ms
     spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
     legs: tuple[Leg, ...] = ()  # --trace: where a one-token block's time went, leg by leg of its critical path
-    devices: tuple[DeviceRun, ...] = ()  # --trace: each device's share and its kernels as measured in the run
+    traced: bool = False  # --trace: the row's one-token blocks were recorded (legs: what they showed)
+    devices: tuple[DeviceRun, ...] = ()  # rows with nodes: each device's share and its kernels as measured in the run
     # --ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
     # (bench.ceiling): the decode this machine allows the cluster with nothing but its kernels
     ceiling_decode_ms_per_token: float | None = None
@@ -302,6 +315,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     if master.trace is not None:
         master.trace.flush()
         legs = tuple(breakdown(master.config.trace_dir, master.exchange.session))
+    if reports:
         devices = _device_runs(master, reports)
     n = max(1, len(generated))
     compute = (s.compute_s - before["compute_s"]) / n
@@ -339,17 +353,20 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
         devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
-        devices=devices)
+        traced=master.trace is not None, devices=devices)
 
 
 def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ...]:
     master.take_measurements()
     held = {"master": master.weight_bytes} | {r.name: r.weight_bytes for r in reports}
+    counts = master.plan.counts()
     runs = []
-    for name in master.plan.devices:
+    for i, name in enumerate(master.plan.devices):
         m = master.measured.get(name)
+        attn, mlp = [layer[i] for layer in counts.attn], [layer[i] for layer in counts.mlp]
         runs.append(DeviceRun(name, held.get(name, 0) / MIB, None if m is None else m.speed / 1e9,
-                              None if m is None or m.fixed_s is None else m.fixed_s * 1e6))
+                              None if m is None or m.fixed_s is None else m.fixed_s * 1e6,
+                              (min(attn), max(attn)), (min(mlp), max(mlp)), counts.vocab[i]))
     return tuple(runs)
 
 
@@ -498,7 +515,7 @@ def tp_table(results: list[TpResult]) -> str:
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     for r in results:
-        if r.devices and not r.legs:
+        if r.traced and not r.legs:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: no one-token block with a node's partial "
                         "to trace (the plan leaves every node out, or its blocks went over TCP)")
         if r.legs:
@@ -506,10 +523,10 @@ def tp_table(results: list[TpResult]) -> str:
                         "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " +
                         "; ".join(f"{leg.name} {leg.median_us:.0f}/{leg.mean_us:.0f}" for leg in r.legs))
         if r.devices:
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: shares (MiB of weights, kernels measured "
-                        "as speed + fixed cost a block): " + "; ".join(
-                            f"{d.name} {d.weight_mb:.0f} MiB" + ("" if d.speed_gb_s is None else
-                                                                 f" {d.speed_gb_s:.2f} GB/s") +
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: shares (MiB of weights, units, kernels "
+                        "measured as speed + fixed cost a block): " + "; ".join(
+                            f"{d.name} {d.weight_mb:.0f} MiB, {d.units()}" +
+                            ("" if d.speed_gb_s is None else f", {d.speed_gb_s:.2f} GB/s") +
                             ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") for d in r.devices))
     return "\n".join(rows)
 
