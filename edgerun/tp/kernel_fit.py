@@ -78,12 +78,12 @@ class KernelFit:
 # Nodes whose measurements agree this closely (relative to their median) are planned as one kind of device, at the
 # mean of their measurements. Identical devices measure apart on a busy host (a warm-up's few hundred blocks,
 # another process on the core for a while): eight processes of the 1B on the device machine measured 4.0-5.0 GB/s,
-# fixed costs of 124-162 µs and synchronizations of 176-251 µs a block. The planner turned such differences into
-# whole units: one of those clusters got a plan with one node holding two attention units and another none, and
-# MLP groups from 2 to 5 a device; two of its prefill blocks in three waited for the busiest node (301-355 ms of
-# kernels a prefill against 220 for the others), and its decode took 41.2 ms/token where even shares took 31.9 in
-# the same call. A unit there is a quarter to an eighth of a device's share of a block, more than the differences
-# pooled; devices that differ by more (a Raspberry Pi beside a Jetson) keep their own figures.
+# fixed costs of 124-162 µs and synchronizations of 176-251 µs a block. Unpooled, the planner turned such
+# differences into whole units: one such cluster's plan gave one node two attention units and another none, and MLP
+# groups from 2 to 5 a device. Every attention block then waited for the node with two units (its prefill kernels
+# took 301-355 ms against about 220 for the others), and the cluster decoded at 41.2 ms/token where even shares
+# took 31.9 in the same call. A unit there is a quarter to an eighth of a device's share of a block, more than the
+# differences pooled; devices that differ by more (a Raspberry Pi beside a Jetson) keep their own figures.
 SAME_WITHIN = 0.25
 
 
