@@ -228,6 +228,24 @@ def test_every_block_allocates_from_the_processs_one_arena() -> None:
             assert not options.enable_cpu_mem_arena
 
 
+def test_a_prompt_leaves_no_activations_bound_in_its_blocks() -> None:
+    """A block's binding lets go of a prompt's input and output once the prompt's step is done: it would keep
+    them until the block's next one-token step, a prompt's worth of activations in every block of a share."""
+    config, weights = model("llama")
+    shard = QuantShard(config, weights, split_spec(config, 2, 128, VOCAB_BLOCK)[0], MAX_LEN, threads=1)
+    x = np.random.default_rng(0).standard_normal((len(PROMPT), config.hidden)).astype(np.float32)
+    attn, mlp = shard.attention(0, x, 0), shard.mlp(0, x)
+    assert attn.shape == mlp.shape == (len(PROMPT), config.hidden)
+    for block in (shard.attn[0], shard.mlp_blocks[0]):
+        assert block.one_token_bound
+        bound = block.binding.get_outputs()[0]  # the block's output (an attention block's KV cache follows)
+        assert bound.shape() == [1, 1, config.hidden]
+    # The outputs handed back are the caller's own: the next step's buffers are not them.
+    again = shard.mlp(0, x[:1])
+    assert not np.shares_memory(again, mlp)
+    np.testing.assert_allclose(again, mlp[:1], rtol=RTOL, atol=1e-5)
+
+
 @shard_kinds
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_logit_rows_reassemble_the_lm_head(kind: str, n: int) -> None:
