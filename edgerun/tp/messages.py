@@ -129,13 +129,14 @@ class Fetch:
 
 @dataclass(frozen=True)
 class Partial:
-    """A node's partial output of a block over TCP (f32)."""
+    """A node's partial output of a block over TCP, in the codec its input came in (Input.codec)."""
 
     session: int
     position: int
     layer: int
     block: Block
     vector: Payload
+    codec: Codec = Codec.F32
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,8 @@ class Assign:
 
 @dataclass(frozen=True)
 class Input:
-    """A block's normalized input over TCP (f32): reliable blocks, and answers to a Fetch."""
+    """A block's normalized input over TCP: reliable blocks (a prompt's), and answers to a Fetch. In float32, or
+    on a link that has lost packets in the run's codec (BlockExchange.tcp_codec)."""
 
     session: int
     position: int
@@ -184,6 +186,7 @@ class Input:
     block: Block
     ranking: tuple[int, ...] | None  # dynamic mapping: the unit at each priority index
     vector: Payload
+    codec: Codec = Codec.F32
 
 
 @dataclass(frozen=True)
