@@ -10,19 +10,7 @@ import numpy as np
 import pytest
 
 from edgerun.model.loader import load_model
-from edgerun.net.wire import (
-    Block,
-    Codec,
-    Header,
-    MsgType,
-    Reassembly,
-    decode_vector,
-    derive_key,
-    encode_vector,
-    fragment,
-    open_packet,
-)
-from edgerun.tp.exchange import tcp_codec
+from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, derive_key, fragment, open_packet
 from edgerun.tp.messages import Assign, Fetch, Input, Message, Partial, Routes
 from edgerun.tp.node import Node
 from edgerun.tp.shard import Shard, ShardSpec, full_spec
@@ -203,42 +191,6 @@ def test_node_answers_a_mirrored_block_once_over_both_channels(tiny_spec, synth_
     node.udp.close()
     node.net.stop()
     sink.close()
-
-
-def test_a_prompt_over_a_lossy_link_goes_in_the_runs_codec_and_comes_back_in_it(tiny_spec, synth_gguf) -> None:
-    """Across a link that has lost packets the master sends a prompt's attention and MLP inputs in the run's codec
-    (tcp_codec); the node answers each in the codec its input came in. Decode steps, the LM head and clean links
-    stay float32. A q8 input that is no whole number of rows is refused."""
-    assert tcp_codec(Codec.Q8, True, Block.MLP, 7) == tcp_codec(Codec.Q8, True, Block.ATTN, 2) == Codec.Q8
-    assert tcp_codec(Codec.F16, True, Block.MLP, 7) == Codec.F16
-    for lossy, block, tokens in ((False, Block.MLP, 7), (True, Block.MLP, 1), (True, Block.HEAD, 7)):
-        assert tcp_codec(Codec.Q8, lossy, block, tokens) == Codec.F32
-    assert tcp_codec(Codec.F32, True, Block.MLP, 7) == Codec.F32
-    model = load_model(synth_gguf(tiny_spec(tied=False)))
-    c = model.config
-    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
-    node.channel = _Recorder()
-    spec = full_spec(c, group_size=128)
-    node._assign(assignment(c.n_layers, spec, Codec.Q8, 9), spec, Shard(c, model.weights, spec, 64))
-    reference = Shard(c, model.weights, spec, 64)
-    x = np.random.default_rng(2).standard_normal((5, c.hidden)).astype(np.float32)
-    coded = encode_vector(x, Codec.Q8)
-    node._control(Input(5, 0, 0, Block.ATTN, None, coded, Codec.Q8))
-    node._control(Input(5, 0, 0, Block.MLP, None, coded, Codec.Q8))
-    node._control(Input(5, 0, 1, Block.MLP, None, x.astype("<f4").tobytes()))  # a clean link's: float32
-    x_read = decode_vector(coded, Codec.Q8, x.size).reshape(x.shape)  # what the node computed with
-    attn, mlp, clean = [m for m in node.channel.sent if isinstance(m, Partial)]
-    assert (attn.block, attn.codec, mlp.block, mlp.codec, clean.codec) == (Block.ATTN, Codec.Q8, Block.MLP,
-                                                                           Codec.Q8, Codec.F32)
-    for partial, expected in ((attn, reference.attention(0, x_read, 0)), (mlp, reference.mlp(0, x_read))):
-        assert partial.vector == encode_vector(expected, Codec.Q8)
-    np.testing.assert_array_equal(np.frombuffer(clean.vector, "<f4"), reference.mlp(1, x).reshape(-1))
-    rejected = node.counters.total()
-    node._control(Input(5, 0, 2, Block.MLP, None, coded[:-1], Codec.Q8))
-    assert node.counters.total() == rejected + 1
-    assert len([m for m in node.channel.sent if isinstance(m, Partial)]) == 3
-    node.udp.close()
-    node.net.stop()
 
 
 @pytest.mark.parametrize("idle_spin", [False, True])

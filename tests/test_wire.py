@@ -46,7 +46,6 @@ from edgerun.net.wire import (
     open_packet,
     parse_control,
     seal,
-    vector_of,
 )
 
 KEY = derive_key("test cluster secret")
@@ -221,26 +220,6 @@ def test_decode_rejects_wrong_sizes(codec: Codec) -> None:
                 decode_vector(payload, codec, n + 1)
     with pytest.raises(WireError):
         decode_vector(b"\x00" * 3, codec, 1)
-
-
-@pytest.mark.parametrize("codec", list(Codec))
-@pytest.mark.parametrize("unit", [64, 96])  # rows of whole q8 blocks: hidden sizes are multiples of 32
-def test_a_vector_sent_whole_is_read_back_as_whole_rows(codec: Codec, unit: int) -> None:
-    """A TCP vector names no element count: it is the whole rows its payload holds, in its codec. A payload that
-    holds no row, or a row and a few bytes more or less, is refused."""
-    for rows in (1, 3, 70):
-        x = np.random.default_rng(rows).standard_normal((rows, unit)).astype(np.float32)
-        payload = encode_vector(x, codec)
-        got = vector_of(payload, codec, unit)
-        np.testing.assert_array_equal(got, decode_vector(payload, codec, rows * unit))
-        if codec == Codec.F32:
-            assert np.shares_memory(got, np.frombuffer(payload, np.uint8))  # a view, not a copy
-        for bad in (payload[:-1], payload + b"\x00", payload[:-Q8_BLOCK_BYTES]):
-            with pytest.raises(WireError):
-                vector_of(bad, codec, unit)
-    for empty in (b"", b"\x00" * 3, encode_vector(np.ones(unit - 1, np.float32), codec)[:-2]):
-        with pytest.raises(WireError):
-            vector_of(empty, codec, unit)
 
 
 def test_q8_payload_fits_any_count_within_its_blocks() -> None:

@@ -273,20 +273,6 @@ def decode_vector(payload: bytes, codec: Codec, n: int) -> np.ndarray:
     return (q * scale).reshape(-1)[:n]
 
 
-def vector_of(payload: bytes | memoryview, codec: Codec, unit: int) -> np.ndarray:
-    """The elements of a vector of `unit`-element rows sent in one piece (over TCP) in a codec; WireError unless
-    the payload holds one row or more, whole. Float32 is a read-only view of the payload."""
-    if codec == Codec.F32:
-        if not payload or len(payload) % 4 or len(payload) // 4 % unit:
-            raise WireError(f"{len(payload)} bytes are no whole float32 rows of {unit}")
-        return np.frombuffer(payload, "<f4")
-    fits = len(payload) // Q8_BLOCK_BYTES * Q8_BLOCK if codec == Codec.Q8 else len(payload) // 2
-    n = fits // unit * unit
-    if n == 0:
-        raise WireError(f"{len(payload)} bytes are no whole {codec.name} rows of {unit}")
-    return decode_vector(payload, codec, n)  # raises where n elements would not take exactly these bytes
-
-
 def elements_per_fragment(codec: Codec, mtu_payload: int, prefix: int = 0) -> int:
     """The most elements one datagram carries after a prefix of `prefix` bytes, a whole number of
     codec blocks."""

@@ -30,10 +30,8 @@ from edgerun.net.wire import (
     Resend,
     WireError,
     as_f32,
-    encode_vector,
     fragment,
     is_parity,
-    vector_of,
     whole_vector,
 )
 from edgerun.tp.config import MasterConfig
@@ -65,15 +63,6 @@ BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
 
 class NodeLost(EngineLost):
     """A node died while the master waited on its reply."""
-
-
-def tcp_codec(codec: Codec, lossy: bool, block: Block, tokens: int) -> Codec:
-    """How a block's input of `tokens` rows goes over a node's TCP stream: float32, except a prompt's attention
-    and MLP inputs across a link that has lost packets, which go in the run's codec `codec` (q8: a quarter of the
-    bytes). TCP halves its window at every loss, so a lossy link carries a prompt's megabytes several times
-    slower, and each of the prompt's blocks waits for every node's input and partial. The node answers in the
-    codec its input came in. The LM head's partials are logits: always float32."""
-    return codec if lossy and tokens > 1 and block != Block.HEAD else Codec.F32
 
 
 @dataclass
@@ -437,14 +426,10 @@ class BlockExchange:
         key = (message.session, message.position, message.layer, int(message.block))
         w = self.wait
         if w is not None and key == w.key and node.index in w.parts and node.index not in w.arrived:
-            try:  # float32 is a read-only view, as a datagram's: only read
-                vector = vector_of(message.vector, message.codec, w.sizes[node.index])
-            except WireError:
-                vector = None
-            if vector is None or vector.size != w.sizes[node.index]:
+            if len(message.vector) != 4 * w.sizes[node.index]:
                 self.counters.reject("misfit")
                 return
-            w.parts[node.index] = vector
+            w.parts[node.index] = np.frombuffer(message.vector, "<f4")  # read-only, as a datagram's: only read
             w.arrive(node.index)
             if w.own is not None:
                 self._fold(w, node.index)
@@ -554,16 +539,11 @@ class BlockExchange:
 
     def _send_inputs(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray,
                      ranking: tuple[int, ...] | None) -> None:
-        """The block's input over TCP to these nodes: one frame a codec, encoded and sealed once, on every stream."""
+        """The block's input over TCP to these nodes: one frame, encoded and sealed once, on every stream."""
         session, position, layer, block = key
-        frames: dict[Codec, bytes] = {}
+        frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking,
+                                             memoryview(as_f32(x)).cast("B")))
         for node in nodes:
-            codec = tcp_codec(self.config.codec, node.lossy, Block(block), x.shape[0])
-            frame = frames.get(codec)
-            if frame is None:
-                vector = memoryview(as_f32(x)).cast("B") if codec == Codec.F32 else encode_vector(x, codec)
-                frame = frames[codec] = node.channel.frame(Input(session, position, layer, Block(block), ranking,
-                                                                 vector, codec))
             with contextlib.suppress(OSError, ConnectionError):
                 node.channel.send_frame(frame)
 

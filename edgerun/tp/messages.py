@@ -129,14 +129,13 @@ class Fetch:
 
 @dataclass(frozen=True)
 class Partial:
-    """A node's partial output of a block over TCP, in the codec its input came in (Input.codec)."""
+    """A node's partial output of a block over TCP (f32)."""
 
     session: int
     position: int
     layer: int
     block: Block
     vector: Payload
-    codec: Codec = Codec.F32
 
 
 @dataclass(frozen=True)
@@ -177,8 +176,7 @@ class Assign:
 
 @dataclass(frozen=True)
 class Input:
-    """A block's normalized input over TCP: reliable blocks (a prompt's), and answers to a Fetch. In float32, or
-    on a link that has lost packets in the run's codec (BlockExchange.tcp_codec)."""
+    """A block's normalized input over TCP (f32): reliable blocks, and answers to a Fetch."""
 
     session: int
     position: int
@@ -186,7 +184,6 @@ class Input:
     block: Block
     ranking: tuple[int, ...] | None  # dynamic mapping: the unit at each priority index
     vector: Payload
-    codec: Codec = Codec.F32
 
 
 @dataclass(frozen=True)

@@ -52,11 +52,9 @@ from edgerun.net.wire import (
     Resend,
     WireError,
     as_f32,
-    encode_vector,
     fragment,
     is_parity,
     seal,
-    vector_of,
     whole_vector,
 )
 from edgerun.profile.device import device_summary
@@ -121,7 +119,6 @@ class _Input:
     full: np.ndarray | None = None  # set when it came whole (over TCP, or in one datagram)
     ranking: tuple[int, ...] | None = None  # dynamic mapping: the unit at each priority index, if it came whole
     done: bool = False  # a stateless block computed already (its other copy may still come)
-    codec: Codec = Codec.F32  # what it came in over TCP, and what its partial goes back in
 
     def value(self) -> np.ndarray | None:
         if self.full is not None:
@@ -309,17 +306,14 @@ class Node:
         match message:
             case Reset(session, top):
                 self._new_session(session, top)
-            case Input(session, position, layer, block, ranking, vector, codec):
-                try:  # float32: a view of the frame; the share reads it, never writes
-                    if self.model is None:
-                        raise WireError("an input before the model")
-                    x = vector_of(vector, codec, self.model.config.hidden)
-                except WireError:
+            case Input(session, position, layer, block, ranking, vector):
+                if len(vector) % 4:
                     self.counters.reject("message")
                     return
+                x = np.frombuffer(vector, "<f4")  # a view of the frame: the share reads it, never writes
                 entry = self._entry(Header(MsgType.ACTIVATION, session, position, layer, block), x.size)
                 if entry is not None:
-                    entry.full, entry.codec = x, codec
+                    entry.full = x
                     entry.ranking = valid_ranking(ranking, self._units(block))
                     self._take(position, layer, block, entry)
             case ParityOn(copies):  # the link lost a packet: parity copies after every partial from now on
@@ -436,8 +430,7 @@ class Node:
             # fragment or a mirrored copy that comes after the data finds it done instead of starting it anew
             if not entry.done:
                 entry.done = True
-                self._compute_and_send(position, layer, block, entry.value(), ranking=self._ranking(entry, block),
-                                       codec=entry.codec)
+                self._compute_and_send(position, layer, block, entry.value(), ranking=self._ranking(entry, block))
             return
         lengths = self.shard.lengths
         if position < lengths[layer]:  # already cached (a copy that came both ways)
@@ -449,7 +442,7 @@ class Node:
                 return
             del self.inputs[key]
             self._compute_and_send(position, layer, block, x, output=not entry.fetched,
-                                   ranking=self._ranking(entry, block), codec=entry.codec)
+                                   ranking=self._ranking(entry, block))
             position = lengths[layer]
             key = (self.session, position, layer, int(block))
 
@@ -486,7 +479,7 @@ class Node:
         return valid_ranking(entry.reassembly.prefix_bytes, self._units(block))
 
     def _compute_and_send(self, position: int, layer: int, block: Block, x: np.ndarray, output: bool = True,
-                          ranking: tuple[int, ...] | None = None, codec: Codec = Codec.F32) -> None:
+                          ranking: tuple[int, ...] | None = None) -> None:
         x = x.reshape(-1, self.model.config.hidden)
         units = None
         if self.priorities is not None and block != Block.HEAD:
@@ -506,7 +499,7 @@ class Node:
                 out = head_top(out, self.top)
         took = time.perf_counter() - started
         if out is not None:
-            self._send_partial(position, layer, block, x.shape[0], out, codec)
+            self._send_partial(position, layer, block, x.shape[0], out)
             if self.trace is not None and x.shape[0] == 1:
                 key = (self.session, position, layer, int(block))
                 self.trace.add(Event.COMPUTED, key, started + took)
@@ -520,9 +513,7 @@ class Node:
                 self.decode = self.decode.add(
                     self.shard.block_bytes(layer, block, None if units is None else len(units)), took)
 
-    def _send_partial(self, position: int, layer: int, block: Block, seq: int, out: np.ndarray,
-                      tcp_codec: Codec = Codec.F32) -> None:
-        """The partial over the block's route; over TCP in `tcp_codec`, its input's (BlockExchange.tcp_codec)."""
+    def _send_partial(self, position: int, layer: int, block: Block, seq: int, out: np.ndarray) -> None:
         route = self.routes.of(layer, block, seq)
         # A mirrored partial's UDP copy first: the master takes it straight off its socket while it waits, and a
         # TCP copy that came first would hand its wait to the event loop.
@@ -536,8 +527,7 @@ class Node:
                 while len(self.kept_partials) > KEPT_PARTIALS:
                     del self.kept_partials[next(iter(self.kept_partials))]
         if route != Route.DATAGRAM:  # the frame is built before send returns: a view of `out` is copied once
-            vector = memoryview(as_f32(out)).cast("B") if tcp_codec == Codec.F32 else encode_vector(out, tcp_codec)
-            self.channel.send(Partial(self.session, position, layer, block, vector, tcp_codec))
+            self.channel.send(Partial(self.session, position, layer, block, memoryview(as_f32(out)).cast("B")))
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
