@@ -37,6 +37,11 @@ def test_deploy_hands_every_unit_out_once_with_routes_and_parity(tiny_spec, synt
     assert [a.parity for a in d.assignments] == [0, config.parity]  # parity only on the lossy link
     assert [a.datagram_bytes for a in d.assignments] == [1472, 65507]
     assert d.assignments[0].routes == d.routes and d.routes.of(0, Block.ATTN, 1) == Route.MIRRORED
+    # --transport udp: every node opens a spare stream for a prompt's second copies; the strict tcp baseline none.
+    assert all(a.spare_stream for a in d.assignments)
+    strict = deploy(c, plan, replace(config, transport="tcp"), order, session=8, udp_port=4000,
+                    links=[NodeLink(1472, lossy=False), NodeLink(65507, lossy=True)])
+    assert not any(a.spare_stream for a in strict.assignments)
     # Every unit of every block on exactly one device, the master included.
     specs = [d.own_spec, *(a.spec for a in d.assignments)]
     for layer in range(c.n_layers):

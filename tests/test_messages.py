@@ -18,6 +18,7 @@ SPEC = ShardSpec(attn_units=((0, 1), (2,)), mlp_groups=((1,), ()), vocab_blocks=
                  vocab_block=512)
 SAMPLES: list[m.Message] = [
     m.Register("pi-4", 512.5, 2e9, 40_000, 1472),
+    m.Spare("pi-4", 40_000),
     m.Ready(3, 10_000_000, 65_536),
     m.Heartbeat(7, 0.25, 300.5, m.KernelFit(3, 4_000_000, 0.01, 6e12, 1.5e4), 0.012, 3, 0.125),
     m.Fetch(3, 17, 5, Block.ATTN),

@@ -333,6 +333,39 @@ def test_five_percent_loss_completes_without_waiting_past_the_timeout(model: Mod
 
 
 @pytest.mark.slow
+def test_a_prompt_crosses_a_lossy_link_on_both_streams(model: Model, reference_tokens: list[int]) -> None:
+    """Assign.spare_stream: with --transport udp every node opens a second stream. Once a node's link has lost a
+    packet, a prompt's inputs go to it on both streams and it answers on both; the second copies are neither merged
+    twice nor counted late, so the tokens are the reference's. The strict tcp baseline has no spare."""
+    prompt = model.tokenizer.encode(PROMPT)
+
+    def spares(attached: bool) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if all((n.spare is not None) == attached for n in master.nodes):
+                return True
+            time.sleep(0.05)
+        return False
+
+    for master, _ in cluster(model, [1e9, 1e9], timeout_ms=2000):
+        assert spares(True)
+        assert master.generate(prompt, 8, GREEDY) == reference_tokens[:8]
+        assert master.stats.spare_inputs == 0  # clean links: one copy
+        for node in master.nodes:
+            node.lossy = True  # as after a lost packet (BlockExchange.saw_loss)
+        assert master.generate(prompt, 16, GREEDY) == reference_tokens[:16]
+        stats = master.stats
+        assert stats.spare_inputs >= 2 * model.config.n_layers and stats.late_packets == 0, stats
+        assert all(n.spare_partials > 0 for n in master.nodes)
+        master.reconfigure(replace(master.config, transport="tcp"))
+        master.replan()
+        assert spares(False)
+        doubled = stats.spare_inputs
+        assert master.generate(prompt, 8, GREEDY) == reference_tokens[:8]
+        assert stats.spare_inputs == doubled
+
+
+@pytest.mark.slow
 def test_kill_a_node_mid_generation(model: Model, reference_tokens: list[int]) -> None:
     prompt = model.tokenizer.encode(PROMPT)
     for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000):

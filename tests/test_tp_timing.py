@@ -4,6 +4,7 @@ estimators, and a node that misses an attention input keeping its KV cache whole
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 
 import numpy as np
@@ -77,6 +78,12 @@ class _Recorder:
 
     def send(self, message: Message) -> None:
         self.sent.append(message)
+
+    def frame(self, message: Message) -> Message:  # a frame made once for several streams: here the message
+        return message
+
+    def send_frame(self, frame: Message) -> None:
+        self.sent.append(frame)
 
     def set_rto_min(self, ms: float | None) -> bool:
         return True
@@ -188,6 +195,51 @@ def test_node_answers_a_mirrored_block_once_over_both_channels(tiny_spec, synth_
     sink.settimeout(2.0)
     h, _ = open_packet(sink.recv(65536), KEY)
     assert (h.layer, h.codec) == (1, Codec.Q8)
+    node.udp.close()
+    node.net.stop()
+    sink.close()
+
+
+def test_a_node_answers_a_prompt_on_both_streams_once_the_master_uses_its_spare(tiny_spec, synth_gguf) -> None:
+    """Assign.spare_stream: a prompt's inputs over a lossy link come on both of a node's streams. The node computes
+    each block once, whichever copy is whole first, and sends its partial on both streams once an input has come
+    on its spare; before that, and for one-token steps, on the first stream alone."""
+    model = load_model(synth_gguf(tiny_spec(tied=False)))
+    c = model.config
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node.channel, node.spare = _Recorder(), _Recorder()  # the spare as if opened after an earlier assignment
+    spec = full_spec(c, group_size=128)
+    assign = dataclasses.replace(assignment(c.n_layers, spec, Codec.F32, sink.getsockname()[1]), spare_stream=True)
+    node._assign(assign, spec, Shard(c, model.weights, spec, 64))
+    reference = Shard(c, model.weights, spec, 64)
+    rng = np.random.default_rng(2)
+    prompt = [rng.standard_normal((3, c.hidden)).astype(np.float32) for _ in range(2)]
+
+    def send(x: np.ndarray, layer: int, block: Block, position: int = 0) -> Input:
+        return Input(5, position, layer, block, None, x.astype("<f4").tobytes())
+
+    def partials(channel: _Recorder) -> list[tuple[int, int, Block]]:
+        return [(m.position, m.layer, m.block) for m in channel.sent if isinstance(m, Partial)]
+
+    node._control(send(prompt[0], 0, Block.ATTN))  # before the master uses the spare: one copy back
+    assert partials(node.channel) == [(0, 0, Block.ATTN)] and partials(node.spare) == []
+    node.spare_used = True  # what the spare stream's reader sets when an input comes on it (Node._serve_spare)
+    node._control(send(prompt[1], 0, Block.MLP))  # the spare's copy first ...
+    node._control(send(prompt[1], 0, Block.MLP))  # ... then the first stream's: computed already
+    node._control(send(prompt[0], 1, Block.ATTN))
+    node._control(send(prompt[0], 1, Block.ATTN))  # a second copy of an attention input: its keys are cached
+    assert partials(node.channel) == [(0, 0, Block.ATTN), (0, 0, Block.MLP), (0, 1, Block.ATTN)]
+    assert partials(node.spare) == [(0, 0, Block.MLP), (0, 1, Block.ATTN)]
+    assert node.shard.lengths[:2] == [3, 3]
+    reference.attention(0, prompt[0], 0)
+    expected = reference.mlp(0, prompt[1])
+    sent = next(m for m in node.spare.sent if isinstance(m, Partial) and m.block == Block.MLP)
+    np.testing.assert_array_equal(np.frombuffer(sent.vector, "<f4"), expected.reshape(-1))
+    node._control(send(prompt[1][:1], 0, Block.MLP, position=3))  # a one-token step (mirrored): first stream only
+    assert partials(node.channel)[-1] == (3, 0, Block.MLP)
+    assert partials(node.spare) == [(0, 0, Block.MLP), (0, 1, Block.ATTN)]
     node.udp.close()
     node.net.stop()
     sink.close()

@@ -98,6 +98,7 @@ class TpResult:
     incomplete_wait_ms_per_token: float  # of wait: waiting in blocks that ended incomplete
     partials_rebuilt: int  # from a parity fragment
     partials_resent: int  # mirrored partials whole over UDP after the master asked for fragments they lacked
+    prompt_inputs_doubled: int  # a prompt's inputs sent on a lossy node's spare stream too (Assign.spare_stream)
     datagrams_sent: int
     datagrams_dropped: int  # by the in-process loss model on the master's side
     kernel_matched: int  # cluster packets the kernel saw (kernel loss only)
@@ -343,6 +344,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         incomplete_wait_ms_per_token=(s.incomplete_wait_s - before["incomplete_wait_s"]) / n * 1e3,
         partials_rebuilt=s.partials_rebuilt - before["partials_rebuilt"],
         partials_resent=s.completed_after_ask - before["completed_after_ask"],
+        prompt_inputs_doubled=s.spare_inputs - before["spare_inputs"],
         datagrams_sent=master.udp.sent - sent, datagrams_dropped=master.udp.dropped - dropped,
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
         late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected,
@@ -522,6 +524,9 @@ def tp_table(results: list[TpResult]) -> str:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: a one-token block's critical path "
                         "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " +
                         "; ".join(f"{leg.name} {leg.median_us:.0f}/{leg.mean_us:.0f}" for leg in r.legs))
+        if r.prompt_inputs_doubled:
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.prompt_inputs_doubled} prompt inputs "
+                        "went to lossy nodes on both their streams")
         if r.devices:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: shares (MiB of weights, units, kernels "
                         "measured as speed + fixed cost a block): " + "; ".join(

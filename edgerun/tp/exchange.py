@@ -87,6 +87,7 @@ class StepStats:
     resend_asks: int = 0
     inputs_resent: int = 0
     completed_after_ask: int = 0
+    spare_inputs: int = 0  # a prompt's inputs sent again on a lossy node's spare stream (Assign.spare_stream)
 
 
 @dataclass
@@ -172,6 +173,7 @@ class BlockExchange:
         self.wait: _Wait | None = None  # the block in merge
         self.merged: _Wait | None = None  # the block merged last, whose late partials still teach lags
         self.mirrors: dict[BlockKey, _Wait] = {}  # recent mirrored blocks, for their second copies
+        self.doubled: dict[BlockKey, _Wait] = {}  # recent prompt blocks sent on spare streams too, likewise
         self.stats = StepStats()
         # The block merged last, not yet counted (_account): counted while the next block's nodes compute.
         self.unaccounted: tuple[_Wait, list[NodeConn], bool, float, float] | None = None
@@ -189,12 +191,13 @@ class BlockExchange:
             self.routes = routes
         self.recent_inputs.clear()
         self.mirrors.clear()
+        self.doubled.clear()
         self.pending_fetch.clear()
 
     def forget_before(self, position: int) -> None:
         """Let go of what was kept for positions before this one. Both are filled in the order of positions,
         so what goes is at their front: this runs every step and touches only what it drops."""
-        for kept in (self.recent_inputs, self.mirrors):
+        for kept in (self.recent_inputs, self.mirrors, self.doubled):
             while kept and (oldest := next(iter(kept)))[1] < position:
                 del kept[oldest]
 
@@ -215,8 +218,10 @@ class BlockExchange:
         # frame first for 45 of 94 mirrored inputs in a 32-token 1B run here (`bench tp --trace`).
         if nodes and over_udp:
             self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
+        # A prompt's input goes on a lossy node's spare stream as well: its partial comes back on both.
+        spare = [n for n in nodes if n.lossy and n.spare is not None] if seq > 1 and reliable else []
         if reliable and nodes:
-            self._send_inputs(nodes, key, x, ranking)
+            self._send_inputs(nodes, key, x, ranking, spare)
         if nodes and seq == 1:
             self.stats.send_s += time.perf_counter() - sent
             self.stats.sends += len(nodes)
@@ -227,6 +232,8 @@ class BlockExchange:
                               len(nodes), seq, nodes={n.index: n for n in nodes}, mirror=mirror)
         if mirror:
             self.mirrors[key] = w
+        if spare:
+            self.doubled[key] = w
         if nodes:  # kept for the nodes' fetches (a block no node takes part in has none); a block's input is a
             # fresh array its step never writes again, so it is kept as it is, not copied
             self.recent_inputs[key] = (x, ranking)
@@ -537,19 +544,22 @@ class BlockExchange:
     def send_input(self, node: NodeConn, key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None) -> None:
         self._send_inputs([node], key, x, ranking)
 
-    def _send_inputs(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray,
-                     ranking: tuple[int, ...] | None) -> None:
-        """The block's input over TCP to these nodes: one frame, encoded and sealed once, on every stream."""
+    def _send_inputs(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None,
+                     spare: list[NodeConn] | tuple = ()) -> None:
+        """The block's input over TCP to these nodes: one frame, encoded and sealed once, on every stream; to the
+        `spare` nodes on their spare streams too, after every first copy."""
         session, position, layer, block = key
         frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking,
                                              memoryview(as_f32(x)).cast("B")))
-        for node in nodes:
+        for channel in [n.channel for n in nodes] + [n.spare for n in spare if n.spare is not None]:
             with contextlib.suppress(OSError, ConnectionError):
-                node.channel.send_frame(frame)
+                channel.send_frame(frame)
+        self.stats.spare_inputs += len(spare)
 
     def _mirror_copy(self, key: BlockKey, node: int) -> bool:
-        """True for the second copy of a mirrored block's reply: its first copy is in, so nothing is late."""
-        w = self.mirrors.get(key)
+        """True for the second copy of a mirrored block's reply, or of a prompt's partial that came on both streams:
+        its first copy is in, so nothing is late."""
+        w = self.mirrors.get(key) or self.doubled.get(key)
         return w is not None and node in w.arrived
 
     def _late(self, key: BlockKey, header: Header, payload: bytes) -> None:

@@ -304,7 +304,10 @@ class Master:
         for node, assign in zip(alive, d.assignments, strict=True):
             node.index, node.spec, node.priorities, node.parity = \
                 assign.index, assign.spec, assign.priorities, assign.parity
-            node.channel.set_rto_min(assign.rto_min_ms)
+            node.rto_min_ms = assign.rto_min_ms
+            for channel in (node.channel, node.spare):
+                if channel is not None:
+                    channel.set_rto_min(assign.rto_min_ms)
             node.reset_estimators()  # a new share takes another time
             node.ready.clear()
             node.channel.send(assign)

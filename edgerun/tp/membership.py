@@ -31,11 +31,13 @@ from edgerun.tp.messages import (
     BandwidthReply,
     Heartbeat,
     Message,
+    Partial,
     Ping,
     Pong,
     Priorities,
     Ready,
     Register,
+    Spare,
     Welcome,
 )
 from edgerun.tp.shard import ShardSpec
@@ -60,6 +62,9 @@ class NodeConn:
     budget_mb: float
     speed: float
     alive: bool = True
+    spare: AsyncChannel | None = None  # its second stream, once it opened one (Assign.spare_stream)
+    spare_partials: int = 0  # prompt partials that came on it (the first or the second copy)
+    rto_min_ms: float | None = None  # both streams' minimum retransmission timeout, as its assignment said
     device: str = ""  # what it says it runs on
     last_heard: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -143,6 +148,9 @@ class Membership:
         node: NodeConn | None = None
         try:
             message = await asyncio.wait_for(channel.receive(), 10)
+            if isinstance(message, Spare):
+                await self._serve_spare(channel, message, addr[0])
+                return
             if not isinstance(message, Register):
                 raise WireError("first message must register")
             channel.send(self.welcome)
@@ -178,6 +186,34 @@ class Membership:
                     node.alive = False
                     self.cond.notify_all()
                 self.on_lost(node)
+
+    async def _serve_spare(self, channel: AsyncChannel, message: Spare, host: str) -> None:
+        """A node's spare stream: it carries the node's second copies of a prompt's partials and nothing else. Its
+        end is not the node's: the node's first stream says when it is gone."""
+        node = next((n for n in self.nodes if n.alive and n.spare is None and n.name == message.name
+                     and n.host == host and n.udp_port == message.udp_port), None)
+        if node is None:
+            self.counters.reject("registration")
+            return
+        node.spare = channel
+        channel.set_rto_min(node.rto_min_ms)
+        try:
+            while self.running and node.alive:
+                try:
+                    message = await channel.receive()
+                except BadMessage:
+                    self.counters.reject("message")
+                    continue
+                if isinstance(message, Partial):
+                    node.spare_partials += 1
+                    self.on_message(node, message)
+                else:
+                    self.counters.reject("unexpected")
+        except (ConnectionError, OSError, WireError):
+            pass  # the spare alone is gone: prompts go on the first stream only
+        finally:
+            if node.spare is channel:
+                node.spare = None
 
     def _message(self, node: NodeConn, message: Message) -> None:
         match message:
@@ -266,4 +302,6 @@ class Membership:
         self.running = False
         self.watch_task.cancel()
         for node in self.nodes:
-            node.channel.close()
+            for channel in (node.channel, node.spare):
+                if channel is not None:
+                    channel.close()

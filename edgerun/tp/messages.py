@@ -91,6 +91,15 @@ class Register:
 
 
 @dataclass(frozen=True)
+class Spare:
+    """The first message of a registered node's second TCP stream (its spare, Assign.spare_stream), which names the
+    node as its registration did."""
+
+    name: str
+    udp_port: int
+
+
+@dataclass(frozen=True)
 class Ready:
     """The node holds its new share."""
 
@@ -172,6 +181,11 @@ class Assign:
     datagram_bytes: int
     priorities: Priorities | None = None  # dynamic mapping: the node holds every unit and computes these indices
     activations: Activations = Activations.INT8  # of the share's quantized products: every device computes alike
+    # Open a second TCP stream (Spare). The master sends a prompt's inputs on both streams over a link that has lost
+    # a packet; a node that gets inputs on its spare sends its prompt partials on both too; each end takes the first
+    # copy that is whole. At 5% loss one of a prompt block's 14 transfers waited out a retransmission timer more
+    # often than not; both copies of one rarely do.
+    spare_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -226,8 +240,8 @@ class Shutdown:
     pass
 
 
-Message = (Register | Ready | Heartbeat | Fetch | Partial | Pong | BandwidthReply | Welcome | Assign | Input | Reset
-           | ParityOn | Ping | BandwidthProbe | Shutdown)
+Message = (Register | Spare | Ready | Heartbeat | Fetch | Partial | Pong | BandwidthReply | Welcome | Assign | Input
+           | Reset | ParityOn | Ping | BandwidthProbe | Shutdown)
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 MAX_PROBE_BYTES = 64 << 20  # the largest bandwidth reply a node sends
 

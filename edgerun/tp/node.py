@@ -17,6 +17,7 @@ in the same callback, with no thread hand-off on the per-token path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import sys
@@ -81,6 +82,7 @@ from edgerun.tp.messages import (
     Route,
     Routes,
     Shutdown,
+    Spare,
     Welcome,
 )
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec, head_top
@@ -169,6 +171,10 @@ class Node:
         self.decode_s = 0.0  # every one-token block's kernels on the current share, the LM head's too
         self.running = True
         self.channel: AsyncChannel | None = None
+        # The second stream to the master (Assign.spare_stream), and whether the master sends a prompt's inputs on it
+        # too (it does over a lossy link): then this node sends its prompt partials on both.
+        self.spare: AsyncChannel | None = None
+        self.spare_used = False
         self.master_udp_port = 0
         self.net = EventLoopThread()
 
@@ -296,11 +302,48 @@ class Node:
         self.master_udp_port = message.udp_port
         self.decode, self.decode_s = KernelFit(), 0.0
         self.channel.set_rto_min(message.rto_min_ms)
+        self.spare_used = False
+        if message.spare_stream and self.spare is None:
+            asyncio.get_running_loop().create_task(self._serve_spare(message.rto_min_ms))
+        elif self.spare is not None:
+            self.spare.set_rto_min(message.rto_min_ms)
+            if not message.spare_stream:
+                self.spare.close()
         self._new_session(message.session)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
         self.log(f"node {self.name}: holds {sum(map(len, spec.attn_units))} attention units, "
                  f"{sum(map(len, spec.mlp_groups))} MLP groups and {len(spec.vocab_blocks)} vocabulary blocks: "
                  f"{shard.weight_bytes / 1e6:.1f} MB of weights, {shard.cache_bytes / 1e6:.1f} MB of KV cache")
+
+    async def _serve_spare(self, rto_min_ms: float | None) -> None:
+        """Open the spare stream and take the prompt inputs the master sends on it, as those on the first. Losing it
+        costs nothing but the second copies."""
+        try:
+            spare = await connect_channel(*self.master, self.key, asyncio.get_running_loop())
+        except OSError as e:
+            self.log(f"node {self.name}: no spare stream to the master ({e})")
+            return
+        self.spare = spare
+        try:
+            spare.set_rto_min(rto_min_ms)
+            spare.send(Spare(self.name, self.datagrams.port))
+            while self.running:
+                try:
+                    message = await spare.receive()
+                except BadMessage:
+                    self.counters.reject("message")
+                    continue
+                if isinstance(message, Input):
+                    self.spare_used = True
+                    self._control(message)
+                else:
+                    self.counters.reject("unexpected")
+        except (ConnectionError, OSError, WireError):
+            pass
+        finally:
+            spare.close()
+            if self.spare is spare:
+                self.spare, self.spare_used = None, False
 
     def _control(self, message: Message) -> None:
         match message:
@@ -527,7 +570,12 @@ class Node:
                 while len(self.kept_partials) > KEPT_PARTIALS:
                     del self.kept_partials[next(iter(self.kept_partials))]
         if route != Route.DATAGRAM:  # the frame is built before send returns: a view of `out` is copied once
-            self.channel.send(Partial(self.session, position, layer, block, memoryview(as_f32(out)).cast("B")))
+            frame = self.channel.frame(Partial(self.session, position, layer, block,
+                                               memoryview(as_f32(out)).cast("B")))
+            self.channel.send_frame(frame)
+            if seq > 1 and self.spare_used and self.spare is not None:  # a prompt's partial over a lossy link
+                with contextlib.suppress(OSError, ConnectionError):
+                    self.spare.send_frame(frame)
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
