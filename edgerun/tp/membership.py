@@ -185,6 +185,8 @@ class Membership:
                 with self.cond:
                     node.alive = False
                     self.cond.notify_all()
+                if node.spare is not None:  # a node gone (or silent) has no use for it either
+                    node.spare.close()
                 self.on_lost(node)
 
     async def _serve_spare(self, channel: AsyncChannel, message: Spare, host: str) -> None:
