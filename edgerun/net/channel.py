@@ -42,6 +42,10 @@ T = TypeVar("T")
 # also what a lone lost segment waits before its tail-loss probe.
 TCP_RTO_MIN_US = 45
 KERNEL_RTO_MIN_MS = 200.0
+# struct tcp_info (linux/tcp.h): tcpi_total_retrans at byte 100, tcpi_data_segs_out at 156 (Linux 4.6+).
+TCP_INFO_BYTES = 160
+TCP_INFO_RESENT = struct.Struct("<I")
+TCP_INFO_RESENT_AT, TCP_INFO_DATA_OUT_AT = 100, 156
 IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux's value; Python's socket module does not export it
 MAX_UDP_PAYLOAD = 65507  # IPv4's largest datagram less its IP and UDP headers
 ETHERNET_UDP_PAYLOAD = 1472  # a 1500-byte Ethernet MTU less IPv4 and UDP headers
@@ -288,6 +292,21 @@ class AsyncChannel:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._fileno = -1 if sock is None else sock.fileno()  # asked for every block: looked up once
+
+    def segments(self) -> tuple[int, int] | None:
+        """(data segments sent, segments sent again) on this stream so far, as the kernel counts them; None where it
+        does not say (not Linux, or the stream is gone)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None or not hasattr(socket, "TCP_INFO"):
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+        except OSError:
+            return None
+        if len(info) < TCP_INFO_BYTES:
+            return None
+        return (TCP_INFO_RESENT.unpack_from(info, TCP_INFO_DATA_OUT_AT)[0],
+                TCP_INFO_RESENT.unpack_from(info, TCP_INFO_RESENT_AT)[0])
 
     def set_rto_min(self, ms: float | None) -> bool:
         """Lower (or with None restore) this connection's minimum TCP retransmission timeout; False

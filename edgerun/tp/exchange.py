@@ -58,6 +58,14 @@ MIRROR_DRAIN_S = 0.05
 # microseconds.
 RESEND_S = 0.002
 
+# A prompt goes over TCP, where a lost packet shows only as a segment sent again: a node's stream that has sent again
+# at least this many segments, and this share of those it sent, since its assignment is lossy (BlockExchange.saw_loss),
+# and its next prompt blocks go on its spare stream too. On a clean link a stream sends one again now and then (one
+# each in a dozen prompts on the device's testbed at 0%: a tail-loss probe while the other end held its
+# acknowledgement); at 5% loss a few percent of them.
+LOSSY_RESENT = 8
+LOSSY_RESENT_SHARE = 0.005
+
 BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
 
 
@@ -376,6 +384,8 @@ class BlockExchange:
             self.stats.incomplete_wait_s += ended - wait_start
         self.stats.partials_rebuilt += sum(isinstance(p, Reassembly) and p.recovered for p in w.parts.values()) + \
             w.from_parity
+        if w.tokens > 1 and reliable:
+            self._watch_streams(nodes)
         if w.tokens == 1:  # one-token blocks teach each node's synchronization time (NodeConn.sync_s)
             for node in nodes:
                 if node.index in w.arrived:
@@ -387,6 +397,15 @@ class BlockExchange:
                 if node.index in w.arrived:
                     node.arrival.observe(w.arrived[node.index])
                     node.lag.observe(w.arrived[node.index] - first)
+
+    def _watch_streams(self, nodes: list[NodeConn]) -> None:
+        """After a prompt's block: a node whose stream has sent segments again (LOSSY_RESENT) is on a lossy link."""
+        for node in nodes:
+            if node.lossy or node.segments_at_deploy is None or (now := node.channel.segments()) is None:
+                continue
+            sent, resent = (now[i] - node.segments_at_deploy[i] for i in range(2))
+            if resent >= LOSSY_RESENT and resent >= LOSSY_RESENT_SHARE * sent:
+                self.saw_loss(node)
 
     def _record(self, w: _Wait, sent: float, computed: float, merged: float) -> None:
         """The block's moments in the trace (after the block: nothing of it on the nodes' path)."""

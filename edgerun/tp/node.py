@@ -305,10 +305,11 @@ class Node:
         self.spare_used = False
         if message.spare_stream and self.spare is None:
             asyncio.get_running_loop().create_task(self._serve_spare(message.rto_min_ms))
+        elif self.spare is not None and not message.spare_stream:
+            self.spare.close()
+            self.spare = None
         elif self.spare is not None:
             self.spare.set_rto_min(message.rto_min_ms)
-            if not message.spare_stream:
-                self.spare.close()
         self._new_session(message.session)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
         self.log(f"node {self.name}: holds {sum(map(len, spec.attn_units))} attention units, "
