@@ -280,8 +280,8 @@ def test_a_spinning_socket_holds_its_reader_only_where_told(idle_spin: bool) -> 
 
 def test_a_prompt_block_marks_a_stream_that_sends_segments_again_lossy(tiny_spec, synth_gguf) -> None:
     """A prompt crosses TCP, where loss shows only as segments sent again: after a prompt's block, a node whose first
-    stream has sent again LOSSY_RESENT segments and LOSSY_RESENT_SHARE of those it sent since its assignment is on a
-    lossy link (parity on, and its next prompt blocks on its spare too); a stray one now and then is not."""
+    stream sent again LOSSY_RESENT segments and LOSSY_RESENT_SHARE of those it sent since the last look is on a lossy
+    link (parity on, and its next prompt blocks on its spare too); a stray few now and then are not."""
     from edgerun.net.channel import Counters
     from edgerun.tp.config import MasterConfig
     from edgerun.tp.exchange import LOSSY_RESENT, LOSSY_RESENT_SHARE, BlockExchange
@@ -297,16 +297,18 @@ def test_a_prompt_block_marks_a_stream_that_sends_segments_again_lossy(tiny_spec
     model = load_model(synth_gguf(tiny_spec()))
     said: list[str] = []
     exchange = BlockExchange(model.config, KEY, MasterConfig(), None, None, Counters(), said.append)
-    node = NodeConn(1, "n", Stream(), "127.0.0.1", 9, 100.0, 1e9, segments_at_deploy=(1000, 1))
-    sent = 1000 + int(LOSSY_RESENT / LOSSY_RESENT_SHARE)
-    for counts, lossy in [((1000, 1), False), ((sent, LOSSY_RESENT), False),  # 7 since the assignment: a stray few
-                          ((sent * 4, 1 + LOSSY_RESENT), False),  # 8 of many more sent: under the share
-                          ((sent, 1 + LOSSY_RESENT), True)]:
+    node = NodeConn(1, "n", Stream(), "127.0.0.1", 9, 100.0, 1e9, segments=(1000, 1))
+    block = int(LOSSY_RESENT / LOSSY_RESENT_SHARE)  # segments a block sends, at which LOSSY_RESENT is the share
+    looks = [((1000 + block, 1), False),  # none again
+             ((1000 + 2 * block, LOSSY_RESENT), False),  # 7 in a block: a stray few
+             ((1000 + 2 * block + 4 * block, 2 * LOSSY_RESENT), False),  # 8 of many more sent: under the share
+             ((1000 + 7 * block, 3 * LOSSY_RESENT), True)]  # 8 of a block's
+    for counts, lossy in looks:
         node.channel.counts = counts
         exchange._watch_streams([node])
         assert node.lossy == lossy, counts
     assert node.parity == MasterConfig().parity and node.channel.sent == [ParityOn(node.parity)] and said
-    node.segments_at_deploy = None  # a stream whose kernel does not count: nothing is judged
+    node.segments = None  # a stream whose kernel does not count: nothing is judged
     node.lossy, node.channel.sent = False, []
     exchange._watch_streams([node])
     assert not node.lossy and node.channel.sent == []

@@ -58,11 +58,11 @@ MIRROR_DRAIN_S = 0.05
 # microseconds.
 RESEND_S = 0.002
 
-# A prompt goes over TCP, where a lost packet shows only as a segment sent again: a node's stream that has sent again
-# at least this many segments, and this share of those it sent, since its assignment is lossy (BlockExchange.saw_loss),
+# A prompt goes over TCP, where a lost packet shows only as a segment sent again: a node's stream that sent again at
+# least this many segments, and this share of those it sent, in one prompt block is lossy (BlockExchange.saw_loss),
 # and its next prompt blocks go on its spare stream too. On a clean link a stream sends one again now and then (one
 # each in a dozen prompts on the device's testbed at 0%: a tail-loss probe while the other end held its
-# acknowledgement); at 5% loss a few percent of them.
+# acknowledgement); at 5% loss a few percent of a block's hundreds.
 LOSSY_RESENT = 8
 LOSSY_RESENT_SHARE = 0.005
 
@@ -399,11 +399,12 @@ class BlockExchange:
                     node.lag.observe(w.arrived[node.index] - first)
 
     def _watch_streams(self, nodes: list[NodeConn]) -> None:
-        """After a prompt's block: a node whose stream has sent segments again (LOSSY_RESENT) is on a lossy link."""
+        """After a prompt's block: a node whose stream sent segments again in it (LOSSY_RESENT) is on a lossy link."""
         for node in nodes:
-            if node.lossy or node.segments_at_deploy is None or (now := node.channel.segments()) is None:
+            if node.lossy or node.segments is None or (now := node.channel.segments()) is None:
                 continue
-            sent, resent = (now[i] - node.segments_at_deploy[i] for i in range(2))
+            sent, resent = (now[i] - node.segments[i] for i in range(2))
+            node.segments = now
             if resent >= LOSSY_RESENT and resent >= LOSSY_RESENT_SHARE * sent:
                 self.saw_loss(node)
 

@@ -305,7 +305,7 @@ class Master:
             node.index, node.spec, node.priorities, node.parity = \
                 assign.index, assign.spec, assign.priorities, assign.parity
             node.rto_min_ms = assign.rto_min_ms
-            node.segments_at_deploy = node.channel.segments()
+            node.segments = node.channel.segments()
             if not assign.spare_stream and node.spare is not None:  # the strict tcp baseline: one stream
                 node.spare.close()
                 node.spare = None

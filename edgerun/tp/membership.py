@@ -64,7 +64,7 @@ class NodeConn:
     alive: bool = True
     spare: AsyncChannel | None = None  # its second stream, once it opened one (Assign.spare_stream)
     spare_partials: int = 0  # prompt partials that came on it (the first or the second copy)
-    segments_at_deploy: tuple[int, int] | None = None  # its first stream's (sent, sent again) when last assigned
+    segments: tuple[int, int] | None = None  # its first stream's (sent, sent again) when last looked at
     rto_min_ms: float | None = None  # both streams' minimum retransmission timeout, as its assignment said
     device: str = ""  # what it says it runs on
     last_heard: float = field(default_factory=time.monotonic)
