@@ -175,6 +175,7 @@ class Node:
         # too (it does over a lossy link): then this node sends its prompt partials on both.
         self.spare: AsyncChannel | None = None
         self.spare_used = False
+        self.spare_task: asyncio.Task | None = None  # opens and reads it (the loop holds its tasks only weakly)
         self.master_udp_port = 0
         self.net = EventLoopThread()
 
@@ -303,8 +304,8 @@ class Node:
         self.decode, self.decode_s = KernelFit(), 0.0
         self.channel.set_rto_min(message.rto_min_ms)
         self.spare_used = False
-        if message.spare_stream and self.spare is None:
-            asyncio.get_running_loop().create_task(self._serve_spare(message.rto_min_ms))
+        if message.spare_stream and self.spare is None and (self.spare_task is None or self.spare_task.done()):
+            self.spare_task = asyncio.get_running_loop().create_task(self._serve_spare(message.rto_min_ms))
         elif self.spare is not None and not message.spare_stream:
             self.spare.close()
             self.spare = None
