@@ -312,3 +312,20 @@ def test_a_prompt_block_marks_a_stream_that_sends_segments_again_lossy(tiny_spec
     node.lossy, node.channel.sent = False, []
     exchange._watch_streams([node])
     assert not node.lossy and node.channel.sent == []
+
+
+def test_a_prompt_copy_goes_only_where_the_link_carries_it_quickly() -> None:
+    """SPARE_COPY_MAX_S: a second copy shares the link with the first. A 70-token vector of a 1B model (573 KB)
+    crosses a 10 Gbit/s link in under half a millisecond (worth a copy against a retransmission timer) and a
+    100 Mbit/s one in 46 ms (not); a link not measured is taken as fast."""
+    from edgerun.sched.profiles import Link
+    from edgerun.tp.exchange import _copy_pays
+    from edgerun.tp.membership import NodeConn
+
+    node = NodeConn(1, "n", _Recorder(), "127.0.0.1", 9, 100.0, 1e9)
+    vector = 70 * 2048 * 4
+    assert _copy_pays(node, vector)
+    node.link = Link(0.2, 10_000.0, 10_000.0, 0.05)
+    assert _copy_pays(node, vector)
+    node.link = Link(0.2, 10_000.0, 100.0, 0.05)  # the slower way sets it
+    assert not _copy_pays(node, vector)
