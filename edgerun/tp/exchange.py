@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -579,7 +579,7 @@ class BlockExchange:
         self._send_inputs([node], key, x, ranking)
 
     def _send_inputs(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None,
-                     spare: list[NodeConn] | tuple = ()) -> None:
+                     spare: Sequence[NodeConn] = ()) -> None:
         """The block's input over TCP to these nodes: one frame, encoded and sealed once, on every stream; to the
         `spare` nodes on their spare streams too, after every first copy."""
         session, position, layer, block = key
