@@ -239,9 +239,11 @@ class BlockExchange:
         # frame first for 45 of 94 mirrored inputs in a 32-token 1B run here (`bench tp --trace`).
         if nodes and over_udp:
             self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
-        # A prompt's input goes on a lossy node's spare stream as well: its partial comes back on both.
+        # A prompt's input goes on a lossy node's spare stream as well: its partial comes back on both. (Not with the
+        # strict tcp baseline, whose nodes close their spares; one opened while a switch to it was under way may
+        # still be up.)
         spare = [n for n in nodes if n.lossy and n.spare is not None and _copy_pays(n, x.nbytes)] \
-            if seq > 1 and reliable else []
+            if seq > 1 and reliable and self.config.transport == "udp" else []
         if reliable and nodes:
             self._send_inputs(nodes, key, x, ranking, spare)
         if nodes and seq == 1:
