@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -348,6 +348,15 @@ class AsyncChannel:
         once the stream has ended."""
         header, body = open_frame(await self.frames.next(), self.key)
         return messages.decode(*parse_control(header, body))
+
+    async def messages(self, counters: Counters) -> AsyncIterator[Message]:
+        """The stream's messages one by one; an authentic frame that holds no valid message is counted in `counters`
+        and skipped. Ends by raising what `receive` raises for a stream that cannot go on."""
+        while True:
+            try:
+                yield await self.receive()
+            except messages.BadMessage:
+                counters.reject("message")
 
     def fileno(self) -> int:
         """The stream's socket descriptor, -1 once it is gone."""

@@ -26,7 +26,6 @@ from edgerun.net.wire import KEY_REJECTED, BadMac, Header, MsgType, WireError, s
 from edgerun.sched.profiles import Link
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
-    BadMessage,
     BandwidthProbe,
     BandwidthReply,
     Heartbeat,
@@ -163,14 +162,11 @@ class Membership:
                 self.nodes.append(node)
                 self.cond.notify_all()
             self.log(f"node {node.name} joined from {addr[0]}")
-            while self.running:
-                try:
-                    message = await channel.receive()
-                except BadMessage:
-                    self.counters.reject("message")
-                    continue
+            async for message in channel.messages(self.counters):
                 node.last_heard = time.monotonic()
                 self._message(node, message)
+                if not self.running:
+                    break
         except (ConnectionError, OSError, WireError, ValueError, TimeoutError) as e:
             if node is None:
                 self.counters.reject("registration")
@@ -201,17 +197,14 @@ class Membership:
         node.spare = channel
         channel.set_rto_min(node.rto_min_ms)
         try:
-            while self.running and node.alive:
-                try:
-                    message = await channel.receive()
-                except BadMessage:
-                    self.counters.reject("message")
-                    continue
+            async for message in channel.messages(self.counters):
                 if isinstance(message, Partial):
                     node.spare_partials += 1
                     self.on_message(node, message)
                 else:
                     self.counters.reject("unexpected")
+                if not (self.running and node.alive):
+                    break
         except (ConnectionError, OSError, WireError):
             pass  # the spare alone is gone: prompts go on the first stream only
         finally:

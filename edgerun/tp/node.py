@@ -64,7 +64,6 @@ from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
     MAX_PROBE_BYTES,
     Assign,
-    BadMessage,
     BandwidthProbe,
     BandwidthReply,
     Fetch,
@@ -241,12 +240,7 @@ class Node:
 
     async def _control_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while self.running:
-            try:
-                message = await self.channel.receive()
-            except BadMessage:
-                self.counters.reject("message")
-                continue
+        async for message in self.channel.messages(self.counters):
             if isinstance(message, Assign):  # loading a share takes a while: keep the loop (heartbeats) going
                 spec = message.spec
                 # The old share goes before the new one is built (no local name may keep it either: a device
@@ -265,6 +259,8 @@ class Node:
                 settle_heap()
             else:
                 self._control(message)
+            if not self.running:  # Shutdown
+                break
 
     def _use_masters_model(self, sha256: str, http_port: int) -> None:
         """Keep the local model if it is the master's file; otherwise fetch the master's copy."""
@@ -329,17 +325,14 @@ class Node:
         try:
             spare.set_rto_min(rto_min_ms)
             spare.send(Spare(self.name, self.datagrams.port))
-            while self.running:
-                try:
-                    message = await spare.receive()
-                except BadMessage:
-                    self.counters.reject("message")
-                    continue
+            async for message in spare.messages(self.counters):
                 if isinstance(message, Input):
                     self.spare_used = True
                     self._control(message)
                 else:
                     self.counters.reject("unexpected")
+                if not self.running:
+                    break
         except (ConnectionError, OSError, WireError):
             pass
         finally:
