@@ -93,6 +93,8 @@ def test_routes_are_data() -> None:
     b'{"message": "Heartbeat", "rejected": 0, "compute_s": null, "peak_rss_mb": 1}',  # null for a number
     b'{"message": "Assign", "session": 1}',
     b'{"message": "Reset", "session": 1, "top": 0}',  # out of its range: a sampler draws from one logit at least
+    b'{"message": "ParityOn", "fragments": 5}',  # more parity fragments than a vector may have (wire.MAX_PARITY)
+    b'{"message": "ParityOn", "fragments": -1}',
     b'{"message": "Ping", "seq": 1',  # truncated
     b"[" * 100_000,  # nested past the parser's recursion
     b"\xff\xfe",  # not text

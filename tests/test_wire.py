@@ -4,6 +4,7 @@ and a seeded fuzz that feeds malformed and forged-but-authentic datagrams throug
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from edgerun.net.wire import (
     MAC_SIZE,
     MAGIC,
     MAX_FRAME,
+    MAX_PARITY,
     NONCE_SIZE,
     Q8_BLOCK,
     Q8_BLOCK_BYTES,
@@ -303,13 +305,13 @@ def test_fragment_reassemble(n: int, codec: Codec, mtu: int) -> None:
     assert partial.received == received
 
 
-def test_two_parity_copies_survive_losing_the_data_and_one_copy() -> None:
-    """A one-fragment vector with two parity copies arrives whole from any one of its three datagrams;
-    the copy that follows is not counted as a rejected duplicate, a repeated data fragment is."""
+def test_two_parity_fragments_of_a_one_fragment_vector_are_copies_of_it() -> None:
+    """A one-fragment vector with two parity fragments arrives whole from any one of its three datagrams;
+    the others that follow are not counted as rejected duplicates, a repeated datagram is."""
     x = np.random.default_rng(3).standard_normal(576).astype(np.float32)
     header = Header(MsgType.PARTIAL, session=1, position=2, layer=3, block=Block.MLP, node=1, codec=Codec.F16, tokens=1)
     opened = [open_packet(p, KEY) for p in fragment(header, x, KEY, parity=2)]
-    assert [h.frag_index for h, _ in opened] == [0, 1, 1]
+    assert [h.frag_index for h, _ in opened] == [0, 1, 2] and len({body for _, body in opened}) == 1
     for survivor in range(3):
         r, counters = Reassembly(576), Counters()
         assert add_fragment(r, *opened[survivor], counters)
@@ -367,6 +369,36 @@ def test_parity_rebuilds_any_one_lost_fragment(n: int, codec: Codec) -> None:
 
 
 @pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize(("n", "mtu"), [(2048, 1472), (576, 1472), (5000, 1472), (3000, 512)])
+@pytest.mark.parametrize("parity", [2, 3])
+def test_parity_fragments_rebuild_any_as_many_lost_fragments(n: int, mtu: int, codec: Codec, parity: int) -> None:
+    """With k parity fragments every pattern of up to k lost datagrams, data or parity, leaves a vector that is
+    whole and exact (net.erasure); one more lost leaves the missing ranges zero and the rest exact."""
+    x = (np.random.default_rng(n + parity).standard_normal(n) * 2).astype(np.float32)
+    expected = round_trip(x, codec)
+    header = Header(MsgType.PARTIAL, session=1, position=9, layer=2, block=Block.ATTN, node=2, codec=codec, tokens=1)
+    opened = [open_packet(p, KEY) for p in fragment(header, x, KEY, mtu, parity=parity)]
+    count = len(opened) - parity
+    assert [h.frag_index for h, _ in opened] == list(range(count + parity))
+    assert all(is_parity(h) == (h.frag_index >= count) for h, _ in opened)
+    for lost in itertools.combinations(range(len(opened)), parity):
+        r = Reassembly(n, mtu)
+        for i in np.random.default_rng(sum(lost)).permutation(len(opened)):  # in any order
+            if i not in lost:
+                r.add(*opened[i])
+        assert r.complete and r.recovered == any(i < count for i in lost), lost
+        assert np.array_equal(r.vector, expected), lost
+    if count >= 2:
+        r = Reassembly(n, mtu)
+        for h, body in opened[parity + 1:]:  # the first parity + 1 data fragments lost
+            r.add(h, body)
+        per = elements_per_fragment(codec, mtu)
+        assert not r.complete and r.missing() == tuple(range(min(count, parity + 1)))
+        assert not r.vector[:min(n, (parity + 1) * per)].any()
+        assert np.array_equal(r.vector[(parity + 1) * per:], expected[(parity + 1) * per:])
+
+
+@pytest.mark.parametrize("codec", list(Codec))
 def test_prefix_travels_in_every_fragment_and_survives_a_rebuild(codec: Codec) -> None:
     n, prefix = 2048, bytes([2, 0, 1, 5, 4, 3])
     x = np.random.default_rng(codec).standard_normal(n).astype(np.float32)
@@ -393,7 +425,7 @@ def test_malformed_parity_is_refused() -> None:
     parity_h, parity_body = packets[-1]
     for h, body in [(parity_h._replace(offset=4), parity_body),  # parity sits at offset 0
                     (parity_h, parity_body[:-4]),  # shorter than the first fragment
-                    (parity_h._replace(frag_index=parity_h.frag_count + 1), parity_body)]:
+                    (parity_h._replace(frag_index=parity_h.frag_count + MAX_PARITY), parity_body)]:
         r = Reassembly(n)
         with pytest.raises(WireError):
             r.add(*open_packet(seal(h, body, KEY), KEY))
@@ -452,7 +484,7 @@ def test_reject_truncated_and_extended() -> None:
     ("codec", max(Codec) + 1, "Codec"),
     ("codec", 255, "Codec"),
     ("frag_count", 0, "fragment"),
-    ("frag_index", 2, "fragment"),  # of frag_count 1
+    ("frag_index", 1 + MAX_PARITY, "fragment"),  # of frag_count 1
     ("frag_index", 0xFFFF, "fragment"),
 ])
 def test_reject_authentic_but_invalid_header(field: str, value: object, message: str) -> None:
@@ -464,12 +496,13 @@ def test_reject_authentic_but_invalid_header(field: str, value: object, message:
         open_packet(pack_sealed(fields, payload), KEY)
 
 
-def test_index_equal_to_count_is_the_parity_and_beyond_is_refused() -> None:
+def test_indices_from_count_are_the_parity_and_beyond_it_are_refused() -> None:
     header, payload, _ = valid_packet()
     with pytest.raises(WireError):
-        open_packet(seal(header._replace(frag_index=5, frag_count=4), payload, KEY), KEY)
-    parity, _ = open_packet(seal(header._replace(frag_index=4, frag_count=4), payload, KEY), KEY)
-    assert is_parity(parity)
+        open_packet(seal(header._replace(frag_index=4 + MAX_PARITY, frag_count=4), payload, KEY), KEY)
+    for index in range(4, 4 + MAX_PARITY):
+        parity, _ = open_packet(seal(header._replace(frag_index=index, frag_count=4), payload, KEY), KEY)
+        assert is_parity(parity)
     data, _ = open_packet(seal(header._replace(frag_index=3, frag_count=4), payload, KEY), KEY)
     assert data.frag_index == 3 and not is_parity(data)
 
@@ -606,19 +639,20 @@ def test_resend_requests_round_trip_and_malformed_ones_are_refused() -> None:
 
 
 def test_fragments_sent_again_complete_a_vector_exactly() -> None:
-    """A receiver that lost two fragments (more than its parity rebuilds) names them (Reassembly.missing); the
-    sender seals just those again (fragment(..., only=...)) and the vector is whole and exact."""
+    """A receiver that lost three fragments (more than its two parity fragments rebuild) names them
+    (Reassembly.missing); the sender seals just those again (fragment(..., only=...)) and the vector is whole and
+    exact."""
     x = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
     header = Header(MsgType.PARTIAL, 1, 2, 0, Block.HEAD, 1, codec=Codec.F32, tokens=1)
     sent = fragment(header, x, KEY, 1472, parity=2)
     reassembly = Reassembly(x.size, 1472)
     assert reassembly.missing() == ()
     for i, datagram in enumerate(sent):
-        if i not in (3, 8):
+        if i not in (3, 5, 8):
             reassembly.add(*open_packet(datagram, KEY))
-    assert not reassembly.complete and reassembly.missing() == (3, 8)
+    assert not reassembly.complete and reassembly.missing() == (3, 5, 8)
     again = fragment(header, x, KEY, 1472, only=(*reassembly.missing(), 99))  # 99: no such fragment, left out
-    assert [open_packet(d, KEY)[0].frag_index for d in again] == [3, 8]
+    assert [open_packet(d, KEY)[0].frag_index for d in again] == [3, 5, 8]
     for datagram in again:
         reassembly.add(*open_packet(datagram, KEY))
     assert reassembly.complete and np.array_equal(reassembly.vector, x)
@@ -640,7 +674,7 @@ def fuzz_corpus() -> list[bytes]:
     corpus: list[bytes] = []
     for codec in Codec:
         header = Header(MsgType.ACTIVATION, session=5, position=2, layer=3, codec=codec)
-        corpus += fragment(header, rng.standard_normal(FUZZ_TOTAL).astype(np.float32), KEY, parity=True)
+        corpus += fragment(header, rng.standard_normal(FUZZ_TOTAL).astype(np.float32), KEY, parity=2)
         corpus += fragment(header, rng.standard_normal(FUZZ_TOTAL).astype(np.float32), KEY, 512, parity=True)
         corpus += fragment(header, rng.standard_normal(1000).astype(np.float32), KEY)
     corpus.append(control_frame(5, b'{"message":"Ping","seq":1}', b"\x01\x02", KEY)[4:])
@@ -755,7 +789,7 @@ def receive(data: bytes, reassembly: Reassembly) -> str:
         return "rejected: Reassembly.add"
     assert reassembly.count == header.frag_count
     assert reassembly.received <= set(range(header.frag_count))
-    assert set(reassembly.payloads) <= set(range(header.frag_count + 1))
+    assert set(reassembly.payloads) <= set(range(header.frag_count + MAX_PARITY))
     return "duplicate" if added is Added.DUPLICATE else "accepted"
 
 

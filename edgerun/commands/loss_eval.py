@@ -78,9 +78,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="evaluation tokens (default: 1024)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per independent sequence (default: 256)")
     p.add_argument("--seed", type=int, default=0, help="seed of the loss events (default: 0)")
-    p.add_argument("--parity", type=int, default=2, metavar="COPIES",
-                   help="parity copies after every partial, as the engine sends them (default: 2, the engine's): a "
-                        "partial is lost with chance PLR^(1 + COPIES); 0 is HALO's setting, one packet per partial")
+    p.add_argument("--parity", type=int, default=2, metavar="FRAGMENTS",
+                   help="parity fragments after every partial, as the engine sends them (default: 2, the engine's): "
+                        "those of a one-packet partial are copies of it, so it is lost with chance "
+                        "PLR^(1 + FRAGMENTS); 0 is HALO's setting, one packet per partial")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     blas_threads_arg(p, DEFAULT_THREADS)
     p.set_defaults(func=cmd_eval)

@@ -28,7 +28,6 @@ from edgerun.net.wire import (
     WireError,
     control_frame,
     frame_length,
-    is_parity,
     open_frame,
     open_packet,
     parse_control,
@@ -90,7 +89,7 @@ def add_fragment(reassembly: Reassembly, header: Header, payload: bytes, counter
     except WireError:
         counters.reject("misfit")
         return False
-    if added is Added.DUPLICATE and not is_parity(header):  # parity may come in several copies on purpose
+    if added is Added.DUPLICATE:
         counters.reject("duplicate")
     return added is Added.COMPLETED
 

@@ -54,8 +54,11 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from edgerun.net import erasure
+
 MAGIC = b"ER"
-VERSION = 4  # 2: HMAC-SHA256 instead of keyed BLAKE2b; 3: typed control messages, a tokens field, PROBE; 4: GMAC
+VERSION = 5  # 2: HMAC-SHA256 instead of keyed BLAKE2b; 3: typed control messages, a tokens field, PROBE; 4: GMAC;
+# 5: a vector's parity fragments are distinct (net.erasure), not copies of one XOR
 MAC_SIZE = 16
 NONCE_SIZE = 12
 TRAILER = NONCE_SIZE + MAC_SIZE  # after a datagram's or frame's payload: the nonce, then the tag
@@ -218,7 +221,7 @@ def _checked_header(data: bytes, key: bytes) -> Header:
                         tokens, offset, length)
     except KeyError as e:
         raise WireError(f"{e.args[0]} is not a valid {'MsgType' if mtype not in _MSG_TYPES else 'Codec'}") from e
-    if count == 0 or index > count:  # index == count: the parity fragment
+    if count == 0 or index >= count + MAX_PARITY:  # index count + j: parity fragment j
         raise WireError(f"fragment {index} of {count}")
     return header
 
@@ -282,29 +285,28 @@ def elements_per_fragment(codec: Codec, mtu_payload: int, prefix: int = 0) -> in
     return max(1, room // (4 if codec == Codec.F32 else 2))
 
 
+MAX_PARITY = 4  # parity fragments a vector may have (the erasure code rebuilds any two lost; see net.erasure)
+
+
 def is_parity(header: Header) -> bool:
-    return header.frag_index == header.frag_count
-
-
-def _xor(payloads: list[bytes], size: int) -> bytes:
-    out = np.zeros(size, np.uint8)
-    for p in payloads:
-        out[:len(p)] ^= np.frombuffer(p, np.uint8)
-    return out.tobytes()
+    """A parity fragment: index frag_count + j for parity fragment j."""
+    return header.frag_index >= header.frag_count
 
 
 def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472, parity: int = 0,
              prefix: bytes = b"", only: Collection[int] | None = None) -> list[bytes]:
     """A vector as sealed datagrams that each fit `mtu_payload` bytes (1472: a 1500-byte Ethernet MTU
-    less IPv4 and UDP headers), each payload starting with `prefix`, then `parity` copies of the
-    parity fragment. `only`: just these data fragments, no parity (what a Resend asks for; indices
-    beyond the vector's are left out)."""
+    less IPv4 and UDP headers), each payload starting with `prefix`, then `parity` parity fragments, from
+    which a receiver rebuilds as many lost fragments (net.erasure; those of a one-fragment vector are copies of
+    it). `only`: just these data fragments, no parity (what a Resend asks for; indices beyond the vector's are
+    left out)."""
+    if not 0 <= parity <= MAX_PARITY:
+        raise ValueError(f"a vector takes 0 to {MAX_PARITY} parity fragments, not {parity}")
     x = as_f32(x)
     per = elements_per_fragment(header.codec, mtu_payload, len(prefix))
     if x.size <= per and only is None:  # one datagram holds it all (loopback, small vectors): the common case
         payload = prefix + encode_vector(x, header.codec)
-        datagrams = [_sealed(header, 0, 1, 0, payload, key)]
-        return datagrams + [_sealed(header, 1, 1, 0, payload, key)] * int(parity) if parity else datagrams
+        return [_sealed(header, i, 1, 0, payload, key) for i in range(1 + int(parity))]
     x = x.reshape(-1)
     count = -(-x.size // per)
 
@@ -315,17 +317,16 @@ def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472,
         return [_sealed(header, i, count, i * per, payload(i), key) for i in sorted(set(only)) if 0 <= i < count]
     payloads = [payload(i) for i in range(count)]
     datagrams = [_sealed(header, i, count, i * per, p, key) for i, p in enumerate(payloads)]
-    if parity:
-        # One fragment's parity is the fragment itself: no XOR to compute.
-        check = payloads[0] if count == 1 else _xor(payloads, len(payloads[0]))
-        datagrams += [_sealed(header, count, count, 0, check, key)] * int(parity)
+    size = len(payloads[0])  # the first fragment is the longest
+    datagrams += [_sealed(header, count + j, count, 0, erasure.check_fragment(payloads, j, size), key)
+                  for j in range(int(parity))]
     return datagrams
 
 
 def whole_vector(header: Header, payload: bytes, total: int, prefix: int = 0) -> np.ndarray | None:
-    """The `total`-element vector of a datagram that holds all of it (the only data fragment of its vector, or its
-    parity, which is then a copy), decoded: most vectors travel so, and need no Reassembly. None for any other
-    datagram, and for one whose payload does not hold exactly `prefix` bytes and `total` elements."""
+    """The `total`-element vector of a datagram that holds all of it (the only data fragment of its vector, or a
+    parity fragment of it, which is then a copy), decoded: most vectors travel so, and need no Reassembly. None for
+    any other datagram, and for one whose payload does not hold exactly `prefix` bytes and `total` elements."""
     if header.frag_count != 1 or header.offset != 0 or len(payload) != prefix + payload_bytes(header.codec, total):
         return None
     if header.codec == Codec.F32:
@@ -392,10 +393,10 @@ class Reassembly:
         self.prefix = prefix
         self.prefix_bytes: bytes | None = None
         self.received: set[int] = set()  # data fragments in the vector, rebuilt ones included
-        self.payloads: dict[int, bytes] = {}  # payloads as they came, parity included, for a rebuild
+        self.payloads: dict[int, bytes] = {}  # payloads as they came by fragment index, parity included, for a rebuild
         self.count: int | None = None
         self.codec: Codec | None = None
-        self.recovered = False  # a data fragment was rebuilt from the parity
+        self.recovered = False  # data fragments were rebuilt from the parity
 
     def add(self, header: Header, payload: bytes) -> Added:
         """Take a fragment. Raise WireError if it does not fit this vector."""
@@ -422,7 +423,7 @@ class Reassembly:
         self.payloads[header.frag_index] = payload
         self.count = header.frag_count
         self.codec = header.codec
-        if not self.complete and header.frag_count in self.payloads and len(self.received) == self.count - 1:
+        if not self.complete and len(self.payloads) >= self.count:  # as many fragments in as data, parity among them
             self._rebuild(per)
         return Added.COMPLETED if self.complete and not was_complete else Added.STORED
 
@@ -439,10 +440,16 @@ class Reassembly:
         self.received.add(index)
 
     def _rebuild(self, per: int) -> None:
-        (missing,) = set(range(self.count)) - self.received
-        n = min(per, self.total - missing * per)
-        data = _xor(list(self.payloads.values()), len(self.payloads[self.count]))
-        self._take_data(missing, data[:self.prefix + payload_bytes(self.codec, n)], n, self.codec, per)
+        """The missing data fragments from the parity fragments that came (net.erasure), where they determine them."""
+        count = self.count
+        checks = {i - count: p for i, p in self.payloads.items() if i >= count}
+        size = len(next(iter(checks.values())))
+        rebuilt = erasure.solve({i: p for i, p in self.payloads.items() if i < count}, checks, self.missing(), size)
+        if rebuilt is None:
+            return
+        for index, data in rebuilt.items():
+            n = min(per, self.total - index * per)
+            self._take_data(index, data[:self.prefix + payload_bytes(self.codec, n)], n, self.codec, per)
         self.recovered = True
 
     @property

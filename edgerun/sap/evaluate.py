@@ -6,9 +6,9 @@ the units (attention units, each a KV head with its query heads, and MLP neuron 
 lossy devices, split evenly over
 D = max(1, round(NGLR / (1 − NGLR))) of them (NGLR 0.75: 3 lossy devices and a reliable master);
 each lossy device loses its whole contribution to a block when the packet carrying it is lost, with
-probability PLR, as in HALO. With `parity` copies (the engine sends 2 by default) a one-packet partial
-is lost only when it and every copy are: PLR^(1 + parity). Layer 0 and the LM head travel over TCP
-and are never lost. The policy decides which units go to the lossy devices:
+probability PLR, as in HALO. With `parity` fragments (the engine sends 2 by default), which for a one-packet
+partial are copies of it, it is lost only when it and every copy are: PLR^(1 + parity). Layer 0 and the LM head
+travel over TCP and are never lost. The policy decides which units go to the lossy devices:
 
 - none: the plan's index order, no importance (units with the highest indices are lossy);
 - random: a fresh random choice per token;

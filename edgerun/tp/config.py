@@ -7,11 +7,10 @@ from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
-from edgerun.net.wire import Codec
+from edgerun.net.wire import MAX_PARITY, Codec
 
 MAPPINGS = ("index", "static", "dynamic")
 OVERLAPS = ("pred",)
-MAX_PARITY_COPIES = 4  # beyond a few copies, losing all of them is rarer than a lost burst of the data itself
 # With --transport udp the reliable channel carries only the first layer, the LM head and fetches,
 # all on the per-token path: a lost segment there should cost milliseconds, not the kernel's 200 ms
 # minimum retransmission timeout. The strict tcp baseline keeps the kernel's (as distributed-llama).
@@ -41,7 +40,7 @@ class MasterConfig:
     timeout_ms: float | None = 10.0  # a lossy block's fixed wait; None: adaptive
     timeout_deviations: float = 4.0  # the adaptive timeout's k
     rto_min_ms: float | None = None  # the reliable channel's minimum retransmission timeout (None: by transport)
-    parity: int = 2  # parity copies after every vector on a lossy link, both ways
+    parity: int = 2  # parity fragments after every vector on a lossy link, both ways (net.erasure)
     parity_always: bool = False  # parity on clean links too
     max_len: int = 1024  # context length: KV cache per device
     budget_mb: float = 4096.0  # the master's own memory budget for its share
@@ -62,8 +61,8 @@ class MasterConfig:
         unknown = set(self.overlap) - set(OVERLAPS)
         if unknown:
             raise EdgerunError(f"unknown overlap {sorted(unknown)} (choose from {', '.join(OVERLAPS)})")
-        if not 0 <= self.parity <= MAX_PARITY_COPIES:
-            raise EdgerunError(f"parity copies must be 0 to {MAX_PARITY_COPIES}, not {self.parity}")
+        if not 0 <= self.parity <= MAX_PARITY:
+            raise EdgerunError(f"parity fragments must be 0 to {MAX_PARITY}, not {self.parity}")
         if self.transport not in ("udp", "tcp"):
             raise EdgerunError(f"unknown transport {self.transport!r} (udp or tcp)")
         if self.mapping not in MAPPINGS:

@@ -126,7 +126,7 @@ class Deployment:
 def deploy(model: ModelConfig, plan: TPPlan, config: MasterConfig, order: UnitOrder, session: int, udp_port: int,
            links: Sequence[NodeLink]) -> Deployment:
     """The shares of `plan` (device 0 the master, device i the i-th of `links`) for a new session. Nodes on lossy
-    links (or every node with parity_always) send and get parity copies."""
+    links (or every node with parity_always) send and get parity fragments."""
     dynamic = config.mapping == "dynamic"
 
     def priorities(i: int) -> Priorities | None:

@@ -129,7 +129,7 @@ class _Wait:
     deadline: float | None = None  # perf_counter time; None: wait for every reply
     timer: asyncio.TimerHandle | None = None
     timed: bool = False  # awaited on the event loop, with a timer for the deadline (else drained on the spot)
-    from_parity: int = 0  # one-datagram partials whose data was lost and whose parity copy came
+    from_parity: int = 0  # one-datagram partials whose data was lost and one of whose parity copies came
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
     nodes: dict[int, NodeConn] = field(default_factory=dict)  # the participants by index
     # The master's share once computed (not the LM head's), and its sum with the partials folded in as they
@@ -324,13 +324,13 @@ class BlockExchange:
                         codec: Codec) -> None:
         """The input as datagrams to every node; nodes on paths of one MTU get the same datagrams, encoded and
         sealed once."""
-        datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity copies)
-        copies = max(n.parity for n in nodes)
+        datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity fragments)
+        parity = max(n.parity for n in nodes)  # a node of fewer takes the first ones
         for node in nodes:
             if node.datagram_bytes not in datagrams:
-                sealed = self._input_datagrams(key, x, ranking, codec, node.datagram_bytes, parity=copies)
-                datagrams[node.datagram_bytes] = (sealed[:len(sealed) - copies], sealed[len(sealed) - copies:])
-        # Every node's data first, then the parity copies: the last node's input does not wait behind them.
+                sealed = self._input_datagrams(key, x, ranking, codec, node.datagram_bytes, parity=parity)
+                datagrams[node.datagram_bytes] = (sealed[:len(sealed) - parity], sealed[len(sealed) - parity:])
+        # Every node's data first, then the parity: the last node's input does not wait behind it.
         for node in nodes:
             self.udp.send_all(datagrams[node.datagram_bytes][0], (node.host, node.udp_port))
         for node in nodes:
@@ -573,7 +573,8 @@ class BlockExchange:
             node.lossy = True
             return
         node.lossy, node.parity = True, self.config.parity
-        self.log(f"node {node.name}: a packet went missing; {self.config.parity} parity copies on its link from now on")
+        self.log(f"node {node.name}: a packet went missing; {self.config.parity} parity fragments after every vector "
+                 "on its link from now on")
         with contextlib.suppress(OSError, ConnectionError):
             node.channel.send(ParityOn(self.config.parity))
 

@@ -73,7 +73,7 @@ class NodeConn:
     rejected: int = 0  # packets the node refused, as its last heartbeat said
     link: Link | None = None  # measured when it joined
     datagram_bytes: int = 1472  # the largest UDP payload both ways between it and the master (path MTU)
-    parity: int = 0  # parity copies after every vector on this link, both ways
+    parity: int = 0  # parity fragments after every vector on this link, both ways (net.erasure)
     lossy: bool = False  # the link has lost a packet (or a partial came too late): parity from then on
     arrival: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the master sent
     lag: ArrivalEstimator = field(default_factory=ArrivalEstimator)  # seconds after the block's first partial

@@ -21,7 +21,7 @@ from enum import Enum, IntEnum
 from typing import Any, Union
 
 from edgerun.model.onnx_graph import Activations
-from edgerun.net.wire import Block, Codec, WireError
+from edgerun.net.wire import MAX_PARITY, Block, Codec, WireError
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.shard import ShardSpec
 
@@ -177,7 +177,7 @@ class Assign:
     routes: Routes
     udp_port: int  # the master's
     rto_min_ms: float | None  # the TCP stream's minimum retransmission timeout; None: the kernel's
-    parity: int  # parity copies after every partial
+    parity: int  # parity fragments after every partial (net.erasure)
     datagram_bytes: int
     priorities: Priorities | None = None  # dynamic mapping: the node holds every unit and computes these indices
     activations: Activations = Activations.INT8  # of the share's quantized products: every device computes alike
@@ -187,6 +187,9 @@ class Assign:
     # 250 Hz); both copies are seldom held at once. Device testbed, 5% loss, 7 nodes: a prompt block's 573 KB to
     # every node and back took 17-21 ms on average on one stream and 11-12 on two (5-9 at 0%: the copies' cost).
     spare_stream: bool = False
+
+    def __post_init__(self) -> None:
+        _check_parity(self.parity)
 
 
 @dataclass(frozen=True)
@@ -218,9 +221,17 @@ class Reset:
 
 @dataclass(frozen=True)
 class ParityOn:
-    """The link lost a packet: send this many parity copies after every partial from now on."""
+    """The link lost a packet: send this many parity fragments after every partial from now on."""
 
-    copies: int
+    fragments: int
+
+    def __post_init__(self) -> None:
+        _check_parity(self.fragments)
+
+
+def _check_parity(fragments: int) -> None:
+    if not 0 <= fragments <= MAX_PARITY:
+        raise ValueError(f"parity fragments must be 0 to {MAX_PARITY}, not {fragments}")
 
 
 @dataclass(frozen=True)

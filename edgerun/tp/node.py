@@ -159,7 +159,7 @@ class Node:
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
         self.routes: Routes | None = None  # each block's channel to the master (the master says)
-        self.parity = 0  # copies of a parity fragment after every partial (the master says)
+        self.parity = 0  # parity fragments after every partial (the master says; net.erasure)
         self.datagram_bytes = ETHERNET_UDP_PAYLOAD  # the largest UDP payload to and from the master (the master says)
         # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
         # per block, the units the master's ranking puts at those indices. None: static shares.
@@ -354,8 +354,8 @@ class Node:
                     entry.full = x
                     entry.ranking = valid_ranking(ranking, self._units(block))
                     self._take(position, layer, block, entry)
-            case ParityOn(copies):  # the link lost a packet: parity copies after every partial from now on
-                self.parity = copies
+            case ParityOn(fragments):  # the link lost a packet: parity after every partial from now on
+                self.parity = fragments
             case Ping(seq):
                 self.channel.send(Pong(seq))
             case BandwidthProbe(reply_bytes):
