@@ -329,3 +329,28 @@ def test_a_prompt_copy_goes_only_where_the_link_carries_it_quickly() -> None:
     assert _copy_pays(node, vector)
     node.link = Link(0.2, 10_000.0, 100.0, 0.05)  # the slower way sets it
     assert not _copy_pays(node, vector)
+
+
+def test_an_input_goes_to_every_node_before_any_parity_and_its_parity_a_round_at_a_time(tiny_spec, synth_gguf) -> None:
+    """BlockExchange._send_datagrams: every node's data fragments first, then every node's first parity fragment,
+    then every node's second; a node of less parity gets only its first ones, a clean link none."""
+    from edgerun.net.channel import Counters
+    from edgerun.tp.config import MasterConfig
+    from edgerun.tp.exchange import BlockExchange
+    from edgerun.tp.membership import NodeConn
+
+    class Udp:
+        sent: list[tuple[int, int]] = []  # (port, fragment index)
+
+        def send_all(self, datagrams: list[bytes], address: tuple[str, int]) -> None:
+            self.sent += [(address[1], open_packet(d, KEY)[0].frag_index) for d in datagrams]
+
+    model = load_model(synth_gguf(tiny_spec()))
+    udp = Udp()
+    exchange = BlockExchange(model.config, KEY, MasterConfig(), udp, None, Counters(), print)
+    nodes = [NodeConn(i, f"n{i}", _Recorder(), "127.0.0.1", port, 100.0, 1e9) for i, port in enumerate((1, 2, 3), 1)]
+    for node, parity in zip(nodes, (2, 1, 0), strict=True):
+        node.parity, node.datagram_bytes = parity, 512
+    x = np.random.default_rng(0).standard_normal((1, 600)).astype(np.float32)  # two fragments of 512 bytes in q8
+    exchange._send_datagrams(nodes, (1, 0, 1, int(Block.MLP)), x, None, Codec.Q8)
+    assert udp.sent == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (1, 2), (2, 2), (1, 3)]
