@@ -340,7 +340,8 @@ def test_an_input_goes_to_every_node_before_any_parity_and_its_parity_a_round_at
     from edgerun.tp.membership import NodeConn
 
     class Udp:
-        sent: list[tuple[int, int]] = []  # (port, fragment index)
+        def __init__(self) -> None:
+            self.sent: list[tuple[int, int]] = []  # (port, fragment index)
 
         def send_all(self, datagrams: list[bytes], address: tuple[str, int]) -> None:
             self.sent += [(address[1], open_packet(d, KEY)[0].frag_index) for d in datagrams]
