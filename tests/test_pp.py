@@ -490,6 +490,32 @@ def test_kv_rows_move_between_stage_sessions_in_parts_or_by_handover(model: Mode
         source.kv_rows(0, since=source.position + 1)
 
 
+def test_a_reset_session_keeps_its_kv_buffers_and_computes_as_a_fresh_one(model: Model) -> None:
+    """StageSession.reset forgets the positions but keeps the buffers bound (no allocation per request): what they
+    hold past the positions cached is never read, so a short prompt after a longer one gives a fresh session's
+    outputs exactly. A session whose buffers another adopted takes buffers of its own at its next reset."""
+    from edgerun.model.onnx_graph import StageSpec, cached_stage
+    from edgerun.model.session import StageSession
+    from edgerun.pp.worker import hand_over_kv
+
+    c = model.config
+    directory = cached_stage(model.path, c, model.weights, StageSpec.for_layers(c, 0, c.n_layers, Activations.INT8))
+    used, fresh, adopted = (StageSession(directory, c, 0, c.n_layers, 64, threads=1) for _ in range(3))
+    long, short = (np.asarray([model.tokenizer.encode(text)], np.int64) for text in (PROMPT * 2, "Paris is"))
+    used.run(long)
+    buffers = {name: a.ctypes.data for name, a in used.kv.items()}
+    used.reset()
+    assert used.position == 0 and {name: a.ctypes.data for name, a in used.kv.items()} == buffers
+    assert np.array_equal(used.run(short), fresh.run(short))
+    step = np.asarray([[42]], np.int64)
+    assert np.array_equal(used.run(step), fresh.run(step))
+    hand_over_kv(used, adopted)
+    used.reset()  # the lender starts over on buffers of its own: the adopter's rows stay
+    assert not any(used.kv[name] is adopted.kv[name] for name in used.kv)
+    used.run(long)
+    assert np.array_equal(adopted.run(step), fresh.run(step))
+
+
 def test_a_stage_in_two_parts_computes_what_the_whole_does(model: Model, tmp_path) -> None:
     """A stage loaded as two graphs (their sessions created at once) gives the whole stage's outputs bit for bit,
     prefill and steps, and takes a whole session's KV buffers over; bounds that do not split it are refused."""

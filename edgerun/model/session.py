@@ -119,12 +119,17 @@ class StageSession:
         self.input_name = self.parts[0].input_name
         self.kv: dict[str, np.ndarray] = {}  # the bound KV buffers (onnxruntime shares their memory)
         self.prefix: tuple[int, dict[str, np.ndarray]] | None = None  # a saved prefix's length and KV rows
+        self.bound = False  # KV buffers of its own are bound (reset makes them when not)
         self.reset()
 
     def reset(self) -> None:
-        """Forget every cached position."""
-        c = self.config
+        """Forget every cached position. The KV buffers stay bound as they are: attention reads only the positions
+        cached (seqlens_k), never what a buffer holds past them, so a request starts without allocating, binding
+        and page-faulting fresh buffers (2-3 ms a request on the shipped model's 30 layers)."""
         self.position = 0
+        if self.bound:
+            return
+        c = self.config
         shape = (1, c.n_kv_heads, self.max_len, c.head_dim)
         for part in self.parts:
             part.binding = part.session.io_binding()
@@ -136,6 +141,7 @@ class StageSession:
                     buffer = ort.OrtValue.ortvalue_from_numpy(self.kv[past])
                     part.binding.bind_ortvalue_input(past, buffer)
                     part.binding.bind_ortvalue_output(present, buffer)
+        self.bound = True
 
     def warm_up(self) -> None:
         """Run one position and forget it: a session's first run allocates what later runs reuse, which would
@@ -172,6 +178,7 @@ class StageSession:
             binding.bind_ortvalue_input(past, buffer)
             binding.bind_ortvalue_output(present, buffer)
         self.position = other.position
+        other.bound = False  # should it run after all, its next reset takes buffers of its own, not these
 
     def kv_rows(self, layer: int, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """One layer's keys and values of the positions cached from `since` on, (1, kv heads, positions, head
