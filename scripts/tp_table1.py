@@ -40,7 +40,7 @@ def main() -> None:
     write_tp_results(results, args.out / "table1.csv")
     link = f", links {args.rate:g} Mbit/s" if loss_at == "testbed" else ""
     title = (f"Time per output token, tcp against udp with a timeout ({model_label(args.model)}, {loss_at} loss{link}, "
-             f"codec {args.codec}, timeout {results[0].timeout}, parity copies {args.parity})")
+             f"codec {args.codec}, timeout {results[0].timeout}, parity fragments {args.parity})")
     summary = f"# {title}\n\n```\n{tp_table(results)}\n```\n\n```\n{tp_ratios(results)}\n```\n"
     (args.out / "table1.md").write_text(summary)
     print(summary)

@@ -80,7 +80,7 @@ class TpResult:
     loss_at: str  # "process", "kernel" or "testbed"
     codec: str
     timeout: str  # "10 ms" or "adaptive"
-    parity: int  # copies of the XOR parity fragment after every UDP vector
+    parity: int  # parity fragments after every UDP vector (net.erasure)
     plan: str
     mapping: str
     group_size: int  # MLP neuron-group size
@@ -158,7 +158,7 @@ class TpBenchConfig:
     timeout_ms: float | None = 10.0  # None: adaptive
     timeout_deviations: float = 4.0
     rto_min_ms: float | None = None
-    parity: int = 2  # parity copies per vector
+    parity: int = 2  # parity fragments per vector
     loss_at: str = "process"
     rate_mbit: float | None = None
     delay_ms: float = 0.0

@@ -146,7 +146,7 @@ class EvalResult:
     plr: float
     nglr: float
     policy: str
-    parity: int  # parity copies after every partial
+    parity: int  # parity fragments after every partial (copies of a one-packet partial)
     tokens: int  # predicted tokens scored
     perplexity: float
     lossless_perplexity: float
