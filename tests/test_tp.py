@@ -330,6 +330,11 @@ def test_five_percent_loss_completes_without_waiting_past_the_timeout(model: Mod
         assert with_parity < without / 4, (with_parity, without)
         assert all(n.lossy and n.parity == 1 for n in master.nodes)  # the links lost packets: parity on them
         assert stats.max_overshoot_s < 0.05, stats
+        master.forget_loss()  # a benchmark's next row: the links count as clean until they lose again
+        master.replan()
+        # (Parity stays on a link that measured loss when its node joined: the loss here is the master's own.)
+        assert all(not n.lossy and n.parity == (n.link.loss_rate > 0) for n in master.nodes), \
+            [(n.lossy, n.parity, n.link) for n in master.nodes]
 
 
 @pytest.mark.slow
@@ -634,3 +639,29 @@ def test_kernel_ceiling_runs_each_share_in_a_process_of_its_own(tiny_spec, synth
     assert all(0 < ms <= ceiling.decode_ms_per_token for ms in ceiling.device_ms_per_token)
     with pytest.raises(RuntimeError, match=r"device \d failed: .*not found"):
         kernel_ceiling(tmp_path / "missing.gguf", 2, 1, "int8", 1, 64)
+
+
+def test_bench_ratios_pair_each_lossy_row_with_the_lossless_row_beside_it() -> None:
+    """bench tp's summary: a lossy udp row against the lossless udp row run last before it, tcp against udp at the
+    same loss; loss rates given again (--plr 0,5%,0,5%) give a pair each and their median, per plan."""
+    import dataclasses
+
+    from edgerun.bench.tp import TpResult, tp_ratios
+
+    blank = {f.name: 0 for f in dataclasses.fields(TpResult)
+             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+    def row(loss: str, ms: float, transport: str = "udp", plan: str = "halo") -> TpResult:
+        return TpResult(**blank | {"nodes": 7, "transport": transport, "loss": loss, "ms_per_token": ms, "plan": plan})
+
+    assert tp_ratios([row("0", 80.0), row("0", 200.0, "tcp"), row("5%", 90.0), row("5%", 360.0, "tcp")]) == (
+        "7 node(s), loss 0: udp 80.0 ms/token; 1.00x udp at loss 0; tcp 200.0 ms/token = 2.50x udp\n"
+        "7 node(s), loss 5%: udp 90.0 ms/token; 1.12x udp at loss 0; tcp 360.0 ms/token = 4.00x udp")
+    drifting = [row("0", 80.0), row("5%", 88.0), row("0", 100.0), row("5%", 105.0), row("0", 60.0), row("5%", 72.0)]
+    assert tp_ratios(drifting).splitlines()[1] == (
+        "7 node(s), loss 5%: udp 88.0 ms/token; 1.10x udp at loss 0 (median of 3 pairs: 1.10x, 1.05x, 1.20x)")
+    plans = tp_ratios([row("0", 80.0), row("0", 40.0, plan="ilp"), row("5%", 88.0), row("5%", 60.0, plan="ilp")])
+    assert plans.splitlines() == ["7 node(s), plan halo, loss 0: udp 80.0 ms/token; 1.00x udp at loss 0",
+                                  "7 node(s), plan halo, loss 5%: udp 88.0 ms/token; 1.10x udp at loss 0",
+                                  "7 node(s), plan ilp, loss 0: udp 40.0 ms/token; 1.00x udp at loss 0",
+                                  "7 node(s), plan ilp, loss 5%: udp 60.0 ms/token; 1.50x udp at loss 0"]

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import itertools
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -447,6 +448,7 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                 for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
                     progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
                     master.reconfigure(replace(master.config, strategy=plan, transport=transport))
+                    master.forget_loss()  # a row after a lossy one (--plr 0,5%,0,5%) starts on clean links too
                     master.replan()  # before the loss: assignments and link probes travel clean
                     rebalanced = config.rebalance and nodes > 0 and _rebalance(master, model)
                     with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
@@ -537,20 +539,50 @@ def tp_table(results: list[TpResult]) -> str:
 
 
 def tp_ratios(results: list[TpResult]) -> str:
-    """Per node count and loss: udp against its own lossless time, and tcp against udp (HALO Table I)."""
-    by = {(r.nodes, r.transport, r.loss): r.ms_per_token for r in results}
-    lossless = {n: by.get((n, "udp", results[0].loss)) for n in {r.nodes for r in results}}
+    """Per node count (and plan) and loss: udp against its own lossless time, and tcp against udp (HALO Table I).
+    Each row is paired with the nearest row it is compared with (the lossless udp row run last before it, or else
+    first after it; the udp row of the same loss). Loss rates given more than once (--plr 0,5%,0,5%) give several
+    pairs, and their median: on a shared machine two rows a quarter of a minute apart can differ by a fifth, which
+    one pair cannot tell from the cost of the loss."""
+    base = results[0].loss
+    several_plans = len({r.plan for r in results}) > 1
     rows = []
-    for (nodes, transport, loss), ms in by.items():
-        if transport != "udp":
-            continue
-        parts = [f"{nodes} node(s), loss {loss}: udp {ms:.1f} ms/token"]
-        if lossless[nodes]:
-            parts.append(f"{ms / lossless[nodes]:.2f}x udp at loss {results[0].loss}")
-        if (nodes, "tcp", loss) in by:
-            parts.append(f"tcp {by[(nodes, 'tcp', loss)]:.1f} ms/token = {by[(nodes, 'tcp', loss)] / ms:.2f}x udp")
-        rows.append("; ".join(parts))
+    for nodes, plan in dict.fromkeys((r.nodes, r.plan) for r in results):
+        mine = [r for r in results if r.nodes == nodes and r.plan == plan]
+        udp = [i for i, r in enumerate(mine) if r.transport == "udp"]
+        for loss in dict.fromkeys(mine[i].loss for i in udp):
+            rows_of = [i for i in udp if mine[i].loss == loss]
+            ms = statistics.median(mine[i].ms_per_token for i in rows_of)
+            label = f"{nodes} node(s), plan {plan}" if several_plans else f"{nodes} node(s)"
+            parts = [f"{label}, loss {loss}: udp {ms:.1f} ms/token"]
+            pairs = [1.0] if loss == base else [mine[i].ms_per_token / lossless.ms_per_token for i in rows_of
+                                                if (lossless := _nearest(mine, i, base, True)) is not None]
+            if pairs:
+                parts.append(_ratio(pairs, f"udp at loss {base}"))
+            tcp = [i for i, r in enumerate(mine) if r.transport == "tcp" and r.loss == loss]
+            if tcp:
+                over = [mine[i].ms_per_token / other.ms_per_token for i in tcp
+                        if (other := _nearest(mine, i, loss, False)) is not None]
+                parts.append(f"tcp {statistics.median(mine[i].ms_per_token for i in tcp):.1f} ms/token = "
+                             + _ratio(over, "udp"))
+            rows.append("; ".join(parts))
     return "\n".join(rows)
+
+
+def _nearest(rows: list[TpResult], i: int, loss: str, before_first: bool) -> TpResult | None:
+    """The udp row of `loss` nearest row i (the last one before it first, where `before_first`)."""
+    candidates = [j for j, r in enumerate(rows) if r.transport == "udp" and r.loss == loss and j != i]
+    if before_first and (before := [j for j in candidates if j < i]):
+        return rows[before[-1]]
+    return rows[min(candidates, key=lambda j: abs(j - i))] if candidates else None
+
+
+def _ratio(ratios: list[float], against: str) -> str:
+    """"1.23x udp", or with several pairs "1.23x udp (median of 3 pairs: 1.10x, 1.23x, 1.41x)"."""
+    text = f"{statistics.median(ratios):.2f}x {against}"
+    if len(ratios) > 1:
+        text += f" (median of {len(ratios)} pairs: {', '.join(f'{v:.2f}x' for v in ratios)})"
+    return text
 
 
 def tp_json(results: list[TpResult]) -> list[dict[str, object]]:

@@ -294,7 +294,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", default="2", help="node processes besides the master, comma-separated: 0,1,2,4 "
                    "(0: the master alone; default: 2)")
     p.add_argument("--plr", default="0", help="loss rates, comma-separated: 0,1%%,2%%,5%% (in-process also "
-                   "ge:0.05[:burst]; default: 0)")
+                   "ge:0.05[:burst]; default: 0). Give rates again to alternate them (0,5%%,0,5%%): the summary "
+                   "pairs each lossy row with the lossless row run just before it and prints the pairs' median")
     p.add_argument("--loss-at", choices=("process", "kernel", "testbed"), default="process",
                    help="where packets are lost: in-process, nftables on loopback, or a testbed of network "
                         "namespaces (root; default: process)")

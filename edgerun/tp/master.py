@@ -275,6 +275,13 @@ class Master:
         self.replan(better)
         return True
 
+    def forget_loss(self) -> None:
+        """Take every link as clean again until it loses a packet: the next replan sends no parity and a prompt no
+        second copies where a link did not measure loss when it joined (a benchmark's row after a lossy one starts as
+        the first did)."""
+        for node in self.membership.alive():
+            node.lossy = False
+
     def replan(self, plan: TPPlan | None = None) -> TPPlan:
         """Plan over the master and every live node (or take `plan`, made over exactly them), hand out shares, wait
         until all are loaded."""
