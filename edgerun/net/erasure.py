@@ -67,14 +67,14 @@ def solve(data: Mapping[int, bytes], checks: Mapping[int, bytes], missing: Seque
     if not missing or len(checks) < len(missing):
         return None
     # One equation per check: sum over the missing m of coefficient(j, m) * D_m = check j + the received terms.
+    received = {index: np.frombuffer(got, np.uint8) for index, got in data.items()}
     rows: list[list[int]] = []
     sides: list[np.ndarray] = []
     for j, payload in checks.items():
         side = np.zeros(size, np.uint8)
         side[:len(payload)] = np.frombuffer(payload, np.uint8)
-        for index, got in data.items():
-            got_bytes = np.frombuffer(got, np.uint8)
-            side[:got_bytes.size] ^= MUL[coefficient(j, index)][got_bytes]
+        for index, got in received.items():
+            side[:got.size] ^= MUL[coefficient(j, index)][got]
         rows.append([coefficient(j, m) for m in missing])
         sides.append(side)
     for column in range(len(missing)):

@@ -288,6 +288,12 @@ def elements_per_fragment(codec: Codec, mtu_payload: int, prefix: int = 0) -> in
 MAX_PARITY = 4  # parity fragments a vector may have (the erasure code rebuilds any two lost; see net.erasure)
 
 
+def check_parity(fragments: int) -> None:
+    """ValueError unless a vector may take `fragments` parity fragments (a receiver refuses indices beyond them)."""
+    if not 0 <= fragments <= MAX_PARITY:
+        raise ValueError(f"parity fragments must be 0 to {MAX_PARITY}, not {fragments}")
+
+
 def is_parity(header: Header) -> bool:
     """A parity fragment: index frag_count + j for parity fragment j."""
     return header.frag_index >= header.frag_count
@@ -300,8 +306,7 @@ def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472,
     which a receiver rebuilds as many lost fragments (net.erasure; those of a one-fragment vector are copies of
     it). `only`: just these data fragments, no parity (what a Resend asks for; indices beyond the vector's are
     left out)."""
-    if not 0 <= parity <= MAX_PARITY:
-        raise ValueError(f"a vector takes 0 to {MAX_PARITY} parity fragments, not {parity}")
+    check_parity(parity)
     x = as_f32(x)
     per = elements_per_fragment(header.codec, mtu_payload, len(prefix))
     if x.size <= per and only is None:  # one datagram holds it all (loopback, small vectors): the common case

@@ -21,7 +21,7 @@ from enum import Enum, IntEnum
 from typing import Any, Union
 
 from edgerun.model.onnx_graph import Activations
-from edgerun.net.wire import MAX_PARITY, Block, Codec, WireError
+from edgerun.net.wire import Block, Codec, WireError, check_parity
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.shard import ShardSpec
 
@@ -189,7 +189,7 @@ class Assign:
     spare_stream: bool = False
 
     def __post_init__(self) -> None:
-        _check_parity(self.parity)
+        check_parity(self.parity)
 
 
 @dataclass(frozen=True)
@@ -226,12 +226,7 @@ class ParityOn:
     fragments: int
 
     def __post_init__(self) -> None:
-        _check_parity(self.fragments)
-
-
-def _check_parity(fragments: int) -> None:
-    if not 0 <= fragments <= MAX_PARITY:
-        raise ValueError(f"parity fragments must be 0 to {MAX_PARITY}, not {fragments}")
+        check_parity(self.fragments)
 
 
 @dataclass(frozen=True)
