@@ -329,6 +329,8 @@ def test_five_percent_loss_completes_without_waiting_past_the_timeout(model: Mod
         print(f"incomplete blocks at 5% loss: {without:.1%} without parity, {with_parity:.1%} with; "
               f"{stats.partials_rebuilt} partials rebuilt on the master")
         assert stats.partials_rebuilt > 0
+        # Most partials come whole from their data: their parity copies are left unread, unauthenticated.
+        assert master.datagrams.skipped > 0
         assert with_parity < without / 4, (with_parity, without)
         assert all(n.lossy and n.parity == 1 for n in master.nodes)  # the links lost packets: parity on them
         assert stats.max_overshoot_s < 0.05, stats

@@ -355,3 +355,102 @@ def test_an_input_goes_to_every_node_before_any_parity_and_its_parity_a_round_at
     x = np.random.default_rng(0).standard_normal((1, 600)).astype(np.float32)  # two fragments of 512 bytes in q8
     exchange._send_datagrams(nodes, (1, 0, 1, int(Block.MLP)), x, None, Codec.Q8)
     assert udp.sent == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (1, 2), (2, 2), (1, 3)]
+
+
+def test_the_parity_of_a_partial_already_whole_is_left_unread_before_its_mac(tiny_spec, synth_gguf) -> None:
+    """BlockExchange.needless over a real DatagramSocket: a parity fragment of a partial already whole (of the
+    block in merge, the block merged last, or an older one) is left unread before its MAC is checked; one that may
+    still complete a partial, or teach a late one's lag, and every data fragment are authenticated and handed on."""
+    import asyncio
+    import select
+
+    from edgerun.net.channel import Counters, DatagramSocket
+    from edgerun.tp.config import MasterConfig
+    from edgerun.tp.exchange import BlockExchange, _Wait
+
+    model = load_model(synth_gguf(tiny_spec()))
+    counters = Counters()
+    exchange = BlockExchange(model.config, KEY, MasterConfig(), None, None, counters, print)
+    loop = asyncio.new_event_loop()
+    now, last, older = (1, 5, 2, int(Block.MLP)), (1, 5, 2, int(Block.ATTN)), (1, 4, 2, int(Block.MLP))
+
+    def waiting(key: tuple[int, int, int, int], whole: int) -> _Wait:
+        w = _Wait(key, {1: None, 2: None}, {1: 8, 2: 8}, loop.create_future(), 0.0, 2, 1)
+        w.arrived[whole] = 0.001
+        return w
+
+    exchange.wait, exchange.merged = waiting(now, whole=1), waiting(last, whole=2)
+    x = np.random.default_rng(0).standard_normal(8).astype(np.float32)
+
+    def datagrams(key: tuple[int, int, int, int], node: int) -> list[bytes]:  # data, then its parity copy
+        return fragment(Header(MsgType.PARTIAL, *key, node, tokens=1), x, KEY, parity=1)
+
+    assert exchange.needless(datagrams(now, 1)[1])  # node 1's partial is whole
+    assert not exchange.needless(datagrams(now, 2)[1])  # node 2's may yet come from it
+    assert exchange.needless(datagrams(last, 2)[1])
+    assert not exchange.needless(datagrams(last, 1)[1])  # a late partial still teaches its node's lag
+    assert exchange.needless(datagrams(older, 1)[1]) and exchange.needless(datagrams(older, 2)[1])
+    assert not any(exchange.needless(datagrams(key, node)[0]) for key in (now, last, older) for node in (1, 2))
+
+    handed: list[tuple[int, int]] = []
+    receiver = DatagramSocket("127.0.0.1", KEY, counters, lambda h, p, a: handed.append((h.node, h.frag_index)),
+                              needless=exchange.needless)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def forged(datagram: bytes) -> bytes:
+        return datagram[:-1] + bytes([datagram[-1] ^ 1])
+
+    sent = [forged(datagrams(now, 1)[1]),  # needless: left unread, so its bad MAC is never seen
+            forged(datagrams(now, 2)[1]),  # needed: checked, refused
+            datagrams(now, 2)[1],  # needed and authentic: handed on
+            datagrams(now, 1)[0]]  # data: handed on
+    for datagram in sent:
+        sender.sendto(datagram, ("127.0.0.1", receiver.port))
+    poller = select.poll()
+    poller.register(receiver.sock.fileno(), select.POLLIN)
+    read = 0
+    while read < len(sent) and poller.poll(2000):
+        read += receiver._read_available()
+    assert read == len(sent)
+    assert receiver.skipped == 1 and counters.rejected == {"bad": 1} and handed == [(2, 1), (1, 0)]
+    sender.close()
+    receiver.close()
+    loop.close()
+
+
+def test_a_node_leaves_the_parity_of_an_input_it_holds_whole_unread(tiny_spec, synth_gguf) -> None:
+    """Node._needless: a parity fragment of an input whole or computed (a stateless block's, or an attention input
+    already in the KV cache) is left unread; one of an input still missing fragments, another session's, and
+    every data fragment are read."""
+    model = load_model(synth_gguf(tiny_spec(tied=False)))
+    c = model.config
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node.channel = _Recorder()
+    spec = full_spec(c, group_size=128)
+    node._assign(assignment(c.n_layers, spec, Codec.F32, sink.getsockname()[1]), spec,
+                 Shard(c, model.weights, spec, 64))
+    rng = np.random.default_rng(0)
+
+    def datagrams(session: int, position: int, layer: int, block: Block, mtu: int = 1472) -> list[bytes]:
+        header = Header(MsgType.ACTIVATION, session, position, layer, block, 0, tokens=1)
+        return fragment(header, rng.standard_normal(c.hidden).astype(np.float32), KEY, mtu, parity=1)
+
+    mlp = datagrams(5, 0, 1, Block.MLP)
+    assert not node._needless(mlp[-1])  # nothing of it yet: its parity may be what completes it
+    node._on_datagram(*open_packet(mlp[0], KEY), ("127.0.0.1", 0))
+    assert node.inputs[(5, 0, 1, int(Block.MLP))].done
+    assert node._needless(mlp[-1]) and not node._needless(mlp[0])
+    attn = datagrams(5, 0, 0, Block.ATTN)
+    node._on_datagram(*open_packet(attn[0], KEY), ("127.0.0.1", 0))
+    assert node.shard.lengths[0] == 1 and (5, 0, 0, int(Block.ATTN)) not in node.inputs  # cached, record gone
+    assert node._needless(attn[-1])
+    assert not node._needless(datagrams(5, 1, 0, Block.ATTN)[-1])  # the next position's: not yet
+    assert not node._needless(datagrams(4, 0, 0, Block.ATTN)[-1])  # another session's: read (and refused)
+    split = datagrams(5, 0, 1, Block.ATTN, mtu=256)  # several fragments, one of them here
+    node._on_datagram(*open_packet(split[0], KEY), ("127.0.0.1", 0))
+    assert not node._needless(split[-1])
+    node.udp.close()
+    node.net.stop()
+    sink.close()

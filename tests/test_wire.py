@@ -855,3 +855,23 @@ def test_a_forked_child_does_not_repeat_its_parents_nonces() -> None:
     os.waitpid(pid, 0)
     theirs = {received[i:i + NONCE_SIZE] for i in range(0, len(received), NONCE_SIZE)}
     assert len(theirs) == 100 and not ours & theirs
+
+
+def test_peek_parity_names_a_parity_fragments_block_and_node_before_its_mac_is_checked() -> None:
+    """wire.peek_parity reads an unauthenticated header: a parity fragment's block key and node, None for a data
+    fragment or anything that is not a datagram of ours. It is only for leaving needless datagrams unread."""
+    from edgerun.net.wire import peek_parity
+
+    key = derive_key("peek")
+    header = Header(MsgType.PARTIAL, 7, 12, 3, int(Block.MLP), 5, codec=Codec.Q8, tokens=1)
+    x = np.random.default_rng(0).standard_normal(600).astype(np.float32)
+    datagrams = fragment(header, x, key, 512, parity=2)  # two data fragments, then two parity fragments
+    named = ((7, 12, 3, int(Block.MLP)), 5)
+    assert [peek_parity(d) for d in datagrams] == [None, None, named, named]
+    forged = bytearray(datagrams[2])
+    forged[-1] ^= 1  # a bad MAC does not change what the header says
+    assert peek_parity(bytes(forged)) == named
+    assert peek_parity(b"XY" + datagrams[2][2:]) is None  # not ours
+    assert peek_parity(datagrams[2][:HEADER.size]) is None  # too short to be a datagram
+    one = fragment(header, x[:8], key, 512, parity=1)  # a one-fragment vector's parity is a copy of it
+    assert [peek_parity(d) for d in one] == [None, named]

@@ -395,13 +395,16 @@ class DatagramSocket:
     coroutines on that loop, which a spinning reader would hold up for spin_s after every stray datagram). It
     stops spinning at once when one of the `watch` descriptors (TCP streams the event loop reads) has data, and
     the loop's own reader returns to the loop at least every MAX_SPIN_S so its timers (heartbeats) run. Spinning
-    holds a core: use it where each process has one of its own."""
+    holds a core: use it where each process has one of its own.
+
+    `needless(data)`, where given, is asked of every datagram before its MAC is checked: True leaves it unread
+    (a parity fragment of a vector already whole, see wire.peek_parity), counted in `skipped`."""
 
     MAX_SPIN_S = 0.05
 
     def __init__(self, host: str, key: bytes, counters: Counters,
                  on_packet: Callable[[Header, bytes, tuple[str, int]], None], spin_s: float = 0.0,
-                 idle_spin: bool = False) -> None:
+                 idle_spin: bool = False, needless: Callable[[bytes], bool] | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.bind((host, 0))
@@ -415,7 +418,8 @@ class DatagramSocket:
         except OSError:
             self.stamped = False
         self.arrived_at = 0.0  # the datagram being handed to the callback: when it arrived (perf_counter time)
-        self.key, self.counters, self.on_packet = key, counters, on_packet
+        self.key, self.counters, self.on_packet, self.needless = key, counters, on_packet, needless
+        self.skipped = 0  # datagrams `needless` left unread
         self.spin_s, self.idle_spin = spin_s, idle_spin
         self._watched = select.poll()  # descriptors that end a spin of the loop's reader (watch_streams)
         self._drain_poller: tuple[list[int] | None, select.poll | None] = (None, None)  # drain's, by its watch
@@ -454,6 +458,9 @@ class DatagramSocket:
             except OSError:  # e.g. an ICMP error from an earlier send to a node that left
                 continue
             n += 1
+            if self.needless is not None and self.needless(data):
+                self.skipped += 1
+                continue
             self.arrived_at = arrival_time(ancillary, clock_offset)
             try:
                 header, payload = open_packet(data, self.key)

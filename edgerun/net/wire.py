@@ -299,6 +299,22 @@ def is_parity(header: Header) -> bool:
     return header.frag_index >= header.frag_count
 
 
+_PARITY_PEEK = struct.Struct("<4xIIHBBHH")  # HEADER's session, position, layer, block, node, frag index, frag count
+
+
+def peek_parity(data: bytes) -> tuple[tuple[int, int, int, int], int] | None:
+    """The block key (session, position, layer, block) and node of a datagram whose header says it is a parity
+    fragment, read before its MAC is checked; None for any other datagram. Unauthenticated: only to leave unread
+    a parity fragment of a vector its receiver already holds whole, which it would drop once authentic anyway (a
+    forged header can at most name such a vector, and a forged datagram is dropped either way). With parity on,
+    a lossy link's every vector brings two of them after its data, and checking each one's MAC on the master
+    holds up the partials queued behind them."""
+    if len(data) < HEADER.size + TRAILER or data[:2] != MAGIC:
+        return None
+    session, position, layer, block, node, index, count = _PARITY_PEEK.unpack_from(data)
+    return ((session, position, layer, block), node) if index >= count else None
+
+
 def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472, parity: int = 0,
              prefix: bytes = b"", only: Collection[int] | None = None) -> list[bytes]:
     """A vector as sealed datagrams that each fit `mtu_payload` bytes (1472: a 1500-byte Ethernet MTU

@@ -32,6 +32,7 @@ from edgerun.net.wire import (
     as_f32,
     fragment,
     is_parity,
+    peek_parity,
     whole_vector,
 )
 from edgerun.tp.config import MasterConfig
@@ -516,6 +517,20 @@ class BlockExchange:
         if not is_parity(header):  # the parity of a partial already merged is expected, not late
             self.stats.late_packets += 1
         self._late(key, header, payload)
+
+    def needless(self, data: bytes) -> bool:
+        """A datagram to leave unread before its MAC is checked (DatagramSocket.needless): a parity fragment of a
+        partial already whole, of the block in merge or the one merged last (whose late partials still teach
+        lags), or of any older block. With parity on (a lossy link), each node's partial brings two after its
+        data, and the last node's data waited behind every other node's parity being authenticated and opened."""
+        peek = peek_parity(data)
+        if peek is None:
+            return False
+        key, node = peek
+        for w in (self.wait, self.merged):
+            if w is not None and w.key == key:
+                return node in w.arrived
+        return True
 
     def _ask(self, w: _Wait, index: int) -> None:
         """Ask a node for the fragments of its partial that have not come (all of them if none has)."""

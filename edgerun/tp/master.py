@@ -87,7 +87,8 @@ class Master:
         self.udp = LossyUdp(key, host, 0, loss)  # sends; datagrams arrive on self.datagrams
         self.counters = Counters()
         self.net = EventLoopThread()
-        self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, config.spin_us / 1e6)
+        self.datagrams = DatagramSocket(host, key, self.counters, self._on_datagram, config.spin_us / 1e6,
+                                        needless=lambda data: self.exchange.needless(data))
         self.udp_port = self.datagrams.port
         self.trace = None if config.trace_dir is None else Trace(config.trace_dir / "master.jsonl", "master")
         self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log,
