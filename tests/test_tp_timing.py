@@ -454,3 +454,44 @@ def test_a_node_leaves_the_parity_of_an_input_it_holds_whole_unread(tiny_spec, s
     node.udp.close()
     node.net.stop()
     sink.close()
+
+
+def test_a_partial_that_comes_after_its_block_was_merged_leaves_its_link_clean(tiny_spec, synth_gguf) -> None:
+    """A block merged without a node's partial is judged (BlockExchange.settle) only after what came since is read:
+    a partial that was late, not lost, completes the block's record, teaches its node's lag and keeps its link clean
+    (no parity, no prompt copies); a node of which nothing came is on a lossy link, parity on from then on."""
+    import asyncio
+
+    from edgerun.net.channel import Counters, DatagramSocket
+    from edgerun.tp.config import MasterConfig
+    from edgerun.tp.exchange import BlockExchange, _Wait
+    from edgerun.tp.membership import NodeConn
+    from edgerun.tp.messages import ParityOn
+
+    model = load_model(synth_gguf(tiny_spec()))
+    counters = Counters()
+    config = dataclasses.replace(MasterConfig(), timeout_ms=None)  # adaptive: lags are learnt
+    exchange = BlockExchange(model.config, KEY, config, None, None, counters, print)
+    exchange.datagrams = DatagramSocket("127.0.0.1", KEY, counters,
+                                        lambda h, p, a: exchange.on_datagram(h, p), needless=exchange.needless)
+    nodes = [NodeConn(i, f"n{i}", _Recorder(), "127.0.0.1", 9, 100.0, 1e9) for i in (1, 2, 3)]
+    loop = asyncio.new_event_loop()
+    key = (1, 5, 2, int(Block.MLP))
+    hidden = model.config.hidden
+    w = _Wait(key, {1: None, 2: None, 3: None}, dict.fromkeys((1, 2, 3), hidden), loop.create_future(), 0.0, 3, 1,
+              nodes={n.index: n for n in nodes})
+    w.arrive(1, at=0.002)  # node 1's partial came in time; 2 and 3 had not when the deadline passed
+    exchange.merged, exchange.unaccounted = w, (w, nodes, False, 0.01, 0.0)
+    x = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    late = fragment(Header(MsgType.PARTIAL, *key, 2, tokens=1), x, KEY)[0]
+    sender.sendto(late, ("127.0.0.1", exchange.datagrams.port))  # loopback delivers within the send call
+    exchange.settle()
+    assert exchange.stats.blocks == 1 and exchange.stats.blocks_incomplete == 1  # merged without two partials
+    assert 2 in w.arrived and w.late == {2} and nodes[1].lag.samples == 1  # late: its lag is learnt
+    assert not nodes[1].lossy and nodes[1].channel.sent == []  # ... and its link stays clean
+    assert nodes[2].lossy and nodes[2].channel.sent == [ParityOn(config.parity)]  # nothing came: lost
+    assert not nodes[0].lossy
+    sender.close()
+    exchange.datagrams.close()
+    loop.close()

@@ -442,6 +442,10 @@ class DatagramSocket:
             started = time.perf_counter()
             self._spin(lambda: False, lambda: started + self.MAX_SPIN_S, self._watched)
 
+    def read_waiting(self) -> int:
+        """Hand every datagram waiting now to the callback, without spinning; how many were read."""
+        return self._read_available()
+
     def _read_available(self) -> int:
         """Hand every datagram waiting now to the callback; how many were read."""
         n = 0

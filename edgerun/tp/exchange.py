@@ -144,6 +144,7 @@ class _Wait:
     heard: dict[int, float] = field(default_factory=dict)
     asked: set[int] = field(default_factory=set)
     retry_at: float | None = None
+    late: set[int] = field(default_factory=set)  # in `arrived`, but whole only after the block was merged
 
     def arrive(self, index: int, at: float | None = None) -> None:
         """A participant's reply is whole: it came at `at` (perf_counter time; now if not known)."""
@@ -317,6 +318,12 @@ class BlockExchange:
         if self.unaccounted is not None:
             pending, self.unaccounted = self.unaccounted, None
             started = time.perf_counter()
+            if pending[0].outstanding and self.datagrams is not None:
+                # Merged incomplete: what came of it since is read first, so a partial that was only late (it
+                # came while the master computed the next block's share) does not mark its link lossy. A link
+                # marked lossy gets parity and a prompt's second copies from then on; on a clean host one in a few
+                # hundred partials misses an adaptive deadline, which turned them on for rows run at 0% loss.
+                self.datagrams.read_waiting()
             self._account(*pending)
             if pending[0].tokens == 1 and pending[1]:
                 self.stats.account_s += time.perf_counter() - started
@@ -409,13 +416,13 @@ class BlockExchange:
             self._watch_streams(nodes)
         if w.tokens == 1:  # one-token blocks teach each node's synchronization time (NodeConn.sync_s)
             for node in nodes:
-                if node.index in w.arrived:
+                if node.index in w.arrived and node.index not in w.late:
                     node.arrival_s += w.arrived[node.index]
                     node.arrival_blocks += 1
         if not reliable and w.arrived and self.timeouts.fixed_s is None:  # a fixed timeout learns nothing
             first = w.first()
             for node in nodes:
-                if node.index in w.arrived:
+                if node.index in w.arrived and node.index not in w.late:  # a late one taught its lag in _late
                     node.arrival.observe(w.arrived[node.index])
                     node.lag.observe(w.arrived[node.index] - first)
 
@@ -619,11 +626,11 @@ class BlockExchange:
         return w is not None and node in w.arrived
 
     def _late(self, key: BlockKey, header: Header, payload: bytes) -> None:
-        """A partial of the block just merged that completes late still teaches its node's lag, so the
-        estimate is not made only of partials that beat the deadline (which would shrink it)."""
+        """A partial of the block just merged that completes late: its node's link was slow, not lossy (the block's
+        accounts then leave its parity off), and it still teaches the node's lag, so the estimate is not made only
+        of partials that beat the deadline (which would shrink it)."""
         w = self.merged
-        if w is None or key != w.key or not w.arrived or header.node not in w.parts or header.node in w.arrived or \
-                self.timeouts.fixed_s is not None:
+        if w is None or key != w.key or header.node not in w.parts or header.node in w.arrived:
             return
         target = w.parts[header.node]
         if target is None and whole_vector(header, payload, w.sizes[header.node]) is not None:
@@ -635,5 +642,8 @@ class BlockExchange:
             with contextlib.suppress(WireError):
                 completed = isinstance(target, Reassembly) and target.add(header, payload) is Added.COMPLETED
         if completed:
+            first = w.first() if w.arrived else None
             w.arrived[header.node] = time.perf_counter() - w.sent  # counted once
-            w.nodes[header.node].lag.observe(w.arrived[header.node] - w.first())
+            w.late.add(header.node)
+            if first is not None and self.timeouts.fixed_s is None:  # a fixed timeout learns nothing
+                w.nodes[header.node].lag.observe(w.arrived[header.node] - first)
