@@ -354,7 +354,13 @@ def test_an_input_goes_to_every_node_before_any_parity_and_its_parity_a_round_at
         node.parity, node.datagram_bytes = parity, 512
     x = np.random.default_rng(0).standard_normal((1, 600)).astype(np.float32)  # two fragments of 512 bytes in q8
     exchange._send_datagrams(nodes, (1, 0, 1, int(Block.MLP)), x, None, Codec.Q8)
+    # The data is sent before the call returns; the parity from the send thread, after it.
+    assert udp.sent[:6] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    exchange.flush_sends()
     assert udp.sent == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (1, 2), (2, 2), (1, 3)]
+    assert exchange.sender.thread.is_alive()
+    exchange.close()
+    assert exchange.sender is None
 
 
 def test_the_parity_of_a_partial_already_whole_is_left_unread_before_its_mac(tiny_spec, synth_gguf) -> None:

@@ -531,6 +531,7 @@ class Master:
                 node.channel.send(Shutdown())
         self.net.run(self._close_listeners())
         self.net.stop()
+        self.exchange.close()
         self.udp.close()
         if self.model_server is not None:
             self.model_server.close()
