@@ -10,7 +10,7 @@ import socket
 import numpy as np
 import pytest
 
-from edgerun.model.loader import load_model
+from edgerun.model.loader import Model, load_model
 from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, derive_key, fragment, open_packet
 from edgerun.tp.messages import Assign, Fetch, Input, Message, Partial, Routes
 from edgerun.tp.node import Node
@@ -94,6 +94,20 @@ def assignment(n_layers: int, spec: ShardSpec, codec: Codec, master_udp_port: in
     return Assign(5, 1, spec, 64, codec, Routes.for_transport("udp", n_layers), master_udp_port, None, 0, 1472)
 
 
+def _assigned_node(model: Model) -> tuple[Node, socket.socket, ShardSpec]:
+    """A node holding every unit of `model` in float32 (session 5, `assignment`), its TCP channel a recorder, its
+    master's UDP port a socket of this process (the sink); and the spec."""
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the "master's" UDP port
+    sink.bind(("127.0.0.1", 0))
+    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node.channel = _Recorder()
+    c = model.config
+    spec = full_spec(c, group_size=128)
+    node._assign(assignment(c.n_layers, spec, Codec.F32, sink.getsockname()[1]), spec,
+                 Shard(c, model.weights, spec, 64))
+    return node, sink, spec
+
+
 def test_node_fetches_a_lost_attention_input_and_keeps_its_cache_whole(tiny_spec, synth_gguf) -> None:
     """Decode step at position 3: the UDP input of layer 1's attention never arrives. When the next
     input (layer 1's MLP) comes, the node asks for it over TCP; the fetched input fills the cache
@@ -101,13 +115,7 @@ def test_node_fetches_a_lost_attention_input_and_keeps_its_cache_whole(tiny_spec
     and the next step computes layer 1's attention normally."""
     model = load_model(synth_gguf(tiny_spec(tied=False)))
     c = model.config
-    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the "master's" UDP port
-    sink.bind(("127.0.0.1", 0))
-    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
-    node.channel = _Recorder()
-    spec = full_spec(c, group_size=128)
-    node._assign(assignment(c.n_layers, spec, Codec.F32, sink.getsockname()[1]), spec,
-                 Shard(c, model.weights, spec, 64))
+    node, sink, spec = _assigned_node(model)
     reference = Shard(c, model.weights, spec, 64)
     rng = np.random.default_rng(0)
 
@@ -430,13 +438,7 @@ def test_a_node_leaves_the_parity_of_an_input_it_holds_whole_unread(tiny_spec, s
     every data fragment are read."""
     model = load_model(synth_gguf(tiny_spec(tied=False)))
     c = model.config
-    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sink.bind(("127.0.0.1", 0))
-    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
-    node.channel = _Recorder()
-    spec = full_spec(c, group_size=128)
-    node._assign(assignment(c.n_layers, spec, Codec.F32, sink.getsockname()[1]), spec,
-                 Shard(c, model.weights, spec, 64))
+    node, sink, _ = _assigned_node(model)
     rng = np.random.default_rng(0)
 
     def datagrams(session: int, position: int, layer: int, block: Block, mtu: int = 1472) -> list[bytes]:

@@ -873,5 +873,7 @@ def test_peek_parity_names_a_parity_fragments_block_and_node_before_its_mac_is_c
     assert peek_parity(bytes(forged)) == named
     assert peek_parity(b"XY" + datagrams[2][2:]) is None  # not ours
     assert peek_parity(datagrams[2][:HEADER.size]) is None  # too short to be a datagram
+    probe = fragment(header._replace(type=MsgType.PROBE), x, key, 512, parity=2)[2]
+    assert peek_parity(probe) is None  # only a vector's fragments are parity
     one = fragment(header, x[:8], key, 512, parity=1)  # a one-fragment vector's parity is a copy of it
     assert [peek_parity(d) for d in one] == [None, named]

@@ -299,7 +299,9 @@ def is_parity(header: Header) -> bool:
     return header.frag_index >= header.frag_count
 
 
-_PARITY_PEEK = struct.Struct("<4xIIHBBHH")  # HEADER's session, position, layer, block, node, frag index, frag count
+# HEADER's type, session, position, layer, block, node, frag index and frag count
+_PARITY_PEEK = struct.Struct("<3xBIIHBBHH")
+_VECTORS = (int(MsgType.ACTIVATION), int(MsgType.PARTIAL))
 
 
 def peek_parity(data: bytes) -> tuple[tuple[int, int, int, int], int] | None:
@@ -311,8 +313,8 @@ def peek_parity(data: bytes) -> tuple[tuple[int, int, int, int], int] | None:
     holds up the partials queued behind them."""
     if len(data) < HEADER.size + TRAILER or data[:2] != MAGIC:
         return None
-    session, position, layer, block, node, index, count = _PARITY_PEEK.unpack_from(data)
-    return ((session, position, layer, block), node) if index >= count else None
+    mtype, session, position, layer, block, node, index, count = _PARITY_PEEK.unpack_from(data)
+    return ((session, position, layer, block), node) if index >= count and mtype in _VECTORS else None
 
 
 def fragment(header: Header, x: np.ndarray, key: bytes, mtu_payload: int = 1472, parity: int = 0,
