@@ -339,9 +339,12 @@ def test_a_prompt_copy_goes_only_where_the_link_carries_it_quickly() -> None:
     assert not _copy_pays(node, vector)
 
 
-def test_an_input_goes_to_every_node_before_any_parity_and_its_parity_a_round_at_a_time(tiny_spec, synth_gguf) -> None:
-    """BlockExchange._send_datagrams: every node's data fragments first, then every node's first parity fragment,
-    then every node's second; a node of less parity gets only its first ones, a clean link none."""
+def test_a_nodes_parity_goes_from_the_send_thread_once_its_data_is_sent(tiny_spec, synth_gguf) -> None:
+    """BlockExchange._send_datagrams: every node's data fragments from the caller, in node order, before it
+    returns; each node's parity fragments from the send thread, handed over after that node's data (so after it on
+    the wire), in their order; a node of less parity gets only its first ones, a clean link none."""
+    import threading
+
     from edgerun.net.channel import Counters
     from edgerun.tp.config import MasterConfig
     from edgerun.tp.exchange import BlockExchange
@@ -349,10 +352,13 @@ def test_an_input_goes_to_every_node_before_any_parity_and_its_parity_a_round_at
 
     class Udp:
         def __init__(self) -> None:
-            self.sent: list[tuple[int, int]] = []  # (port, fragment index)
+            self.sent: list[tuple[int, int, bool]] = []  # (port, fragment index, from the caller's thread)
+            self.lock = threading.Lock()
 
         def send_all(self, datagrams: list[bytes], address: tuple[str, int]) -> None:
-            self.sent += [(address[1], open_packet(d, KEY)[0].frag_index) for d in datagrams]
+            caller = threading.current_thread() is threading.main_thread()
+            with self.lock:
+                self.sent += [(address[1], open_packet(d, KEY)[0].frag_index, caller) for d in datagrams]
 
     model = load_model(synth_gguf(tiny_spec()))
     udp = Udp()
@@ -362,10 +368,14 @@ def test_an_input_goes_to_every_node_before_any_parity_and_its_parity_a_round_at
         node.parity, node.datagram_bytes = parity, 512
     x = np.random.default_rng(0).standard_normal((1, 600)).astype(np.float32)  # two fragments of 512 bytes in q8
     exchange._send_datagrams(nodes, (1, 0, 1, int(Block.MLP)), x, None, Codec.Q8)
-    # The data is sent before the call returns; the parity from the send thread, after it.
-    assert udp.sent[:6] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    with udp.lock:
+        data = [(port, index) for port, index, caller in udp.sent if caller]
+    assert data == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]  # all of it before the call returned
     exchange.flush_sends()
-    assert udp.sent == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (1, 2), (2, 2), (1, 3)]
+    parity = [(port, index) for port, index, caller in udp.sent if not caller]
+    assert sorted(parity) == [(1, 2), (1, 3), (2, 2)] and parity.index((1, 2)) < parity.index((1, 3))
+    for port, index in parity:  # each after its node's data
+        assert udp.sent.index((port, index, False)) > udp.sent.index((port, 1, True))
     assert exchange.sender.thread.is_alive()
     exchange.close()
     assert exchange.sender is None
