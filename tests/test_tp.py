@@ -369,9 +369,13 @@ def test_a_prompt_crosses_a_lossy_link_on_both_streams(model: Model, reference_t
         master.reconfigure(replace(master.config, transport="tcp"))
         master.replan()
         assert spares(False)
+        assert master.wait_for_spares(timeout_s=0.0)  # the strict baseline asks for none
         doubled = stats.spare_inputs
         assert master.generate(prompt, 8, GREEDY) == reference_tokens[:8]
         assert stats.spare_inputs == doubled
+        master.reconfigure(replace(master.config, transport="udp"))
+        master.replan()  # the nodes open their spares again; Master.wait_for_spares waits for them
+        assert master.wait_for_spares() and all(n.spare is not None for n in master.nodes)
 
 
 @pytest.mark.slow

@@ -276,6 +276,20 @@ class Master:
         self.replan(better)
         return True
 
+    def wait_for_spares(self, timeout_s: float = 10.0) -> bool:
+        """Until every node of the plan has the spare stream its assignment asked for (--transport udp); False if one
+        still had none after `timeout_s`. A benchmark starts its loss after this: a stream opened under loss waits
+        out the lost handshake's retransmission timer (a second), and until then the node's prompts cross on one
+        stream."""
+        if self.config.transport != "udp":
+            return True
+        deadline = time.monotonic() + timeout_s
+        while any(n.alive and n.spare is None for n in self.deployed):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def forget_loss(self) -> None:
         """Take every link as clean again until it loses a packet: the next replan sends no parity and a prompt no
         second copies where a link did not measure loss when it joined (a benchmark's row after a lossy one starts as
