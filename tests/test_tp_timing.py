@@ -371,7 +371,7 @@ def test_a_nodes_parity_goes_from_the_send_thread_once_its_data_is_sent(tiny_spe
     with udp.lock:
         data = [(port, index) for port, index, caller in udp.sent if caller]
     assert data == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]  # all of it before the call returned
-    exchange.flush_sends()
+    exchange.sender.flush()
     parity = [(port, index) for port, index, caller in udp.sent if not caller]
     assert sorted(parity) == [(1, 2), (1, 3), (2, 2)] and parity.index((1, 2)) < parity.index((1, 3))
     for port, index in parity:  # each after its node's data
@@ -434,7 +434,7 @@ def test_the_parity_of_a_partial_already_whole_is_left_unread_before_its_mac(tin
     poller.register(receiver.sock.fileno(), select.POLLIN)
     read = 0
     while read < len(sent) and poller.poll(2000):
-        read += receiver._read_available()
+        read += receiver.read_waiting()
     assert read == len(sent)
     assert receiver.skipped == 1 and counters.rejected == {"bad": 1} and handed == [(2, 1), (1, 0)]
     sender.close()

@@ -475,17 +475,13 @@ class DatagramSocket:
     def read_all(self) -> None:
         """Hand every datagram waiting on the socket to the callback (and with idle_spin, those that come within
         spin_s)."""
-        self._read_available()
+        self.read_waiting()
         if self.idle_spin and self.spin_s > 0:
             started = time.perf_counter()
             self._spin(lambda: False, lambda: started + self.MAX_SPIN_S, self._watched)
 
     def read_waiting(self) -> int:
         """Hand every datagram waiting now to the callback, without spinning; how many were read."""
-        return self._read_available()
-
-    def _read_available(self) -> int:
-        """Hand every datagram waiting now to the callback; how many were read."""
         n = 0
         clock_offset = time.perf_counter() - time.time()  # realtime stamps to perf_counter time
         while True:
@@ -526,7 +522,7 @@ class DatagramSocket:
             now = time.perf_counter()
             if now >= until() or now >= idle_until:
                 return True
-            if self._read_available():
+            if self.read_waiting():
                 idle_until = time.perf_counter() + self.spin_s
             else:
                 os.sched_yield()  # a process computing on this core (more processes than cores) goes first
@@ -541,7 +537,7 @@ class DatagramSocket:
         loop reads) has data or closes: the caller must then let the loop run. What waits on the socket already is
         read first, deadline or not: a partial that came while the reader was busy (computing its own share)
         is there to be taken."""
-        self._read_available()
+        self.read_waiting()
         if self.spin_s > 0 and not self._spin(done, until, self._poller(watch, udp=False)):
             return False
         if self._drain_poller[0] != watch:  # the same streams block after block: one poller for them
@@ -555,7 +551,7 @@ class DatagramSocket:
             for fd, _ in poller.poll(min(remaining, 1.0) * 1000):
                 if fd != udp:
                     return False
-                self._read_available()
+                self.read_waiting()
         return True
 
     def close(self) -> None:

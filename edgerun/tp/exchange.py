@@ -202,11 +202,6 @@ class BlockExchange:
         # The block merged last, not yet counted (_account): counted while the next block's nodes compute.
         self.unaccounted: tuple[_Wait, list[NodeConn], bool, float, float] | None = None
 
-    def flush_sends(self) -> None:
-        """Wait until every datagram handed to the send thread is sent."""
-        if self.sender is not None:
-            self.sender.flush()
-
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
