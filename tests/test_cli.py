@@ -562,3 +562,17 @@ def test_a_rows_single_engine_is_the_mean_of_the_runs_around_it() -> None:
     around = RequestTiming.mean([RequestTiming(20.0, 10.0), RequestTiming(30.0, 14.0)])
     assert (around.ms_per_token, around.decode_ms_per_token) == (25.0, 12.0)
     assert span([14.04, 12.0]) == "12.0-14.0" and span([3.01, 2.98]) == "3.0" and span([]) == "-"
+
+
+@pytest.mark.parametrize(("plr", "extra", "message"), [
+    ("200%", [], "--plr: loss spec '200%': rate 200% is outside [0, 1]"),
+    ("0,abc", [], "--plr: loss spec 'abc'"),
+    ("ge:0.05:x", [], "mean burst 'x' is not a number"),
+    ("ge:0.05", ["--loss-at", "kernel"], "kernel loss takes a plain rate"),
+])
+def test_bad_bench_tp_loss_is_one_line_error(plr: str, extra: list[str], message: str, capsys: Capsys) -> None:
+    """Every --plr spec is checked before the model is loaded (the model here does not exist: a spec checked only
+    when its row's cluster started came after the whole baseline, as a traceback)."""
+    code, out, err = run(["bench", "tp", "--model", "/nonexistent.gguf", "--plr", plr, *extra], capsys)
+    assert_one_line_error(code, err, message)
+    assert out == ""

@@ -33,7 +33,7 @@ from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net import testbed
 from edgerun.net.kernel_loss import loopback_loss, loss_counters
 from edgerun.net.loops import auto_spin_us
-from edgerun.net.loss import Bernoulli, NoLoss, parse_loss
+from edgerun.net.loss import Bernoulli, LossModel, NoLoss, parse_loss
 from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
@@ -135,14 +135,30 @@ class TpResult:
     ceiling_decode_speedup: float | None = None  # single_decode_ms_per_token / ceiling_decode_ms_per_token
 
 
+def loss_model(spec: str, seed: int | None = None) -> LossModel:
+    """--plr's spec as a loss model; EdgerunError (one line, exit 2) for one that is not a loss spec."""
+    try:
+        return parse_loss(spec, seed=seed)
+    except ValueError as e:
+        raise EdgerunError(f"--plr: {e}") from e
+
+
 def kernel_rate(spec: str) -> float:
     """A plain loss rate ("5%", "0.05"): the kernel drops independently; bursts are in-process only."""
-    model = parse_loss(spec)
+    model = loss_model(spec)
     if isinstance(model, NoLoss):
         return 0.0
     if not isinstance(model, Bernoulli):
         raise EdgerunError(f"kernel loss takes a plain rate, not {spec!r}")
     return model.rate
+
+
+def check_losses(losses: Sequence[str], loss_at: str) -> dict[str, float]:
+    """Every --plr spec checked before a model is loaded or a node started (EdgerunError for a bad one); with
+    kernel or testbed loss, each one's rate."""
+    for loss in losses:
+        loss_model(loss)
+    return {loss: kernel_rate(loss) for loss in losses} if loss_at != "process" else {}
 
 
 @dataclass(frozen=True)
@@ -257,7 +273,7 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
             parity=config.parity, parity_always=config.parity_always, mapping=config.mapping,
             overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads,
             spin_us=config.spin_us, activations=config.activations, trace_dir=_trace_dir(config, nodes))
-        master = Master(model, derive_key(SECRET), master_config, loss=parse_loss(loss, seed=0),
+        master = Master(model, derive_key(SECRET), master_config, loss=loss_model(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
         try:
@@ -393,8 +409,7 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
     """Every (nodes, loss, plan, transport) combination; plans default to config.plan. With kernel or testbed
     loss one cluster per node count serves every loss rate (links are measured and assignments sent before any
     loss); in-process loss is set when a node starts, so each rate gets its own cluster."""
-    in_kernel = config.loss_at != "process"
-    rates = {loss: kernel_rate(loss) for loss in losses} if in_kernel else {}
+    rates = check_losses(losses, config.loss_at)
     if config.loss_at == "testbed" and 0 in node_counts:
         raise EdgerunError("a testbed needs at least one node (the master alone has no links)")
     model = load_model(config.model_path)

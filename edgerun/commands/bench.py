@@ -54,7 +54,7 @@ def counts(text: str, option: str, least: int) -> list[int]:
 
 
 def cmd_bench_tp(args: argparse.Namespace) -> None:
-    from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_json, tp_ratios, tp_table
+    from edgerun.bench.tp import TpBenchConfig, bench_tp, check_losses, tp_json, tp_ratios, tp_table
     from edgerun.model.onnx_graph import Activations
 
     def split(text: str) -> list[str]:
@@ -65,6 +65,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     for transport in transports:
         if transport not in ("udp", "tcp"):
             raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
+    losses = split(args.plr) or ["0"]
+    check_losses(losses, args.loss_at)
     if args.model is not None and not args.model.exists():
         raise EdgerunError(f"model not found: {args.model}")
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
@@ -74,7 +76,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
                            activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace,
                            ceiling=args.ceiling)
-    results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
+    results = bench_tp(config, node_counts, losses, transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
     if args.json:
