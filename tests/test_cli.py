@@ -576,3 +576,20 @@ def test_bad_bench_tp_loss_is_one_line_error(plr: str, extra: list[str], message
     code, out, err = run(["bench", "tp", "--model", "/nonexistent.gguf", "--plr", plr, *extra], capsys)
     assert_one_line_error(code, err, message)
     assert out == ""
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--timeout-ms", "-5"], "the UDP merge timeout must be above 0 ms"),
+    (["--timeout-ms", "nan"], "the UDP merge timeout must be above 0 ms"),
+    (["--timeout-deviations", "0"], "the adaptive timeout's deviations must be above 0"),
+    (["--tcp-rto-min-ms", "-3"], "the minimum retransmission timeout must be 0 ms"),
+    (["--group-size", "0"], "the MLP neuron-group size must be at least 1"),
+])
+def test_bad_tp_exchange_options_are_one_line_errors(option: list[str], message: str, tiny_spec: TinySpec,
+                                                    synth_gguf: SynthGguf, capsys: Capsys) -> None:
+    """bench tp checks them before it looks for the model; master before it listens or plans (a group size of 0
+    was a ZeroDivisionError, a negative timeout ran)."""
+    code, _, err = run(["bench", "tp", "--model", "/nonexistent.gguf", *option], capsys)
+    assert_one_line_error(code, err, message)
+    code, _, err = run(["master", "--model", str(synth_gguf(tiny_spec())), "--port", "0", *option], capsys)
+    assert_one_line_error(code, err, message)

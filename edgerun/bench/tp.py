@@ -38,7 +38,7 @@ from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.tp_plan import TPPlan
-from edgerun.tp.config import OVERLAPS, MasterConfig
+from edgerun.tp.config import OVERLAPS, MasterConfig, check_exchange
 from edgerun.tp.master import Master
 from edgerun.tp.membership import NodeConn
 from edgerun.tp.trace import Leg, breakdown
@@ -208,6 +208,7 @@ class TpBenchConfig:
             raise EdgerunError("--pin takes a number of cores per device, 0 for none")
         if self.pin and self.loss_at == "testbed":
             raise EdgerunError("--pin is for loopback clusters; a testbed's nodes take --cpu-quota")
+        check_exchange(self.timeout_ms, self.timeout_deviations, self.rto_min_ms, self.group_size)
 
 
 LOSS_AT = ("process", "kernel", "testbed")

@@ -67,8 +67,6 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
             raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
     losses = split(args.plr) or ["0"]
     check_losses(losses, args.loss_at)
-    if args.model is not None and not args.model.exists():
-        raise EdgerunError(f"model not found: {args.model}")
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
@@ -76,6 +74,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
                            activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace,
                            ceiling=args.ceiling)
+    if args.model is not None and not args.model.exists():
+        raise EdgerunError(f"model not found: {args.model}")
     results = bench_tp(config, node_counts, losses, transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)

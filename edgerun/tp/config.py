@@ -25,6 +25,20 @@ def tcp_rto_min_ms(transport: str, override: float | None) -> float | None:
     return FAST_RTO_MIN_MS if transport == "udp" else None
 
 
+def check_exchange(timeout_ms: float | None, timeout_deviations: float, rto_min_ms: float | None,
+                   group_size: int) -> None:
+    """EdgerunError for a timeout, retransmission timeout or neuron-group size no cluster can run with (a master's
+    config and a benchmark's, checked before anything is loaded)."""
+    if timeout_ms is not None and not timeout_ms > 0:
+        raise EdgerunError(f"the UDP merge timeout must be above 0 ms, not {timeout_ms}")
+    if not 0 < timeout_deviations < float("inf"):
+        raise EdgerunError(f"the adaptive timeout's deviations must be above 0, not {timeout_deviations}")
+    if rto_min_ms is not None and not 0 <= rto_min_ms < float("inf"):
+        raise EdgerunError(f"the minimum retransmission timeout must be 0 ms (the kernel's) or more, not {rto_min_ms}")
+    if group_size < 1:
+        raise EdgerunError(f"the MLP neuron-group size must be at least 1, not {group_size}")
+
+
 @dataclass(frozen=True)
 class MasterConfig:
     """How a tensor-parallel master runs. Change it with dataclasses.replace and Master.reconfigure."""
@@ -71,3 +85,6 @@ class MasterConfig:
             raise EdgerunError(f"spin must be 0 or more microseconds, not {self.spin_us}")
         if self.threads < 1 or self.max_len < 1:
             raise EdgerunError("threads and max_len must be at least 1")
+        if self.vocab_block < 1:
+            raise EdgerunError(f"vocabulary blocks must hold at least 1 row, not {self.vocab_block}")
+        check_exchange(self.timeout_ms, self.timeout_deviations, self.rto_min_ms, self.group_size)
