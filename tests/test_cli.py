@@ -593,3 +593,17 @@ def test_bad_tp_exchange_options_are_one_line_errors(option: list[str], message:
     assert_one_line_error(code, err, message)
     code, _, err = run(["master", "--model", str(synth_gguf(tiny_spec())), "--port", "0", *option], capsys)
     assert_one_line_error(code, err, message)
+
+
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["profile"], ["bench", "single"], ["bench", "tp"],
+                                     ["node", "--master", "127.0.0.1:1"], ["serve"], ["tune"]])
+@pytest.mark.parametrize(("threads", "message"), [("0", "must be at least 1, not 0"),
+                                                  ("x", "takes a whole number of threads, not 'x'")])
+def test_thread_counts_below_one_are_refused(command: list[str], threads: str, message: str, capsys: Capsys) -> None:
+    """Every --threads is a count of at least 1, refused while the arguments are parsed (0 made onnxruntime pick its
+    own count; bench single and profile raised numpy's ValueError)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--threads", threads])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --threads: {message}" in err and "Traceback" not in err

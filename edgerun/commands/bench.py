@@ -21,6 +21,7 @@ from edgerun.commands.common import (
     rto_min_arg,
     share_threads_arg,
     spin_arg,
+    thread_count,
     threads_arg,
     udp_args,
 )
@@ -254,7 +255,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--in-flight", type=int, default=4, help="micro-batches in the pipeline at once (default: 4)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank, on q and v (default: 8)")
     p.add_argument("--max-len", type=int, default=256, help="tokens per example at most (default: 256)")
-    p.add_argument("--threads", type=int, default=1, help="PyTorch threads per process (default: 1)")
+    p.add_argument("--threads", type=thread_count, default=1, help="PyTorch threads per process (default: 1)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     p.set_defaults(func=cmd_bench_tune)
     p = bench.add_parser("moe", help="a local MoEx hub and expert workers: the expert phase per layer at each "

@@ -21,8 +21,20 @@ def model_arg(p: argparse.ArgumentParser) -> None:
                    help="a GGUF file or a Hugging Face directory (default: the shipped SmolLM2-135M-Instruct)")
 
 
+def thread_count(text: str) -> int:
+    """--threads: a whole number of at least 1 (0 threads made onnxruntime pick its own count, and numpy's split
+    raised a ValueError)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number of threads, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+    p.add_argument("--threads", type=thread_count, default=DEFAULT_THREADS,
                    help=f"compute threads for onnxruntime (default: {DEFAULT_THREADS}, this machine's cores)")
 
 
@@ -116,13 +128,13 @@ def rto_min_arg(p: argparse.ArgumentParser) -> None:
 
 
 def share_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--threads", type=int, default=default,
+    p.add_argument("--threads", type=thread_count, default=default,
                    help=f"compute threads per process: onnxruntime's for the tensor-parallel share or pipeline "
                         f"stage, and numpy's (default: {default})")
 
 
 def blas_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--threads", type=int, default=default,
+    p.add_argument("--threads", type=thread_count, default=default,
                    help=f"numpy (BLAS) threads per process (default: {default})")
 
 

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgerun.commands.common import cluster_key, key_arg, model_arg
+from edgerun.commands.common import cluster_key, key_arg, model_arg, thread_count
 from edgerun.errors import EdgerunError
 
 DEFAULT_OUT = Path("tune-out")
@@ -172,8 +172,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=7000, help="with --workers: port workers connect to (default: 7000)")
     p.add_argument("--wait-s", type=float, default=600.0,
                    help="with --workers: seconds to wait for them, and for one after a loss (default: 600)")
-    p.add_argument("--threads", type=int, default=1, help="PyTorch threads with --workers 0 (workers use their "
-                   "own --threads) (default: 1)")
+    p.add_argument("--threads", type=thread_count, default=1,
+                   help="PyTorch threads with --workers 0 (workers use their own --threads) (default: 1)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints; 0: only at the end "
                    "(default: 10)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,

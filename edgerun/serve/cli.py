@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from edgerun.commands.common import activations_arg, route_arg
+from edgerun.commands.common import activations_arg, route_arg, thread_count
 from edgerun.errors import EdgerunError
 
 TP_PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
@@ -72,8 +72,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--model-name", default=None, help="the model's name in the API (default: the file's name)")
     activations_arg(p)
     route_arg(p)
-    p.add_argument("--threads", type=int, default=threads_default, help="onnxruntime threads of this machine's "
-                   f"engine and share (default: {threads_default}, this machine's cores)")
+    p.add_argument("--threads", type=thread_count, default=threads_default,
+                   help=f"onnxruntime threads of this machine's engine and share (default: {threads_default}, this "
+                        "machine's cores)")
     p.add_argument("--key", default=None, help="cluster secret that authenticates every packet between master and "
                    "nodes (default: $EDGERUN_KEY)")
     p.set_defaults(func=cmd_serve)
