@@ -607,3 +607,14 @@ def test_thread_counts_below_one_are_refused(command: list[str], threads: str, m
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --threads: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--memory-budget", "-1"], "the master's memory budget must be 0 MB or more"),
+    (["--max-context", "0"], "the context length must be at least 1"),
+])
+def test_bad_master_budget_and_context_are_one_line_errors(option: list[str], message: str, tiny_spec: TinySpec,
+                                                            synth_gguf: SynthGguf, capsys: Capsys) -> None:
+    """A negative memory budget was taken, and the master listened and planned with it."""
+    code, _, err = run(["master", "--model", str(synth_gguf(tiny_spec())), "--port", "0", *option], capsys)
+    assert_one_line_error(code, err, message)

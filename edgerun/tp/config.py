@@ -84,7 +84,11 @@ class MasterConfig:
         if self.spin_us < 0:
             raise EdgerunError(f"spin must be 0 or more microseconds, not {self.spin_us}")
         if self.threads < 1 or self.max_len < 1:
-            raise EdgerunError("threads and max_len must be at least 1")
+            raise EdgerunError(f"threads and the context length must be at least 1, not {self.threads} and "
+                               f"{self.max_len}")
+        if not 0 <= self.budget_mb < float("inf") or not 0 < self.speed < float("inf"):
+            raise EdgerunError(f"the master's memory budget must be 0 MB or more and its speed above 0, not "
+                               f"{self.budget_mb} MB and {self.speed} bytes/s")
         if self.vocab_block < 1:
             raise EdgerunError(f"vocabulary blocks must hold at least 1 row, not {self.vocab_block}")
         check_exchange(self.timeout_ms, self.timeout_deviations, self.rto_min_ms, self.group_size)
