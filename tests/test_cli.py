@@ -618,3 +618,18 @@ def test_bad_master_budget_and_context_are_one_line_errors(option: list[str], me
     """A negative memory budget was taken, and the master listened and planned with it."""
     code, _, err = run(["master", "--model", str(synth_gguf(tiny_spec())), "--port", "0", *option], capsys)
     assert_one_line_error(code, err, message)
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--prompt-tokens", "0"], "--prompt-tokens and --decode-tokens must be at least 1"),
+    (["--decode-tokens", "-1"], "--prompt-tokens and --decode-tokens must be at least 1"),
+    (["--prompt-tokens", "600"], "--prompt-tokens 600 and --decode-tokens 32 exceed the model's context of 512"),
+])
+def test_bad_bench_single_lengths_are_one_line_errors(option: list[str], message: str, tiny_spec: TinySpec,
+                                                      synth_gguf: SynthGguf, capsys: Capsys) -> None:
+    """Checked before any engine starts: a prompt of 0 tokens was onnxruntime's RuntimeError, a prompt past the
+    context its rotary-cache error, and -1 decode tokens printed negative speeds."""
+    code, out, err = run(["bench", "single", "--model", str(synth_gguf(tiny_spec())), "--engines", "onnx", *option],
+                         capsys)
+    assert_one_line_error(code, err, message)
+    assert out == ""

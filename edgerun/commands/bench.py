@@ -30,13 +30,20 @@ from edgerun.commands.common import (
 def cmd_bench_single(args: argparse.Namespace) -> None:
     from edgerun.bench.single import bench_single, results_json, results_table
     from edgerun.model.generate import ENGINES
+    from edgerun.model.loader import load_model
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for e in engines:
         if e not in ENGINES:
             raise EdgerunError(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
+    if args.prompt_tokens < 1 or args.decode_tokens < 1:
+        raise EdgerunError("--prompt-tokens and --decode-tokens must be at least 1")
     if args.model is not None and not args.model.exists():
         raise EdgerunError(f"model not found: {args.model}")
+    context = load_model(args.model).config.context_length  # the file's header; the weights stay on disk
+    if args.prompt_tokens + args.decode_tokens + 1 > context:
+        raise EdgerunError(f"--prompt-tokens {args.prompt_tokens} and --decode-tokens {args.decode_tokens} exceed "
+                           f"the model's context of {context} tokens")
     print(f"measuring memory bandwidth and {len(engines)} engine(s) with {args.threads} thread(s)...",
           file=sys.stderr)
     results = bench_single(engines, args.model, args.threads, args.prompt_tokens, args.decode_tokens)
