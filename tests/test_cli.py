@@ -633,3 +633,24 @@ def test_bad_bench_single_lengths_are_one_line_errors(option: list[str], message
                          capsys)
     assert_one_line_error(code, err, message)
     assert out == ""
+
+
+@pytest.mark.parametrize("command", [["node", "--master", "127.0.0.1:1"], ["master"], ["bench", "tp"]])
+@pytest.mark.parametrize("spin", ["-1", "inf"])
+def test_negative_spin_is_refused(command: list[str], spin: str, capsys: Capsys) -> None:
+    """A node or master took a negative --spin-us and ran (only the benchmarks' auto form was checked)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--spin-us", spin])
+    assert exit_info.value.code == 2
+    assert f"argument --spin-us: must be 0 or more microseconds, not {spin}" in capsys.readouterr().err
+
+
+def test_cpu_quotas_for_more_nodes_than_run_are_refused(tiny_spec: TinySpec, synth_gguf: SynthGguf,
+                                                        capsys: Capsys) -> None:
+    """Per-node quotas name the largest --nodes' nodes (a smaller count takes the first ones); 3 for 2 nodes were
+    taken, the third left unused, and said nothing. Refused before the model loads or a namespace is made."""
+    model = str(synth_gguf(tiny_spec()))
+    code, _, err = run(["bench", "tp", "--model", model, "--nodes", "1,2", "--loss-at", "testbed",
+                        "--cpu-quota", "1", "0.5", "2"], capsys)
+    assert_one_line_error(code, err, "--cpu-quota takes one value for every node, or one per node of the largest "
+                                     "--nodes (2), not 3")

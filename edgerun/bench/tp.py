@@ -413,6 +413,10 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
     rates = check_losses(losses, config.loss_at)
     if config.loss_at == "testbed" and 0 in node_counts:
         raise EdgerunError("a testbed needs at least one node (the master alone has no links)")
+    if len(config.cpu_quotas) > 1 and len(config.cpu_quotas) != max(node_counts):
+        # one per node of the largest count; a smaller count takes the first ones (_testbed_for)
+        raise EdgerunError(f"--cpu-quota takes one value for every node, or one per node of the largest --nodes "
+                           f"({max(node_counts)}), not {len(config.cpu_quotas)}")
     model = load_model(config.model_path)
     results = []
     # The master in this process is held to the nodes' BLAS threads: with a thread per core in every process

@@ -104,18 +104,21 @@ def spin_arg(p: argparse.ArgumentParser, auto: bool = False) -> None:
                        help=f"{what}; auto: 20000 where this machine has a core for every compute thread of the "
                             "run's processes, else 0 (default: auto)")
     else:
-        p.add_argument("--spin-us", type=float, default=0.0, metavar="US", help=f"{what} (default: 0, off)")
+        p.add_argument("--spin-us", type=microseconds, default=0.0, metavar="US", help=f"{what} (default: 0, off)")
 
 
 def spin_value(text: str) -> float | None:
     """--spin-us of a benchmark: microseconds, or None for auto."""
-    if text == "auto":
-        return None
+    return None if text == "auto" else microseconds(text, " or auto")
+
+
+def microseconds(text: str, alternative: str = "") -> float:
+    """--spin-us: a time of 0 microseconds or more."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes microseconds or auto, not {text!r}") from None
-    if value < 0:
+        raise argparse.ArgumentTypeError(f"takes microseconds{alternative}, not {text!r}") from None
+    if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 or more microseconds, not {text}")
     return value
 
