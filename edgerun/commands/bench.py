@@ -313,7 +313,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delay", type=float, default=0.0, help="testbed one-way delay in ms (needs "
                    "sch_netem; default: 0)")
     p.add_argument("--cpu-quota", type=float, nargs="+", default=None, metavar="CORES",
-                   help="testbed CPU cores per node: one for all, or one per node (default: no limit)")
+                   help="testbed CPU cores per node: one for all, or one per node of the largest --nodes (a "
+                        "smaller count takes the first ones) (default: no limit)")
     p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
     p.add_argument("--plan", choices=PLANS[:-1], default="halo", help="tensor-parallel planner (default: halo)")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32",
