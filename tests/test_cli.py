@@ -654,3 +654,17 @@ def test_cpu_quotas_for_more_nodes_than_run_are_refused(tiny_spec: TinySpec, syn
                         "--cpu-quota", "1", "0.5", "2"], capsys)
     assert_one_line_error(code, err, "--cpu-quota takes one value for every node, or one per node of the largest "
                                      "--nodes (2), not 3")
+
+
+def test_profile_refuses_a_negative_budget(capsys: Capsys) -> None:
+    """It measured for its --seconds and wrote a profile with a budget of -5 MB."""
+    code, _, err = run(["profile", "--memory-budget", "-5"], capsys)
+    assert_one_line_error(code, err, "--memory-budget must be a positive number of MB, not -5.0")
+
+
+@pytest.mark.parametrize(("option", "message"), [(["--plr", "2"], "--plr: 2 is not a share between 0 and 1"),
+                                                 (["--nglr", "150%"], "--nglr: 150% is not a share between 0 and 1")])
+def test_eval_checks_its_shares_first(option: list[str], message: str, capsys: Capsys) -> None:
+    """Before the model and the predictors load: without predictors, a bad --plr was reported as missing ones."""
+    code, _, err = run(["eval", "--model", "/nonexistent.gguf", *option], capsys)
+    assert_one_line_error(code, err, message)

@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from edgerun.errors import EdgerunError
-
-if TYPE_CHECKING:
-    pass
 from edgerun.commands.common import (
     DEFAULT_THREADS,
     blas_threads_arg,
@@ -19,6 +14,7 @@ from edgerun.commands.common import (
     progress_line,
     shares,
 )
+from edgerun.errors import EdgerunError
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -32,6 +28,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for policy in policies:
         if policy not in POLICIES:
             raise EdgerunError(f"unknown policy {policy!r} ({', '.join(POLICIES)})")
+    plrs, nglrs = shares(args.plr, "--plr"), shares(args.nglr, "--nglr")  # before the model and predictors load
     model = load_model(args.model)
     predictors = None
     if "sap" in policies:
@@ -48,7 +45,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         except (OSError, UnicodeDecodeError) as e:
             raise EdgerunError(f"cannot read {args.text}: {e}") from e
     group_size = predictors.group_size if predictors is not None else args.group_size
-    results = evaluate(model, texts, shares(args.plr, "--plr"), shares(args.nglr, "--nglr"), policies, predictors,
+    results = evaluate(model, texts, plrs, nglrs, policies, predictors,
                        group_size, args.tokens, args.chunk, seed=args.seed, parity=args.parity,
                        progress=progress_line)
     print(json.dumps(eval_json(results), indent=2) if args.json else eval_table(results))

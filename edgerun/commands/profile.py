@@ -32,6 +32,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     master = host_port(args.master) if args.master else None
     if args.seconds <= 0:
         raise EdgerunError("--seconds must be positive")
+    if args.memory_budget is not None and not 0 < args.memory_budget < float("inf"):
+        raise EdgerunError(f"--memory-budget must be a positive number of MB, not {args.memory_budget}")
     steps = ["memory bandwidth", "matrix multiply", "decode speed on the model", "disk read", "link"]
 
     def progress(stage: str) -> None:
