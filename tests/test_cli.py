@@ -668,3 +668,10 @@ def test_eval_checks_its_shares_first(option: list[str], message: str, capsys: C
     """Before the model and the predictors load: without predictors, a bad --plr was reported as missing ones."""
     code, _, err = run(["eval", "--model", "/nonexistent.gguf", *option], capsys)
     assert_one_line_error(code, err, message)
+
+
+@pytest.mark.parametrize("option", [["--memory-budget", "nan"], ["--memory-budget", "-1"], ["--speed", "inf"]])
+def test_node_refuses_budgets_and_speeds_no_planner_can_use(option: list[str], capsys: Capsys) -> None:
+    """NaN and infinity passed the check (NaN <= 0 is false) and went to the master's planner."""
+    code, _, err = run(["node", "--master", "127.0.0.1:1", *option], capsys)
+    assert_one_line_error(code, err, "--memory-budget and --speed must be positive, finite numbers")

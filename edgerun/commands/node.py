@@ -39,8 +39,8 @@ def cmd_node(args: argparse.Namespace) -> None:
         args.memory_budget = profile.memory.budget_mb if profile else NODE_BUDGET_MB
     if args.speed is None:
         args.speed = profile.compute.weight_bytes_per_s if profile else NODE_SPEED
-    if args.memory_budget <= 0 or args.speed <= 0:
-        raise EdgerunError("--memory-budget and --speed must be positive")
+    if not (0 < args.memory_budget < float("inf") and 0 < args.speed < float("inf")):  # NaN fails too
+        raise EdgerunError("--memory-budget and --speed must be positive, finite numbers")
     name = args.name or (profile.name if profile else f"node-{os.getpid()}")
     if args.master is None:
         args.master = _discover_master(args.mode)
