@@ -38,9 +38,7 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
             raise EdgerunError(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
     if args.prompt_tokens < 1 or args.decode_tokens < 1:
         raise EdgerunError("--prompt-tokens and --decode-tokens must be at least 1")
-    if args.model is not None and not args.model.exists():
-        raise EdgerunError(f"model not found: {args.model}")
-    context = load_model(args.model).config.context_length  # the file's header; the weights stay on disk
+    context = load_model(args.model).config.context_length  # the file's header (model not found); weights stay on disk
     if args.prompt_tokens + args.decode_tokens + 1 > context:
         raise EdgerunError(f"--prompt-tokens {args.prompt_tokens} and --decode-tokens {args.decode_tokens} exceed "
                            f"the model's context of {context} tokens")
@@ -62,7 +60,7 @@ def counts(text: str, option: str, least: int) -> list[int]:
 
 
 def cmd_bench_tp(args: argparse.Namespace) -> None:
-    from edgerun.bench.tp import TpBenchConfig, bench_tp, check_losses, tp_json, tp_ratios, tp_table
+    from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_json, tp_ratios, tp_table
     from edgerun.model.onnx_graph import Activations
 
     def split(text: str) -> list[str]:
@@ -73,8 +71,6 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     for transport in transports:
         if transport not in ("udp", "tcp"):
             raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
-    losses = split(args.plr) or ["0"]
-    check_losses(losses, args.loss_at)
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
@@ -82,9 +78,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
                            activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace,
                            ceiling=args.ceiling)
-    if args.model is not None and not args.model.exists():
-        raise EdgerunError(f"model not found: {args.model}")
-    results = bench_tp(config, node_counts, losses, transports,
+    # bench_tp checks the loss specs, then loads the model (model not found), before anything runs
+    results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
                        baseline=args.baseline)
     if args.json:
