@@ -156,9 +156,11 @@ def kernel_rate(spec: str) -> float:
 def check_losses(losses: Sequence[str], loss_at: str) -> dict[str, float]:
     """Every --plr spec checked before a model is loaded or a node started (EdgerunError for a bad one); with
     kernel or testbed loss, each one's rate."""
+    if loss_at != "process":
+        return {loss: kernel_rate(loss) for loss in losses}  # parses each as loss_model does, and more
     for loss in losses:
         loss_model(loss)
-    return {loss: kernel_rate(loss) for loss in losses} if loss_at != "process" else {}
+    return {}
 
 
 @dataclass(frozen=True)
