@@ -5,11 +5,13 @@ greedy tokens as the reference."""
 from __future__ import annotations
 
 import functools
+import platform
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -455,6 +457,46 @@ def test_release_mapped_file_lets_go_of_its_pages(tmp_path) -> None:
     release_mapped_files([path])
     assert file_rss_kb() < touched - 48 * 1024, (touched, file_rss_kb())
     assert np.array_equal(mapped[::4096], data[::4096])
+
+
+def test_huge_pages_back_the_resident_heap_and_leave_untouched_buffers_alone() -> None:
+    """A share's repacked weights are anonymous memory in 4 KB pages where the system gives huge pages only on
+    request; huge_pages() moves a resident buffer into huge pages with its bytes unchanged, and leaves a buffer
+    mostly untouched (a KV cache) unresident. In a child process: the heap's regions are the whole process's."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this system")
+    script = """
+import ctypes, sys
+from edgerun.profile.memory import huge_pages
+def region(address):
+    fields = {}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            start, end = (int(v, 16) for v in head[0].split("-"))
+            inside = start <= address < end
+        elif inside and head[0] in ("Rss:", "AnonHugePages:"):
+            fields[head[0]] = int(head[1]) // 1024
+    return fields
+size = 32 << 20
+weights = bytearray(size)  # calloc: fresh pages, made resident by the fill
+weights[:] = bytes(range(256)) * (size // 256)
+untouched = bytearray(size)
+at = lambda b: ctypes.addressof((ctypes.c_char * size).from_buffer(b))
+before = region(at(weights))
+collapsed = huge_pages()
+print(before["AnonHugePages:"], region(at(weights))["AnonHugePages:"], region(at(untouched))["Rss:"], collapsed >> 20,
+      weights == bytes(range(256)) * (size // 256))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    huge_before, huge_after, untouched_rss, collapsed_mb, same = out.stdout.split()
+    if int(collapsed_mb) == 0:
+        pytest.skip(f"this kernel moves no pages at once (MADV_COLLAPSE: Linux 6.1+): {platform.release()}")
+    assert int(huge_after) >= 28 > int(huge_before), out.stdout  # all but the buffer's unaligned ends
+    assert int(untouched_rss) < 4, out.stdout
+    assert same == "True"
 
 
 def test_a_node_gives_back_what_it_frees_and_reports_the_peak_of_its_current_share() -> None:

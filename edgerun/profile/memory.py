@@ -13,7 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-MADV_DONTNEED = 4  # Linux
+MADV_DONTNEED, MADV_HUGEPAGE, MADV_COLLAPSE = 4, 14, 25  # Linux (MADV_COLLAPSE: 6.1+)
+HUGE_PAGE = 2 << 20  # x86-64's and arm64's transparent huge page
+# Regions huge_pages() turns into huge pages: anonymous, writable, at least this large and this resident (a buffer
+# mostly untouched, a KV cache or a thread's stack, would have its untouched pages made resident).
+HUGE_MIN_BYTES = 4 << 20
+HUGE_MIN_RESIDENT = 0.9
 
 
 def memory_read_bandwidth(threads: int = 1, size_mb: int = 1024, repeats: int = 5) -> float:
@@ -62,6 +67,65 @@ def return_freed_memory() -> None:
     if hasattr(libc, "mallopt"):
         libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
         libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+
+
+def huge_pages() -> int:
+    """Back this process's large, resident anonymous memory (the weights onnxruntime has repacked onto its heap)
+    with transparent huge pages; the bytes now in huge pages. Where the system gives huge pages only to memory that
+    asks for them (`madvise`, Debian's default), a share's weights sit in 4 KB pages: streaming them each token
+    misses the TLB once a page, and the hardware prefetchers stop at every page's end. In huge pages a 1B share's
+    kernels ran 11-17% faster on a 2-core AMD EPYC virtual machine (two copies of one share in one process,
+    alternated token by token, 2 and 8 devices' shares), the whole-model engine's 8%; on a 16-core Xeon with 300 MB
+    of L3, 1-2%. MADV_COLLAPSE (Linux 6.1+) moves the pages now, at about 0.7 GB/s; an older kernel only takes the
+    advice, which its khugepaged follows over minutes. Nothing where the kernel has no transparent huge pages."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    collapsed = 0
+    for start, end, huge in _anonymous_regions():
+        first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+        if last - first <= huge:  # already in huge pages
+            collapsed += huge
+            continue
+        address, size = ctypes.c_void_p(first), ctypes.c_size_t(last - first)
+        if libc.madvise(address, size, MADV_HUGEPAGE) != 0:
+            return collapsed  # no transparent huge pages here
+        if libc.madvise(address, size, MADV_COLLAPSE) == 0:
+            collapsed += last - first
+    return collapsed
+
+
+def _anonymous_regions() -> list[tuple[int, int, int]]:
+    """(start, end, bytes in huge pages) of each private writable anonymous mapping of at least HUGE_MIN_BYTES,
+    HUGE_MIN_RESIDENT of it resident, with a whole huge page inside."""
+    regions: list[tuple[int, int, int]] = []
+    region: list | None = None  # [start, end, eligible, rss, huge] of the mapping being read
+
+    def close() -> None:
+        if region is not None and region[2] and region[3] >= HUGE_MIN_RESIDENT * (region[1] - region[0]):
+            regions.append((region[0], region[1], region[4]))
+
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping: range perms offset dev inode path
+            close()
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            anonymous = len(fields) == 5 or fields[5] == "[heap]"
+            eligible = fields[1].startswith("rw") and fields[1][3] == "p" and anonymous and \
+                end - start >= HUGE_MIN_BYTES and end // HUGE_PAGE * HUGE_PAGE > -(-start // HUGE_PAGE) * HUGE_PAGE
+            region = [start, end, eligible, 0, 0]
+        elif region is not None and fields[0] == "Rss:":
+            region[3] = int(fields[1]) * 1024
+        elif region is not None and fields[0] == "AnonHugePages:":
+            region[4] = int(fields[1]) * 1024
+    close()
+    return regions
 
 
 def release_mapped_files(paths: Iterable[Path]) -> None:
