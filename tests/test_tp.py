@@ -673,3 +673,30 @@ def test_bench_ratios_pair_each_lossy_row_with_the_lossless_row_beside_it() -> N
                                   "7 node(s), plan halo, loss 5%: udp 88.0 ms/token; 1.10x udp at loss 0",
                                   "7 node(s), plan ilp, loss 0: udp 40.0 ms/token; 1.00x udp at loss 0",
                                   "7 node(s), plan ilp, loss 5%: udp 60.0 ms/token; 1.50x udp at loss 0"]
+
+
+def test_bench_table_gives_the_median_speed_up_of_a_node_count_run_several_times() -> None:
+    """--nodes 1,3,1,3 --baseline: each node count run more than once gets the median of its speed-ups over the
+    single engine (whole request, decode, prefill) with every run's; one run alone gets no such line."""
+    import dataclasses
+
+    from edgerun.bench.tp import TpResult, tp_table
+
+    blank = {f.name: 0 for f in dataclasses.fields(TpResult)
+             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+    def row(nodes: int, speedup: float) -> TpResult:
+        return TpResult(**blank | {"nodes": nodes, "transport": "udp", "loss": "0", "plan": "halo", "legs": (),
+                                   "ms_per_token": 50.0, "devices": (), "single_ms_per_token": 100.0,
+                                   "speedup": speedup,
+                                   "single_decode_ms_per_token": 90.0, "decode_speedup": speedup - 0.1,
+                                   "single_prefill_ms": 900.0, "prefill_speedup": speedup + 0.1})
+
+    lines = tp_table([row(1, 1.5), row(3, 2.5), row(1, 1.7), row(3, 3.1), row(1, 1.6), row(7, 3.0)]).splitlines()
+    repeated = [line for line in lines if " runs: " in line]
+    assert repeated == [
+        "1 node(s), plan halo, udp, loss 0, 3 runs: speed-up over the single engine, median 1.60x (1.50x, 1.70x, "
+        "1.60x); decode 1.50x (1.40x, 1.60x, 1.50x); prefill 1.70x (1.60x, 1.80x, 1.70x)",
+        "3 node(s), plan halo, udp, loss 0, 2 runs: speed-up over the single engine, median 2.80x (2.50x, 3.10x); "
+        "decode 2.70x (2.40x, 3.00x); prefill 2.90x (2.60x, 3.20x)"]
+    assert not any(" runs: " in line for line in tp_table([row(7, 3.0)]).splitlines())

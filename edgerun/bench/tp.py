@@ -545,6 +545,7 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{span([r.single_decode_ms_per_token for r in singles])}, prefill "
                     f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")
+    rows += _repeated(results)
     for nodes in dict.fromkeys(r.nodes for r in results if r.ceiling_decode_ms_per_token is not None):
         same = [r for r in results if r.nodes == nodes]
         ceiling, speedup = same[0].ceiling_decode_ms_per_token, same[0].ceiling_decode_speedup
@@ -573,6 +574,25 @@ def tp_table(results: list[TpResult]) -> str:
                             ("" if d.speed_gb_s is None else f", {d.speed_gb_s:.2f} GB/s") +
                             ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") for d in r.devices))
     return "\n".join(rows)
+
+
+def _repeated(results: list[TpResult]) -> list[str]:
+    """For each combination run more than once against the single engine (--nodes 1,3,7,1,3,7 --baseline): the
+    median of its speed-ups, whole, decode and prefill, and each run's. On a shared machine one node count's
+    speed-up moved between 2.6x and 3.8x over five minutes (8 devices, 1B, the device machine): one run says
+    little."""
+    timed = [r for r in results if r.speedup is not None]
+    runs: dict[tuple[int, str, str, str], list[TpResult]] = {}
+    for r in timed:
+        runs.setdefault((r.nodes, r.plan, r.transport, r.loss), []).append(r)
+
+    def median(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f}x ({', '.join(f'{v:.2f}x' for v in values)})"
+
+    return [f"{nodes} node(s), plan {plan}, {transport}, loss {loss}, {len(same)} runs: speed-up over the single "
+            f"engine, median {median([r.speedup for r in same])}; decode {median([r.decode_speedup for r in same])}; "
+            f"prefill {median([r.prefill_speedup for r in same])}"
+            for (nodes, plan, transport, loss), same in runs.items() if len(same) > 1]
 
 
 def tp_ratios(results: list[TpResult]) -> str:

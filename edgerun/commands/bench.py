@@ -297,7 +297,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "every node in a network namespace of its own, with --rate and --cpu-quota.")
     model_arg(p)
     p.add_argument("--nodes", default="2", help="node processes besides the master, comma-separated: 0,1,2,4 "
-                   "(0: the master alone; default: 2)")
+                   "(0: the master alone; default: 2). Give counts again to run them again (1,3,7,1,3,7): with "
+                   "--baseline the table then gives each one's median speed-up over its runs")
     p.add_argument("--plr", default="0", help="loss rates, comma-separated: 0,1%%,2%%,5%% (in-process also "
                    "ge:0.05[:burst]; default: 0). Give rates again to alternate them (0,5%%,0,5%%): the summary "
                    "pairs each lossy row with the lossless row run just before it and prints the pairs' median")
