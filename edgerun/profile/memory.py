@@ -82,8 +82,7 @@ def huge_pages() -> int:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     collapsed = 0
-    for start, end, huge in _anonymous_regions():
-        first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    for first, last, huge in _anonymous_regions():
         if last - first <= huge:  # already in huge pages
             collapsed += huge
             continue
@@ -96,14 +95,17 @@ def huge_pages() -> int:
 
 
 def _anonymous_regions() -> list[tuple[int, int, int]]:
-    """(start, end, bytes in huge pages) of each private writable anonymous mapping of at least HUGE_MIN_BYTES,
-    HUGE_MIN_RESIDENT of it resident, with a whole huge page inside."""
+    """The whole huge pages inside each private writable anonymous mapping of at least HUGE_MIN_BYTES,
+    HUGE_MIN_RESIDENT of it resident, as (first, last) addresses aligned to HUGE_PAGE, with the mapping's bytes in
+    huge pages already."""
     regions: list[tuple[int, int, int]] = []
     region: list | None = None  # [start, end, eligible, rss, huge] of the mapping being read
 
     def close() -> None:
         if region is not None and region[2] and region[3] >= HUGE_MIN_RESIDENT * (region[1] - region[0]):
-            regions.append((region[0], region[1], region[4]))
+            first, last = -(-region[0] // HUGE_PAGE) * HUGE_PAGE, region[1] // HUGE_PAGE * HUGE_PAGE
+            if last > first:
+                regions.append((first, last, region[4]))
 
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
@@ -117,8 +119,8 @@ def _anonymous_regions() -> list[tuple[int, int, int]]:
             close()
             start, end = (int(v, 16) for v in fields[0].split("-"))
             anonymous = len(fields) == 5 or fields[5] == "[heap]"
-            eligible = fields[1].startswith("rw") and fields[1][3] == "p" and anonymous and \
-                end - start >= HUGE_MIN_BYTES and end // HUGE_PAGE * HUGE_PAGE > -(-start // HUGE_PAGE) * HUGE_PAGE
+            private_writable = fields[1].startswith("rw") and fields[1][3] == "p"
+            eligible = private_writable and anonymous and end - start >= HUGE_MIN_BYTES
             region = [start, end, eligible, 0, 0]
         elif region is not None and fields[0] == "Rss:":
             region[3] = int(fields[1]) * 1024
