@@ -528,6 +528,12 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         assert r["ceiling_decode_ms_per_token"] == results[0]["ceiling_decode_ms_per_token"] > 0
         assert r["ceiling_decode_speedup"] == pytest.approx(r["single_decode_ms_per_token"] /
                                                             r["ceiling_decode_ms_per_token"])
+        # ... and the bench's prompt before the steps: the whole request the kernels allow, timed as the cluster's.
+        assert r["ceiling_prefill_ms"] == results[0]["ceiling_prefill_ms"] > 0
+        assert r["ceiling_ms_per_token"] == pytest.approx(
+            (r["ceiling_prefill_ms"] + 3 * r["ceiling_decode_ms_per_token"]) / 4)
+        assert r["ceiling_prefill_speedup"] == pytest.approx(r["single_prefill_ms"] / r["ceiling_prefill_ms"])
+        assert r["ceiling_speedup"] == pytest.approx(r["single_ms_per_token"] / r["ceiling_ms_per_token"])
         assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
         assert r["spin_us"] == auto_spin_us(2, 1, len(USABLE_CORES))  # auto: master and node poll where each has a core
     # --trace: the udp row's one-token blocks leg by leg, from the master's and the node's timelines (tcp inputs
@@ -551,6 +557,11 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     ceiling = next(line for line in table.splitlines() if line.startswith("kernel ceiling, 2 device(s)"))
     assert f"decode {results[0]['ceiling_decode_ms_per_token']:.1f} ms/token" in ceiling
     assert f"({results[0]['decode_ms_per_token'] / results[0]['ceiling_decode_ms_per_token']:.2f}x it)" in ceiling
+    assert f"prefill {results[0]['ceiling_prefill_ms']:.1f} ms = " \
+           f"{results[0]['ceiling_prefill_speedup']:.2f}x" in ceiling
+    assert f"whole request {results[0]['ceiling_ms_per_token']:.1f} ms/token = " \
+           f"{results[0]['ceiling_speedup']:.2f}x the single engine's" in ceiling
+    assert f"({results[0]['prefill_ms'] / results[0]['ceiling_prefill_ms']:.2f}x it)" in ceiling
     assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
                                       f"spin: {results[0]['spin_us']:.0f} µs in every process")
     traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"]),
@@ -645,6 +656,13 @@ def test_kernel_ceiling_runs_each_share_in_a_process_of_its_own(tiny_spec, synth
     ceiling = kernel_ceiling(path, 3, 1, "int8", 4, 64)
     assert ceiling.devices == 3 and ceiling.tokens == 4 and len(ceiling.device_ms_per_token) == 3
     assert all(0 < ms <= ceiling.decode_ms_per_token for ms in ceiling.device_ms_per_token)
+    assert ceiling.prompt == 0 and np.isnan(ceiling.prefill_ms)  # no prompt asked for
+    # A prompt before the steps: its blocks in step too, and a request's time per token as a benchmark counts it.
+    prompted = kernel_ceiling(path, 2, 1, "int8", 3, 64, prompt=9)
+    assert prompted.prompt == 9 and prompted.prefill_ms > 0
+    assert prompted.ms_per_token(3) == pytest.approx((prompted.prefill_ms + 2 * prompted.decode_ms_per_token) / 3)
+    with pytest.raises(ValueError, match="do not fit a context of 64"):
+        kernel_ceiling(path, 2, 1, "int8", 3, 64, prompt=60)
     with pytest.raises(RuntimeError, match=r"device \d failed: .*not found"):
         kernel_ceiling(tmp_path / "missing.gguf", 2, 1, "int8", 1, 64)
 

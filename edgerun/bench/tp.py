@@ -130,9 +130,14 @@ class TpResult:
     traced: bool = False  # --trace: the row's one-token blocks were recorded (legs: what they showed)
     devices: tuple[DeviceRun, ...] = ()  # rows with nodes: each device's share and its kernels as measured in the run
     # --ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
-    # (bench.ceiling): the decode this machine allows the cluster with nothing but its kernels
+    # (bench.ceiling): the decode, the prompt and the whole request this machine allows the cluster with nothing but
+    # its kernels, and each over the single engine's
     ceiling_decode_ms_per_token: float | None = None
     ceiling_decode_speedup: float | None = None  # single_decode_ms_per_token / ceiling_decode_ms_per_token
+    ceiling_prefill_ms: float | None = None
+    ceiling_prefill_speedup: float | None = None  # single_prefill_ms / ceiling_prefill_ms
+    ceiling_ms_per_token: float | None = None  # the prompt's and the steps' ceilings over the tokens, as ms_per_token
+    ceiling_speedup: float | None = None  # single_ms_per_token / ceiling_ms_per_token
 
 
 def loss_model(spec: str, seed: int | None = None) -> LossModel:
@@ -442,8 +447,11 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                 progress(f"kernel ceiling: {nodes + 1} device(s)' shares in step, no network")
                 cores = [device_cores(i, config.pin) for i in range(nodes + 1)]  # all None unpinned
                 ceiling = kernel_ceiling(config.model_path, nodes + 1, config.threads, config.activations.value,
-                                         config.tokens, CONTEXT, cores)
-                rows = [replace(r, ceiling_decode_ms_per_token=ceiling.decode_ms_per_token) for r in rows]
+                                         config.tokens, CONTEXT, cores,
+                                         prompt=len(model.tokenizer.encode(BENCH_PROMPT)))
+                rows = [replace(r, ceiling_decode_ms_per_token=ceiling.decode_ms_per_token,
+                                ceiling_prefill_ms=ceiling.prefill_ms,
+                                ceiling_ms_per_token=ceiling.ms_per_token(config.tokens)) for r in rows]
             if baseline:  # each row against the single engine as fast as it was around it
                 single()
                 around = RequestTiming.mean(singles[-2:])
@@ -453,10 +461,18 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                                 decode_speedup=around.decode_ms_per_token / r.decode_ms_per_token,
                                 single_prefill_ms=around.prefill_ms,
                                 prefill_speedup=around.prefill_ms / r.prefill_ms,
-                                ceiling_decode_speedup=None if r.ceiling_decode_ms_per_token is None else
-                                around.decode_ms_per_token / r.ceiling_decode_ms_per_token) for r in rows]
+                                **_ceiling_speedups(r, around)) for r in rows]
             results += rows
     return results
+
+
+def _ceiling_speedups(row: TpResult, single: RequestTiming) -> dict[str, float | None]:
+    """A row's kernel ceilings (--ceiling) over the single engine timed around it; None where not measured."""
+    if row.ceiling_decode_ms_per_token is None:
+        return {}
+    return {"ceiling_decode_speedup": single.decode_ms_per_token / row.ceiling_decode_ms_per_token,
+            "ceiling_prefill_speedup": single.prefill_ms / row.ceiling_prefill_ms,
+            "ceiling_speedup": single.ms_per_token / row.ceiling_ms_per_token}
 
 
 def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list[str], transports: list[str],
@@ -546,14 +562,12 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")
     rows += _repeated(results)
-    for nodes in dict.fromkeys(r.nodes for r in results if r.ceiling_decode_ms_per_token is not None):
-        same = [r for r in results if r.nodes == nodes]
-        ceiling, speedup = same[0].ceiling_decode_ms_per_token, same[0].ceiling_decode_speedup
-        times = "" if speedup is None else f" = {speedup:.2f}x the single engine's"
-        rows.append(f"kernel ceiling, {nodes + 1} device(s) (--ceiling: even shares' kernels alone, every block in "
-                    f"step, no network): decode {ceiling:.1f} ms/token{times}; the cluster's decode: " + "; ".join(
-                        f"{r.transport} at loss {r.loss} {r.decode_ms_per_token:.1f} ms/token "
-                        f"({r.decode_ms_per_token / ceiling:.2f}x it)" for r in same))
+    def run_of(r: TpResult) -> tuple[int, float | None, float | None]:  # a node count run again has ceilings anew
+        return r.nodes, r.ceiling_decode_ms_per_token, r.ceiling_prefill_ms
+
+    for run in dict.fromkeys(run_of(r) for r in results if r.ceiling_decode_ms_per_token is not None):
+        same = [r for r in results if run_of(r) == run]
+        rows.append(_ceiling_line(same[0], same))
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     for r in results:
@@ -574,6 +588,22 @@ def tp_table(results: list[TpResult]) -> str:
                             ("" if d.speed_gb_s is None else f", {d.speed_gb_s:.2f} GB/s") +
                             ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") for d in r.devices))
     return "\n".join(rows)
+
+
+def _ceiling_line(ceiling: TpResult, same: list[TpResult]) -> str:
+    """What a node count's kernels alone allow (--ceiling, measured once for the rows `same` of one cluster), each
+    over the single engine where it was timed, and those rows against it."""
+    def over_single(speedup: float | None) -> str:
+        return "" if speedup is None else f" = {speedup:.2f}x the single engine's"
+
+    c = ceiling
+    return (f"kernel ceiling, {c.nodes + 1} device(s) (--ceiling: even shares' kernels alone, every block in step, no "
+            f"network): decode {c.ceiling_decode_ms_per_token:.1f} ms/token{over_single(c.ceiling_decode_speedup)}, "
+            f"prefill {c.ceiling_prefill_ms:.1f} ms{over_single(c.ceiling_prefill_speedup)}, whole request "
+            f"{c.ceiling_ms_per_token:.1f} ms/token{over_single(c.ceiling_speedup)}; the cluster's decode and prefill: "
+            + "; ".join(f"{r.transport} at loss {r.loss} {r.decode_ms_per_token:.1f} ms/token "
+                        f"({r.decode_ms_per_token / c.ceiling_decode_ms_per_token:.2f}x it), {r.prefill_ms:.1f} ms "
+                        f"({r.prefill_ms / c.ceiling_prefill_ms:.2f}x it)" for r in same))
 
 
 def _repeated(results: list[TpResult]) -> list[str]:

@@ -343,7 +343,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ceiling", action="store_true",
                    help="also time, for each node count, the kernels alone: every device's even share in a process "
                         "of its own (--threads, --pin as the cluster's), every one-token block started on all of "
-                        "them at once, no network and no master's work; prints the decode this machine allows the "
-                        "cluster and how far the cluster's decode is from it (default: off)")
+                        "them at once, no network and no master's work, for the bench's prompt and then one-token "
+                        "steps; prints the decode, prefill and whole request this machine allows the cluster, each "
+                        "over the single engine's with --baseline, and how far the cluster is from them "
+                        "(default: off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
