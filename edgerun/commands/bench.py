@@ -342,10 +342,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "critical path (default: off)")
     p.add_argument("--ceiling", action="store_true",
                    help="also time, for each node count, the kernels alone: every device's even share in a process "
-                        "of its own (--threads, --pin as the cluster's), every one-token block started on all of "
-                        "them at once, no network and no master's work, for the bench's prompt and then one-token "
-                        "steps; prints the decode, prefill and whole request this machine allows the cluster, each "
-                        "over the single engine's with --baseline, and how far the cluster is from them "
-                        "(default: off)")
+                        "of its own (--threads, --pin as the cluster's), the bench's prompt and then one-token steps, "
+                        "every block started on all of them at once, no network and no master's work; prints the "
+                        "decode, prefill and whole request this machine allows the cluster, each over the single "
+                        "engine's with --baseline, and how far the cluster is from them (default: off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)
