@@ -59,7 +59,7 @@ def main() -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(1)
-    from edgerun.bench.tp import BENCH_PROMPT, SECRET, TpBenchConfig, _node_argv
+    from edgerun.bench.tp import SECRET, TpBenchConfig, _node_argv, bench_prompt
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler, SamplingParams
     from edgerun.net.wire import derive_key
@@ -79,7 +79,7 @@ def main() -> None:
     try:
         master.wait_for_nodes(args.nodes, timeout_s=300)
         master.replan()
-        prompt, greedy = model.tokenizer.encode(BENCH_PROMPT), Sampler(SamplingParams())
+        prompt, greedy = bench_prompt(model), Sampler(SamplingParams())
         master.generate(prompt, 16, greedy)  # warm-up
         started = time.perf_counter()
         master.generate(prompt, args.tokens, greedy)

@@ -51,6 +51,12 @@ REBALANCE_WARMUPS = 8  # requests of 2 * WARMUP_TOKENS at most before a rebalanc
 CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 
+def bench_prompt(model: Model) -> list[int]:
+    """The prompt every request of a benchmark starts with (the cluster's, the single engine's, the kernel
+    ceiling's), in the model's tokens."""
+    return model.tokenizer.encode(BENCH_PROMPT)
+
+
 @dataclass(frozen=True)
 class DeviceRun:
     """A device of the plan measured: its share's quantized weights and units (the fewest and most attention units
@@ -308,7 +314,7 @@ def _rebalance(master: Master, model: Model) -> bool:
     REBALANCE_WARMUPS requests), then replan with those the devices showed, as `edgerun master` does between
     requests; True if the plan changed. (A small model's share of a few milliseconds a token measures nothing in
     one short request: the replan kept the declared speeds and a split slower than the master alone.)"""
-    prompt = model.tokenizer.encode(BENCH_PROMPT)
+    prompt = bench_prompt(model)
     used = [name for name, held in zip(master.plan.devices, master.plan.memory_bytes, strict=True) if held > 0]
     for _ in range(REBALANCE_WARMUPS):
         master.generate(prompt, WARMUP_TOKENS * 2, Sampler(SamplingParams()))
@@ -321,7 +327,7 @@ def _rebalance(master: Master, model: Model) -> bool:
 
 def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, loss: str,
              kernel_counters: Callable[[], tuple[int, int]], rebalanced: bool) -> TpResult:
-    prompt = model.tokenizer.encode(BENCH_PROMPT)
+    prompt = bench_prompt(model)
     greedy = Sampler(SamplingParams())
     # The timed request follows its warm-up at once, as the single baseline's does: after an idle second (the
     # nodes' next heartbeats) a prefill took 37-43 ms where a warm one took 30-34, in either engine. The nodes'
@@ -401,7 +407,7 @@ def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ..
 def single_baseline(model: Model, config: TpBenchConfig) -> RequestTiming:
     """The single-process onnx engine on the same model, prompt, token count and threads, timed as a cluster is
     (prefill included, after a warm-up request)."""
-    return cluster_baseline(model, model.tokenizer.encode(BENCH_PROMPT), config.tokens, config.threads,
+    return cluster_baseline(model, bench_prompt(model), config.tokens, config.threads,
                             config.activations, CONTEXT, WARMUP_TOKENS)
 
 
@@ -448,7 +454,7 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                 cores = [device_cores(i, config.pin) for i in range(nodes + 1)]  # all None unpinned
                 ceiling = kernel_ceiling(config.model_path, nodes + 1, config.threads, config.activations.value,
                                          config.tokens, CONTEXT, cores,
-                                         prompt=len(model.tokenizer.encode(BENCH_PROMPT)))
+                                         prompt=len(bench_prompt(model)))
                 rows = [replace(r, ceiling_decode_ms_per_token=ceiling.decode_ms_per_token,
                                 ceiling_prefill_ms=ceiling.prefill_ms,
                                 ceiling_ms_per_token=ceiling.ms_per_token(config.tokens)) for r in rows]
@@ -562,12 +568,13 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")
     rows += _repeated(results)
+
     def run_of(r: TpResult) -> tuple[int, float | None, float | None]:  # a node count run again has ceilings anew
         return r.nodes, r.ceiling_decode_ms_per_token, r.ceiling_prefill_ms
 
     for run in dict.fromkeys(run_of(r) for r in results if r.ceiling_decode_ms_per_token is not None):
         same = [r for r in results if run_of(r) == run]
-        rows.append(_ceiling_line(same[0], same))
+        rows.append(_ceiling_line(same))
     if results:
         rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
     for r in results:
@@ -590,13 +597,13 @@ def tp_table(results: list[TpResult]) -> str:
     return "\n".join(rows)
 
 
-def _ceiling_line(ceiling: TpResult, same: list[TpResult]) -> str:
-    """What a node count's kernels alone allow (--ceiling, measured once for the rows `same` of one cluster), each
-    over the single engine where it was timed, and those rows against it."""
+def _ceiling_line(same: list[TpResult]) -> str:
+    """What a node count's kernels alone allow (--ceiling, measured once for the rows `same` of one cluster, which
+    carry it alike), each over the single engine where it was timed, and those rows against it."""
     def over_single(speedup: float | None) -> str:
         return "" if speedup is None else f" = {speedup:.2f}x the single engine's"
 
-    c = ceiling
+    c = same[0]
     return (f"kernel ceiling, {c.nodes + 1} device(s) (--ceiling: even shares' kernels alone, every block in step, no "
             f"network): decode {c.ceiling_decode_ms_per_token:.1f} ms/token{over_single(c.ceiling_decode_speedup)}, "
             f"prefill {c.ceiling_prefill_ms:.1f} ms{over_single(c.ceiling_prefill_speedup)}, whole request "
