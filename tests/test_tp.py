@@ -551,7 +551,7 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     assert [d["name"] for d in results[0]["devices"]] == ["master", "bench-0"]
     assert all(d["weight_mb"] > 0 for d in results[0]["devices"])
     row = {k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__}
-    table = tp_table([TpResult(**row | {"legs": (), "devices": (), "traced": False})])
+    table = tp_table([TpResult(**row | {"legs": (), "devices": (), "traced": False, "kind_legs": {}})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
     assert " prefill " in table.splitlines()[0] and f"{results[0]['prefill_ms']:.1f}" in table
     ceiling = next(line for line in table.splitlines() if line.startswith("kernel ceiling, 2 device(s)"))
@@ -564,14 +564,31 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     assert f"({results[0]['prefill_ms'] / results[0]['ceiling_prefill_ms']:.2f}x it)" in ceiling
     assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
                                       f"spin: {results[0]['spin_us']:.0f} µs in every process")
-    traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"]),
+    traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"]), "kind_legs": {},
                                          "devices": tuple(DeviceRun(**d) for d in results[0]["devices"])})])
     assert "critical path" in traced.splitlines()[-2] and "node kernel " in traced.splitlines()[-2]
     assert "shares" in traced.splitlines()[-1] and "bench-0 " in traced.splitlines()[-1]
+    # ... and the blocks of each kind alone, which the ceiling's line sets against its own block of that kind: what
+    # the cluster's block takes beyond the kernels' (the LM head's partial, a top-k list, is not the layers').
+    kinds = results[0]["kind_legs"]
+    assert list(kinds)[:2] == ["attention", "MLP"]  # the LM head's where the node holds some of its rows
+    for kind, legs in kinds.items():
+        assert {"node kernel", "block, send to merged"} <= {leg["name"] for leg in legs}, kind
+    assert list(results[0]["ceiling_block_us"]) == ["attention", "MLP", "LM head"]
+    assert min(results[0]["ceiling_block_us"].values()) > 0
+    by_kind = tp_table([TpResult(**row | {"legs": (), "devices": (), "kind_legs": {
+        kind: tuple(Leg(**leg) for leg in legs) for kind, legs in kinds.items()}})])
+    assert "attention blocks alone: " in by_kind and "MLP blocks alone: " in by_kind
+    ceiling_line = next(line for line in by_kind.splitlines() if line.startswith("kernel ceiling"))
+    merged = {kind: next(leg for leg in legs if leg["name"] == "block, send to merged")["mean_us"]
+              for kind, legs in kinds.items()}
+    block_us = results[0]["ceiling_block_us"]
+    assert f"slowest device's kernel: attention {block_us['attention']:.0f} µs" in ceiling_line
+    assert f"MLP {merged['MLP']:.0f} µs ({merged['MLP'] - block_us['MLP']:+.0f})" in ceiling_line
     # tcp's row was traced, and its inputs went over the node's stream, which the node's timeline does not see: the
     # table says so, and an untraced row says nothing of tracing.
     tcp = TpResult(**{k: v for k, v in results[1].items() if k in TpResult.__dataclass_fields__} |
-                   {"legs": (), "devices": ()})
+                   {"legs": (), "devices": (), "kind_legs": {}})
     assert results[1]["traced"] and "no one-token block" in tp_table([tcp])
     assert "no one-token block" not in tp_table([replace(tcp, traced=False)])
     # The units each device holds (the plan's), which a row's speed depends on: every layer's are all placed.
@@ -661,6 +678,13 @@ def test_kernel_ceiling_runs_each_share_in_a_process_of_its_own(tiny_spec, synth
     prompted = kernel_ceiling(path, 2, 1, "int8", 3, 64, prompt=9)
     assert prompted.prompt == 9 and prompted.prefill_ms > 0
     assert prompted.ms_per_token(3) == pytest.approx((prompted.prefill_ms + 2 * prompted.decode_ms_per_token) / 3)
+    # Each kind of one-token block in step, on average: a layer's attention and MLP block and the LM head, which add
+    # up to a token's time over the layers.
+    blocks = dict(prompted.block_us)
+    assert list(blocks) == ["attention", "MLP", "LM head"] and all(us > 0 for us in blocks.values())
+    layers = load_model(path).config.n_layers
+    assert (layers * (blocks["attention"] + blocks["MLP"]) + blocks["LM head"]) / 1e3 == \
+        pytest.approx(prompted.decode_ms_per_token)
     with pytest.raises(ValueError, match="do not fit a context of 64"):
         kernel_ceiling(path, 2, 1, "int8", 3, 64, prompt=60)
     with pytest.raises(RuntimeError, match=r"device \d failed: .*not found"):

@@ -61,3 +61,37 @@ def test_a_block_some_event_of_which_is_missing_or_out_of_order_is_left_out(tmp_
     master.flush()
     node.flush()
     assert breakdown(tmp_path) == []
+
+
+def test_the_legs_of_one_kind_of_block_come_from_its_blocks_alone(tmp_path: Path) -> None:
+    """breakdown(kind=...): an attention block of 100 µs and an MLP block of 300 µs a step; each kind's legs are its
+    own blocks' (the block before an MLP block is an attention block all the same: "between blocks" counts from
+    it), and the legs of every kind together mix them."""
+    master, node = Trace(tmp_path / "master.jsonl", "master"), Trace(tmp_path / "n0.jsonl", "n0")
+    us = 1e-6
+    for position in range(3):
+        t = 10.0 + position
+        for block, kernel in ((0, 100), (1, 300)):
+            key = (1, position, 0, block)
+            master.add(Event.SEND, key, t)
+            master.add(Event.SENT, key, t + 10 * us)
+            master.add(Event.OWN, key, t + (10 + kernel) * us)
+            node.add(Event.RECEIVED, key, t + 15 * us)
+            node.add(Event.HANDLED, key, t + 20 * us)
+            node.add(Event.COMPUTED, key, t + (20 + kernel) * us)
+            node.add(Event.REPLIED, key, t + (25 + kernel) * us, 0)
+            master.add(Event.ARRIVED, key, t + (30 + kernel) * us, 0)
+            master.add(Event.MERGED, key, t + (40 + kernel) * us)
+            t += (50 + kernel) * us
+    master.flush()
+    node.flush()
+    attention = {leg.name: leg for leg in breakdown(tmp_path, kind=0)}
+    mlp = {leg.name: leg for leg in breakdown(tmp_path, kind=1)}
+    assert attention["node kernel"].median_us == pytest.approx(100)
+    assert attention["block, send to merged"].median_us == pytest.approx(140)
+    assert "between blocks" not in attention  # a step's first block has no block before it
+    assert mlp["node kernel"].median_us == pytest.approx(300)
+    assert mlp["between blocks"].median_us == pytest.approx(10)
+    both = {leg.name: leg for leg in breakdown(tmp_path)}
+    assert both["node kernel"].mean_us == pytest.approx(200)
+    assert breakdown(tmp_path, kind=2) == []  # no LM head traced

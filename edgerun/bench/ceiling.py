@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgerun.tp.trace import BLOCK_KINDS, HEAD
+
 BARRIER_TIMEOUT_S = 120.0  # a device that has not reached a block by then has died or hangs
 RESULT_TIMEOUT_S = 900.0  # building the shares and running the steps
 WARMUP_TOKENS = 2  # untimed steps before the timed ones (each block's first run allocates)
@@ -37,6 +39,10 @@ class Ceiling:
     device_ms_per_token: tuple[float, ...]  # each device's own kernels per token
     prompt: int = 0  # tokens of the prompt timed (0: none)
     prefill_ms: float = float("nan")  # the prompt's blocks, the slowest device's kernel in each, summed
+    # A one-token block of each kind (attention, MLP, LM head: trace.BLOCK_KINDS), the slowest device's kernel in it,
+    # in microseconds, the mean over the layers and steps: what a cluster's block of that kind takes beyond it is
+    # its synchronization (bench tp --trace --ceiling)
+    block_us: tuple[tuple[str, float], ...] = ()
 
     def ms_per_token(self, tokens: int) -> float:
         """A request of the prompt and `tokens` tokens as a benchmark times one (bench.single.RequestTiming): its
@@ -168,4 +174,13 @@ def kernel_ceiling(model_path: Path | None, devices: int, threads: int, activati
     prefill = np.array([per_device[i][1] for i in which])  # (devices run, blocks a token), empty without a prompt
     return Ceiling(len(which), tokens, float(blocks.max(axis=0).sum() / tokens * 1e3),
                    tuple(float(s) for s in blocks.sum(axis=1) / tokens * 1e3), prompt,
-                   float(prefill.max(axis=0).sum() * 1e3) if prompt else float("nan"))
+                   float(prefill.max(axis=0).sum() * 1e3) if prompt else float("nan"),
+                   block_kinds_us(blocks.max(axis=0).reshape(tokens, -1)))
+
+
+def block_kinds_us(in_step: np.ndarray) -> tuple[tuple[str, float], ...]:
+    """(tokens, blocks a token) seconds, each layer's attention and MLP blocks and then the LM head (the order
+    `_device` runs them in): each kind's mean in microseconds."""
+    columns = {BLOCK_KINDS[0]: in_step[:, 0:-1:2], BLOCK_KINDS[1]: in_step[:, 1:-1:2],
+               BLOCK_KINDS[HEAD]: in_step[:, -1:]}
+    return tuple((kind, float(c.mean() * 1e6)) for kind, c in columns.items())

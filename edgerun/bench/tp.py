@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from threadpoolctl import threadpool_limits
@@ -41,7 +41,7 @@ from edgerun.sched.tp_plan import TPPlan
 from edgerun.tp.config import OVERLAPS, MasterConfig, check_exchange
 from edgerun.tp.master import Master
 from edgerun.tp.membership import NodeConn
-from edgerun.tp.trace import Leg, breakdown
+from edgerun.tp.trace import BLOCK_KINDS, Leg, breakdown
 
 MIB = 2**20
 BENCH_PROMPT = "Distributed inference splits one model across several machines because"
@@ -133,6 +133,8 @@ class TpResult:
     prefill_speedup: float | None = None  # single_prefill_ms / prefill_ms
     spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
     legs: tuple[Leg, ...] = ()  # --trace: where a one-token block's time went, leg by leg of its critical path
+    # --trace: the same of the blocks of each kind alone (trace.BLOCK_KINDS' names), where any was recorded
+    kind_legs: dict[str, tuple[Leg, ...]] = field(default_factory=dict)
     traced: bool = False  # --trace: the row's one-token blocks were recorded (legs: what they showed)
     devices: tuple[DeviceRun, ...] = ()  # rows with nodes: each device's share and its kernels as measured in the run
     # --ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
@@ -144,6 +146,8 @@ class TpResult:
     ceiling_prefill_speedup: float | None = None  # single_prefill_ms / ceiling_prefill_ms
     ceiling_ms_per_token: float | None = None  # the prompt's and the steps' ceilings over the tokens, as ms_per_token
     ceiling_speedup: float | None = None  # single_ms_per_token / ceiling_ms_per_token
+    # a one-token block of each kind in step, the slowest device's kernel (µs, mean; Ceiling.block_us)
+    ceiling_block_us: dict[str, float] = field(default_factory=dict)
 
 
 def loss_model(spec: str, seed: int | None = None) -> LossModel:
@@ -344,10 +348,13 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     matched1, kdropped1 = kernel_counters()
     reports = master.fresh_reports()  # after the nodes' heartbeats, which flushed their traces
     legs: tuple[Leg, ...] = ()
+    kind_legs: dict[str, tuple[Leg, ...]] = {}
     devices: tuple[DeviceRun, ...] = ()
     if master.trace is not None:
         master.trace.flush()
         legs = tuple(breakdown(master.config.trace_dir, master.exchange.session))
+        kind_legs = {name: of_kind for kind, name in BLOCK_KINDS.items()
+                     if (of_kind := tuple(breakdown(master.config.trace_dir, master.exchange.session, kind)))}
     if reports:
         devices = _device_runs(master, reports)
     n = max(1, len(generated))
@@ -387,7 +394,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
         devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
-        traced=master.trace is not None, devices=devices)
+        kind_legs=kind_legs, traced=master.trace is not None, devices=devices)
 
 
 def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ...]:
@@ -457,7 +464,8 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                                          prompt=len(bench_prompt(model)))
                 rows = [replace(r, ceiling_decode_ms_per_token=ceiling.decode_ms_per_token,
                                 ceiling_prefill_ms=ceiling.prefill_ms,
-                                ceiling_ms_per_token=ceiling.ms_per_token(config.tokens)) for r in rows]
+                                ceiling_ms_per_token=ceiling.ms_per_token(config.tokens),
+                                ceiling_block_us=dict(ceiling.block_us)) for r in rows]
             if baseline:  # each row against the single engine as fast as it was around it
                 single()
                 around = RequestTiming.mean(singles[-2:])
@@ -583,8 +591,9 @@ def tp_table(results: list[TpResult]) -> str:
                         "to trace (the plan leaves every node out, or its blocks went over TCP)")
         if r.legs:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: a one-token block's critical path "
-                        "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " +
-                        "; ".join(f"{leg.name} {leg.median_us:.0f}/{leg.mean_us:.0f}" for leg in r.legs))
+                        "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " + _legs(r.legs))
+        for kind, legs in r.kind_legs.items():
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {kind} blocks alone: {_legs(legs)}")
         if r.prompt_inputs_doubled:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.prompt_inputs_doubled} prompt inputs "
                         "went to lossy nodes on both their streams")
@@ -595,6 +604,10 @@ def tp_table(results: list[TpResult]) -> str:
                             ("" if d.speed_gb_s is None else f", {d.speed_gb_s:.2f} GB/s") +
                             ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") for d in r.devices))
     return "\n".join(rows)
+
+
+def _legs(legs: Sequence[Leg]) -> str:
+    return "; ".join(f"{leg.name} {leg.median_us:.0f}/{leg.mean_us:.0f}" for leg in legs)
 
 
 def _ceiling_line(same: list[TpResult]) -> str:
@@ -610,7 +623,25 @@ def _ceiling_line(same: list[TpResult]) -> str:
             f"{c.ceiling_ms_per_token:.1f} ms/token{over_single(c.ceiling_speedup)}; the cluster's decode and prefill: "
             + "; ".join(f"{r.transport} at loss {r.loss} {r.decode_ms_per_token:.1f} ms/token "
                         f"({r.decode_ms_per_token / c.ceiling_decode_ms_per_token:.2f}x it), {r.prefill_ms:.1f} ms "
-                        f"({r.prefill_ms / c.ceiling_prefill_ms:.2f}x it)" for r in same))
+                        f"({r.prefill_ms / c.ceiling_prefill_ms:.2f}x it)" for r in same) + _ceiling_blocks(same))
+
+
+def _ceiling_blocks(same: list[TpResult]) -> str:
+    """The ceiling's one-token block of each kind, and (--trace) each row's blocks of that kind beyond it: the
+    synchronization that kind of block costs the cluster."""
+    block_us = same[0].ceiling_block_us
+    if not block_us:
+        return ""
+    text = "; a one-token block in step, the slowest device's kernel: " + ", ".join(
+        f"{kind} {us:.0f} µs" for kind, us in block_us.items())
+    for r in same:
+        spans = {kind: {leg.name: leg for leg in legs}.get("block, send to merged")
+                 for kind, legs in r.kind_legs.items()}
+        beyond = [f"{kind} {leg.mean_us:.0f} µs ({leg.mean_us - block_us[kind]:+.0f})"
+                  for kind, leg in spans.items() if leg is not None and kind in block_us]
+        if beyond:
+            text += f"; the cluster's, send to merged ({r.transport} at loss {r.loss}, mean): " + ", ".join(beyond)
+    return text
 
 
 def _repeated(results: list[TpResult]) -> list[str]:

@@ -339,12 +339,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="record when each one-token block's input was sent, reached each node, was computed and "
                         "answered, and when its partials reached the master (DIR/nodesN/*.jsonl, one clock for "
                         "every process of this host), and print where a block's time went, leg by leg of its "
-                        "critical path (default: off)")
+                        "critical path: of every block, then of attention, MLP and LM-head blocks alone; with "
+                        "--ceiling, each kind's block beside the kernels-alone block of that kind (default: off)")
     p.add_argument("--ceiling", action="store_true",
                    help="also time, for each node count, the kernels alone: every device's even share in a process "
                         "of its own (--threads, --pin as the cluster's), the bench's prompt and then one-token steps, "
                         "every block started on all of them at once, no network and no master's work; prints the "
                         "decode, prefill and whole request this machine allows the cluster, each over the single "
-                        "engine's with --baseline, and how far the cluster is from them (default: off)")
+                        "engine's with --baseline, and how far the cluster is from them, and a one-token block of "
+                        "each kind in step (default: off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)

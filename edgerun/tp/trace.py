@@ -20,6 +20,10 @@ from pathlib import Path
 
 BlockKey = tuple[int, int, int, int]  # (session, position, layer, block)
 HEAD = 2  # wire.Block.HEAD
+# wire.Block's values as a report names them: a block's legs differ by kind (a 1B model's attention block streams a
+# fifth of its MLP block's weights, and the LM head's partial is a top-k list), so a median over all of them
+# together describes none of them.
+BLOCK_KINDS = {0: "attention", 1: "MLP", HEAD: "LM head"}
 
 
 class Event(Enum):
@@ -91,9 +95,10 @@ def _legs(m: dict[Event, float], node: dict[Event, float], arrived: float, befor
     return legs
 
 
-def breakdown(directory: Path, session: int | None = None) -> list[Leg]:
+def breakdown(directory: Path, session: int | None = None, kind: int | None = None) -> list[Leg]:
     """The legs of one-token blocks' critical paths over every trace file in `directory` (microseconds), of one
-    session (None: the master's last): only blocks every event of which was recorded."""
+    session (None: the master's last), of the blocks of one kind (a wire.Block value; None: every kind): only
+    blocks every event of which was recorded."""
     records = [json.loads(line) for path in sorted(Path(directory).glob("*.jsonl"))
                for line in path.read_text().splitlines()]
     if session is None:  # the master's last
@@ -125,6 +130,8 @@ def breakdown(directory: Path, session: int | None = None) -> list[Leg]:
         m, came = master[key], arrivals.get(key, {})
         before = previous.get(Event.MERGED) if previous is not None and previous_key[:2] == key[:2] else None
         previous, previous_key = m, key
+        if kind is not None and key[3] != kind:
+            continue
         if not came or any(e not in m for e in (Event.SEND, Event.SENT, Event.OWN, Event.MERGED)):
             continue
         last = max(came, key=came.get)
