@@ -620,6 +620,26 @@ def test_the_kernel_ceiling_script_times_every_share_against_the_single_engine(t
     assert bad.returncode != 0 and "--devices" in bad.stderr
 
 
+def test_the_star_floor_script_times_a_bare_exchange_beside_its_kernel() -> None:
+    """scripts/star_floor.py: a master and a worker process exchange sealed datagrams around their matrix-vector
+    products; the block takes longer than the master's own product, and the difference is what it reports. Bad
+    input: one line, exit 2."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "star_floor.py"
+    proc = subprocess.run([sys.executable, str(script), "--nodes", "1", "--rows", "64", "--blocks", "40", "--warmup",
+                           "5", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["nodes"] == 1 and result["rows"] == 64
+    assert 0 < result["kernel_us"] < result["block_us"] <= result["block_mean_us"] * 10
+    assert result["beyond_us"] == pytest.approx(result["block_us"] - result["kernel_us"])
+    for bad in (["--nodes", "0"], ["--hidden", "20000"]):
+        refused = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, bad
+
+
 def test_pinned_devices_take_cores_of_their_own_in_turn() -> None:
     from edgerun.bench.tp import USABLE_CORES, TpBenchConfig, device_cores, pinned
 
