@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 SLICES = 32  # weight slices per process, used in turn: more than its caches hold
+PARTIAL_TIMEOUT_S = 30.0  # a block whose partials have not all come by then has lost a worker
 MAX_HIDDEN = 15_000  # float32 elements one datagram holds, with the header and MAC (loopback takes 64 KiB)
 
 
@@ -52,8 +53,12 @@ def main() -> None:
 
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(1):  # one thread per process, as `bench tp --threads 1` runs
-        result = run(args.nodes, args.rows, args.hidden, args.blocks, args.warmup)
+    try:
+        with threadpool_limits(1):  # one thread per process, as `bench tp --threads 1` runs
+            result = run(args.nodes, args.rows, args.hidden, args.blocks, args.warmup)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"star_floor: {e}", file=sys.stderr)
+        sys.exit(1)
     if args.json:
         print(json.dumps(result))
     else:
@@ -70,13 +75,17 @@ def _udp() -> socket.socket:
     return s
 
 
-def _receive(sock: socket.socket) -> bytes:
+def _receive(sock: socket.socket, timeout_s: float | None = None) -> bytes:
     """The next datagram, polling without sleeping (as a spinning node waits for its input), and yielding the core
-    to any process that has work for it (as net.channel's spin does where there are more processes than cores)."""
+    to any process that has work for it (as net.channel's spin does where there are more processes than cores);
+    TimeoutError after `timeout_s` (a worker that died sends nothing more)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
             return sock.recv(65536)
         except BlockingIOError:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("a worker's partial did not come") from None
             os.sched_yield()
 
 
@@ -137,7 +146,7 @@ def run(nodes: int, rows: int, hidden: int, blocks: int, warmup: int) -> dict[st
             total[:1] += y[:1]
             computed = time.perf_counter()
             for _ in range(nodes):
-                _, payload = open_packet(_receive(master), key)
+                _, payload = open_packet(_receive(master, PARTIAL_TIMEOUT_S), key)
                 total += np.frombuffer(payload, np.float32)
             x = x + total - normed  # the residual, kept in range
             ended = time.perf_counter()
