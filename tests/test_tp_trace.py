@@ -34,7 +34,7 @@ def test_a_blocks_time_splits_into_the_legs_of_its_critical_path(tmp_path: Path)
     for trace in (master, n0, n1):
         trace.flush()
         assert not trace.events
-    legs = {leg.name: leg for leg in breakdown(tmp_path)}
+    legs = {leg.name: leg for leg in breakdown(tmp_path)[None]}
     expected = {"between blocks": 20, "master sends": 10, "master's own share": 100, "waiting on the nodes": 44,
                 "the master's share beyond the nodes'": 0, "master merges": 16, "block, send to merged": 170,
                 "input to the node": 15, "node picks it up": 5, "node kernel": 130, "node's partial to the master": 4}
@@ -60,11 +60,11 @@ def test_a_block_some_event_of_which_is_missing_or_out_of_order_is_left_out(tmp_
             node.add(Event.HANDLED, key, handled)
     master.flush()
     node.flush()
-    assert breakdown(tmp_path) == []
+    assert breakdown(tmp_path) == {None: []}
 
 
 def test_the_legs_of_one_kind_of_block_come_from_its_blocks_alone(tmp_path: Path) -> None:
-    """breakdown(kind=...): an attention block of 100 µs and an MLP block of 300 µs a step; each kind's legs are its
+    """breakdown by kind: an attention block of 100 µs and an MLP block of 300 µs a step; each kind's legs are its
     own blocks' (the block before an MLP block is an attention block all the same: "between blocks" counts from
     it), and the legs of every kind together mix them."""
     master, node = Trace(tmp_path / "master.jsonl", "master"), Trace(tmp_path / "n0.jsonl", "n0")
@@ -85,13 +85,14 @@ def test_the_legs_of_one_kind_of_block_come_from_its_blocks_alone(tmp_path: Path
             t += (50 + kernel) * us
     master.flush()
     node.flush()
-    attention = {leg.name: leg for leg in breakdown(tmp_path, kind=0)}
-    mlp = {leg.name: leg for leg in breakdown(tmp_path, kind=1)}
+    kinds = breakdown(tmp_path)
+    attention = {leg.name: leg for leg in kinds[0]}
+    mlp = {leg.name: leg for leg in kinds[1]}
     assert attention["node kernel"].median_us == pytest.approx(100)
     assert attention["block, send to merged"].median_us == pytest.approx(140)
     assert "between blocks" not in attention  # a step's first block has no block before it
     assert mlp["node kernel"].median_us == pytest.approx(300)
     assert mlp["between blocks"].median_us == pytest.approx(10)
-    both = {leg.name: leg for leg in breakdown(tmp_path)}
+    both = {leg.name: leg for leg in kinds[None]}
     assert both["node kernel"].mean_us == pytest.approx(200)
-    assert breakdown(tmp_path, kind=2) == []  # no LM head traced
+    assert 2 not in kinds  # no LM head traced

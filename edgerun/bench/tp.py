@@ -352,9 +352,9 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     devices: tuple[DeviceRun, ...] = ()
     if master.trace is not None:
         master.trace.flush()
-        legs = tuple(breakdown(master.config.trace_dir, master.exchange.session))
-        kind_legs = {name: of_kind for kind, name in BLOCK_KINDS.items()
-                     if (of_kind := tuple(breakdown(master.config.trace_dir, master.exchange.session, kind)))}
+        found = breakdown(master.config.trace_dir, master.exchange.session)
+        legs = tuple(found[None])
+        kind_legs = {name: tuple(found[kind]) for kind, name in BLOCK_KINDS.items() if kind in found}
     if reports:
         devices = _device_runs(master, reports)
     n = max(1, len(generated))

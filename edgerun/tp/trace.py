@@ -95,10 +95,11 @@ def _legs(m: dict[Event, float], node: dict[Event, float], arrived: float, befor
     return legs
 
 
-def breakdown(directory: Path, session: int | None = None, kind: int | None = None) -> list[Leg]:
+def breakdown(directory: Path, session: int | None = None) -> dict[int | None, list[Leg]]:
     """The legs of one-token blocks' critical paths over every trace file in `directory` (microseconds), of one
-    session (None: the master's last), of the blocks of one kind (a wire.Block value; None: every kind): only
-    blocks every event of which was recorded."""
+    session (None: the master's last): of each kind of block (by wire.Block value; a kind with no block recorded is
+    left out) and, under None, of every block together (there even when empty). Only blocks every event of which was
+    recorded."""
     records = [json.loads(line) for path in sorted(Path(directory).glob("*.jsonl"))
                for line in path.read_text().splitlines()]
     if session is None:  # the master's last
@@ -123,15 +124,13 @@ def breakdown(directory: Path, session: int | None = None, kind: int | None = No
     by_node: dict[tuple[int, BlockKey], dict[Event, float]] = {
         (index_of[p], key): events for (p, key), events in nodes.items() if p in index_of}
     ordered = sorted(master, key=lambda k: (k[0], k[1], k[3] == HEAD, k[2], k[3]))  # the head ends a step
-    samples: dict[str, list[float]] = {name: [] for name in LEGS}
+    samples: dict[int | None, dict[str, list[float]]] = {None: {name: [] for name in LEGS}}
     previous: dict[Event, float] | None = None
     previous_key: BlockKey = (-1, -1, -1, -1)
     for key in ordered:
         m, came = master[key], arrivals.get(key, {})
         before = previous.get(Event.MERGED) if previous is not None and previous_key[:2] == key[:2] else None
         previous, previous_key = m, key
-        if kind is not None and key[3] != kind:
-            continue
         if not came or any(e not in m for e in (Event.SEND, Event.SENT, Event.OWN, Event.MERGED)):
             continue
         last = max(came, key=came.get)
@@ -141,6 +140,9 @@ def breakdown(directory: Path, session: int | None = None, kind: int | None = No
         if not all(e in n for e in (Event.RECEIVED, Event.HANDLED, Event.COMPUTED)) or \
                 not n[Event.RECEIVED] <= n[Event.HANDLED] <= n[Event.COMPUTED]:
             continue
+        of_kind = samples.setdefault(key[3], {name: [] for name in LEGS})
         for name, value in _legs(m, n, came[last], before).items():
-            samples[name].append(value * 1e6)
-    return [Leg(name, statistics.median(v), statistics.fmean(v)) for name, v in samples.items() if v]
+            samples[None][name].append(value * 1e6)
+            of_kind[name].append(value * 1e6)
+    return {kind: [Leg(name, statistics.median(v), statistics.fmean(v)) for name, v in legs.items() if v]
+            for kind, legs in samples.items()}
