@@ -322,6 +322,42 @@ def test_a_prompt_block_marks_a_stream_that_sends_segments_again_lossy(tiny_spec
     assert not node.lossy and node.channel.sent == []
 
 
+def test_segments_sent_again_for_a_late_acknowledgement_are_not_loss() -> None:
+    """resent_segments: segments sent again less those the receiver reported it already had (DSACK), where the
+    kernel's tcp_info counts them; the plain count on a kernel whose tcp_info stops before. A real loopback stream
+    reads as data sent and nothing lost."""
+    import socket
+    import struct
+
+    from edgerun.net.channel import (
+        TCP_INFO_BYTES,
+        TCP_INFO_DATA_OUT_AT,
+        TCP_INFO_DSACK_AT,
+        TCP_INFO_DSACK_BYTES,
+        TCP_INFO_RESENT_AT,
+        resent_segments,
+    )
+
+    info = bytearray(TCP_INFO_DSACK_BYTES)
+    struct.pack_into("<I", info, TCP_INFO_DATA_OUT_AT, 500)
+    struct.pack_into("<I", info, TCP_INFO_RESENT_AT, 12)
+    struct.pack_into("<I", info, TCP_INFO_DSACK_AT, 9)
+    assert resent_segments(bytes(info)) == (500, 3)  # 9 of 12 arrived twice: 3 were lost
+    assert resent_segments(bytes(info[:TCP_INFO_BYTES])) == (500, 12)  # no DSACK count: every one
+    assert resent_segments(bytes(info[:TCP_INFO_BYTES - 1])) is None
+    struct.pack_into("<I", info, TCP_INFO_DSACK_AT, 20)  # never below none
+    assert resent_segments(bytes(info)) == (500, 0)
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        peer, _ = server.accept()
+        with peer:
+            for _ in range(20):
+                client.sendall(b"x" * 4000)
+                peer.recv(65536)
+            sent, lost = resent_segments(client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO,
+                                                           TCP_INFO_DSACK_BYTES))
+    assert sent >= 20 and lost == 0
+
+
 def test_a_prompt_copy_goes_only_where_the_link_carries_it_quickly() -> None:
     """SPARE_COPY_MAX_S: a second copy shares the link with the first. A 70-token vector of a 1B model (573 KB)
     crosses a 10 Gbit/s link in under half a millisecond (worth a copy against a retransmission timer) and a

@@ -42,15 +42,31 @@ T = TypeVar("T")
 # also what a lone lost segment waits before its tail-loss probe.
 TCP_RTO_MIN_US = 45
 KERNEL_RTO_MIN_MS = 200.0
-# struct tcp_info (linux/tcp.h): tcpi_total_retrans at byte 100, tcpi_data_segs_out at 156 (Linux 4.6+).
+# struct tcp_info (linux/tcp.h): tcpi_total_retrans at byte 100, tcpi_data_segs_out at 156 (Linux 4.6+),
+# tcpi_dsack_dups at 216 (Linux 5.0+).
 TCP_INFO_BYTES = 160
-TCP_INFO_RESENT = struct.Struct("<I")
-TCP_INFO_RESENT_AT, TCP_INFO_DATA_OUT_AT = 100, 156
+TCP_INFO_DSACK_BYTES = 220
+TCP_INFO_U32 = struct.Struct("<I")
+TCP_INFO_RESENT_AT, TCP_INFO_DATA_OUT_AT, TCP_INFO_DSACK_AT = 100, 156, 216
 IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux's value; Python's socket module does not export it
 MAX_UDP_PAYLOAD = 65507  # IPv4's largest datagram less its IP and UDP headers
 ETHERNET_UDP_PAYLOAD = 1472  # a 1500-byte Ethernet MTU less IPv4 and UDP headers
 # A control stream holds up to this many bytes of whole frames not yet taken before it stops reading its socket.
 STREAM_LIMIT = 16 << 20
+
+
+def resent_segments(info: bytes) -> tuple[int, int] | None:
+    """(data segments sent, segments sent again because one was lost) from a struct tcp_info; None if too short.
+    A segment sent again that the receiver already had comes back as a duplicate SACK (DSACK): it was sent again
+    because an acknowledgement was late, not because anything was lost, and is not counted where the kernel says
+    how many there were. On loopback every segment sent again was such a one (a busy receiver's late
+    acknowledgement past a lowered retransmission timeout), and counted as loss they marked a clean link lossy."""
+    if len(info) < TCP_INFO_BYTES:
+        return None
+    resent = TCP_INFO_U32.unpack_from(info, TCP_INFO_RESENT_AT)[0]
+    if len(info) >= TCP_INFO_DSACK_BYTES:
+        resent = max(0, resent - TCP_INFO_U32.unpack_from(info, TCP_INFO_DSACK_AT)[0])
+    return TCP_INFO_U32.unpack_from(info, TCP_INFO_DATA_OUT_AT)[0], resent
 
 
 def path_datagram_bytes(host: str, port: int) -> int:
@@ -331,19 +347,16 @@ class AsyncChannel:
         self._fileno = -1 if sock is None else sock.fileno()  # asked for every block: looked up once
 
     def segments(self) -> tuple[int, int] | None:
-        """(data segments sent, segments sent again) on this stream so far, as the kernel counts them; None where it
-        does not say (not Linux, or the stream is gone)."""
+        """(data segments sent, segments sent again for a loss) on this stream so far, as the kernel counts them
+        (resent_segments); None where it does not say (not Linux, or the stream is gone)."""
         sock = self.transport.get_extra_info("socket")
         if sock is None or not hasattr(socket, "TCP_INFO"):
             return None
         try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_DSACK_BYTES)
         except OSError:
             return None
-        if len(info) < TCP_INFO_BYTES:
-            return None
-        return (TCP_INFO_RESENT.unpack_from(info, TCP_INFO_DATA_OUT_AT)[0],
-                TCP_INFO_RESENT.unpack_from(info, TCP_INFO_RESENT_AT)[0])
+        return resent_segments(info)
 
     def set_rto_min(self, ms: float | None) -> bool:
         """Lower (or with None restore) this connection's minimum TCP retransmission timeout; False
