@@ -28,7 +28,7 @@ from edgerun.net.loss import parse_loss
 from edgerun.net.wire import Block, Codec, Header, MsgType, Resend, control_frame, derive_key, fragment, seal
 from edgerun.tp import messages
 from edgerun.tp.config import MasterConfig
-from edgerun.tp.master import Master
+from edgerun.tp.master import COLD_STEPS, Master, Rebalance, StepClock
 
 SECRET = "test-cluster"
 KEY = derive_key(SECRET)
@@ -267,7 +267,7 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
         master.fresh_reports()
         master.reconfigure(replace(master.config, strategy="halo"))
-        assert master.rebalance(min_gain=0.0)
+        assert master.rebalance(min_gain=0.0) is Rebalance.REPLANNED
         assert 0 < master.measured["n0"].speed < 1e11
         # The time per block beyond its kernels of the node that took part.
         assert 0 <= master.measured_sync["n0"] < 0.1
@@ -278,8 +278,32 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
         assert s.fold_s > 0 and s.account_s > 0
         assert master.send_s_per_node == pytest.approx((s.send_s + s.fold_s + s.account_s) / s.sends)
         assert n0_units(master) < before
-        assert not master.rebalance(min_gain=0.02)  # nothing measured since: the same speeds give the same shares
+        # The new split is on trial against the old one's measured steps; nothing measured since: the same speeds
+        # give the same shares, and the trial has no steps to judge.
+        replaced = master.trial.replaced
+        assert replaced.counts() != master.plan.counts() and 0 < master.trial.replaced_s < 10
+        assert master.rebalance(min_gain=0.02) is Rebalance.KEPT and master.trial is not None
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
+        # Judged on its own steps (N_TOKENS - 1 one-token steps, the first COLD_STEPS left out): had the old split
+        # run at a microsecond a step, the master goes back to it and does not try the new one again.
+        assert master.clock.steps == N_TOKENS - 1 - COLD_STEPS and master.clock.per_step() > 0
+        tried, trial = master.plan.counts(), master.trial
+        master.trial = replace(trial, replaced_s=1e3)  # had the old split been slower: the new one stays
+        assert master.rebalance(min_gain=0.0) is Rebalance.KEPT and master.trial is None
+        assert master.plan.counts() == tried
+        master.trial = replace(trial, replaced_s=1e-6)
+        assert master.rebalance(min_gain=0.0) is Rebalance.REVERTED
+        assert master.trial is None and master.plan.counts() == replaced.counts()
+        assert (master.plan.devices, tried) in master.rejected
+        assert master.clock == StepClock()  # the old split's steps are timed afresh
+        assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
+        # `edgerun serve` says which it was: a split on trial found slower is told with its figures.
+        from edgerun.serve.clusters import TensorParallel
+
+        master.trial = replace(trial, replaced_s=1e-6)
+        said = TensorParallel(master, None, print).rebalance()
+        assert said.endswith("back to the split before it") and "ms a step against 0.0" in said
+        assert not master.rebalance(min_gain=0.0) or master.plan.counts() != tried  # never the rejected split again
 
 
 @pytest.mark.slow
@@ -591,6 +615,13 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
                    {"legs": (), "devices": (), "kind_legs": {}})
     assert results[1]["traced"] and "no one-token block" in tp_table([tcp])
     assert "no one-token block" not in tp_table([replace(tcp, traced=False)])
+    # --no-rebalance: no trial; a rebalance's trial is told with its row, kept or not.
+    from edgerun.tp.master import TrialOutcome
+
+    assert results[0]["trial"] is None and "measured speeds called for" not in tp_table([tcp])
+    back = tp_table([replace(tcp, trial=TrialOutcome(0.0709, 0.0797, kept=False))])
+    assert "ran 79.7 ms a step against 70.9 on the split before it: back to the split before it" in back
+    assert tp_table([replace(tcp, trial=TrialOutcome(0.0709, 0.0650, kept=True))]).count("65.0 ms a step") == 1
     # The units each device holds (the plan's), which a row's speed depends on: every layer's are all placed.
     devices = results[0]["devices"]
     assert "attention units and" in traced.splitlines()[-1]

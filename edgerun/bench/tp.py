@@ -37,9 +37,9 @@ from edgerun.net.loss import Bernoulli, LossModel, NoLoss, parse_loss
 from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
-from edgerun.sched.tp_plan import TPPlan
+from edgerun.sched.tp_plan import TPPlan, plan_counts
 from edgerun.tp.config import OVERLAPS, MasterConfig, check_exchange
-from edgerun.tp.master import Master
+from edgerun.tp.master import Master, TrialOutcome
 from edgerun.tp.membership import NodeConn
 from edgerun.tp.trace import BLOCK_KINDS, Leg, breakdown
 
@@ -123,6 +123,8 @@ class TpResult:
     node_overhead_mb: float  # the most any node's peak RSS exceeds its share's weights and KV cache
     devices_used: int  # devices the plan gave units to, the master included (a planner may leave some out)
     rebalanced: bool  # the plan measured was made with the devices' measured speeds, after a warm-up
+    # The rebalance's trial of that plan against the one before it (Master.rebalance), if it made one.
+    trial: TrialOutcome | None = None
     decode_ms_per_token: float = float("nan")  # the one-token steps alone (ms_per_token has the prompt's prefill)
     single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
     speedup: float | None = None  # single_ms_per_token / ms_per_token
@@ -313,20 +315,35 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                 p.wait()
 
 
-def _rebalance(master: Master, model: Model) -> bool:
+def _rebalance(master: Master, model: Model) -> tuple[bool, TrialOutcome | None]:
     """Warm up on the plan made with the declared speeds until every device of it has measured its speed (at most
     REBALANCE_WARMUPS requests), then replan with those the devices showed, as `edgerun master` does between
-    requests; True if the plan changed. (A small model's share of a few milliseconds a token measures nothing in
-    one short request: the replan kept the declared speeds and a split slower than the master alone.)"""
+    requests, and run the new split until its trial ends (Master.rebalance: kept if faster, else the old split
+    again); whether the plan changed, and how the trial ended if there was one. (A small model's share of a few
+    milliseconds a token measures nothing in one short request: the replan kept the declared speeds and a split
+    slower than the master alone.)"""
     prompt = bench_prompt(model)
     used = [name for name, held in zip(master.plan.devices, master.plan.memory_bytes, strict=True) if held > 0]
     for _ in range(REBALANCE_WARMUPS):
-        master.generate(prompt, WARMUP_TOKENS * 2, Sampler(SamplingParams()))
-        master.fresh_reports()  # the nodes' measurements of those steps
+        _warm_up(master, prompt)
         master.take_measurements()
         if all(name in master.measured for name in used):
             break
-    return master.rebalance()
+    original, outcome = plan_counts(master.plan), master.last_trial
+    master.rebalance()
+    for _ in range(REBALANCE_WARMUPS):
+        if master.trial is None:
+            break
+        _warm_up(master, prompt)
+        master.rebalance()
+    # The outcome of a trial this call ran, not of one an earlier row of this cluster ran.
+    return plan_counts(master.plan) != original, None if master.last_trial is outcome else master.last_trial
+
+
+def _warm_up(master: Master, prompt: list[int]) -> None:
+    """One warm-up request, and the nodes' reports of it."""
+    master.generate(prompt, WARMUP_TOKENS * 2, Sampler(SamplingParams()))
+    master.fresh_reports()
 
 
 def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, loss: str,
@@ -502,7 +519,7 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                 # rebalanced: a row then differs from its neighbours by its loss rate alone. Replanned from each
                 # row's warm-up, rows of one rate on this 2-core machine ran on plans from the master alone to
                 # 424 of 862 MiB on the node, and the loss ratio measured the plans more than the loss.
-                first: dict[tuple[str, str], tuple[TPPlan, bool]] = {}
+                first: dict[tuple[str, str], tuple[TPPlan, bool, TrialOutcome | None]] = {}
                 for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
                     progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
                     master.reconfigure(replace(master.config, strategy=plan, transport=transport))
@@ -510,16 +527,18 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                     kept = first.get((plan, transport))
                     master.replan(None if kept is None else kept[0])  # before the loss: assignments travel clean
                     if kept is None:
-                        rebalanced = config.rebalance and nodes > 0 and _rebalance(master, model)
-                        first[(plan, transport)] = (master.plan, rebalanced)
+                        rebalanced, trial = _rebalance(master, model) if config.rebalance and nodes > 0 else \
+                            (False, None)
+                        first[(plan, transport)] = (master.plan, rebalanced, trial)
                     else:
-                        rebalanced = kept[1]
+                        rebalanced, trial = kept[1:]
                     # A row on a kept plan has no warm-ups before its loss, in which a spare stream reopened (after
                     # a tcp row closed it) had time to connect.
                     if not master.wait_for_spares():
                         progress("a node's spare stream did not open in time: its prompts cross on one stream")
                     with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
-                        results.append(_measure(master, model, config, nodes, loss, counters, rebalanced))
+                        results.append(replace(_measure(master, model, config, nodes, loss, counters, rebalanced),
+                                               trial=trial))
     return results
 
 
@@ -597,6 +616,8 @@ def tp_table(results: list[TpResult]) -> str:
         if r.prompt_inputs_doubled:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.prompt_inputs_doubled} prompt inputs "
                         "went to lossy nodes on both their streams")
+        if r.trial is not None:
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.trial.said()}")
         if r.devices:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: shares (MiB of weights, units, kernels "
                         "measured as speed + fixed cost a block): " + "; ".join(

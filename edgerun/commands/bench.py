@@ -328,8 +328,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
                    help="after a warm-up on the plan made with the declared speeds, replan with the speeds each "
                         "device's kernels showed when that is predicted at least 5%% faster, as `edgerun master` "
-                        "does between prompts; once per node count, plan and transport: with kernel or testbed loss, "
-                        "that first row's plan serves the later loss rates' rows too (default: on)")
+                        "does between prompts, then run the new split until its trial ends (kept only if its steps "
+                        "are faster than the old split's); once per node count, plan and transport: with kernel or "
+                        "testbed loss, that first row's plan serves the later loss rates' rows too (default: on)")
     p.add_argument("--pin", type=int, default=0, metavar="CORES",
                    help="give each device CORES cores of its own, as separate machines have: the master (and the "
                         "single engine) the first CORES, node i the next, wrapping around the cores this process may "

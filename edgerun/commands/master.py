@@ -199,7 +199,10 @@ def cmd_master(args: argparse.Namespace) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("master", help="run a model tensor-parallel over nodes (HALO)",
                        description="Wait for --expect nodes, plan who computes which attention units and MLP "
-                                   "neuron groups, then generate: from --prompt, or one prompt per line of stdin.")
+                                   "neuron groups, then generate: from --prompt, or one prompt per line of stdin. "
+                                   "Between prompts it replans when the speeds the devices showed call for shares "
+                                   "predicted at least 5% faster, and keeps the new shares only if their first "
+                                   "dozen one-token steps run faster than the old ones' did.")
     model_arg(p)
     p.add_argument("--plan", choices=(*PLANS, "moe"), default="halo", help="tensor-parallel planner; dp: pipeline "
                    "layer ranges over WebSocket workers and browser pages; moe: a mixture-of-experts model's experts "

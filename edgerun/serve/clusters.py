@@ -17,7 +17,7 @@ from edgerun.model.generate import EngineLost, Stepper, TokenStepper
 from edgerun.moe.hub import MoeHub
 from edgerun.pp.master import PipelineMaster
 from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
-from edgerun.tp.master import Master
+from edgerun.tp.master import Master, Rebalance
 
 
 class Cluster(Protocol):
@@ -34,7 +34,10 @@ class Cluster(Protocol):
         EdgerunError when no plan fits them."""
         ...
 
-    def rebalance(self) -> bool: ...
+    def rebalance(self) -> str | None:
+        """Between requests: new shares for the speeds the members showed, if they call for them; what changed, or
+        None."""
+        ...
 
     def on_lost(self, lost: EngineLost) -> None:
         """A member was lost mid-request (deploy() follows)."""
@@ -86,8 +89,13 @@ class TensorParallel:
             self.note(f"the plan file does not fit the nodes present ({e}): planning with --plan")
             return None
 
-    def rebalance(self) -> bool:
-        return self.master.rebalance()
+    def rebalance(self) -> str | None:
+        match self.master.rebalance():
+            case Rebalance.REPLANNED:
+                return "replanned on the speeds the devices showed"
+            case Rebalance.REVERTED:
+                return self.master.last_trial.said()
+        return None
 
     def on_lost(self, lost: EngineLost) -> None:
         """Nothing: the membership already marked the node dead, and deploy() plans without it."""
@@ -152,8 +160,8 @@ class Experts:
         held = ", ".join(f"{name} {len(placement.experts_of(name))}" for name in self.members())
         return f"experts over {held}", self.hub.probe_ms()
 
-    def rebalance(self) -> bool:
-        return False  # a join is placed at the next deploy; a loss is replicated again in the background
+    def rebalance(self) -> str | None:
+        return None  # a join is placed at the next deploy; a loss is replicated again in the background
 
     def on_lost(self, lost: EngineLost) -> None:
         """Nothing: the hub saw the worker leave; deploy() places its experts over the workers left."""
@@ -212,8 +220,8 @@ class Pipeline:
         stages = ", ".join(f"{s.worker} {s.first_layer}-{s.end_layer - 1}" for s in plan.stages)
         return f"pipeline over {stages}", plan.exec_s_per_token * 1e3
 
-    def rebalance(self) -> bool:
-        return False  # the pipeline master repartitions by itself between requests
+    def rebalance(self) -> str | None:
+        return None  # the pipeline master repartitions by itself between requests
 
     def on_lost(self, lost: EngineLost) -> None:
         self.pipeline.recover(lost)  # the pipeline goes Down; its next prefill replans

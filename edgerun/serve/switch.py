@@ -126,8 +126,8 @@ class EngineSwitch:
         members = self.members()
         if members != self.planned_for:
             self._plan(members)
-        elif self.mode == Mode.CLUSTER and self.cluster is not None and self.cluster.rebalance():
-            self.note("replanned on the speeds the devices showed")
+        elif self.mode == Mode.CLUSTER and self.cluster is not None and (changed := self.cluster.rebalance()):
+            self.note(changed)
         if self.prefer == Prefer.AUTO and self.mode == Mode.CLUSTER and self.single_ms is not None and \
                 self.measured_ms.get(Mode.CLUSTER, 0.0) > self.single_ms:
             self._set_mode(Mode.SINGLE, f"the cluster measured {self.measured_ms[Mode.CLUSTER]:.1f} ms/token, "

@@ -20,6 +20,8 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 from starlette.routing import BaseRoute
@@ -37,7 +39,7 @@ from edgerun.net.model_files import ModelServer, model_routes, model_sha256
 from edgerun.net.wire import Block, Header, MsgType, Resend, WireError
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import SEND_S_PER_NODE, Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
-from edgerun.sched.tp_plan import SyncModel, TPPlan, objective, plan_counts, plan_tp
+from edgerun.sched.tp_plan import SyncModel, TPPlan, UnitCounts, objective, plan_counts, plan_tp
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
@@ -50,6 +52,69 @@ from edgerun.tp.trace import Trace
 
 # A measured synchronization time stands for a node's whole exchange: the link's transfer term is left out.
 UNLIMITED_MBIT = 1e9
+
+# A deployment's first one-token steps run on shares just built (pages faulted in, sessions' first runs): they are
+# left out of the time that judges a replanned split against the one it replaced.
+COLD_STEPS = 2
+# A split that a rebalance put in place is judged once it has run this many one-token steps (beyond the cold ones),
+# against the mean step of the split it replaced (timed over at least as many). The devices' speeds measured on a
+# warm-up can mislead: on the device machine, 3 of 4 two-device benchmarks replanned from the even split to a
+# master-heavy one (486 MiB against 376) whose master then took 89-95 ms a token to the node's 75: 1.30-1.55x the
+# single engine where the even split ran at 1.66-1.74x.
+TRIAL_STEPS = 12
+
+
+@dataclass(frozen=True)
+class StepClock:
+    """The one-token steps a deployment ran, and their seconds, less its first COLD_STEPS."""
+
+    seen: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> StepClock:
+        if self.seen < COLD_STEPS:
+            return StepClock(self.seen + 1)
+        return StepClock(self.seen + 1, self.steps + 1, self.seconds + seconds)
+
+    def per_step(self, at_least: int = TRIAL_STEPS) -> float | None:
+        """Seconds a step once at least `at_least` were timed."""
+        return self.seconds / self.steps if self.steps >= at_least and self.steps else None
+
+
+class Rebalance(Enum):
+    """What Master.rebalance did; true when the shares changed."""
+
+    KEPT = "kept"  # the shares stay as they are
+    REPLANNED = "replanned"  # new shares from the measured speeds, on trial if the old ones were timed
+    REVERTED = "reverted"  # the split on trial ran slower: the one it replaced is back
+
+    def __bool__(self) -> bool:
+        return self is not Rebalance.KEPT
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A rebalance's split on trial: the plan it replaced and that plan's measured seconds per one-token step."""
+
+    replaced: TPPlan
+    replaced_s: float
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """How a trial ended: the replaced split's and the tried split's seconds per one-token step, and whether the
+    tried one stayed."""
+
+    replaced_s: float
+    tried_s: float
+    kept: bool
+
+    def said(self) -> str:
+        """The outcome in words, as the master logs it and `bench tp` and `serve` report it."""
+        return (f"the split the devices' measured speeds called for ran {self.tried_s * 1e3:.1f} ms a step against "
+                f"{self.replaced_s * 1e3:.1f} on the split before it: "
+                + ("kept" if self.kept else "back to the split before it"))
 
 
 def planned_compute(speed: float, send_s_per_node: float, measured: Measured | None) -> Compute:
@@ -117,6 +182,11 @@ class Master:
         self.measured: dict[str, Measured] = {}
         self.measured_sync: dict[str, float] = {}  # nodes' seconds per block beyond their kernels, by name
         self.own_decode = KernelFit()
+        self.clock = StepClock()  # the one-token steps of the current deployment
+        self.trial: Trial | None = None  # a rebalanced split being judged against the one it replaced
+        self.last_trial: TrialOutcome | None = None  # how the last one ended
+        # Splits a trial found slower than those they replaced, by devices and counts: not tried again.
+        self.rejected: set[tuple[tuple[str, ...], UnitCounts]] = set()
         self.server = self.net.run(self._listen(listener))
         self.port = self.server.sockets[0].getsockname()[1]
 
@@ -253,28 +323,52 @@ class Master:
         """Whether `plan` places exactly the master and these nodes, in this order."""
         return plan is not None and list(plan.devices) == ["master"] + [n.name for n in alive]
 
-    def rebalance(self, min_gain: float = 0.05) -> bool:
+    def rebalance(self, min_gain: float = 0.05) -> Rebalance:
         """Replan with the devices' measured speeds when that plan is at least `min_gain` faster than the current
-        shares at the same speeds (a device slower or faster than declared, or than the profile said). True when
-        it replanned. Call between requests: the nodes load their new shares."""
+        shares at the same speeds (a device slower or faster than declared, or than the profile said): REPLANNED.
+        Call between requests: the nodes load their new shares.
+        A replanned split is on trial until it has run TRIAL_STEPS one-token steps: then, if its steps took longer
+        than those of the split it replaced, the master goes back to that one (REVERTED) and never tries it again;
+        a split made from speeds that misled does not stay."""
         self.take_measurements()
         alive = self.membership.alive()
         if not self._made_for(self.plan, alive):
-            return False  # no plan yet, or the members changed: the next replan takes the speeds anyway
+            return Rebalance.KEPT  # no plan yet, or the members changed: the next replan takes the speeds anyway
+        if self.trial is not None:
+            return self._judge_trial()
         devices, profile = self._devices(alive), self.profile()
         now = objective(plan_counts(self.plan), devices, profile, SyncModel.STAR)
         try:
             better = plan_tp(profile, devices, self.config.strategy, sync=SyncModel.STAR)
         except ValueError:
-            return False
-        if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now:
-            return False
+            return Rebalance.KEPT
+        if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now or \
+                (better.devices, plan_counts(better)) in self.rejected:
+            return Rebalance.KEPT
         speeds = ", ".join(f"{d.name} {d.compute.weight_bytes_per_s / 1e9:.2f} GB/s + "
                            f"{d.compute.session_overhead_ms * 1e3:.0f} µs a block" for d in devices)
         self.log(f"measured speeds ({speeds}): replanning, {now * 1e3:.1f} -> {better.time_per_token_s * 1e3:.1f} "
                  "ms/token predicted")
+        replaced, replaced_s = self.plan, self.clock.per_step()
         self.replan(better)
-        return True
+        if replaced_s is not None:  # a split not timed yet has nothing to judge the new one against
+            self.trial = Trial(replaced, replaced_s)
+        return Rebalance.REPLANNED
+
+    def _judge_trial(self) -> Rebalance:
+        """The split on trial, once timed: kept if its steps are faster than the replaced split's, else replaced by
+        it again (REVERTED)."""
+        trial, now_s = self.trial, self.clock.per_step()
+        if now_s is None:
+            return Rebalance.KEPT
+        self.trial = None
+        self.last_trial = TrialOutcome(trial.replaced_s, now_s, now_s < trial.replaced_s)
+        self.log(self.last_trial.said())
+        if self.last_trial.kept:
+            return Rebalance.KEPT
+        self.rejected.add((self.plan.devices, plan_counts(self.plan)))
+        self.replan(trial.replaced)
+        return Rebalance.REVERTED
 
     def wait_for_spares(self, timeout_s: float = 10.0) -> bool:
         """Until every node of the plan has the spare stream its assignment asked for (--transport udp); False if one
@@ -321,6 +415,7 @@ class Master:
                     for n in alive])
         self.plan, self.own_priorities, self.deployed = plan, d.own_priorities, alive
         self.own_decode = KernelFit()
+        self.clock, self.trial = StepClock(), None
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
         self.shard = self.whole = None  # the old share goes before the new one is built
         for node, assign in zip(alive, d.assignments, strict=True):
@@ -460,7 +555,15 @@ class Master:
 
     async def _step(self, tokens: Sequence[int], top: int | None = None) -> np.ndarray:
         """The last token's logits; with `top`, only each node's `top` largest of its rows are filled in (the
-        others are minus infinity): what a sampler that draws from no more needs."""
+        others are minus infinity): what a sampler that draws from no more needs. One-token steps are timed
+        (StepClock: what judges a rebalanced split)."""
+        started = time.perf_counter()
+        logits = await self._compute_step(tokens, top)
+        if len(tokens) == 1:
+            self.clock = self.clock.add(time.perf_counter() - started)
+        return logits
+
+    async def _compute_step(self, tokens: Sequence[int], top: int | None) -> np.ndarray:
         if self.reset_pending:
             self._announce(top)
         elif self.exchange.head_top is not None and (top is None or top > self.exchange.head_top):
