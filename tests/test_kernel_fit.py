@@ -65,7 +65,7 @@ def test_plans_priced_at_the_fitted_speed_and_fixed_cost_are_priced_as_the_block
     the plans chosen are those the true costs choose, at their time, whether the synchronizations make splitting
     pay or not."""
     from edgerun.model.loader import load_model
-    from edgerun.sched.tp_plan import objective, plan_counts
+    from edgerun.sched.tp_plan import objective
 
     model = load_model(None)
     profile = model_profile(model.name, model.config, model.weights, context=256)
@@ -90,10 +90,10 @@ def test_plans_priced_at_the_fitted_speed_and_fixed_cost_are_priced_as_the_block
         truth = devices(Measured(speed, FIXED))
         plan = plan_tp(profile, devices(fitted), "halo", sync=SyncModel.STAR)
         assert plan.devices_used == plan_tp(profile, truth, "halo", sync=SyncModel.STAR).devices_used == used
-        took = objective(plan_counts(plan), truth, profile, SyncModel.STAR)
+        took = objective(plan.counts(), truth, profile, SyncModel.STAR)
         assert plan.time_per_token_s == pytest.approx(took, rel=0.03)
         ratio = devices(Measured(fit.bytes / fit.seconds, None))
-        assert objective(plan_counts(plan), ratio, profile, SyncModel.STAR) > 1.15 * took
+        assert objective(plan.counts(), ratio, profile, SyncModel.STAR) > 1.15 * took
 
 
 def test_measurements_that_agree_within_their_noise_are_pooled() -> None:

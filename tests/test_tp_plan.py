@@ -40,7 +40,6 @@ from edgerun.sched.tp_plan import (
     minmax_threshold,
     objective,
     partition_counts,
-    plan_counts,
     plan_tp,
     plr_mapping,
     ratio_counts,
@@ -307,7 +306,7 @@ def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count
     model = make_model(4, 4, 8, 4, 1.0, 1.0, 1.0, hidden=64)
     devices = [device(f"d{i}", 1.0, 100.0, rtt_ms=2.0 if i else 0.0, mbit=1000.0) for i in range(4)]
     free_links = [replace(d, link=Link(0.0, math.inf, math.inf, 0.0)) for d in devices]
-    counts = plan_counts(plan_tp(model, devices, "even"))  # every device the same share of every block
+    counts = plan_tp(model, devices, "even").counts()  # every device the same share of every block
     compute = objective(counts, free_links, model)
     t_c = sync_seconds(devices[1], model.hidden)
     session = devices[0].compute.session_overhead_ms / 1e3  # every device runs a session per block
@@ -322,7 +321,7 @@ def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count
     assert objective(counts, quick, model, SyncModel.STAR) == pytest.approx(compute + blocks * (session + 3 * 10e-6))
     # The master alone runs the whole model as one graph a token: one session and nothing else; a node alone still
     # pays its session and round trip every block.
-    alone = plan_counts(plan_tp(model, devices[:1], "even"))
+    alone = plan_tp(model, devices[:1], "even").counts()
     assert objective(alone, devices[:1], model, SyncModel.STAR) == \
         pytest.approx(objective(alone, devices[:1], model) + session)
     on_node = UnitCounts(tuple((0, *layer) for layer in alone.attn), tuple((0, *layer) for layer in alone.mlp),
@@ -345,7 +344,7 @@ def test_the_star_gives_the_master_less_to_compute_for_the_nodes_it_serves() -> 
         plan = plan_tp(model, devices, strategy, sync=SyncModel.STAR)
         for layer in plan.counts().mlp:
             assert layer[0] < min(layer[1:]), (strategy, layer)
-        assert plan.time_per_token_s < objective(plan_counts(plan_tp(model, devices, "minmax")), devices, model,
+        assert plan.time_per_token_s < objective(plan_tp(model, devices, "minmax").counts(), devices, model,
                                                  SyncModel.STAR)
 
 
@@ -487,16 +486,16 @@ def test_halo_lands_within_five_percent_of_the_ilp_on_the_reference_cluster() ->
 
 @pytest.mark.parametrize("strategy", ["halo", "minmax", "greedy"])
 def test_a_plans_counts_priced_again_give_its_own_prediction(tiny: ModelProfile, strategy: str) -> None:
-    """plan_counts recovers what objective priced: how a master compares its current shares with a new plan
+    """TPPlan.counts recovers what objective priced: how a master compares its current shares with a new plan
     under measured speeds (Master.rebalance)."""
     devices = tiny_devices(tiny)
     plan = plan_tp(tiny, devices, strategy)
-    assert objective(plan_counts(plan), devices, tiny) == pytest.approx(plan.time_per_token_s)
+    assert objective(plan.counts(), devices, tiny) == pytest.approx(plan.time_per_token_s)
     # Under other speeds the same shares cost what the objective says, and a new plan is no worse.
     slower = [replace(d, compute=replace(d.compute, weight_bytes_per_s=d.compute.weight_bytes_per_s / (i + 1)))
               for i, d in enumerate(devices)]
     replanned = plan_tp(tiny, slower, strategy)
-    assert replanned.time_per_token_s <= objective(plan_counts(plan), slower, tiny) * (1 + 1e-9)
+    assert replanned.time_per_token_s <= objective(plan.counts(), slower, tiny) * (1 + 1e-9)
 
 
 def test_halo_and_the_ilp_leave_every_node_out_where_one_graph_on_the_master_is_faster() -> None:

@@ -37,7 +37,7 @@ from edgerun.net.loss import Bernoulli, LossModel, NoLoss, parse_loss
 from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
-from edgerun.sched.tp_plan import TPPlan, plan_counts
+from edgerun.sched.tp_plan import TPPlan
 from edgerun.tp.config import OVERLAPS, MasterConfig, check_exchange
 from edgerun.tp.master import Master, TrialOutcome
 from edgerun.tp.membership import NodeConn
@@ -329,7 +329,7 @@ def _rebalance(master: Master, model: Model) -> tuple[bool, TrialOutcome | None]
         master.take_measurements()
         if all(name in master.measured for name in used):
             break
-    original, outcome = plan_counts(master.plan), master.last_trial
+    original, outcome = master.plan.counts(), master.last_trial
     master.rebalance()
     for _ in range(REBALANCE_WARMUPS):
         if master.trial is None:
@@ -337,7 +337,7 @@ def _rebalance(master: Master, model: Model) -> tuple[bool, TrialOutcome | None]
         _warm_up(master, prompt)
         master.rebalance()
     # The outcome of a trial this call ran, not of one an earlier row of this cluster ran.
-    return plan_counts(master.plan) != original, None if master.last_trial is outcome else master.last_trial
+    return master.plan.counts() != original, None if master.last_trial is outcome else master.last_trial
 
 
 def _warm_up(master: Master, prompt: list[int]) -> None:

@@ -96,6 +96,7 @@ class TPPlan:
         return sum(m > 0 for m in self.memory_bytes)
 
     def counts(self) -> UnitCounts:
+        """How many units of each type the plan gives every device (what `objective` prices)."""
         return UnitCounts(
             attn=tuple(tuple(len(s) for s in layer) for layer in self.attn),
             mlp=tuple(tuple(len(s) for s in layer) for layer in self.mlp),
@@ -811,13 +812,6 @@ def refine_counts(counts: UnitCounts, model: ModelProfile, devices: list[DeviceP
         best_time, best = min(trials, key=lambda x: x[0])
         counts = best
     return best
-
-
-def plan_counts(plan: TPPlan) -> UnitCounts:
-    """How many units of each type a plan gives every device (what `objective` prices)."""
-    return UnitCounts(attn=tuple(tuple(len(units) for units in layer) for layer in plan.attn),
-                      mlp=tuple(tuple(len(units) for units in layer) for layer in plan.mlp),
-                      vocab=tuple(len(blocks) for blocks in plan.vocab))
 
 
 def _or_alone(counts: UnitCounts, model: ModelProfile, devices: list[DeviceProfile]) -> UnitCounts:

@@ -39,7 +39,7 @@ from edgerun.net.model_files import ModelServer, model_routes, model_sha256
 from edgerun.net.wire import Block, Header, MsgType, Resend, WireError
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import SEND_S_PER_NODE, Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
-from edgerun.sched.tp_plan import SyncModel, TPPlan, UnitCounts, objective, plan_counts, plan_tp
+from edgerun.sched.tp_plan import SyncModel, TPPlan, UnitCounts, objective, plan_tp
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
@@ -316,7 +316,7 @@ class Master:
         alive = self.membership.alive()
         if self.plan is None or not self._made_for(self.plan, alive):
             raise EdgerunError("no plan over the devices present")
-        return objective(plan_counts(self.plan), self._devices(alive), self.profile(), self.plan.sync)
+        return objective(self.plan.counts(), self._devices(alive), self.profile(), self.plan.sync)
 
     @staticmethod
     def _made_for(plan: TPPlan | None, alive: list[NodeConn]) -> bool:
@@ -337,13 +337,13 @@ class Master:
         if self.trial is not None:
             return self._judge_trial()
         devices, profile = self._devices(alive), self.profile()
-        now = objective(plan_counts(self.plan), devices, profile, SyncModel.STAR)
+        now = objective(self.plan.counts(), devices, profile, SyncModel.STAR)
         try:
             better = plan_tp(profile, devices, self.config.strategy, sync=SyncModel.STAR)
         except ValueError:
             return Rebalance.KEPT
         if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now or \
-                (better.devices, plan_counts(better)) in self.rejected:
+                (better.devices, better.counts()) in self.rejected:
             return Rebalance.KEPT
         speeds = ", ".join(f"{d.name} {d.compute.weight_bytes_per_s / 1e9:.2f} GB/s + "
                            f"{d.compute.session_overhead_ms * 1e3:.0f} µs a block" for d in devices)
@@ -366,7 +366,7 @@ class Master:
         self.log(self.last_trial.said())
         if self.last_trial.kept:
             return Rebalance.KEPT
-        self.rejected.add((self.plan.devices, plan_counts(self.plan)))
+        self.rejected.add((self.plan.devices, self.plan.counts()))
         self.replan(trial.replaced)
         return Rebalance.REVERTED
 
