@@ -30,6 +30,9 @@ def cmd_model_synth(args: argparse.Namespace) -> None:
 
     if args.quant not in WRITABLE_QTYPES:
         raise EdgerunError(f"unknown quant type {args.quant} (choose from {', '.join(WRITABLE_QTYPES)})")
+    if args.embedding_quant is not None and args.embedding_quant not in WRITABLE_QTYPES:
+        raise EdgerunError(f"unknown --embedding-quant {args.embedding_quant} (choose from "
+                           f"{', '.join(WRITABLE_QTYPES)})")
     if args.format == "hf" and args.quant not in ("F32", "F16", "BF16"):
         raise EdgerunError("a Hugging Face directory holds F32, F16 or BF16 weights; use --format gguf to quantize")
     try:
@@ -40,7 +43,7 @@ def cmd_model_synth(args: argparse.Namespace) -> None:
                               shared_expert_ffn=args.shared_expert_ffn, **arch_traits(args.arch))
         if config.architecture == "qwen2moe" and not config.shared_expert_ffn:  # its shared expert: twice an expert
             config = replace(config, shared_expert_ffn=2 * config.expert_ffn)
-        spec = SynthSpec(config, args.quant, args.seed)
+        spec = SynthSpec(config, args.quant, args.seed, embedding_qtype=args.embedding_quant)
         print(f"writing {config.n_params() / 1e9:.2f}B-parameter {config.architecture} model ({args.quant}) "
               f"to {args.out}", file=sys.stderr)
         write_synthetic(spec, args.out, args.format)
@@ -105,6 +108,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the embedding")
     p.add_argument("--quant", default="Q4_0", help="F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K "
                    "(default: Q4_0)")
+    p.add_argument("--embedding-quant", default=None, help="the embedding's (and a tied LM head's) type, from "
+                   "--quant's choices (default: Q8_0 for 4-bit --quant, as llama.cpp's quantizer keeps it; else "
+                   "--quant's)")
     p.add_argument("--format", choices=("gguf", "hf"), default="gguf",
                    help="gguf file (default) or Hugging Face directory (float types only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")

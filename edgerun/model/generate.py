@@ -19,9 +19,12 @@ if TYPE_CHECKING:  # the GGUF reader and the numpy model load with a model, not 
     from edgerun.model.loader import Model
     from edgerun.model.reference import KVCache
 
-# "onnx" quantizes activations to int8 inside MatMulNBits (Activations.INT8: fast, close to but not bit-close to
-# numpy); "onnx-f32" keeps them float32 (what the numpy reference computes, to rounding).
-ENGINES = ("numpy", "onnx", "onnx-f32")
+# "ggml" computes on llama.cpp's kernel library, the file's blocks as stored and activations quantized per block as
+# llama.cpp quantizes them (its answers are llama.cpp's); "onnx" quantizes activations to int8 inside MatMulNBits
+# (Activations.INT8: fast, close to but not bit-close to numpy); "onnx-f32" keeps them float32 (what the numpy
+# reference computes, to rounding).
+ENGINES = ("ggml", "numpy", "onnx", "onnx-f32")
+DEFAULT_ENGINE = "ggml"
 
 
 class Stepper(Protocol):
@@ -89,6 +92,10 @@ class ReferenceEngine:
 def make_engine(kind: str, model: Model, max_len: int, threads: int | None = None) -> Engine:
     if kind == "numpy":
         return ReferenceEngine(model, max_len)
+    if kind == "ggml":
+        from edgerun.model.ggml_engine import GgmlEngine
+
+        return GgmlEngine(model, max_len, threads=threads)
     if kind in ("onnx", "onnx-f32"):
         from edgerun.model.onnx_engine import OnnxEngine
         from edgerun.model.onnx_graph import Activations

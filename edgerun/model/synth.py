@@ -50,6 +50,11 @@ class SynthSpec:
     qtype: str = "Q4_0"
     seed: int = 0
     std: float = 0.02  # weight scale, as in common initializations
+    embedding_qtype: str | None = None  # None: as llama.cpp's quantizer picks for `qtype` (Q8_0 for 4-bit ones)
+
+    @property
+    def embedding(self) -> str:
+        return self.embedding_qtype or _embedding_qtype(self.qtype)
 
 
 def byte_symbols() -> list[str]:
@@ -115,7 +120,7 @@ def synth_weights(spec: SynthSpec) -> ModelWeights:
 
     layers = tuple(layer() for _ in range(c.n_layers))
     # Embeddings scaled up so that random logits are not flat.
-    embd = quantize(rng.standard_normal((c.vocab_size, c.hidden), dtype=np.float32), _embedding_qtype(spec.qtype))
+    embd = quantize(rng.standard_normal((c.vocab_size, c.hidden), dtype=np.float32), spec.embedding)
     output = embd if c.tied_embeddings else matrix(c.vocab_size, c.hidden)
     return ModelWeights(token_embd=embd, layers=layers, output_norm=norm(c.hidden), output=output)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -145,6 +146,12 @@ class _Wait:
     asked: set[int] = field(default_factory=set)
     retry_at: float | None = None
     late: set[int] = field(default_factory=set)  # in `arrived`, but whole only after the block was merged
+    folded: int = 0  # how many of `order` the sum has passed (added, or skipped as missing)
+
+    @functools.cached_property
+    def order(self) -> list[int]:
+        """The participants in the order their partials are added: by node index, the same in every run."""
+        return sorted(self.parts)
 
     def arrive(self, index: int, at: float | None = None) -> None:
         """A participant's reply is whole: it came at `at` (perf_counter time; now if not known)."""
@@ -281,8 +288,7 @@ class BlockExchange:
         self.settle()
         if block != Block.HEAD:
             w.own = out
-            for index in w.arrived:
-                self._fold(w, index)
+            self._fold_ready(w)
         if while_waiting is not None:
             while_waiting()
         await self._wait(w, nodes, reliable, over_udp)
@@ -298,10 +304,23 @@ class BlockExchange:
             self.settle()  # the step's last block: counted before the step returns
             return self._assemble_logits(out, nodes, w.parts)
         # A partial that did not come whole adds what of it came (a lossy block's missing fragments are zeros).
-        for index, part in w.parts.items():
-            if part is not None and index not in w.arrived:
-                self._fold(w, index)
+        self._fold_ready(w, final=True)
         return out if w.total is None else w.total
+
+    def _fold_ready(self, w: _Wait, final: bool = False) -> None:
+        """Add partials into the sum in the participants' order, never in arrival order: float addition is not
+        associative, and a sum that followed arrivals gave the same request other tokens from run to run. Those
+        that came before the first still missing are added at once (while the others compute); `final` adds the
+        rest, what came of each, and skips the ones of which nothing came."""
+        order = w.order
+        while w.folded < len(order):
+            index = order[w.folded]
+            if index not in w.arrived and (not final or w.parts[index] is None):
+                if not final:
+                    return
+            else:
+                self._fold(w, index)
+            w.folded += 1
 
     def _fold(self, w: _Wait, index: int) -> None:
         """Add a node's partial into the block's output. The first makes the sum a new array (the master's
@@ -499,7 +518,7 @@ class BlockExchange:
             w.parts[node.index] = np.frombuffer(message.vector, "<f4")  # read-only, as a datagram's: only read
             w.arrive(node.index)
             if w.own is not None:
-                self._fold(w, node.index)
+                self._fold_ready(w)
         elif not self._mirror_copy(key, node.index):
             self.stats.late_packets += 1
 
@@ -519,13 +538,13 @@ class BlockExchange:
                     w.from_parity += is_parity(header)
                     w.arrive(header.node, self.datagrams.arrived_at)
                     if w.own is not None:
-                        self._fold(w, header.node)
+                        self._fold_ready(w)
                     return
                 target = w.parts[header.node] = Reassembly(w.sizes[header.node], w.nodes[header.node].datagram_bytes)
             if isinstance(target, Reassembly) and add_fragment(target, header, payload, self.counters):
                 w.arrive(header.node, self.datagrams.arrived_at)
                 if w.own is not None:
-                    self._fold(w, header.node)
+                    self._fold_ready(w)
                 self.stats.completed_after_ask += header.node in w.asked
             elif w.mirror and is_parity(header) and isinstance(target, Reassembly) and \
                     header.node not in w.asked:

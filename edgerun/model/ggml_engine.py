@@ -1,0 +1,208 @@
+"""Single-node generation on ggml, llama.cpp's kernel library: the file's blocks computed as stored.
+
+ggml comes from the `ggml-python` package, which builds it for this machine's CPU at install. The weights go
+into ggml buffers in their GGUF types (Q4_0 and Q4_K rows that the CPU's repacked kernels take are interleaved
+for them, as llama.cpp does); every matrix product quantizes its activations per block exactly as llama.cpp's
+CPU backend does, attention runs ggml's flash attention over an F16 KV cache, as llama.cpp's default. The graph
+of a decode step depends only on how many cache rows it reads (a multiple of KV_STEP), so it is built once per
+such length and run again with new inputs: a step costs one native call beside its four small inputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.model.config import ModelConfig
+from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ggml
+from edgerun.model.loader import Model
+from edgerun.model.quant import QuantTensor
+
+# The attention of a step reads the cache in whole multiples of this many rows (the rest masked), so one decode
+# graph serves KV_STEP consecutive positions (llama.cpp pads its cache view the same way).
+KV_STEP = 256
+# Nodes in one step's graph: a Llama layer takes about 30; MoE layers are not built here.
+GRAPH_NODES_PER_LAYER = 48
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    attn_norm: int
+    wq: int
+    wk: int
+    wv: int
+    wo: int
+    bq: int | None
+    bk: int | None
+    bv: int | None
+    q_norm: int | None
+    k_norm: int | None
+    ffn_norm: int
+    w_gate: int
+    w_up: int
+    w_down: int
+    k_cache: int
+    v_cache: int
+
+
+def check_supported(model: Model) -> None:
+    """Refuse, in one line, a model this engine does not build (the caller picks another engine)."""
+    config = model.config
+    if config.is_moe:
+        raise EdgerunError("the ggml engine runs dense models; a mixture-of-experts model takes --engine onnx")
+    if any(layer.lora for layer in model.weights.layers):
+        raise EdgerunError("the ggml engine does not apply LoRA adapters; take --engine onnx")
+
+
+class GgmlEngine:
+    """The whole model on ggml's CPU backend, one graph per step."""
+
+    name = "ggml"
+
+    def __init__(self, model: Model, max_len: int, threads: int | None = None) -> None:
+        check_supported(model)
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.max_len = max_len
+        self.backend = GgmlBackend(threads)
+        c = self.config
+        w = model.weights
+        self.weights = self.backend.weights()
+        add = self.weights.add
+        # Embedding rows are looked up in numpy from the file's pages (a few rows a step): the table lives in ggml
+        # only as the LM head, so a tied head is repacked for the product without a second copy for the lookup.
+        self.output = add("output", w.output)
+        self.output_norm = add("output_norm", w.output_norm)
+        self.layers: list[LayerTensors] = []
+        for i, layer in enumerate(w.layers):
+            def opt(name: str, value: np.ndarray | None, i: int = i) -> int | None:
+                return None if value is None else add(f"blk.{i}.{name}", value)
+
+            self.layers.append(LayerTensors(
+                attn_norm=add(f"blk.{i}.attn_norm", layer.attn_norm),
+                wq=add(f"blk.{i}.wq", layer.wq), wk=add(f"blk.{i}.wk", layer.wk), wv=add(f"blk.{i}.wv", layer.wv),
+                wo=add(f"blk.{i}.wo", layer.wo),
+                bq=opt("bq", layer.bq), bk=opt("bk", layer.bk), bv=opt("bv", layer.bv),
+                q_norm=opt("q_norm", layer.q_norm), k_norm=opt("k_norm", layer.k_norm),
+                ffn_norm=add(f"blk.{i}.ffn_norm", layer.ffn_norm),
+                w_gate=add(f"blk.{i}.w_gate", layer.w_gate), w_up=add(f"blk.{i}.w_up", layer.w_up),
+                w_down=add(f"blk.{i}.w_down", layer.w_down),
+                k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
+                v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len)))
+        self.weights.upload()
+        self.weight_bytes = w.matrix_bytes()
+        self.position = 0
+        self._graphs: dict[tuple[int, int], StepGraph] = {}
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def release(self) -> None:
+        """Nothing to let go of between requests."""
+
+    def step(self, tokens: Sequence[int]) -> np.ndarray:
+        """Run tokens after those already seen; return the last token's logits, (vocab,)."""
+        n = len(tokens)
+        if n < 1:
+            raise EdgerunError("a step needs at least one token")
+        start = self.position
+        if start + n > self.max_len:
+            raise EdgerunError(f"the context holds {self.max_len} tokens; this step would reach {start + n}")
+        n_kv = min(self.max_len, -(-(start + n) // KV_STEP) * KV_STEP)
+        key = (n, n_kv)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = StepGraph(self, n, n_kv)
+            if n == 1:  # prompts come in every length: only decode graphs are worth keeping
+                self._graphs[key] = graph
+        embd = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+        logits = graph.run(np.ascontiguousarray(embd, np.float32), start)
+        self.position = start + n
+        return logits
+
+
+class StepGraph:
+    """One step's graph over n tokens reading n_kv cache rows, allocated once and run with new inputs."""
+
+    def __init__(self, engine: GgmlEngine, n: int, n_kv: int) -> None:
+        c = engine.config
+        self.n, self.n_kv = n, n_kv
+        self.gc = GraphContext(engine.backend, c.n_layers * GRAPH_NODES_PER_LAYER + 64)
+        ctx = self.gc.ctx
+        t = engine.weights.tensor
+        self.embd = self.gc.input(ggml.GGML_TYPE_F32, c.hidden, n)
+        self.pos = self.gc.input(ggml.GGML_TYPE_I32, n)
+        self.rows = self.gc.input(ggml.GGML_TYPE_I64, n)  # cache rows this step writes
+        self.mask = self.gc.input(ggml.GGML_TYPE_F16, n_kv, n)
+        hd, eps = c.head_dim, c.norm_eps
+        scale = 1.0 / float(np.sqrt(hd))
+        x = self.embd
+        for layer in engine.layers:
+            h = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), t(layer.attn_norm))
+            q = self._linear(ctx, t(layer.wq), h, layer.bq, t)
+            k = self._linear(ctx, t(layer.wk), h, layer.bk, t)
+            v = self._linear(ctx, t(layer.wv), h, layer.bv, t)
+            q = ggml.ggml_reshape_3d(ctx, q, hd, c.n_heads, n)
+            k = ggml.ggml_reshape_3d(ctx, k, hd, c.n_kv_heads, n)
+            if layer.q_norm is not None:
+                q = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, q, eps), t(layer.q_norm))
+                k = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, k, eps), t(layer.k_norm))
+            # Q and K rows are in Hugging Face order (pairs i, i + head_dim/2): NEOX rotation
+            q = ggml.ggml_rope_ext(ctx, q, self.pos, None, hd, ggml.GGML_ROPE_TYPE_NEOX, c.context_length,
+                                   c.rope_base, 1.0, 0.0, 1.0, 0.0, 0.0)
+            k = ggml.ggml_rope_ext(ctx, k, self.pos, None, hd, ggml.GGML_ROPE_TYPE_NEOX, c.context_length,
+                                   c.rope_base, 1.0, 0.0, 1.0, 0.0, 0.0)
+            kc, vc = t(layer.k_cache), t(layer.v_cache)
+            self.gc.expand(ggml.ggml_set_rows(ctx, kc, ggml.ggml_reshape_2d(ctx, k, c.kv_dim, n), self.rows))
+            self.gc.expand(ggml.ggml_set_rows(ctx, vc, v, self.rows))
+            row = kc.contents.nb[1]
+            head = ggml.ggml_row_size(ggml.GGML_TYPE_F16, hd)
+            kv = ggml.ggml_permute(ctx, ggml.ggml_view_3d(ctx, kc, hd, c.n_kv_heads, n_kv, head, row, 0), 0, 2, 1, 3)
+            vv = ggml.ggml_permute(ctx, ggml.ggml_view_3d(ctx, vc, hd, c.n_kv_heads, n_kv, head, row, 0), 0, 2, 1, 3)
+            a = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3), kv, vv, self.mask, scale,
+                                         0.0, 0.0)
+            ggml.ggml_flash_attn_ext_set_prec(a, ggml.GGML_PREC_F32)
+            a = ggml.ggml_reshape_2d(ctx, a, c.q_dim, n)
+            x = ggml.ggml_add(ctx, x, ggml.ggml_mul_mat(ctx, t(layer.wo), a))
+            h = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), t(layer.ffn_norm))
+            g = ggml.ggml_mul_mat(ctx, t(layer.w_gate), h)
+            u = ggml.ggml_mul_mat(ctx, t(layer.w_up), h)
+            x = ggml.ggml_add(ctx, x, ggml.ggml_mul_mat(ctx, t(layer.w_down), ggml.ggml_swiglu_split(ctx, g, u)))
+        last = ggml.ggml_view_2d(ctx, x, c.hidden, 1, x.contents.nb[1], (n - 1) * x.contents.nb[1])
+        h = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, last, eps), t(engine.output_norm))
+        self.logits = ggml.ggml_mul_mat(ctx, t(engine.output), h)
+        self.gc.expand(self.logits)
+        self.gc.allocate()
+        self.vocab = c.vocab_size
+        self._mask = np.zeros((n, n_kv), np.float16)
+
+    @staticmethod
+    def _linear(ctx: ggml.ggml_context_p, w: ggml.ggml_tensor_p, x: ggml.ggml_tensor_p, bias: int | None,
+                t) -> ggml.ggml_tensor_p:
+        y = ggml.ggml_mul_mat(ctx, w, x)
+        return y if bias is None else ggml.ggml_add(ctx, y, t(bias))
+
+    def run(self, embd: np.ndarray, start: int) -> np.ndarray:
+        n = self.n
+        pos = np.arange(start, start + n, dtype=np.int32)
+        self.gc.set(self.embd, embd)
+        self.gc.set(self.pos, pos)
+        self.gc.set(self.rows, pos.astype(np.int64))
+        # causal: row i sees cache rows 0..start+i
+        mask = self._mask
+        mask[:] = -np.inf
+        for i in range(n):
+            mask[i, : start + i + 1] = 0
+        self.gc.set(self.mask, mask)
+        self.gc.compute()
+        out = np.empty(self.vocab, np.float32)
+        ggml.ggml_backend_tensor_get(self.logits, out.ctypes.data_as(ctypes.c_void_p), 0, out.nbytes)
+        return out
+
+
+def quant_tensor_bytes(q: QuantTensor) -> np.ndarray:
+    return np.ascontiguousarray(q.raw)
