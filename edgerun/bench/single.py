@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edgerun.model.generate import GenerationResult, generate, make_engine
+from edgerun.model.generate import GenerationResult, default_engine, generate, make_engine
 from edgerun.model.loader import Model, load_model
-from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.profile.memory import memory_read_bandwidth, peak_rss_mb
@@ -130,9 +129,10 @@ class RequestTiming:
 
 def cluster_baseline(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,
                      max_len: int, warmup: int) -> RequestTiming:
-    """The single-process onnx engine timed as the cluster benchmarks (bench tp, bench pp) time their clusters: a
-    warm-up request of `warmup` tokens, then one of `tokens`, prefill included."""
-    engine = OnnxEngine(model, max_len, threads=threads, activations=activations)
+    """The single-process engine a user would run alone (default_engine: ggml, llama.cpp's kernels, with int8
+    activations) timed as the cluster benchmarks (bench tp, bench pp) time their clusters: a warm-up request of
+    `warmup` tokens, then one of `tokens`, prefill included."""
+    engine = make_engine(default_engine(model, activations == Activations.F32), model, max_len, threads=threads)
     greedy = Sampler(SamplingParams())
     generate(engine, prompt, warmup, greedy)
     start = time.perf_counter()
@@ -142,7 +142,7 @@ def cluster_baseline(model: Model, prompt: list[int], tokens: int, threads: int,
 
 def cluster_baseline_ms(model: Model, prompt: list[int], tokens: int, threads: int, activations: Activations,
                         max_len: int, warmup: int) -> float:
-    """ms per output token of the single-process onnx engine, prefill included (see cluster_baseline)."""
+    """ms per output token of the single-process engine, prefill included (see cluster_baseline)."""
     return cluster_baseline(model, prompt, tokens, threads, activations, max_len, warmup).ms_per_token
 
 

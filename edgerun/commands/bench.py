@@ -201,8 +201,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "per engine, beside this machine's memory-read bandwidth measured in the "
                                      "same run with the same thread count.")
     model_arg(p)
-    p.add_argument("--engines", default="onnx,numpy", help=f"comma-separated, from {', '.join(ENGINES)} "
-                   "(default: onnx,numpy)")
+    p.add_argument("--engines", default="ggml,onnx", help=f"comma-separated, from {', '.join(ENGINES)} "
+                   "(default: ggml,onnx)")
     threads_arg(p)
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length timed as prefill (default: 64)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens timed as decode (default: 32)")

@@ -15,7 +15,7 @@ from edgerun.commands.common import model_arg, threads_arg
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from edgerun.model.generate import generate, make_engine
+    from edgerun.model.generate import default_engine, generate, make_engine
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler, SamplingParams
 
@@ -48,6 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise EdgerunError(f"prompt ({len(prompt)} tokens) plus --max-tokens {args.max_tokens} exceeds the model's "
                            f"context of {model.config.context_length} tokens")
     max_len = len(prompt) + args.max_tokens + 1
+    args.engine = args.engine or default_engine(model)
     engine = make_engine(args.engine, model, max_len, threads=args.threads)
     stream = tok.stream_decoder()
 
@@ -86,10 +87,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a random one)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat (default: the template's own)")
-    p.add_argument("--engine", choices=ENGINES, default="onnx",
-                   help="onnx: onnxruntime with int8 activations in the quantized products, as llama.cpp (the "
-                        "fastest); onnx-f32: float32 activations (3-4x slower, the reference's numbers to rounding); "
-                        "numpy: the reference forward pass (default: onnx)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="ggml: llama.cpp's kernels on the file's blocks as stored, activations quantized as "
+                        "llama.cpp quantizes them (its answers; dense models without adapters); onnx: onnxruntime "
+                        "with int8 activations; onnx-f32: float32 activations (3-4x slower, the reference's numbers "
+                        "to rounding); numpy: the reference forward pass (default: ggml, or onnx where ggml does not "
+                        "run the model: mixtures of experts, --adapter)")
     threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="do not print speed on stderr")
     p.set_defaults(func=cmd_generate)

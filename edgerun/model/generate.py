@@ -89,6 +89,16 @@ class ReferenceEngine:
         return self.reference.forward(tokens, self.cache)
 
 
+def default_engine(model: Model, activations_f32: bool = False) -> str:
+    """The fastest engine that runs this model with these activations: ggml, except where it does not build
+    the model (mixtures of experts, LoRA adapters) or float32 activations are asked for (onnx-f32)."""
+    if activations_f32:
+        return "onnx-f32"
+    from edgerun.model.ggml_engine import unsupported
+
+    return "onnx" if unsupported(model) else "ggml"
+
+
 def make_engine(kind: str, model: Model, max_len: int, threads: int | None = None) -> Engine:
     if kind == "numpy":
         return ReferenceEngine(model, max_len)

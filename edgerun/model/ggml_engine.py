@@ -49,13 +49,20 @@ class LayerTensors:
     v_cache: int
 
 
+def unsupported(model: Model) -> str | None:
+    """Why this engine does not build a model, or None when it does."""
+    if model.config.is_moe:
+        return "the ggml engine runs dense models; a mixture-of-experts model takes --engine onnx"
+    if any(layer.lora for layer in model.weights.layers):
+        return "the ggml engine does not apply LoRA adapters; take --engine onnx"
+    return None
+
+
 def check_supported(model: Model) -> None:
     """Refuse, in one line, a model this engine does not build (the caller picks another engine)."""
-    config = model.config
-    if config.is_moe:
-        raise EdgerunError("the ggml engine runs dense models; a mixture-of-experts model takes --engine onnx")
-    if any(layer.lora for layer in model.weights.layers):
-        raise EdgerunError("the ggml engine does not apply LoRA adapters; take --engine onnx")
+    reason = unsupported(model)
+    if reason is not None:
+        raise EdgerunError(reason)
 
 
 class GgmlEngine:

@@ -72,8 +72,8 @@ class Server:
     shares (its deployment and forward passes run where its workers' WebSockets are read)."""
 
     def __init__(self, config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
+        from edgerun.model.generate import default_engine, make_engine
         from edgerun.model.loader import load_model
-        from edgerun.model.onnx_engine import OnnxEngine
         from edgerun.serve.app import Api, ApiConfig, build_app
         from edgerun.serve.metrics import Metrics
         from edgerun.serve.service import Service
@@ -95,8 +95,8 @@ class Server:
 
                 self.model = model = apply_adapter(model, config.adapter)
             max_len = min(config.max_context, model.config.context_length)
-            single = OnnxEngine(model, max_len, threads=config.threads, activations=config.activations) \
-                if config.local else None
+            single = make_engine(default_engine(model, config.activations == Activations.F32), model, max_len,
+                                 threads=config.threads) if config.local else None
             self.cluster = None if config.cluster_port is None else self._cluster(model, max_len)
             self.advertiser = None
             if self.cluster is not None and config.advertise:
