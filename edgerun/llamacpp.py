@@ -175,14 +175,15 @@ def llama_bench(model: Path, threads: int, prompt_tokens: int = 64, decode_token
     return LlamaBench(threads, float(prefill), float(decode))
 
 
-def completion(model: Path, prompt: str, tokens: int, threads: int = 1) -> str:
+def completion_run(model: Path, prompt: str, tokens: int, threads: int = 1) -> tuple[str, str]:
     """llama-completion's greedy continuation of a prompt given as text (special tokens in it parsed as such),
-    special tokens in the answer printed as their text: what edgerun's tokenizer reads back into ids."""
+    special tokens in the answer printed as their text (what edgerun's tokenizer reads back into ids), and its
+    log, which lists the prompt's ids (--verbose-prompt)."""
     cmd = [str(binary("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(tokens), "--temp", "0",
            "--top-k", "1", "-no-cnv", "--no-display-prompt", "-sp", "-s", "0", "-c", "1024", "-t", str(threads),
-           "--simple-io", "--no-warmup"]
+           "--simple-io", "--no-warmup", "--verbose-prompt"]
     done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=_env())
     if done.returncode:
         print(done.stderr, file=sys.stderr)
         raise EdgerunError(f"llama-completion failed with status {done.returncode}")
-    return done.stdout
+    return done.stdout, done.stderr

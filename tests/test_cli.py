@@ -235,13 +235,14 @@ def test_nan_temperature_is_one_line_error(tiny_spec: TinySpec, synth_gguf: Synt
 def test_heads_onnxruntime_cannot_run_are_one_line_error(tiny_spec: TinySpec, synth_gguf: SynthGguf,
                                                          capsys: Capsys) -> None:
     """Heads of 8 values: the onnx engine says so before it builds anything (onnxruntime's attention would fail
-    at the first step); the numpy engine runs the model."""
+    at the first step); the numpy engine and the default (ggml) run the model."""
     spec = tiny_spec()
     path = synth_gguf(replace(spec, config=replace(spec.config, head_dim=8)))
-    code, _, err = run(["generate", "Hi", "--model", str(path)], capsys)
+    code, _, err = run(["generate", "Hi", "--model", str(path), "--engine", "onnx"], capsys)
     assert_one_line_error(code, err, "attention heads have 8 values")
-    code, out, _ = run(["generate", "Hi", "--model", str(path), "--engine", "numpy", "--max-tokens", "2"], capsys)
-    assert code == 0 and out
+    for engine in ("numpy", "ggml"):
+        code, out, _ = run(["generate", "Hi", "--model", str(path), "--engine", engine, "--max-tokens", "2"], capsys)
+        assert code == 0 and out
 
 
 def test_chat_without_template(tmp_path: Path, tiny_spec: TinySpec, capsys: Capsys) -> None:

@@ -20,6 +20,8 @@ from edgerun.model import ggml_lib
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore, head
 from edgerun.model.loader import Model
+from edgerun.model.quant import QuantTensor
+from edgerun.model.weights import LayerWeights, rope_rows_from_interleaved, rope_rows_to_interleaved
 from edgerun.profile.memory import huge_pages
 
 # The attention of a step reads the cache in whole multiples of this many rows (the rest masked), so one decode
@@ -47,6 +49,19 @@ class LayerTensors:
     w_down: int
     k_cache: int
     v_cache: int
+
+
+def file_interleaved(layer: LayerWeights, config: ModelConfig) -> bool:
+    """Whether a layer's Q and K rows are a file's interleaved rows put in Hugging Face order (and no per-head
+    norm, whose weights would need the same reordering)."""
+    return (layer.q_norm is None and layer.wq.row_order is not None and layer.wk.row_order is not None
+            and np.array_equal(layer.wq.row_order, rope_rows_from_interleaved(config.n_heads, config.q_dim))
+            and np.array_equal(layer.wk.row_order, rope_rows_from_interleaved(config.n_kv_heads, config.kv_dim)))
+
+
+def as_stored(t: QuantTensor) -> QuantTensor:
+    """The tensor's rows in the order its file stores them."""
+    return QuantTensor(t.qtype, t.shape, t.stored)
 
 
 def unsupported(model: Model) -> str | None:
@@ -85,15 +100,25 @@ class GgmlEngine:
         self.output = add("output", w.output)
         self.output_norm = add("output_norm", w.output_norm)
         self.layers: list[LayerTensors] = []
+        # A GGUF Llama file keeps Q and K rows interleaved for llama.cpp's pairwise rotation (ROPE_NORM): taken as
+        # the file stores them, each of attention's dot products adds in llama.cpp's order, and the answers are
+        # its answers. Rows in Hugging Face order (Qwen2, safetensors) rotate halves (ROPE_NEOX), as llama.cpp does.
+        interleaved = all(file_interleaved(layer, c) for layer in w.layers)
+        self.rope_mode = ggml_lib.ROPE_NORM if interleaved else ggml_lib.ROPE_NEOX
         for i, layer in enumerate(w.layers):
             def opt(name: str, value: np.ndarray | None, i: int = i) -> int | None:
                 return None if value is None else add(f"blk.{i}.{name}", value)
 
+            wq, wk, bq, bk = layer.wq, layer.wk, layer.bq, layer.bk
+            if interleaved:
+                wq, wk = as_stored(wq), as_stored(wk)
+                bq = None if bq is None else bq[rope_rows_to_interleaved(c.n_heads, c.q_dim)]
+                bk = None if bk is None else bk[rope_rows_to_interleaved(c.n_kv_heads, c.kv_dim)]
             self.layers.append(LayerTensors(
                 attn_norm=add(f"blk.{i}.attn_norm", layer.attn_norm),
-                wq=add(f"blk.{i}.wq", layer.wq), wk=add(f"blk.{i}.wk", layer.wk), wv=add(f"blk.{i}.wv", layer.wv),
+                wq=add(f"blk.{i}.wq", wq), wk=add(f"blk.{i}.wk", wk), wv=add(f"blk.{i}.wv", layer.wv),
                 wo=add(f"blk.{i}.wo", layer.wo),
-                bq=opt("bq", layer.bq), bk=opt("bk", layer.bk), bv=opt("bv", layer.bv),
+                bq=opt("bq", bq), bk=opt("bk", bk), bv=opt("bv", layer.bv),
                 q_norm=opt("q_norm", layer.q_norm), k_norm=opt("k_norm", layer.k_norm),
                 ffn_norm=add(f"blk.{i}.ffn_norm", layer.ffn_norm),
                 w_gate=add(f"blk.{i}.w_gate", layer.w_gate), w_up=add(f"blk.{i}.w_up", layer.w_up),
@@ -140,6 +165,7 @@ class StepGraph:
 
     def __init__(self, engine: GgmlEngine, n: int, n_kv: int) -> None:
         c = engine.config
+        self.engine = engine
         self.n, self.n_kv = n, n_kv
         self.gc = GraphContext(engine.backend, c.n_layers * GRAPH_NODES_PER_LAYER + 64)
         ctx = self.gc.ctx
@@ -171,10 +197,10 @@ class StepGraph:
         if layer.q_norm is not None:
             q = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, q, eps), t(layer.q_norm))
             k = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, k, eps), t(layer.k_norm))
-        # Q and K rows are in Hugging Face order (each head's pairs are i, i + head_dim/2): NEOX's rotation
-        q = g.ggml_rope_ext(ctx, q, self.pos, None, hd, ggml_lib.ROPE_NEOX, c.context_length, c.rope_base,
+        mode = self.engine.rope_mode
+        q = g.ggml_rope_ext(ctx, q, self.pos, None, hd, mode, c.context_length, c.rope_base,
                             1.0, 0.0, 1.0, 0.0, 0.0)
-        k = g.ggml_rope_ext(ctx, k, self.pos, None, hd, ggml_lib.ROPE_NEOX, c.context_length, c.rope_base,
+        k = g.ggml_rope_ext(ctx, k, self.pos, None, hd, mode, c.context_length, c.rope_base,
                             1.0, 0.0, 1.0, 0.0, 0.0)
         # This step's keys and values into their cache rows, before the attention that reads them (graph order)
         kc, vc = t(layer.k_cache), t(layer.v_cache)

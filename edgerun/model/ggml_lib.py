@@ -23,7 +23,7 @@ P, INT, FLT, BOOL = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_bool
 SZ, I64 = ctypes.c_size_t, ctypes.c_int64
 
 # ggml's enums used here (ggml.h); tensor types are GGUF's own numbers.
-ROPE_NEOX = 2
+ROPE_NORM, ROPE_NEOX = 0, 2
 PREC_F32 = 10
 STATUS_SUCCESS = 0
 DEVICE_CPU = 0

