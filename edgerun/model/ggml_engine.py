@@ -10,6 +10,7 @@ such length and run again with new inputs: a step costs one native call beside i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,11 +23,15 @@ from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore, head
 from edgerun.model.loader import Model
 from edgerun.model.quant import QuantTensor
 from edgerun.model.weights import LayerWeights, rope_rows_from_interleaved, rope_rows_to_interleaved
-from edgerun.profile.memory import huge_pages
+from edgerun.profile.memory import huge_pages, release_mapped_files
 
 # The attention of a step reads the cache in whole multiples of this many rows (the rest masked), so one decode
 # graph serves KV_STEP consecutive positions (llama.cpp pads its cache view the same way).
 KV_STEP = 256
+# The LM head is loaded in parts of at most this many bytes (whole groups of 64 rows), each repacked on its own: a
+# repacking copy takes a tensor's bytes at once, so the file's pages of a 128k-row head (150-270 MB) would all be
+# resident beside the copies made so far. In parts, loading never holds more than this beyond the weights.
+HEAD_PART_BYTES = 32 << 20
 # Nodes in one step's graph: a Llama layer takes about 30; MoE layers are not built here.
 GRAPH_NODES_PER_LAYER = 48
 
@@ -64,6 +69,13 @@ def as_stored(t: QuantTensor) -> QuantTensor:
     return QuantTensor(t.qtype, t.shape, t.stored)
 
 
+def row_parts(t: QuantTensor, most_bytes: int) -> list[QuantTensor]:
+    """A matrix cut into consecutive row ranges of at most `most_bytes` each, in multiples of 64 rows."""
+    row_bytes = t.nbytes // t.rows
+    step = max(64, most_bytes // row_bytes // 64 * 64)
+    return [t.take_rows(slice(first, min(first + step, t.rows))) for first in range(0, t.rows, step)]
+
+
 def unsupported(model: Model) -> str | None:
     """Why this engine does not build a model, or None when it does."""
     if model.config.is_moe:
@@ -97,7 +109,7 @@ class GgmlEngine:
         add = self.weights.add
         # Embedding rows are looked up in numpy from the file's pages (a few rows a step): the table lives in ggml
         # only as the LM head, so a tied head is repacked for the product without a second copy for the lookup.
-        self.output = add("output", w.output)
+        self.output = [add(f"output.{i}", part) for i, part in enumerate(row_parts(w.output, HEAD_PART_BYTES))]
         self.output_norm = add("output_norm", w.output_norm)
         self.layers: list[LayerTensors] = []
         # A GGUF Llama file keeps Q and K rows interleaved for llama.cpp's pairwise rotation (ROPE_NORM): taken as
@@ -125,7 +137,7 @@ class GgmlEngine:
                 w_down=add(f"blk.{i}.w_down", layer.w_down),
                 k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
                 v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len)))
-        self.weights.upload()
+        self.weights.upload(release=lambda: release_mapped_files([model.path]))
         # In huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB pages miss the TLB
         # once a page and stop the prefetchers at every page's end.
         huge_pages()
@@ -181,7 +193,8 @@ class StepGraph:
         stride = head(x).nb[1]
         last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
         h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
-        self.logits = g.ggml_mul_mat(ctx, t(engine.output), h)
+        parts = [g.ggml_mul_mat(ctx, t(part), h) for part in engine.output]
+        self.logits = functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 0), parts)
         self.gc.expand(self.logits)
         self.gc.allocate()
         self.vocab = c.vocab_size

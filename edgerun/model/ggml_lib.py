@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,7 @@ SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_flash_attn_ext": (P, (P, P, P, P, P, FLT, FLT, FLT)),
     "ggml_prec_set_acc": (BOOL, (P, INT)),
     "ggml_swiglu_split": (P, (P, P, P)),
+    "ggml_concat": (P, (P, P, P, INT)),
     "ggml_new_graph_custom": (P, (P, SZ, BOOL)),
     "ggml_build_forward_expand": (None, (P, P)),
     "ggml_log_set": (None, (P, P)),
@@ -263,8 +265,10 @@ class WeightStore:
     def tensor(self, handle: int) -> int:
         return self._tensors[handle]
 
-    def upload(self) -> None:
-        """Allocate every context's buffer and copy the data in (a repacking buffer interleaves as it copies)."""
+    def upload(self, release: Callable[[], None] = lambda: None, every: int = 64 << 20) -> None:
+        """Allocate every context's buffer and copy the data in (a repacking buffer interleaves as it copies).
+        `release` runs after each `every` bytes copied: a model file's pages read on the way are let go of, so the
+        process never holds the file's pages and their copies at once."""
         g = lib()
         for buft, ctx in self._contexts.items():
             buffer = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
@@ -273,10 +277,16 @@ class WeightStore:
             weakref.finalize(self, g.ggml_backend_buffer_free, buffer)
             g.ggml_backend_buffer_clear(buffer, 0)
             self.nbytes += g.ggml_backend_buffer_get_size(buffer)
+        copied = 0
         for item in self._pending:
             if item.data is not None:
                 g.ggml_backend_tensor_set(item.tensor, item.data.ctypes.data, 0, item.data.nbytes)
+                copied += item.data.nbytes
+                if copied >= every:
+                    release()
+                    copied = 0
         self._pending = []
+        release()
 
 
 class GraphContext:
