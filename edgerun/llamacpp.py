@@ -102,8 +102,8 @@ def source(log=_log) -> Path:
     return src
 
 
-def _build(targets: Sequence[str], what: str, log) -> None:
-    build = home() / "build"
+def _build(targets: Sequence[str], what: str, log, build: Path | None = None, flags: Sequence[str] = ()) -> None:
+    build = build or home() / "build"
     src = source(log)
     if shutil.which("cmake") is None:
         raise EdgerunError("building llama.cpp's ggml needs cmake and a C++ compiler (apt-get install cmake g++)")
@@ -111,21 +111,33 @@ def _build(targets: Sequence[str], what: str, log) -> None:
     out = None if os.environ.get("EDGERUN_VERBOSE_BUILD") else subprocess.DEVNULL
     try:
         if not (build / "CMakeCache.txt").is_file():
-            subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True, stdout=out,
-                           stderr=out)
+            subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS, *flags], check=True,
+                           stdout=out, stderr=out)
         subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", *targets],
                        check=True, stdout=out, stderr=out)
     except subprocess.CalledProcessError as e:
         raise EdgerunError(f"building llama.cpp failed ({e}); EDGERUN_VERBOSE_BUILD=1 shows the compiler") from e
 
 
-def ggml_libraries(log=_log) -> list[Path]:
-    """ggml's shared libraries, built the first time they are asked for (about half a minute on 2 cores)."""
-    paths = [home() / "build" / "bin" / name for name in GGML_LIBRARIES]
+def ggml_libraries(cuda: bool = False, log=_log) -> list[Path]:
+    """ggml's shared libraries, built the first time they are asked for (about half a minute on 2 cores). With
+    `cuda`, a second build beside the first adds ggml's CUDA backend (nvcc; for this machine's GPU, or the
+    architectures in $EDGERUN_CUDA_ARCHITECTURES; minutes)."""
+    if not cuda:
+        build, targets, names, flags = home() / "build", GGML_TARGETS, GGML_LIBRARIES, ()
+    else:
+        if shutil.which("nvcc") is None:
+            raise EdgerunError("a CUDA device needs ggml's CUDA backend, built with nvcc, which this machine lacks")
+        build, targets = home() / "build-cuda", (*GGML_TARGETS, "ggml-cuda")
+        names = ("libggml-base.so", "libggml-cpu.so", "libggml-cuda.so", "libggml.so")
+        flags = ("-DGGML_CUDA=ON", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_COMMON=OFF",
+                 f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('EDGERUN_CUDA_ARCHITECTURES', 'native')}")
+    paths = [build / "bin" / name for name in names]
     if not all(p.is_file() for p in paths):
         with _locked():
             if not all(p.is_file() for p in paths):
-                _build(GGML_TARGETS, "ggml (the default engine's kernels)", log)
+                _build(targets, "ggml (the default engine's kernels)" + (" with CUDA" if cuda else ""), log,
+                       build, flags)
     return paths
 
 

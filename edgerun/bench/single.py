@@ -42,10 +42,10 @@ class SingleResult:
 
 
 def _run_engine(engine: str, model_path: str | None, threads: int, prompt_tokens: int,
-                decode_tokens: int) -> dict[str, float]:
+                decode_tokens: int, device: str = "cpu") -> dict[str, float]:
     start = time.perf_counter()
     model = load_model(model_path)
-    eng = make_engine(engine, model, prompt_tokens + decode_tokens + 1, threads=threads)
+    eng = make_engine(engine, model, prompt_tokens + decode_tokens + 1, threads=threads, device=device)
     load_s = time.perf_counter() - start
     ids = model.tokenizer.encode(BENCH_TEXT * (prompt_tokens // 20 + 1))[:prompt_tokens]
     eng.reset()
@@ -69,17 +69,17 @@ def _run_engine(engine: str, model_path: str | None, threads: int, prompt_tokens
 
 
 def bench_single(engines: list[str], model_path: Path | None, threads: int, prompt_tokens: int,
-                 decode_tokens: int) -> list[SingleResult]:
+                 decode_tokens: int, device: str = "cpu") -> list[SingleResult]:
     memory_bw = memory_read_bandwidth(threads)
     ctx = multiprocessing.get_context("spawn")
     results = []
     for engine in engines:
         with ctx.Pool(1) as pool:
             r = pool.apply(_run_engine, (engine, None if model_path is None else str(model_path), threads,
-                                         prompt_tokens, decode_tokens))
+                                         prompt_tokens, decode_tokens, device))
         read = r["weight_bytes"] * r["decode_tok_s"]
         results.append(SingleResult(
-            engine=engine,
+            engine=engine if device == "cpu" else f"{engine}@{device}",
             model=str(model_path or "default"), threads=threads, prompt_tokens=prompt_tokens,
             decode_tokens=decode_tokens, load_s=r["load_s"], prefill_tok_s=r["prefill_tok_s"],
             decode_tok_s=r["decode_tok_s"], weight_bytes=int(r["weight_bytes"]), weight_read_gb_s=read / 1e9,

@@ -44,7 +44,9 @@ def cmd_bench_single(args: argparse.Namespace) -> None:
                            f"the model's context of {context} tokens")
     print(f"measuring memory bandwidth and {len(engines)} engine(s) with {args.threads} thread(s)...",
           file=sys.stderr)
-    results = bench_single(engines, args.model, args.threads, args.prompt_tokens, args.decode_tokens)
+    if args.device != "cpu" and engines != ["ggml"]:
+        raise EdgerunError(f"--device {args.device} runs the ggml engine: give --engines ggml")
+    results = bench_single(engines, args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.device)
     print(json.dumps(results_json(results), indent=2) if args.json else results_table(results))
 
 
@@ -203,6 +205,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model_arg(p)
     p.add_argument("--engines", default="ggml,onnx", help=f"comma-separated, from {', '.join(ENGINES)} "
                    "(default: ggml,onnx)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the ggml engine computes: cuda builds ggml's CUDA backend once with nvcc (minutes) "
+                        "and puts weights, cache and kernels on the first GPU (default: cpu)")
     threads_arg(p)
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length timed as prefill (default: 64)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens timed as decode (default: 32)")

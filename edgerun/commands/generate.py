@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                            f"context of {model.config.context_length} tokens")
     max_len = len(prompt) + args.max_tokens + 1
     args.engine = args.engine or default_engine(model)
-    engine = make_engine(args.engine, model, max_len, threads=args.threads)
+    engine = make_engine(args.engine, model, max_len, threads=args.threads, device=args.device)
     stream = tok.stream_decoder()
 
     def emit(token: int) -> None:
@@ -93,6 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "with int8 activations; onnx-f32: float32 activations (3-4x slower, the reference's numbers "
                         "to rounding); numpy: the reference forward pass (default: ggml, or onnx where ggml does not "
                         "run the model: mixtures of experts, --adapter)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the ggml engine computes: cuda builds ggml's CUDA backend once with nvcc (minutes) "
+                        "and runs the model on the first GPU (default: cpu)")
     threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="do not print speed on stderr")
     p.set_defaults(func=cmd_generate)

@@ -26,10 +26,10 @@ def arch_traits(arch: str | None) -> dict[str, object]:
 
 def cmd_model_synth(args: argparse.Namespace) -> None:
     from edgerun.model.quant import WRITABLE_QTYPES
-    from edgerun.model.synth import SynthSpec, custom_shape, write_synthetic
+    from edgerun.model.synth import MIXES, SynthSpec, custom_shape, write_synthetic
 
-    if args.quant not in WRITABLE_QTYPES:
-        raise EdgerunError(f"unknown quant type {args.quant} (choose from {', '.join(WRITABLE_QTYPES)})")
+    if args.quant not in (*WRITABLE_QTYPES, *MIXES):
+        raise EdgerunError(f"unknown quant type {args.quant} (choose from {', '.join((*WRITABLE_QTYPES, *MIXES))})")
     if args.embedding_quant is not None and args.embedding_quant not in WRITABLE_QTYPES:
         raise EdgerunError(f"unknown --embedding-quant {args.embedding_quant} (choose from "
                            f"{', '.join(WRITABLE_QTYPES)})")
@@ -106,8 +106,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, type=int, default=None, help=f"{what} (default: the --shape's)")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to "
                    "the embedding")
-    p.add_argument("--quant", default="Q4_0", help="F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K "
-                   "(default: Q4_0)")
+    p.add_argument("--quant", default="Q4_0", help="F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K; or "
+                   "Q4_K_M, llama.cpp's mix: Q4_K, with Q6_K for the LM head and for attn_v and ffn_down in a third "
+                   "of the layers (default: Q4_0)")
     p.add_argument("--embedding-quant", default=None, help="the embedding's (and a tied LM head's) type, from "
                    "--quant's choices (default: Q8_0 for 4-bit --quant, as llama.cpp's quantizer keeps it; else "
                    "--quant's)")

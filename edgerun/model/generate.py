@@ -99,13 +99,16 @@ def default_engine(model: Model, activations_f32: bool = False) -> str:
     return "onnx" if unsupported(model) else "ggml"
 
 
-def make_engine(kind: str, model: Model, max_len: int, threads: int | None = None) -> Engine:
+def make_engine(kind: str, model: Model, max_len: int, threads: int | None = None, device: str = "cpu") -> Engine:
+    """An engine of this kind; `device` "cuda" runs ggml's CUDA backend (the ggml engine only)."""
+    if device != "cpu" and kind != "ggml":
+        raise EdgerunError(f"--device {device} runs the ggml engine, not {kind}")
     if kind == "numpy":
         return ReferenceEngine(model, max_len)
     if kind == "ggml":
         from edgerun.model.ggml_engine import GgmlEngine
 
-        return GgmlEngine(model, max_len, threads=threads)
+        return GgmlEngine(model, max_len, threads=threads, device=device)
     if kind in ("onnx", "onnx-f32"):
         from edgerun.model.onnx_engine import OnnxEngine
         from edgerun.model.onnx_graph import Activations

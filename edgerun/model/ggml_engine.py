@@ -97,12 +97,12 @@ class GgmlEngine:
 
     name = "ggml"
 
-    def __init__(self, model: Model, max_len: int, threads: int | None = None) -> None:
+    def __init__(self, model: Model, max_len: int, threads: int | None = None, device: str = "cpu") -> None:
         check_supported(model)
         self.model = model
         self.config: ModelConfig = model.config
         self.max_len = max_len
-        self.backend = GgmlBackend(threads)
+        self.backend = GgmlBackend(threads, device)
         c = self.config
         w = model.weights
         self.weights = WeightStore(self.backend)
@@ -138,9 +138,9 @@ class GgmlEngine:
                 k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
                 v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len)))
         self.weights.upload(release=lambda: release_mapped_files([model.path]))
-        # In huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB pages miss the TLB
-        # once a page and stop the prefetchers at every page's end.
-        huge_pages()
+        if device == "cpu":  # in huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB
+            # pages miss the TLB once a page and stop the prefetchers at every page's end
+            huge_pages()
         self.weight_bytes = w.matrix_bytes()
         self.position = 0
         self._graphs: dict[tuple[int, int], StepGraph] = {}

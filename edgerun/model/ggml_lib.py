@@ -27,7 +27,7 @@ SZ, I64 = ctypes.c_size_t, ctypes.c_int64
 ROPE_NORM, ROPE_NEOX = 0, 2
 PREC_F32 = 10
 STATUS_SUCCESS = 0
-DEVICE_CPU = 0
+DEVICE_CPU, DEVICE_GPU = 0, 1
 F32, F16, I32, I64_TYPE = (int(GGMLQuantizationType[t]) for t in ("F32", "F16", "I32", "I64"))
 
 
@@ -125,11 +125,28 @@ class _Lib:
         raise AttributeError(name)
 
 
+DEVICES = ("cpu", "cuda")
+_loaded: list[str] = []
+
+
+def use_device(device: str) -> None:
+    """Which build of ggml this process loads: "cuda" takes the one with the CUDA backend (it runs on the CPU
+    too). Asked before ggml is first used; one build per process."""
+    if device not in DEVICES:
+        raise EdgerunError(f"unknown device {device!r} ({', '.join(DEVICES)})")
+    wanted = "cuda" if device == "cuda" else "cpu"
+    if _loaded and wanted == "cuda" and _loaded[0] != "cuda":
+        raise EdgerunError("this process already runs ggml's CPU-only build; start another for --device cuda")
+    if not _loaded:
+        _loaded.append(wanted)
+
+
 @functools.cache
 def lib() -> _Lib:
     from edgerun import llamacpp
 
-    return _Lib([str(p) for p in llamacpp.ggml_libraries()])
+    use_device("cpu")
+    return _Lib([str(p) for p in llamacpp.ggml_libraries(cuda=_loaded[0] == "cuda")])
 
 
 def head(t: int) -> TensorHead:
@@ -165,19 +182,24 @@ def _extra_buffer_types(device: int) -> list[int]:
 
 
 class GgmlBackend:
-    """ggml's CPU backend with its thread count, and the buffer types weights may live in."""
+    """A ggml backend, the CPU's (with its thread count) or a GPU's, and the buffer types weights may live in."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, device: str = "cpu") -> None:
+        use_device(device)
         g = lib()
+        self.name = device
         self.threads = threads or physical_cores()
-        self.device = g.ggml_backend_dev_by_type(DEVICE_CPU)
+        self.device = g.ggml_backend_dev_by_type(DEVICE_GPU if device == "cuda" else DEVICE_CPU)
+        if not self.device:
+            raise EdgerunError(f"ggml finds no {device} device here")
         self.handle = g.ggml_backend_dev_init(self.device, None)
         if not self.handle:
-            raise EdgerunError("ggml's CPU backend did not start")
-        g.ggml_backend_cpu_set_n_threads(self.handle, self.threads)
-        self.buffer_type = g.ggml_backend_dev_buffer_type(self.device)
-        self.extra_buffer_types = _extra_buffer_types(self.device)
+            raise EdgerunError(f"ggml's {device} backend did not start")
         weakref.finalize(self, g.ggml_backend_free, self.handle)
+        self.buffer_type = g.ggml_backend_dev_buffer_type(self.device)
+        self.extra_buffer_types = [] if device == "cuda" else _extra_buffer_types(self.device)
+        if device == "cpu":
+            g.ggml_backend_cpu_set_n_threads(self.handle, self.threads)
 
 
 @dataclass

@@ -88,11 +88,22 @@ def synth_vocabulary(vocab_size: int) -> Vocabulary:
                       pre="default", bos_id=256, eos_id=258, chat_template=CHAT_TEMPLATE)
 
 
+# Mixes of types, as llama.cpp's quantizer writes them: the base type for most matrices, more bits for the LM head
+# and, in some layers, attn_v and ffn_down (the first and last eighth of the layers and every third between).
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K")}
+
+
+def more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down a _M mix keeps in its larger type."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
 def synth_weights(spec: SynthSpec) -> ModelWeights:
     c = spec.config
     rng = np.random.default_rng(spec.seed)
+    base, more = MIXES.get(spec.qtype, (spec.qtype, spec.qtype))
 
-    def matrix(rows: int, cols: int, qtype: str = spec.qtype):
+    def matrix(rows: int, cols: int, qtype: str = base):
         return quantize(rng.standard_normal((rows, cols), dtype=np.float32) * spec.std, qtype)
 
     def norm(n: int) -> np.ndarray:
@@ -113,21 +124,22 @@ def synth_weights(spec: SynthSpec) -> ModelWeights:
         return MoeWeights(router, experts, expert(c.shared_expert_ffn),
                           (0.1 * rng.standard_normal(c.hidden)).astype(np.float32))
 
-    def layer() -> LayerWeights:
+    def layer(i: int) -> LayerWeights:
+        wide = more if more_bits(i, c.n_layers) else base
         attn = dict(attn_norm=norm(c.hidden), wq=matrix(c.q_dim, c.hidden), wk=matrix(c.kv_dim, c.hidden),
-                    wv=matrix(c.kv_dim, c.hidden), wo=matrix(c.hidden, c.q_dim), bq=bias(c.q_dim),
+                    wv=matrix(c.kv_dim, c.hidden, wide), wo=matrix(c.hidden, c.q_dim), bq=bias(c.q_dim),
                     bk=bias(c.kv_dim), bv=bias(c.kv_dim), ffn_norm=norm(c.hidden))
         if c.qk_norm:
             attn |= dict(q_norm=norm(c.head_dim), k_norm=norm(c.head_dim))
         if c.is_moe:
             return LayerWeights(**attn, w_gate=None, w_up=None, w_down=None, moe=moe())
         return LayerWeights(**attn, w_gate=matrix(c.ffn, c.hidden), w_up=matrix(c.ffn, c.hidden),
-                            w_down=matrix(c.hidden, c.ffn))
+                            w_down=matrix(c.hidden, c.ffn, wide))
 
-    layers = tuple(layer() for _ in range(c.n_layers))
+    layers = tuple(layer(i) for i in range(c.n_layers))
     # Embeddings scaled up so that random logits are not flat.
     embd = quantize(rng.standard_normal((c.vocab_size, c.hidden), dtype=np.float32), spec.embedding)
-    output = embd if c.tied_embeddings else matrix(c.vocab_size, c.hidden)
+    output = embd if c.tied_embeddings else matrix(c.vocab_size, c.hidden, more)
     return ModelWeights(token_embd=embd, layers=layers, output_norm=norm(c.hidden), output=output)
 
 
@@ -153,6 +165,8 @@ def shape_only_weights(config: ModelConfig, qtype: str) -> ModelWeights:
 
 
 def _embedding_qtype(qtype: str) -> str:
+    if qtype in MIXES:  # the LM head's type, which a tied embedding is
+        return MIXES[qtype][1]
     # As llama.cpp does, the embedding of a 4-bit model keeps more precision.
     return "Q8_0" if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K") else qtype
 
