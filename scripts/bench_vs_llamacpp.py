@@ -44,7 +44,7 @@ def _edgerun_run(engine: str, model: str, threads: int, cores: list[int], prompt
 
     m = load_model(model)
     e = make_engine(engine, m, max(prompt, decode) + 8, threads=threads)
-    ids = [int(t) for t in range(1000, 1000 + prompt)]
+    ids = [(1000 + t) % m.config.vocab_size for t in range(prompt)]
     e.reset()
     e.step(ids)  # warm-up: graphs built, pages faulted in
     prefill, decode_rates = [], []
@@ -54,7 +54,7 @@ def _edgerun_run(engine: str, model: str, threads: int, cores: list[int], prompt
         e.step(ids)
         prefill.append(prompt / (time.perf_counter() - start))
         e.reset()
-        token = 1000
+        token = ids[0]
         start = time.perf_counter()
         for _ in range(decode):
             token = int(e.step([token]).argmax())

@@ -72,6 +72,14 @@ def shipped_onnx(shipped_model: Model) -> Engine:
 
 
 @pytest.fixture(scope="session")
+def shipped_ggml(shipped_model: Model) -> Engine:
+    """The default engine on the shipped model (ggml: llama.cpp's kernels), what generate and serve run."""
+    from edgerun.model.generate import make_engine
+
+    return make_engine("ggml", shipped_model, 256)
+
+
+@pytest.fixture(scope="session")
 def shipped_onnx_f32(shipped_model: Model) -> Engine:
     """The onnx engine with float32 activations: the numpy reference's numbers, to rounding."""
     from edgerun.model.onnx_engine import OnnxEngine

@@ -312,11 +312,11 @@ def _expected_text(model: Model, engine: Engine, text: str, max_tokens: int) -> 
 
 
 @pytest.mark.slow
-def test_generate_shipped_model(shipped_model: Model, shipped_onnx: Engine, capsys: Capsys) -> None:
+def test_generate_shipped_model(shipped_model: Model, shipped_ggml: Engine, capsys: Capsys) -> None:
     prompt = "The capital of France is"
     code, out, err = run(["generate", prompt, "--max-tokens", "8", "--quiet"], capsys)
     assert code == 0
-    continuation = _expected_text(shipped_model, shipped_onnx, prompt, 8)
+    continuation = _expected_text(shipped_model, shipped_ggml, prompt, 8)
     assert continuation.strip()
     assert out == prompt + continuation + "\n"
     assert "Paris" in out
@@ -324,12 +324,12 @@ def test_generate_shipped_model(shipped_model: Model, shipped_onnx: Engine, caps
 
 
 @pytest.mark.slow
-def test_generate_chat_shipped_model(shipped_model: Model, shipped_onnx: Engine, capsys: Capsys) -> None:
+def test_generate_chat_shipped_model(shipped_model: Model, shipped_ggml: Engine, capsys: Capsys) -> None:
     question = "What is the capital of Germany?"
     code, out, _ = run(["generate", question, "--chat", "--max-tokens", "12", "--quiet"], capsys)
     assert code == 0
     text = shipped_model.tokenizer.apply_chat_template([{"role": "user", "content": question}])
-    expected = _expected_text(shipped_model, shipped_onnx, text, 12)
+    expected = _expected_text(shipped_model, shipped_ggml, text, 12)
     assert out == expected + "\n"
     assert not out.startswith(question)
     assert "Berlin" in out

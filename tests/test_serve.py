@@ -126,11 +126,11 @@ def stream_chat(client: openai.OpenAI, content: str, on_text=None, **kw) -> str:
     return "".join(text)
 
 
-def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_onnx) -> None:
+def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_ggml) -> None:
     """Non-streaming and streaming answers are the single engine's greedy tokens, usage counts them."""
     tok = shipped_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
-    reference = generate(shipped_onnx, prompt, 24, Sampler(SamplingParams()), tok.stop_ids)
+    reference = generate(shipped_ggml, prompt, 24, Sampler(SamplingParams()), tok.stop_ids)
     client = server.client()
     r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}],
                                        max_tokens=24, temperature=0)
@@ -146,12 +146,12 @@ def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_o
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
 
 
-def test_completions_models_and_stop_strings(server: Serving, shipped_model, shipped_onnx) -> None:
+def test_completions_models_and_stop_strings(server: Serving, shipped_model, shipped_ggml) -> None:
     tok = shipped_model.tokenizer
     client = server.client()
     assert [m.id for m in client.models.list().data] == [shipped_model.name]
     prompt = "The three primary colors are"
-    reference = tok.decode(generate(shipped_onnx, tok.encode(prompt), 16, Sampler(SamplingParams())).tokens)
+    reference = tok.decode(generate(shipped_ggml, tok.encode(prompt), 16, Sampler(SamplingParams())).tokens)
     r = client.completions.create(model="any", prompt=prompt, max_tokens=16, temperature=0)
     assert r.choices[0].text == reference and r.choices[0].finish_reason == "length"
     streamed = "".join(c.choices[0].text for c in client.completions.create(

@@ -1,8 +1,9 @@
 """Synthetic models: any Llama or Qwen2 shape with seeded random weights, written as GGUF or as a
 Hugging Face directory, for tests and for speed benchmarks at real sizes.
 
-The vocabulary is byte-level with no merges (every byte is a token), plus the chat tokens and
-unused filler tokens up to the vocabulary size, so any text encodes and the chat template works.
+The vocabulary is byte-level (every byte is a token; its one merge, which llama.cpp's loader needs, joins two
+bytes UTF-8 never holds), plus the chat tokens and unused filler tokens up to the vocabulary size, so any text
+encodes and the chat template works.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def synth_vocabulary(vocab_size: int) -> Vocabulary:
         raise ValueError(f"vocabulary of {vocab_size} is too small: needs {256 + len(CHAT_TOKENS)} or more")
     tokens = byte_symbols() + list(CHAT_TOKENS)
     types = [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * len(CHAT_TOKENS)
-    # One merge, of the bytes 0x00 and 0x01 (text never holds them side by side): llama.cpp refuses a BPE
-    # vocabulary without merges, and this one changes no tokenization of real text.
-    first, second = byte_symbols()[0], byte_symbols()[1]
+    # One merge, of the bytes 0xFE and 0xFF, which UTF-8 text never holds: llama.cpp refuses a BPE vocabulary
+    # without merges, and this one changes no tokenization of any text.
+    first, second = byte_symbols()[0xFE], byte_symbols()[0xFF]
     merged = [first + second] if vocab_size > len(tokens) else []
     tokens += merged
     types += [TOKEN_NORMAL] * len(merged)
