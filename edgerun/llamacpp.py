@@ -106,7 +106,8 @@ def _build(targets: Sequence[str], what: str, log, build: Path | None = None, fl
     build = build or home() / "build"
     src = source(log)
     if shutil.which("cmake") is None:
-        raise EdgerunError("building llama.cpp's ggml needs cmake and a C++ compiler (apt-get install cmake g++)")
+        raise EdgerunError("building llama.cpp's ggml needs cmake and a C++ compiler (apt-get install cmake g++); "
+                           "--engine onnx runs without it")
     log(f"building {what} from llama.cpp {VERSION} for this CPU into {build} (once)")
     out = None if os.environ.get("EDGERUN_VERBOSE_BUILD") else subprocess.DEVNULL
     try:

@@ -138,6 +138,7 @@ class GgmlEngine:
                 k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
                 v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len)))
         self.weights.upload(release=lambda: release_mapped_files([model.path]))
+        self.embed = ggml_lib.rows_to_float(w.token_embd)
         if device == "cpu":  # in huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB
             # pages miss the TLB once a page and stop the prefetchers at every page's end
             huge_pages()
@@ -166,8 +167,7 @@ class GgmlEngine:
             graph = StepGraph(self, n, n_kv)
             if n == 1:  # prompts come in every length: only decode graphs are worth keeping
                 self._graphs[key] = graph
-        embd = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
-        logits = graph.run(np.ascontiguousarray(embd, np.float32), start)
+        logits = graph.run(self.embed(np.asarray(tokens, np.int64)), start)
         self.position = start + n
         return logits
 

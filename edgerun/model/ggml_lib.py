@@ -42,6 +42,15 @@ class TensorHead(ctypes.Structure):
     _fields_ = (("type", INT), ("buffer", P), ("ne", I64 * 4), ("nb", SZ * 4))
 
 
+class TypeTraits(ctypes.Structure):
+    """struct ggml_type_traits: a type's block shape and its row conversion to float."""
+
+    _fields_ = (("type_name", ctypes.c_char_p), ("blck_size", I64), ("blck_size_interleave", I64),
+                ("type_size", SZ), ("is_quantized", BOOL), ("to_float", P), ("from_float_ref", P))
+
+
+TO_FLOAT = ctypes.CFUNCTYPE(None, P, P, I64)  # (blocks, floats out, values)
+
 # name: (result, arguments)
 SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_init": (P, (InitParams,)),
@@ -74,6 +83,7 @@ SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_new_graph_custom": (P, (P, SZ, BOOL)),
     "ggml_build_forward_expand": (None, (P, P)),
     "ggml_log_set": (None, (P, P)),
+    "ggml_get_type_traits": (ctypes.POINTER(TypeTraits), (INT,)),
     "ggml_backend_dev_by_type": (P, (INT,)),
     "ggml_backend_dev_init": (P, (P, ctypes.c_char_p)),
     "ggml_backend_dev_backend_reg": (P, (P,)),
@@ -174,6 +184,26 @@ def ggml_type(qtype: str) -> int:
         return int(GGMLQuantizationType[qtype])
     except KeyError:
         raise EdgerunError(f"ggml has no type {qtype}") from None
+
+
+def rows_to_float(t: QuantTensor) -> Callable[[np.ndarray], np.ndarray]:
+    """A lookup of some of a matrix's rows as float32, converted by ggml's own code for the type (what llama.cpp's
+    embedding lookup computes), a few microseconds a row."""
+    if t.qtype == "F32":
+        return lambda ids: np.ascontiguousarray(t.take_rows(ids).raw).view(np.float32).reshape(len(ids), -1)
+    address = lib().ggml_get_type_traits(ggml_type(t.qtype)).contents.to_float
+    if not address:
+        return lambda ids: np.ascontiguousarray(t.dequantize_rows(ids), np.float32)
+    convert = TO_FLOAT(address)
+    cols = t.shape[-1]
+
+    def lookup(ids: np.ndarray) -> np.ndarray:
+        raw = np.ascontiguousarray(t.take_rows(ids).raw)
+        out = np.empty((len(ids), cols), np.float32)
+        convert(raw.ctypes.data, out.ctypes.data, out.size)
+        return out
+
+    return lookup
 
 
 def _extra_buffer_types(device: int) -> list[int]:
