@@ -292,7 +292,7 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
     prompt = model.tokenizer.encode(PROMPT)
 
     def single() -> RequestTiming:
-        progress(f"single-process onnx engine, {threads} thread(s)")
+        progress(f"single-process engine (ggml, or onnx where ggml does not run the model), {threads} thread(s)")
         return cluster_baseline(model, prompt, tokens, threads, activations, CONTEXT, WARMUP_TOKENS)
 
     layers = model_profile(model.name, model.config, model.weights, context=CONTEXT).layer_memory_bytes
@@ -483,7 +483,7 @@ def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activati
     lines += [f"{r.workers:>7} {r.browser:>7} {r.route:>5} {r.stages:>6} {r.ms_per_token:>9.1f} "
               f"{r.ratio_to_single:>8.2f}x {r.decode_ms_per_token:>7.1f} {r.decode_ratio_to_single:>8.2f}x "
               f"{r.stage_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f}" for r in rows]
-    lines.append(f"single-process onnx engine: {single.ms_per_token:.1f} ms/token, decode "
+    lines.append(f"single-process engine: {single.ms_per_token:.1f} ms/token, decode "
                  f"{single.decode_ms_per_token:.1f} ({activations.value} activations, as the native stages; the "
                  f"median of {len(rows) + 1} runs, one before the first row and one after each: each row is compared "
                  f"with the two around it, decode {span([r.single_decode_ms_per_token for r in rows])})")

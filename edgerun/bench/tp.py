@@ -429,8 +429,8 @@ def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ..
 
 
 def single_baseline(model: Model, config: TpBenchConfig) -> RequestTiming:
-    """The single-process onnx engine on the same model, prompt, token count and threads, timed as a cluster is
-    (prefill included, after a warm-up request)."""
+    """The single-process engine (default_engine) on the same model, prompt, token count and threads, timed as a
+    cluster is (prefill included, after a warm-up request)."""
     return cluster_baseline(model, bench_prompt(model), config.tokens, config.threads,
                             config.activations, CONTEXT, WARMUP_TOKENS)
 
@@ -462,7 +462,8 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
         singles = []  # the single engine, timed before the first node count and after each
 
         def single() -> None:
-            progress(f"single-process onnx engine, {config.threads} thread(s)")
+            progress(f"single-process engine (ggml, or onnx where ggml does not run the model), "
+                     f"{config.threads} thread(s)")
             singles.append(single_baseline(model, config))
 
         if baseline:
@@ -590,7 +591,7 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")
     singles = [r for r in results if r.single_ms_per_token is not None]
     if singles:
-        rows.append(f"single-process onnx engine: {span([r.single_ms_per_token for r in singles])} ms/token, decode "
+        rows.append(f"single-process engine: {span([r.single_ms_per_token for r in singles])} ms/token, decode "
                     f"{span([r.single_decode_ms_per_token for r in singles])}, prefill "
                     f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")

@@ -219,11 +219,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "processes on loopback, each with a memory budget that makes the plan use "
                                      "all of them, generate --tokens tokens greedily, and report ms/token, the "
                                      "stages' own compute and the rest (transfers, the master), beside the "
-                                     "single-process onnx engine at the same --threads and --activations in the "
-                                     "same run, timed before the first row and after each: each row is compared "
-                                     "with the two runs around it, as the machine's speed drifts. With --browser "
-                                     "N, a row per worker count with N headless Chromium tabs added, and the "
-                                     "first tab's pass over its stage against a native pass over the same layers.")
+                                     "single-process engine (ggml: llama.cpp's kernels) at the same --threads and "
+                                     "--activations in the same run, timed before the first row and after each: "
+                                     "each row is compared with the two runs around it, as the machine's speed "
+                                     "drifts. With --browser N, a row per worker count with N headless Chromium "
+                                     "tabs added, and the first tab's pass over its stage against a native pass "
+                                     "over the same layers.")
     model_arg(p)
     p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated (default: 1,2,4)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per row (default: 32)")
@@ -328,7 +329,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     activations_arg(p)
     share_threads_arg(p, 1)
     p.add_argument("--baseline", action="store_true",
-                   help="also time the single-process onnx engine (same model, prompt, tokens and --threads) in "
+                   help="also time the single-process engine (ggml; same model, prompt, tokens and --threads) in "
                         "this run and give every row's speed-up over it (default: off)")
     p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
                    help="after a warm-up on the plan made with the declared speeds, replan with the speeds each "
