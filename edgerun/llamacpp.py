@@ -120,6 +120,17 @@ def _build(targets: Sequence[str], what: str, log, build: Path | None = None, fl
         raise EdgerunError(f"building llama.cpp failed ({e}); EDGERUN_VERBOSE_BUILD=1 shows the compiler") from e
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether an NVIDIA GPU's device file is here (checked before minutes of CUDA compilation)."""
+    if any(Path("/dev").glob("nvidia[0-9]*")):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
 def ggml_libraries(cuda: bool = False, log=_log) -> list[Path]:
     """ggml's shared libraries, built the first time they are asked for (about half a minute on 2 cores). With
     `cuda`, a second build beside the first adds ggml's CUDA backend (nvcc; for this machine's GPU, or the
@@ -127,6 +138,8 @@ def ggml_libraries(cuda: bool = False, log=_log) -> list[Path]:
     if not cuda:
         build, targets, names, flags = home() / "build", GGML_TARGETS, GGML_LIBRARIES, ()
     else:
+        if not has_nvidia_gpu():
+            raise EdgerunError("--device cuda: this machine shows no NVIDIA GPU (no /dev/nvidia0)")
         if shutil.which("nvcc") is None:
             raise EdgerunError("a CUDA device needs ggml's CUDA backend, built with nvcc, which this machine lacks")
         build, targets = home() / "build-cuda", (*GGML_TARGETS, "ggml-cuda")

@@ -82,3 +82,27 @@ def test_models_ggml_does_not_build_take_onnx(tiny_spec, synth_gguf) -> None:
         make_engine("ggml", moe, 64)
     dense = load_model(synth_gguf(tiny_spec()))
     assert default_engine(dense) == "ggml" and default_engine(dense, activations_f32=True) == "onnx-f32"
+
+
+def test_cuda_tracks_the_reference_or_says_why_not(tiny_spec, synth_gguf) -> None:
+    """On a machine with an NVIDIA GPU (the device machine), the engine on ggml's CUDA backend tracks the
+    reference as the CPU's does; elsewhere --device cuda is one line that says why, before any compilation."""
+    from edgerun import llamacpp
+
+    model = load_model(synth_gguf(tiny_spec("llama", "Q4_0", tied=False)))
+    if not llamacpp.has_nvidia_gpu():
+        with pytest.raises(EdgerunError, match="no NVIDIA GPU"):
+            llamacpp.ggml_libraries(cuda=True)
+        pytest.skip("no NVIDIA GPU here")
+    import subprocess
+    import sys
+
+    # ggml's CUDA build loads in a process of its own (one build of ggml per process)
+    code = ("from edgerun.model.loader import load_model; from edgerun.model.generate import ReferenceEngine, "
+            "make_engine; import sys; sys.path.insert(0, 'tests'); from test_ggml_engine import teacher_forced; "
+            f"m = load_model({str(model.path)!r}); "
+            "print(*teacher_forced(ReferenceEngine(m, 128), make_engine('ggml', m, 128, device='cuda'), "
+            "list(range(10, 40)), 40))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    agree, worst = int(out[0]), float(out[1])
+    assert agree >= 36 and worst < 0.02, (agree, worst)
