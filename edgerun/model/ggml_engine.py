@@ -93,7 +93,7 @@ def check_supported(model: Model) -> None:
 
 
 class GgmlEngine:
-    """The whole model on ggml's CPU backend, one graph per step."""
+    """The whole model on a ggml backend (the CPU's, or a CUDA GPU's with device="cuda"), one graph per step."""
 
     name = "ggml"
 
@@ -107,8 +107,9 @@ class GgmlEngine:
         w = model.weights
         self.weights = WeightStore(self.backend)
         add = self.weights.add
-        # Embedding rows are looked up in numpy from the file's pages (a few rows a step): the table lives in ggml
-        # only as the LM head, so a tied head is repacked for the product without a second copy for the lookup.
+        # Embedding rows are converted from the file's pages (a few rows a step, by ggml's own code for the type):
+        # the table lives in ggml only as the LM head, so a tied head is repacked for the product without a second
+        # copy for the lookup.
         self.output = [add(f"output.{i}", part) for i, part in enumerate(row_parts(w.output, HEAD_PART_BYTES))]
         self.output_norm = add("output_norm", w.output_norm)
         self.layers: list[LayerTensors] = []
