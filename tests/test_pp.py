@@ -114,6 +114,7 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
             assert len(bounds) == load_threads(threads) - 1, bounds
             assert all(s.first_layer < b < s.end_layer for b in bounds), bounds
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected
+        assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected  # and again: the same tokens
         assert main(["status", "--master", f"127.0.0.1:{master.port}"]) == 0
         shown = capsys.readouterr().out
         assert shown.startswith(f"state Up, route {route}"), shown
