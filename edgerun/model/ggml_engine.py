@@ -37,8 +37,9 @@ GRAPH_NODES_PER_LAYER = 48
 
 
 @dataclass(frozen=True)
-class LayerTensors:
-    attn_norm: int
+class AttnTensors:
+    """Handles of one layer's attention weights (all of them, or a share's heads) and its KV cache."""
+
     wq: int
     wk: int
     wv: int
@@ -48,12 +49,89 @@ class LayerTensors:
     bv: int | None
     q_norm: int | None
     k_norm: int | None
+    k_cache: int
+    v_cache: int
+    n_heads: int  # query heads, and KV heads, these weights hold
+    n_kv_heads: int
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    attn_norm: int
+    attn: AttnTensors
     ffn_norm: int
     w_gate: int
     w_up: int
     w_down: int
-    k_cache: int
-    v_cache: int
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A graph's per-step inputs beside its hidden states: positions, the cache rows written, the causal mask."""
+
+    pos: int
+    rows: int
+    mask: int
+    n: int  # tokens
+    n_kv: int  # cache rows read
+
+    @classmethod
+    def of(cls, gc: GraphContext, n: int, n_kv: int) -> StepInputs:
+        return cls(gc.input(ggml_lib.I32, n), gc.input(ggml_lib.I64_TYPE, n), gc.input(ggml_lib.F16, n_kv, n), n,
+                   n_kv)
+
+    def set(self, gc: GraphContext, start: int, mask: np.ndarray) -> None:
+        """Positions start.., and a mask where token i sees cache rows 0..start+i."""
+        pos = np.arange(start, start + self.n, dtype=np.int32)
+        gc.set(self.pos, pos)
+        gc.set(self.rows, pos.astype(np.int64))
+        mask[:] = -np.inf
+        for i in range(self.n):
+            mask[i, : start + i + 1] = 0
+        gc.set(self.mask, mask)
+
+
+def linear(ctx: int, w: int, x: int, bias: int | None, t) -> int:
+    g = ggml_lib.lib()
+    y = g.ggml_mul_mat(ctx, t(w), x)
+    return y if bias is None else g.ggml_add(ctx, y, t(bias))
+
+
+def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int, inputs: StepInputs,
+                    rope_mode: int) -> int:
+    """Attention of normalized hidden states h, (hidden, n), through these heads: wo's product with their output,
+    (hidden, n) (llama.cpp's graph for Llama and Qwen2). This step's keys and values go into their cache rows
+    first."""
+    g, ctx = ggml_lib.lib(), gc.ctx
+    n, n_kv, hd, eps = inputs.n, inputs.n_kv, c.head_dim, c.norm_eps
+    q = g.ggml_reshape_3d(ctx, linear(ctx, a.wq, h, a.bq, t), hd, a.n_heads, n)
+    k = g.ggml_reshape_3d(ctx, linear(ctx, a.wk, h, a.bk, t), hd, a.n_kv_heads, n)
+    v = linear(ctx, a.wv, h, a.bv, t)
+    if a.q_norm is not None:
+        q = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, q, eps), t(a.q_norm))
+        k = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, k, eps), t(a.k_norm))
+    q = g.ggml_rope_ext(ctx, q, inputs.pos, None, hd, rope_mode, c.context_length, c.rope_base, 1.0, 0.0, 1.0, 0.0,
+                        0.0)
+    k = g.ggml_rope_ext(ctx, k, inputs.pos, None, hd, rope_mode, c.context_length, c.rope_base, 1.0, 0.0, 1.0, 0.0,
+                        0.0)
+    # into the cache before the attention that reads it (graph order)
+    kc, vc = t(a.k_cache), t(a.v_cache)
+    gc.expand(g.ggml_set_rows(ctx, kc, g.ggml_reshape_2d(ctx, k, a.n_kv_heads * hd, n), inputs.rows))
+    gc.expand(g.ggml_set_rows(ctx, vc, v, inputs.rows))
+    row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
+    keys = g.ggml_permute(ctx, g.ggml_view_3d(ctx, kc, hd, a.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
+    values = g.ggml_permute(ctx, g.ggml_view_3d(ctx, vc, hd, a.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
+    out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q, 0, 2, 1, 3), keys, values, inputs.mask,
+                                1.0 / float(np.sqrt(hd)), 0.0, 0.0)
+    g.ggml_prec_set_acc(out, ggml_lib.PREC_F32)
+    return g.ggml_mul_mat(ctx, t(a.wo), g.ggml_reshape_2d(ctx, out, a.n_heads * hd, n))
+
+
+def mlp_block(ctx: int, t, w_gate: int, w_up: int, w_down: int, h: int) -> int:
+    """SwiGLU of normalized hidden states h through these rows of gate and up and columns of down."""
+    g = ggml_lib.lib()
+    gate, up = g.ggml_mul_mat(ctx, t(w_gate), h), g.ggml_mul_mat(ctx, t(w_up), h)
+    return g.ggml_mul_mat(ctx, t(w_down), g.ggml_swiglu_split(ctx, gate, up))
 
 
 def file_interleaved(layer: LayerWeights, config: ModelConfig) -> bool:
@@ -127,17 +205,18 @@ class GgmlEngine:
                 wq, wk = as_stored(wq), as_stored(wk)
                 bq = None if bq is None else bq[rope_rows_to_interleaved(c.n_heads, c.q_dim)]
                 bk = None if bk is None else bk[rope_rows_to_interleaved(c.n_kv_heads, c.kv_dim)]
-            self.layers.append(LayerTensors(
-                attn_norm=add(f"blk.{i}.attn_norm", layer.attn_norm),
+            attn = AttnTensors(
                 wq=add(f"blk.{i}.wq", wq), wk=add(f"blk.{i}.wk", wk), wv=add(f"blk.{i}.wv", layer.wv),
-                wo=add(f"blk.{i}.wo", layer.wo),
-                bq=opt("bq", bq), bk=opt("bk", bk), bv=opt("bv", layer.bv),
+                wo=add(f"blk.{i}.wo", layer.wo), bq=opt("bq", bq), bk=opt("bk", bk), bv=opt("bv", layer.bv),
                 q_norm=opt("q_norm", layer.q_norm), k_norm=opt("k_norm", layer.k_norm),
+                k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
+                v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len),
+                n_heads=c.n_heads, n_kv_heads=c.n_kv_heads)
+            self.layers.append(LayerTensors(
+                attn_norm=add(f"blk.{i}.attn_norm", layer.attn_norm), attn=attn,
                 ffn_norm=add(f"blk.{i}.ffn_norm", layer.ffn_norm),
                 w_gate=add(f"blk.{i}.w_gate", layer.w_gate), w_up=add(f"blk.{i}.w_up", layer.w_up),
-                w_down=add(f"blk.{i}.w_down", layer.w_down),
-                k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
-                v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len)))
+                w_down=add(f"blk.{i}.w_down", layer.w_down)))
         self.weights.upload(release=lambda: release_mapped_files([model.path]))
         self.embed = ggml_lib.rows_to_float(w.token_embd)
         if device == "cpu":  # in huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB
@@ -178,19 +257,18 @@ class StepGraph:
 
     def __init__(self, engine: GgmlEngine, n: int, n_kv: int) -> None:
         c = engine.config
-        self.engine = engine
-        self.n, self.n_kv = n, n_kv
         self.gc = GraphContext(engine.backend, c.n_layers * GRAPH_NODES_PER_LAYER + 64)
         ctx = self.gc.ctx
         g = ggml_lib.lib()
         t = engine.weights.tensor
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, n)
-        self.pos = self.gc.input(ggml_lib.I32, n)
-        self.rows = self.gc.input(ggml_lib.I64_TYPE, n)  # cache rows this step writes
-        self.mask = self.gc.input(ggml_lib.F16, n_kv, n)
+        self.inputs = StepInputs.of(self.gc, n, n_kv)
         x = self.embd
         for layer in engine.layers:
-            x = self._layer(g, ctx, t, c, layer, x)
+            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.attn_norm))
+            x = g.ggml_add(ctx, x, attention_block(self.gc, t, c, layer.attn, h, self.inputs, engine.rope_mode))
+            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.ffn_norm))
+            x = g.ggml_add(ctx, x, mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, h))
         stride = head(x).nb[1]
         last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
         h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
@@ -201,53 +279,8 @@ class StepGraph:
         self.vocab = c.vocab_size
         self._mask = np.zeros((n, n_kv), np.float16)
 
-    def _layer(self, g, ctx: int, t, c: ModelConfig, layer: LayerTensors, x: int) -> int:
-        """One transformer layer on hidden states x, (hidden, n): llama.cpp's graph for Llama and Qwen2."""
-        n, n_kv, hd, eps = self.n, self.n_kv, c.head_dim, c.norm_eps
-        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, eps), t(layer.attn_norm))
-        q = g.ggml_reshape_3d(ctx, self._linear(ctx, t(layer.wq), h, layer.bq, t), hd, c.n_heads, n)
-        k = g.ggml_reshape_3d(ctx, self._linear(ctx, t(layer.wk), h, layer.bk, t), hd, c.n_kv_heads, n)
-        v = self._linear(ctx, t(layer.wv), h, layer.bv, t)
-        if layer.q_norm is not None:
-            q = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, q, eps), t(layer.q_norm))
-            k = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, k, eps), t(layer.k_norm))
-        mode = self.engine.rope_mode
-        q = g.ggml_rope_ext(ctx, q, self.pos, None, hd, mode, c.context_length, c.rope_base,
-                            1.0, 0.0, 1.0, 0.0, 0.0)
-        k = g.ggml_rope_ext(ctx, k, self.pos, None, hd, mode, c.context_length, c.rope_base,
-                            1.0, 0.0, 1.0, 0.0, 0.0)
-        # This step's keys and values into their cache rows, before the attention that reads them (graph order)
-        kc, vc = t(layer.k_cache), t(layer.v_cache)
-        self.gc.expand(g.ggml_set_rows(ctx, kc, g.ggml_reshape_2d(ctx, k, c.kv_dim, n), self.rows))
-        self.gc.expand(g.ggml_set_rows(ctx, vc, v, self.rows))
-        row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
-        keys = g.ggml_permute(ctx, g.ggml_view_3d(ctx, kc, hd, c.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
-        values = g.ggml_permute(ctx, g.ggml_view_3d(ctx, vc, hd, c.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
-        a = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q, 0, 2, 1, 3), keys, values, self.mask,
-                                  1.0 / float(np.sqrt(hd)), 0.0, 0.0)
-        g.ggml_prec_set_acc(a, ggml_lib.PREC_F32)
-        x = g.ggml_add(ctx, x, g.ggml_mul_mat(ctx, t(layer.wo), g.ggml_reshape_2d(ctx, a, c.q_dim, n)))
-        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, eps), t(layer.ffn_norm))
-        gate, up = g.ggml_mul_mat(ctx, t(layer.w_gate), h), g.ggml_mul_mat(ctx, t(layer.w_up), h)
-        return g.ggml_add(ctx, x, g.ggml_mul_mat(ctx, t(layer.w_down), g.ggml_swiglu_split(ctx, gate, up)))
-
-    @staticmethod
-    def _linear(ctx: int, w: int, x: int, bias: int | None, t) -> int:
-        g = ggml_lib.lib()
-        y = g.ggml_mul_mat(ctx, w, x)
-        return y if bias is None else g.ggml_add(ctx, y, t(bias))
-
     def run(self, embd: np.ndarray, start: int) -> np.ndarray:
-        n = self.n
-        pos = np.arange(start, start + n, dtype=np.int32)
         self.gc.set(self.embd, embd)
-        self.gc.set(self.pos, pos)
-        self.gc.set(self.rows, pos.astype(np.int64))
-        # causal: row i sees cache rows 0..start+i
-        mask = self._mask
-        mask[:] = -np.inf
-        for i in range(n):
-            mask[i, : start + i + 1] = 0
-        self.gc.set(self.mask, mask)
+        self.inputs.set(self.gc, start, self._mask)
         self.gc.compute()
         return self.gc.get(self.logits, np.empty(self.vocab, np.float32))
