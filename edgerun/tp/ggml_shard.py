@@ -1,0 +1,224 @@
+"""A tensor-parallel share on ggml, llama.cpp's kernels: QuantShard's interface, one small ggml graph per block.
+
+A share holds its attention units (KV heads with their query heads: rows of wq, wk, wv and the matching columns
+of wo), its MLP groups (rows of gate and up, columns of down) and its vocabulary rows of the LM head, all in the
+file's quantized blocks. Rows are whole GGUF rows; a column range of wo or down is the bytes of each row's blocks
+that cover it when it starts and ends on the type's block boundary (down's 256-wide groups always do), and is
+otherwise requantized to Q8_0 (a 64-column head inside a K-quant's 256-wide blocks). Each block's graph is built
+once per token count and cache length and rerun with new inputs, as the whole-model engine's steps are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from edgerun.model import ggml_lib
+from edgerun.model.config import ModelConfig
+from edgerun.model.ggml_engine import (
+    HEAD_PART_BYTES,
+    KV_STEP,
+    AttnTensors,
+    StepInputs,
+    attention_block,
+    mlp_block,
+    row_parts,
+)
+from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore
+from edgerun.model.onnx_graph import Activations
+from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
+from edgerun.model.weights import ModelWeights
+from edgerun.net.wire import Block
+from edgerun.profile.memory import huge_pages, release_mapped_files
+from edgerun.tp.shard import QuantShard, ShardSpec, _rows, _ShareBase
+
+BLOCK_GRAPH_NODES = 64
+
+
+def static_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int, threads: int | None,
+                 activations: Activations, mapped_files: Sequence[Path] = ()) -> GgmlShard | QuantShard:
+    """A static share on the kernels its activations ask for: int8, llama.cpp's (ggml: 25-33% faster a token than
+    onnxruntime's on a 1B share here, and the single engine's arithmetic); float32, onnxruntime's (the reference's
+    numbers to rounding). Dynamic mapping's shares (DynamicQuantShard) stay on onnxruntime."""
+    if activations == Activations.INT8:
+        return GgmlShard(config, weights, spec, max_len, threads, mapped_files)
+    return QuantShard(config, weights, spec, max_len, threads, activations, mapped_files=mapped_files)
+
+
+def column_ranges(t: QuantTensor, ranges: Sequence[tuple[int, int]]) -> QuantTensor:
+    """Columns [start, stop) of each range side by side: the file's own blocks where every range is on the type's
+    block boundaries, else the float columns requantized to Q8_0 (F32 where not a multiple of its 32)."""
+    block, size = block_shape(t.qtype)
+    cols = sum(b - a for a, b in ranges)
+    if all(a % block == 0 and b % block == 0 for a, b in ranges):
+        raw = t.raw
+        parts = [raw[:, a // block * size:b // block * size] for a, b in ranges]
+        return QuantTensor(t.qtype, (t.rows, cols), np.ascontiguousarray(np.concatenate(parts, axis=1)))
+    floats = dequantize_columns(t, ranges)
+    return quantize(floats, "Q8_0" if cols % 32 == 0 else "F32")
+
+
+def _spans(units: Sequence[int], width: int) -> list[tuple[int, int]]:
+    return [(u * width, (u + 1) * width) for u in units]
+
+
+class GgmlShard(_ShareBase):
+    """One device's units on ggml's CPU backend (QuantShard's interface, static shares)."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
+                 threads: int | None = 1, mapped_files: Sequence[Path] = ()) -> None:
+        super().__init__(config, spec, max_len)
+        c = config
+        self.backend = GgmlBackend(threads)
+        store = self.store = WeightStore(self.backend)
+        add = store.add
+        hd, per_kv = c.head_dim, c.heads_per_kv
+        self.attn: list[AttnTensors | None] = []
+        self.mlp_tensors: list[tuple[int, int, int] | None] = []
+        self._bytes: dict[tuple[int, Block], int] = {}
+        for layer, w in enumerate(weights.layers):
+            units, groups = spec.attn_units[layer], spec.mlp_groups[layer]
+            if units:
+                q_spans, kv_spans = _spans(units, per_kv * hd), _spans(units, hd)
+                q_rows, kv_rows = _index(q_spans), _index(kv_spans)
+                wq, wk, wv = w.wq.take_rows(q_rows), w.wk.take_rows(kv_rows), w.wv.take_rows(kv_rows)
+                wo = column_ranges(w.wo, q_spans)
+                self.attn.append(AttnTensors(
+                    wq=add(f"{layer}.wq", wq), wk=add(f"{layer}.wk", wk), wv=add(f"{layer}.wv", wv),
+                    wo=add(f"{layer}.wo", wo),
+                    bq=None if w.bq is None else add(f"{layer}.bq", w.bq[q_rows]),
+                    bk=None if w.bk is None else add(f"{layer}.bk", w.bk[kv_rows]),
+                    bv=None if w.bv is None else add(f"{layer}.bv", w.bv[kv_rows]),
+                    q_norm=None if w.q_norm is None else add(f"{layer}.q_norm", w.q_norm),
+                    k_norm=None if w.k_norm is None else add(f"{layer}.k_norm", w.k_norm),
+                    k_cache=store.cache(f"{layer}.k_cache", len(units) * hd, max_len),
+                    v_cache=store.cache(f"{layer}.v_cache", len(units) * hd, max_len),
+                    n_heads=len(units) * per_kv, n_kv_heads=len(units)))
+                self._bytes[layer, Block.ATTN] = wq.nbytes + wk.nbytes + wv.nbytes + wo.nbytes
+            else:
+                self.attn.append(None)
+            if groups:
+                ranges = self._group_ranges(groups)
+                gate, up = w.w_gate.take_rows(_index(ranges)), w.w_up.take_rows(_index(ranges))
+                down = column_ranges(w.w_down, ranges)
+                self.mlp_tensors.append((add(f"{layer}.gate", gate), add(f"{layer}.up", up),
+                                         add(f"{layer}.down", down)))
+                self._bytes[layer, Block.MLP] = gate.nbytes + up.nbytes + down.nbytes
+            else:
+                self.mlp_tensors.append(None)
+        self.head_parts: list[int] = []
+        if len(self.vocab_rows):
+            rows = weights.output.take_rows(self.vocab_rows)
+            self.head_parts = [add(f"head.{i}", part) for i, part in enumerate(row_parts(rows, HEAD_PART_BYTES))]
+            self._bytes[0, Block.HEAD] = rows.nbytes
+        store.upload(release=lambda: release_mapped_files(mapped_files))
+        huge_pages()
+        self._graphs: dict[tuple, _BlockGraph] = {}
+        self._masks: dict[tuple[int, int], np.ndarray] = {}
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+    @property
+    def cache_bytes(self) -> int:
+        c = self.config
+        return sum(2 * len(units) * c.head_dim * self.max_len * 2 for units in self.spec.attn_units if units)
+
+    def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
+        return self._bytes.get((0 if block == Block.HEAD else layer, block), 0)
+
+    def _graph(self, key: tuple, build) -> _BlockGraph:
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = build()
+            if key[2] == 1:  # one-token graphs are kept; prompts come in every length
+                self._graphs[key] = graph
+        return graph
+
+    def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
+                  units: Sequence[int] | None = None) -> np.ndarray | None:
+        if units is not None:
+            raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
+        x = _rows(x_norm, self.config.hidden)
+        seq = x.shape[0]
+        end = self._advance(layer, start, seq)
+        tensors = self.attn[layer]
+        if tensors is None:
+            return np.zeros((seq, self.config.hidden), np.float32) if output else None
+        n_kv = min(self.max_len, -(-end // KV_STEP) * KV_STEP)
+        graph = self._graph((Block.ATTN, layer, seq, n_kv), lambda: _BlockGraph.attention(self, tensors, seq, n_kv))
+        mask = self._masks.setdefault((seq, n_kv), np.zeros((seq, n_kv), np.float16))
+        graph.inputs.set(graph.gc, start, mask)
+        out = graph.run(x)
+        return out if output else None
+
+    def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
+        if groups is not None:
+            raise ValueError("a static share computes its own groups; dynamic mapping runs on DynamicQuantShard")
+        x = _rows(x_norm, self.config.hidden)
+        tensors = self.mlp_tensors[layer]
+        if tensors is None:
+            return np.zeros((x.shape[0], self.config.hidden), np.float32)
+        graph = self._graph((Block.MLP, layer, x.shape[0]), lambda: _BlockGraph.mlp(self, tensors, x.shape[0]))
+        return graph.run(x)
+
+    def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = _rows(x_norm, self.config.hidden)
+        if not self.head_parts:
+            return self.vocab_rows, np.zeros((x.shape[0], 0), np.float32)
+        graph = self._graph((Block.HEAD, 0, x.shape[0]), lambda: _BlockGraph.head(self, x.shape[0]))
+        return self.vocab_rows, graph.run(x)
+
+
+def _index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    return np.concatenate([np.arange(a, b) for a, b in ranges]).astype(np.int64)
+
+
+class _BlockGraph:
+    """One block's graph: hidden states in (hidden, seq), its partial out (width, seq)."""
+
+    def __init__(self, shard: GgmlShard, seq: int, inputs: StepInputs | None = None) -> None:
+        self.gc = GraphContext(shard.backend, BLOCK_GRAPH_NODES + 8 * len(shard.head_parts))
+        self.x = self.gc.input(ggml_lib.F32, shard.config.hidden, seq)
+        self.seq = seq
+        self.out = 0
+        self.width = 0
+
+    @classmethod
+    def attention(cls, shard: GgmlShard, tensors: AttnTensors, seq: int, n_kv: int) -> _BlockGraph:
+        graph = cls(shard, seq)
+        graph.inputs = StepInputs.of(graph.gc, seq, n_kv)
+        rope = ggml_lib.ROPE_NEOX  # a share's rows are in Hugging Face order (each head's halves rotate)
+        graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x, graph.inputs,
+                                      rope), shard.config.hidden)
+        return graph
+
+    @classmethod
+    def mlp(cls, shard: GgmlShard, tensors: tuple[int, int, int], seq: int) -> _BlockGraph:
+        graph = cls(shard, seq)
+        graph._finish(mlp_block(graph.gc.ctx, shard.store.tensor, *tensors, graph.x), shard.config.hidden)
+        return graph
+
+    @classmethod
+    def head(cls, shard: GgmlShard, seq: int) -> _BlockGraph:
+        g, graph = ggml_lib.lib(), cls(shard, seq)
+        ctx, t = graph.gc.ctx, shard.store.tensor
+        parts = [g.ggml_mul_mat(ctx, t(p), graph.x) for p in shard.head_parts]
+        out = parts[0]
+        for p in parts[1:]:
+            out = g.ggml_concat(ctx, out, p, 0)
+        graph._finish(out, len(shard.vocab_rows))
+        return graph
+
+    def _finish(self, out: int, width: int) -> None:
+        self.out, self.width = out, width
+        self.gc.expand(out)
+        self.gc.allocate()
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        self.gc.set(self.x, np.ascontiguousarray(x, np.float32))
+        self.gc.compute()
+        return self.gc.get(self.out, np.empty((self.seq, self.width), np.float32))

@@ -1,0 +1,55 @@
+"""Tensor-parallel shares on ggml (llama.cpp's kernels): partials of 1 and 3 devices summed by a master loop track
+the numpy reference, K-quant heads and groups that cut through 256-wide blocks included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_shard import MAX_LEN, PROMPT, VOCAB_BLOCK, model, run_master
+
+from edgerun.model.reference import ReferenceModel
+from edgerun.net.wire import Block
+from edgerun.tp.ggml_shard import GgmlShard, column_ranges
+from edgerun.tp.shard import split_spec
+
+
+def reference(name: str, steps: int) -> tuple[list[int], list[np.ndarray]]:
+    config, weights = model(name)
+    ref = ReferenceModel(config, weights)
+    kv = ref.new_cache(MAX_LEN)
+    tokens, logits, feed = [], [], PROMPT
+    for _ in range(steps):
+        out = ref.forward(feed, kv)
+        logits.append(out)
+        tokens.append(int(np.argmax(out)))
+        feed = [tokens[-1]]
+    return tokens, logits
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-q4k"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_ggml_shares_track_the_reference(name: str, n: int) -> None:
+    """Activations quantized per block as llama.cpp does: every logit within 3% of the reference's largest, the
+    reference's greedy token at 7 or 8 of 8 steps."""
+    config, weights = model(name)
+    want_tokens, want_logits = reference(name, 8)
+    shards = [GgmlShard(config, weights, spec, MAX_LEN) for spec in split_spec(config, n, 192, VOCAB_BLOCK)]
+    tokens, logits = run_master(config, weights, shards, PROMPT, 8)
+    worst = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(logits, want_logits, strict=True))
+    agree = sum(a == b for a, b in zip(tokens, want_tokens, strict=True))
+    assert agree >= 7 and worst < 0.03, (agree, worst)
+    assert sum(s.weight_bytes for s in shards) > 0
+    assert all(s.block_bytes(0, Block.MLP) > 0 for s in shards if s.spec.mlp_groups[0])
+
+
+def test_a_column_range_keeps_the_files_blocks_where_it_can() -> None:
+    _, weights = model("llama-q4k")
+    wo = weights.layers[0].wo  # Q4_K: 256-wide blocks
+    aligned = column_ranges(wo, [(0, 256)])
+    assert aligned.qtype == "Q4_K" and aligned.shape == (wo.rows, 256)
+    np.testing.assert_array_equal(aligned.dequantize(), wo.dequantize()[:, :256])
+    cut = column_ranges(wo, [(0, 64), (128, 192)])  # heads inside a block: requantized to Q8_0
+    assert cut.qtype == "Q8_0" and cut.shape == (wo.rows, 128)
+    full = wo.dequantize()
+    np.testing.assert_allclose(cut.dequantize(), np.concatenate([full[:, :64], full[:, 128:192]], axis=1),
+                               atol=0.01 * float(np.abs(full).max()))
