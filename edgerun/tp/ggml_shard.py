@@ -180,10 +180,11 @@ def _index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
 class _BlockGraph:
     """One block's graph: hidden states in (hidden, seq), its partial out (width, seq)."""
 
-    def __init__(self, shard: GgmlShard, seq: int, inputs: StepInputs | None = None) -> None:
+    def __init__(self, shard: GgmlShard, seq: int) -> None:
         self.gc = GraphContext(shard.backend, BLOCK_GRAPH_NODES + 8 * len(shard.head_parts))
         self.x = self.gc.input(ggml_lib.F32, shard.config.hidden, seq)
         self.seq = seq
+        self.inputs: StepInputs | None = None  # an attention block's positions, cache rows and mask
         self.out = 0
         self.width = 0
 
