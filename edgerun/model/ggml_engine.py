@@ -127,6 +127,17 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
     return g.ggml_mul_mat(ctx, t(a.wo), g.ggml_reshape_2d(ctx, out, a.n_heads * hd, n))
 
 
+def cache_rows(end: int, max_len: int) -> int:
+    """Cache rows a step ending at position `end` reads: the next multiple of KV_STEP, at most the cache."""
+    return min(max_len, -(-end // KV_STEP) * KV_STEP)
+
+
+def lm_head(ctx: int, t, parts: Sequence[int], h: int) -> int:
+    """The LM head's rows (loaded in parts, row_parts) times h, one column of logits per token."""
+    g = ggml_lib.lib()
+    return functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 0), [g.ggml_mul_mat(ctx, t(p), h) for p in parts])
+
+
 def mlp_block(ctx: int, t, w_gate: int, w_up: int, w_down: int, h: int) -> int:
     """SwiGLU of normalized hidden states h through these rows of gate and up and columns of down."""
     g = ggml_lib.lib()
@@ -240,7 +251,7 @@ class GgmlEngine:
         start = self.position
         if start + n > self.max_len:
             raise EdgerunError(f"the context holds {self.max_len} tokens; this step would reach {start + n}")
-        n_kv = min(self.max_len, -(-(start + n) // KV_STEP) * KV_STEP)
+        n_kv = cache_rows(start + n, self.max_len)
         key = (n, n_kv)
         graph = self._graphs.get(key)
         if graph is None:
@@ -272,8 +283,7 @@ class StepGraph:
         stride = head(x).nb[1]
         last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
         h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
-        parts = [g.ggml_mul_mat(ctx, t(part), h) for part in engine.output]
-        self.logits = functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 0), parts)
+        self.logits = lm_head(ctx, t, engine.output, h)
         self.gc.expand(self.logits)
         self.gc.allocate()
         self.vocab = c.vocab_size

@@ -315,11 +315,10 @@ class BlockExchange:
         order = w.order
         while w.folded < len(order):
             index = order[w.folded]
-            if index not in w.arrived and (not final or w.parts[index] is None):
-                if not final:
-                    return
-            else:
+            if index in w.arrived or (final and w.parts[index] is not None):
                 self._fold(w, index)
+            elif not final:
+                return
             w.folded += 1
 
     def _fold(self, w: _Wait, index: int) -> None:

@@ -19,32 +19,22 @@ from edgerun.model import ggml_lib
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_engine import (
     HEAD_PART_BYTES,
-    KV_STEP,
     AttnTensors,
     StepInputs,
     attention_block,
+    cache_rows,
+    lm_head,
     mlp_block,
     row_parts,
 )
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore
-from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
 from edgerun.model.weights import ModelWeights
 from edgerun.net.wire import Block
 from edgerun.profile.memory import huge_pages, release_mapped_files
-from edgerun.tp.shard import QuantShard, ShardSpec, _rows, _ShareBase
+from edgerun.tp.shard import ShardSpec, _rows, _ShareBase
 
 BLOCK_GRAPH_NODES = 64
-
-
-def static_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int, threads: int | None,
-                 activations: Activations, mapped_files: Sequence[Path] = ()) -> GgmlShard | QuantShard:
-    """A static share on the kernels its activations ask for: int8, llama.cpp's (ggml: 25-33% faster a token than
-    onnxruntime's on a 1B share here, and the single engine's arithmetic); float32, onnxruntime's (the reference's
-    numbers to rounding). Dynamic mapping's shares (DynamicQuantShard) stay on onnxruntime."""
-    if activations == Activations.INT8:
-        return GgmlShard(config, weights, spec, max_len, threads, mapped_files)
-    return QuantShard(config, weights, spec, max_len, threads, activations, mapped_files=mapped_files)
 
 
 def column_ranges(t: QuantTensor, ranges: Sequence[tuple[int, int]]) -> QuantTensor:
@@ -148,7 +138,7 @@ class GgmlShard(_ShareBase):
         tensors = self.attn[layer]
         if tensors is None:
             return np.zeros((seq, self.config.hidden), np.float32) if output else None
-        n_kv = min(self.max_len, -(-end // KV_STEP) * KV_STEP)
+        n_kv = cache_rows(end, self.max_len)
         graph = self._graph((Block.ATTN, layer, seq, n_kv), lambda: _BlockGraph.attention(self, tensors, seq, n_kv))
         mask = self._masks.setdefault((seq, n_kv), np.zeros((seq, n_kv), np.float16))
         graph.inputs.set(graph.gc, start, mask)
@@ -205,13 +195,8 @@ class _BlockGraph:
 
     @classmethod
     def head(cls, shard: GgmlShard, seq: int) -> _BlockGraph:
-        g, graph = ggml_lib.lib(), cls(shard, seq)
-        ctx, t = graph.gc.ctx, shard.store.tensor
-        parts = [g.ggml_mul_mat(ctx, t(p), graph.x) for p in shard.head_parts]
-        out = parts[0]
-        for p in parts[1:]:
-            out = g.ggml_concat(ctx, out, p, 0)
-        graph._finish(out, len(shard.vocab_rows))
+        graph = cls(shard, seq)
+        graph._finish(lm_head(graph.gc.ctx, shard.store.tensor, shard.head_parts, graph.x), len(shard.vocab_rows))
         return graph
 
     def _finish(self, out: int, width: int) -> None:
