@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from edgerun.errors import EdgerunError
-from edgerun.model.generate import ReferenceEngine, generate
+from edgerun.model.generate import ReferenceEngine, default_engine, generate, make_engine
 from edgerun.model.loader import Model, load_model
-from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import MAX_UDP_PAYLOAD
@@ -51,7 +50,7 @@ def reference_tokens(model: Model) -> list[int]:
 def start_nodes(port: int, speeds: list[float], loss: str = "0", spin_us: float = 0.0) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{port}",
                               "--name", f"n{i}", "--key", SECRET, "--speed", str(speed), "--loss", loss,
-                              "--loss-seed", str(i), "--spin-us", str(spin_us)], stderr=subprocess.DEVNULL)
+                              "--loss-seed", str(i), "--spin-us", str(spin_us), "--threads", "1"], stderr=subprocess.DEVNULL)
             for i, speed in enumerate(speeds)]
 
 
@@ -146,7 +145,7 @@ def test_a_plan_that_leaves_every_node_out_runs_the_whole_model_engine(model: Mo
     engine's, so its tokens and logits are the single engine's exactly; once a node joins and the plan gives it a
     share, the master goes back to its share."""
     prompt = model.tokenizer.encode(PROMPT)
-    single = OnnxEngine(model, 256)
+    single = make_engine(default_engine(model), model, 256)
     expected = generate(single, prompt, 16, GREEDY).tokens
     single.reset()
     want = single.step(prompt).copy()
@@ -190,7 +189,7 @@ def test_int8_cluster_agrees_with_the_single_engine(model: Model, speeds: list[f
     over udp and tcp, and the logits stay close. Partials are summed in the participants' order, whatever order
     they arrive in: the same request gives the same tokens on every run."""
     prompt = model.tokenizer.encode(PROMPT)
-    single = OnnxEngine(model, 256)
+    single = make_engine(default_engine(model), model, 256)
     expected = generate(single, prompt, N_TOKENS, GREEDY).tokens
     single.reset()
     want = [single.step(prompt).copy()] + [single.step([t]).copy() for t in expected[:-1]]
@@ -510,7 +509,7 @@ def test_node_without_the_masters_model_fetches_it(tiny_spec, synth_gguf) -> Non
     master = Master(masters, KEY, MasterConfig(host="127.0.0.1", max_len=64, timeout_ms=2000,
                                                activations=Activations.F32))
     node = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
-                             "--key", SECRET, "--model", str(other)], stderr=subprocess.PIPE, text=True)
+                             "--key", SECRET, "--model", str(other), "--threads", "1"], stderr=subprocess.PIPE, text=True)
     try:
         master.wait_for_nodes(1, timeout_s=120)
         master.replan()
@@ -700,7 +699,7 @@ def test_measured_loss_puts_the_lossy_node_on_the_least_important_groups(tiny_sp
                                              timeout_ms=2000))
     procs = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
                                "--key", SECRET, "--model", str(synth_gguf(tiny_spec(tied=False))), "--name", name,
-                               "--loss", loss, "--loss-seed", "3"], stderr=subprocess.DEVNULL)
+                               "--loss", loss, "--loss-seed", "3", "--threads", "1"], stderr=subprocess.DEVNULL)
              for name, loss in (("clean", "0"), ("lossy", "30%"))]
     try:
         master.wait_for_nodes(2, timeout_s=120)

@@ -213,6 +213,7 @@ class TpBenchConfig:
     trace_dir: Path | None = None  # --trace: master's and nodes' timelines, a directory per node count
     pin: int = 0  # cores of its own for every device (master, each node, the single baseline); 0: not pinned
     ceiling: bool = False  # also time each node count's kernels alone, in step, without the network (bench.ceiling)
+    gpu_nodes: int = 0  # the first this many nodes compute their shares on the GPU (node --device cuda)
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -225,6 +226,8 @@ class TpBenchConfig:
             raise EdgerunError("--threads must be at least 1")
         if self.pin < 0:
             raise EdgerunError("--pin takes a number of cores per device, 0 for none")
+        if self.gpu_nodes < 0:
+            raise EdgerunError("--gpu-nodes takes a number of nodes, 0 for none")
         if self.pin and self.loss_at == "testbed":
             raise EdgerunError("--pin is for loopback clusters; a testbed's nodes take --cpu-quota")
         check_exchange(self.timeout_ms, self.timeout_deviations, self.rto_min_ms, self.group_size)
@@ -267,7 +270,7 @@ def pinned(cores: set[int] | None) -> Iterator[None]:
 def _node_argv(config: TpBenchConfig, master: str, i: int, loss: str) -> list[str]:
     argv = [sys.executable, "-m", "edgerun.cli", "node", "--master", master, "--name", f"bench-{i}", "--key",
             SECRET, "--loss", loss, "--loss-seed", str(i + 1), "--threads", str(config.threads),
-            "--spin-us", str(config.spin_us)]
+            "--spin-us", str(config.spin_us), "--device", "cuda" if i < config.gpu_nodes else "cpu"]
     if config.model_path is not None:
         argv += ["--model", str(config.model_path)]
     if config.node_speeds:

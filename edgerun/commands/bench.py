@@ -79,7 +79,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
                            parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
                            activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace,
-                           ceiling=args.ceiling)
+                           ceiling=args.ceiling, gpu_nodes=args.gpu_nodes)
     # bench_tp checks the loss specs, then loads the model (model not found), before anything runs
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
@@ -355,5 +355,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "decode, prefill and whole request this machine allows the cluster, each over the single "
                         "engine's with --baseline, and how far the cluster is from them, and a one-token block of "
                         "each kind in step (default: off)")
+    p.add_argument("--gpu-nodes", type=int, default=0, metavar="N",
+                   help="the first N node processes compute their shares on the GPU (node --device cuda: ggml's "
+                        "CUDA backend, built once with nvcc), the others on the CPU (default: 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_bench_tp)

@@ -132,8 +132,11 @@ def rto_min_arg(p: argparse.ArgumentParser) -> None:
 
 def share_threads_arg(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--threads", type=thread_count, default=default,
-                   help=f"compute threads per process: onnxruntime's for the tensor-parallel share or pipeline "
-                        f"stage, and numpy's (default: {default})")
+                   help=f"compute threads per process: ggml's or onnxruntime's for the tensor-parallel share or "
+                        f"pipeline stage, and numpy's. Processes that share a machine's cores (a master and nodes "
+                        f"on one computer) should together use no more threads than it has cores: ggml's threads "
+                        f"wait for one another between operations, and one without a free core slows its whole "
+                        f"process many times (default: {default})")
 
 
 def blas_threads_arg(p: argparse.ArgumentParser, default: int) -> None:

@@ -105,6 +105,9 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
 
 def cmd_master(args: argparse.Namespace) -> None:
     limit_blas_threads(args.threads)
+    from edgerun.model import ggml_lib
+
+    ggml_lib.cluster_process()  # its threads wait on the network between blocks
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler, SamplingParams
 

@@ -29,6 +29,9 @@ from edgerun.commands.common import (
 
 def cmd_node(args: argparse.Namespace) -> None:
     limit_blas_threads(args.threads)
+    from edgerun.model import ggml_lib
+
+    ggml_lib.cluster_process()  # its threads wait on the network between blocks
     profile = None
     if args.profile is not None:
         from edgerun.sched.profiles import load_device
@@ -85,9 +88,22 @@ def cmd_node(args: argparse.Namespace) -> None:
     master = host_port(args.master)
     try:
         run_node(master, args.model, cluster_key(args), name, args.memory_budget, args.speed, loss_arg(args),
-                 args.threads, args.spin_us / 1e6, verbose=args.verbose, trace=args.trace)
+                 args.threads, args.spin_us / 1e6, verbose=args.verbose, trace=args.trace,
+                 device=_tp_device(args.device))
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
+
+
+def _tp_device(wanted: str) -> str:
+    """Where a tensor-parallel share computes: ggml's CUDA backend where asked for, or with "auto" where an
+    NVIDIA GPU and nvcc (which builds that backend once) are here; else the CPU."""
+    if wanted != "auto":
+        return wanted
+    import shutil
+
+    from edgerun.llamacpp import has_nvidia_gpu
+
+    return "cuda" if has_nvidia_gpu() and shutil.which("nvcc") else "cpu"
 
 
 def _discover_master(mode: str) -> str:
@@ -125,8 +141,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed", type=float, default=None, help="decode speed in weight bytes/s (default: the "
                    f"profile's, else {NODE_SPEED:.0e}; equal speeds give equal shares)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="pp: where stages run: cuda needs the onnxruntime-gpu package; auto takes CUDA where it is "
-                        "installed, else the CPU (default: auto)")
+                   help="where the share or stage computes. tp: cuda runs the share on ggml's CUDA backend (built once "
+                        "with nvcc, minutes); pp: cuda needs the onnxruntime-gpu package. auto takes the GPU where "
+                        "that is possible, else the CPU (default: auto)")
     p.add_argument("--peer-port", type=int, default=0,
                    help="pp: the pass port (plain TCP, on every interface) where the master and the previous stage "
                         "of a chained route send this worker its passes, authenticated with the cluster key like every "

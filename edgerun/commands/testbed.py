@@ -155,11 +155,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   "the nodes are stopped, and CMD's exit code is returned. With --in, run CMD in "
                                   "one namespace only. A leading `edgerun` means this installation's edgerun.",
                       epilog="example: edgerun testbed run -- edgerun master --expect 3 --key S --prompt Hi "
-                             "--node-cmd 'edgerun node --master {master}:{port} --name {name} --key S'")
+                             "--node-cmd 'edgerun node --master {master}:{port} --name {name} --key S --threads 1'")
     _testbed_name_arg(p)
     p.add_argument("--port", type=int, default=7000, help="the master's TCP port (default: 7000)")
-    p.add_argument("--node-cmd", default="edgerun node --master {master}:{port} --name {name}",
-                   help="node command; {master} {port} {name} {index} are filled in (default: %(default)s)")
+    p.add_argument("--node-cmd", default="edgerun node --master {master}:{port} --name {name} --threads 1",
+                   help="node command; {master} {port} {name} {index} are filled in. The nodes share this "
+                        "machine's cores: one compute thread each, as ggml's threads wait for one another between "
+                        "operations and a process with more threads than free cores slows down many times "
+                        "(default: %(default)s)")
     p.add_argument("--no-nodes", action="store_true", help="start no nodes")
     p.add_argument("--in", dest="inside", default="master", help="master or nodeK (default: master)")
     p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the master (default: 300)")

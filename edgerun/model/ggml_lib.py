@@ -158,15 +158,36 @@ def use_device(device: str) -> None:
 # they kept spinning. They spin this many rounds (a fraction of a second) before they sleep, unless the
 # environment says otherwise; set before libgomp loads with ggml.
 SPIN_ROUNDS = "3000000"
+# A cluster's processes wait on the network between blocks and may share cores with one another (a master and
+# its nodes on one machine, tests, benchmarks): their threads spin briefly (tens of microseconds) and then sleep,
+# so a waiting process never takes a core from one computing.
+CLUSTER_SPIN_ROUNDS = "20000"
+
+
+_spin_rounds = [SPIN_ROUNDS]
+
+
+def cluster_process() -> None:
+    """Make this process's ggml threads a cluster member's (CLUSTER_SPIN_ROUNDS). Only before ggml loads: a
+    process that has loaded it already (tests running commands in-process) keeps the spin it loaded with."""
+    _spin_rounds[0] = CLUSTER_SPIN_ROUNDS
 
 
 @functools.cache
 def lib() -> _Lib:
     from edgerun import llamacpp
 
-    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_ROUNDS)
     use_device("cpu")
-    return _Lib([str(p) for p in llamacpp.ggml_libraries(cuda=_loaded[0] == "cuda")])
+    paths = [str(p) for p in llamacpp.ggml_libraries(cuda=_loaded[0] == "cuda")]
+    # libgomp reads its spin when it loads; the variable then goes, so processes this one starts (a cluster's
+    # nodes) choose their own.
+    own = os.environ.get("GOMP_SPINCOUNT")
+    os.environ.setdefault("GOMP_SPINCOUNT", _spin_rounds[0])
+    try:
+        return _Lib(paths)
+    finally:
+        if own is None:
+            del os.environ["GOMP_SPINCOUNT"]
 
 
 def head(t: int) -> TensorHead:

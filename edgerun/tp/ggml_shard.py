@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgerun.errors import EdgerunError
 from edgerun.model import ggml_lib
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_engine import (
@@ -28,11 +29,12 @@ from edgerun.model.ggml_engine import (
     row_parts,
 )
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
 from edgerun.model.weights import ModelWeights
 from edgerun.net.wire import Block
 from edgerun.profile.memory import huge_pages, release_mapped_files
-from edgerun.tp.shard import ShardSpec, _rows, _ShareBase
+from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, _rows, _ShareBase
 
 BLOCK_GRAPH_NODES = 64
 
@@ -55,13 +57,13 @@ def _spans(units: Sequence[int], width: int) -> list[tuple[int, int]]:
 
 
 class GgmlShard(_ShareBase):
-    """One device's units on ggml's CPU backend (QuantShard's interface, static shares)."""
+    """One device's units on a ggml backend, the CPU's or a CUDA GPU's (QuantShard's interface, static shares)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, mapped_files: Sequence[Path] = ()) -> None:
+                 threads: int | None = 1, mapped_files: Sequence[Path] = (), device: str = "cpu") -> None:
         super().__init__(config, spec, max_len)
         c = config
-        self.backend = GgmlBackend(threads)
+        self.backend = GgmlBackend(threads, device)
         store = self.store = WeightStore(self.backend)
         add = store.add
         hd, per_kv = c.head_dim, c.heads_per_kv
@@ -104,7 +106,8 @@ class GgmlShard(_ShareBase):
             self.head_parts = [add(f"head.{i}", part) for i, part in enumerate(row_parts(rows, HEAD_PART_BYTES))]
             self._bytes[0, Block.HEAD] = rows.nbytes
         store.upload(release=lambda: release_mapped_files(mapped_files))
-        huge_pages()
+        if device == "cpu":
+            huge_pages()
         self._graphs: dict[tuple, _BlockGraph] = {}
         self._masks: dict[tuple[int, int], np.ndarray] = {}
 
@@ -161,6 +164,23 @@ class GgmlShard(_ShareBase):
             return self.vocab_rows, np.zeros((x.shape[0], 0), np.float32)
         graph = self._graph((Block.HEAD, 0, x.shape[0]), lambda: _BlockGraph.head(self, x.shape[0]))
         return self.vocab_rows, graph.run(x)
+
+
+def build_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int, threads: int | None,
+                activations: Activations, *, dynamic: bool = False, mapped_files: Sequence[Path] = (),
+                device: str = "cpu") -> GgmlShard | QuantShard:
+    """The share a device computes: on ggml, llama.cpp's kernels and numerics, for a static share with int8
+    activations (the default); on onnxruntime where ggml has no graph for it yet: dynamic mapping, whose blocks
+    take per-token unit flags, and float32 activations, which compute what the numpy reference does. A dynamic
+    share's `spec` holds every unit (every_unit_spec). `device` "cuda" computes on ggml's CUDA backend, which
+    only the ggml share has."""
+    if device != "cpu" and (dynamic or activations is Activations.F32):
+        raise EdgerunError(f"a share on {device} runs on ggml: static mapping and int8 activations only")
+    if dynamic:
+        return DynamicQuantShard(config, weights, spec, max_len, threads, activations, mapped_files)
+    if activations is Activations.F32:
+        return QuantShard(config, weights, spec, max_len, threads, activations, mapped_files)
+    return GgmlShard(config, weights, spec, max_len, threads, mapped_files, device)
 
 
 def _index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -27,9 +27,9 @@ import numpy as np
 from starlette.routing import BaseRoute
 
 from edgerun.errors import EdgerunError
-from edgerun.model.generate import EngineLost, generate
+from edgerun.model.generate import Engine, EngineLost, default_engine, generate, make_engine
 from edgerun.model.loader import Model
-from edgerun.model.onnx_engine import OnnxEngine
+from edgerun.model.onnx_graph import Activations
 from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
@@ -43,11 +43,12 @@ from edgerun.sched.tp_plan import SyncModel, TPPlan, UnitCounts, objective, plan
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
+from edgerun.tp.ggml_shard import GgmlShard, build_share
 from edgerun.tp.kernel_fit import KernelFit, Measured, pooled, pooled_measurements
 from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
-from edgerun.tp.shard import DynamicQuantShard, QuantShard
+from edgerun.tp.shard import QuantShard
 from edgerun.tp.trace import Trace
 
 # A measured synchronization time stands for a node's whole exchange: the link's transfer term is left out.
@@ -165,11 +166,11 @@ class Master:
         self.position = 0
         # A request's Reset goes to the nodes with its first step, which knows what the sampler draws from.
         self.reset_pending = False
-        self.shard: QuantShard | None = None
+        self.shard: GgmlShard | QuantShard | None = None
         # A plan that leaves every node out runs on the whole-model engine instead of a share: one graph a token
         # rather than one a block (the share engine alone was 0.82x the single engine on the shipped model's
         # shape, 61 calls a token), so a cluster whose nodes do not help is as fast as one process.
-        self.whole: OnnxEngine | None = None
+        self.whole: Engine | None = None
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
@@ -434,12 +435,13 @@ class Master:
             node.channel.send(assign)
         # The master builds its own share while the nodes build theirs.
         if self._alone(plan):
-            self.whole = OnnxEngine(self.model, self.config.max_len, self.config.threads, self.config.activations)
+            engine = default_engine(self.model, self.config.activations is Activations.F32)
+            self.whole = make_engine(engine, self.model, self.config.max_len, self.config.threads)
             self.whole_step_bytes = int(self.profile().total_tp_weight_bytes())
         else:
-            kind = DynamicQuantShard if self.config.mapping == "dynamic" else QuantShard
-            self.shard = kind(self.model.config, self.model.weights, d.own_spec, self.config.max_len,
-                              self.config.threads, self.config.activations, mapped_files=[self.model.path])
+            self.shard = build_share(self.model.config, self.model.weights, d.own_spec, self.config.max_len,
+                                     self.config.threads, self.config.activations,
+                                     dynamic=self.config.mapping == "dynamic", mapped_files=[self.model.path])
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):

@@ -61,6 +61,7 @@ from edgerun.net.wire import (
 )
 from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
+from edgerun.tp.ggml_shard import GgmlShard, build_share
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
     MAX_PROBE_BYTES,
@@ -85,7 +86,7 @@ from edgerun.tp.messages import (
     Spare,
     Welcome,
 )
-from edgerun.tp.shard import DynamicQuantShard, QuantShard, Shard, ShardSpec, every_unit_spec, head_top
+from edgerun.tp.shard import QuantShard, Shard, ShardSpec, every_unit_spec, head_top
 from edgerun.tp.trace import Event, Trace
 
 HEARTBEAT_S = 0.5
@@ -132,9 +133,11 @@ class _Input:
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
                  speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0,
-                 verbose: bool = False, trace: Path | None = None) -> None:
-        """`trace`: a file the node appends its timeline of one-token blocks to (tp.trace)."""
+                 verbose: bool = False, trace: Path | None = None, device: str = "cpu") -> None:
+        """`trace`: a file the node appends its timeline of one-token blocks to (tp.trace); `device`: where its
+        share computes, "cpu" or "cuda" (ggml's CUDA backend)."""
         self.master = master
+        self.device = device
         self.trace = None if trace is None else Trace(trace, name)
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.threads = threads  # onnxruntime threads of the share
@@ -149,7 +152,7 @@ class Node:
         self.counters = Counters()
         # Loop-thread state: the share, the session, and the inputs not computed yet.
         self.spec: ShardSpec | None = None
-        self.shard: QuantShard | Shard | None = None  # Shard: the float reference, which tests run
+        self.shard: GgmlShard | QuantShard | Shard | None = None  # Shard: the float reference, which tests run
         self.attn_layers: list[int] = []  # layers where this node holds attention units
         self.session = -1
         self.top: int | None = None  # the session's sampler draws from this many logits at most (Reset.top)
@@ -228,7 +231,8 @@ class Node:
             datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
             datagrams.attach(asyncio.get_running_loop())
             self.channel.send(Register(self.name, self.budget_mb, self.speed, datagrams.port,
-                                       path_datagram_bytes(self.master[0], self.master[1]), device_summary()))
+                                       path_datagram_bytes(self.master[0], self.master[1]),
+                                       device_summary() + (", computing on its GPU" if self.device == "cuda" else "")))
             welcome = await self.channel.receive()
             if not isinstance(welcome, Welcome):
                 raise WireError(f"expected a welcome, got {type(welcome).__name__}")
@@ -250,12 +254,12 @@ class Node:
                 gc.unfreeze()  # settle_heap froze the old share with everything else: its cycles must be collectable
                 gc.collect()
                 reset_peak_rss()  # the peak reported from now on is the new share's, its build included
-                kind = QuantShard
-                if message.priorities is not None:  # dynamic mapping: hold every unit
-                    spec, kind = every_unit_spec(self.model.config, spec), DynamicQuantShard
-                build = functools.partial(kind, self.model.config, self.model.weights, spec, message.max_len,
-                                          self.threads, message.activations,
-                                          mapped_files=[self.model.path])
+                dynamic = message.priorities is not None
+                if dynamic:  # every device holds every unit
+                    spec = every_unit_spec(self.model.config, spec)
+                build = functools.partial(build_share, self.model.config, self.model.weights, spec, message.max_len,
+                                          self.threads, message.activations, dynamic=dynamic,
+                                          mapped_files=[self.model.path], device=self.device)
                 self._assign(message, spec, await loop.run_in_executor(None, build))
                 settle_heap()
             else:
@@ -291,7 +295,7 @@ class Node:
                          f"{self.counters.total()} packets rejected, peak RSS {peak_rss_mb():.0f} MB")
                 summarized, last_compute, last_decode = now, self.compute_s, self.decode
 
-    def _assign(self, message: Assign, spec: ShardSpec, shard: QuantShard | Shard) -> None:
+    def _assign(self, message: Assign, spec: ShardSpec, shard: GgmlShard | QuantShard | Shard) -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
         self.index, self.codec, self.routes = message.index, message.codec, message.routes
@@ -592,7 +596,7 @@ class Node:
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
              speed: float, loss: LossModel | None, threads: int = 1, spin_s: float = 0.0,
-             verbose: bool = False, trace: Path | None = None) -> None:
+             verbose: bool = False, trace: Path | None = None, device: str = "cpu") -> None:
     return_freed_memory()  # a node process holds a share and little else: what it frees goes back
     try:
         model = load_model(model_path)
@@ -601,5 +605,5 @@ def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name:
         model = None
     node = Node(master, model, key, name, budget_mb, speed, loss,
                 log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads, spin_s=spin_s, verbose=verbose,
-                trace=trace)
+                trace=trace, device=device)
     node.run()
