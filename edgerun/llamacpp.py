@@ -131,6 +131,11 @@ def has_nvidia_gpu() -> bool:
     return listed.returncode == 0 and "GPU" in listed.stdout
 
 
+def cuda_buildable() -> bool:
+    """Whether ggml's CUDA backend can run here: an NVIDIA GPU, and nvcc to build the backend once."""
+    return has_nvidia_gpu() and shutil.which("nvcc") is not None
+
+
 def ggml_libraries(cuda: bool = False, log=_log) -> list[Path]:
     """ggml's shared libraries, built the first time they are asked for (about half a minute on 2 cores). With
     `cuda`, a second build beside the first adds ggml's CUDA backend (nvcc; for this machine's GPU, or the

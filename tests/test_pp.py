@@ -22,9 +22,8 @@ from websockets.sync.client import connect
 
 from edgerun.bench.pp import SECRET, local_pipeline, start_worker
 from edgerun.cli import main
-from edgerun.model.generate import ReferenceEngine, generate
+from edgerun.model.generate import ReferenceEngine, default_engine, generate, make_engine
 from edgerun.model.loader import Model, load_model
-from edgerun.model.onnx_engine import OnnxEngine
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.wire import PP_HEADER, PpMsg, cluster_mac, derive_key, open_pp_frame, pp_frame, pp_packet
@@ -99,9 +98,9 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
                                                       route: Route, threads: int,
                                                       capsys: pytest.CaptureFixture) -> None:
     """The shipped model (126 MB by the planner's count) does not fit one worker's budget. Int8 stages give the
-    single-process engine's tokens; float32 stages the numpy reference's; passes stage to stage (chain) or
-    through the master (star) alike; stages in one graph, or (`edgerun node --load-threads 2`) in two whose
-    sessions the worker creates at once."""
+    single-process engine's tokens (ggml stages); float32 stages the numpy reference's (onnxruntime's); passes
+    stage to stage (chain) or through the master (star) alike; stages in one graph, or (`edgerun node
+    --load-threads 2`, onnxruntime) in two whose sessions the worker creates at once."""
     expected = reference_tokens if activations is Activations.INT8 else generate(
         ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
     with pipeline(model, budgets, activations=activations, route=route, load_threads=threads) as (master, _):
@@ -110,8 +109,11 @@ def test_split_by_memory_budgets_equals_the_reference(model: Model, reference_to
         assert master.deployment.chained == (route == Route.CHAIN)
         assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == model.config.n_layers
         for s in plan.stages:  # in parts where asked, if the machine and its onnxruntime can load them at once
+            # int8 stages run on ggml (llama.cpp's kernels, one graph), float32 ones on onnxruntime
+            assert master.deployment.ggml_stages(s.worker) == (activations is Activations.INT8)
             bounds = master.deployment.part_bounds(s, s.worker)
-            assert len(bounds) == load_threads(threads) - 1, bounds
+            parts = 1 if activations is Activations.INT8 else load_threads(threads)
+            assert len(bounds) == parts - 1, bounds
             assert all(s.first_layer < b < s.end_layer for b in bounds), bounds
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == expected  # and again: the same tokens
@@ -421,7 +423,8 @@ def test_prefix_cache_serves_chat_prompts_exactly(model: Model) -> None:
     assert len(prefix) > 10 and tok.decode(prefix).count("user") == 1
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a large river."}]))
     assert prompt[:len(prefix)] == prefix
-    reference = generate(OnnxEngine(model, 256, threads=1), prompt, 24, Sampler(SamplingParams())).tokens
+    reference = generate(make_engine(default_engine(model), model, 256, threads=1), prompt, 24,
+                         Sampler(SamplingParams())).tokens
     with pipeline(model, [80, 80], prefix=tuple(prefix)) as (master, _):
         master.start()
         for _ in range(2):  # the second request restores the prefix after the first moved past it
@@ -437,7 +440,7 @@ def replayed(model: Model, master: PipelineMaster, since: int, n: int = N_TOKENS
     prompt = model.tokenizer.encode(PROMPT)
     lengths = master.prefill_lengths[since:]
     assert lengths[0] == len(prompt)
-    engine, sampler = OnnxEngine(model, 256, threads=1), Sampler(SamplingParams())
+    engine, sampler = make_engine(default_engine(model), model, 256, threads=1), Sampler(SamplingParams())
     engine.reset()
     tokens = [sampler(engine.step(prompt), len(prompt))]
     while len(tokens) < n:
@@ -451,8 +454,8 @@ def replayed(model: Model, master: PipelineMaster, since: int, n: int = N_TOKENS
 
 
 def reference_run(model: Model, text: str, n: int) -> list[int]:
-    """The single-process engine's greedy tokens (int8 activations, the default)."""
-    return generate(OnnxEngine(model, 256, threads=1), model.tokenizer.encode(text), n,
+    """The single-process engine's greedy tokens (int8 activations, the default: ggml, as native stages)."""
+    return generate(make_engine(default_engine(model), model, 256, threads=1), model.tokenizer.encode(text), n,
                     Sampler(SamplingParams())).tokens
 
 

@@ -50,7 +50,8 @@ def reference_tokens(model: Model) -> list[int]:
 def start_nodes(port: int, speeds: list[float], loss: str = "0", spin_us: float = 0.0) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{port}",
                               "--name", f"n{i}", "--key", SECRET, "--speed", str(speed), "--loss", loss,
-                              "--loss-seed", str(i), "--spin-us", str(spin_us), "--threads", "1"], stderr=subprocess.DEVNULL)
+                              "--loss-seed", str(i), "--spin-us", str(spin_us), "--threads", "1"],
+                             stderr=subprocess.DEVNULL)
             for i, speed in enumerate(speeds)]
 
 
@@ -509,7 +510,8 @@ def test_node_without_the_masters_model_fetches_it(tiny_spec, synth_gguf) -> Non
     master = Master(masters, KEY, MasterConfig(host="127.0.0.1", max_len=64, timeout_ms=2000,
                                                activations=Activations.F32))
     node = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{master.port}",
-                             "--key", SECRET, "--model", str(other), "--threads", "1"], stderr=subprocess.PIPE, text=True)
+                             "--key", SECRET, "--model", str(other), "--threads", "1"],
+                            stderr=subprocess.PIPE, text=True)
     try:
         master.wait_for_nodes(1, timeout_s=120)
         master.replan()

@@ -99,11 +99,9 @@ def _tp_device(wanted: str) -> str:
     NVIDIA GPU and nvcc (which builds that backend once) are here; else the CPU."""
     if wanted != "auto":
         return wanted
-    import shutil
+    from edgerun.llamacpp import cuda_buildable
 
-    from edgerun.llamacpp import has_nvidia_gpu
-
-    return "cuda" if has_nvidia_gpu() and shutil.which("nvcc") else "cpu"
+    return "cuda" if cuda_buildable() else "cpu"
 
 
 def _discover_master(mode: str) -> str:

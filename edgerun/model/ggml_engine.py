@@ -182,11 +182,14 @@ def check_supported(model: Model) -> None:
 
 
 class GgmlEngine:
-    """The whole model on a ggml backend (the CPU's, or a CUDA GPU's with device="cuda"), one graph per step."""
+    """The whole model on a ggml backend (the CPU's, or a CUDA GPU's with device="cuda"), one graph per step; or,
+    with `layers`, a pipeline stage: those layers, the embedding where they start at 0 and the final norm and LM
+    head where they end at the last (GgmlEngine.run)."""
 
     name = "ggml"
 
-    def __init__(self, model: Model, max_len: int, threads: int | None = None, device: str = "cpu") -> None:
+    def __init__(self, model: Model, max_len: int, threads: int | None = None, device: str = "cpu",
+                 layers: range | None = None) -> None:
         check_supported(model)
         self.model = model
         self.config: ModelConfig = model.config
@@ -194,20 +197,28 @@ class GgmlEngine:
         self.backend = GgmlBackend(threads, device)
         c = self.config
         w = model.weights
+        self.layer_range = range(c.n_layers) if layers is None else layers
+        if not (0 <= self.layer_range.start < self.layer_range.stop <= c.n_layers and self.layer_range.step == 1):
+            raise EdgerunError(f"layers {self.layer_range} are not a run of the model's {c.n_layers}")
+        self.embeds = self.layer_range.start == 0
+        self.has_head = self.layer_range.stop == c.n_layers
         self.weights = WeightStore(self.backend)
         add = self.weights.add
         # Embedding rows are converted from the file's pages (a few rows a step, by ggml's own code for the type):
         # the table lives in ggml only as the LM head, so a tied head is repacked for the product without a second
         # copy for the lookup.
-        self.output = [add(f"output.{i}", part) for i, part in enumerate(row_parts(w.output, HEAD_PART_BYTES))]
-        self.output_norm = add("output_norm", w.output_norm)
+        self.output = [add(f"output.{i}", part) for i, part in enumerate(row_parts(w.output, HEAD_PART_BYTES))] \
+            if self.has_head else []
+        self.output_norm = add("output_norm", w.output_norm) if self.has_head else None
         self.layers: list[LayerTensors] = []
         # A GGUF Llama file keeps Q and K rows interleaved for llama.cpp's pairwise rotation (ROPE_NORM): taken as
         # the file stores them, each of attention's dot products adds in llama.cpp's order, and the answers are
         # its answers. Rows in Hugging Face order (Qwen2, safetensors) rotate halves (ROPE_NEOX), as llama.cpp does.
+        # Decided on every layer, so every stage of one model rotates alike.
         interleaved = all(file_interleaved(layer, c) for layer in w.layers)
         self.rope_mode = ggml_lib.ROPE_NORM if interleaved else ggml_lib.ROPE_NEOX
-        for i, layer in enumerate(w.layers):
+        for i in self.layer_range:
+            layer = w.layers[i]
             def opt(name: str, value: np.ndarray | None, i: int = i) -> int | None:
                 return None if value is None else add(f"blk.{i}.{name}", value)
 
@@ -229,11 +240,13 @@ class GgmlEngine:
                 w_gate=add(f"blk.{i}.w_gate", layer.w_gate), w_up=add(f"blk.{i}.w_up", layer.w_up),
                 w_down=add(f"blk.{i}.w_down", layer.w_down)))
         self.weights.upload(release=lambda: release_mapped_files([model.path]))
-        self.embed = ggml_lib.rows_to_float(w.token_embd)
+        self.embed = ggml_lib.rows_to_float(w.token_embd) if self.embeds else None
         if device == "cpu":  # in huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB
             # pages miss the TLB once a page and stop the prefetchers at every page's end
             huge_pages()
-        self.weight_bytes = w.matrix_bytes()
+        self.weight_bytes = w.matrix_bytes() if layers is None else \
+            sum(t.nbytes for i in self.layer_range for _, t in w.layers[i].matrices()) + \
+            (w.output.nbytes if self.has_head else 0)
         self.position = 0
         self._graphs: dict[tuple[int, int], StepGraph] = {}
 
@@ -245,7 +258,15 @@ class GgmlEngine:
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens after those already seen; return the last token's logits, (vocab,)."""
-        n = len(tokens)
+        if self.embed is None or not self.has_head:
+            raise EdgerunError("a stage's steps are runs of hidden states (GgmlEngine.run)")
+        return self.run(self.embed(np.asarray(tokens, np.int64)))
+
+    def run(self, embd: np.ndarray) -> np.ndarray:
+        """Run n positions' hidden states (n, hidden) after those already seen through this engine's layers:
+        the last position's logits, (vocab,), where it holds the LM head, else every position's hidden state
+        after its last layer, (n, hidden)."""
+        n = embd.shape[0]
         if n < 1:
             raise EdgerunError("a step needs at least one token")
         start = self.position
@@ -258,9 +279,9 @@ class GgmlEngine:
             graph = StepGraph(self, n, n_kv)
             if n == 1:  # prompts come in every length: only decode graphs are worth keeping
                 self._graphs[key] = graph
-        logits = graph.run(self.embed(np.asarray(tokens, np.int64)), start)
+        out = graph.run(np.ascontiguousarray(embd, np.float32), start)
         self.position = start + n
-        return logits
+        return out
 
 
 class StepGraph:
@@ -268,7 +289,7 @@ class StepGraph:
 
     def __init__(self, engine: GgmlEngine, n: int, n_kv: int) -> None:
         c = engine.config
-        self.gc = GraphContext(engine.backend, c.n_layers * GRAPH_NODES_PER_LAYER + 64)
+        self.gc = GraphContext(engine.backend, len(engine.layers) * GRAPH_NODES_PER_LAYER + 64)
         ctx = self.gc.ctx
         g = ggml_lib.lib()
         t = engine.weights.tensor
@@ -280,17 +301,19 @@ class StepGraph:
             x = g.ggml_add(ctx, x, attention_block(self.gc, t, c, layer.attn, h, self.inputs, engine.rope_mode))
             h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.ffn_norm))
             x = g.ggml_add(ctx, x, mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, h))
-        stride = head(x).nb[1]
-        last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
-        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
-        self.logits = lm_head(ctx, t, engine.output, h)
-        self.gc.expand(self.logits)
+        if engine.has_head:
+            stride = head(x).nb[1]
+            last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
+            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
+            self.out, self.shape = lm_head(ctx, t, engine.output, h), (c.vocab_size,)
+        else:  # a stage's hidden states go on to the next stage
+            self.out, self.shape = x, (n, c.hidden)
+        self.gc.expand(self.out)
         self.gc.allocate()
-        self.vocab = c.vocab_size
         self._mask = np.zeros((n, n_kv), np.float16)
 
     def run(self, embd: np.ndarray, start: int) -> np.ndarray:
         self.gc.set(self.embd, embd)
         self.inputs.set(self.gc, start, self._mask)
         self.gc.compute()
-        return self.gc.get(self.logits, np.empty(self.vocab, np.float32))
+        return self.gc.get(self.out, np.empty(self.shape, np.float32))

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from edgerun.errors import EdgerunError
-from edgerun.model import kernel_stage
+from edgerun.model import ggml_engine, kernel_stage
+from edgerun.model.ggml_stage import GGML_STAGE_FILE
 from edgerun.model.kernel_stage import KERNEL_STAGE_FILE
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
@@ -115,6 +116,12 @@ class Deployment:
             else kernel_stage.unsupported(model.config, model.weights)
         # How many times the file's bytes a stage takes in stage.bin (float32 scales and offsets beside the codes).
         self.kernel_expansion = kernel_stage.expansion(model.weights) if self.kernels_unsupported is None else 1.0
+        # Why native workers run onnxruntime's stages instead of ggml's (None: they run ggml's, llama.cpp's kernels,
+        # from the model's own GGUF file): ggml computes with int8 activations and builds dense models without
+        # adapters.
+        self.ggml_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
+            else ggml_engine.unsupported(model)
+        self._model_file: dict[str, str] | None = None  # the GGUF file ggml stages are built from, once hashed
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
@@ -184,6 +191,20 @@ class Deployment:
         return StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer, activations,
                                     dequantized=self.dequantized(conn))
 
+    def ggml_stages(self, worker: str) -> bool:
+        """Whether `worker` runs its stages on ggml: a native worker that offers it, for a model ggml builds."""
+        conn = self.workers[worker]
+        return conn.kind == "native" and bool(conn.capabilities.get("ggml")) and self.ggml_unsupported is None \
+            and self.model.path.suffix == ".gguf"
+
+    def model_file(self) -> dict[str, str]:
+        """The model's GGUF file as a stage file (hashed once): a ggml stage reads its layers from it."""
+        if self._model_file is None:
+            sha = file_sha256(self.model.path)
+            self.files[sha] = self.model.path
+            self._model_file = {"name": GGML_STAGE_FILE, "sha256": sha}
+        return self._model_file
+
     def part_bounds(self, stage: Stage, worker: str) -> list[int]:
         """Where the parts after the first of `stage` begin on `worker` (StageSession): a native worker that creates
         sessions on several threads at once (`load_threads`) gets its stage as that many graphs (at most
@@ -191,7 +212,7 @@ class Deployment:
         fewest; anything else one graph."""
         conn = self.workers[worker]
         threads = int(conn.capabilities.get("load_threads") or 1)
-        if conn.kind != "native":
+        if conn.kind != "native" or self.ggml_stages(worker):
             return []
         return stage_parts(self.profile.layer_read_bytes, stage.first_layer, stage.end_layer,
                            min(threads, MAX_STAGE_PARTS))
@@ -199,6 +220,8 @@ class Deployment:
     def _files(self, stage: Stage, worker: str) -> tuple[list[int], list[dict[str, str]]]:
         """The stage's part bounds and its files as `worker` gets them (built, or reused): a stage in parts has
         each part's files under the part's number (0/model.onnx, 1/model.onnx, ...)."""
+        if self.ggml_stages(worker):  # one graph over the stage's layers (part_bounds: none)
+            return [], [self.model_file()]
         spec = self.spec(stage, worker)
         bounds = self.part_bounds(stage, worker)
         if not bounds:

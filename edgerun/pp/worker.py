@@ -28,7 +28,10 @@ import numpy as np
 import websockets
 
 from edgerun.cache import cache_root
+from edgerun.llamacpp import cuda_buildable
 from edgerun.model.config import ModelConfig
+from edgerun.model.ggml_stage import GGML_STAGE_FILE, GgmlStage
+from edgerun.model.loader import load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.model.session import CONCURRENT_SESSIONS, StageSession, execution_providers
 from edgerun.net.backoff import Backoff
@@ -87,26 +90,31 @@ class _Stage:
     lm_head: bool
     directory: Path
     bounds: tuple[int, ...] = ()  # where its parts after the first begin (StageSession)
-    session: StageSession | None = None
+    session: StageSession | GgmlStage | None = None
 
     def same_place(self, other: _Stage) -> bool:
         """The same layers from the same files."""
         return (self.first_layer, self.end_layer, self.lm_head, self.directory, self.bounds) == \
             (other.first_layer, other.end_layer, other.lm_head, other.directory, other.bounds)
 
-    def load(self, config: ModelConfig, max_len: int, threads: int | None, providers: list[str]) -> StageSession:
-        """Its session, its parts created at once."""
+    def load(self, config: ModelConfig, max_len: int, threads: int | None, providers: list[str],
+             ggml_device: str = "cpu") -> StageSession | GgmlStage:
+        """Its session: on ggml where the master sent the model's GGUF file, else onnxruntime's, its parts
+        created at once."""
+        gguf = self.directory / GGML_STAGE_FILE
+        if gguf.exists():
+            return GgmlStage(load_model(gguf), self.first_layer, self.end_layer, max_len, threads, ggml_device)
         return StageSession(self.directory, config, self.first_layer, self.end_layer, max_len, threads, providers,
                             self.bounds)
 
 
-def hand_over_kv(old: StageSession, new: StageSession) -> list[int]:
+def hand_over_kv(old: StageSession | GgmlStage, new: StageSession | GgmlStage) -> list[int]:
     """Give the new session the cached keys and values of the layers both sessions hold (a swap between stages
     of one worker moves nothing over the network for them): their buffers where the context lengths match,
     else a copy of their rows. The layers handed over."""
     shared = [layer for layer in old.layers if layer in new.layers]
     for layer in shared:
-        if old.max_len == new.max_len:
+        if type(old) is type(new) and old.max_len == new.max_len:
             new.adopt_kv(old, layer)
         else:
             new.load_kv_rows(layer, *old.kv_rows(layer))
@@ -126,8 +134,12 @@ class PipelineWorker:
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.passes, self.pass_s = 0, 0.0  # forward passes computed, and their time
         self.memory_mb, self.speed, self.threads = memory_mb, speed, threads
-        self.providers = execution_providers(device)
-        self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
+        # ggml's stages take the GPU where its CUDA backend can be built here; onnxruntime's where its GPU
+        # package is installed.
+        self.ggml_device = "cuda" if device in ("cuda", "auto") and cuda_buildable() else "cpu"
+        self.providers = execution_providers("auto" if self.ggml_device == "cuda" else device)
+        self.device = "cuda" if self.ggml_device == "cuda" or self.providers[0] == "CUDAExecutionProvider" \
+            else "cpu"
         self.log = log
         scheme, _, rest = url.partition("://")
         self.base_url = f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}"  # files come over HTTP
@@ -232,7 +244,7 @@ class PipelineWorker:
             self.config = ModelConfig(**message["config"])
             await self._send(PpMsg.CONNECT, request, {
                 "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
-                "capabilities": {"kind": "native", "runtime": "onnxruntime", "device": self.device,
+                "capabilities": {"kind": "native", "runtime": "onnxruntime", "ggml": True, "device": self.device,
                                  "host": device_summary(), "peer_port": self.peer_port,
                                  "load_threads": load_threads(self.load_threads)},
                 "cached": cached_files()})
@@ -252,7 +264,7 @@ class PipelineWorker:
             if preload is not None:  # a staged plan's stage, loaded beside the one serving: its swap is a handover
                 await self._fetch_files(request, message["files"], directory)
                 new.session = await loop.run_in_executor(None, new.load, self.config, int(preload["max_len"]),
-                                                         self.threads, self.providers)
+                                                         self.threads, self.providers, self.ggml_device)
                 await loop.run_in_executor(None, new.session.warm_up)
                 self.preloaded = new
                 await self._send(PpMsg.PREPARE_DONE, request, {"loaded": True})
@@ -286,7 +298,7 @@ class PipelineWorker:
             s = self.stage
             if s.session is None or s.session.max_len != self.max_len:  # else preloaded: nothing to load
                 s.session = await loop.run_in_executor(None, s.load, self.config, self.max_len, self.threads,
-                                                       self.providers)
+                                                       self.providers, self.ggml_device)
             following = message.get("next")  # a chained route: where this stage's output goes
             if following is None:
                 self._port().drop_next()
@@ -329,7 +341,7 @@ class PipelineWorker:
             raise ValueError("the pass port is not open")
         return self.pass_port
 
-    def _session(self) -> StageSession:
+    def _session(self) -> StageSession | GgmlStage:
         if self.stage is None or self.stage.session is None:
             raise ValueError("no stage loaded")
         return self.stage.session
