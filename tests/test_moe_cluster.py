@@ -76,6 +76,20 @@ def test_a_hub_and_three_workers_give_the_references_tokens_hedged_or_not(model:
     assert any("placed 32 experts x 2 replicas" in line for line in logs), logs
 
 
+def test_int8_experts_on_ggml_repeat_themselves_and_track_the_onnx_engine(model: Model) -> None:
+    """With int8 activations (the CLI's default) the workers compute their experts on ggml, llama.cpp's kernels,
+    and the hub adds them by expert id: the same request gives the same tokens every time, and they are the int8
+    onnx engine's (its experts on onnxruntime) until the first near-tie, which this prompt does not reach in 16."""
+    from edgerun.model.onnx_engine import OnnxEngine
+    from edgerun.model.onnx_graph import Activations
+
+    prompt = model.tokenizer.encode(PROMPT)
+    single = generate(OnnxEngine(model, 256, threads=1, activations=Activations.INT8), prompt, 16, GREEDY).tokens
+    with cluster(model, 2, HubConfig(max_len=256, replicas=1, activations=Activations.INT8)) as (hub, _, _):
+        runs = [hub.generate(prompt, 16, GREEDY) for _ in range(2)]
+    assert runs[0] == runs[1] == single, (runs, single)
+
+
 def test_a_killed_worker_is_replaced_by_its_replicas_without_a_prefill(model: Model, expected: list[int]) -> None:
     prompt = model.tokenizer.encode(PROMPT)
     with cluster(model, 3, HubConfig(max_len=256, replicas=2)) as (hub, procs, logs):

@@ -172,3 +172,30 @@ def test_eval_prices_experts_missing_their_deadline(tmp_path: Path, capsys: pyte
     assert row["top1_agreement"] < 1.0 or row["kl"] > 0  # dropping experts changes the output
     assert main(["eval", "--policy", "experts", "--tokens", "64", "--chunk", "64"]) == 2  # the shipped model: dense
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
+
+
+def test_ggml_experts_compute_what_onnxruntimes_do(moe_path: Path) -> None:
+    """An expert on ggml (int8 activations, llama.cpp's kernels: what a worker runs by default) gives gates *
+    SwiGLU(x) within int8 rounding of onnxruntime's float32 graph, for one token and for several, and refuses an
+    expert it does not hold."""
+    from edgerun.moe.experts import ExpertRunner, GgmlExperts, expert_runner
+
+    model = load_model(moe_path)
+    c = model.config
+    layer = next(i for i, w in enumerate(model.weights.layers) if w.moe is not None)
+    expert = model.weights.layers[layer].moe.experts[1]
+    ggml, onnx = expert_runner(c, 1, Activations.INT8), expert_runner(c, 1, Activations.F32)
+    assert isinstance(ggml, GgmlExperts) and isinstance(onnx, ExpertRunner)
+    for runner in (ggml, onnx):
+        runner.load(layer, 1, expert)
+        assert (layer, 1) in runner and (layer, 0) not in runner
+    rng = np.random.default_rng(3)
+    for tokens in (1, 5, 1):
+        x = rng.standard_normal((tokens, c.hidden)).astype(np.float32)
+        gates = rng.uniform(0.1, 1.0, tokens).astype(np.float32)
+        want, got = onnx.run(layer, 1, x, gates), ggml.run(layer, 1, x, gates)
+        assert got.shape == want.shape == (tokens, c.hidden)
+        assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), np.abs(got - want).max()
+    ggml.keep_only(set())
+    with pytest.raises(KeyError, match="not held"):
+        ggml.run(layer, 1, x, gates)

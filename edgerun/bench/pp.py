@@ -36,24 +36,27 @@ PROMPT = "Distributed inference splits one model across several machines because
 CONTEXT = 512  # tokens of KV cache in every engine of a benchmark
 
 
-def start_worker(port: int, name: str, budget_mb: float, speed: float | None = None,
-                 threads: int = 1, spin_us: float = 0.0, load_threads: int = 1) -> subprocess.Popen:
+def start_worker(port: int, name: str, budget_mb: float, speed: float | None = None, threads: int = 1,
+                 spin_us: float = 0.0, load_threads: int = 1, device: str = "cpu") -> subprocess.Popen:
     args = [sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master", f"127.0.0.1:{port}", "--key",
             SECRET, "--name", name, "--memory-budget", str(budget_mb), "--threads", str(threads),
-            "--spin-us", str(spin_us), "--load-threads", str(load_threads)]
+            "--spin-us", str(spin_us), "--load-threads", str(load_threads), "--device", device]
     return subprocess.Popen(args + (["--speed", str(speed)] if speed else []), stderr=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
 def local_pipeline(model: Model, budgets: Sequence[float], max_len: int = 512,
                    log: Callable[[str], None] = lambda _: None, threads: int = 1, spin_us: float = 0.0,
-                   load_threads: int = 1, **options: object) -> Iterator[tuple[PipelineMaster, list]]:
+                   load_threads: int = 1, gpu_workers: int = 0,
+                   **options: object) -> Iterator[tuple[PipelineMaster, list]]:
     """A pipeline master and one worker process per memory budget (w0, w1, ...), all connected; each worker
-    creates a stage's sessions on up to `load_threads` threads (`edgerun node --load-threads`)."""
+    creates a stage's sessions on up to `load_threads` threads (`edgerun node --load-threads`); the first
+    `gpu_workers` compute on the GPU (`--device cuda`), the others on the CPU."""
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=max_len,
                                                                       spin_us=spin_us, **options), log=log)
     workers = [start_worker(master.port, f"w{i}", budget, threads=threads, spin_us=spin_us,
-                            load_threads=load_threads) for i, budget in enumerate(budgets)]
+                            load_threads=load_threads, device="cuda" if i < gpu_workers else "cpu")
+               for i, budget in enumerate(budgets)]
     try:
         master.wait_for_workers(len(budgets), timeout_s=120)
         yield master, workers
@@ -283,12 +286,12 @@ def _pipeline_timing(master: PipelineMaster, prompt: list[int], tokens: int) -> 
 def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threads: int = 1,
              activations: Activations = Activations.INT8, routes: Sequence[Route] = (Route.CHAIN, Route.STAR),
              browsers: int = 0, progress: Callable[[str], None] = lambda _: None,
-             spin_us: float | None = 0.0,
-             tab_weights: TabWeights = TabWeights.KERNELS) -> tuple[list[PpRow], RequestTiming]:
+             spin_us: float | None = 0.0, tab_weights: TabWeights = TabWeights.KERNELS,
+             gpu_workers: int = 0) -> tuple[list[PpRow], RequestTiming]:
     """Rows for each worker count and route (and, with `browsers`, each worker count with that many Chromium tabs
     added), each against the single engine timed just before and after it, and the median single engine of the
     run; the native stages and the single engine compute with the same activations. `spin_us` None: auto, by the
-    row's processes (auto_spin_us)."""
+    row's processes (auto_spin_us). The first `gpu_workers` workers of every row compute on the GPU."""
     prompt = model.tokenizer.encode(PROMPT)
 
     def single() -> RequestTiming:
@@ -309,7 +312,7 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
         for route in routes:
             progress(f"{n} worker(s), route {route}")
             with local_pipeline(model, [budget] * n, CONTEXT, threads=threads, activations=activations,
-                                route=route, spin_us=spin) as (master, _):
+                                route=route, spin_us=spin, gpu_workers=gpu_workers) as (master, _):
                 row = _row(master, n, 0, prompt, tokens)
             compared(dataclasses.replace(row, spin_us=spin))
         if browsers:

@@ -108,8 +108,8 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         raise EdgerunError(f"--route takes chain, star or both (chain,star), not {args.route!r}") from None
     if not routes:
         raise EdgerunError("--route needs at least one of chain, star")
-    if args.browser < 0:
-        raise EdgerunError("--browser must be 0 or more")
+    if args.browser < 0 or args.gpu_workers < 0:
+        raise EdgerunError("--browser and --gpu-workers must be 0 or more")
     if args.swap_context < 0:
         raise EdgerunError("--swap-context must be 0 (no swap rows) or more")
     model = load_model(args.model)
@@ -120,7 +120,8 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         print(f"local pipeline: {m}...", file=sys.stderr, flush=True)
 
     rows, single = bench_pp(model, worker_counts, args.tokens, args.threads, activations, routes, args.browser,
-                            progress=progress, spin_us=args.spin_us, tab_weights=TabWeights(args.tab_weights))
+                            progress=progress, spin_us=args.spin_us, tab_weights=TabWeights(args.tab_weights),
+                            gpu_workers=args.gpu_workers)
     swaps = bench_swap(model, args.swap_context, args.threads, activations, progress) if args.swap_context else []
     if args.json:
         print(json.dumps([asdict(r) | {"activations": activations.value}
@@ -231,6 +232,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     share_threads_arg(p, 1)
     activations_arg(p)
     spin_arg(p, auto=True)
+    p.add_argument("--gpu-workers", type=int, default=0, metavar="N",
+                   help="the first N worker processes of every row compute their stages on the GPU (node --device "
+                        "cuda: ggml's CUDA backend, built once with nvcc), the others on the CPU (default: 0)")
     p.add_argument("--browser", type=int, default=0, metavar="N",
                    help="also time each worker count with N headless Chromium tabs in the pipeline (needs "
                         "Playwright and Debian's chromium; the tabs use --threads WebAssembly threads) (default: 0)")

@@ -22,7 +22,7 @@ import websockets
 
 from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_graph import Activations
-from edgerun.moe.experts import ExpertRunner, blob_dir, read_expert_blob
+from edgerun.moe.experts import ExpertRunner, GgmlExperts, blob_dir, expert_runner, read_expert_blob
 from edgerun.net.backoff import Backoff
 from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import (
@@ -66,7 +66,7 @@ class ExpertWorkerNode:
         self.held_back: set[asyncio.Task] = set()
         scheme, _, rest = url.partition("://")
         self.base_url = f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}"
-        self.runner: ExpertRunner | None = None
+        self.runner: ExpertRunner | GgmlExperts | None = None
         self.queue: OrderedDict[int, ExpertDispatch] = OrderedDict()  # seq -> dispatch not started yet
         self.ready = asyncio.Event()
         self.computed = 0
@@ -146,11 +146,11 @@ class ExpertWorkerNode:
             config = ModelConfig(**info["config"])
             activations = Activations(info.get("activations", Activations.F32.value))
             if self.runner is None or self.runner.config != config or self.runner.activations != activations:
-                self.runner = ExpertRunner(config, self.threads, activations)
+                self.runner = expert_runner(config, self.threads, activations)
             wanted = {(int(layer), int(expert)): str(sha) for layer, expert, sha in info["experts"]}
             self.runner.keep_only(set(wanted))
             for key, sha in wanted.items():
-                if key not in self.runner.sessions:
+                if key not in self.runner:
                     path = await loop.run_in_executor(None, fetch_blob, self.base_url, sha)
                     weights = read_expert_blob(path.read_bytes())
                     await loop.run_in_executor(None, self.runner.load, *key, weights)
