@@ -61,7 +61,9 @@ def bench_prompt(model: Model) -> list[int]:
 class DeviceRun:
     """A device of the plan measured: its share's quantized weights and units (the fewest and most attention units
     and MLP groups it holds in a layer, its vocabulary blocks), and its kernels' speed and fixed cost per block as
-    fitted from its one-token blocks (None until measured)."""
+    fitted from its one-token blocks (None until measured); and, where its share is on ggml, the mean time of a
+    one-token share call beyond its kernels' graph (inputs in, output out, Python): the call's own fixed cost,
+    which the fitted one holds beside the work of attention that does not grow with the weights."""
 
     name: str
     weight_mb: float
@@ -70,6 +72,7 @@ class DeviceRun:
     attn_units: tuple[int, int] = (0, 0)
     mlp_groups: tuple[int, int] = (0, 0)
     vocab_blocks: int = 0
+    call_us: float | None = None
 
     def units(self) -> str:
         def span(low_high: tuple[int, int]) -> str:
@@ -420,14 +423,20 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
 def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ...]:
     master.take_measurements()
     held = {"master": master.weight_bytes} | {r.name: r.weight_bytes for r in reports}
+    calls = {r.name: r.call_cost for r in reports}
+    own = getattr(master.shard, "calls", None)
+    if own is not None:
+        calls["master"] = (own.count, own.overhead_s)
     counts = master.plan.counts()
     runs = []
     for i, name in enumerate(master.plan.devices):
         m = master.measured.get(name)
         attn, mlp = [layer[i] for layer in counts.attn], [layer[i] for layer in counts.mlp]
+        count, overhead_s = calls.get(name, (0, 0.0))
         runs.append(DeviceRun(name, held.get(name, 0) / MIB, None if m is None else m.speed / 1e9,
                               None if m is None or m.fixed_s is None else m.fixed_s * 1e6,
-                              (min(attn), max(attn)), (min(mlp), max(mlp)), counts.vocab[i]))
+                              (min(attn), max(attn)), (min(mlp), max(mlp)), counts.vocab[i],
+                              overhead_s / count * 1e6 if count else None))
     return tuple(runs)
 
 
@@ -624,10 +633,12 @@ def tp_table(results: list[TpResult]) -> str:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.trial.said()}")
         if r.devices:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: shares (MiB of weights, units, kernels "
-                        "measured as speed + fixed cost a block): " + "; ".join(
-                            f"{d.name} {d.weight_mb:.0f} MiB, {d.units()}" +
-                            ("" if d.speed_gb_s is None else f", {d.speed_gb_s:.2f} GB/s") +
-                            ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") for d in r.devices))
+                        "measured as speed + fixed cost a block, and a share call's own cost beyond its kernels): "
+                        + "; ".join(f"{d.name} {d.weight_mb:.0f} MiB, {d.units()}" +
+                                    ("" if d.speed_gb_s is None else f", {d.speed_gb_s:.2f} GB/s") +
+                                    ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") +
+                                    ("" if d.call_us is None else f", calls {d.call_us:.0f} µs")
+                                    for d in r.devices))
     return "\n".join(rows)
 
 

@@ -10,6 +10,7 @@ once per token count and cache length and rerun with new inputs, as the whole-mo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -110,6 +111,9 @@ class GgmlShard(_ShareBase):
             huge_pages()
         self._graphs: dict[tuple, _BlockGraph] = {}
         self._masks: dict[tuple[int, int], np.ndarray] = {}
+        # One-token calls and their time beyond ggml's graph computation (inputs in, outputs out, Python): a
+        # share call's fixed cost, as bench tp reports it.
+        self.calls = CallCost()
 
     @property
     def weight_bytes(self) -> int:
@@ -135,6 +139,7 @@ class GgmlShard(_ShareBase):
                   units: Sequence[int] | None = None) -> np.ndarray | None:
         if units is not None:
             raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
+        began = time.perf_counter()
         x = _rows(x_norm, self.config.hidden)
         seq = x.shape[0]
         end = self._advance(layer, start, seq)
@@ -146,24 +151,31 @@ class GgmlShard(_ShareBase):
         mask = self._masks.setdefault((seq, n_kv), np.zeros((seq, n_kv), np.float16))
         graph.inputs.set(graph.gc, start, mask)
         out = graph.run(x)
+        self.calls.add(graph, began)
         return out if output else None
 
     def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
         if groups is not None:
             raise ValueError("a static share computes its own groups; dynamic mapping runs on DynamicQuantShard")
+        began = time.perf_counter()
         x = _rows(x_norm, self.config.hidden)
         tensors = self.mlp_tensors[layer]
         if tensors is None:
             return np.zeros((x.shape[0], self.config.hidden), np.float32)
         graph = self._graph((Block.MLP, layer, x.shape[0]), lambda: _BlockGraph.mlp(self, tensors, x.shape[0]))
-        return graph.run(x)
+        out = graph.run(x)
+        self.calls.add(graph, began)
+        return out
 
     def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        began = time.perf_counter()
         x = _rows(x_norm, self.config.hidden)
         if not self.head_parts:
             return self.vocab_rows, np.zeros((x.shape[0], 0), np.float32)
         graph = self._graph((Block.HEAD, 0, x.shape[0]), lambda: _BlockGraph.head(self, x.shape[0]))
-        return self.vocab_rows, graph.run(x)
+        out = graph.run(x)
+        self.calls.add(graph, began)
+        return self.vocab_rows, out
 
 
 def build_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int, threads: int | None,
@@ -187,6 +199,22 @@ def _index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     return np.concatenate([np.arange(a, b) for a, b in ranges]).astype(np.int64)
 
 
+class CallCost:
+    """One-token share calls counted, and their seconds beyond ggml's graph computation."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.overhead_s = 0.0
+
+    def add(self, graph: _BlockGraph, began: float) -> None:
+        """A call that began at `began` and ran this graph (a call that built its graph is not counted)."""
+        if graph.fresh:
+            graph.fresh = False
+        elif graph.seq == 1:
+            self.count += 1
+            self.overhead_s += time.perf_counter() - began - graph.compute_s
+
+
 class _BlockGraph:
     """One block's graph: hidden states in (hidden, seq), its partial out (width, seq)."""
 
@@ -197,6 +225,8 @@ class _BlockGraph:
         self.inputs: StepInputs | None = None  # an attention block's positions, cache rows and mask
         self.out = 0
         self.width = 0
+        self.compute_s = 0.0  # the last run's graph computation
+        self.fresh = True  # built for this call
 
     @classmethod
     def attention(cls, shard: GgmlShard, tensors: AttnTensors, seq: int, n_kv: int) -> _BlockGraph:
@@ -226,5 +256,7 @@ class _BlockGraph:
 
     def run(self, x: np.ndarray) -> np.ndarray:
         self.gc.set(self.x, np.ascontiguousarray(x, np.float32))
+        began = time.perf_counter()
         self.gc.compute()
+        self.compute_s = time.perf_counter() - began
         return self.gc.get(self.out, np.empty((self.seq, self.width), np.float32))

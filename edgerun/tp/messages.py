@@ -124,6 +124,10 @@ class Heartbeat:
     # node, read after the request without an idle wait before it (bench tp).
     session: int = 0
     session_compute_s: float = 0.0
+    # One-token share calls since the share was assigned, and their seconds beyond the kernels' graph (a ggml
+    # share's fixed cost a call; 0 where the share does not count them).
+    calls: int = 0
+    call_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)

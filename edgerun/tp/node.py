@@ -281,8 +281,11 @@ class Node:
             if self.trace is not None:  # between blocks
                 self.trace.flush()
             try:
+                calls = getattr(self.shard, "calls", None)  # a ggml share counts its calls' overhead
                 self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode,
-                                            self.decode_s, self.session, self.session_compute_s))
+                                            self.decode_s, self.session, self.session_compute_s,
+                                            0 if calls is None else calls.count,
+                                            0.0 if calls is None else calls.overhead_s))
             except (OSError, ConnectionError):
                 return
             now = time.monotonic()
