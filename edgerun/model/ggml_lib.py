@@ -119,13 +119,21 @@ class _Lib:
             fn = self._find(name)
             fn.restype, fn.argtypes = result, list(args)
             setattr(self, name, fn)
+        # A step's inputs and outputs are a few kilobytes: copied with the GIL kept (PyDLL), they take a
+        # microsecond, where letting the GIL go hands it to another thread (a master's exchange, a node's event
+        # loop) that may keep it for the rest of its turn. Weights and the graph's computation let it go.
+        held = [ctypes.PyDLL(p, mode=ctypes.RTLD_GLOBAL) for p in paths]
+        self.step_set, self.step_get = (self._find(name, held) for name in ("ggml_backend_tensor_set",
+                                                                             "ggml_backend_tensor_get"))
+        for fn in (self.step_set, self.step_get):
+            fn.restype, fn.argtypes = None, [P, P, SZ, SZ]
         # ggml logs each tensor it repacks and each buffer it allocates on stderr: kept quiet (the callback is
         # held here for as long as ggml may call it).
         self._quiet = LOG_CALLBACK(lambda level, text, data: None)
         self.ggml_log_set(self._quiet, None)
 
-    def _find(self, name: str):
-        for dll in self._dlls:
+    def _find(self, name: str, dlls: list[ctypes.CDLL] | None = None):
+        for dll in self._dlls if dlls is None else dlls:
             try:
                 return getattr(dll, name)
             except AttributeError:
@@ -403,11 +411,11 @@ class GraphContext:
 
     @staticmethod
     def set(t: int, data: np.ndarray) -> None:
-        lib().ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+        lib().step_set(t, data.ctypes.data, 0, data.nbytes)
 
     @staticmethod
     def get(t: int, out: np.ndarray) -> np.ndarray:
-        lib().ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+        lib().step_get(t, out.ctypes.data, 0, out.nbytes)
         return out
 
     def compute(self) -> None:
