@@ -506,6 +506,11 @@ def test_serve_moves_a_mixture_of_experts_to_its_expert_workers(tmp_path: Path) 
         reply = s.client().completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
         assert reply.choices[0].text == model.tokenizer.decode(expected)
         assert {n["holds"] for n in s.state()["nodes"]} == {"32 experts"}  # r = 2 over 2: each holds all
+        # `edgerun status` shows it (a placement predicts no time a token)
+        shown = subprocess.run([sys.executable, "-m", "edgerun.cli", "status", "--master",
+                                s.url.removeprefix("http://")], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert re.search(r"^  x1: .* holds 32 experts$", shown.stdout, re.M), shown.stdout
     finally:
         for proc in workers:
             proc.kill()

@@ -19,14 +19,16 @@ def status_text(state: dict[str, Any]) -> str:
              f"master: {state['device']}"]
     plan = state["plan"]
     if plan is not None:
-        lines.append(f"plan {plan['strategy']} over {', '.join(plan['devices'])}: predicted "
-                     f"{plan['predicted_ms_per_token']:.1f} ms/token")
+        # A mixture of experts' placement predicts no time a token: its plan says where the experts are.
+        predicted = plan.get("predicted_ms_per_token")
+        lines.append(f"plan {plan['strategy']} over {', '.join(plan['devices'])}"
+                     + ("" if predicted is None else f": predicted {predicted:.1f} ms/token"))
     lines.append(f"nodes: {sum(n['alive'] for n in state['nodes'])} alive" if state["nodes"] else "nodes: none")
     for n in state["nodes"]:
         loss = None if n["loss"] is None else 100 * n["loss"]
         device = f" ({n['device']})" if n.get("device") else ""
         lines.append(f"  {n['name']}: {n['kind']}{device}, {n['state']}, {_num(n['memory_mb'])} / "
-                     f"{n['budget_mb']:.0f} MB, {n['speed_gb_s']:.2f} GB/s, RTT {_num(n['rtt_ms'], 2)} ms, "
+                     f"{_num(n['budget_mb'], 0)} MB, {_num(n['speed_gb_s'], 2)} GB/s, RTT {_num(n['rtt_ms'], 2)} ms, "
                      f"loss {_num(loss, 1, '%')}, "
                      f"holds {n['holds'] or 'nothing'}")
     queue = state["queue"]
