@@ -223,6 +223,11 @@ def test_full_queue_gets_429_and_a_client_that_leaves_cancels(shipped_path: Path
             reply.readline()
         code, error = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}, key=None)
         assert code == 429 and error["error"]["type"] == "rate_limit_error"
+        refused = urllib.request.Request(s.url + "/v1/completions", json.dumps({"prompt": "hi"}).encode(),
+                                         {"content-type": "application/json"}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(refused, timeout=30)
+        assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
         reply.close()  # the client goes away: its generation stops at the next token
         wait_until(lambda: not s.state()["queue"]["busy"], 10, "the cancelled generation to stop")
         tokens = int(re.search(r"^edgerun_tokens_total (\d+)", s.get("/metrics")[1], re.M).group(1))

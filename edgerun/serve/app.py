@@ -257,7 +257,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     if exc.status >= 400 and request.url.path.startswith("/v1/"):
         request.app.state.metrics.request_done(exc.status)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -24,9 +24,10 @@ class ApiError(Exception):
     """An error the client caused or must wait out, as OpenAI reports it."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.retry_after_s = retry_after_s  # a Retry-After header: when a client that must wait may try again
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

@@ -24,6 +24,7 @@ from edgerun.serve.switch import EngineSwitch, NoCapacity
 IDLE_CHECK_S = 1.0  # how often an idle generation thread looks for nodes that joined or left
 CAPACITY_POLL_S = 0.5  # how often a request waiting for capacity looks again
 TOKENS_KEPT = 100_000  # token times kept for the dashboard's chart of the last two minutes
+RETRY_AFTER_S = 1  # a full queue's Retry-After: requests leave it as each one's generation ends, often within a second
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Service:
         with self.count_lock:
             if self.waiting >= self.max_queue:
                 raise ApiError(429, f"the queue is full ({self.max_queue} requests); try again shortly",
-                               kind="rate_limit_error", code="queue_full")
+                               kind="rate_limit_error", code="queue_full", retry_after_s=RETRY_AFTER_S)
             self.waiting += 1
         job = Job(prompt, max_tokens, sampling, asyncio.get_running_loop())
         self.queue.put(job)
