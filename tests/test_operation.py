@@ -69,6 +69,43 @@ def test_wrong_key_is_named_on_both_sides(shipped_model) -> None:
         master.close()
 
 
+@pytest.mark.parametrize("plan", ["halo", "dp"])
+def test_a_master_short_of_nodes_gives_up_at_its_wait_and_names_who_came(plan: str, shipped_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "edgerun.cli", "master", "--plan", plan, "--expect", "2", "--wait",
+                           "2", "--host", "127.0.0.1", "--port", "0", "--key", "k", "--prompt", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    what = "nodes" if plan == "halo" else "workers"
+    assert proc.stderr.splitlines()[-1] == (f"edgerun: error: only 0 of 2 {what} joined within 2 s: start more, or "
+                                            "lower --expect (or raise --wait)"), proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["pp", "moe"])
+def test_a_worker_with_another_key_says_so_and_fails(mode: str, tmp_path: Path, shipped_model) -> None:
+    """A pipeline or expert worker whose key is not the master's ends at once with status 2 and one line naming the
+    key (it used to log a dropped frame and exit 0)."""
+    if mode == "pp":
+        from edgerun.pp.master import PipelineConfig, PipelineMaster
+
+        master = PipelineMaster(shipped_model, derive_key("right"), PipelineConfig(host="127.0.0.1"))
+    else:
+        from edgerun.model.loader import load_model
+        from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
+        from edgerun.moe.hub import HubConfig, MoeHub
+
+        write_synthetic(SynthSpec(SHAPES["moe-tiny"], "Q4_0", seed=5), tmp_path / "moe.gguf", "gguf")
+        master = MoeHub(load_model(tmp_path / "moe.gguf"), derive_key("right"), HubConfig(max_len=64))
+    try:
+        worker = edgerun("node", "--mode", mode, "--master", f"127.0.0.1:{master.port}", "--key", "wrong",
+                         "--name", "intruder", "--threads", "1")
+        _, err = worker.communicate(timeout=60)
+        assert worker.returncode == 2, err
+        last = err.splitlines()[-1]
+        assert last.startswith("edgerun: error: the master") and "cluster key" in last, err
+    finally:
+        master.close()
+
+
 @pytest.mark.parametrize("mode", ["tp", "pp"])
 def test_unreachable_master_is_reported_within_3s_and_retried(mode: str) -> None:
     port = free_port()

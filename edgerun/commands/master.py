@@ -94,7 +94,8 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
         f"waiting for {args.expect} worker(s)")
     try:
         with _advertise("moe", args.host, hub.port, args.advertise, log):
-            hub.wait_for_workers(args.expect)
+            _wait("expert workers", args.expect, lambda: [n for n, w in hub.workers.items() if w.alive],
+                  lambda t: hub.wait_for_workers(args.expect, t), args.wait, log)
             _serve_prompts(args, model, lambda ids, emit: (
                 hub.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, emit),
                 f"{hub.stats.dispatches} expert dispatches, {hub.stats.sent} sent (hedged), "
@@ -103,11 +104,36 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
         hub.close()
 
 
+WAIT_S = 600.0  # for the --expect nodes or workers
+PROGRESS_S = 15.0  # how often a wait says who joined
+
+
+def _wait(what: str, n: int, joined: Callable[[], list[str]], wait: Callable[[float], None], limit_s: float,
+          log: Callable[[str], None]) -> None:
+    """Wait up to `limit_s` for `n` members (`wait(timeout)` raises EdgerunError at its timeout), saying every
+    PROGRESS_S who joined and how long is left; one line naming those who joined when the time is up."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            wait(max(0.1, min(PROGRESS_S, deadline - time.monotonic())))
+            return
+        except EdgerunError:
+            names = joined()
+            left = deadline - time.monotonic()
+            who = f" ({', '.join(names)})" if names else ""
+            if left <= 0:
+                raise EdgerunError(f"only {len(names)} of {n} {what} joined within {limit_s:.0f} s{who}: start "
+                                   f"more, or lower --expect (or raise --wait)") from None
+            log(f"waiting for {what}: {len(names)} of {n} joined{who}; giving up in {left:.0f} s (--wait)")
+
+
 def cmd_master(args: argparse.Namespace) -> None:
     limit_blas_threads(args.threads)
     from edgerun.model import ggml_lib
 
     ggml_lib.cluster_process()  # its threads wait on the network between blocks
+    if not args.wait > 0:
+        raise EdgerunError(f"--wait must be a positive number of seconds, not {args.wait}")
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler, SamplingParams
 
@@ -140,7 +166,8 @@ def cmd_master(args: argparse.Namespace) -> None:
             f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
         try:
             with _advertise("pp", args.host, pipeline.port, args.advertise, log):
-                pipeline.wait_for_workers(args.expect)
+                _wait("workers", args.expect, lambda: [w.name for w in pipeline.workers.alive()],
+                      lambda t: pipeline.wait_for_workers(args.expect, t), args.wait, log)
                 pipeline.start()
                 _serve_prompts(args, model, lambda ids, emit: (
                     pipeline.generate(ids, args.max_tokens, params, model.tokenizer.stop_ids, emit),
@@ -189,7 +216,8 @@ def cmd_master(args: argparse.Namespace) -> None:
     try:
         with _advertise("tp", args.host, master.port, args.advertise, log):
             if fixed is None:
-                master.wait_for_nodes(args.expect)
+                _wait("nodes", args.expect, lambda: [n.name for n in master.membership.alive()],
+                      lambda t: master.wait_for_nodes(args.expect, t), args.wait, log)
                 master.replan()
             else:
                 master.wait_for_nodes(len(fixed.devices) - 1)
@@ -214,6 +242,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --plan dp: a LoRA adapter directory from `edgerun tune`, applied by every stage "
                         "(default: none)")
     p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
+    p.add_argument("--wait", type=float, default=WAIT_S, metavar="SECONDS",
+                   help=f"how long to wait for the --expect nodes or workers, saying who joined every "
+                        f"{PROGRESS_S:.0f} s, before giving up (default: {WAIT_S:.0f})")
     route_arg(p)
     p.add_argument("--replicas", type=int, default=1, help="with --plan dp: run each stage on this many workers "
                    "where spare ones can hold it and take the first answer (hedged replicas); with --plan moe: "

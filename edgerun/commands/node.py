@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgerun.errors import EdgerunError
+from edgerun.net.wire import KeyRejected
 
 if TYPE_CHECKING:
     pass
@@ -57,6 +58,8 @@ def cmd_node(args: argparse.Namespace) -> None:
                               log=lambda m: print(m, file=sys.stderr, flush=True),
                               latency=None if args.inject_latency is None else LogNormal.parse(args.inject_latency),
                               seed=args.loss_seed)
+        except KeyRejected as e:
+            raise EdgerunError(str(e)) from e
         except OSError as e:
             raise EdgerunError(f"cannot reach the hub at {url}: {e}") from e
         return
@@ -80,6 +83,8 @@ def cmd_node(args: argparse.Namespace) -> None:
                 runner.run(worker.run())
         except PeerPortInUse as e:
             raise EdgerunError(f"--peer-port {args.peer_port} is in use ({e})") from e
+        except KeyRejected as e:
+            raise EdgerunError(str(e)) from e
         except OSError as e:
             raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
         return

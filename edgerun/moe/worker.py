@@ -34,7 +34,9 @@ from edgerun.net.wire import (
     WeightSync,
     WireError,
     moex_frame,
+    not_admitted,
     open_moex_frame,
+    wrong_key,
 )
 from edgerun.profile.memory import peak_rss_mb
 from edgerun.sched.moe import LogNormal
@@ -71,6 +73,7 @@ class ExpertWorkerNode:
         self.ready = asyncio.Event()
         self.computed = 0
         self.preempted = 0  # stale dispatches dropped unstarted
+        self.heard = False  # a frame from the hub passed this worker's check
 
     async def run(self, wait_s: float = 60.0) -> None:
         """Serve until the hub closes the connection."""
@@ -95,11 +98,14 @@ class ExpertWorkerNode:
                 async for data in ws:
                     if isinstance(data, bytes):
                         await self._received(ws, data)
-            except websockets.ConnectionClosed:
-                pass
+            except websockets.ConnectionClosed as e:
+                if not self.heard:
+                    raise not_admitted(e) from e
             finally:
                 computing.cancel()
                 beating.cancel()
+        if not self.heard:
+            raise not_admitted(None)
         self.log(f"expert worker {self.name}: the hub closed the connection")
 
     async def _heartbeats(self, ws: websockets.ClientConnection) -> None:
@@ -116,8 +122,11 @@ class ExpertWorkerNode:
         try:
             message = open_moex_frame(data, self.key)
         except WireError as e:
+            if not self.heard:  # the hub's first frame: the keys differ
+                raise wrong_key(e) from e
             self.log(f"expert worker {self.name}: dropped a frame ({e})")
             return
+        self.heard = True
         match message:
             case ExpertDispatch():
                 # The seed's preemption: the hub sends a layer's dispatches only once the last layer's are done,

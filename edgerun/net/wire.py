@@ -80,6 +80,20 @@ class KeyRejected(WireError):
     """The master refused this node's registration because it failed authentication: the keys differ."""
 
 
+def wrong_key(e: WireError) -> KeyRejected:
+    """A worker whose master's first frame fails its check: they hold different cluster keys."""
+    return KeyRejected(f"the master's frames fail this worker's check ({e}): the master has another cluster key; "
+                       "give both the same --key (or $EDGERUN_KEY)")
+
+
+def not_admitted(e: Exception | None) -> KeyRejected:
+    """A worker whose connection the master closed before one frame of it passed the worker's check: most often
+    the keys differ (the master refuses a hello it cannot check)."""
+    reason = "" if e is None else f" ({e})"
+    return KeyRejected(f"the master closed the connection before admitting this worker{reason}; does it have the "
+                       "same cluster key (--key or $EDGERUN_KEY)?")
+
+
 # What a master writes, in place of a frame's length, to a connection whose registration failed authentication,
 # before closing it: a length no frame has. It cannot be authenticated (the two sides share no key), so a node
 # treats it only as the reason its join failed.

@@ -36,7 +36,7 @@ from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.model.session import CONCURRENT_SESSIONS, StageSession, execution_providers
 from edgerun.net.backoff import Backoff
 from edgerun.net.model_files import fetch_checked
-from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, open_pp_frame, pp_frame
+from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, not_admitted, open_pp_frame, pp_frame, wrong_key
 from edgerun.pp.passes import PassPort
 from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb
@@ -152,6 +152,7 @@ class PipelineWorker:
         self.pass_port: PassPort | None = None
         self.lock = threading.Lock()  # a pass (the pass port's thread or the loop's) and the stage it runs on
         self.tune: TuneRole | None = None  # a training stage's role, made when the first TUNE_LOAD comes
+        self.heard = False  # a frame from the master passed this worker's check
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
         """Connect, retrying with backoff for `wait_s` while the master is not up yet; every failure is said at
@@ -177,6 +178,8 @@ class PipelineWorker:
         try:
             await self._serve()
         except websockets.ConnectionClosed as e:
+            if not self.heard:
+                raise not_admitted(e) from e
             self.log(f"worker {self.name}: the master closed the connection ({e})")
         finally:
             if summary is not None:
@@ -213,8 +216,11 @@ class PipelineWorker:
         try:
             kind, request, message, tensors = open_pp_frame(data, self.key)
         except WireError as e:
+            if not self.heard:  # the master's first frame: the keys differ
+                raise wrong_key(e) from e
             self.log(f"worker {self.name}: dropped a frame ({e})")
             return
+        self.heard = True
         if kind == PpMsg.DOWNLOAD_LAYERS or (kind == PpMsg.PREPARE_MODEL and message.get("preload") is not None):
             # In the background: the stage held now keeps serving while files come and a staged stage loads.
             task = asyncio.create_task(self._answer(kind, request, message, tensors))

@@ -187,7 +187,11 @@ class Workers:
                 if data is not None:
                     self._reply(worker, data)
         except (WireError, KeyError, ValueError, TypeError, TimeoutError, LinkClosed) as e:
-            self.log(f"worker {worker.name if worker else '?'} refused or lost: {e}")
+            reason = str(e) or type(e).__name__
+            if worker is None:  # not admitted: its hello failed (another key, a malformed hello) or never came
+                self.log(f"a worker was refused before joining: {reason}")
+            else:
+                self.log(f"worker {worker.name} lost: {reason}")
         finally:
             if worker is not None:
                 worker.alive = False
