@@ -371,6 +371,7 @@ def test_model_info_shipped(shipped_model: Model, capsys: Capsys) -> None:
     assert info["config"]["n_layers"] == 30 and info["config"]["hidden"] == 576
     assert info["format"] == "gguf"
     assert info["path"] == str(shipped_model.path)
+    assert info["file_bytes"] == shipped_model.path.stat().st_size > info["matrix_bytes"]
     assert info["vocab_size"] == 49152
     assert info["has_chat_template"] is True
     assert info["embedding_quant_type"] == "Q8_0"

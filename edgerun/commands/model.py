@@ -62,6 +62,8 @@ def cmd_model_info(args: argparse.Namespace) -> None:
     info = {
         "path": str(model.path),
         "format": model.format,
+        "file_bytes": sum(f.stat().st_size for f in model.path.rglob("*") if f.is_file()) if model.path.is_dir()
+        else model.path.stat().st_size,
         "config": model.config.to_dict(),
         "parameters": model.config.n_params(),
         "matrix_bytes": model.weights.matrix_bytes(),
