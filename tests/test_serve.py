@@ -521,3 +521,44 @@ def test_serve_moves_a_mixture_of_experts_to_its_expert_workers(tmp_path: Path) 
             proc.kill()
             proc.wait()
         s.close()
+
+
+def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(shipped_path: Path) -> None:
+    """At a terminal, Ctrl-C while an answer streams ends that answer (marked " [stopped]"), and the chat takes the
+    next question; an empty line then ends it with status 0."""
+    import os
+    import pty
+    import select
+    import signal
+
+    s = Serving("--no-cluster")
+    controller, terminal = pty.openpty()
+    chat = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "chat", "--url", s.url, "--api-key", API_KEY,
+                             "--max-tokens", "2000"], stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = b""
+
+    def read_until(marker: bytes, seconds: float) -> bytes:
+        nonlocal out
+        deadline = time.monotonic() + seconds
+        while marker not in out and time.monotonic() < deadline:
+            if select.select([chat.stdout], [], [], 0.2)[0]:
+                out += os.read(chat.stdout.fileno(), 4096)
+        return out
+
+    try:
+        read_until(b"> ", 60)
+        os.write(controller, b"Write a long story about a dragon who learns to bake bread.\n")
+        before = len(out)
+        deadline = time.monotonic() + 60
+        while len(out) < before + 10 and time.monotonic() < deadline:  # the answer is streaming
+            read_until(b"\x00", 0.2)
+        assert not out.endswith(b"> "), out  # still answering
+        chat.send_signal(signal.SIGINT)
+        assert b" [stopped]\n> " in read_until(b" [stopped]\n> ", 30), out
+        os.write(controller, b"\n")
+        assert chat.wait(timeout=60) == 0, chat.stderr.read()
+    finally:
+        chat.kill()
+        os.close(controller)
+        os.close(terminal)
+        s.close()

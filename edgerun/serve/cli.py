@@ -154,20 +154,30 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 "temperature": args.temperature}
         if args.seed is not None:
             body["seed"] = args.seed
-        answer = []
-        with _post_stream(url, body, api_key) as reply:
-            for raw in reply:
-                text = raw.decode("utf-8").strip()
-                if not text.startswith("data: ") or text == "data: [DONE]":
-                    continue
-                data = json.loads(text[6:])
-                if "error" in data:
-                    raise EdgerunError(f"the server failed mid-answer: {data['error']['message']}")
-                piece = data["choices"][0]["delta"].get("content") if data.get("choices") else None
-                if piece:
-                    answer.append(piece)
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
+        answer: list[str] = []
+        try:
+            _stream_answer(url, body, api_key, answer)
+        except KeyboardInterrupt:  # Ctrl-C stops the answer (the server stops at its next token), not the chat
+            if not interactive:
+                raise
+            sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _stream_answer(url: str, body: dict, api_key: str | None, answer: list[str]) -> None:
+    """Print a streamed chat answer as it comes, its pieces appended to `answer`."""
+    with _post_stream(url, body, api_key) as reply:
+        for raw in reply:
+            text = raw.decode("utf-8").strip()
+            if not text.startswith("data: ") or text == "data: [DONE]":
+                continue
+            data = json.loads(text[6:])
+            if "error" in data:
+                raise EdgerunError(f"the server failed mid-answer: {data['error']['message']}")
+            piece = data["choices"][0]["delta"].get("content") if data.get("choices") else None
+            if piece:
+                answer.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
