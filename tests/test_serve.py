@@ -304,6 +304,16 @@ def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
         page.wait_for_function("document.querySelector('#log .assistant').textContent.length > 12",
                                timeout=60_000)
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        # Enter in the API-key box keeps the page (it reloaded it, losing the key) and moves to the message box
+        page.evaluate("window.kept = true")
+        page.fill("#apikey", "sk-typed")
+        page.press("#apikey", "Enter")
+        page.wait_for_timeout(500)
+        assert page.evaluate("window.kept === true") and page.input_value("#apikey") == "sk-typed"
+        # A narrow window gets one column: nothing sticks out past its right edge
+        page.set_viewport_size({"width": 600, "height": 900})
+        page.wait_for_timeout(200)
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
         browser.close()
     assert errors == []
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
