@@ -206,6 +206,14 @@ def test_an_earlier_run_is_not_overwritten_unasked(tmp_path: Path, capsys: pytes
     assert "--resume to continue it, --overwrite to start over" in capsys.readouterr().err
 
 
+def test_tune_short_of_workers_says_how_to_start_them(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["tune", "--out", str(tmp_path), "--steps", "1", "--workers", "2", "--wait-s", "1", "--host",
+                 "127.0.0.1", "--port", "0", "--key", "k"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("edgerun: error: 0 of 2 workers connected within 1 s: start them with `edgerun node "
+                              "--mode pp --master HOST:"), err
+
+
 @pytest.mark.parametrize("content, args, message", [
     ('{"instruction": "x", "output": "y"}\n{not json}\n', [], "line 2 is not JSON"),
     ('{"instruction": "x"}\n', [], "needs instruction and output"),

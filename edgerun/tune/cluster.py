@@ -33,6 +33,7 @@ from edgerun.tune.lora import parse_tensor_name
 from edgerun.tune.stage import OptimConfig, StageTrainer
 from edgerun.tune.tuner import Checkpoint, Restart, StageClient, TuneConfig
 
+PROGRESS_S = 15.0  # how often a wait for workers says who joined
 CALL_TIMEOUT_S = 600.0  # one stage's forward or backward pass of a micro-batch, on the slowest device
 LOAD_TIMEOUT_S = 900.0  # a worker fetching the model file and building its stage
 
@@ -202,11 +203,20 @@ class TuneMaster:
         """Plan over the workers present (waiting for `expect` the first time, for any one after a loss) and
         load every stage, from `checkpoint` where given."""
         need = self.expect if not self.plans else 1
-        try:
-            await asyncio.wait_for(self.workers.wait_for(need), self.wait_s)
-        except TimeoutError:
-            raise EdgerunError(f"{len(self.workers.alive())} of {need} workers connected within "
-                               f"{self.wait_s:.0f} s") from None
+        deadline = time.monotonic() + self.wait_s
+        while True:  # a line every PROGRESS_S: who joined, how long is left
+            try:
+                await asyncio.wait_for(self.workers.wait_for(need), min(PROGRESS_S, deadline - time.monotonic()))
+                break
+            except TimeoutError:
+                names = [w.name for w in self.workers.alive()]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EdgerunError(f"{len(names)} of {need} workers connected within {self.wait_s:.0f} s: start "
+                                       f"them with `edgerun node --mode pp --master HOST:{self.port} --key ...`, "
+                                       "or lower --workers (or raise --wait-s)") from None
+                self.log(f"waiting for workers: {len(names)} of {need} joined"
+                         f"{' (' + ', '.join(names) + ')' if names else ''}; giving up in {left:.0f} s (--wait-s)")
         alive = [w for w in self.workers.alive() if w.kind == "native"]  # a tab's onnxruntime-web has no autograd
         if not alive:
             raise EdgerunError("no native worker to train on (browser tabs cannot take a training stage)")
