@@ -106,8 +106,23 @@ def test_model_larger_than_all_memory_says_how_much_is_missing(tmp_path: Path,
     devices = [write(tmp_path, n, device_json(n, budget_mb=20)) for n in ("a", "b")]
     for strategy in ("halo", "dp"):
         assert main(["plan", "--devices", *map(str, devices), "--plan", strategy]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        captured = capsys.readouterr()
+        err = [line for line in captured.err.strip().splitlines() if not line.startswith("master: ")]
         assert len(err) == 1 and "MB" in err[0], err
+        assert captured.out == ""  # no partial plan with a predicted time before the error
+
+
+def test_the_master_is_named_and_can_be_chosen(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    devices = [write(tmp_path, n, device_json(n, budget_mb=400)) for n in ("a", "b")]
+    assert main(["plan", "--devices", *map(str, devices), "--plan", "even"]) == 0
+    captured = capsys.readouterr()
+    assert "master: a (the first --devices file; --master-device picks another)" in captured.err
+    assert "a, the master, also looks tokens up" in captured.out
+    assert main(["plan", "--devices", *map(str, devices), "--plan", "even", "--master-device", "b"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("master: b\n") and "b, the master" in captured.out
+    assert main(["plan", "--devices", *map(str, devices), "--master-device", "c"]) == 2
+    assert "--master-device 'c' is none of the devices (a, b)" in capsys.readouterr().err
 
 
 def test_even_split_reports_out_of_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

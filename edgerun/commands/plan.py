@@ -41,14 +41,23 @@ def cmd_plan(args: argparse.Namespace) -> None:
                             group_size=args.group_size)
     if args.plan == "dp":
         plan = plan_pp(profile, devices, objective=args.objective, params=CostParams(include_init=args.init_cost))
-        print(pp_table(plan, devices, profile))
-        if not plan.complete:
+        if not plan.complete:  # no table: a partial plan's prediction would read as a plan's
             budget = sum(d.memory.budget_mb for d in devices)
             need = sum(profile.layer_memory_bytes) / 1e6
             covered = plan.stages[-1].end_layer if plan.stages else 0
-            raise EdgerunError(f"no pipeline covers the model: only layers 0-{covered - 1} fit; the budgets total "
-                               f"{budget:.1f} MB for {need:.1f} MB of layers")
+            fit = f"only layers 0-{covered - 1} fit" if covered else "not even layer 0 fits"
+            raise EdgerunError(f"no pipeline covers the model: {fit}; the budgets total {budget:.1f} MB for "
+                               f"{need:.1f} MB of layers")
+        print(pp_table(plan, devices, profile))
     else:
+        if args.master_device is not None:  # the master first: the planners take devices[0] as the master
+            names = [d.name for d in devices]
+            if args.master_device not in names:
+                raise EdgerunError(f"--master-device {args.master_device!r} is none of the devices "
+                                   f"({', '.join(names)})")
+            devices.insert(0, devices.pop(names.index(args.master_device)))
+        print(f"master: {devices[0].name}" + (" (the first --devices file; --master-device picks another)"
+                                               if args.master_device is None else ""), file=sys.stderr)
         try:
             plan = plan_tp(profile, devices, args.plan, sync=SyncModel(args.sync))
         except (InsufficientMemory, RuntimeError) as e:  # RuntimeError: the ILP found nothing in its time limit
@@ -77,6 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "PLR-aware mapping), minmax, greedy, ilp (exact, CBC), galaxy, even. Pipeline: "
                                    "dp (layer DP with worker-order search).")
     model_arg(p)
+    p.add_argument("--master-device", default=None, metavar="NAME",
+                   help="tensor-parallel: the device that runs the master (it also computes a share and looks "
+                        "tokens up; default: the first --devices file's)")
     p.add_argument("--devices", type=Path, nargs="+", required=True, help="device profile JSON files, from `edgerun "
                    "profile --out` (required)")
     p.add_argument("--plan", choices=PLANS, default="halo", help="planner (default: halo)")

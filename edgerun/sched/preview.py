@@ -50,6 +50,9 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
                 f"{plan.solve_seconds * 1e3:.1f} ms" + (f", ILP {plan.ilp_status}" if plan.ilp_status else ""))
     for o in plan.oom_devices:
         rows.append(f"OUT OF MEMORY: {o.name} needs {o.needed_mb:.1f} MB, budget {o.budget_mb:.1f} MB")
+    rows.append(f"memory: the units' weights and their KV cache for {model.context} tokens, "
+                f"{model.total_tp_memory() / 1e6:.1f} MB in all; {plan.devices[0]}, the master, also looks tokens up "
+                "in the embedding, read from the model file's pages and not counted")
     return "\n".join(rows)
 
 
@@ -70,4 +73,8 @@ def pp_table(plan: PPPlan, devices: list[DeviceProfile], model: ModelProfile) ->
         rows.append(f"unused: {', '.join(unused)}")
     rows.append(f"predicted {plan.exec_s_per_token * 1e3:.2f} ms per token; solved in "
                 f"{plan.solve_seconds * 1e3:.1f} ms")
+    embedding = model.layer_weight_bytes[0] - model.layer_read_bytes[0]
+    rows.append(f"memory: each stage's layers and their KV cache for {model.context} tokens, "
+                f"{sum(memory) / 1e6:.1f} MB in all; the first stage also holds the embedding "
+                f"({embedding / 1e6:.1f} MB, which a tensor-parallel plan does not count), the last the LM head")
     return "\n".join(rows)
