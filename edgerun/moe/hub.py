@@ -284,6 +284,9 @@ class MoeHub:
         self.net.run(asyncio.wait_for(settle(), timeout_s))
 
     async def _replicate_again(self, lost: str) -> None:
+        if not any(w.alive for w in self.workers.values()):  # the others left too (a shutdown): nowhere to go
+            self.log(f"expert worker {lost} left, and no other is connected")
+            return
         try:
             await self._deploy()
             self.log(f"experts of {lost} replicated again: {self.placement_moves} replicas moved")
@@ -313,6 +316,8 @@ class MoeHub:
 
     async def _deploy(self) -> ExpertPlacement:
         alive = [w for w in self.workers.values() if w.alive]
+        if not alive:
+            raise EdgerunError("no expert worker is connected to place the experts on")
         c = self.model.config
         # The first placement holds the replicas asked for; after losses, as many as there are workers left.
         replicas = self.config.replicas if self.placement is None else min(self.config.replicas, len(alive))

@@ -175,8 +175,10 @@ class Membership:
                     self.log(f"a node at {addr[0]} failed authentication: its --key (or EDGERUN_KEY) is not "
                              "this master's; refused")
                     channel.transport.write(KEY_REJECTED)
-            else:
+            elif self.running:
                 self.log(f"node {node.name} lost ({e})")
+            else:  # the master is closing the cluster: its nodes go with it
+                self.log(f"node {node.name} left (the cluster closed)")
         finally:
             channel.close()
             if node is not None:

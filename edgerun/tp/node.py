@@ -369,6 +369,7 @@ class Node:
             case BandwidthProbe(reply_bytes):
                 self.channel.send(BandwidthReply(bytes(max(0, min(reply_bytes, MAX_PROBE_BYTES)))))
             case Shutdown():
+                self.log(f"node {self.name}: the master closed the cluster")
                 self.running = False
             case _:
                 self.counters.reject("unexpected")
