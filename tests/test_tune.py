@@ -206,6 +206,25 @@ def test_an_earlier_run_is_not_overwritten_unasked(tmp_path: Path, capsys: pytes
     assert "--resume to continue it, --overwrite to start over" in capsys.readouterr().err
 
 
+def test_resume_takes_the_runs_own_data_and_settings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`tune --resume --out DIR`, as the README writes it, continues with the run's data, format and LoRA settings
+    (it failed with "other LoRA settings", or took the built-in data); an option that differs is refused."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"instruction": "Say {w}", "output": "{w.title()}"}}\n' for w in ("hi", "bye", "yes")))
+    quick = ["--micro-size", "1", "--accumulate", "1", "--in-flight", "1", "--eval-examples", "0"]
+    out = tmp_path / "run"
+    assert main(["tune", "--data", str(data), "--format", "chat", "--rank", "4", "--max-len", "48", "--heldout",
+                 "0.34", "--steps", "1", "--out", str(out), *quick]) == 0
+    capsys.readouterr()
+    assert main(["tune", "--resume", "--out", str(out), "--steps", "2", *quick]) == 0
+    err = capsys.readouterr().err
+    assert "resuming from step 1" in err and f"2 training and 1 held-out examples ({data.resolve()}), rank 4" in err
+    assert main(["tune", "--resume", "--out", str(out), "--steps", "3", "--rank", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"edgerun: error: --rank 8 is not the run's (4, in {out / 'run.json'}): leave it out to continue the run "
+        "as it was, or start another --out")
+
+
 def test_tune_short_of_workers_says_how_to_start_them(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["tune", "--out", str(tmp_path), "--steps", "1", "--workers", "2", "--wait-s", "1", "--host",
                  "127.0.0.1", "--port", "0", "--key", "k"]) == 2

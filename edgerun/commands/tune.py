@@ -33,6 +33,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
     if args.workers < 0:
         raise EdgerunError(f"--workers must be at least 0, not {args.workers}")
+    settings = _run_settings(args)
     if args.max_len < 2:
         raise EdgerunError(f"--max-len must be at least 2, not {args.max_len}")
     lora = LoraConfig(rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=parse_targets(args.targets),
@@ -56,6 +57,9 @@ def cmd_tune(args: argparse.Namespace) -> None:
         raise EdgerunError(f"{args.out} holds an earlier run's checkpoint: --resume to continue it, --overwrite to "
                            "start over, or another --out")
     resume = load_checkpoint(args.out, config, sha) if args.resume else None
+    if resume is None:  # a fresh run: what --resume takes up again
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / RUN_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     if args.resume and resume is None:
         log(f"no checkpoint in {args.out}: starting from step 0")
     if resume is not None:
@@ -127,6 +131,36 @@ def show_heldout(model, record, fmt, out: Path, log) -> dict[str, str]:
     return {"prompt": text, "base": answers["base"], "tuned": answers["tuned"], "expected": record.answer_text()}
 
 
+# What defines a run's examples and adapter: kept in --out/run.json when it starts, taken from there by --resume.
+RUN_SETTINGS: dict[str, object] = {"data": None, "format": "alpaca", "heldout": 0.1, "max_len": 256, "rank": 8,
+                                   "alpha": 16.0, "dropout": 0.05, "targets": "q,v", "seed": 0}
+RUN_FILE = "run.json"
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, object]:
+    """Fill in the run's settings: with --resume the run's own (an option given that differs is refused), else
+    the defaults for those not given. Returns them, for a fresh run's --out/run.json."""
+    given = {name: getattr(args, name) for name in RUN_SETTINGS if getattr(args, name) is not None}
+    if given.get("data") is not None:
+        given["data"] = str(Path(given["data"]).resolve())
+    path = args.out / RUN_FILE
+    saved: dict[str, object] = {}
+    if args.resume and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise EdgerunError(f"cannot read {path}: {e}") from e
+        for name, value in given.items():
+            if name in saved and saved[name] != value:
+                option = "--" + name.replace("_", "-")
+                raise EdgerunError(f"{option} {value} is not the run's ({saved[name]}, in {path}): leave it out to "
+                                   "continue the run as it was, or start another --out")
+    settings = {**RUN_SETTINGS, **saved, **given}
+    for name, value in settings.items():
+        setattr(args, name, Path(value) if name == "data" and value is not None else value)
+    return settings
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="fine-tune LoRA adapters, alone or across a pipeline of workers",
                        description="Train LoRA adapters on a JSONL dataset (Alpaca's instruction/input/output, or "
@@ -139,13 +173,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model_arg(p)
     p.add_argument("--data", type=Path, default=None, help="JSONL dataset (default: built-in multiple-choice "
                    "questions about Python's standard library, made offline from its docstrings)")
-    p.add_argument("--format", choices=("alpaca", "chat"), default="alpaca",
+    p.add_argument("--format", choices=("alpaca", "chat"), default=None,
                    help="prompt format: alpaca's '### Instruction:' sections, or the model's chat template "
                         "(default: alpaca)")
-    p.add_argument("--heldout", type=float, default=0.1, help="share of records held out (default: 0.1)")
+    p.add_argument("--heldout", type=float, default=None, help="share of records held out (default: 0.1)")
     p.add_argument("--eval-examples", type=int, default=48,
                    help="held-out examples scored before and after tuning; 0: none (default: 48)")
-    p.add_argument("--max-len", type=int, default=256, help="tokens per example at most (default: 256)")
+    p.add_argument("--max-len", type=int, default=None, help="tokens per example at most (default: 256)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--micro-size", type=int, default=2, help="sequences per micro-batch (default: 2)")
     p.add_argument("--accumulate", type=int, default=2,
@@ -159,13 +193,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "training stage's (default: off)")
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default: 5e-5, the seed's)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: 0.1, the seed's)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8)")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha; the update is scaled by alpha/rank "
+    p.add_argument("--rank", type=int, default=None, help="LoRA rank (default: 8)")
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha; the update is scaled by alpha/rank "
                    "(default: 16)")
-    p.add_argument("--dropout", type=float, default=0.05, help="dropout on LoRA's input (default: 0.05)")
-    p.add_argument("--targets", default="q,v", help="projections to adapt, from q,k,v,o,gate,up,down, or all "
+    p.add_argument("--dropout", type=float, default=None, help="dropout on LoRA's input (default: 0.05)")
+    p.add_argument("--targets", default=None, help="projections to adapt, from q,k,v,o,gate,up,down, or all "
                    "(default: q,v)")
-    p.add_argument("--seed", type=int, default=0, help="data order, dropout and initial values (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="data order, dropout and initial values (default: 0)")
     p.add_argument("--workers", type=int, default=0, help="pipeline workers to wait for; 0 trains in this process "
                    "(default: 0)")
     p.add_argument("--host", default="0.0.0.0", help="with --workers: address to listen on (default: 0.0.0.0)")
@@ -178,7 +212,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: 10)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"directory for checkpoint.safetensors and adapter/ (default: {DEFAULT_OUT})")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (default: off)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --out, with the run's own data, format, lengths and LoRA "
+                        "settings (kept in --out/run.json; an option given that differs is refused) (default: off)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over where --out holds an earlier run's checkpoint (default: refuse)")
     p.add_argument("--loss-window", type=int, default=10, help="steps averaged into initial_loss and final_loss "
