@@ -572,3 +572,23 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(shipped_path: Path
         os.close(controller)
         os.close(terminal)
         s.close()
+
+
+def test_status_names_the_devices_that_compute() -> None:
+    """A plan that leaves nodes out: `edgerun status` says the master serves alone and which nodes the plan left
+    out (it said "serving from the cluster engine ... over master, a, b")."""
+    from edgerun.serve.status import status_text
+
+    state = {"measured_ms_per_token": {}, "single_ms_per_token": 10.0, "mode": "cluster", "model": "m",
+             "device": "x", "nodes": [], "queue": {"waiting": 0, "busy": False}, "tokens_per_second": [],
+             "blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "recoveries": 0, "events": [],
+             "plan": {"strategy": "halo", "devices": ["master", "a", "b"], "memory_mb": [100.0, 0.0, 0.0],
+                      "predicted_ms_per_token": 9.0}}
+    lines = status_text(state).splitlines()
+    assert lines[0] == "serving m from the cluster engine (the master alone: its plan leaves every node out); " \
+                       "single engine 10.0 ms/token"
+    assert lines[2] == "plan halo over master (left out: a, b): predicted 9.0 ms/token"
+    state["plan"]["memory_mb"] = [60.0, 40.0, 0.0]
+    lines = status_text(state).splitlines()
+    assert lines[0].startswith("serving m from the cluster engine;")
+    assert lines[2] == "plan halo over master, a (left out: b): predicted 9.0 ms/token"

@@ -15,13 +15,21 @@ def status_text(state: dict[str, Any]) -> str:
     single = "no single engine" if state["single_ms_per_token"] is None else \
         f"single engine {state['single_ms_per_token']:.1f} ms/token"
     serving = "waiting for nodes (no capacity)" if state["mode"] == "none" else f"from the {state['mode']} engine"
+    plan = state["plan"]
+    if state["mode"] == "cluster" and plan is not None and plan.get("memory_mb") and \
+            not any(m > 0 for m in plan["memory_mb"][1:]):
+        serving += " (the master alone: its plan leaves every node out)"
     lines = [f"serving {state['model']} {serving}; {single}" + (f", measured {measured}" if measured else ""),
              f"master: {state['device']}"]
-    plan = state["plan"]
     if plan is not None:
         # A mixture of experts' placement predicts no time a token: its plan says where the experts are.
         predicted = plan.get("predicted_ms_per_token")
-        lines.append(f"plan {plan['strategy']} over {', '.join(plan['devices'])}"
+        # Only the devices that compute: a plan may leave nodes out (they cost more than they would compute).
+        memory = plan.get("memory_mb") or [1.0] * len(plan["devices"])
+        used = [d for d, m in zip(plan["devices"], memory, strict=True) if m > 0]
+        left = [d for d, m in zip(plan["devices"], memory, strict=True) if m <= 0]
+        lines.append(f"plan {plan['strategy']} over {', '.join(used) or 'no device'}"
+                     + (f" (left out: {', '.join(left)})" if left else "")
                      + ("" if predicted is None else f": predicted {predicted:.1f} ms/token"))
     lines.append(f"nodes: {sum(n['alive'] for n in state['nodes'])} alive" if state["nodes"] else "nodes: none")
     for n in state["nodes"]:
