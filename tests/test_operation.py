@@ -107,6 +107,38 @@ def test_a_worker_with_another_key_says_so_and_fails(mode: str, tmp_path: Path, 
 
 
 @pytest.mark.parametrize("mode", ["tp", "pp"])
+def test_a_node_rejoins_a_master_that_comes_back(mode: str, shipped_model) -> None:
+    """A node or worker whose master closed the cluster says so and keeps trying to rejoin (it exited 0); a master
+    started again on the same port gets it back."""
+    from edgerun.pp.master import PipelineConfig, PipelineMaster
+
+    port = free_port()
+
+    def start() -> tuple[object, callable]:
+        if mode == "tp":
+            m = Master(shipped_model, derive_key("k"), MasterConfig(host="127.0.0.1", port=port))
+            return m, lambda: (m.wait_for_nodes(1, timeout_s=60), [n.name for n in m.membership.alive()])[1]
+        m = PipelineMaster(shipped_model, derive_key("k"), PipelineConfig(host="127.0.0.1", port=port))
+        return m, lambda: (m.wait_for_workers(1, timeout_s=60), [w.name for w in m.workers.alive()])[1]
+
+    master, joined = start()
+    node = edgerun("node", "--mode", mode, "--master", f"127.0.0.1:{port}", "--key", "k", "--name", "faithful",
+                   "--threads", "1")
+    try:
+        assert joined() == ["faithful"]
+        master.close()
+        lines = [line for line in lines_within(node, 10, 30) if "rejoin" in line]
+        assert lines and "until it is back (Ctrl-C stops)" in lines[0], lines
+        assert node.poll() is None  # still trying
+        master, joined = start()
+        assert joined() == ["faithful"]
+    finally:
+        master.close()
+        node.kill()
+        node.wait()
+
+
+@pytest.mark.parametrize("mode", ["tp", "pp"])
 def test_unreachable_master_is_reported_within_3s_and_retried(mode: str) -> None:
     port = free_port()
     started = time.monotonic()

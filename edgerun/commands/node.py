@@ -53,15 +53,16 @@ def cmd_node(args: argparse.Namespace) -> None:
         from edgerun.sched.moe import LogNormal
 
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/moe"
-        try:
-            run_expert_worker(url, cluster_key(args), name, args.memory_budget, args.threads,
-                              log=lambda m: print(m, file=sys.stderr, flush=True),
-                              latency=None if args.inject_latency is None else LogNormal.parse(args.inject_latency),
-                              seed=args.loss_seed)
-        except KeyRejected as e:
-            raise EdgerunError(str(e)) from e
-        except OSError as e:
-            raise EdgerunError(f"cannot reach the hub at {url}: {e}") from e
+        for wait_s in _joins():
+            try:
+                run_expert_worker(url, cluster_key(args), name, args.memory_budget, args.threads, log=_log,
+                                  latency=None if args.inject_latency is None else
+                                  LogNormal.parse(args.inject_latency), seed=args.loss_seed, wait_s=wait_s)
+            except KeyRejected as e:
+                raise EdgerunError(str(e)) from e
+            except OSError as e:
+                raise EdgerunError(f"cannot reach the hub at {url}: {e}") from e
+            _log(f"expert worker {name}: trying to rejoin the hub at {url} until it is back (Ctrl-C stops)")
         return
     if args.mode == "pp":
         import asyncio
@@ -72,21 +73,23 @@ def cmd_node(args: argparse.Namespace) -> None:
         if args.load_threads < 1:
             raise EdgerunError(f"--load-threads must be at least 1, not {args.load_threads}")
         url = args.master if args.master.startswith(("ws://", "wss://")) else f"ws://{args.master}/ws"
-        worker = PipelineWorker(url, cluster_key(args), name, args.memory_budget, args.speed, args.threads,
-                                log=lambda m: print(m, file=sys.stderr, flush=True), device=args.device,
-                                verbose=args.verbose, peer_port=args.peer_port, spin_s=args.spin_us / 1e6,
-                                load_threads=args.load_threads)
         if not 0 <= args.peer_port < 65536:
             raise EdgerunError(f"--peer-port must be 0..65535, not {args.peer_port}")
-        try:
-            with asyncio.Runner(loop_factory=lambda: spinning_event_loop(args.spin_us / 1e6)) as runner:
-                runner.run(worker.run())
-        except PeerPortInUse as e:
-            raise EdgerunError(f"--peer-port {args.peer_port} is in use ({e})") from e
-        except KeyRejected as e:
-            raise EdgerunError(str(e)) from e
-        except OSError as e:
-            raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
+        for wait_s in _joins():
+            worker = PipelineWorker(url, cluster_key(args), name, args.memory_budget, args.speed, args.threads,
+                                    log=_log, device=args.device, verbose=args.verbose, peer_port=args.peer_port,
+                                    spin_s=args.spin_us / 1e6, load_threads=args.load_threads)
+            try:
+                with asyncio.Runner(loop_factory=lambda: spinning_event_loop(args.spin_us / 1e6)) as runner:
+                    runner.run(worker.run(wait_s))
+            except PeerPortInUse as e:
+                raise EdgerunError(f"--peer-port {args.peer_port} is in use ({e})") from e
+            except KeyRejected as e:
+                raise EdgerunError(str(e)) from e
+            except OSError as e:
+                raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
+            del worker  # its stage goes before the next join loads one
+            _log(f"worker {name}: trying to rejoin the master at {url} until it is back (Ctrl-C stops)")
         return
     from edgerun.tp.node import run_node  # here: a pipeline or expert worker starts without the TP stack
 
@@ -97,6 +100,18 @@ def cmd_node(args: argparse.Namespace) -> None:
                  device=_tp_device(args.device))
     except OSError as e:
         raise EdgerunError(f"cannot reach the master at {args.master}: {e}") from e
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _joins():
+    """How long each join tries to reach the master: a minute the first time, then, after the master went away
+    (restarted, or its network down), until it is back: a worker or node rejoins until Ctrl-C."""
+    yield 60.0
+    while True:
+        yield float("inf")
 
 
 def _tp_device(wanted: str) -> str:

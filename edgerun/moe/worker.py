@@ -201,5 +201,5 @@ class ExpertWorkerNode:
 
 def run_expert_worker(url: str, key: bytes, name: str, budget_mb: float, threads: int | None = 1,
                       log: Callable[[str], None] = print, latency: LogNormal | None = None,
-                      seed: int | None = 0) -> None:
-    asyncio.run(ExpertWorkerNode(url, key, name, budget_mb, threads, log, latency, seed).run())
+                      seed: int | None = 0, wait_s: float = 60.0) -> None:
+    asyncio.run(ExpertWorkerNode(url, key, name, budget_mb, threads, log, latency, seed).run(wait_s))

@@ -172,11 +172,11 @@ class PipelineWorker:
                          f"retrying in {delay:.1f} s")
                 await asyncio.sleep(delay)
 
-    async def run(self) -> None:
-        """Serve until the master closes the connection."""
+    async def run(self, wait_s: float = 60.0) -> None:
+        """Serve until the master closes the connection (trying to reach it for `wait_s` first)."""
         summary = asyncio.create_task(self._summaries()) if self.verbose else None
         try:
-            await self._serve()
+            await self._serve(wait_s)
         except websockets.ConnectionClosed as e:
             if not self.heard:
                 raise not_admitted(e) from e
@@ -195,7 +195,7 @@ class PipelineWorker:
                          f"each ({100 * busy / SUMMARY_S:.0f}% busy), peak RSS {peak_rss_mb():.0f} MB")
                 passes, seconds = self.passes, self.pass_s
 
-    async def _serve(self) -> None:
+    async def _serve(self, wait_s: float) -> None:
         try:
             self.pass_port = PassPort(self.peer_host, self.peer_port, self.key, self._chained_pass, self.log,
                                       self.name, self.spin_s)
@@ -203,7 +203,7 @@ class PipelineWorker:
             raise PeerPortInUse(str(e)) from e
         self.peer_port = self.pass_port.port
         try:
-            async with await self.connect() as ws:
+            async with await self.connect(wait_s) as ws:
                 self.ws = ws
                 async for data in ws:
                     await self._received(data)

@@ -133,11 +133,14 @@ class _Input:
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
                  speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0,
-                 verbose: bool = False, trace: Path | None = None, device: str = "cpu") -> None:
+                 verbose: bool = False, trace: Path | None = None, device: str = "cpu",
+                 join_wait_s: float = JOIN_WAIT_S) -> None:
         """`trace`: a file the node appends its timeline of one-token blocks to (tp.trace); `device`: where its
-        share computes, "cpu" or "cuda" (ggml's CUDA backend)."""
+        share computes, "cpu" or "cuda" (ggml's CUDA backend); `join_wait_s`: how long it keeps trying to reach
+        the master."""
         self.master = master
         self.device = device
+        self.join_wait_s = join_wait_s
         self.trace = None if trace is None else Trace(trace, name)
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.threads = threads  # onnxruntime threads of the share
@@ -205,7 +208,7 @@ class Node:
     def _join_with_retries(self) -> Welcome:
         """Join, retrying with backoff while the master cannot be reached (it may not be up yet); each failure is
         said at once. A rejected key ends it."""
-        backoff = Backoff(JOIN_WAIT_S, max_s=MAX_RETRY_S)
+        backoff = Backoff(self.join_wait_s, max_s=MAX_RETRY_S)
         while True:
             try:
                 welcome = self.net.run(self._join(), timeout=60)
@@ -218,7 +221,7 @@ class Node:
                 delay = backoff.next_delay()
                 if delay is None:
                     raise EdgerunError(f"cannot reach the master at {self.master[0]}:{self.master[1]} within "
-                                       f"{JOIN_WAIT_S:.0f} s: {e}") from e
+                                       f"{self.join_wait_s:.0f} s: {e}") from e
                 self.log(f"node {self.name}: cannot reach the master at {self.master[0]}:{self.master[1]} ({e}); "
                          f"retrying in {delay:.1f} s")
                 time.sleep(delay)
@@ -607,7 +610,11 @@ def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name:
     except EdgerunError as e:  # no usable local copy: the master's is fetched after joining
         print(f"{e}; will fetch the master's model", file=sys.stderr)
         model = None
-    node = Node(master, model, key, name, budget_mb, speed, loss,
-                log=lambda m: print(m, file=sys.stderr, flush=True), threads=threads, spin_s=spin_s, verbose=verbose,
-                trace=trace, device=device)
-    node.run()
+    log = functools.partial(print, file=sys.stderr, flush=True)
+    wait_s = JOIN_WAIT_S
+    while True:  # a master that goes away may come back (restarted, or its network back): rejoin until Ctrl-C
+        node = Node(master, model, key, name, budget_mb, speed, loss, log=log, threads=threads, spin_s=spin_s,
+                    verbose=verbose, trace=trace, device=device, join_wait_s=wait_s)
+        node.run()
+        model, wait_s = node.model, float("inf")
+        log(f"node {name}: trying to rejoin the master at {master[0]}:{master[1]} until it is back (Ctrl-C stops)")
