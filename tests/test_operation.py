@@ -106,6 +106,34 @@ def test_a_worker_with_another_key_says_so_and_fails(mode: str, tmp_path: Path, 
         master.close()
 
 
+def test_master_auto_times_the_cluster_against_itself_alone(shipped_path: Path) -> None:
+    """`edgerun master --prefer auto` (the default) times a short request on the plan and on the master alone and
+    says which it keeps, by the figures it prints; the answer is the same either way."""
+    import re
+
+    port = free_port()
+    master = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "master", "--expect", "2", "--key", "k",
+                               "--host", "127.0.0.1", "--port", str(port), "--no-advertise", "--threads", "1",
+                               "--prompt", "The capital of France is", "--max-tokens", "8"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [edgerun("node", "--master", f"127.0.0.1:{port}", "--key", "k", "--name", f"n{i}", "--threads", "1")
+             for i in range(2)]
+    try:
+        out, err = master.communicate(timeout=300)
+        assert master.returncode == 0, err
+        found = re.search(r"the cluster ran ([\d.]+) ms/token against ([\d.]+) for the master alone: (.*)", err)
+        assert found, err
+        cluster_ms, alone_ms, decision = float(found.group(1)), float(found.group(2)), found.group(3)
+        assert decision == "it serves" if cluster_ms < 0.95 * alone_ms else decision.startswith(
+            "the master computes alone, the nodes stay connected"), found.group(0)
+        assert "Paris" in out
+    finally:
+        master.kill()
+        for node in nodes:
+            node.kill()
+            node.wait()
+
+
 @pytest.mark.parametrize("mode", ["tp", "pp"])
 def test_a_node_rejoins_a_master_that_comes_back(mode: str, shipped_model) -> None:
     """A node or worker whose master closed the cluster says so and keeps trying to rejoin (it exited 0); a master

@@ -127,6 +127,43 @@ def _wait(what: str, n: int, joined: Callable[[], list[str]], wait: Callable[[fl
             log(f"waiting for {what}: {len(names)} of {n} joined{who}; giving up in {left:.0f} s (--wait)")
 
 
+TRIAL_TOKENS = 8  # tokens a --prefer auto trial generates on the cluster and on the master alone
+MIN_GAIN = 0.05  # how much faster the cluster must run to be kept
+
+
+def _prefer(master, prefer: str, prompt: list[int], log: Callable[[str], None]) -> bool:
+    """--prefer: `cluster` keeps the plan; `single` has the master compute alone (the nodes stay connected); `auto`
+    times a short request both ways and keeps the cluster only where it ran at least MIN_GAIN faster, as `serve`
+    does, saying which and why. Whether the master was made to compute alone (the later prompts then do not
+    replan by the devices' speeds, which would undo it)."""
+    from edgerun.model.sampling import Sampler, SamplingParams
+
+    if prefer == "cluster" or master.whole is not None:  # the plan already leaves every node out
+        return False
+    if prefer == "single":
+        master.replan(master.alone_plan())
+        log("--prefer single: the master computes alone; the nodes stay connected")
+        return True
+
+    def timed() -> float:
+        master.generate(prompt, 2, Sampler(SamplingParams()))  # warm: graphs built, shares touched
+        start = time.perf_counter()
+        master.generate(prompt, TRIAL_TOKENS, Sampler(SamplingParams()))
+        return (time.perf_counter() - start) / TRIAL_TOKENS * 1e3
+
+    plan = master.plan
+    cluster_ms = timed()
+    master.replan(master.alone_plan())
+    alone_ms = timed()
+    if cluster_ms < (1 - MIN_GAIN) * alone_ms:
+        master.replan(plan)
+        log(f"the cluster ran {cluster_ms:.1f} ms/token against {alone_ms:.1f} for the master alone: it serves")
+        return False
+    log(f"the cluster ran {cluster_ms:.1f} ms/token against {alone_ms:.1f} for the master alone: the master "
+        "computes alone, the nodes stay connected (--prefer cluster uses them anyway)")
+    return True
+
+
 def cmd_master(args: argparse.Namespace) -> None:
     limit_blas_threads(args.threads)
     from edgerun.model import ggml_lib
@@ -205,8 +242,11 @@ def cmd_master(args: argparse.Namespace) -> None:
         raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
 
+    alone = [False]  # --prefer had the master compute alone
+
     def run(ids: list[int], emit) -> tuple[list[int], str]:
-        master.rebalance()  # the speeds the devices showed on the last prompt, if they call for other shares
+        if not alone[0]:
+            master.rebalance()  # the speeds the devices showed on the last prompt, if they call for other shares
         tokens = master.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, on_token=emit)
         s = master.stats
         return tokens, (f"compute {s.compute_s:.2f} s, waiting {s.wait_s:.2f} s; {s.blocks_incomplete} of "
@@ -219,6 +259,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                 _wait("nodes", args.expect, lambda: [n.name for n in master.membership.alive()],
                       lambda t: master.wait_for_nodes(args.expect, t), args.wait, log)
                 master.replan()
+                alone[0] = _prefer(master, args.prefer, model.tokenizer.encode(args.prompt or "Hello"), log)
             else:
                 master.wait_for_nodes(len(fixed.devices) - 1)
                 master.replan(_plan_for_cluster(fixed, master))
@@ -242,6 +283,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --plan dp: a LoRA adapter directory from `edgerun tune`, applied by every stage "
                         "(default: none)")
     p.add_argument("--expect", type=int, default=1, help="nodes (or pipeline workers) to wait for (default: 1)")
+    p.add_argument("--prefer", choices=("auto", "cluster", "single"), default="auto",
+                   help="tensor-parallel: auto times a short request on the plan and on the master alone and keeps "
+                        "the cluster only where it runs at least 5%% faster; cluster always uses the plan; single "
+                        "has the master compute alone (default: auto)")
     p.add_argument("--wait", type=float, default=WAIT_S, metavar="SECONDS",
                    help=f"how long to wait for the --expect nodes or workers, saying who joined every "
                         f"{PROGRESS_S:.0f} s, before giving up (default: {WAIT_S:.0f})")

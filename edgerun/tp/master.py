@@ -20,7 +20,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
@@ -318,6 +318,17 @@ class Master:
         if self.plan is None or not self._made_for(self.plan, alive):
             raise EdgerunError("no plan over the devices present")
         return objective(self.plan.counts(), self._devices(alive), self.profile(), self.plan.sync)
+
+    def alone_plan(self) -> TPPlan:
+        """A plan over the master and every live node that gives the nodes nothing: the master computes the whole
+        model (its single engine), the nodes stay connected for a later replan."""
+        alive = self.membership.alive()
+        devices = self._devices(alive)
+        devices[1:] = [replace(d, memory=replace(d.memory, budget_mb=0.0)) for d in devices[1:]]
+        try:
+            return plan_tp(self.profile(), devices, self.config.strategy, sync=SyncModel.STAR)
+        except ValueError as e:
+            raise EdgerunError(f"the master cannot hold the model alone: {e}") from e
 
     @staticmethod
     def _made_for(plan: TPPlan | None, alive: list[NodeConn]) -> bool:
