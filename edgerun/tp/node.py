@@ -133,15 +133,15 @@ class _Input:
 class Node:
     def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
                  speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0,
-                 verbose: bool = False, trace: Path | None = None, device: str = "cpu",
+                 verbose: bool = False, trace: Trace | None = None, device: str = "cpu",
                  join_wait_s: float = JOIN_WAIT_S) -> None:
-        """`trace`: a file the node appends its timeline of one-token blocks to (tp.trace); `device`: where its
+        """`trace`: where the node appends its timeline of one-token blocks (tp.trace); `device`: where its
         share computes, "cpu" or "cuda" (ggml's CUDA backend); `join_wait_s`: how long it keeps trying to reach
         the master."""
         self.master = master
         self.device = device
         self.join_wait_s = join_wait_s
-        self.trace = None if trace is None else Trace(trace, name)
+        self.trace = trace
         self.verbose = verbose  # a timing summary every SUMMARY_S
         self.threads = threads  # onnxruntime threads of the share
         self.spin_s = spin_s  # how long to poll for the next input without sleeping (DatagramSocket.spin_s)
@@ -204,6 +204,8 @@ class Node:
             self.udp.close()
             heartbeat.cancel()
             self.net.stop()
+            if self.trace is not None:  # the blocks since the last heartbeat's flush
+                self.trace.flush()
 
     def _join_with_retries(self) -> Welcome:
         """Join, retrying with backoff while the master cannot be reached (it may not be up yet); each failure is
@@ -612,9 +614,10 @@ def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name:
         model = None
     log = functools.partial(print, file=sys.stderr, flush=True)
     wait_s = JOIN_WAIT_S
+    timeline = None if trace is None else Trace(trace, name)  # one file for every session it joins
     while True:  # a master that goes away may come back (restarted, or its network back): rejoin until Ctrl-C
         node = Node(master, model, key, name, budget_mb, speed, loss, log=log, threads=threads, spin_s=spin_s,
-                    verbose=verbose, trace=trace, device=device, join_wait_s=wait_s)
+                    verbose=verbose, trace=timeline, device=device, join_wait_s=wait_s)
         node.run()
         model, wait_s = node.model, float("inf")
         log(f"node {name}: trying to rejoin the master at {master[0]}:{master[1]} until it is back (Ctrl-C stops)")
