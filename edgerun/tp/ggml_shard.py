@@ -137,12 +137,9 @@ class GgmlShard(_ShareBase):
 
     def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
                   units: Sequence[int] | None = None) -> np.ndarray | None:
-        if units is not None:
-            raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
         began = time.perf_counter()
-        x = _rows(x_norm, self.config.hidden)
+        x, end = self._static_attention_input(layer, x_norm, start, units)
         seq = x.shape[0]
-        end = self._advance(layer, start, seq)
         tensors = self.attn[layer]
         if tensors is None:
             return np.zeros((seq, self.config.hidden), np.float32) if output else None

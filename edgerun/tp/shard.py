@@ -200,6 +200,15 @@ class _ShareBase:
         self.lengths[layer] = end
         return end
 
+    def _static_attention_input(self, layer: int, x_norm: np.ndarray, start: int,
+                                units: Sequence[int] | None) -> tuple[np.ndarray, int]:
+        """A static share's attention input as rows (seq, hidden), its layer's cache advanced to take them, and the
+        cache's new length."""
+        if units is not None:
+            raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
+        x = _rows(x_norm, self.config.hidden)
+        return x, self._advance(layer, start, x.shape[0])
+
     def _group_ranges(self, groups: Sequence[int]) -> list[tuple[int, int]]:
         """The intermediate rows [start, stop) of each MLP group."""
         size, ffn = self.spec.group_size, self.config.ffn
@@ -378,14 +387,10 @@ class QuantShard(_ShareBase):
                   units: Sequence[int] | None = None) -> np.ndarray | None:
         """Partial attention output (seq, hidden) for positions start..start+seq-1, after caching their keys
         and values (later positions are forgotten). output=False: only the cache is filled."""
-        if units is not None:
-            raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
-        x = _rows(x_norm, self.config.hidden)
-        seq = x.shape[0]
-        end = self._advance(layer, start, seq)
+        x, end = self._static_attention_input(layer, x_norm, start, units)
         block = self.attn[layer]
         if block is None:
-            return np.zeros((seq, self.config.hidden), np.float32) if output else None
+            return np.zeros((x.shape[0], self.config.hidden), np.float32) if output else None
         out = block.run(x, end)
         return out if output else None
 
