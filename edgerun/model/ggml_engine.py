@@ -81,14 +81,27 @@ class StepInputs:
                    n_kv)
 
     def set(self, gc: GraphContext, start: int, mask: np.ndarray) -> None:
-        """Positions start.., and a mask where token i sees cache rows 0..start+i."""
-        pos = np.arange(start, start + self.n, dtype=np.int32)
-        gc.set(self.pos, pos)
-        gc.set(self.rows, pos.astype(np.int64))
+        """Positions start.., and a mask where token i sees cache rows 0..start+i (written straight into the
+        graph's memory on the CPU; through `mask`, (n, n_kv), elsewhere)."""
+        pos, rows, view = gc.view(self.pos), gc.view(self.rows), gc.view(self.mask)
+        if pos is None or rows is None or view is None:
+            positions = np.arange(start, start + self.n, dtype=np.int32)
+            gc.set(self.pos, positions)
+            gc.set(self.rows, positions.astype(np.int64))
+            self._fill(mask, start)
+            gc.set(self.mask, mask)
+        elif self.n == 1:  # a decode step: a few scalar writes and one fill
+            pos[0] = rows[0] = start
+            view[:] = -np.inf
+            view[:start + 1] = 0
+        else:
+            pos[:] = rows[:] = np.arange(start, start + self.n)
+            self._fill(view.reshape(self.n, self.n_kv), start)
+
+    def _fill(self, mask: np.ndarray, start: int) -> None:
         mask[:] = -np.inf
         for i in range(self.n):
             mask[i, : start + i + 1] = 0
-        gc.set(self.mask, mask)
 
 
 def linear(ctx: int, w: int, x: int, bias: int | None, t) -> int:

@@ -110,7 +110,6 @@ class GgmlShard(_ShareBase):
         if device == "cpu":
             huge_pages()
         self._graphs: dict[tuple, _BlockGraph] = {}
-        self._masks: dict[tuple[int, int], np.ndarray] = {}
         # One-token calls and their time beyond ggml's graph computation (inputs in, outputs out, Python): a
         # share call's fixed cost, as bench tp reports it.
         self.calls = CallCost()
@@ -145,8 +144,7 @@ class GgmlShard(_ShareBase):
             return np.zeros((seq, self.config.hidden), np.float32) if output else None
         n_kv = cache_rows(end, self.max_len)
         graph = self._graph((Block.ATTN, layer, seq, n_kv), lambda: _BlockGraph.attention(self, tensors, seq, n_kv))
-        mask = self._masks.setdefault((seq, n_kv), np.zeros((seq, n_kv), np.float16))
-        graph.inputs.set(graph.gc, start, mask)
+        graph.inputs.set(graph.gc, start, graph.mask)
         out = graph.run(x)
         self.calls.add(graph, began)
         return out if output else None
@@ -220,6 +218,7 @@ class _BlockGraph:
         self.x = self.gc.input(ggml_lib.F32, shard.config.hidden, seq)
         self.seq = seq
         self.inputs: StepInputs | None = None  # an attention block's positions, cache rows and mask
+        self.mask = np.zeros(0, np.float16)
         self.out = 0
         self.width = 0
         self.compute_s = 0.0  # the last run's graph computation
@@ -229,6 +228,7 @@ class _BlockGraph:
     def attention(cls, shard: GgmlShard, tensors: AttnTensors, seq: int, n_kv: int) -> _BlockGraph:
         graph = cls(shard, seq)
         graph.inputs = StepInputs.of(graph.gc, seq, n_kv)
+        graph.mask = np.zeros((seq, n_kv), np.float16)
         rope = ggml_lib.ROPE_NEOX  # a share's rows are in Hugging Face order (each head's halves rotate)
         graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x, graph.inputs,
                                       rope), shard.config.hidden)
@@ -252,7 +252,7 @@ class _BlockGraph:
         self.gc.allocate()
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        self.gc.set(self.x, np.ascontiguousarray(x, np.float32))
+        self.gc.set(self.x, x)
         began = time.perf_counter()
         self.gc.compute()
         self.compute_s = time.perf_counter() - began
