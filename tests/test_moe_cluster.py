@@ -78,15 +78,18 @@ def test_a_hub_and_three_workers_give_the_references_tokens_hedged_or_not(model:
 
 def test_int8_experts_on_ggml_repeat_themselves_and_track_the_onnx_engine(model: Model) -> None:
     """With int8 activations (the CLI's default) the workers compute their experts on ggml, llama.cpp's kernels,
-    and the hub adds them by expert id: the same request gives the same tokens every time, and they are the int8
-    onnx engine's (its experts on onnxruntime) until the first near-tie, which this prompt does not reach in 16."""
+    the hub its attention and LM head on ggml too, and it adds the experts by expert id: the same request gives the
+    same tokens every time, and they are the int8 onnx engine's (all of it on onnxruntime) until the first near-tie,
+    which this prompt does not reach in 16."""
     from edgerun.model.onnx_engine import OnnxEngine
     from edgerun.model.onnx_graph import Activations
+    from edgerun.moe.hub_layers import GgmlLayers
 
     prompt = model.tokenizer.encode(PROMPT)
     single = generate(OnnxEngine(model, 256, threads=1, activations=Activations.INT8), prompt, 16, GREEDY).tokens
-    with cluster(model, 2, HubConfig(max_len=256, replicas=1, activations=Activations.INT8)) as (hub, _, _):
+    with cluster(model, 2, HubConfig(max_len=256, replicas=1, activations=Activations.INT8, threads=1)) as (hub, _, _):
         runs = [hub.generate(prompt, 16, GREEDY) for _ in range(2)]
+        assert isinstance(hub.layers, GgmlLayers)
     assert runs[0] == runs[1] == single, (runs, single)
 
 

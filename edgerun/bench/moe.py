@@ -67,7 +67,8 @@ def start_worker(port: int, name: str, latency: LogNormal | None, seed: int, thr
 @contextlib.contextmanager
 def local_hub(model: Model, workers: int, replicas: int, latency: LogNormal | None, threads: int = 1,
               activations: Activations = Activations.F32) -> Iterator[MoeHub]:
-    hub = MoeHub(model, derive_key(SECRET), HubConfig(max_len=CONTEXT, replicas=replicas, activations=activations))
+    hub = MoeHub(model, derive_key(SECRET), HubConfig(max_len=CONTEXT, replicas=replicas, activations=activations,
+                                                        threads=threads))
     procs = [start_worker(hub.port, f"e{i}", latency, i + 1, threads) for i in range(workers)]
     try:
         hub.wait_for_workers(workers)

@@ -87,7 +87,7 @@ def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]
     hedge, adaptive = hedge_setting(args.hedge, args.replicas)
     hub = MoeHub(model, cluster_key(args), HubConfig(
         host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas, hedge=hedge,
-        adaptive_hedge=adaptive, activations=Activations(args.activations),
+        adaptive_hedge=adaptive, activations=Activations(args.activations), threads=args.threads,
         expert_timeout_s=args.expert_timeout_ms / 1000,
         expert_deadline_s=None if args.expert_deadline_ms is None else args.expert_deadline_ms / 1000), log=log)
     log(f"listening on port {hub.port} (expert workers: edgerun node --mode moe --master HOST:{hub.port}); "

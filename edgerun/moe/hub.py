@@ -9,8 +9,8 @@ worker that times out three times in a row is left out until it answers again. T
 their gates, so the hub only adds them.
 
 Where experts live is `sched.moe.place_experts` over the connected workers' budgets; workers fetch their experts'
-blobs from /experts/<sha256> here. The hub's own numbers are the numpy reference's (attention, norms, routing),
-so a cluster's tokens are the reference's.
+blobs from /experts/<sha256> here. The hub's own numbers (attention, norms, routing, the LM head: hub_layers) are
+computed as the workers' experts are: on ggml with int8 activations, as the numpy reference with float32.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, expert_graph, shard_weights_path
-from edgerun.model.reference import KVCache, ReferenceModel, kept_gate_scale, rms_norm, rope_tables, route
+from edgerun.model.reference import kept_gate_scale, route
 from edgerun.model.sampling import Sampler
 from edgerun.moe.experts import expert_blobs
+from edgerun.moe.hub_layers import HubLayers, hub_layers
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.wire import (
@@ -78,9 +79,10 @@ class HubConfig:
     # 1.5 times the median over the workers' recent medians.
     adaptive_hedge: bool = False
     hedge_threshold_ms: float | None = None
-    # Of the native workers' expert kernels: float32 gives the numpy reference's numbers (the hub's own are the
-    # reference's); int8, as the single engine computes, is 2-4x faster on CPUs and rounds differently.
+    # The kernels of the hub's own layers and of the native workers' experts: float32 gives the numpy reference's
+    # numbers; int8 computes on ggml as the single engine does, 2-4x faster on CPUs, and rounds differently.
     activations: Activations = Activations.F32
+    threads: int | None = None  # the hub's own ggml threads (int8 activations); None: the physical cores
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or not 1 <= self.hedge <= self.replicas:
@@ -142,7 +144,8 @@ class MoeHub:
         if not model.config.is_moe:
             raise EdgerunError(f"--plan moe needs a mixture-of-experts model; {model.path.name} is dense")
         self.model, self.key, self.config, self.log = model, key, config or HubConfig(), log
-        self.reference = ReferenceModel(model.config, model.weights, experts=False)  # experts are the workers'
+        self.layers: HubLayers = hub_layers(model, self.config.max_len, self.config.activations,
+                                            self.config.threads)
 
         self.blobs = expert_blobs(model.weights)
         self.by_sha = {sha: blob for sha, blob in self.blobs.values()}
@@ -154,7 +157,6 @@ class MoeHub:
         self.pending: dict[int, _Pending] = {}
         self.seqs = itertools.count(1)
         self.stats = HubStats()
-        self.cache: KVCache = self.reference.new_cache(self.config.max_len)
         self.joined = asyncio.Event()
         self.files: dict[str, Path] = {}  # browser workers' expert graphs and weights, by sha256
         self.graph_hashes: dict[tuple[int, int], list[str]] = {}  # (layer, expert) -> those files' sha256
@@ -352,10 +354,10 @@ class MoeHub:
 
     @property
     def weight_bytes(self) -> int:
-        return self.reference.weight_bytes
+        return self.layers.weight_bytes
 
     def reset(self) -> None:
-        self.cache = self.reference.new_cache(self.config.max_len)
+        self.layers.truncate(0)
 
     def release(self) -> None:
         """Nothing to let go of between requests."""
@@ -372,17 +374,15 @@ class MoeHub:
         return generate(self, prompt, max_tokens, sampler, stop_ids, on_token).tokens
 
     async def _step(self, tokens: Sequence[int]) -> np.ndarray:
-        ref, c, cache = self.reference, self.model.config, self.cache
-        start = cache.length
-        if start + len(tokens) > cache.max_len:
-            raise EdgerunError(f"context of {cache.max_len} tokens exceeded")
-        x = ref.embed(tokens)
-        cos, sin = rope_tables(c.head_dim, c.rope_base, np.arange(start, start + len(tokens)))
-        for i, layer in enumerate(ref.layers):
-            x = x + ref.attention(i, layer, rms_norm(x, layer.attn_norm, c.norm_eps), cache, cos, sin, None)
-            x = x + await self._mixture(i, layer.moe, rms_norm(x, layer.ffn_norm, c.norm_eps))
-        cache.length = start + len(tokens)
-        return (rms_norm(x[-1:], ref.output_norm, c.norm_eps) @ ref.output.T)[0]
+        own = self.layers
+        start = own.length
+        if start + len(tokens) > own.max_len:
+            raise EdgerunError(f"context of {own.max_len} tokens exceeded")
+        x = own.embed(tokens)
+        for i in range(self.model.config.n_layers):
+            x = x + own.attention(i, own.attention_norm(i, x), start)
+            x = x + await self._mixture(i, own.moe[i], own.ffn_norm(i, x))
+        return own.logits(x)
 
     async def _mixture(self, layer: int, moe, x: np.ndarray) -> np.ndarray:
         """The layer's experts on x (tokens, hidden), computed on the workers, weighted and summed."""
@@ -467,9 +467,9 @@ class MoeHub:
         return 1 if fastest.recent and fastest.p50_s <= threshold else self.config.hedge
 
     def probe_ms(self, steps: int = 3) -> float:
-        """ms per one-token step measured now on a scratch cache (after a warm-up step): what a deployment
+        """ms per one-token step measured now (after a warm-up step): what a deployment
         predicts, since a MoE step's time is mostly the workers' round trips, which only running shows."""
-        kept, self.cache = self.cache, self.reference.new_cache(steps + 2)
+        self.reset()  # every request starts afresh (the generation loop resets the engine)
         try:
             self.step([1])
             started = time.perf_counter()
@@ -477,7 +477,7 @@ class MoeHub:
                 self.step([1])
             return (time.perf_counter() - started) / steps * 1e3
         finally:
-            self.cache = kept
+            self.reset()
 
     def close(self) -> None:
         if self.server is not None:

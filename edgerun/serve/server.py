@@ -131,7 +131,7 @@ class Server:
                 hedge, adaptive = hedge_setting(config.hedge, config.replicas)
                 return Experts(MoeHub(model, config.key, HubConfig(
                     host=config.host, port=self.port, max_len=max_len, replicas=config.replicas, hedge=hedge,
-                    adaptive_hedge=adaptive, activations=config.activations),
+                    adaptive_hedge=adaptive, activations=config.activations, threads=config.threads),
                     log=lambda m: log(f"experts: {m}"), net=self.net))
             if config.plan == "dp":
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix

@@ -1,0 +1,127 @@
+"""What a MoEx hub computes itself: the embedding, each layer's attention and norms, the routers, the shared experts
+and the LM head (the experts are the workers').
+
+Two kinds, chosen by the cluster's activations as the workers' experts are: with int8 activations (the default)
+attention and the LM head run on ggml, llama.cpp's kernels on the file's own blocks (a GgmlShard holding every
+attention unit and every vocabulary row, no MLP), so the hub computes as the single engine and the workers do;
+with float32 they are the numpy reference's, whose tokens a float32 cluster then gives. Norms, routers and the
+shared experts are small and stay in numpy in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import Activations
+from edgerun.model.reference import DenseMoe, ReferenceModel, rms_norm, rope_tables
+from edgerun.tp.ggml_shard import GgmlShard
+from edgerun.tp.shard import ShardSpec, n_groups
+
+
+class HubLayers:
+    """The hub's own layers over a context of `max_len` positions, `length` of them filled."""
+
+    def __init__(self, model: Model, max_len: int, moe: Sequence[DenseMoe]) -> None:
+        self.config, self.weights, self.max_len = model.config, model.weights, max_len
+        self.moe = list(moe)  # per layer: its router and shared expert
+        self.length = 0
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        return self.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+
+    def attention_norm(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return rms_norm(x, self.weights.layers[layer].attn_norm, self.config.norm_eps)
+
+    def ffn_norm(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return rms_norm(x, self.weights.layers[layer].ffn_norm, self.config.norm_eps)
+
+    def attention(self, layer: int, x_norm: np.ndarray, start: int) -> np.ndarray:
+        """A layer's attention output for tokens at positions start.. (seq, hidden); their keys and values are
+        cached."""
+        raise NotImplementedError
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """The LM head's logits, (vocab,), of the last row of hidden states x (before the final norm)."""
+        raise NotImplementedError
+
+    def truncate(self, length: int) -> None:
+        """Forget cached positions >= length."""
+        self.length = min(self.length, length)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the hub's own matrices one decode step reads."""
+        raise NotImplementedError
+
+    def _moe_bytes(self) -> int:
+        total = 0
+        for moe in self.moe:
+            total += moe.router.nbytes
+            if moe.shared is not None:
+                total += moe.shared.w_gate.nbytes + moe.shared.w_up.nbytes + moe.shared.w_down.nbytes
+        return total
+
+
+class ReferenceLayers(HubLayers):
+    """The numpy reference's float32 numbers."""
+
+    def __init__(self, model: Model, max_len: int) -> None:
+        self.reference = ReferenceModel(model.config, model.weights, experts=False)
+        super().__init__(model, max_len, [layer.moe for layer in self.reference.layers])
+        self.cache = self.reference.new_cache(max_len)
+
+    def attention(self, layer: int, x_norm: np.ndarray, start: int) -> np.ndarray:
+        c, seq = self.config, x_norm.shape[0]
+        cos, sin = rope_tables(c.head_dim, c.rope_base, np.arange(start, start + seq))
+        self.cache.length = start
+        out = self.reference.attention(layer, self.reference.layers[layer], x_norm, self.cache, cos, sin, None)
+        self.length = start + seq
+        return out
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        ref = self.reference
+        return (rms_norm(x[-1:], ref.output_norm, self.config.norm_eps) @ ref.output.T)[0]
+
+    @property
+    def weight_bytes(self) -> int:
+        first = self.reference.layers[0]
+        attention = sum(getattr(first, f).nbytes for f in ("wq", "wk", "wv", "wo"))
+        return attention * self.config.n_layers + self._moe_bytes() + self.reference.output.nbytes
+
+
+class GgmlLayers(HubLayers):
+    """Attention and the LM head on ggml, llama.cpp's kernels and numerics (int8 activations)."""
+
+    def __init__(self, model: Model, max_len: int, threads: int | None = None) -> None:
+        c = model.config
+        super().__init__(model, max_len, [DenseMoe.from_weights(w.moe, experts=False) for w in model.weights.layers])
+        spec = ShardSpec((tuple(range(c.n_kv_heads)),) * c.n_layers, ((),) * c.n_layers,
+                         tuple(range(n_groups(c.vocab_size, 4096))), vocab_block=4096)
+        self.share = GgmlShard(c, model.weights, spec, max_len, threads, [model.path])
+
+    def attention(self, layer: int, x_norm: np.ndarray, start: int) -> np.ndarray:
+        out = self.share.attention(layer, x_norm, start)
+        assert out is not None
+        self.length = start + x_norm.shape[0]
+        return out
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return self.share.logits(rms_norm(x[-1:], self.weights.output_norm, self.config.norm_eps))[1][0]
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        self.share.truncate(length)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.share.weight_bytes + self._moe_bytes()
+
+
+def hub_layers(model: Model, max_len: int, activations: Activations, threads: int | None = None) -> HubLayers:
+    """The hub's own layers for a cluster whose experts compute with these activations."""
+    if activations is Activations.F32:
+        return ReferenceLayers(model, max_len)
+    return GgmlLayers(model, max_len, threads)
