@@ -51,6 +51,25 @@ def test_ggml_reads_its_cache_across_graph_lengths(tiny_spec, synth_gguf) -> Non
     assert agree >= 21 and worst < 0.02, (agree, worst)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
+def test_an_lm_head_loaded_in_parts_computes_as_one_tensor(tiny_spec, synth_gguf, monkeypatch, qtype: str) -> None:
+    """The head is loaded in parts (row_parts, a bounded peak while repacking) and computed as one tensor over
+    their memory: the same logits, bit for bit, as the parts' products put side by side."""
+    from edgerun.model import ggml_engine, ggml_lib
+
+    model = load_model(synth_gguf(tiny_spec("llama", qtype, tied=False)))
+    row_bytes = model.weights.output.nbytes // model.weights.output.rows
+    monkeypatch.setattr(ggml_engine, "HEAD_PART_BYTES", 192 * row_bytes)  # parts of 192, 192 and 128 rows
+    joined = ggml_engine.GgmlEngine(model, 64, threads=1)
+    assert len(joined.weights.parts(joined.output)) > 2 and joined.weights.joined(joined.output) is not None
+    monkeypatch.setattr(ggml_lib.WeightStore, "_join", lambda self, parts, ctx: 0)
+    apart = ggml_engine.GgmlEngine(model, 64, threads=1)
+    assert apart.weights.joined(apart.output) is None
+    prompt = [5, 17, 99, 3]
+    assert np.array_equal(joined.step(prompt), apart.step(prompt))
+    assert np.array_equal(joined.step([7]), apart.step([7]))
+
+
 def test_ggml_gives_the_same_tokens_every_time_and_on_any_thread_count(shipped_model) -> None:
     prompt = shipped_model.tokenizer.encode("The capital of France is")
     runs = []

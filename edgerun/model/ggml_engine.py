@@ -145,10 +145,14 @@ def cache_rows(end: int, max_len: int) -> int:
     return min(max_len, -(-end // KV_STEP) * KV_STEP)
 
 
-def lm_head(ctx: int, t, parts: Sequence[int], h: int) -> int:
-    """The LM head's rows (loaded in parts, row_parts) times h, one column of logits per token."""
+def lm_head(ctx: int, store: WeightStore, output: int, h: int) -> int:
+    """The LM head's rows (WeightStore.add_rows) times h, one column of logits per token."""
     g = ggml_lib.lib()
-    return functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 0), [g.ggml_mul_mat(ctx, t(p), h) for p in parts])
+    whole = store.joined(output)
+    if whole is not None:
+        return g.ggml_mul_mat(ctx, whole, h)
+    products = [g.ggml_mul_mat(ctx, store.tensor(p), h) for p in store.parts(output)]
+    return functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 0), products)
 
 
 def mlp_block(ctx: int, t, w_gate: int, w_up: int, w_down: int, h: int) -> int:
@@ -169,13 +173,6 @@ def file_interleaved(layer: LayerWeights, config: ModelConfig) -> bool:
 def as_stored(t: QuantTensor) -> QuantTensor:
     """The tensor's rows in the order its file stores them."""
     return QuantTensor(t.qtype, t.shape, t.stored)
-
-
-def row_parts(t: QuantTensor, most_bytes: int) -> list[QuantTensor]:
-    """A matrix cut into consecutive row ranges of at most `most_bytes` each, in multiples of 64 rows."""
-    row_bytes = t.nbytes // t.rows
-    step = max(64, most_bytes // row_bytes // 64 * 64)
-    return [t.take_rows(slice(first, min(first + step, t.rows))) for first in range(0, t.rows, step)]
 
 
 def unsupported(model: Model) -> str | None:
@@ -220,8 +217,7 @@ class GgmlEngine:
         # Embedding rows are converted from the file's pages (a few rows a step, by ggml's own code for the type):
         # the table lives in ggml only as the LM head, so a tied head is repacked for the product without a second
         # copy for the lookup.
-        self.output = [add(f"output.{i}", part) for i, part in enumerate(row_parts(w.output, HEAD_PART_BYTES))] \
-            if self.has_head else []
+        self.output = self.weights.add_rows("output", w.output, HEAD_PART_BYTES) if self.has_head else None
         self.output_norm = add("output_norm", w.output_norm) if self.has_head else None
         self.layers: list[LayerTensors] = []
         # A GGUF Llama file keeps Q and K rows interleaved for llama.cpp's pairwise rotation (ROPE_NORM): taken as
@@ -318,7 +314,8 @@ class StepGraph:
             stride = head(x).nb[1]
             last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
             h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
-            self.out, self.shape = lm_head(ctx, t, engine.output, h), (c.vocab_size,)
+            assert engine.output is not None
+            self.out, self.shape = lm_head(ctx, engine.weights, engine.output, h), (c.vocab_size,)
         else:  # a stage's hidden states go on to the next stage
             self.out, self.shape = x, (n, c.hidden)
         self.gc.expand(self.out)

@@ -65,6 +65,7 @@ SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_set_output": (None, (P,)),
     "ggml_nbytes": (SZ, (P,)),
     "ggml_get_data": (P, (P,)),
+    "ggml_backend_tensor_alloc": (INT, (P, P, P)),
     "ggml_row_size": (SZ, (INT, I64)),
     "ggml_add": (P, (P, P, P)),
     "ggml_mul": (P, (P, P, P)),
@@ -298,6 +299,7 @@ class WeightStore:
         self._contexts: dict[int, int] = {}
         self._tensors: list[int] = []
         self._pending: list[_Pending] = []
+        self._row_groups: dict[int, list[int]] = {}  # add_rows' handle -> its parts' handles
         self._probe_ctx = new_context(64)
         self._probe_buffers = {buft: g.ggml_backend_buft_alloc_buffer(buft, 0) for buft in backend.extra_buffer_types}
         self.nbytes = 0
@@ -345,6 +347,43 @@ class WeightStore:
         self._tensors.append(t)
         return len(self._tensors) - 1
 
+    def add_rows(self, name: str, value: QuantTensor, most_bytes: int) -> int:
+        """A large matrix loaded in parts of at most `most_bytes` (row_parts): a repacking copy takes a tensor's
+        bytes at once, so the file's pages of a whole LM head (150-270 MB) would be resident beside it. Returns the
+        handle of the whole: after upload, `joined` gives one tensor over the parts where they lie one after
+        another (a product over one tensor ran 10% faster at 8 threads than over nine parts put together by
+        concatenation), else `parts` gives them."""
+        parts = [self.add(f"{name}.{i}", part) for i, part in enumerate(row_parts(value, most_bytes))]
+        self._tensors.append(0)  # set by upload
+        self._row_groups[len(self._tensors) - 1] = parts
+        return len(self._tensors) - 1
+
+    def parts(self, handle: int) -> list[int]:
+        return self._row_groups[handle]
+
+    def joined(self, handle: int) -> int | None:
+        """add_rows' matrix as one tensor over its parts' memory, or None where they are not one after another."""
+        return self._tensors[handle] or None
+
+    def _join(self, parts: list[int], ctx: int) -> int:
+        g = lib()
+        tensors = [self._tensors[p] for p in parts]
+        heads = [head(t) for t in tensors]
+        if len(tensors) == 1:
+            return tensors[0]
+        # Every part but the last holds a multiple of 64 rows (row_parts), so a repacking buffer interleaved each
+        # part's rows in the groups it would have taken as one tensor, and chooses the same layout for the whole.
+        if any(h.ne[1] % 64 for h in heads[:-1]):
+            return 0
+        data = [g.ggml_get_data(t) for t in tensors]
+        if any(heads[i].buffer != heads[0].buffer or data[i] != data[i - 1] + g.ggml_nbytes(tensors[i - 1])
+               for i in range(1, len(tensors))):
+            return 0  # a GPU buffer pads each quantized tensor: the parts stay parts
+        whole = g.ggml_new_tensor_2d(ctx, heads[0].type, heads[0].ne[0], sum(h.ne[1] for h in heads))
+        if g.ggml_backend_tensor_alloc(heads[0].buffer, whole, data[0]) != STATUS_SUCCESS:
+            return 0
+        return whole
+
     def cache(self, name: str, width: int, rows: int) -> int:
         """An F16 matrix of `rows` rows of `width` values, zeroed (a layer's K or V cache)."""
         g = lib()
@@ -379,6 +418,18 @@ class WeightStore:
                     copied = 0
         self._pending = []
         release()
+        if self._row_groups:
+            ctx = new_context(len(self._row_groups))
+            weakref.finalize(self, g.ggml_free, ctx)
+            for handle, parts in self._row_groups.items():
+                self._tensors[handle] = self._join(parts, ctx)
+
+
+def row_parts(t: QuantTensor, most_bytes: int) -> list[QuantTensor]:
+    """A matrix cut into consecutive row ranges of at most `most_bytes` each, in multiples of 64 rows."""
+    row_bytes = t.nbytes // t.rows
+    step = max(64, most_bytes // row_bytes // 64 * 64)
+    return [t.take_rows(slice(first, min(first + step, t.rows))) for first in range(0, t.rows, step)]
 
 
 # numpy's dtype of a graph input's or output's ggml type

@@ -27,7 +27,6 @@ from edgerun.model.ggml_engine import (
     cache_rows,
     lm_head,
     mlp_block,
-    row_parts,
 )
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore
 from edgerun.model.onnx_graph import Activations
@@ -101,10 +100,10 @@ class GgmlShard(_ShareBase):
                 self._bytes[layer, Block.MLP] = gate.nbytes + up.nbytes + down.nbytes
             else:
                 self.mlp_tensors.append(None)
-        self.head_parts: list[int] = []
+        self.head: int | None = None
         if len(self.vocab_rows):
             rows = weights.output.take_rows(self.vocab_rows)
-            self.head_parts = [add(f"head.{i}", part) for i, part in enumerate(row_parts(rows, HEAD_PART_BYTES))]
+            self.head = store.add_rows("head", rows, HEAD_PART_BYTES)
             self._bytes[0, Block.HEAD] = rows.nbytes
         store.upload(release=lambda: release_mapped_files(mapped_files))
         if device == "cpu":
@@ -165,7 +164,7 @@ class GgmlShard(_ShareBase):
     def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         began = time.perf_counter()
         x = _rows(x_norm, self.config.hidden)
-        if not self.head_parts:
+        if self.head is None:
             return self.vocab_rows, np.zeros((x.shape[0], 0), np.float32)
         graph = self._graph((Block.HEAD, 0, x.shape[0]), lambda: _BlockGraph.head(self, x.shape[0]))
         out = graph.run(x)
@@ -214,7 +213,8 @@ class _BlockGraph:
     """One block's graph: hidden states in (hidden, seq), its partial out (width, seq)."""
 
     def __init__(self, shard: GgmlShard, seq: int) -> None:
-        self.gc = GraphContext(shard.backend, BLOCK_GRAPH_NODES + 8 * len(shard.head_parts))
+        parts = 0 if shard.head is None else len(shard.store.parts(shard.head))
+        self.gc = GraphContext(shard.backend, BLOCK_GRAPH_NODES + 8 * parts)
         self.x = self.gc.input(ggml_lib.F32, shard.config.hidden, seq)
         self.seq = seq
         self.inputs: StepInputs | None = None  # an attention block's positions, cache rows and mask
@@ -243,7 +243,8 @@ class _BlockGraph:
     @classmethod
     def head(cls, shard: GgmlShard, seq: int) -> _BlockGraph:
         graph = cls(shard, seq)
-        graph._finish(lm_head(graph.gc.ctx, shard.store.tensor, shard.head_parts, graph.x), len(shard.vocab_rows))
+        assert shard.head is not None
+        graph._finish(lm_head(graph.gc.ctx, shard.store, shard.head, graph.x), len(shard.vocab_rows))
         return graph
 
     def _finish(self, out: int, width: int) -> None:
