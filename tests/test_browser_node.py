@@ -375,3 +375,52 @@ def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path
         assert all("kernels weights" in s for s in status), status
     finally:
         master.close()
+
+
+@pytest.mark.slow
+def test_a_tab_closed_mid_request_leaves_the_request_to_the_native_worker(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tab and a native worker that could hold the model alone share it; the tab closes mid-request: the
+    pipeline replans over the native worker, prefills the context again and the request completes with the
+    reference's tokens."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    model = load_model()
+    tokens = 24
+    reference = generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), tokens,
+                         Sampler(SamplingParams())).tokens
+    monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
+    logs: list[str] = []
+    master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=256,
+                                                                      activations=Activations.F32), log=logs.append)
+    native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
+                               f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
+                               "400", "--threads", "1"], env=dict(os.environ), stderr=subprocess.DEVNULL)
+    try:
+        with sync_playwright() as p:
+            browser, page, errors = open_page(p)
+            # A tab that claims to be ten times faster gets most of the layers (float32 matrices: 600 MB hold
+            # about 107 MB of the model's 126), the native worker the rest.
+            page.goto(f"http://127.0.0.1:{master.port}/node?name=tab&memory=600&speed=1e10&weights=f32"
+                      f"#key={SECRET}")
+            master.wait_for_workers(2, timeout_s=120)
+            plan = master.start()
+            assert {s.worker for s in plan.stages} == {"native", "tab"}, logs
+            seen: list[int] = []
+
+            def close_the_tab(token: int) -> None:
+                seen.append(token)
+                if len(seen) == 6:
+                    page.close()
+
+            got = master.generate(model.tokenizer.encode(PROMPT), tokens, on_token=close_the_tab)
+            browser.close()
+        assert got == reference, logs
+        assert any("lost mid-request" in line for line in logs), logs
+        assert [s.worker for s in master.plan.stages] == ["native"], logs
+        assert not errors, errors
+    finally:
+        master.close()
+        native.kill()
+        native.wait()
