@@ -25,17 +25,20 @@ function search(cdf, target, right) {
   return cdf.length;
 }
 
-// logits: the vocabulary's logits for the token at `position`; sampling: {temperature, top_k, top_p, seed}.
+// logits: the vocabulary's logits for the token at `position`; sampling: {temperature, top_k, top_p, min_p, seed}.
 export function sample(logits, sampling, position) {
   const temperature = sampling.temperature || 0;
   if (temperature === 0) return argmax(logits);
   const z = Float64Array.from(logits, (x) => x / temperature);
   // Most to least likely, ties by index, as a stable sort does.
   let candidates = Array.from(z.keys()).sort((a, b) => z[b] - z[a] || a - b);
-  const topK = sampling.top_k || 0, topP = sampling.top_p ?? 1;
+  const topK = sampling.top_k || 0, topP = sampling.top_p ?? 1, minP = sampling.min_p || 0;
   if (topK > 0 && topK < z.length) candidates = candidates.slice(0, topK);
+  // Each candidate's probability over the first's; with min-p, the prefix at least min-p times as likely.
+  let weights = candidates.map((i) => Math.exp(z[i] - z[candidates[0]]));
+  if (minP > 0) weights = weights.slice(0, weights.filter((w) => w >= minP).length);
   let cdf = [], sum = 0;
-  for (const i of candidates) cdf.push(sum += Math.exp(z[i] - z[candidates[0]]));
+  for (const w of weights) cdf.push(sum += w);
   if (topP < 1) cdf = cdf.slice(0, search(cdf, topP * cdf[cdf.length - 1], false) + 1);
   const index = search(cdf, uniform(sampling.seed || 0, position) * cdf[cdf.length - 1], true);
   return candidates[Math.min(index, cdf.length - 1)];

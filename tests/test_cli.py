@@ -22,7 +22,7 @@ from edgerun.model import gguf_file
 from edgerun.model.generate import Engine, ReferenceEngine, generate
 from edgerun.model.loader import Model, load_model
 from edgerun.model.quant import QuantTensor
-from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.model.sampling import USER_DEFAULTS, Sampler, SamplingParams
 from edgerun.model.synth import SHAPES, SynthSpec, synth_vocabulary, synth_weights
 from edgerun.net.loops import auto_spin_us
 
@@ -219,6 +219,7 @@ def test_empty_prompt_in_subprocess(tiny_spec: TinySpec, synth_gguf: SynthGguf) 
     (["--temperature", "-1"], "temperature must be 0"),
     (["--top-p", "1.5"], "top-p must lie in (0, 1]"),
     (["--top-k", "-2"], "top-k must be 0"),
+    (["--min-p", "1"], "min-p must lie in [0, 1)"),
     (["--max-tokens", "100000"], "exceeds the model's context of 512 tokens"),
 ])
 def test_bad_generate_options(option: list[str], message: str, tiny_spec: TinySpec, synth_gguf: SynthGguf,
@@ -305,14 +306,18 @@ def test_usage_errors_exit_2(capsys: Capsys) -> None:
 # --- generate ----------------------------------------------------------------------------------
 
 
-def _expected_text(model: Model, engine: Engine, text: str, max_tokens: int) -> str:
+def _expected_text(model: Model, engine: Engine, text: str, max_tokens: int,
+                   params: SamplingParams = USER_DEFAULTS) -> str:
+    """What `edgerun generate` prints after the prompt, by default with its default sampling."""
     tok = model.tokenizer
-    result = generate(engine, tok.encode(text), max_tokens, Sampler(SamplingParams()), tok.stop_ids)
+    result = generate(engine, tok.encode(text), max_tokens, Sampler(params), tok.stop_ids)
     return tok.decode(result.tokens)
 
 
 @pytest.mark.slow
 def test_generate_shipped_model(shipped_model: Model, shipped_ggml: Engine, capsys: Capsys) -> None:
+    """README command 1: sampled as llama.cpp's server samples, with a fixed seed (the same text every time), and
+    greedy one flag away."""
     prompt = "The capital of France is"
     code, out, err = run(["generate", prompt, "--max-tokens", "8", "--quiet"], capsys)
     assert code == 0
@@ -321,6 +326,11 @@ def test_generate_shipped_model(shipped_model: Model, shipped_ggml: Engine, caps
     assert out == prompt + continuation + "\n"
     assert "Paris" in out
     assert err == ""
+    assert run(["generate", prompt, "--max-tokens", "8", "--quiet"], capsys)[1] == out
+    code, greedy, _ = run(["generate", prompt, "--max-tokens", "8", "--quiet", "--greedy"], capsys)
+    assert code == 0 and greedy == prompt + _expected_text(shipped_model, shipped_ggml, prompt, 8,
+                                                             SamplingParams()) + "\n"
+    assert "Paris" in greedy
 
 
 @pytest.mark.slow
@@ -338,7 +348,7 @@ def test_generate_chat_shipped_model(shipped_model: Model, shipped_ggml: Engine,
 
 @pytest.mark.slow
 def test_generate_seeded_sampling_is_reproducible(shipped_model: Model, capsys: Capsys) -> None:
-    argv = ["generate", "Once upon a time", "--max-tokens", "8", "--temperature", "0.8", "--seed", "1", "--quiet"]
+    argv = ["generate", "Once upon a time", "--max-tokens", "8", "--temperature", "1.2", "--seed", "1", "--quiet"]
     first = run(argv, capsys)
     second = run(argv, capsys)
     assert first[0] == second[0] == 0

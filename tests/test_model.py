@@ -614,6 +614,19 @@ def test_top_p_keeps_the_smallest_covering_prefix() -> None:
     assert set(_draws(SamplingParams(temperature=1.0, top_p=0.4, seed=4), logits, 100)) == {0}
 
 
+def test_min_p_drops_tokens_less_likely_than_its_share_of_the_first() -> None:
+    """min-p 0.25 keeps the tokens at least a quarter as likely as the most likely one (0.5: 0.3 and 0.15, not 0.05),
+    and draws among them in proportion; combined with top-p, min-p cuts first."""
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    draws = _draws(SamplingParams(temperature=1.0, min_p=0.25, seed=6), logits, 4000)
+    assert set(draws) == {0, 1, 2}
+    np.testing.assert_allclose(np.bincount(draws, minlength=4)[:3] / len(draws), probs[:3] / probs[:3].sum(),
+                               atol=0.03)
+    assert set(_draws(SamplingParams(temperature=1.0, min_p=0.7, seed=6), logits, 200)) == {0}
+    assert set(_draws(SamplingParams(temperature=1.0, min_p=0.25, top_p=0.6, seed=6), logits, 400)) == {0, 1}
+
+
 def test_temperature_one_follows_softmax() -> None:
     probs = np.array([0.7, 0.2, 0.1])
     draws = _draws(SamplingParams(temperature=1.0, seed=5), np.log(probs).astype(np.float32), 5000)
@@ -622,7 +635,8 @@ def test_temperature_one_follows_softmax() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5},
-                                    {"top_p": -0.2}, {"top_p": math.nan}])
+                                    {"top_p": -0.2}, {"top_p": math.nan}, {"min_p": 1.0}, {"min_p": -0.1},
+                                    {"min_p": math.nan}])
 def test_invalid_sampling_params_raise(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -54,7 +54,8 @@ def edgerun_commands() -> list[str]:
 RUN_AS_WRITTEN = [
     'edgerun generate "Once upon a time" --max-tokens 100',
     'edgerun generate "Name three rivers." --chat',
-    'edgerun generate "Tell a story" --temperature 0.8 --top-p 0.9 --seed 7',
+    'edgerun generate "Tell a story" --temperature 1.0 --top-p 0.9 --seed 7',
+    'edgerun generate "The capital of France is" --greedy',
     "edgerun model info",
     "edgerun plan --devices profiles/rpi4-8gb.json profiles/rpi5-8gb.json --plan halo --out plan.json",
     "edgerun plan --devices profiles/*.json --plan dp",

@@ -146,6 +146,27 @@ def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_g
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
 
 
+def test_a_request_without_sampling_settings_gets_the_servers(server: Serving, shipped_model, shipped_ggml) -> None:
+    """What a request leaves out is the server's default sampling (llama.cpp's: temperature 0.8, top-k 40, top-p
+    0.95, min-p 0.05, seed 0): the same request gives the same answer, that of the engine sampled so; a request's
+    own settings replace them."""
+    from edgerun.model.sampling import USER_DEFAULTS
+
+    tok = shipped_model.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
+    client = server.client()
+    answers = [chat(client, QUESTION, max_tokens=24) for _ in range(2)]
+    reference = generate(shipped_ggml, prompt, 24, Sampler(USER_DEFAULTS), tok.stop_ids)
+    assert answers[0] == answers[1] == tok.decode(reference.tokens)
+    own = SamplingParams(temperature=1.1, top_k=5, top_p=0.9, seed=3, min_p=0.1)
+    status, body = server.post("/v1/chat/completions", {
+        "model": "any", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24, "temperature": 1.1,
+        "top_k": 5, "top_p": 0.9, "seed": 3, "min_p": 0.1})
+    assert status == 200
+    assert body["choices"][0]["message"]["content"] == \
+        tok.decode(generate(shipped_ggml, prompt, 24, Sampler(own), tok.stop_ids).tokens)
+
+
 def test_completions_models_and_stop_strings(server: Serving, shipped_model, shipped_ggml) -> None:
     tok = shipped_model.tokenizer
     client = server.client()

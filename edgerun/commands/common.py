@@ -239,3 +239,34 @@ def cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", default="0", help="in-process packet loss on this side's UDP sends: 5%%, "
                    "bernoulli:0.05, ge:0.05[:burst] (Gilbert-Elliott bursts); default 0")
     p.add_argument("--loss-seed", type=int, default=None, help="seed for --loss (default: a random one)")
+
+
+def sampling_args(p: argparse.ArgumentParser, whose: str = "") -> None:
+    """--temperature, --top-k, --top-p, --min-p, --seed and --greedy, defaulting to USER_DEFAULTS. `whose`: a
+    phrase after "sampling" in the group's title (the API's defaults for `serve`)."""
+    from edgerun.model.sampling import USER_DEFAULTS as d
+
+    g = p.add_argument_group(f"sampling{whose}", "llama.cpp's server defaults; the same request and seed give the "
+                             "same text")
+    g.add_argument("--temperature", type=float, default=d.temperature,
+                   help=f"higher is more random, 0 is greedy (default: {d.temperature:g})")
+    g.add_argument("--top-k", type=int, default=d.top_k,
+                   help=f"draw among the k most likely tokens, 0 for all (default: {d.top_k})")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="draw among the most likely tokens whose "
+                   f"probabilities sum to p (default: {d.top_p:g})")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="drop tokens less than this fraction as likely "
+                   f"as the most likely one, 0 for none (default: {d.min_p:g})")
+    g.add_argument("--seed", type=int, default=d.seed, help=f"the draws' seed (default: {d.seed})")
+    g.add_argument("--greedy", action="store_true",
+                   help="always the most likely token, as --temperature 0 (default: off)")
+
+
+def sampling_params(args: argparse.Namespace):
+    """The SamplingParams of sampling_args' options; a bad value is one line."""
+    from edgerun.model.sampling import SamplingParams
+
+    try:
+        return SamplingParams(0.0 if args.greedy else args.temperature, args.top_k, args.top_p, args.seed,
+                              args.min_p)
+    except ValueError as e:
+        raise EdgerunError(str(e)) from e

@@ -11,13 +11,13 @@ from edgerun.errors import EdgerunError
 
 if TYPE_CHECKING:
     pass
-from edgerun.commands.common import model_arg, threads_arg
+from edgerun.commands.common import model_arg, sampling_args, sampling_params, threads_arg
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from edgerun.model.generate import default_engine, generate, make_engine
     from edgerun.model.loader import load_model
-    from edgerun.model.sampling import Sampler, SamplingParams
+    from edgerun.model.sampling import Sampler
 
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
@@ -25,10 +25,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise EdgerunError("the prompt is empty")
     if args.max_tokens < 1:
         raise EdgerunError("--max-tokens must be at least 1")
-    try:
-        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as e:
-        raise EdgerunError(str(e)) from e
+    params = sampling_params(args)
     model = load_model(args.model)
     if args.adapter is not None:
         from edgerun.tune.lora import apply_adapter
@@ -79,12 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a LoRA adapter directory written by `edgerun tune` (its adapter/), added to the model's "
                         "projections; refused if it was trained on another model (default: none)")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); higher is more random")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all; "
-                   "default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
-                   "probabilities sum to p (default: 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: a random one)")
+    sampling_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat (default: the template's own)")
     p.add_argument("--engine", choices=ENGINES, default=None,

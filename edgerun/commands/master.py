@@ -23,6 +23,8 @@ from edgerun.commands.common import (
     overlaps,
     route_arg,
     rto_min_arg,
+    sampling_args,
+    sampling_params,
     share_threads_arg,
     spin_arg,
     udp_args,
@@ -172,7 +174,7 @@ def cmd_master(args: argparse.Namespace) -> None:
     if not args.wait > 0:
         raise EdgerunError(f"--wait must be a positive number of seconds, not {args.wait}")
     from edgerun.model.loader import load_model
-    from edgerun.model.sampling import Sampler, SamplingParams
+    from edgerun.model.sampling import Sampler
 
     if args.expect < 0:
         raise EdgerunError("--expect must be 0 or more")
@@ -185,7 +187,7 @@ def cmd_master(args: argparse.Namespace) -> None:
         from edgerun.tune.lora import apply_adapter
 
         model = apply_adapter(model, args.adapter)
-    params = SamplingParams(args.temperature, seed=args.seed)
+    params = sampling_params(args)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
     if args.plan == "moe":
         _run_hub(args, model, params, log)
@@ -335,7 +337,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: one prompt per line of stdin)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt at most (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    sampling_args(p)
     cluster_args(p)
     p.set_defaults(func=cmd_master)

@@ -1,4 +1,4 @@
-"""Choosing the next token from logits: greedy, or seeded temperature / top-k / top-p sampling.
+"""Choosing the next token from logits: greedy, or seeded temperature / top-k / min-p / top-p sampling.
 
 A sampled token depends only on the logits, the seed and its position in the sequence, never on how
 many draws came before: a reference run, a tensor-parallel cluster, a pipeline whose last stage is a
@@ -22,6 +22,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means no limit
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens at least this fraction as likely as the most likely one; 0: off
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -30,6 +31,8 @@ class SamplingParams:
             raise ValueError("top-k must be 0 (off) or positive")
         if not 0.0 < self.top_p <= 1.0:  # also rejects nan
             raise ValueError("top-p must lie in (0, 1]")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError("min-p must lie in [0, 1)")
         if self.seed is not None and not 0 <= self.seed < MAX_SEED:  # JSON numbers carry it exactly to browsers
             raise ValueError(f"the seed must lie in [0, 2^53), not {self.seed}")
 
@@ -71,7 +74,10 @@ class Sampler:
         # same order cut at k), so that every implementation keeps the same top-k and top-p prefix. Sums are
         # running sums (cumsum), which JavaScript computes in the same order.
         candidates = largest(z, p.top_k) if p.top_k > 0 else np.argsort(-z, kind="stable")
-        cdf = np.cumsum(np.exp(z[candidates] - z[candidates[0]]))
+        weights = np.exp(z[candidates] - z[candidates[0]])  # each candidate's probability over the first's
+        if p.min_p > 0.0:  # the candidates at least min-p times as likely as the first: a prefix of them
+            weights = weights[:int(np.count_nonzero(weights >= p.min_p))]
+        cdf = np.cumsum(weights)
         if p.top_p < 1.0:  # the shortest prefix whose probability reaches top-p
             cdf = cdf[:int(np.searchsorted(cdf, p.top_p * cdf[-1])) + 1]
         index = int(np.searchsorted(cdf, uniform(self.seed, position) * cdf[-1], side="right"))
@@ -90,3 +96,10 @@ def largest(logits: np.ndarray, k: int) -> np.ndarray:
     above = np.flatnonzero(logits > threshold)
     chosen = np.concatenate([above, np.flatnonzero(logits == threshold)[:k - above.size]])
     return chosen[np.lexsort((chosen, -logits[chosen]))]
+
+
+# What a person gets from `generate`, `chat`, `master` and the API unless they say otherwise: llama.cpp's server
+# defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), which keep a small model's text from looping the way
+# greedy decoding does, and a fixed seed, so the same request gives the same text every time (another seed, another
+# draw). Greedy is `--greedy` (temperature 0). The library's SamplingParams() stays greedy.
+USER_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0, min_p=0.05)

@@ -436,4 +436,4 @@ class PipelineMaster:
 def _sampling(sampler: Sampler) -> dict[str, Any]:
     """A sampler's settings as a pass's message carries them to the last stage."""
     return {"temperature": sampler.params.temperature, "top_p": sampler.params.top_p, "top_k": sampler.params.top_k,
-            "seed": sampler.seed}
+            "min_p": sampler.params.min_p, "seed": sampler.seed}

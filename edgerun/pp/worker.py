@@ -444,7 +444,8 @@ class PipelineWorker:
         if s.lm_head:
             p = message.get("sampling", {})
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
-                                    top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)))
+                                    top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)),
+                                    min_p=float(p.get("min_p", 0.0)))
             token = Sampler(params)(out[0, -1], position + x.shape[1])
             return PpMsg.COMPUTATION_RESULT, {"token": token, "seconds": seconds if chain is None else chain}, None, \
                 False

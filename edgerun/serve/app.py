@@ -24,6 +24,7 @@ from starlette.routing import BaseRoute, Route
 
 from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
+from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.profile.device import device_summary
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.openai_api import (
@@ -48,6 +49,7 @@ class ApiConfig:
     model_name: str  # what /v1/models lists and responses name
     api_key: str | None  # bearer token the /v1 endpoints require; None: open
     default_max_tokens: int  # when a request names none (capped by the context left)
+    sampling: SamplingParams = USER_DEFAULTS  # what a request leaves out of its sampling
 
 
 class Api:
@@ -91,7 +93,7 @@ class Api:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not JSON: {e}") from e
         try:
-            req = parse_request(endpoint, body, self._render_chat)
+            req = parse_request(endpoint, body, self._render_chat, self.config.sampling)
         except ValueError as e:  # the sampler's own checks
             raise ApiError(400, str(e)) from e
         model_name = body.get("model")

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from edgerun.commands.common import activations_arg, route_arg, thread_count
+from edgerun.commands.common import activations_arg, route_arg, sampling_args, sampling_params, thread_count
 from edgerun.errors import EdgerunError
 
 TP_PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
@@ -70,6 +70,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")
     p.add_argument("--model-name", default=None, help="the model's name in the API (default: the file's name)")
+    sampling_args(p, ": the API's, for what a request leaves out")
     activations_arg(p)
     route_arg(p)
     p.add_argument("--threads", type=thread_count, default=threads_default,
@@ -88,8 +89,11 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--system", default=None, help="a system message that starts the conversation "
                    "(default: none)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one per answer)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, 0 is greedy (default: the server's, 0.8 unless it says otherwise)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server's)")
+    p.add_argument("--greedy", action="store_true", help="always the most likely token, as --temperature 0 "
+                   "(default: off)")
     p.set_defaults(func=cmd_chat)
 
 
@@ -108,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
-                         threads=args.threads, model_name=args.model_name,
+                         threads=args.threads, model_name=args.model_name, sampling=sampling_params(args),
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=args.transport, activations=Activations(args.activations),
                          route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)
@@ -150,8 +154,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
             history = history[:1] if args.system else []
             continue
         history.append({"role": "user", "content": line.strip()})
-        body = {"messages": history, "stream": True, "max_tokens": args.max_tokens,
-                "temperature": args.temperature}
+        body: dict = {"messages": history, "stream": True, "max_tokens": args.max_tokens}
+        if args.greedy or args.temperature is not None:
+            body["temperature"] = 0.0 if args.greedy else args.temperature
         if args.seed is not None:
             body["seed"] = args.seed
         answer: list[str] = []

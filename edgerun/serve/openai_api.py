@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any
 
 from edgerun.model.generate import StopReason
-from edgerun.model.sampling import MAX_SEED, SamplingParams
+from edgerun.model.sampling import MAX_SEED, USER_DEFAULTS, SamplingParams
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 
@@ -113,8 +113,10 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def parse_request(endpoint: Endpoint, body: Any, render_chat: Any) -> GenerationRequest:
-    """The request in `body` (parsed JSON). `render_chat(messages) -> str` applies the model's chat template."""
+def parse_request(endpoint: Endpoint, body: Any, render_chat: Any,
+                  defaults: SamplingParams = USER_DEFAULTS) -> GenerationRequest:
+    """The request in `body` (parsed JSON). `render_chat(messages) -> str` applies the model's chat template;
+    sampling settings the request leaves out are `defaults`' (the server's)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if endpoint == Endpoint.CHAT:
@@ -131,21 +133,22 @@ def parse_request(endpoint: Endpoint, body: Any, render_chat: Any) -> Generation
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    temperature = _number(body, "temperature", defaults.temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", defaults.top_p, 0.0, 1.0)
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token
         top_p, temperature = 1.0, 0.0
-    top_k = _integer(body, "top_k", 0, 1 << 30) or 0
+    top_k = _integer(body, "top_k", 0, 1 << 30)  # llama.cpp's server's extensions: top_k, min_p
+    top_k = defaults.top_k if top_k is None else top_k
+    min_p = _number(body, "min_p", defaults.min_p, 0.0, 0.999)
     seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)
-    if seed is not None:
-        seed %= MAX_SEED  # OpenAI takes any 64-bit seed; the sampler's lie in [0, 2^53)
+    seed = defaults.seed if seed is None else seed % MAX_SEED  # OpenAI takes any 64-bit seed; ours lie in [0, 2^53)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-    return GenerationRequest(endpoint, prompt, max_tokens, SamplingParams(temperature, top_k, top_p, seed),
+    return GenerationRequest(endpoint, prompt, max_tokens, SamplingParams(temperature, top_k, top_p, seed, min_p),
                              _stop(body), stream, bool(options.get("include_usage", False)))
 
 

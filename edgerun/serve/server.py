@@ -13,6 +13,7 @@ from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
+from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.pp.deployment import Route
@@ -37,6 +38,7 @@ class ServeConfig:
     max_context: int = 2048
     default_max_tokens: int = 512
     threads: int = 1
+    sampling: SamplingParams = USER_DEFAULTS  # what an API request leaves out of its sampling
     model_name: str | None = None  # what the API calls the model (default: the file's name)
     advertise: bool = True  # announce the cluster port by mDNS
     plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
@@ -110,7 +112,7 @@ class Server:
                                    self.metrics, log)
             name = config.model_name or model.name
             self.api = Api(model, self.service, self.switch, self.metrics,
-                           ApiConfig(name, config.api_key, config.default_max_tokens))
+                           ApiConfig(name, config.api_key, config.default_max_tokens, config.sampling))
             self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [])
         except BaseException:
             self.sock.close()

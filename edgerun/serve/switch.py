@@ -54,6 +54,7 @@ class EngineSwitch:
         self.single, self.cluster, self.prefer, self.log = single, cluster, prefer, log
         self._max_len = max_len
         self.mode = Mode.SINGLE if single is not None else Mode.NONE
+        self.why = "the single engine" if single is not None else "no nodes yet"  # the last change of mode's reason
         self.lock = threading.Lock()  # update() against the dashboard's reads
         self.events: deque[Event] = deque(maxlen=50)
         self.planned_for: tuple[str, ...] = ()  # the members the cluster's current plan covers
@@ -109,8 +110,8 @@ class EngineSwitch:
         if self.mode == Mode.CLUSTER and self.cluster is not None:
             self.cluster.on_lost(lost)
         self._plan(self.members())
-        if self.mode == Mode.NONE:
-            raise NoCapacity("every node left mid-request and there is no single engine")
+        if self.mode == Mode.NONE:  # why: every node left, or those left cannot hold the model (the plan's error)
+            raise NoCapacity(f"{lost} was lost mid-request and nothing else can compute: {self.why}")
 
     @property
     def has_capacity(self) -> bool:
@@ -162,7 +163,7 @@ class EngineSwitch:
 
     def _set_mode(self, mode: Mode, why: str) -> None:
         with self.lock:
-            self.mode = mode
+            self.mode, self.why = mode, why
         self.note(f"{mode.value}: {why}")
 
     def measured(self, ms_per_token: float) -> None:
