@@ -117,3 +117,69 @@ def test_the_serving_walkthrough(shipped_path: Path, tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(30)
+
+
+# Commands the README shows together: a server, and what joins it from another device (here from this one).
+PAIRS = [
+    ("edgerun serve --key SECRET", "edgerun node --key SECRET"),
+    ("edgerun serve --plan dp --no-local --wait 60 --key SECRET", "edgerun node --mode pp --key SECRET"),
+]
+
+
+def test_the_paired_commands_are_the_readmes() -> None:
+    written = edgerun_commands()
+    for server, node in PAIRS:
+        assert server in written and node in written, (server, node)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("server_command", "node_command"), PAIRS)
+def test_paired_readme_commands_join_and_serve(server_command: str, node_command: str, shipped_path: Path) -> None:
+    """A server and a node started exactly as the README writes them (the node finds the server by mDNS): the node
+    joins, and a request is answered; a pipeline without the server's own engine answers from the worker."""
+    import json
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    server = subprocess.Popen(shlex.split(server_command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env=env)
+    node = None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen("http://localhost:8000/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    pytest.fail(f"{server_command} exited: {server.stderr.read()[-2000:]}")
+                time.sleep(0.5)
+        node = subprocess.Popen(shlex.split(node_command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, env=env)
+
+        def state() -> dict:
+            with urllib.request.urlopen("http://localhost:8000/api/state", timeout=10) as r:
+                return json.loads(r.read())
+
+        while time.monotonic() < deadline and not any(n["alive"] for n in state()["nodes"]):
+            if node.poll() is not None:
+                pytest.fail(f"{node_command} exited: {node.stderr.read()[-2000:]}")
+            time.sleep(0.5)
+        assert any(n["alive"] for n in state()["nodes"]), state()
+        request = urllib.request.Request(
+            "http://localhost:8000/v1/chat/completions",
+            json.dumps({"model": "any", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}).encode(),
+            {"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=300) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["message"]["content"].strip(), answer
+        if "--no-local" in server_command:
+            assert state()["mode"] == "cluster"
+    finally:
+        for proc in (node, server):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
