@@ -425,3 +425,37 @@ def test_a_tab_closed_mid_request_leaves_the_request_to_the_native_worker(tmp_pa
         master.close()
         native.kill()
         native.wait()
+
+
+def test_a_tab_names_the_files_the_server_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without `npm install --prefix browser` (no onnxruntime-web, no kernels.wasm) the master says at its start
+    that tabs cannot join and how to fix it; a tab that comes anyway names the missing files in its page, and the
+    server's log names them once with the command."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    bare = tmp_path / "browser"
+    bare.mkdir()
+    for name in ("node.html", "node.js", "frames.js", "sampling.js", "expert.js", "kernels.js"):
+        shutil.copy(browser_dir() / name, bare / name)
+    monkeypatch.setenv("EDGERUN_BROWSER_DIR", str(bare))
+    logs: list[str] = []
+    master = PipelineMaster(load_model(), derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=64),
+                            log=logs.append)
+    try:
+        assert any(line.startswith("browser tabs cannot join until `npm install --prefix") and
+                   "kernels.wasm" in line for line in logs), logs
+        with sync_playwright() as p:
+            browser, page, _ = open_page(p)
+            page.goto(f"http://127.0.0.1:{master.port}/node?name=tab#key={SECRET}")
+            page.wait_for_function("document.getElementById('status').textContent.startsWith('cannot start')",
+                                   timeout=30_000)
+            status = page.inner_text("#status")
+            browser.close()
+        assert "/kernels.wasm (HTTP 404)" in status and "/ort/ort.all.min.mjs (HTTP 404)" in status, status
+        assert "/node.js" not in status, status
+        asked = [line for line in logs if line.startswith("a browser tab asked for")]
+        assert any("kernels.wasm" in line and "npm install --prefix" in line for line in asked), logs
+        assert len(asked) == len(set(asked)), asked  # each file once
+    finally:
+        master.close()

@@ -54,7 +54,7 @@ from edgerun.net.wire import (
     moex_frame,
     open_moex_frame,
 )
-from edgerun.pp.http import ISOLATED, page_routes
+from edgerun.pp.http import ISOLATED, page_routes, say_if_tabs_cannot_join
 from edgerun.pp.workers import LinkClosed, WorkerLink
 from edgerun.sched.moe import ExpertPlacement, ExpertWorker, place_experts
 
@@ -144,6 +144,7 @@ class MoeHub:
         if not model.config.is_moe:
             raise EdgerunError(f"--plan moe needs a mixture-of-experts model; {model.path.name} is dense")
         self.model, self.key, self.config, self.log = model, key, config or HubConfig(), log
+        say_if_tabs_cannot_join(log)
         self.layers: HubLayers = hub_layers(model, self.config.max_len, self.config.activations,
                                             self.config.threads)
 
@@ -171,7 +172,7 @@ class MoeHub:
     def routes(self) -> list[BaseRoute]:
         """Workers' WebSocket (/moe), expert blobs and browser graphs by sha256, and the browser node page."""
         return [WebSocketRoute("/moe", self._serve), Route("/experts/{sha256}", self._blob),
-                Route("/files/{sha256}", self._file), *page_routes()]
+                Route("/files/{sha256}", self._file), *page_routes(self.log)]
 
     def reconfigure(self, config: HubConfig) -> None:
         """New hedging, timeouts or replication (taking effect at the next dispatch; replicas at the next deploy);

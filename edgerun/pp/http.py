@@ -17,6 +17,9 @@ from starlette.websockets import WebSocket
 from edgerun.pp.workers import WorkerLink, Workers
 
 PAGE_SCRIPTS = ("node.js", "frames.js", "sampling.js", "expert.js", "kernels.js", "kernels.wasm")
+# What the page needs beyond the checkout's files: npm's packages, and kernels.wasm, which npm's postinstall builds.
+NPM_BUILT = ("node_modules/onnxruntime-web/dist/ort.all.min.mjs", "kernels.wasm")
+_said_missing: set[Path] = set()
 
 
 def browser_dir() -> Path:
@@ -30,17 +33,34 @@ ISOLATED = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-
             "Cross-Origin-Resource-Policy": "same-origin"}
 
 
-def _page_file(path: Path) -> Response:
+def _page_file(path: Path, log: Callable[[str], None] = lambda _: None) -> Response:
     if not path.is_file():
-        return PlainTextResponse(f"{path} is missing: run `npm install --prefix {browser_dir()}` for the browser "
-                                 "node's packages\n", status_code=404)
+        why = f"{path} is missing: run `npm install --prefix {browser_dir()}` for the browser node's packages"
+        if path not in _said_missing:  # once: a tab asks for it on every load
+            _said_missing.add(path)
+            log(f"a browser tab asked for {path.name}, which is missing: {why.split(': ', 1)[1]}")
+        return PlainTextResponse(why + "\n", status_code=404)
     # The page and its scripts change with the package: a tab reloaded after an upgrade must not mix versions.
     return FileResponse(path, headers={"Cache-Control": "no-cache", **ISOLATED})
 
 
-def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[], str]) -> list[BaseRoute]:
+def missing_page_files() -> list[str]:
+    """The browser node's files not yet built or fetched (NPM_BUILT)."""
+    return [name for name in NPM_BUILT if not (browser_dir() / name).is_file()]
+
+
+def say_if_tabs_cannot_join(log: Callable[[str], None]) -> None:
+    """At a master's start: one line where browser tabs could not load the node page yet, with the command."""
+    missing = missing_page_files()
+    if missing:
+        log(f"browser tabs cannot join until `npm install --prefix {browser_dir()}` has run (Node.js and npm): "
+            f"{', '.join(missing)} missing")
+
+
+def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[], str],
+                    log: Callable[[str], None] = lambda _: None) -> list[BaseRoute]:
     """The routes of one pipeline master: `files` maps a stage file's sha256 to its path (filled as stages are
-    built), `status` renders /status."""
+    built), `status` renders /status; `log` hears of a page file a tab asked for and the server lacks."""
 
     async def worker(ws: WebSocket) -> None:
         await ws.accept()
@@ -59,19 +79,19 @@ def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[
         WebSocketRoute("/ws", worker),
         Route("/files/{sha256}", stage_file),
         Route("/status", status_page),
-        *page_routes(),
+        *page_routes(log),
     ]
 
 
-def page_routes() -> list[BaseRoute]:
+def page_routes(log: Callable[[str], None] = lambda _: None) -> list[BaseRoute]:
     """The browser node page, its scripts and onnxruntime-web's files (a pipeline master's and a MoEx hub's)."""
 
     async def node_page(request: Request) -> Response:
-        return _page_file(browser_dir() / "node.html")
+        return _page_file(browser_dir() / "node.html", log)
 
     def page_script(name: str) -> Callable[[Request], Awaitable[Response]]:
         async def script(request: Request) -> Response:
-            return _page_file(browser_dir() / name)
+            return _page_file(browser_dir() / name, log)
 
         return script
 
@@ -79,7 +99,7 @@ def page_routes() -> list[BaseRoute]:
         name = request.path_params["name"]  # one path segment: nothing outside onnxruntime-web's dist
         if name.startswith("."):
             return PlainTextResponse("no such file\n", status_code=404)
-        return _page_file(browser_dir() / "node_modules" / "onnxruntime-web" / "dist" / name)
+        return _page_file(browser_dir() / "node_modules" / "onnxruntime-web" / "dist" / name, log)
 
     return [Route("/node", node_page), Route("/ort/{name}", runtime_file),
             *(Route(f"/{name}", page_script(name)) for name in PAGE_SCRIPTS)]

@@ -40,7 +40,7 @@ from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg
 from edgerun.pp.deployment import Deployment, PipelineState, Route, describe
-from edgerun.pp.http import browser_dir, pipeline_routes
+from edgerun.pp.http import browser_dir, pipeline_routes, say_if_tabs_cannot_join
 from edgerun.pp.pass_links import Breach, PassLinks, PortClosed
 from edgerun.pp.workers import BadInput, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import PPPlan, Stage
@@ -116,6 +116,7 @@ class PipelineMaster:
                  log: Callable[[str], None] = lambda _: None, net: EventLoopThread | None = None) -> None:
         config = config or PipelineConfig()
         self.model, self.key, self.config, self.log = model, key, config, log
+        say_if_tabs_cannot_join(log)
         self.max_len = config.max_len  # the generation loop reads it
         self.prefix = list(config.prefix)
         self.stragglers: set[asyncio.Task] = set()  # replicas' answers that lost the race, still arriving
@@ -156,7 +157,7 @@ class PipelineMaster:
         self.repartitioner = asyncio.get_running_loop().create_task(self.deployment.repartition_loop())
 
     def routes(self) -> list[BaseRoute]:
-        return pipeline_routes(self.workers, self.deployment.files, self.deployment.status_text)
+        return pipeline_routes(self.workers, self.deployment.files, self.deployment.status_text, self.log)
 
     async def _warm(self) -> None:
         """A plan was committed: with a prefix cache, run the prefix once so every worker keeps its KV rows."""
