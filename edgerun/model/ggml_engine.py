@@ -305,15 +305,19 @@ class StepGraph:
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, n)
         self.inputs = StepInputs.of(self.gc, n, n_kv)
         x = self.embd
-        for layer in engine.layers:
+        for i, layer in enumerate(engine.layers):
             h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.attn_norm))
             x = g.ggml_add(ctx, x, attention_block(self.gc, t, c, layer.attn, h, self.inputs, engine.rope_mode))
+            if engine.has_head and i == len(engine.layers) - 1 and n > 1:
+                # Only the last position's logits are returned: after the last attention (which every position's
+                # keys and values fed) the other positions are done, and skip the last MLP (llama.cpp's graph
+                # does the same with its output rows; a 16-layer prefill computes 1/16 fewer MLP rows).
+                stride = head(x).nb[1]
+                x = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
             h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.ffn_norm))
             x = g.ggml_add(ctx, x, mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, h))
-        if engine.has_head:
-            stride = head(x).nb[1]
-            last = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
-            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, last, c.norm_eps), t(engine.output_norm))
+        if engine.has_head:  # x is the last position's hidden state
+            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(engine.output_norm))
             assert engine.output is not None
             self.out, self.shape = lm_head(ctx, engine.weights, engine.output, h), (c.vocab_size,)
         else:  # a stage's hidden states go on to the next stage
