@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import resource
 import sys
 import time
@@ -78,7 +79,7 @@ def huge_pages() -> int:
     alternated token by token, 2 and 8 devices' shares), the whole-model engine's 8%; on a 16-core Xeon with 300 MB
     of L3, 1-2%. MADV_COLLAPSE (Linux 6.1+) moves the pages now, at about 0.7 GB/s; an older kernel only takes the
     advice, which its khugepaged follows over minutes. Nothing where the kernel has no transparent huge pages."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or os.environ.get("EDGERUN_HUGE_PAGES") == "0":  # 0: 4 KB pages
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     collapsed = 0
