@@ -459,3 +459,36 @@ def test_a_tab_names_the_files_the_server_lacks(tmp_path: Path, monkeypatch: pyt
         assert len(asked) == len(set(asked)), asked  # each file once
     finally:
         master.close()
+
+
+@pytest.mark.slow
+def test_a_master_builds_the_page_files_npm_makes_when_they_are_missing(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout's browser/ without `npm install` run: a master with npm at hand fetches and builds the page's
+    files in the background, saying so, and says when tabs can join."""
+    if shutil.which("npm") is None:
+        if os.environ.get("CI"):
+            pytest.fail("npm is not installed")
+        pytest.skip("npm is not installed")
+    from edgerun.pp import http
+
+    bare = tmp_path / "browser"
+    bare.mkdir()
+    for path in browser_dir().iterdir():
+        if path.is_file() and path.name != "kernels.wasm":
+            shutil.copy(path, bare / path.name)
+    monkeypatch.setenv("EDGERUN_BROWSER_DIR", str(bare))
+    monkeypatch.setattr(http, "_installing", [])
+    logs: list[str] = []
+    master = PipelineMaster(load_model(), derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=64),
+                            log=logs.append)
+    try:
+        assert any(line.startswith("browser tabs: ") and "fetching and building them" in line for line in logs), logs
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any("browser tabs can join now" in line or "failed" in line
+                                                      for line in logs):
+            time.sleep(0.5)
+        assert any("browser tabs can join now" in line for line in logs), logs
+        assert http.missing_page_files() == []
+    finally:
+        master.close()

@@ -6,6 +6,10 @@ one port."""
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
+import subprocess
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -20,6 +24,7 @@ PAGE_SCRIPTS = ("node.js", "frames.js", "sampling.js", "expert.js", "kernels.js"
 # What the page needs beyond the checkout's files: npm's packages, and kernels.wasm, which npm's postinstall builds.
 NPM_BUILT = ("node_modules/onnxruntime-web/dist/ort.all.min.mjs", "kernels.wasm")
 _said_missing: set[Path] = set()
+_installing: list[Path] = []  # the browser directory npm is (or was) building in this process
 
 
 def browser_dir() -> Path:
@@ -50,11 +55,30 @@ def missing_page_files() -> list[str]:
 
 
 def say_if_tabs_cannot_join(log: Callable[[str], None]) -> None:
-    """At a master's start: one line where browser tabs could not load the node page yet, with the command."""
+    """At a master's start, where browser tabs could not load the node page yet: with npm here, fetch and build
+    the page's files in the background (once a process), saying so; without it, one line with the command."""
     missing = missing_page_files()
-    if missing:
-        log(f"browser tabs cannot join until `npm install --prefix {browser_dir()}` has run (Node.js and npm): "
+    if not missing:
+        return
+    where = browser_dir()
+    command = ["npm", "install", "--prefix", str(where)]
+    if shutil.which("npm") is None or not (where / "package.json").is_file() or _installing:
+        log(f"browser tabs cannot join until `{shlex.join(command)}` has run (Node.js and npm): "
             f"{', '.join(missing)} missing")
+        return
+    _installing.append(where)
+    log(f"browser tabs: {', '.join(missing)} missing; fetching and building them (`{shlex.join(command)}`, once, "
+        "about a minute; tabs that come before then are told what the server lacks)")
+
+    def install() -> None:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode == 0 and not missing_page_files():
+            log("browser tabs can join now: the node page's files are built")
+        else:
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            log(f"`{shlex.join(command)}` failed (status {done.returncode}: {last[0]}); browser tabs cannot join")
+
+    threading.Thread(target=install, name="npm install", daemon=True).start()
 
 
 def pipeline_routes(workers: Workers, files: dict[str, Path], status: Callable[[], str],
