@@ -183,3 +183,14 @@ def test_paired_readme_commands_join_and_serve(server_command: str, node_command
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def test_the_first_command_answers_sensibly(shipped_path: Path) -> None:
+    """README command 1's `edgerun generate ...`, as written: the shipped model says Paris, and says it again."""
+    setup = next(line for line in commands() if line.startswith("pip install -e . && edgerun generate"))
+    argv = shlex.split(setup.split("&&", 1)[1])
+    assert argv[:2] == ["edgerun", "generate"], argv
+    runs = [subprocess.run([sys.executable, "-m", "edgerun.cli", *argv[1:]], capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert "Paris" in runs[0].stdout and runs[0].stdout == runs[1].stdout, (runs[0].stdout, runs[1].stdout)
