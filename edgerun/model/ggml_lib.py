@@ -66,6 +66,7 @@ SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_nbytes": (SZ, (P,)),
     "ggml_get_data": (P, (P,)),
     "ggml_backend_tensor_alloc": (INT, (P, P, P)),
+    "ggml_backend_buffer_get_alloc_size": (SZ, (P, P)),
     "ggml_row_size": (SZ, (INT, I64)),
     "ggml_add": (P, (P, P, P)),
     "ggml_mul": (P, (P, P, P)),
@@ -375,10 +376,14 @@ class WeightStore:
         # part's rows in the groups it would have taken as one tensor, and chooses the same layout for the whole.
         if any(h.ne[1] % 64 for h in heads[:-1]):
             return 0
+        # A buffer may store a tensor in more bytes than its type's (AMX's packed tiles carry per-block sums): the
+        # parts are one matrix where each begins where the one before ends in the buffer's own layout, whose
+        # row blocks (16 rows for AMX, 4-8 for the repacked kernels) a 64-row part holds whole.
         data = [g.ggml_get_data(t) for t in tensors]
-        if any(heads[i].buffer != heads[0].buffer or data[i] != data[i - 1] + g.ggml_nbytes(tensors[i - 1])
+        if any(heads[i].buffer != heads[0].buffer or
+               data[i] != data[i - 1] + g.ggml_backend_buffer_get_alloc_size(heads[0].buffer, tensors[i - 1])
                for i in range(1, len(tensors))):
-            return 0  # a GPU buffer pads each quantized tensor: the parts stay parts
+            return 0  # a GPU buffer pads each quantized tensor's end: the parts stay parts
         whole = g.ggml_new_tensor_2d(ctx, heads[0].type, heads[0].ne[0], sum(h.ne[1] for h in heads))
         if g.ggml_backend_tensor_alloc(heads[0].buffer, whole, data[0]) != STATUS_SUCCESS:
             return 0
