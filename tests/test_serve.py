@@ -613,3 +613,50 @@ def test_status_names_the_devices_that_compute() -> None:
     lines = status_text(state).splitlines()
     assert lines[0].startswith("serving m from the cluster engine;")
     assert lines[2] == "plan halo over master, a (left out: b): predicted 9.0 ms/token"
+
+
+def test_a_huge_body_is_refused_at_once_and_the_server_stays_responsive(server: Serving) -> None:
+    """A request that declares a 10 MB body gets its 413 (OpenAI's error JSON) within a second, before it has sent
+    the body, and /health answers meanwhile."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    health_s: list[float] = []
+
+    def health() -> None:
+        time.sleep(0.05)
+        started = time.monotonic()
+        assert server.get("/health")[0] == 200
+        health_s.append(time.monotonic() - started)
+
+    probe = threading.Thread(target=health)
+    started = time.monotonic()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
+        probe.start()
+        conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n"
+                     f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {10 << 20}\r\n\r\n".encode() + b'{"model": "any", "messages": [')
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = conn.recv(65536)
+            if not data:
+                break
+            reply += data
+    took = time.monotonic() - started
+    probe.join()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert json.loads(payload)["error"]["code"] == "body_too_large", payload
+    assert took < 1.0, took
+    assert health_s and health_s[0] < 0.2, health_s
+
+
+def test_a_lone_surrogate_is_a_400(server: Serving) -> None:
+    """JSON can spell half an emoji ("\\ud83d", what JavaScript leaves when it cuts one): a 400 naming it, not a
+    500 and a dropped connection."""
+    body = b'{"model": "any", "messages": [{"role": "user", "content": "cut \\ud83d here"}], "max_tokens": 4}'
+    code, reply = server.post("/v1/chat/completions", body)
+    assert code == 400 and "invalid Unicode" in reply["error"]["message"], reply
+    code, reply = server.post("/v1/completions", b'{"model": "any", "prompt": "ok", "stop": ["\\udc00"]}')
+    assert code == 400 and "'stop'" in reply["error"]["message"], reply

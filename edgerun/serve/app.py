@@ -49,6 +49,7 @@ class ApiConfig:
     model_name: str  # what /v1/models lists and responses name
     api_key: str | None  # bearer token the /v1 endpoints require; None: open
     default_max_tokens: int  # when a request names none (capped by the context left)
+    max_body: int = 1 << 20  # bytes of a request body at most
     sampling: SamplingParams = USER_DEFAULTS  # what a request leaves out of its sampling
 
 
@@ -86,20 +87,44 @@ class Api:
         except Exception as e:  # the template's own raise_exception, or a model without one
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
 
-    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        self._authorize(request)
+    async def _body(self, request: Request) -> Any:
+        """The request's JSON, read only up to the body limit: a larger one is refused as it arrives (or at once,
+        where its Content-Length says so), not after it has been read and parsed whole."""
+        limit = self.config.max_body
+        declared = request.headers.get("content-length", "")
+        too_big = ApiError(413, f"the body is larger than {limit} bytes (serve --max-body)", code="body_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        pieces, size = [], 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limit:
+                raise too_big
+            pieces.append(piece)
         try:
-            body = await request.json()
+            body = json.loads(b"".join(pieces))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not JSON: {e}") from e
-        try:
-            req = parse_request(endpoint, body, self._render_chat, self.config.sampling)
-        except ValueError as e:  # the sampler's own checks
-            raise ApiError(400, str(e)) from e
-        model_name = body.get("model")
+        _check_unicode(body, "the body")
+        return body
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+
+        def prepare() -> tuple[GenerationRequest, list[int]]:
+            """Rendering the chat template and tokenizing take milliseconds to seconds for a long prompt: off the
+            event loop, which meanwhile serves every other request."""
+            try:
+                req = parse_request(endpoint, body, self._render_chat, self.config.sampling)
+            except ValueError as e:  # the sampler's own checks
+                raise ApiError(400, str(e)) from e
+            return req, self.model.tokenizer.encode(req.prompt)
+
+        model_name = body.get("model") if isinstance(body, dict) else None
         if model_name is not None and not isinstance(model_name, str):
             raise ApiError(400, "'model' must be a string", param="model")
-        prompt = self.model.tokenizer.encode(req.prompt)
+        req, prompt = await asyncio.to_thread(prepare)
         context = self.switch.max_len
         room = context - len(prompt)
         if room < 1:
@@ -239,6 +264,23 @@ class Api:
 
     async def dashboard(self, request: Request) -> Response:
         return HTMLResponse(resources.files("edgerun.serve").joinpath("dashboard.html").read_text("utf-8"))
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Refuse text that is not Unicode: JSON's escapes can spell a lone surrogate ("\\ud83d", what JavaScript
+    leaves when it cuts an emoji in two), which no tokenizer or UTF-8 answer can carry."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"{where} holds invalid Unicode (a lone surrogate at character {e.start})") from e
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where)
+            _check_unicode(item, f"'{key}'" if where == "the body" else where)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item, where)
 
 
 def _sse(obj: dict[str, Any]) -> str:

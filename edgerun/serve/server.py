@@ -39,6 +39,7 @@ class ServeConfig:
     default_max_tokens: int = 512
     threads: int = 1
     sampling: SamplingParams = USER_DEFAULTS  # what an API request leaves out of its sampling
+    max_body: int = 1 << 20  # bytes of an API request's body at most
     model_name: str | None = None  # what the API calls the model (default: the file's name)
     advertise: bool = True  # announce the cluster port by mDNS
     plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
@@ -55,6 +56,8 @@ class ServeConfig:
             raise EdgerunError("--no-local and --no-cluster leave nothing to serve with")
         if self.wait_s < 0:
             raise EdgerunError("--wait must be 0 or more seconds")
+        if self.max_body < 1024:
+            raise EdgerunError(f"--max-body must be at least 1024 bytes, not {self.max_body}")
         if self.max_queue < 1 or self.max_context < 16 or self.default_max_tokens < 1 or self.threads < 1:
             raise EdgerunError("--max-queue, --max-tokens and --threads must be at least 1, --max-context 16")
         if not 0 <= self.port < 65536 or (self.cluster_port is not None and not 0 <= self.cluster_port < 65536):
@@ -112,7 +115,8 @@ class Server:
                                    self.metrics, log)
             name = config.model_name or model.name
             self.api = Api(model, self.service, self.switch, self.metrics,
-                           ApiConfig(name, config.api_key, config.default_max_tokens, config.sampling))
+                           ApiConfig(name, config.api_key, config.default_max_tokens,
+                                     sampling=config.sampling, max_body=config.max_body))
             self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [])
         except BaseException:
             self.sock.close()

@@ -24,6 +24,8 @@ from edgerun.serve.switch import EngineSwitch, NoCapacity
 IDLE_CHECK_S = 1.0  # how often an idle generation thread looks for nodes that joined or left
 CAPACITY_POLL_S = 0.5  # how often a request waiting for capacity looks again
 TOKENS_KEPT = 100_000  # token times kept for the dashboard's chart of the last two minutes
+# A 503's Retry-After: nodes that join or come back are planned over within seconds.
+NO_CAPACITY_RETRY_S = 5
 RETRY_AFTER_S = 1  # a full queue's Retry-After: requests leave it as each one's generation ends, often within a second
 
 
@@ -88,7 +90,8 @@ class Service:
                     self.busy = True
                     job.put(self._generate(job))
             except NoCapacity as e:
-                job.put(ApiError(503, f"no capacity: {e}", kind="server_error", code="no_capacity"))
+                job.put(ApiError(503, f"no capacity: {e}", kind="server_error", code="no_capacity",
+                                 retry_after_s=NO_CAPACITY_RETRY_S))
             except Exception as e:  # the handler reports it; the service goes on
                 job.put(e)
             finally:
@@ -104,7 +107,8 @@ class Service:
         while not self.switch.has_capacity and not job.cancelled.is_set():
             if time.monotonic() >= deadline:
                 job.put(ApiError(503, f"no capacity: no nodes hold the model, and none joined within "
-                                      f"{self.wait_s:.0f} s", kind="server_error", code="no_capacity"))
+                                      f"{self.wait_s:.0f} s", kind="server_error", code="no_capacity",
+                                 retry_after_s=NO_CAPACITY_RETRY_S))
                 return False
             time.sleep(CAPACITY_POLL_S)
             self._update()
