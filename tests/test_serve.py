@@ -104,7 +104,7 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(shipped_path: Path) -> Iterator[Serving]:
-    s = Serving("--api-key", API_KEY, "--no-cluster")
+    s = Serving("--api-key", API_KEY, "--no-cluster", "--cors-origin", "https://app.example")
     yield s
     s.close()
 
@@ -214,11 +214,20 @@ def test_bad_requests_get_openai_errors(server: Serving) -> None:
         ({**good, "seed": "x"}, 400, "seed"),
         ({**good, "stream": "yes"}, 400, "stream"),
         ({**good, "max_tokens": 100_000}, 413, "max_tokens"),
+        ({**good, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({**good, "logprobs": True}, 400, "logprobs"),
+        ({**good, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({**good, "logit_bias": {"42": 5}}, 400, "logit_bias"),
     ]
     for body, status, param in cases:
         code, reply = server.post("/v1/chat/completions", body)
         assert code == status, (body, reply)
         assert reply["error"]["param"] == param and reply["error"]["message"]
+    # What clients send by default, asking for nothing, is accepted.
+    neutral = {**good, "response_format": {"type": "text"}, "logprobs": False, "presence_penalty": 0,
+               "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none"}
+    assert server.post("/v1/chat/completions", neutral)[0] == 200
     assert server.post("/v1/chat/completions", b"{not json")[0] == 400
     assert server.post("/v1/completions", {"prompt": ""})[0] == 400
     assert server.post("/v1/chat/completions", good, key=None)[0] == 401
@@ -660,3 +669,33 @@ def test_a_lone_surrogate_is_a_400(server: Serving) -> None:
     assert code == 400 and "invalid Unicode" in reply["error"]["message"], reply
     code, reply = server.post("/v1/completions", b'{"model": "any", "prompt": "ok", "stop": ["\\udc00"]}')
     assert code == 400 and "'stop'" in reply["error"]["message"], reply
+
+
+def test_tokenize_detokenize_one_model_lower_case_bearer_and_cors(server: Serving, shipped_model) -> None:
+    """llama.cpp's /tokenize and /detokenize, OpenAI's /v1/models/{id}, the Bearer scheme in any case, and a web
+    page of the origin --cors-origin names may call the API (its preflight answered, others not)."""
+    tok = shipped_model.tokenizer
+    code, reply = server.post("/tokenize", {"content": "The capital of France"})
+    assert code == 200 and reply["tokens"] == tok.encode("The capital of France")
+    code, reply = server.post("/detokenize", {"tokens": reply["tokens"]})
+    assert code == 200 and reply["content"] == "The capital of France"
+    assert server.post("/detokenize", {"tokens": [-1]})[0] == 400
+    assert server.post("/tokenize", {"content": 5})[0] == 400
+    assert server.post("/tokenize", {"content": "x"}, key=None)[0] == 401
+    name = server.client().models.list().data[0].id
+    assert server.client().models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("no-such-model")
+    request = urllib.request.Request(server.url + "/v1/models", headers={"authorization": f"bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.status == 200
+    preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    request = urllib.request.Request(server.url + "/v1/chat/completions", headers=preflight, method="OPTIONS")
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.status == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    request = urllib.request.Request(server.url + "/v1/chat/completions", method="OPTIONS",
+                                     headers={**preflight, "origin": "https://elsewhere.example"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400

@@ -18,6 +18,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -50,6 +52,7 @@ class ApiConfig:
     api_key: str | None  # bearer token the /v1 endpoints require; None: open
     default_max_tokens: int  # when a request names none (capped by the context left)
     max_body: int = 1 << 20  # bytes of a request body at most
+    cors_origins: tuple[str, ...] = ()  # web pages of these origins may call the API ("*": any)
     sampling: SamplingParams = USER_DEFAULTS  # what a request leaves out of its sampling
 
 
@@ -66,14 +69,42 @@ class Api:
     def _authorize(self, request: Request) -> None:
         if self.config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.config.api_key}":
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != self.config.api_key:  # the scheme in any case (RFC 9110)
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         return JSONResponse({"object": "list", "data": [
             {"id": self.config.model_name, "object": "model", "created": int(self.started), "owned_by": "edgerun"}]})
+
+    async def one_model(self, request: Request) -> Response:
+        self._authorize(request)
+        name = request.path_params["name"]
+        if name != self.config.model_name:
+            raise ApiError(404, f"no model {name!r} here: this server serves {self.config.model_name!r}",
+                           kind="not_found_error", param="model", code="model_not_found")
+        return JSONResponse({"id": name, "object": "model", "created": int(self.started), "owned_by": "edgerun"})
+
+    async def tokenize(self, request: Request) -> Response:
+        """llama.cpp's server's /tokenize: {"content": text} -> {"tokens": ids} (no BOS added)."""
+        self._authorize(request)
+        body = await self._body(request)
+        text = body.get("content") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ApiError(400, "'content' must be a string", param="content")
+        return JSONResponse({"tokens": await asyncio.to_thread(self.model.tokenizer.encode, text)})
+
+    async def detokenize(self, request: Request) -> Response:
+        """llama.cpp's server's /detokenize: {"tokens": ids} -> {"content": text}."""
+        self._authorize(request)
+        body = await self._body(request)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        vocab = self.model.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                                                 for i in ids):
+            raise ApiError(400, f"'tokens' must be a list of token ids from 0 to {vocab - 1}", param="tokens")
+        return JSONResponse({"content": self.model.tokenizer.decode(ids)})
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, Endpoint.CHAT)
@@ -321,9 +352,15 @@ def build_app(api: Api, cluster_routes: list[BaseRoute] = ()) -> Starlette:
         Route("/api/state", api.state_json),
         Route("/api/events", api.state_events),
         Route("/v1/models", api.models),
+        Route("/v1/models/{name:path}", api.one_model),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         *cluster_routes,
-    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        middleware=[Middleware(CORSMiddleware, allow_origins=list(api.config.cors_origins),
+                               allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
+                               max_age=600)] if api.config.cors_origins else [])
     app.state.metrics = api.metrics
     return app

@@ -70,6 +70,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")
     p.add_argument("--model-name", default=None, help="the model's name in the API (default: the file's name)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages of this origin (https://host:port, or * for any) call the API from a "
+                        "browser; repeat for several (default: none, same-origin only)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="bytes of a request's body at most: a larger one "
                    "gets a 413 as it arrives (default: 1048576, 1 MiB)")
     sampling_args(p, ": the API's, for what a request leaves out")
@@ -115,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name, sampling=sampling_params(args),
-                         max_body=args.max_body,
+                         max_body=args.max_body, cors_origins=tuple(args.cors_origin),
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=args.transport, activations=Activations(args.activations),
                          route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)

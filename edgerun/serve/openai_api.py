@@ -7,6 +7,7 @@ Unknown fields are ignored, as OpenAI's own server ignores fields a model does n
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -113,12 +114,30 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+# Fields of OpenAI's requests this server does not serve yet, and the value of each that asks for nothing (what
+# clients send by default): any other value is a 400 that names the field, never an answer that ignores it.
+UNSERVED: dict[str, Any] = {
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+    "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+    "logit_bias": {}, "echo": False, "best_of": 1, "suffix": None,
+}
+
+
+def refuse_unserved(body: dict[str, Any]) -> None:
+    for name, neutral in UNSERVED.items():
+        value = body.get(name)
+        if value is not None and value != neutral and not (name == "tools" and body.get("tool_choice") == "none"):
+            raise ApiError(400, f"'{name}' is not served by this server yet (only {json.dumps(neutral)} or left out)",
+                           param=name, code="unsupported_parameter")
+
+
 def parse_request(endpoint: Endpoint, body: Any, render_chat: Any,
                   defaults: SamplingParams = USER_DEFAULTS) -> GenerationRequest:
     """The request in `body` (parsed JSON). `render_chat(messages) -> str` applies the model's chat template;
     sampling settings the request leaves out are `defaults`' (the server's)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    refuse_unserved(body)
     if endpoint == Endpoint.CHAT:
         prompt = render_chat(chat_messages(body))
     else:

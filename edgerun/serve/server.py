@@ -40,6 +40,7 @@ class ServeConfig:
     threads: int = 1
     sampling: SamplingParams = USER_DEFAULTS  # what an API request leaves out of its sampling
     max_body: int = 1 << 20  # bytes of an API request's body at most
+    cors_origins: tuple[str, ...] = ()  # web pages of these origins may call the API
     model_name: str | None = None  # what the API calls the model (default: the file's name)
     advertise: bool = True  # announce the cluster port by mDNS
     plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
@@ -116,7 +117,8 @@ class Server:
             name = config.model_name or model.name
             self.api = Api(model, self.service, self.switch, self.metrics,
                            ApiConfig(name, config.api_key, config.default_max_tokens,
-                                     sampling=config.sampling, max_body=config.max_body))
+                                     sampling=config.sampling, max_body=config.max_body,
+                                     cors_origins=config.cors_origins))
             self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [])
         except BaseException:
             self.sock.close()
