@@ -260,6 +260,8 @@ def test_full_queue_gets_429_and_a_client_that_leaves_cancels(shipped_path: Path
         assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
         reply.close()  # the client goes away: its generation stops at the next token
         wait_until(lambda: not s.state()["queue"]["busy"], 10, "the cancelled generation to stop")
+        wait_until(lambda: 'edgerun_requests_total{status="499"} 1' in s.get("/metrics")[1], 10,
+                   "the dropped stream to be counted")  # 499: the client left before its answer
         tokens = int(re.search(r"^edgerun_tokens_total (\d+)", s.get("/metrics")[1], re.M).group(1))
         assert tokens < 1500
         time.sleep(1)

@@ -43,6 +43,8 @@ from edgerun.serve.openai_api import (
 from edgerun.serve.service import Job, Service
 from edgerun.serve.switch import EngineSwitch, Mode
 
+# A request whose client left before its answer (nginx's "client closed request"), as /metrics counts it.
+CLIENT_LEFT = 499
 STATE_INTERVAL_S = 1.0  # how often the dashboard's event stream sends the state
 
 
@@ -175,6 +177,9 @@ class Api:
             text, result, stopped = await self._collect(job, req)
         finally:
             watcher.cancel()
+        if watcher.done() and not watcher.cancelled() and watcher.result():  # its client left: nobody reads this
+            self.metrics.request_done(CLIENT_LEFT)
+            return Response(status_code=CLIENT_LEFT)
         self.metrics.request_done(200)
         reason = StopReason.STOP_TOKEN if stopped else result.stop_reason
         return JSONResponse(response(endpoint, ids, text, reason, result.prompt_tokens, len(result.tokens)))
@@ -229,6 +234,9 @@ class Api:
         except Exception as e:  # headers are sent: the error goes in the stream
             self.metrics.request_done(500)
             yield _sse(ApiError(500, f"generation failed: {e}", kind="server_error").body())
+        except (asyncio.CancelledError, GeneratorExit):  # its client left mid-stream
+            self.metrics.request_done(CLIENT_LEFT)
+            raise
         finally:
             job.cancel()
 
@@ -318,14 +326,15 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    """A non-streaming request whose client leaves: its job stops at the next token."""
+async def _cancel_on_disconnect(request: Request, job: Job) -> bool:
+    """A non-streaming request whose client leaves: its job stops at the next token. True once it has left."""
     with contextlib.suppress(asyncio.CancelledError):
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 job.cancel()
-                return
+                return True
+    return False
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -334,6 +343,14 @@ async def _api_error(request: Request, exc: Exception) -> Response:
         request.app.state.metrics.request_done(exc.status)
     headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """Anything unforeseen: OpenAI's error JSON with a 500, counted, never a bare text page."""
+    if request.url.path.startswith("/v1/"):
+        request.app.state.metrics.request_done(500)
+    return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body(),
+                        status_code=500)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -358,7 +375,7 @@ def build_app(api: Api, cluster_routes: list[BaseRoute] = ()) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         *cluster_routes,
-    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         middleware=[Middleware(CORSMiddleware, allow_origins=list(api.config.cors_origins),
                                allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
                                max_age=600)] if api.config.cors_origins else [])
