@@ -127,7 +127,8 @@ def stream_chat(client: openai.OpenAI, content: str, on_text=None, **kw) -> str:
 
 
 def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_ggml) -> None:
-    """Non-streaming and streaming answers are the single engine's greedy tokens, usage counts them."""
+    """Non-streaming and streaming answers are the single engine's greedy tokens, usage counts them; the server
+    logs one line for each request with its tokens."""
     tok = shipped_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
     reference = generate(shipped_ggml, prompt, 24, Sampler(SamplingParams()), tok.stop_ids)
@@ -144,6 +145,8 @@ def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_g
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(reference.tokens)
     assert chunks[-1].usage.completion_tokens == len(reference.tokens)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    spent = f"POST /v1/chat/completions 200 {len(prompt)}+{len(reference.tokens)} tokens "
+    wait_until(lambda: sum(spent in line for line in server.lines) >= 2, 10, "a log line for each request")
 
 
 def test_a_request_without_sampling_settings_gets_the_servers(server: Serving, shipped_model, shipped_ggml) -> None:

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import Enum
 from importlib import resources
 from typing import Any
 
@@ -23,6 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
@@ -170,7 +172,7 @@ class Api:
         job = self.service.submit(prompt, max_tokens, req.sampling)
         ids = ResponseIds.new(endpoint, self.config.model_name)
         if req.stream:
-            return StreamingResponse(self._stream(job, req, ids), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, req, ids, request), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
@@ -181,6 +183,7 @@ class Api:
             self.metrics.request_done(CLIENT_LEFT)
             return Response(status_code=CLIENT_LEFT)
         self.metrics.request_done(200)
+        request.state.tokens = (result.prompt_tokens, len(result.tokens))
         reason = StopReason.STOP_TOKEN if stopped else result.stop_reason
         return JSONResponse(response(endpoint, ids, text, reason, result.prompt_tokens, len(result.tokens)))
 
@@ -214,7 +217,8 @@ class Api:
             texts.append(piece)
         raise RuntimeError("a job ended without its result")
 
-    async def _stream(self, job: Job, req: GenerationRequest, ids: ResponseIds) -> AsyncIterator[str]:
+    async def _stream(self, job: Job, req: GenerationRequest, ids: ResponseIds,
+                      request: Request) -> AsyncIterator[str]:
         """Server-sent events: a first chunk with the role, the text as it comes, a closing chunk with the
         finish reason, the usage if asked, [DONE]. A client that goes away cancels the job (Starlette cancels
         this generator)."""
@@ -229,6 +233,7 @@ class Api:
                         yield _sse(usage_chunk(req.endpoint, ids, piece.prompt_tokens, len(piece.tokens)))
                     yield "data: [DONE]\n\n"
                     self.metrics.request_done(200)
+                    request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
                     return
                 yield _sse(chunk(req.endpoint, ids, piece))
         except Exception as e:  # headers are sent: the error goes in the stream
@@ -359,9 +364,49 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), status_code=exc.status_code)
 
 
-def build_app(api: Api, cluster_routes: list[BaseRoute] = ()) -> Starlette:
+class LogFormat(Enum):
+    TEXT = "text"
+    JSON = "json"
+
+
+class RequestLog:
+    """One line per HTTP request once it is answered (a stream once it ends): method, path, status, a generation's
+    prompt and completion tokens, milliseconds. ASGI middleware around the whole app."""
+
+    def __init__(self, app: ASGIApp, log: Callable[[str], None], form: LogFormat) -> None:
+        self.app, self.log, self.form = app, log, form
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), [0]
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            ms = (time.perf_counter() - started) * 1e3
+            tokens = scope.get("state", {}).get("tokens")  # (prompt, completion), set by a generation
+            if self.form is LogFormat.JSON:
+                entry = {"method": scope["method"], "path": scope["path"], "status": status[0] or CLIENT_LEFT,
+                         "ms": round(ms, 1)}
+                if tokens:
+                    entry |= {"prompt_tokens": tokens[0], "completion_tokens": tokens[1]}
+                self.log(json.dumps(entry))
+            else:
+                spent = f" {tokens[0]}+{tokens[1]} tokens" if tokens else ""
+                self.log(f"{scope['method']} {scope['path']} {status[0] or CLIENT_LEFT}{spent} {ms:.0f} ms")
+
+
+def build_app(api: Api, cluster_routes: list[BaseRoute] = (), log: Callable[[str], None] | None = None,
+              log_format: LogFormat = LogFormat.TEXT) -> Starlette:
     """The API and dashboard, and after them the cluster's own routes (a pipeline's WebSockets, node page and
-    stage files)."""
+    stage files); with `log`, one line per request (RequestLog)."""
     app = Starlette(routes=[
         Route("/", api.dashboard),
         Route("/health", api.health),
@@ -376,8 +421,8 @@ def build_app(api: Api, cluster_routes: list[BaseRoute] = ()) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         *cluster_routes,
     ], exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
-        middleware=[Middleware(CORSMiddleware, allow_origins=list(api.config.cors_origins),
-                               allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
-                               max_age=600)] if api.config.cors_origins else [])
+        middleware=([Middleware(RequestLog, log=log, form=log_format)] if log is not None else []) +
+        ([Middleware(CORSMiddleware, allow_origins=list(api.config.cors_origins), allow_methods=["GET", "POST"],
+                     allow_headers=["authorization", "content-type"], max_age=600)] if api.config.cors_origins else []))
     app.state.metrics = api.metrics
     return app

@@ -73,6 +73,11 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of this origin (https://host:port, or * for any) call the API from a "
                         "browser; repeat for several (default: none, same-origin only)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="the one line logged per request (method, path, status, tokens, ms): text, or a JSON "
+                        "object a line (default: text)")
+    p.add_argument("--no-request-log", dest="log_requests", action="store_false",
+                   help="log no line per request (default: one per request)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="bytes of a request's body at most: a larger one "
                    "gets a 413 as it arrives (default: 1048576, 1 MiB)")
     sampling_args(p, ": the API's, for what a request leaves out")
@@ -119,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name, sampling=sampling_params(args),
                          max_body=args.max_body, cors_origins=tuple(args.cors_origin),
+                         log_requests=args.log_requests, log_format=args.log_format,
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=args.transport, activations=Activations(args.activations),
                          route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)

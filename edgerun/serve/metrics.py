@@ -69,7 +69,7 @@ class Metrics:
                 "# HELP edgerun_tokens_total Tokens generated.",
                 "# TYPE edgerun_tokens_total counter",
                 f"edgerun_tokens_total {self.completion_tokens}",
-                "# HELP edgerun_requests_total Generation requests by HTTP status (499: the client left before its answer).",
+                "# HELP edgerun_requests_total Generation requests by HTTP status (499: its client left first).",
                 "# TYPE edgerun_requests_total counter",
                 *(f'edgerun_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())),
                 "# HELP edgerun_ms_per_token Decode time per output token of each request, ms.",

@@ -41,6 +41,8 @@ class ServeConfig:
     sampling: SamplingParams = USER_DEFAULTS  # what an API request leaves out of its sampling
     max_body: int = 1 << 20  # bytes of an API request's body at most
     cors_origins: tuple[str, ...] = ()  # web pages of these origins may call the API
+    log_requests: bool = True  # one log line per request
+    log_format: str = "text"  # of that line: text or json (one object a line)
     model_name: str | None = None  # what the API calls the model (default: the file's name)
     advertise: bool = True  # announce the cluster port by mDNS
     plan_file: Path | None = None  # a tensor-parallel plan (edgerun plan --out) to run when its nodes are present
@@ -80,7 +82,7 @@ class Server:
     def __init__(self, config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
         from edgerun.model.generate import default_engine, make_engine
         from edgerun.model.loader import load_model
-        from edgerun.serve.app import Api, ApiConfig, build_app
+        from edgerun.serve.app import Api, ApiConfig, LogFormat, build_app
         from edgerun.serve.metrics import Metrics
         from edgerun.serve.service import Service
         from edgerun.serve.switch import EngineSwitch
@@ -119,7 +121,8 @@ class Server:
                            ApiConfig(name, config.api_key, config.default_max_tokens,
                                      sampling=config.sampling, max_body=config.max_body,
                                      cors_origins=config.cors_origins))
-            self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [])
+            self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [],
+                                 log if config.log_requests else None, LogFormat(config.log_format))
         except BaseException:
             self.sock.close()
             self.net.stop()
