@@ -704,3 +704,37 @@ def test_tokenize_detokenize_one_model_lower_case_bearer_and_cors(server: Servin
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 400
+
+
+def test_ollama_clients_chat_generate_and_list(server: Serving, shipped_model, shipped_ggml) -> None:
+    """The `ollama` package against Ollama's routes: chat (streamed and not) and generate give the engine's tokens
+    for the same sampling, the model is listed and shown, the version answers; errors are Ollama's."""
+    import ollama
+
+    client = ollama.Client(host=server.url, headers={"authorization": f"Bearer {API_KEY}"})
+    tok = shipped_model.tokenizer
+    messages = [{"role": "user", "content": QUESTION}]
+    greedy = {"temperature": 0, "num_predict": 16}
+    expected = tok.decode(generate(shipped_ggml, tok.encode(tok.apply_chat_template(messages)), 16,
+                                   Sampler(SamplingParams()), tok.stop_ids).tokens)
+    answer = client.chat(model="any", messages=messages, options=greedy)
+    assert answer.message.content == expected and answer.done
+    assert answer.eval_count == len(tok.encode(expected)) and answer.prompt_eval_count > 0
+    streamed = list(client.chat(model="any", messages=messages, options=greedy, stream=True))
+    assert "".join(part.message.content for part in streamed) == expected and streamed[-1].done
+    generated = client.generate(model="any", prompt=QUESTION, options=greedy)
+    assert generated.response == expected  # /api/generate renders the prompt through the chat template
+    raw = client.generate(model="any", prompt="The capital of France is", raw=True, options=greedy)
+    assert raw.response == tok.decode(generate(shipped_ggml, tok.encode("The capital of France is"), 16,
+                                               Sampler(SamplingParams()), tok.stop_ids).tokens)
+    listed = client.list().models
+    assert len(listed) == 1 and listed[0].details.family == "llama" and listed[0].size > 0
+    shown = client.show(listed[0].model)
+    assert shown.details.format == "gguf" and "im_start" in (shown.template or "")
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.show("no-such-model")
+    assert missing.value.status_code == 404 and "no-such-model" in missing.value.error
+    assert server.get("/api/version")[0] == 200
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.chat(model="any", messages=messages, format="json")
+    assert refused.value.status_code == 400 and "format" in refused.value.error

@@ -30,6 +30,7 @@ from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
 from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.profile.device import device_summary
+from edgerun.serve import ollama_api
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.openai_api import (
     ApiError,
@@ -160,16 +161,7 @@ class Api:
         if model_name is not None and not isinstance(model_name, str):
             raise ApiError(400, "'model' must be a string", param="model")
         req, prompt = await asyncio.to_thread(prepare)
-        context = self.switch.max_len
-        room = context - len(prompt)
-        if room < 1:
-            raise ApiError(413, f"the prompt is {len(prompt)} tokens; the context holds {context}",
-                           code="context_length_exceeded")
-        max_tokens = min(self.config.default_max_tokens, room) if req.max_tokens is None else req.max_tokens
-        if max_tokens > room:
-            raise ApiError(413, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                           f"context of {context}", param="max_tokens", code="context_length_exceeded")
-        job = self.service.submit(prompt, max_tokens, req.sampling)
+        job = self._submit(req, prompt)
         ids = ResponseIds.new(endpoint, self.config.model_name)
         if req.stream:
             return StreamingResponse(self._stream(job, req, ids, request), media_type="text/event-stream",
@@ -186,6 +178,87 @@ class Api:
         request.state.tokens = (result.prompt_tokens, len(result.tokens))
         reason = StopReason.STOP_TOKEN if stopped else result.stop_reason
         return JSONResponse(response(endpoint, ids, text, reason, result.prompt_tokens, len(result.tokens)))
+
+    def _submit(self, req: GenerationRequest, prompt: list[int]) -> Job:
+        """The request into the queue, its max tokens checked against the context (413 where they overrun it)."""
+        context = self.switch.max_len
+        room = context - len(prompt)
+        if room < 1:
+            raise ApiError(413, f"the prompt is {len(prompt)} tokens; the context holds {context}",
+                           code="context_length_exceeded")
+        max_tokens = min(self.config.default_max_tokens, room) if req.max_tokens is None else req.max_tokens
+        if max_tokens > room:
+            raise ApiError(413, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                           f"context of {context}", param="max_tokens", code="context_length_exceeded")
+        return self.service.submit(prompt, max_tokens, req.sampling)
+
+    # --- Ollama's endpoints (ollama_api) ------------------------------------------------------------
+    async def ollama_chat(self, request: Request) -> Response:
+        return await self._ollama(request, chat=True)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        return await self._ollama(request, chat=False)
+
+    async def _ollama(self, request: Request, chat: bool) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+        started = time.perf_counter()
+
+        def prepare() -> tuple[GenerationRequest, list[int]]:
+            req = ollama_api.parse(chat, body, self._render_chat, self.config.sampling)
+            return req, self.model.tokenizer.encode(req.prompt)
+
+        req, prompt = await asyncio.to_thread(prepare)
+        job = self._submit(req, prompt)
+        name = self.config.model_name
+        if req.stream:
+            return StreamingResponse(self._ollama_stream(job, req, chat, request, started),
+                                     media_type="application/x-ndjson", headers={"cache-control": "no-cache"})
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            text, result, stopped = await self._collect(job, req)
+        finally:
+            watcher.cancel()
+        self.metrics.request_done(200)
+        request.state.tokens = (result.prompt_tokens, len(result.tokens))
+        reason = StopReason.STOP_TOKEN if stopped else result.stop_reason
+        return JSONResponse(ollama_api.final(name, chat, text, reason, result.prompt_tokens, len(result.tokens),
+                                             started, result.prefill_s, result.decode_s))
+
+    async def _ollama_stream(self, job: Job, req: GenerationRequest, chat: bool, request: Request,
+                             started: float) -> AsyncIterator[str]:
+        """NDJSON: a line per piece of text, then the closing line with the counts; an error as {"error": ...}."""
+        name = self.config.model_name
+        try:
+            async for piece in self._pieces(job, req):
+                if isinstance(piece, GenerationResult):
+                    reason = StopReason.STOP_TOKEN if piece.stop_reason == StopReason.CANCELLED else \
+                        piece.stop_reason
+                    yield json.dumps(ollama_api.final(name, chat, "", reason, piece.prompt_tokens, len(piece.tokens),
+                                                      started, piece.prefill_s, piece.decode_s)) + "\n"
+                    self.metrics.request_done(200)
+                    request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
+                    return
+                yield json.dumps(ollama_api.piece(name, chat, piece), ensure_ascii=False) + "\n"
+        except Exception as e:  # headers are sent: the error goes in the stream
+            self.metrics.request_done(500)
+            yield json.dumps({"error": f"generation failed: {e}"}) + "\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.request_done(CLIENT_LEFT)
+            raise
+        finally:
+            job.cancel()
+
+    async def ollama_tags(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(ollama_api.tags(self.model, self.config.model_name, self.started))
+
+    async def ollama_show(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(ollama_api.show(self.model, self.config.model_name, await self._body(request)))
+
+    async def ollama_version(self, request: Request) -> Response:
+        return JSONResponse({"version": ollama_api.VERSION})
 
     async def _pieces(self, job: Job, req: GenerationRequest) -> AsyncIterator[str | GenerationResult]:
         """The job's text as it can be sent (cut at a stop string, which cancels the job), then its result."""
@@ -344,10 +417,12 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> bool:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    if exc.status >= 400 and request.url.path.startswith("/v1/"):
+    ollama = request.url.path in ollama_api.PATHS
+    if exc.status >= 400 and (request.url.path.startswith("/v1/") or ollama):
         request.app.state.metrics.request_done(exc.status)
     headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    body = {"error": exc.message} if ollama else exc.body()  # each API's own error shape
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -416,6 +491,11 @@ def build_app(api: Api, cluster_routes: list[BaseRoute] = (), log: Callable[[str
         Route("/v1/models", api.models),
         Route("/v1/models/{name:path}", api.one_model),
         Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/api/chat", api.ollama_chat, methods=["POST"]),
+        Route("/api/generate", api.ollama_generate, methods=["POST"]),
+        Route("/api/tags", api.ollama_tags),
+        Route("/api/show", api.ollama_show, methods=["POST"]),
+        Route("/api/version", api.ollama_version),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
