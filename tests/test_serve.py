@@ -58,9 +58,10 @@ class Serving:
     def client(self, key: str = API_KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=300)
 
-    def get(self, path: str) -> tuple[int, str]:
+    def get(self, path: str, key: str | None = API_KEY) -> tuple[int, str]:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=headers), timeout=30) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
@@ -738,3 +739,21 @@ def test_ollama_clients_chat_generate_and_list(server: Serving, shipped_model, s
     with pytest.raises(ollama.ResponseError) as refused:
         client.chat(model="any", messages=messages, format="json")
     assert refused.value.status_code == 400 and "format" in refused.value.error
+
+
+def test_the_api_key_guards_every_data_route(server: Serving) -> None:
+    """With --api-key, the state, its event stream (key as ?key=, which a browser's EventSource can send) and
+    /metrics need the key too; /health and the dashboard page do not; `edgerun status` takes --api-key."""
+    for path in ("/api/state", "/metrics", "/api/events", "/api/tags"):
+        assert server.get(path, key=None)[0] == 401, path
+    assert server.get("/api/state")[0] == 200 and server.get("/metrics")[0] == 200
+    assert server.get("/health", key=None)[0] == 200 and server.get("/", key=None)[0] == 200
+    with urllib.request.urlopen(f"{server.url}/api/events?key={API_KEY}", timeout=30) as events:
+        assert events.status == 200 and events.readline().startswith(b"data: {")
+    target = server.url.removeprefix("http://")
+    status = subprocess.run([sys.executable, "-m", "edgerun.cli", "status", "--master", target], capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode != 0 and "API key" in status.stderr, status.stderr
+    status = subprocess.run([sys.executable, "-m", "edgerun.cli", "status", "--master", target, "--api-key",
+                             API_KEY], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "single engine" in status.stdout, status.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -21,15 +22,18 @@ def cmd_status(args: argparse.Namespace) -> None:
     from edgerun.serve.status import status_text
 
     targets = [args.master] if args.master else ["127.0.0.1:8000", "127.0.0.1:7000"]
+    key = args.api_key or os.environ.get("EDGERUN_API_KEY")
     reasons = []
     for target in targets:
         for path in ("/api/state", "/status"):
             url = f"http://{target}{path}"
+            headers = {"authorization": f"Bearer {key}"} if key else {}
             try:
-                with urllib.request.urlopen(url, timeout=10) as response:
+                with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
                     body = response.read().decode()
             except urllib.error.HTTPError as e:
-                reasons.append(f"{url}: {e.code}")
+                reasons.append(f"{url}: {e.code}" + (" (the server has an API key: --api-key or $EDGERUN_API_KEY)"
+                                                     if e.code == 401 else ""))
                 continue
             except OSError as e:
                 reasons.append(f"{url}: {getattr(e, 'reason', e)}")
@@ -47,4 +51,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "and each worker's kind, memory, layers and passes served.")
     p.add_argument("--master", default=None, help="HOST:PORT of the server's HTTP port or the pipeline master "
                    "(default: 127.0.0.1:8000, then 127.0.0.1:7000)")
+    p.add_argument("--api-key", default=None, help="the server's API key, where it has one (default: "
+                   "$EDGERUN_API_KEY)")
     p.set_defaults(func=cmd_status)

@@ -58,6 +58,7 @@ class ApiConfig:
     default_max_tokens: int  # when a request names none (capped by the context left)
     max_body: int = 1 << 20  # bytes of a request body at most
     cors_origins: tuple[str, ...] = ()  # web pages of these origins may call the API ("*": any)
+    metrics_public: bool = False  # /metrics without the API key
     sampling: SamplingParams = USER_DEFAULTS  # what a request leaves out of its sampling
 
 
@@ -71,11 +72,15 @@ class Api:
         self.device = device_summary()  # what the master runs on
 
     # --- OpenAI's endpoints -------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request, query: bool = False) -> None:
+        """With --api-key, the request must carry it: `Authorization: Bearer KEY` (the scheme in any case, RFC
+        9110), or with `query` a `?key=KEY` (a browser's EventSource sends no headers)."""
         if self.config.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != self.config.api_key:  # the scheme in any case (RFC 9110)
+        if query and request.query_params.get("key") == self.config.api_key:
+            return
+        if scheme.lower() != "bearer" or token.strip() != self.config.api_key:
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
 
     async def models(self, request: Request) -> Response:
@@ -351,6 +356,8 @@ class Api:
                              "nodes": sum(n["alive"] for n in s["nodes"]), "queue": s["queue"]})
 
     async def metrics_text(self, request: Request) -> Response:
+        if not self.config.metrics_public:
+            self._authorize(request)
         s = self.state()
         alive = sum(n["alive"] for n in s["nodes"])
         gauges = {
@@ -369,9 +376,12 @@ class Api:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def state_json(self, request: Request) -> Response:
+        self._authorize(request)
         return JSONResponse(self.state())
 
     async def state_events(self, request: Request) -> Response:
+        self._authorize(request, query=True)
+
         async def events() -> AsyncIterator[str]:
             while True:
                 yield f"data: {json.dumps(self.state())}\n\n"

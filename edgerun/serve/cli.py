@@ -70,6 +70,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")
     p.add_argument("--model-name", default=None, help="the model's name in the API (default: the file's name)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key, for a Prometheus that has none (default: with --api-key "
+                        "every data route needs it: /v1, /metrics, /api/state, /api/events)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of this origin (https://host:port, or * for any) call the API from a "
                         "browser; repeat for several (default: none, same-origin only)")
@@ -125,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          threads=args.threads, model_name=args.model_name, sampling=sampling_params(args),
                          max_body=args.max_body, cors_origins=tuple(args.cors_origin),
                          log_requests=args.log_requests, log_format=args.log_format,
+                         metrics_public=args.metrics_public,
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=args.transport, activations=Activations(args.activations),
                          route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)

@@ -41,6 +41,7 @@ class ServeConfig:
     sampling: SamplingParams = USER_DEFAULTS  # what an API request leaves out of its sampling
     max_body: int = 1 << 20  # bytes of an API request's body at most
     cors_origins: tuple[str, ...] = ()  # web pages of these origins may call the API
+    metrics_public: bool = False  # /metrics without the API key
     log_requests: bool = True  # one log line per request
     log_format: str = "text"  # of that line: text or json (one object a line)
     model_name: str | None = None  # what the API calls the model (default: the file's name)
@@ -120,7 +121,7 @@ class Server:
             self.api = Api(model, self.service, self.switch, self.metrics,
                            ApiConfig(name, config.api_key, config.default_max_tokens,
                                      sampling=config.sampling, max_body=config.max_body,
-                                     cors_origins=config.cors_origins))
+                                     cors_origins=config.cors_origins, metrics_public=config.metrics_public))
             self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [],
                                  log if config.log_requests else None, LogFormat(config.log_format))
         except BaseException:
