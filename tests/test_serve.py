@@ -3,6 +3,7 @@ tensor-parallel node processes, kill -9, and the dashboard in Debian's Chromium.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -757,3 +759,25 @@ def test_the_api_key_guards_every_data_route(server: Serving) -> None:
     status = subprocess.run([sys.executable, "-m", "edgerun.cli", "status", "--master", target, "--api-key",
                              API_KEY], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "single engine" in status.stdout, status.stderr
+
+
+def test_embeddings_are_unit_vectors_of_the_model_and_repeat(server: Serving, shipped_model) -> None:
+    """/v1/embeddings through the official client: one vector of the model's width per input, of unit length, the
+    same for the same text (alone or in a batch, float or base64), different for different texts; related texts
+    closer than unrelated ones."""
+    client = server.client()
+    texts = ["Paris is the capital of France.", "The capital of France is Paris.", "Photosynthesis needs light."]
+    reply = client.embeddings.create(model="any", input=texts)
+    vectors = np.array([d.embedding for d in reply.data])
+    assert vectors.shape == (3, shipped_model.config.hidden)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert reply.usage.prompt_tokens == sum(len(shipped_model.tokenizer.encode(t)) for t in texts)
+    alone = client.embeddings.create(model="any", input=texts[2]).data[0].embedding
+    np.testing.assert_array_equal(np.array(alone, np.float32), vectors[2].astype(np.float32))
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]
+    code, raw = server.post("/v1/embeddings", {"input": texts[0], "encoding_format": "base64"})
+    assert code == 200, raw
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
+    np.testing.assert_array_equal(decoded, vectors[0].astype(np.float32))
+    assert server.post("/v1/embeddings", {"input": [1, 2]})[0] == 400
+    assert server.post("/v1/embeddings", {"input": "x", "dimensions": 8})[0] == 400

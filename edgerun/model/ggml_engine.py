@@ -199,7 +199,9 @@ class GgmlEngine:
     name = "ggml"
 
     def __init__(self, model: Model, max_len: int, threads: int | None = None, device: str = "cpu",
-                 layers: range | None = None) -> None:
+                 layers: range | None = None, head: bool = True) -> None:
+        """`head=False`: no LM head even where the layers reach the last, so run() gives the last layer's hidden
+        states (an embedding model's)."""
         check_supported(model)
         self.model = model
         self.config: ModelConfig = model.config
@@ -211,7 +213,7 @@ class GgmlEngine:
         if not (0 <= self.layer_range.start < self.layer_range.stop <= c.n_layers and self.layer_range.step == 1):
             raise EdgerunError(f"layers {self.layer_range} are not a run of the model's {c.n_layers}")
         self.embeds = self.layer_range.start == 0
-        self.has_head = self.layer_range.stop == c.n_layers
+        self.has_head = head and self.layer_range.stop == c.n_layers
         self.weights = WeightStore(self.backend)
         add = self.weights.add
         # Embedding rows are converted from the file's pages (a few rows a step, by ggml's own code for the type):

@@ -8,8 +8,10 @@ uvloop, which edgerun already uses; nothing of a larger framework is needed."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from enum import Enum
 from importlib import resources
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -46,6 +49,7 @@ from edgerun.serve.openai_api import (
 from edgerun.serve.service import Job, Service
 from edgerun.serve.switch import EngineSwitch, Mode
 
+MAX_EMBEDDING_INPUTS = 256  # texts in one /v1/embeddings request
 # A request whose client left before its answer (nginx's "client closed request"), as /metrics counts it.
 CLIENT_LEFT = 499
 STATE_INTERVAL_S = 1.0  # how often the dashboard's event stream sends the state
@@ -57,6 +61,7 @@ class ApiConfig:
     api_key: str | None  # bearer token the /v1 endpoints require; None: open
     default_max_tokens: int  # when a request names none (capped by the context left)
     max_body: int = 1 << 20  # bytes of a request body at most
+    threads: int = 1  # of the embeddings' engine
     cors_origins: tuple[str, ...] = ()  # web pages of these origins may call the API ("*": any)
     metrics_public: bool = False  # /metrics without the API key
     sampling: SamplingParams = USER_DEFAULTS  # what a request leaves out of its sampling
@@ -69,6 +74,8 @@ class Api:
                  config: ApiConfig) -> None:
         self.model, self.service, self.switch, self.metrics, self.config = model, service, switch, metrics, config
         self.started = time.time()
+        self._embedder = None  # /v1/embeddings' engine, built at its first request
+        self._embedder_lock = threading.Lock()
         self.device = device_summary()  # what the master runs on
 
     # --- OpenAI's endpoints -------------------------------------------------------------------------
@@ -115,6 +122,61 @@ class Api:
                                                  for i in ids):
             raise ApiError(400, f"'tokens' must be a list of token ids from 0 to {vocab - 1}", param="tokens")
         return JSONResponse({"content": self.model.tokenizer.decode(ids)})
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's /v1/embeddings: each input's last-layer hidden states, final-normed, mean-pooled over its
+        tokens and scaled to unit length (the model is a generator: its vectors suit similarity between texts,
+        not a trained embedding model's uses)."""
+        self._authorize(request)
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        texts = body.get("input")
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts) or \
+                len(texts) > MAX_EMBEDDING_INPUTS:
+            raise ApiError(400, f"'input' must be a non-empty string or a list of 1 to {MAX_EMBEDDING_INPUTS} of "
+                                "them (token arrays are not served)", param="input")
+        form = body.get("encoding_format", "float")
+        if form not in ("float", "base64"):
+            raise ApiError(400, "'encoding_format' must be float or base64", param="encoding_format")
+        if body.get("dimensions") is not None:
+            raise ApiError(400, f"'dimensions' is not served: the vectors have the model's "
+                                f"{self.model.config.hidden}", param="dimensions")
+        vectors, tokens = await asyncio.to_thread(self._embed, texts)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": v.tolist() if form == "float" else base64.b64encode(v.astype("<f4").tobytes()).decode()}
+                for i, v in enumerate(vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": self.config.model_name,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _embed(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
+        """The inputs' vectors, one at a time on an engine of their own (built at the first request), and their
+        tokens in all."""
+        from edgerun.model.ggml_engine import GgmlEngine, check_supported
+        from edgerun.model.reference import rms_norm
+
+        with self._embedder_lock:
+            if self._embedder is None:
+                try:
+                    check_supported(self.model)
+                except Exception as e:
+                    raise ApiError(400, f"embeddings are not served for this model: {e}") from e
+                self._embedder = GgmlEngine(self.model, self.switch.max_len, threads=self.config.threads,
+                                            head=False)
+            engine, c = self._embedder, self.model.config
+            vectors, total = [], 0
+            for i, text in enumerate(texts):
+                ids = self.model.tokenizer.encode(text)
+                if len(ids) > engine.max_len:
+                    raise ApiError(413, f"input[{i}] is {len(ids)} tokens; the context holds {engine.max_len}",
+                                   param="input", code="context_length_exceeded")
+                engine.reset()
+                hidden = engine.run(engine.embed(np.asarray(ids, np.int64)))
+                pooled = rms_norm(hidden, self.model.weights.output_norm, c.norm_eps).mean(axis=0)
+                vectors.append((pooled / max(float(np.linalg.norm(pooled)), 1e-12)).astype(np.float32))
+                total += len(ids)
+            return vectors, total
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, Endpoint.CHAT)
@@ -500,6 +562,7 @@ def build_app(api: Api, cluster_routes: list[BaseRoute] = (), log: Callable[[str
         Route("/api/events", api.state_events),
         Route("/v1/models", api.models),
         Route("/v1/models/{name:path}", api.one_model),
+        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/api/chat", api.ollama_chat, methods=["POST"]),
         Route("/api/generate", api.ollama_generate, methods=["POST"]),

@@ -120,7 +120,7 @@ class Server:
             name = config.model_name or model.name
             self.api = Api(model, self.service, self.switch, self.metrics,
                            ApiConfig(name, config.api_key, config.default_max_tokens,
-                                     sampling=config.sampling, max_body=config.max_body,
+                                     sampling=config.sampling, max_body=config.max_body, threads=config.threads,
                                      cors_origins=config.cors_origins, metrics_public=config.metrics_public))
             self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [],
                                  log if config.log_requests else None, LogFormat(config.log_format))
