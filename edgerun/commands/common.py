@@ -35,7 +35,8 @@ def thread_count(text: str) -> int:
 
 def threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=thread_count, default=DEFAULT_THREADS,
-                   help=f"compute threads for onnxruntime (default: {DEFAULT_THREADS}, this machine's cores)")
+                   help=f"compute threads of the engine, ggml's or onnxruntime's (default: {DEFAULT_THREADS}, this "
+                        "machine's cores)")
 
 
 def limit_blas_threads(threads: int) -> None:

@@ -89,5 +89,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where the ggml engine computes: cuda builds ggml's CUDA backend once with nvcc (minutes) "
                         "and runs the model on the first GPU (default: cpu)")
     threads_arg(p)
-    p.add_argument("--quiet", action="store_true", help="do not print speed on stderr")
+    p.add_argument("--quiet", action="store_true", help="do not print speed on stderr (default: print it)")
     p.set_defaults(func=cmd_generate)

@@ -87,7 +87,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     activations_arg(p)
     route_arg(p)
     p.add_argument("--threads", type=thread_count, default=threads_default,
-                   help=f"onnxruntime threads of this machine's engine and share (default: {threads_default}, this "
+                   help=f"compute threads of this machine's engine and share (default: {threads_default}, this "
                         "machine's cores)")
     p.add_argument("--key", default=None, help="cluster secret that authenticates every packet between master and "
                    "nodes (default: $EDGERUN_KEY)")
