@@ -64,6 +64,13 @@ def require_browser() -> None:
         pytest.skip(reason)
 
 
+def start_native_worker(port: int, budget_mb: int) -> subprocess.Popen:
+    """A native pipeline worker, "native", with one thread, joining the master at this port."""
+    return subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
+                             f"127.0.0.1:{port}", "--key", SECRET, "--name", "native", "--memory-budget",
+                             str(budget_mb), "--threads", "1"], env=dict(os.environ), stderr=subprocess.DEVNULL)
+
+
 def run_node(script: Path, *args: str) -> str:
     """The stdout of a JavaScript module run by Node (which CI installs)."""
     node = shutil.which("node")
@@ -148,9 +155,7 @@ def test_a_webgpu_stage_equals_the_reference(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=256,
                                                                       activations=Activations.F32))
-    native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
-                               f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
-                               "80", "--threads", "1"], env=dict(os.environ), stderr=subprocess.DEVNULL)
+    native = start_native_worker(master.port, 80)
     try:
         with sync_playwright() as p:
             browser, page, errors = open_page(p, webgpu=True)
@@ -176,7 +181,6 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
     reference = generate(ReferenceEngine(model, 256), model.tokenizer.encode(PROMPT), N_TOKENS,
                          Sampler(SamplingParams())).tokens
     monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))  # stage graphs here, files in the workers'
-    env = dict(os.environ)
     logs: list[str] = []
     prefix = chat_template_prefix(model.tokenizer)  # the page saves and restores the prefix's KV too
     chat = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."}]))
@@ -189,9 +193,7 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=256,
                                                                       activations=Activations.F32,
                                                                       prefix=tuple(prefix)), log=logs.append)
-    native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
-                               f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
-                               "80", "--threads", "1"], env=env, stderr=subprocess.DEVNULL)
+    native = start_native_worker(master.port, 80)
     try:
         with sync_playwright() as p:
             browser, page, errors = open_page(p)
@@ -395,9 +397,7 @@ def test_a_tab_closed_mid_request_leaves_the_request_to_the_native_worker(tmp_pa
     logs: list[str] = []
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(host="127.0.0.1", max_len=256,
                                                                       activations=Activations.F32), log=logs.append)
-    native = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "pp", "--master",
-                               f"127.0.0.1:{master.port}", "--key", SECRET, "--name", "native", "--memory-budget",
-                               "400", "--threads", "1"], env=dict(os.environ), stderr=subprocess.DEVNULL)
+    native = start_native_worker(master.port, 400)
     try:
         with sync_playwright() as p:
             browser, page, errors = open_page(p)

@@ -78,11 +78,31 @@ def test_every_edgerun_command_in_the_readme_parses() -> None:
             pytest.fail(f"the README's `{command}` is refused by the CLI (exit {e.code})")
 
 
+def edgerun_env() -> dict[str, str]:
+    """The environment with this Python's `edgerun` first on PATH, as after the README's set-up."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def wait_for_health(server: subprocess.Popen, what: str) -> float:
+    """Until the server started as `what` answers /health on port 8000 (failing if it exits); returns the deadline
+    it kept, 180 s from its start, for what follows."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen("http://localhost:8000/health", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None:
+                pytest.fail(f"{what} exited: {server.stderr.read()[-2000:]}")
+            time.sleep(0.5)
+    return deadline
+
+
 @pytest.mark.parametrize("command", RUN_AS_WRITTEN)
 def test_quick_readme_commands_run_as_written(command: str, tmp_path: Path, shipped_path: Path) -> None:
     assert command in [re.sub(r"\s+", " ", c) for c in commands()], "the README no longer says this"
     # From the checkout (profiles/ is there), writing into a scratch copy of nothing: plan.json goes to tmp_path.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = edgerun_env()
     shell = command.replace("--out plan.json", f"--out {tmp_path / 'plan.json'}")
     done = subprocess.run(["bash", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -93,18 +113,10 @@ def test_the_serving_walkthrough(shipped_path: Path, tmp_path: Path) -> None:
     """`edgerun serve`, the README's Python snippet with the openai client, `edgerun chat` and `edgerun status`,
     as written (port 8000)."""
     snippet = next(block for lang, block in BLOCKS if lang == "python")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = edgerun_env()
     server = subprocess.Popen(["edgerun", "serve", "--no-advertise"], stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen("http://localhost:8000/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    pytest.fail(f"edgerun serve exited: {server.stderr.read()[-2000:]}")
-                time.sleep(0.5)
+        wait_for_health(server, "edgerun serve")
         (tmp_path / "snippet.py").write_text(snippet)
         ran = subprocess.run([sys.executable, str(tmp_path / "snippet.py")], capture_output=True, text=True,
                              timeout=300)
@@ -139,20 +151,12 @@ def test_paired_readme_commands_join_and_serve(server_command: str, node_command
     joins, and a request is answered; a pipeline without the server's own engine answers from the worker."""
     import json
 
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = edgerun_env()
     server = subprocess.Popen(shlex.split(server_command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, env=env)
     node = None
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen("http://localhost:8000/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    pytest.fail(f"{server_command} exited: {server.stderr.read()[-2000:]}")
-                time.sleep(0.5)
+        deadline = wait_for_health(server, server_command)
         node = subprocess.Popen(shlex.split(node_command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, env=env)
 

@@ -40,13 +40,18 @@ ISOLATED = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-
 
 def _page_file(path: Path, log: Callable[[str], None] = lambda _: None) -> Response:
     if not path.is_file():
-        why = f"{path} is missing: run `npm install --prefix {browser_dir()}` for the browser node's packages"
+        fix = f"run `{shlex.join(npm_install())}` for the browser node's packages"
         if path not in _said_missing:  # once: a tab asks for it on every load
             _said_missing.add(path)
-            log(f"a browser tab asked for {path.name}, which is missing: {why.split(': ', 1)[1]}")
-        return PlainTextResponse(why + "\n", status_code=404)
+            log(f"a browser tab asked for {path.name}, which is missing: {fix}")
+        return PlainTextResponse(f"{path} is missing: {fix}\n", status_code=404)
     # The page and its scripts change with the package: a tab reloaded after an upgrade must not mix versions.
     return FileResponse(path, headers={"Cache-Control": "no-cache", **ISOLATED})
+
+
+def npm_install() -> list[str]:
+    """The command that fetches and builds the browser node's packages."""
+    return ["npm", "install", "--prefix", str(browser_dir())]
 
 
 def missing_page_files() -> list[str]:
@@ -60,8 +65,7 @@ def say_if_tabs_cannot_join(log: Callable[[str], None]) -> None:
     missing = missing_page_files()
     if not missing:
         return
-    where = browser_dir()
-    command = ["npm", "install", "--prefix", str(where)]
+    where, command = browser_dir(), npm_install()
     if shutil.which("npm") is None or not (where / "package.json").is_file() or _installing:
         log(f"browser tabs cannot join until `{shlex.join(command)}` has run (Node.js and npm): "
             f"{', '.join(missing)} missing")

@@ -90,10 +90,13 @@ class Api:
         if scheme.lower() != "bearer" or token.strip() != self.config.api_key:
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
 
+    def _model_card(self) -> dict[str, Any]:
+        """OpenAI's model object of the one model served."""
+        return {"id": self.config.model_name, "object": "model", "created": int(self.started), "owned_by": "edgerun"}
+
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "created": int(self.started), "owned_by": "edgerun"}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def one_model(self, request: Request) -> Response:
         self._authorize(request)
@@ -101,7 +104,7 @@ class Api:
         if name != self.config.model_name:
             raise ApiError(404, f"no model {name!r} here: this server serves {self.config.model_name!r}",
                            kind="not_found_error", param="model", code="model_not_found")
-        return JSONResponse({"id": name, "object": "model", "created": int(self.started), "owned_by": "edgerun"})
+        return JSONResponse(self._model_card())
 
     async def tokenize(self, request: Request) -> Response:
         """llama.cpp's server's /tokenize: {"content": text} -> {"tokens": ids} (no BOS added)."""
@@ -214,37 +217,35 @@ class Api:
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
         self._authorize(request)
         body = await self._body(request)
+        model_name = body.get("model") if isinstance(body, dict) else None
+        if model_name is not None and not isinstance(model_name, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        req, job = await self._admit(lambda: parse_request(endpoint, body, self._render_chat, self.config.sampling))
+        ids = ResponseIds.new(endpoint, self.config.model_name)
+        if req.stream:
+            return StreamingResponse(self._counted(request, job, self._sse_lines(job, req, ids, request),
+                                                   lambda e: _sse(ApiError(500, f"generation failed: {e}",
+                                                                           kind="server_error").body())),
+                                     media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        answer = await self._answer(request, job, req)
+        if answer is None:  # its client left: nobody reads this
+            return Response(status_code=CLIENT_LEFT)
+        text, result = answer
+        return JSONResponse(response(endpoint, ids, text, _finish(result), result.prompt_tokens, len(result.tokens)))
 
+    async def _admit(self, parse: Callable[[], GenerationRequest]) -> tuple[GenerationRequest, Job]:
+        """The request parsed and its prompt tokenized, then queued. Rendering the chat template and tokenizing take
+        milliseconds to seconds for a long prompt: off the event loop, which meanwhile serves every other request."""
         def prepare() -> tuple[GenerationRequest, list[int]]:
-            """Rendering the chat template and tokenizing take milliseconds to seconds for a long prompt: off the
-            event loop, which meanwhile serves every other request."""
             try:
-                req = parse_request(endpoint, body, self._render_chat, self.config.sampling)
+                req = parse()
             except ValueError as e:  # the sampler's own checks
                 raise ApiError(400, str(e)) from e
             return req, self.model.tokenizer.encode(req.prompt)
 
-        model_name = body.get("model") if isinstance(body, dict) else None
-        if model_name is not None and not isinstance(model_name, str):
-            raise ApiError(400, "'model' must be a string", param="model")
         req, prompt = await asyncio.to_thread(prepare)
-        job = self._submit(req, prompt)
-        ids = ResponseIds.new(endpoint, self.config.model_name)
-        if req.stream:
-            return StreamingResponse(self._stream(job, req, ids, request), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-        try:
-            text, result, stopped = await self._collect(job, req)
-        finally:
-            watcher.cancel()
-        if watcher.done() and not watcher.cancelled() and watcher.result():  # its client left: nobody reads this
-            self.metrics.request_done(CLIENT_LEFT)
-            return Response(status_code=CLIENT_LEFT)
-        self.metrics.request_done(200)
-        request.state.tokens = (result.prompt_tokens, len(result.tokens))
-        reason = StopReason.STOP_TOKEN if stopped else result.stop_reason
-        return JSONResponse(response(endpoint, ids, text, reason, result.prompt_tokens, len(result.tokens)))
+        return req, self._submit(req, prompt)
 
     def _submit(self, req: GenerationRequest, prompt: list[int]) -> Job:
         """The request into the queue, its max tokens checked against the context (413 where they overrun it)."""
@@ -259,6 +260,55 @@ class Api:
                            f"context of {context}", param="max_tokens", code="context_length_exceeded")
         return self.service.submit(prompt, max_tokens, req.sampling)
 
+    async def _answer(self, request: Request, job: Job,
+                      req: GenerationRequest) -> tuple[str, GenerationResult] | None:
+        """A whole answer's text and result, counted in /metrics; None (counted as CLIENT_LEFT) where its client
+        left meanwhile, which stopped the job at its next token."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            text, result = await self._collect(job, req)
+        finally:
+            watcher.cancel()
+        if watcher.done() and not watcher.cancelled() and watcher.result():
+            self.metrics.request_done(CLIENT_LEFT)
+            return None
+        self.metrics.request_done(200)
+        request.state.tokens = (result.prompt_tokens, len(result.tokens))
+        return text, result
+
+    async def _counted(self, request: Request, job: Job, lines: AsyncIterator[str],
+                       failure: Callable[[Exception], str]) -> AsyncIterator[str]:
+        """A streamed answer's lines, counted in /metrics as it ends: 200, or 500 with the error as the last line
+        (`failure`: the headers are sent), or CLIENT_LEFT where its client went away (Starlette cancels the stream);
+        its job stops with it."""
+        try:
+            async for line in lines:
+                yield line
+            self.metrics.request_done(200)
+        except Exception as e:
+            self.metrics.request_done(500)
+            yield failure(e)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.request_done(CLIENT_LEFT)
+            raise
+        finally:
+            job.cancel()
+
+    async def _sse_lines(self, job: Job, req: GenerationRequest, ids: ResponseIds,
+                         request: Request) -> AsyncIterator[str]:
+        """Server-sent events: a first chunk with the role, the text as it comes, a closing chunk with the finish
+        reason, the usage if asked, [DONE]."""
+        yield _sse(chunk(req.endpoint, ids, "", first=True))
+        async for piece in self._pieces(job, req):
+            if isinstance(piece, GenerationResult):
+                yield _sse(chunk(req.endpoint, ids, None, _finish(piece)))
+                if req.include_usage:
+                    yield _sse(usage_chunk(req.endpoint, ids, piece.prompt_tokens, len(piece.tokens)))
+                yield "data: [DONE]\n\n"
+                request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
+                return
+            yield _sse(chunk(req.endpoint, ids, piece))
+
     # --- Ollama's endpoints (ollama_api) ------------------------------------------------------------
     async def ollama_chat(self, request: Request) -> Response:
         return await self._ollama(request, chat=True)
@@ -270,55 +320,34 @@ class Api:
         self._authorize(request)
         body = await self._body(request)
         started = time.perf_counter()
-
-        def prepare() -> tuple[GenerationRequest, list[int]]:
-            req = ollama_api.parse(chat, body, self._render_chat, self.config.sampling)
-            return req, self.model.tokenizer.encode(req.prompt)
-
-        req, prompt = await asyncio.to_thread(prepare)
-        job = self._submit(req, prompt)
-        name = self.config.model_name
+        req, job = await self._admit(lambda: ollama_api.parse(chat, body, self._render_chat, self.config.sampling))
         if req.stream:
-            return StreamingResponse(self._ollama_stream(job, req, chat, request, started),
+            return StreamingResponse(self._counted(request, job, self._ndjson_lines(job, req, chat, request, started),
+                                                   lambda e: json.dumps({"error": f"generation failed: {e}"}) + "\n"),
                                      media_type="application/x-ndjson", headers={"cache-control": "no-cache"})
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-        try:
-            text, result, stopped = await self._collect(job, req)
-        finally:
-            watcher.cancel()
-        self.metrics.request_done(200)
-        request.state.tokens = (result.prompt_tokens, len(result.tokens))
-        reason = StopReason.STOP_TOKEN if stopped else result.stop_reason
-        return JSONResponse(ollama_api.final(name, chat, text, reason, result.prompt_tokens, len(result.tokens),
-                                             started, result.prefill_s, result.decode_s))
+        answer = await self._answer(request, job, req)
+        if answer is None:
+            return Response(status_code=CLIENT_LEFT)
+        text, result = answer
+        return JSONResponse(ollama_api.final(self.config.model_name, chat, text, _finish(result),
+                                             result.prompt_tokens, len(result.tokens), started, result.prefill_s,
+                                             result.decode_s))
 
-    async def _ollama_stream(self, job: Job, req: GenerationRequest, chat: bool, request: Request,
-                             started: float) -> AsyncIterator[str]:
-        """NDJSON: a line per piece of text, then the closing line with the counts; an error as {"error": ...}."""
+    async def _ndjson_lines(self, job: Job, req: GenerationRequest, chat: bool, request: Request,
+                            started: float) -> AsyncIterator[str]:
+        """Ollama's NDJSON: a line per piece of text, then the closing line with the counts."""
         name = self.config.model_name
-        try:
-            async for piece in self._pieces(job, req):
-                if isinstance(piece, GenerationResult):
-                    reason = StopReason.STOP_TOKEN if piece.stop_reason == StopReason.CANCELLED else \
-                        piece.stop_reason
-                    yield json.dumps(ollama_api.final(name, chat, "", reason, piece.prompt_tokens, len(piece.tokens),
-                                                      started, piece.prefill_s, piece.decode_s)) + "\n"
-                    self.metrics.request_done(200)
-                    request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
-                    return
-                yield json.dumps(ollama_api.piece(name, chat, piece), ensure_ascii=False) + "\n"
-        except Exception as e:  # headers are sent: the error goes in the stream
-            self.metrics.request_done(500)
-            yield json.dumps({"error": f"generation failed: {e}"}) + "\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            self.metrics.request_done(CLIENT_LEFT)
-            raise
-        finally:
-            job.cancel()
+        async for piece in self._pieces(job, req):
+            if isinstance(piece, GenerationResult):
+                yield json.dumps(ollama_api.final(name, chat, "", _finish(piece), piece.prompt_tokens,
+                                                  len(piece.tokens), started, piece.prefill_s, piece.decode_s)) + "\n"
+                request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
+                return
+            yield json.dumps(ollama_api.piece(name, chat, piece), ensure_ascii=False) + "\n"
 
     async def ollama_tags(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse(ollama_api.tags(self.model, self.config.model_name, self.started))
+        return JSONResponse(ollama_api.tags(self.model, self.config.model_name))
 
     async def ollama_show(self, request: Request) -> Response:
         self._authorize(request)
@@ -348,42 +377,13 @@ class Api:
             if text:
                 yield text
 
-    async def _collect(self, job: Job, req: GenerationRequest) -> tuple[str, GenerationResult, bool]:
+    async def _collect(self, job: Job, req: GenerationRequest) -> tuple[str, GenerationResult]:
         texts: list[str] = []
         async for piece in self._pieces(job, req):
             if isinstance(piece, GenerationResult):
-                # Cancelled with nothing else asking: a stop string cut it.
-                return "".join(texts), piece, piece.stop_reason == StopReason.CANCELLED
+                return "".join(texts), piece
             texts.append(piece)
         raise RuntimeError("a job ended without its result")
-
-    async def _stream(self, job: Job, req: GenerationRequest, ids: ResponseIds,
-                      request: Request) -> AsyncIterator[str]:
-        """Server-sent events: a first chunk with the role, the text as it comes, a closing chunk with the
-        finish reason, the usage if asked, [DONE]. A client that goes away cancels the job (Starlette cancels
-        this generator)."""
-        try:
-            yield _sse(chunk(req.endpoint, ids, "", first=True))
-            async for piece in self._pieces(job, req):
-                if isinstance(piece, GenerationResult):
-                    reason = StopReason.STOP_TOKEN if piece.stop_reason == StopReason.CANCELLED else \
-                        piece.stop_reason
-                    yield _sse(chunk(req.endpoint, ids, None, reason))
-                    if req.include_usage:
-                        yield _sse(usage_chunk(req.endpoint, ids, piece.prompt_tokens, len(piece.tokens)))
-                    yield "data: [DONE]\n\n"
-                    self.metrics.request_done(200)
-                    request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
-                    return
-                yield _sse(chunk(req.endpoint, ids, piece))
-        except Exception as e:  # headers are sent: the error goes in the stream
-            self.metrics.request_done(500)
-            yield _sse(ApiError(500, f"generation failed: {e}", kind="server_error").body())
-        except (asyncio.CancelledError, GeneratorExit):  # its client left mid-stream
-            self.metrics.request_done(CLIENT_LEFT)
-            raise
-        finally:
-            job.cancel()
 
     # --- operations ---------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -470,6 +470,12 @@ def _check_unicode(value: Any, where: str) -> None:
     elif isinstance(value, list):
         for item in value:
             _check_unicode(item, where)
+
+
+def _finish(result: GenerationResult) -> StopReason:
+    """Why an answer ended, as the client hears it: a job cancelled with its client still there was cut by a
+    stop string."""
+    return StopReason.STOP_TOKEN if result.stop_reason == StopReason.CANCELLED else result.stop_reason
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -20,7 +20,8 @@ from edgerun.serve.openai_api import (
     _integer,
     _number,
     _stop,
-    _text_content,
+    chat_messages,
+    refuse_unserved,
 )
 
 VERSION = "0.6.0"  # the Ollama API this follows, as /api/version reports it
@@ -36,22 +37,12 @@ def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams) -> 
     chat template as Ollama does, unless "raw"."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, neutral in UNSERVED.items():
-        if body.get(name) not in (None, neutral):
-            raise ApiError(400, f"'{name}' is not served by this server yet", param=name)
+    refuse_unserved(body, UNSERVED)
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'options' must be an object", param="options")
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        rendered = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise ApiError(400, f"messages[{i}]: 'role' must be one of {', '.join(ROLES)}", param="messages")
-            rendered.append({"role": m["role"], "content": _text_content(m.get("content"), f"messages[{i}]")})
-        prompt = render_chat(rendered)
+        prompt = render_chat(chat_messages(body, ROLES))
     else:
         text, system = body.get("prompt"), body.get("system")
         if not isinstance(text, str) or not text:
@@ -117,7 +108,7 @@ def details(model: Model) -> dict[str, Any]:
             "quantization_level": level}
 
 
-def tags(model: Model, name: str, started: float) -> dict[str, Any]:
+def tags(model: Model, name: str) -> dict[str, Any]:
     """/api/tags: the one model this server serves."""
     size = model.path.stat().st_size if model.path.is_file() else \
         sum(f.stat().st_size for f in model.path.rglob("*") if f.is_file())

@@ -101,14 +101,15 @@ def _text_content(content: Any, where: str) -> str:
 ROLES = ("system", "developer", "user", "assistant")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def chat_messages(body: dict[str, Any], roles: tuple[str, ...] = ROLES) -> list[dict[str, str]]:
+    """The request's messages as the chat template takes them; `roles`: those the API accepts."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}]: 'role' must be one of {', '.join(ROLES)}", param="messages")
+        if not isinstance(m, dict) or m.get("role") not in roles:
+            raise ApiError(400, f"messages[{i}]: 'role' must be one of {', '.join(roles)}", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
         out.append({"role": role, "content": _text_content(m.get("content"), f"messages[{i}]")})
     return out
@@ -123,8 +124,9 @@ UNSERVED: dict[str, Any] = {
 }
 
 
-def refuse_unserved(body: dict[str, Any]) -> None:
-    for name, neutral in UNSERVED.items():
+def refuse_unserved(body: dict[str, Any], unserved: dict[str, Any] = UNSERVED) -> None:
+    """A 400 for the first field of `unserved` (name -> the value that asks for nothing) the body asks for."""
+    for name, neutral in unserved.items():
         value = body.get(name)
         if value is not None and value != neutral and not (name == "tools" and body.get("tool_choice") == "none"):
             raise ApiError(400, f"'{name}' is not served by this server yet (only {json.dumps(neutral)} or left out)",
