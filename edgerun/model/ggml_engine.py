@@ -19,7 +19,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model import ggml_lib
 from edgerun.model.config import ModelConfig
-from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore, head
+from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore, head
 from edgerun.model.loader import Model
 from edgerun.model.quant import QuantTensor
 from edgerun.model.weights import LayerWeights, rope_rows_from_interleaved, rope_rows_to_interleaved
@@ -260,6 +260,7 @@ class GgmlEngine:
             (w.output.nbytes if self.has_head else 0)
         self.position = 0
         self._graphs: dict[tuple[int, int], StepGraph] = {}
+        self._scratch = ScratchAllocator(self.backend)
 
     def reset(self) -> None:
         self.position = 0
@@ -287,8 +288,10 @@ class GgmlEngine:
         key = (n, n_kv)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = StepGraph(self, n, n_kv)
-            if n == 1:  # prompts come in every length: only decode graphs are worth keeping
+            # Prompts come in every length: only decode graphs are worth keeping, a prompt's is laid out in the
+            # engine's scratch buffer.
+            graph = StepGraph(self, n, n_kv, None if n == 1 else self._scratch)
+            if n == 1:
                 self._graphs[key] = graph
         out = graph.run(np.ascontiguousarray(embd, np.float32), start)
         self.position = start + n
@@ -298,7 +301,7 @@ class GgmlEngine:
 class StepGraph:
     """One step's graph over n tokens reading n_kv cache rows, allocated once and run with new inputs."""
 
-    def __init__(self, engine: GgmlEngine, n: int, n_kv: int) -> None:
+    def __init__(self, engine: GgmlEngine, n: int, n_kv: int, scratch: ScratchAllocator | None = None) -> None:
         c = engine.config
         self.gc = GraphContext(engine.backend, len(engine.layers) * GRAPH_NODES_PER_LAYER + 64)
         ctx = self.gc.ctx
@@ -325,7 +328,7 @@ class StepGraph:
         else:  # a stage's hidden states go on to the next stage
             self.out, self.shape = x, (n, c.hidden)
         self.gc.expand(self.out)
-        self.gc.allocate()
+        self.gc.allocate(scratch)
         self._mask = np.zeros((n, n_kv), np.float16)
 
     def run(self, embd: np.ndarray, start: int) -> np.ndarray:

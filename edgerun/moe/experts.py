@@ -25,7 +25,7 @@ from edgerun.cache import cache_root
 from edgerun.model import ggml_lib
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_engine import mlp_block
-from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore
+from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore
 from edgerun.model.onnx_graph import Activations, expert_graph
 from edgerun.model.quant import QuantTensor
 from edgerun.model.session import session_options
@@ -89,6 +89,7 @@ class GgmlExperts:
         self.backend = GgmlBackend(threads)
         self.experts: dict[tuple[int, int], tuple[WeightStore, tuple[int, int, int]]] = {}
         self._graphs: dict[tuple[int, int, int], _ExpertGraph] = {}
+        self._scratch = ScratchAllocator(self.backend)
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self.experts
@@ -111,15 +112,19 @@ class GgmlExperts:
             raise KeyError(f"expert {expert} of layer {layer} is not held here")
         x = np.ascontiguousarray(x, np.float32).reshape(-1, self.config.hidden)
         key = (layer, expert, x.shape[0])
-        graph = self._graphs.get(key) or _ExpertGraph(self.backend, self.config.hidden, held, x.shape[0])
-        if x.shape[0] == 1:
-            self._graphs[key] = graph
+        graph = self._graphs.get(key)
+        if graph is None:
+            # One-token graphs are kept; a prompt's come in every size and are laid out in the scratch buffer.
+            keep = x.shape[0] == 1
+            graph = _ExpertGraph(self.backend, self.config.hidden, held, x.shape[0], None if keep else self._scratch)
+            if keep:
+                self._graphs[key] = graph
         return graph.run(x, np.ascontiguousarray(gates, np.float32).reshape(-1))
 
 
 class _ExpertGraph:
     def __init__(self, backend: GgmlBackend, hidden: int, held: tuple[WeightStore, tuple[int, int, int]],
-                 n: int) -> None:
+                 n: int, scratch: ScratchAllocator | None) -> None:
         g = ggml_lib.lib()
         store, (w_gate, w_up, w_down) = held
         self.gc = GraphContext(backend, 16)
@@ -128,7 +133,7 @@ class _ExpertGraph:
         y = mlp_block(self.gc.ctx, store.tensor, w_gate, w_up, w_down, self.x)
         self.out = g.ggml_mul(self.gc.ctx, y, self.gates)  # each token's column by its gate
         self.gc.expand(self.out)
-        self.gc.allocate()
+        self.gc.allocate(scratch)
         self.shape = (n, hidden)
 
     def run(self, x: np.ndarray, gates: np.ndarray) -> np.ndarray:

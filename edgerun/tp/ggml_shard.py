@@ -28,7 +28,7 @@ from edgerun.model.ggml_engine import (
     lm_head,
     mlp_block,
 )
-from edgerun.model.ggml_lib import GgmlBackend, GraphContext, WeightStore
+from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
 from edgerun.model.weights import ModelWeights
@@ -109,6 +109,7 @@ class GgmlShard(_ShareBase):
         if device == "cpu":
             huge_pages()
         self._graphs: dict[tuple, _BlockGraph] = {}
+        self._scratch = ScratchAllocator(self.backend)
         # One-token calls and their time beyond ggml's graph computation (inputs in, outputs out, Python): a
         # share call's fixed cost, as bench tp reports it.
         self.calls = CallCost()
@@ -128,8 +129,10 @@ class GgmlShard(_ShareBase):
     def _graph(self, key: tuple, build) -> _BlockGraph:
         graph = self._graphs.get(key)
         if graph is None:
-            graph = build()
-            if key[2] == 1:  # one-token graphs are kept; prompts come in every length
+            # One-token graphs are kept; prompts come in every length and are laid out in the scratch buffer.
+            keep = key[2] == 1
+            graph = build(None if keep else self._scratch)
+            if keep:
                 self._graphs[key] = graph
         return graph
 
@@ -142,7 +145,8 @@ class GgmlShard(_ShareBase):
         if tensors is None:
             return np.zeros((seq, self.config.hidden), np.float32) if output else None
         n_kv = cache_rows(end, self.max_len)
-        graph = self._graph((Block.ATTN, layer, seq, n_kv), lambda: _BlockGraph.attention(self, tensors, seq, n_kv))
+        graph = self._graph((Block.ATTN, layer, seq, n_kv),
+                            lambda scratch: _BlockGraph.attention(self, tensors, seq, n_kv, scratch))
         graph.inputs.set(graph.gc, start, graph.mask)
         out = graph.run(x)
         self.calls.add(graph, began)
@@ -156,7 +160,8 @@ class GgmlShard(_ShareBase):
         tensors = self.mlp_tensors[layer]
         if tensors is None:
             return np.zeros((x.shape[0], self.config.hidden), np.float32)
-        graph = self._graph((Block.MLP, layer, x.shape[0]), lambda: _BlockGraph.mlp(self, tensors, x.shape[0]))
+        graph = self._graph((Block.MLP, layer, x.shape[0]),
+                            lambda scratch: _BlockGraph.mlp(self, tensors, x.shape[0], scratch))
         out = graph.run(x)
         self.calls.add(graph, began)
         return out
@@ -166,7 +171,7 @@ class GgmlShard(_ShareBase):
         x = _rows(x_norm, self.config.hidden)
         if self.head is None:
             return self.vocab_rows, np.zeros((x.shape[0], 0), np.float32)
-        graph = self._graph((Block.HEAD, 0, x.shape[0]), lambda: _BlockGraph.head(self, x.shape[0]))
+        graph = self._graph((Block.HEAD, 0, x.shape[0]), lambda scratch: _BlockGraph.head(self, x.shape[0], scratch))
         out = graph.run(x)
         self.calls.add(graph, began)
         return self.vocab_rows, out
@@ -225,32 +230,34 @@ class _BlockGraph:
         self.fresh = True  # built for this call
 
     @classmethod
-    def attention(cls, shard: GgmlShard, tensors: AttnTensors, seq: int, n_kv: int) -> _BlockGraph:
+    def attention(cls, shard: GgmlShard, tensors: AttnTensors, seq: int, n_kv: int,
+                  scratch: ScratchAllocator | None) -> _BlockGraph:
         graph = cls(shard, seq)
         graph.inputs = StepInputs.of(graph.gc, seq, n_kv)
         graph.mask = np.zeros((seq, n_kv), np.float16)
         rope = ggml_lib.ROPE_NEOX  # a share's rows are in Hugging Face order (each head's halves rotate)
         graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x, graph.inputs,
-                                      rope), shard.config.hidden)
+                                      rope), shard.config.hidden, scratch)
         return graph
 
     @classmethod
-    def mlp(cls, shard: GgmlShard, tensors: tuple[int, int, int], seq: int) -> _BlockGraph:
+    def mlp(cls, shard: GgmlShard, tensors: tuple[int, int, int], seq: int,
+            scratch: ScratchAllocator | None) -> _BlockGraph:
         graph = cls(shard, seq)
-        graph._finish(mlp_block(graph.gc.ctx, shard.store.tensor, *tensors, graph.x), shard.config.hidden)
+        graph._finish(mlp_block(graph.gc.ctx, shard.store.tensor, *tensors, graph.x), shard.config.hidden, scratch)
         return graph
 
     @classmethod
-    def head(cls, shard: GgmlShard, seq: int) -> _BlockGraph:
+    def head(cls, shard: GgmlShard, seq: int, scratch: ScratchAllocator | None) -> _BlockGraph:
         graph = cls(shard, seq)
         assert shard.head is not None
-        graph._finish(lm_head(graph.gc.ctx, shard.store, shard.head, graph.x), len(shard.vocab_rows))
+        graph._finish(lm_head(graph.gc.ctx, shard.store, shard.head, graph.x), len(shard.vocab_rows), scratch)
         return graph
 
-    def _finish(self, out: int, width: int) -> None:
+    def _finish(self, out: int, width: int, scratch: ScratchAllocator | None) -> None:
         self.out, self.width = out, width
         self.gc.expand(out)
-        self.gc.allocate()
+        self.gc.allocate(scratch)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         self.gc.set(self.x, x)
