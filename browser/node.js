@@ -189,7 +189,12 @@ function start() {
         status.passes += 1;
         status.lastMs = seconds * 1000;
         show();
-        if (stage.spec.lm_head) { // the token after the input's last one, from that one's logits
+        const sampling = message.sampling || {};
+        if (stage.spec.lm_head && sampling.logits) { // the master draws (a grammar, penalties, logprobs)
+          const vocab = out.dims[out.dims.length - 1];
+          send(Msg.COMPUTATION_RESULT, request, {seconds},
+               {logits: {dtype: "float32", shape: [vocab], data: out.data.slice(out.data.length - vocab)}});
+        } else if (stage.spec.lm_head) { // the token after the input's last one, from that one's logits
           const vocab = out.dims[out.dims.length - 1];
           const token = sample(out.data.subarray(out.data.length - vocab), message.sampling || {},
                                message.position + out.dims[1]);

@@ -220,11 +220,19 @@ def test_bad_requests_get_openai_errors(server: Serving) -> None:
         ({**good, "seed": "x"}, 400, "seed"),
         ({**good, "stream": "yes"}, 400, "stream"),
         ({**good, "max_tokens": 100_000}, 413, "max_tokens"),
-        ({**good, "response_format": {"type": "json_object"}}, 400, "response_format"),
-        ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-        ({**good, "logprobs": True}, 400, "logprobs"),
-        ({**good, "presence_penalty": 0.5}, 400, "presence_penalty"),
-        ({**good, "logit_bias": {"42": 5}}, 400, "logit_bias"),
+        ({**good, "response_format": {"type": "xml"}}, 400, "response_format"),
+        ({**good, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+         400, "response_format"),
+        ({**good, "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
+        ({**good, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {}}},
+         400, "tools"),
+        ({**good, "top_logprobs": 2}, 400, "top_logprobs"),
+        ({**good, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({**good, "presence_penalty": 3}, 400, "presence_penalty"),
+        ({**good, "logit_bias": {"999999": 5}}, 400, "logit_bias"),
+        ({**good, "logit_bias": {"42": 500}}, 400, "logit_bias"),
+        ({**good, "echo": True}, 400, "echo"),
+        ({**good, "best_of": 3}, 400, "best_of"),
     ]
     for body, status, param in cases:
         code, reply = server.post("/v1/chat/completions", body)
@@ -739,8 +747,10 @@ def test_ollama_clients_chat_generate_and_list(server: Serving, shipped_model, s
         client.show("no-such-model")
     assert missing.value.status_code == 404 and "no-such-model" in missing.value.error
     assert server.get("/api/version")[0] == 200
+    shaped = client.chat(model="any", messages=messages, format="json", options=greedy)
+    assert isinstance(json.loads(shaped.message.content), dict)
     with pytest.raises(ollama.ResponseError) as refused:
-        client.chat(model="any", messages=messages, format="json")
+        client.chat(model="any", messages=messages, format="yaml")
     assert refused.value.status_code == 400 and "format" in refused.value.error
 
 

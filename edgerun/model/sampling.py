@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from edgerun.model.logits import LogitShaper
 
 MASK64 = (1 << 64) - 1
 MAX_SEED = 1 << 53
@@ -49,8 +53,11 @@ def uniform(seed: int, position: int) -> float:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
+    """One generation's draws. A `shaper` (model/logits.py) applies a request's grammar, penalties and biases to
+    the logits before each draw and keeps the log-probabilities; the draw itself is the same."""
+
+    def __init__(self, params: SamplingParams, shaper: LogitShaper | None = None) -> None:
+        self.params, self.shaper = params, shaper
         # Without a seed, a random one for this sampler; it stays fixed, so positions still decide the draws.
         self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
 
@@ -60,12 +67,27 @@ class Sampler:
         engine whose logits are spread over devices may gather only each device's `largest` that many: the
         draw is the same, as every other logit could be minus infinity."""
         p = self.params
+        if self.needs_logits:
+            return None
         if p.temperature == 0.0:
             return 1
         return p.top_k if p.top_k > 0 else None
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether the draw needs the whole vocabulary's logits here (a shaper's rules), not a few candidates or a
+        token drawn elsewhere."""
+        return self.shaper is not None and self.shaper.rules.active
+
     def __call__(self, logits: np.ndarray, position: int) -> int:
         """The token at `position` (its index in the sequence) from the logits before it."""
+        if self.shaper is None:
+            return self._draw(logits, position)
+        token = self._draw(self.shaper.shape(logits), position)
+        self.shaper.accept(token, logits)
+        return token
+
+    def _draw(self, logits: np.ndarray, position: int) -> int:
         p = self.params
         if p.temperature == 0.0:
             return int(np.argmax(logits))

@@ -209,10 +209,12 @@ class PipelineMaster:
 
     # --- generation ------------------------------------------------------------------------------------
     async def _forward(self, tokens: Sequence[int], position: int, sampling: dict[str, Any],
-                       prefix: str | None = None) -> int:
-        """One pass through every stage; the last stage's sampled token. `prefix`: "save" keeps the
-        KV of this pass on every worker, "restore" continues from it."""
-        if self.deployment.chained:
+                       prefix: str | None = None) -> int | np.ndarray:
+        """One pass through every stage; the last stage's sampled token, or its logits where `sampling` asks for
+        them (a request whose draw needs the whole vocabulary: model/logits.py; these go by the star route, whose
+        replies carry tensors). `prefix`: "save" keeps the KV of this pass on every worker, "restore" continues
+        from it."""
+        if self.deployment.chained and not sampling.get("logits"):
             try:
                 return await asyncio.get_running_loop().run_in_executor(None, self._chained_pass, tokens, position,
                                                                         sampling, prefix)
@@ -233,7 +235,7 @@ class PipelineMaster:
             if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: what plans are priced by
                 self._observe(worker, s, seconds, wall - worker.rtt_ms / 1e3)
             if last:
-                return await self._token(worker, reply)
+                return await self._token(worker, reply, out if sampling.get("logits") else None)
             expected = (1, len(tokens), self.model.config.hidden)
             if "hidden" not in out or out["hidden"].shape != expected or out["hidden"].dtype != np.float32:
                 got = {k: v.shape for k, v in out.items()}
@@ -281,8 +283,11 @@ class PipelineMaster:
         # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
         self.deployment.overheads.append(max(0.0, wall - seconds))
 
-    async def _token(self, worker: WorkerConn, reply: dict[str, Any]) -> int:
+    async def _token(self, worker: WorkerConn, reply: dict[str, Any],
+                     tensors: dict[str, np.ndarray] | None = None) -> int | np.ndarray:
         try:
+            if tensors is not None:
+                return self._checked_logits(worker, tensors)
             return self._checked_token(worker, reply)
         except Breach as e:
             await self._settle(e)
@@ -295,6 +300,14 @@ class PipelineMaster:
             await self.workers.expel(failure.worker, failure.reason)
         else:
             await self.workers.drop(failure.worker, f"pass port lost ({failure.reason})")
+
+    def _checked_logits(self, worker: WorkerConn, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        logits = tensors.get("logits")
+        vocab = self.model.config.vocab_size
+        if logits is None or logits.shape != (vocab,) or logits.dtype != np.float32:
+            raise Breach(worker, f"returned {({k: v.shape for k, v in tensors.items()})} where float32 logits of "
+                                 f"shape ({vocab},) were due")
+        return logits
 
     def _checked_token(self, worker: WorkerConn, reply: dict[str, Any]) -> int:
         token = reply.get("token")
@@ -325,15 +338,17 @@ class PipelineMaster:
         EngineLost (WorkerLost) when a worker is lost or a staged plan is ready to take over: the generation
         loop then calls recover() and prefills the context again."""
         d = self.deployment
-        if start > 0 and d.chained and not d.ready(d.staged):  # a decode step: on this thread (module docstring)
-            try:
+        if start > 0 and d.chained and not d.ready(d.staged) and not sampler.needs_logits:
+            try:  # a decode step: on this thread (module docstring)
                 return self._chained_pass(tokens, start, _sampling(sampler))
             except (Breach, PortClosed) as e:
                 self.net.run(self._settle(e))
                 raise
-        return self.net.run(self._step_token(tokens, start, sampler))
+        out = self.net.run(self._step_token(tokens, start, sampler))
+        # The last stage's logits where the draw needs them here (the request's grammar, penalties, logprobs).
+        return out if isinstance(out, int) else sampler(out, start + len(tokens))
 
-    async def _step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int:
+    async def _step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int | np.ndarray:
         d = self.deployment
         sampling = _sampling(sampler)
         if start > 0:
@@ -437,4 +452,4 @@ class PipelineMaster:
 def _sampling(sampler: Sampler) -> dict[str, Any]:
     """A sampler's settings as a pass's message carries them to the last stage."""
     return {"temperature": sampler.params.temperature, "top_p": sampler.params.top_p, "top_k": sampler.params.top_k,
-            "min_p": sampler.params.min_p, "seed": sampler.seed}
+            "min_p": sampler.params.min_p, "seed": sampler.seed, **({"logits": True} if sampler.needs_logits else {})}

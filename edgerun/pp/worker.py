@@ -441,6 +441,9 @@ class PipelineWorker:
         chain = message.get("chain")  # on a chained route: the compute seconds of the stages before this one
         if chain is not None:
             chain = [float(t) for t in chain] + [seconds]
+        if s.lm_head and message.get("sampling", {}).get("logits"):  # the master draws (model/logits.py)
+            return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, \
+                {"logits": np.ascontiguousarray(out[0, -1], np.float32)}, False
         if s.lm_head:
             p = message.get("sampling", {})
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
+from edgerun.model.logits import LogitShaper, TokenLogprob
 from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.profile.device import device_summary
 from edgerun.serve import ollama_api
@@ -42,17 +43,27 @@ from edgerun.serve.openai_api import (
     ResponseIds,
     StopText,
     chunk,
+    logprobs_object,
     parse_request,
     response,
     usage_chunk,
 )
 from edgerun.serve.service import Job, Service
 from edgerun.serve.switch import EngineSwitch, Mode
+from edgerun.serve.tools import ToolChoice, answer_call
 
 MAX_EMBEDDING_INPUTS = 256  # texts in one /v1/embeddings request
 # A request whose client left before its answer (nginx's "client closed request"), as /metrics counts it.
 CLIENT_LEFT = 499
 STATE_INTERVAL_S = 1.0  # how often the dashboard's event stream sends the state
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text of an answer that can be sent now, with the log-probabilities of its tokens (where asked for)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,6 +198,10 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, Endpoint.COMPLETION)
 
+    def _token_text(self, token: int) -> str:
+        """A token as logprobs show it: its text (a piece of a character shows as U+FFFD)."""
+        return self.model.tokenizer.decode([token])
+
     def _render_chat(self, messages: list[dict[str, str]]) -> str:
         try:
             return self.model.tokenizer.apply_chat_template(messages)
@@ -220,7 +235,8 @@ class Api:
         model_name = body.get("model") if isinstance(body, dict) else None
         if model_name is not None and not isinstance(model_name, str):
             raise ApiError(400, "'model' must be a string", param="model")
-        req, job = await self._admit(lambda: parse_request(endpoint, body, self._render_chat, self.config.sampling))
+        req, job = await self._admit(lambda: parse_request(endpoint, body, self._render_chat, self.config.sampling,
+                                                           self.model.config.vocab_size))
         ids = ResponseIds.new(endpoint, self.config.model_name)
         if req.stream:
             return StreamingResponse(self._counted(request, job, self._sse_lines(job, req, ids, request),
@@ -231,23 +247,31 @@ class Api:
         answer = await self._answer(request, job, req)
         if answer is None:  # its client left: nobody reads this
             return Response(status_code=CLIENT_LEFT)
-        text, result = answer
-        return JSONResponse(response(endpoint, ids, text, _finish(result), result.prompt_tokens, len(result.tokens)))
+        text, result, entries = answer
+        call = None if req.tools is None else answer_call(text, req.tools)
+        logprobs = None if req.rules.top_logprobs is None else \
+            logprobs_object(endpoint, entries, self._token_text)
+        return JSONResponse(response(endpoint, ids, text, _finish(result), result.prompt_tokens, len(result.tokens),
+                                     logprobs, call))
 
     async def _admit(self, parse: Callable[[], GenerationRequest]) -> tuple[GenerationRequest, Job]:
         """The request parsed and its prompt tokenized, then queued. Rendering the chat template and tokenizing take
         milliseconds to seconds for a long prompt: off the event loop, which meanwhile serves every other request."""
-        def prepare() -> tuple[GenerationRequest, list[int]]:
+        def prepare() -> tuple[GenerationRequest, list[int], LogitShaper | None]:
             try:
                 req = parse()
             except ValueError as e:  # the sampler's own checks
                 raise ApiError(400, str(e)) from e
-            return req, self.model.tokenizer.encode(req.prompt)
+            prompt = self.model.tokenizer.encode(req.prompt)
+            # The grammar is compiled here, off the event loop (milliseconds to a second for a large schema).
+            shaper = LogitShaper(req.rules, self.model.tokenizer, prompt, self.model.config.vocab_size) \
+                if req.rules.active else None
+            return req, prompt, shaper
 
-        req, prompt = await asyncio.to_thread(prepare)
-        return req, self._submit(req, prompt)
+        req, prompt, shaper = await asyncio.to_thread(prepare)
+        return req, self._submit(req, prompt, shaper)
 
-    def _submit(self, req: GenerationRequest, prompt: list[int]) -> Job:
+    def _submit(self, req: GenerationRequest, prompt: list[int], shaper: LogitShaper | None = None) -> Job:
         """The request into the queue, its max tokens checked against the context (413 where they overrun it)."""
         context = self.switch.max_len
         room = context - len(prompt)
@@ -258,15 +282,15 @@ class Api:
         if max_tokens > room:
             raise ApiError(413, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                            f"context of {context}", param="max_tokens", code="context_length_exceeded")
-        return self.service.submit(prompt, max_tokens, req.sampling)
+        return self.service.submit(prompt, max_tokens, req.sampling, shaper)
 
     async def _answer(self, request: Request, job: Job,
-                      req: GenerationRequest) -> tuple[str, GenerationResult] | None:
+                      req: GenerationRequest) -> tuple[str, GenerationResult, list[TokenLogprob]] | None:
         """A whole answer's text and result, counted in /metrics; None (counted as CLIENT_LEFT) where its client
         left meanwhile, which stopped the job at its next token."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
-            text, result = await self._collect(job, req)
+            text, result, entries = await self._collect(job, req)
         finally:
             watcher.cancel()
         if watcher.done() and not watcher.cancelled() and watcher.result():
@@ -274,7 +298,7 @@ class Api:
             return None
         self.metrics.request_done(200)
         request.state.tokens = (result.prompt_tokens, len(result.tokens))
-        return text, result
+        return text, result, entries
 
     async def _counted(self, request: Request, job: Job, lines: AsyncIterator[str],
                        failure: Callable[[Exception], str]) -> AsyncIterator[str]:
@@ -296,18 +320,37 @@ class Api:
 
     async def _sse_lines(self, job: Job, req: GenerationRequest, ids: ResponseIds,
                          request: Request) -> AsyncIterator[str]:
-        """Server-sent events: a first chunk with the role, the text as it comes, a closing chunk with the finish
-        reason, the usage if asked, [DONE]."""
+        """Server-sent events: a first chunk with the role, the text as it comes (with its tokens' logprobs where
+        asked), a closing chunk with the finish reason, the usage if asked, [DONE]. An answer that may be a tool call
+        is sent whole at its end: either its text or the call."""
         yield _sse(chunk(req.endpoint, ids, "", first=True))
+        may_call = req.tools is not None and req.tools.choice != ToolChoice.NONE
+        held: list[Piece] = []
+        sent = 0  # characters of the answer sent so far (completions' logprobs count text offsets)
         async for piece in self._pieces(job, req):
             if isinstance(piece, GenerationResult):
-                yield _sse(chunk(req.endpoint, ids, None, _finish(piece)))
+                call = answer_call("".join(p.text for p in held), req.tools) if may_call and req.tools else None
+                if call is not None:
+                    yield _sse(chunk(req.endpoint, ids, None, call=call))
+                elif held:
+                    yield self._sse_piece(req, ids, Piece("".join(p.text for p in held),
+                                                          tuple(e for p in held for e in p.logprobs)), 0)
+                yield _sse(chunk(req.endpoint, ids, None, _finish(piece), called=call is not None))
                 if req.include_usage:
                     yield _sse(usage_chunk(req.endpoint, ids, piece.prompt_tokens, len(piece.tokens)))
                 yield "data: [DONE]\n\n"
                 request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
                 return
-            yield _sse(chunk(req.endpoint, ids, piece))
+            if may_call:
+                held.append(piece)
+                continue
+            yield self._sse_piece(req, ids, piece, sent)
+            sent += len(piece.text)
+
+    def _sse_piece(self, req: GenerationRequest, ids: ResponseIds, piece: Piece, sent: int) -> str:
+        logprobs = None if req.rules.top_logprobs is None else \
+            logprobs_object(req.endpoint, piece.logprobs, self._token_text, sent)
+        return _sse(chunk(req.endpoint, ids, piece.text, logprobs=logprobs))
 
     # --- Ollama's endpoints (ollama_api) ------------------------------------------------------------
     async def ollama_chat(self, request: Request) -> Response:
@@ -328,7 +371,7 @@ class Api:
         answer = await self._answer(request, job, req)
         if answer is None:
             return Response(status_code=CLIENT_LEFT)
-        text, result = answer
+        text, result, _ = answer
         return JSONResponse(ollama_api.final(self.config.model_name, chat, text, _finish(result),
                                              result.prompt_tokens, len(result.tokens), started, result.prefill_s,
                                              result.decode_s))
@@ -343,7 +386,7 @@ class Api:
                                                   len(piece.tokens), started, piece.prefill_s, piece.decode_s)) + "\n"
                 request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
                 return
-            yield json.dumps(ollama_api.piece(name, chat, piece), ensure_ascii=False) + "\n"
+            yield json.dumps(ollama_api.piece(name, chat, piece.text), ensure_ascii=False) + "\n"
 
     async def ollama_tags(self, request: Request) -> Response:
         self._authorize(request)
@@ -356,10 +399,14 @@ class Api:
     async def ollama_version(self, request: Request) -> Response:
         return JSONResponse({"version": ollama_api.VERSION})
 
-    async def _pieces(self, job: Job, req: GenerationRequest) -> AsyncIterator[str | GenerationResult]:
-        """The job's text as it can be sent (cut at a stop string, which cancels the job), then its result."""
+    async def _pieces(self, job: Job, req: GenerationRequest) -> AsyncIterator[Piece | GenerationResult]:
+        """The job's text as it can be sent (cut at a stop string, which cancels the job), each piece with the
+        logprobs of the tokens since the last (the shaper keeps them, one a token, before the token is put), then
+        its result."""
         decoder = self.model.tokenizer.stream_decoder()
         stops = StopText(req.stop)
+        logprobs = [] if job.shaper is None or req.rules.top_logprobs is None else job.shaper.logprobs
+        tokens = taken = 0
         while True:
             item = await job.out.get()
             if isinstance(item, BaseException):
@@ -367,22 +414,24 @@ class Api:
             if isinstance(item, GenerationResult):
                 tail = stops.push(decoder.flush())
                 tail += stops.flush()
-                if tail:
-                    yield tail
+                if tail or taken < len(logprobs[:tokens]):
+                    yield Piece(tail, tuple(logprobs[taken:tokens]))
                 yield item
                 return
+            tokens += 1
             text = stops.push(decoder.push(item))
             if stops.stopped:
                 job.cancel()
             if text:
-                yield text
+                yield Piece(text, tuple(logprobs[taken:tokens]))
+                taken = min(tokens, len(logprobs))
 
-    async def _collect(self, job: Job, req: GenerationRequest) -> tuple[str, GenerationResult]:
-        texts: list[str] = []
+    async def _collect(self, job: Job, req: GenerationRequest) -> tuple[str, GenerationResult, list[TokenLogprob]]:
+        pieces: list[Piece] = []
         async for piece in self._pieces(job, req):
             if isinstance(piece, GenerationResult):
-                return "".join(texts), piece
-            texts.append(piece)
+                return "".join(p.text for p in pieces), piece, [e for p in pieces for e in p.logprobs]
+            pieces.append(piece)
         raise RuntimeError("a job ended without its result")
 
     # --- operations ---------------------------------------------------------------------------------

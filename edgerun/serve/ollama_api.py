@@ -12,6 +12,7 @@ from typing import Any
 
 from edgerun.model.generate import StopReason
 from edgerun.model.loader import Model
+from edgerun.model.logits import ANY_JSON_OBJECT, Grammar, LogitRules
 from edgerun.model.sampling import MAX_SEED, SamplingParams
 from edgerun.serve.openai_api import (
     ApiError,
@@ -22,14 +23,14 @@ from edgerun.serve.openai_api import (
     _stop,
     chat_messages,
     refuse_unserved,
+    schema_grammar,
 )
 
 VERSION = "0.6.0"  # the Ollama API this follows, as /api/version reports it
 PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version")
 ROLES = ("system", "user", "assistant")
 # Ollama fields this server does not serve, and the value of each that asks for nothing.
-UNSERVED: dict[str, Any] = {"format": "", "tools": [], "images": [], "think": False, "context": [], "template": "",
-                            "suffix": ""}
+UNSERVED: dict[str, Any] = {"tools": [], "images": [], "think": False, "context": [], "template": "", "suffix": ""}
 
 
 def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams) -> GenerationRequest:
@@ -69,7 +70,18 @@ def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams) -> 
     # num_predict -1 (or -2, "fill the context"): as many as the context leaves
     return GenerationRequest(Endpoint.CHAT if chat else Endpoint.COMPLETION, prompt,
                              None if predict is None or predict < 0 else max(predict, 1), sampling, _stop(options),
-                             stream, False)
+                             stream, False, LogitRules(grammar=_format(body.get("format"))))
+
+
+def _format(value: Any) -> Grammar | None:
+    """Ollama's "format": "json" (a JSON object) or a JSON Schema."""
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return ANY_JSON_OBJECT
+    if not isinstance(value, dict):
+        raise ApiError(400, "'format' must be \"json\" or a JSON Schema object", param="format")
+    return schema_grammar(value, "format")
 
 
 def _now() -> str:

@@ -11,12 +11,32 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from edgerun.model.generate import StopReason
+from edgerun.model.logits import (
+    ANY_JSON_OBJECT,
+    Grammar,
+    GrammarError,
+    LogitRules,
+    TokenLogprob,
+    check_grammar,
+    json_schema_grammar,
+)
 from edgerun.model.sampling import MAX_SEED, USER_DEFAULTS, SamplingParams
+from edgerun.serve.tools import (
+    ToolCall,
+    ToolChoice,
+    ToolError,
+    Tools,
+    call_text,
+    parse_tools,
+    tool_result_text,
+    with_tools,
+)
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 
@@ -50,6 +70,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    rules: LogitRules = field(default_factory=LogitRules)  # grammar, penalties, biases, log-probabilities
+    tools: Tools | None = None  # the functions the model may call, and how (tool_choice)
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -98,11 +120,12 @@ def _text_content(content: Any, where: str) -> str:
     raise ApiError(400, f"{where}: content must be a string or a list of text parts", param="messages")
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def chat_messages(body: dict[str, Any], roles: tuple[str, ...] = ROLES) -> list[dict[str, str]]:
-    """The request's messages as the chat template takes them; `roles`: those the API accepts."""
+    """The request's messages as the chat template takes them; `roles`: those the API accepts. Earlier tool calls
+    and their results are written in the tools convention (serve/tools.py), as text every template renders."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -110,38 +133,118 @@ def chat_messages(body: dict[str, Any], roles: tuple[str, ...] = ROLES) -> list[
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in roles:
             raise ApiError(400, f"messages[{i}]: 'role' must be one of {', '.join(roles)}", param="messages")
+        where = f"messages[{i}]"
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
-        out.append({"role": role, "content": _text_content(m.get("content"), f"messages[{i}]")})
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls:
+            if not isinstance(calls, list):
+                raise ApiError(400, f"{where}: 'tool_calls' must be a list", param="messages")
+            try:
+                content = "\n".join(call_text(c, where) for c in calls)
+            except ToolError as e:
+                raise ApiError(400, str(e), param="messages") from e
+        else:
+            content = _text_content(m.get("content"), where)
+        if role == "tool":  # most templates know no tool role: the result goes back as the user's turn
+            role, content = "user", tool_result_text(m, content)
+        out.append({"role": role, "content": content})
     return out
 
 
-# Fields of OpenAI's requests this server does not serve yet, and the value of each that asks for nothing (what
+# Fields of OpenAI's requests this server does not serve, and the value of each that asks for nothing (what
 # clients send by default): any other value is a 400 that names the field, never an answer that ignores it.
 UNSERVED: dict[str, Any] = {
-    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-    "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-    "logit_bias": {}, "echo": False, "best_of": 1, "suffix": None,
+    "functions": [], "function_call": "none", "echo": False, "best_of": 1, "suffix": None,
 }
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat (its completions: 5)
+MAX_LOGIT_BIAS = 100.0
+
+
+def response_grammar(value: Any, param: str = "response_format") -> Grammar | None:
+    """OpenAI's response_format as a grammar: text (None), json_object (any JSON object) or json_schema."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, f"'{param}' must be an object whose type is text, json_object or json_schema",
+                       param=param)
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return ANY_JSON_OBJECT
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ApiError(400, f"'{param}.json_schema' must be an object with a 'schema' object", param=param)
+    return schema_grammar(spec.get("schema", {}), param)
+
+
+def schema_grammar(schema: dict[str, Any], param: str) -> Grammar:
+    grammar = json_schema_grammar(schema)
+    try:
+        check_grammar(grammar)
+    except GrammarError as e:
+        raise ApiError(400, f"'{param}': {e}", param=param) from e
+    return grammar
+
+
+def logit_rules(body: dict[str, Any], endpoint: Endpoint, vocab_size: int, grammar: Grammar | None) -> LogitRules:
+    """Penalties, logit_bias and logprobs as the request asks for them."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token ids to numbers", param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not str(key).isdigit() or not int(key) < vocab_size:
+            raise ApiError(400, f"'logit_bias': {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or \
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ApiError(400, f"'logit_bias' values must be numbers from -100 to 100, not {value!r}",
+                           param="logit_bias")
+        pairs.append((int(key), float(value)))
+    if endpoint == Endpoint.CHAT:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ApiError(400, "'logprobs' must be true or false", param="logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top is not None and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        top_logprobs = (top or 0) if wanted else None
+    else:
+        top_logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # completions: how many alternatives
+    repetition = _number(body, "repetition_penalty", 1.0, 0.01, 10.0)  # an extension, as vLLM's
+    return LogitRules(tuple(pairs), _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                      _number(body, "frequency_penalty", 0.0, -2.0, 2.0), repetition, top_logprobs, grammar)
 
 
 def refuse_unserved(body: dict[str, Any], unserved: dict[str, Any] = UNSERVED) -> None:
     """A 400 for the first field of `unserved` (name -> the value that asks for nothing) the body asks for."""
     for name, neutral in unserved.items():
         value = body.get(name)
-        if value is not None and value != neutral and not (name == "tools" and body.get("tool_choice") == "none"):
+        if value is not None and value != neutral:
             raise ApiError(400, f"'{name}' is not served by this server yet (only {json.dumps(neutral)} or left out)",
                            param=name, code="unsupported_parameter")
 
 
-def parse_request(endpoint: Endpoint, body: Any, render_chat: Any,
-                  defaults: SamplingParams = USER_DEFAULTS) -> GenerationRequest:
+def parse_request(endpoint: Endpoint, body: Any, render_chat: Any, defaults: SamplingParams = USER_DEFAULTS,
+                  vocab_size: int = 1 << 31) -> GenerationRequest:
     """The request in `body` (parsed JSON). `render_chat(messages) -> str` applies the model's chat template;
     sampling settings the request leaves out are `defaults`' (the server's)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     refuse_unserved(body)
+    grammar = response_grammar(body.get("response_format"))
+    tools = None
     if endpoint == Endpoint.CHAT:
-        prompt = render_chat(chat_messages(body))
+        try:
+            tools = parse_tools(body)
+        except ToolError as e:
+            raise ApiError(400, str(e), param="tools") from e
+        if tools is not None and tools.choice != ToolChoice.NONE and grammar is not None:
+            raise ApiError(400, "'response_format' and 'tools' cannot both shape one answer", param="tools")
+        messages = chat_messages(body)
+        prompt = render_chat(with_tools(messages, tools) if tools is not None else messages)
+        if tools is not None:
+            grammar = tools.grammar()
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -170,11 +273,33 @@ def parse_request(endpoint: Endpoint, body: Any, render_chat: Any,
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
     return GenerationRequest(endpoint, prompt, max_tokens, SamplingParams(temperature, top_k, top_p, seed, min_p),
-                             _stop(body), stream, bool(options.get("include_usage", False)))
+                             _stop(body), stream, bool(options.get("include_usage", False)),
+                             logit_rules(body, endpoint, vocab_size, grammar), tools)
 
 
-def finish_reason(reason: StopReason) -> str:
+def finish_reason(reason: StopReason, call: ToolCall | None = None) -> str:
+    if call is not None:
+        return "tool_calls"
     return "length" if reason == StopReason.MAX_TOKENS else "stop"
+
+
+def logprobs_object(endpoint: Endpoint, entries: Sequence[TokenLogprob], text_of: Callable[[int], str],
+                    offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs of some tokens: chat's {"content": [...]}, completions' parallel lists (text offsets
+    counted from `offset`, the answer's characters before these tokens)."""
+    if endpoint == Endpoint.CHAT:
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            text = text_of(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    texts = [text_of(e.token) for e in entries]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 @dataclass(frozen=True)
@@ -197,27 +322,34 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def response(endpoint: Endpoint, ids: ResponseIds, text: str, reason: StopReason, prompt_tokens: int,
-             completion_tokens: int) -> dict[str, Any]:
+             completion_tokens: int, logprobs: dict[str, Any] | None = None,
+             call: ToolCall | None = None) -> dict[str, Any]:
     if endpoint == Endpoint.CHAT:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": finish_reason(reason)}
+        message: dict[str, Any] = {"role": "assistant", "content": text} if call is None else \
+            {"role": "assistant", "content": None, "tool_calls": [call.as_openai()]}
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": logprobs,
+                                  "finish_reason": finish_reason(reason, call)}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     return {"id": ids.id, "object": endpoint.value, "created": ids.created, "model": ids.model,
             "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk(endpoint: Endpoint, ids: ResponseIds, text: str | None, reason: StopReason | None = None,
-          first: bool = False) -> dict[str, Any]:
-    """One streamed piece: text, or (text None) the closing chunk with the finish reason."""
+          first: bool = False, logprobs: dict[str, Any] | None = None, call: ToolCall | None = None,
+          called: bool = False) -> dict[str, Any]:
+    """One streamed piece: text (with its tokens' logprobs), a tool call (`call`: its whole delta), or (text None)
+    the closing chunk with the finish reason ("tool_calls" where `called`)."""
     if endpoint == Endpoint.CHAT:
         delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else \
             ({} if text is None else {"content": text})
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                  "finish_reason": None if reason is None else finish_reason(reason)}
+        if call is not None:
+            delta = {"tool_calls": [call.as_openai(index=0)]}
+        ending = None if reason is None else ("tool_calls" if called else finish_reason(reason))
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": ending}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None,
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs,
                   "finish_reason": None if reason is None else finish_reason(reason)}
         kind = "text_completion"
     return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model, "choices": [choice]}

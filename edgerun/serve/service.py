@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import GenerationResult, generate
+from edgerun.model.logits import LogitShaper
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.openai_api import ApiError
@@ -35,6 +36,7 @@ class Job:
     max_tokens: int
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
+    shaper: LogitShaper | None = None  # the request's grammar, penalties, biases and logprobs
     # Tokens as they come, then the GenerationResult (or the exception) as the last item.
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -61,14 +63,15 @@ class Service:
         self.thread = threading.Thread(target=self._run, name="generation", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Job:
+    def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+               shaper: LogitShaper | None = None) -> Job:
         """Queue a generation; 429 when the queue is full."""
         with self.count_lock:
             if self.waiting >= self.max_queue:
                 raise ApiError(429, f"the queue is full ({self.max_queue} requests); try again shortly",
                                kind="rate_limit_error", code="queue_full", retry_after_s=RETRY_AFTER_S)
             self.waiting += 1
-        job = Job(prompt, max_tokens, sampling, asyncio.get_running_loop())
+        job = Job(prompt, max_tokens, sampling, asyncio.get_running_loop(), shaper)
         self.queue.put(job)
         return job
 
@@ -125,7 +128,8 @@ class Service:
             job.put(token)
             self.tokens_log.append(time.time())
 
-        result = generate(self.switch, job.prompt, job.max_tokens, Sampler(job.sampling), self.stop_ids, on_token,
+        sampler = Sampler(job.sampling, job.shaper)
+        result = generate(self.switch, job.prompt, job.max_tokens, sampler, self.stop_ids, on_token,
                           cancelled=job.cancelled.is_set)
         ms = result.decode_s / (len(result.tokens) - 1) * 1e3 if len(result.tokens) > 1 else None
         if ms is not None:

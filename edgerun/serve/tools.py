@@ -1,0 +1,157 @@
+"""Function calling (OpenAI's `tools` and `tool_choice`) by one documented convention for every model.
+
+The functions are listed in a system message, and a call is an answer made of one JSON object
+`{"name": <function>, "arguments": {...}}`. The answer's grammar (model/logits.py) holds the model to it: with
+tool_choice "required" or a named function the answer must be such a call, its arguments valid against the
+function's parameters schema; with "auto" it is either prose (not starting with "{") or such a call; "none" lists
+nothing and constrains nothing. A function's arguments are only those its parameters declare unless its schema
+sets additionalProperties (model/logits.py: json_schema_grammar). One call per answer (parallel_tool_calls may be sent, but a reply holds at most
+one call). The chat templates' own tool syntaxes are not used: the convention is the same on every model.
+
+A conversation's earlier calls and results are rendered back in the same convention, as text: an assistant
+message with tool_calls becomes the call's JSON, a "tool" message a user message carrying the result."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from edgerun.model.logits import JSON_LAYOUT, Grammar, GrammarKind, json_schema_grammar
+
+
+class ToolError(ValueError):
+    """A malformed tools, tool_choice or tool message: the request's fault (a 400)."""
+
+
+class ToolChoice(Enum):
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"
+    NAMED = "named"  # {"type": "function", "function": {"name": ...}}
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str
+    parameters: str  # a JSON Schema, as JSON text
+
+
+@dataclass(frozen=True)
+class Tools:
+    functions: tuple[Function, ...]
+    choice: ToolChoice
+    named: str | None = None  # the function tool_choice names
+
+    def grammar(self) -> Grammar | None:
+        """The answer's grammar: a call (required, named), a call or prose not starting with "{" (auto)."""
+        if self.choice == ToolChoice.NONE:
+            return None
+        chosen = [f for f in self.functions if self.choice != ToolChoice.NAMED or f.name == self.named]
+        calls = [_call_schema(f) for f in chosen]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        grammar = json_schema_grammar(schema)  # arguments only as declared (objects closed)
+        if self.choice == ToolChoice.AUTO:
+            schema = {**json.loads(grammar.text), "x-guidance": JSON_LAYOUT}
+            return Grammar(GrammarKind.LARK, f"start: call | text\ncall: %json {json.dumps(schema)}\n"
+                                             "text: /[^{\\s][\\s\\S]*/\n")
+        return grammar
+
+
+def _call_schema(f: Function) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": f.name}, "arguments": json.loads(f.parameters)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def parse_tools(body: dict[str, Any]) -> Tools | None:
+    """The request's tools and tool_choice; None where it lists no tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise ToolError("'tool_choice' needs 'tools'")
+        return None
+    if not isinstance(tools, list):
+        raise ToolError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}")
+    functions = []
+    for i, tool in enumerate(tools):
+        f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        parameters = f.get("parameters", {"type": "object", "properties": {}})
+        description = f.get("description", "")
+        if not isinstance(parameters, dict) or not isinstance(description, str):
+            raise ToolError(f"tools[{i}]: 'parameters' must be a JSON Schema object and 'description' a string")
+        functions.append(Function(f["name"], description, json.dumps(parameters)))
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise ToolError("'tools' names a function twice")
+    if choice is None or choice in ("auto", "none", "required"):
+        return Tools(tuple(functions), ToolChoice(choice or "auto"))
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if named not in names:
+        raise ToolError(f"'tool_choice' must be auto, none, required or a function of 'tools' ({', '.join(names)})")
+    return Tools(tuple(functions), ToolChoice.NAMED, named)
+
+
+def system_text(tools: Tools) -> str:
+    """The system message's part that lists the functions and the convention of a call."""
+    listed = "\n".join(json.dumps({"name": f.name, "description": f.description,
+                                   "parameters": json.loads(f.parameters)}) for f in tools.functions)
+    return ("You can call these functions:\n" + listed + "\nTo call one, answer with only a JSON object "
+            "{\"name\": <function name>, \"arguments\": <its arguments>}. Otherwise answer in plain text.")
+
+
+def with_tools(messages: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
+    """The messages with the functions listed in the system message (its own text kept first)."""
+    if tools.choice == ToolChoice.NONE:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + system_text(tools)}, *messages[1:]]
+    return [{"role": "system", "content": system_text(tools)}, *messages]
+
+
+def call_text(call: Any, where: str) -> str:
+    """An assistant message's tool call as the convention writes it."""
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise ToolError(f"{where}: a tool call must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    arguments = f.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError as e:
+        raise ToolError(f"{where}: the call's arguments are not JSON: {e}") from e
+    return json.dumps({"name": f["name"], "arguments": parsed})
+
+
+def tool_result_text(message: dict[str, Any], content: str) -> str:
+    name = message.get("name") or message.get("tool_call_id") or "the function"
+    return f"Result of {name}: {content}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"id": self.id, "type": "function",
+                                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def answer_call(text: str, tools: Tools) -> ToolCall | None:
+    """The call an answer makes, None where it is prose."""
+    if tools.choice == ToolChoice.NONE or not text.lstrip().startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # cut short (max_tokens): the text is returned as it is
+    names = {f.name for f in tools.functions}
+    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get("arguments"), dict):
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(value["arguments"]))
