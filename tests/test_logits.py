@@ -71,8 +71,11 @@ SCHEMAS: list[dict] = [
 ]
 
 
+GREEDY = SamplingParams()
+
+
 def shaped(model, engine, prompt_text: str, rules: LogitRules, max_tokens: int = 96,
-           params: SamplingParams = SamplingParams()) -> tuple[str, LogitShaper, StopReason]:
+           params: SamplingParams = GREEDY) -> tuple[str, LogitShaper, StopReason]:
     tok = model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt_text}]))
     shaper = LogitShaper(rules, tok, prompt, model.config.vocab_size)

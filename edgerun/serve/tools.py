@@ -5,8 +5,9 @@ The functions are listed in a system message, and a call is an answer made of on
 tool_choice "required" or a named function the answer must be such a call, its arguments valid against the
 function's parameters schema; with "auto" it is either prose (not starting with "{") or such a call; "none" lists
 nothing and constrains nothing. A function's arguments are only those its parameters declare unless its schema
-sets additionalProperties (model/logits.py: json_schema_grammar). One call per answer (parallel_tool_calls may be sent, but a reply holds at most
-one call). The chat templates' own tool syntaxes are not used: the convention is the same on every model.
+sets additionalProperties (model/logits.py: json_schema_grammar). One call per answer (parallel_tool_calls may be
+sent, but a reply holds at most one call). The chat templates' own tool syntaxes are not used: the convention is
+the same on every model.
 
 A conversation's earlier calls and results are rendered back in the same convention, as text: an assistant
 message with tool_calls becomes the call's JSON, a "tool" message a user message carrying the result."""
