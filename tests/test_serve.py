@@ -373,6 +373,32 @@ def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
         assert re.search(shown_node, shown.stdout, re.M), shown.stdout
 
 
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+               "required": ["city", "country"]}
+
+
+def structured(client: openai.OpenAI) -> tuple[str, list]:
+    """A json_schema answer with its logprobs, checked against the schema."""
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model="any", max_tokens=40, logprobs=True, temperature=0.7, seed=3,
+        messages=[{"role": "user", "content": "Name a city in France and its country, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), CITY_SCHEMA)
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    return text, [e.logprob for e in r.choices[0].logprobs.content]
+
+
+def test_a_cluster_serves_structured_output(cluster) -> None:
+    """The grammar runs where the draw runs: the tensor-parallel master gathers every logit for it."""
+    s, _ = cluster
+    first = structured(s.client())
+    assert structured(s.client()) == first
+    assert s.state()["mode"] == "cluster" and len(s.state()["plan"]["devices"]) == 3
+
+
 def test_kill_a_node_during_four_streams(cluster) -> None:
     """Four concurrent streams while a node is killed with SIGKILL: each completes with exactly the text of
     an undisturbed run (the master replans over the node left and re-prefills)."""
@@ -422,10 +448,15 @@ def test_fuzzed_requests_never_get_a_5xx(server: Serving) -> None:
     fields = {"messages": st.lists(message, max_size=3) | values, "prompt": st.text(max_size=30) | values,
               "max_tokens": st.integers(-2, 3) | values, "temperature": values, "top_p": values, "top_k": values,
               "seed": values, "stop": values, "stream": st.booleans() | values, "n": values,
-              "stream_options": values, "model": values}
+              "stream_options": values, "model": values, "response_format": values | st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "json_object", "json_schema"]), "json_schema": values}),
+              "tools": values | st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": values}),
+                                         max_size=2),
+              "tool_choice": values, "logprobs": values, "top_logprobs": values, "logit_bias": values,
+              "presence_penalty": values, "frequency_penalty": values, "repetition_penalty": values}
     body = st.fixed_dictionaries({}, optional=fields) | values
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=body)
     def check(endpoint: str, body: object) -> None:
         data = json.dumps(body, allow_nan=True).encode()
@@ -470,6 +501,8 @@ def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Pat
             return stream_chat(client, prompts[i], on_text, max_tokens=16, temperature=0.7, seed=i)
 
         undisturbed = [one(i) for i in range(4)]
+        # The last stage hands its logits back for a shaped draw (a grammar, logprobs): the same answer twice.
+        assert structured(client) == structured(client)
         serving = [n["name"] for n in s.state()["nodes"] if n["state"] == "serving"]
         killed: list[str] = []
 
@@ -530,9 +563,10 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
             wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 2, 180,
                        "a pipeline over the worker and the tab")
             answer = stream_chat(s.client(), QUESTION, max_tokens=16, temperature=0)
+            shaped = structured(s.client())  # the last stage, a tab or a native worker, hands its logits back
             nodes = {n["name"]: n for n in s.state()["nodes"]}
             browser.close()
-        assert answer == reference
+        assert answer == reference and shaped
         assert nodes["tab"]["kind"] == "browser" and nodes["tab"]["holds"].startswith("layers ")
         assert nodes["native"]["kind"] == "native" and nodes["native"]["holds"].startswith("layers ")
         assert nodes["tab"]["device"] == "wasm" and nodes["native"]["device"].endswith(" cores, cpu")
@@ -567,6 +601,10 @@ def test_serve_moves_a_mixture_of_experts_to_its_expert_workers(tmp_path: Path) 
         reply = s.client().completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
         assert reply.choices[0].text == model.tokenizer.decode(expected)
         assert {n["holds"] for n in s.state()["nodes"]} == {"32 experts"}  # r = 2 over 2: each holds all
+        pick = {"type": "object", "properties": {"pick": {"enum": ["left", "right"]}}, "required": ["pick"]}
+        shaped = s.client().completions.create(model="m", prompt=prompt, max_tokens=24, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": pick}}})
+        assert json.loads(shaped.choices[0].text)["pick"] in ("left", "right")
         # `edgerun status` shows it (a placement predicts no time a token)
         shown = subprocess.run([sys.executable, "-m", "edgerun.cli", "status", "--master",
                                 s.url.removeprefix("http://")], capture_output=True, text=True, timeout=60)
@@ -750,7 +788,7 @@ def test_ollama_clients_chat_generate_and_list(server: Serving, shipped_model, s
     shaped = client.chat(model="any", messages=messages, format="json", options=greedy)
     assert isinstance(json.loads(shaped.message.content), dict)
     with pytest.raises(ollama.ResponseError) as refused:
-        client.chat(model="any", messages=messages, format="yaml")
+        client.chat(model="any", messages=messages, format={"type": "nonsense"})
     assert refused.value.status_code == 400 and "format" in refused.value.error
 
 
@@ -792,3 +830,129 @@ def test_embeddings_are_unit_vectors_of_the_model_and_repeat(server: Serving, sh
     np.testing.assert_array_equal(decoded, vectors[0].astype(np.float32))
     assert server.post("/v1/embeddings", {"input": [1, 2]})[0] == 400
     assert server.post("/v1/embeddings", {"input": "x", "dimensions": 8})[0] == 400
+
+
+# --- structured output, tools and logprobs (model/logits.py, serve/tools.py) ----------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+def test_structured_output_tools_and_logprobs_with_the_openai_client(server: Serving) -> None:
+    import jsonschema
+    from pydantic import BaseModel
+
+    client = server.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "temperature": {"type": "integer"},
+                                               "sky": {"enum": ["sunny", "cloudy", "rainy"]}},
+              "required": ["city", "temperature", "sky"], "additionalProperties": False}
+    texts = []
+    for _ in range(2):  # the same request, the same answer
+        r = client.chat.completions.create(model="any", messages=ask, max_tokens=80, response_format={
+            "type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        texts.append(r.choices[0].message.content)
+        jsonschema.validate(json.loads(texts[-1]), schema)
+    assert texts[0] == texts[1]
+    r = client.chat.completions.create(model="any", messages=ask, max_tokens=80,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    parsed = client.chat.completions.parse(model="any", max_tokens=60, response_format=City, messages=[
+        {"role": "user", "content": "Name a city in France, as JSON with its name and country."}])
+    assert isinstance(parsed.choices[0].message.parsed, City)
+
+    # Tools: required, a named function, auto; a call's arguments validate against its function's parameters.
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    clock = [{"role": "user", "content": "What time is it in the Europe/Paris zone?"}]
+    for asked, choice, name in ((weather, "required", None),
+                                (clock, {"type": "function", "function": {"name": "get_time"}}, "get_time")):
+        r = client.chat.completions.create(model="any", messages=asked, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                           max_tokens=60)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert name in (None, call.function.name)
+        spec = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), spec)
+    r = client.chat.completions.create(model="any", messages=weather, tools=[WEATHER], max_tokens=60)
+    message = r.choices[0].message
+    assert (message.tool_calls is None) == (message.content is not None)
+    # A streamed call assembles from its deltas, as the client's accumulator does.
+    name, arguments, reasons = "", "", []
+    for c in client.chat.completions.create(model="any", messages=weather, tools=[WEATHER], tool_choice="required",
+                                            max_tokens=60, stream=True):
+        for d in c.choices[0].delta.tool_calls or []:
+            name += d.function.name or ""
+            arguments += d.function.arguments or ""
+        reasons.append(c.choices[0].finish_reason)
+    assert name == "get_weather" and json.loads(arguments)["city"] and reasons[-1] == "tool_calls"
+    # The conversation goes on with the call (null content) and its result.
+    follow = weather + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    r = client.chat.completions.create(model="any", messages=follow, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=24)
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+
+    # Logprobs: one entry a token, the model's, in whole answers and in streams alike.
+    r = client.chat.completions.create(model="any", messages=ask, max_tokens=6, logprobs=True, top_logprobs=3,
+                                       temperature=0)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens and "".join(e.token for e in entries) == \
+        r.choices[0].message.content
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in entries)  # greedy
+    streamed = []
+    for c in client.chat.completions.create(model="any", messages=ask, max_tokens=6, logprobs=True, top_logprobs=3,
+                                            temperature=0, stream=True):
+        if c.choices and c.choices[0].logprobs:
+            streamed += c.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    r = client.completions.create(model="any", prompt="The capital of France is", max_tokens=4, logprobs=2,
+                                  temperature=0)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs[0]) == 2 and lp.text_offset[0] == 0
+    # A penalty and a bias change the answer; the bias forces its token.
+    plain = chat(client, "Count from one to ten.", max_tokens=24, temperature=0)
+    assert chat(client, "Count from one to ten.", max_tokens=24, temperature=0, frequency_penalty=2.0,
+                presence_penalty=2.0) != plain
+    banana = server.post("/tokenize", {"content": " banana"})[1]["tokens"][0]
+    r = client.chat.completions.create(model="any", messages=ask, max_tokens=3, temperature=0,
+                                       logit_bias={str(banana): 100})
+    assert r.choices[0].message.content == " banana" * 3
+
+
+def test_langchain_structured_output_and_tools(server: Serving) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key=API_KEY, model="any", max_retries=0, max_tokens=60)
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    for method in ("json_schema", "function_calling"):  # json_mode promises JSON, not these keys
+        city = llm.with_structured_output(City, method=method).invoke(
+            "Name a city in France, as JSON with its name and country.")
+        assert isinstance(city, City), method
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        return "sunny"
+
+    message = llm.bind_tools([get_weather], tool_choice="any").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(message.tool_calls[0]["args"]["city"], str)
