@@ -897,7 +897,8 @@ def test_structured_output_tools_and_logprobs_with_the_openai_client(server: Ser
         reasons.append(c.choices[0].finish_reason)
     assert name == "get_weather" and json.loads(arguments)["city"] and reasons[-1] == "tool_calls"
     # The conversation goes on with the call (null content) and its result.
-    follow = weather + [
+    follow = [
+        *weather,
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
