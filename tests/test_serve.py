@@ -536,10 +536,11 @@ def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Pat
         s.close()
 
 
-def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, shipped_model,
+def test_a_browser_tab_serves_under_serve_at_the_cluster_port(shipped_path: Path, shipped_model,
                                                          shipped_onnx_f32) -> None:
-    """--plan dp: one port serves the API, the node page and the workers' WebSockets. A native worker (80 MB) and
-    a Chromium tab (600 MB of float32 matrices: neither holds the model alone) join it; a streamed chat is the
+    """--plan dp: the API at its port, the node page and the workers' WebSockets at the cluster port. A native
+    worker (80 MB) and a Chromium tab (600 MB of float32 matrices: neither holds the model alone) join it; a
+    streamed chat is the
     single engine's greedy answer, and the dashboard's state lists the tab as a browser node holding layers."""
     from test_browser_node import open_page, require_browser
 
@@ -551,15 +552,16 @@ def test_a_browser_tab_serves_under_serve_on_its_one_port(shipped_path: Path, sh
     # A tab computes with float32 activations; with the native worker's float32 too (--activations f32), the
     # two give the float32 engine's tokens.
     reference = tok.decode(generate(shipped_onnx_f32, prompt, 16, Sampler(SamplingParams()), tok.stop_ids).tokens)
-    s = Serving("--plan", "dp", "--no-local", "--no-advertise", "--max-context", "512", "--activations", "f32")
-    assert s.cluster == s.url.removeprefix("http://")  # workers are told to come to the HTTP port
+    s = Serving("--plan", "dp", "--no-local", "--no-advertise", "--max-context", "512", "--activations", "f32",
+                "--cluster-port", "0")
+    assert s.cluster != s.url.removeprefix("http://")  # workers and tabs come to the cluster port, not the API's
     native = start_worker(s.cluster, "native")
     try:
         with sync_playwright() as p:
             browser, page, errors = open_page(p)
             # weights=f32: onnxruntime-web on float32 matrices (without it the tab takes edgerun's WebAssembly
             # kernels, int8 activations: on this question's first token, a near-tie, int8 and float32 part).
-            page.goto(f"{s.url}/node?name=tab&memory=600&weights=f32#key={CLUSTER_KEY}")
+            page.goto(f"http://{s.cluster}/node?name=tab&memory=600&weights=f32#key={CLUSTER_KEY}")
             wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 2, 180,
                        "a pipeline over the worker and the tab")
             answer = stream_chat(s.client(), QUESTION, max_tokens=16, temperature=0)
@@ -957,3 +959,56 @@ def test_langchain_structured_output_and_tools(server: Serving) -> None:
     message = llm.bind_tools([get_weather], tool_choice="any").invoke("What is the weather in Paris?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
     assert isinstance(message.tool_calls[0]["args"]["city"], str)
+
+
+def test_a_plain_serve_is_safe_by_default(shipped_path: Path, tmp_path: Path) -> None:
+    """No --host, no --key: the API listens on loopback only, the cluster port on every interface with a key made
+    on the first run (0600 in the config folder) and printed in the join line; a node without the key is refused
+    with a line on both sides, and one with it (or reading the same config folder) joins."""
+    env = {k: v for k, v in os.environ.items() if k != "EDGERUN_KEY"} | \
+        {"EDGERUN_CONFIG": str(tmp_path / "config"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "serve", "--port", "0", "--cluster-port", "0",
+                             "--no-advertise", "--threads", "1", "--prefer", "single"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    nodes: list[subprocess.Popen] = []
+    try:
+        wait_until(lambda: any("serving " in line for line in lines), 180, "the server")
+        joining = next(line for line in lines if "nodes join with" in line)
+        found = re.search(r"at http://([\d.]+):(\d+) .*--master HOST:(\d+) --key (\S+)`", joining)
+        assert found, joining
+        host, port, cluster, key = found.group(1), int(found.group(2)), found.group(3), found.group(4)
+        assert host == "127.0.0.1" and any("made a cluster key" in line for line in lines)
+        kept = tmp_path / "config" / "cluster.key"
+        assert kept.read_text().strip() == key and kept.stat().st_mode & 0o777 == 0o600
+        listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
+        assert re.search(rf"127\.0\.0\.1:{port}\s", listening) and not re.search(rf"0\.0\.0\.0:{port}\s", listening)
+        assert re.search(rf"(0\.0\.0\.0|\*):{cluster}\s", listening), listening
+
+        def node(name: str, node_env: dict[str, str], *extra: str) -> subprocess.Popen:
+            p = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{cluster}",
+                                  "--name", name, "--threads", "1", *extra], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True, env=node_env)
+            nodes.append(p)
+            return p
+
+        elsewhere = env | {"EDGERUN_CONFIG": str(tmp_path / "another machine")}
+        keyless = node("keyless", elsewhere)
+        _, said = keyless.communicate(timeout=120)
+        assert keyless.returncode == 2 and "rejected this node's key" in said, said
+        wait_until(lambda: any("a node at 127.0.0.1 failed authentication" in line for line in lines), 30,
+                   "the server's line about the refused node")
+        node("keyed", elsewhere, "--key", key)
+        node("same config", env)  # on the server's machine: the kept key
+        def joined() -> set[str]:
+            state = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/state", timeout=10).read()
+            return {n["name"] for n in json.loads(state)["nodes"]}
+
+        wait_until(lambda: joined() == {"keyed", "same config"}, 120, "both keyed nodes to join")
+    finally:
+        for p in nodes:
+            p.kill()
+            p.wait()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)

@@ -152,13 +152,43 @@ def host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def cluster_key(args: argparse.Namespace) -> bytes:
+def config_dir() -> Path:
+    """edgerun's own settings: $EDGERUN_CONFIG, else ~/.config/edgerun."""
+    return Path(os.environ.get("EDGERUN_CONFIG") or Path.home() / ".config" / "edgerun")
+
+
+def stored_secret(make: bool) -> str | None:
+    """The cluster secret kept in the config folder (cluster.key, readable by its owner only); made on first use
+    where `make` (`edgerun serve` without --key), else None where there is none."""
+    path = config_dir() / "cluster.key"
+    if path.exists():
+        return path.read_text().strip() or None
+    if not make:
+        return None
+    import secrets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_urlsafe(18)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    print(f"edgerun: made a cluster key, kept in {path} (nodes on other machines need it as --key)", file=sys.stderr)
+    return secret
+
+
+def cluster_secret(args: argparse.Namespace, make: bool = False) -> str | None:
+    """The cluster secret: --key, $EDGERUN_KEY, or the one kept in the config folder (made there on first use
+    where `make`)."""
+    return args.key or os.environ.get("EDGERUN_KEY") or stored_secret(make)
+
+
+def cluster_key(args: argparse.Namespace, make: bool = False) -> bytes:
     from edgerun.net.wire import derive_key
 
-    secret = args.key or os.environ.get("EDGERUN_KEY")
+    secret = cluster_secret(args, make)
     if not secret:
-        print("edgerun: warning: no --key or EDGERUN_KEY: packets are checked, but anyone can forge them",
-              file=sys.stderr)
+        print(f"edgerun: warning: no --key, $EDGERUN_KEY or {config_dir() / 'cluster.key'}: packets are checked, "
+              "but anyone can forge them, and a master that has a key refuses this node", file=sys.stderr)
     return derive_key(secret)
 
 
@@ -232,7 +262,7 @@ def overlaps(text: str) -> tuple[str, ...]:
 
 def key_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key", default=None, help="cluster secret that authenticates every packet "
-                   "(default: $EDGERUN_KEY)")
+                   "(default: $EDGERUN_KEY, else the key `edgerun serve` keeps in ~/.config/edgerun/cluster.key)")
 
 
 def cluster_args(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgerun.model.generate import GenerationResult, StopReason
@@ -605,10 +605,9 @@ class RequestLog:
                 self.log(f"{scope['method']} {scope['path']} {status[0] or CLIENT_LEFT}{spent} {ms:.0f} ms")
 
 
-def build_app(api: Api, cluster_routes: list[BaseRoute] = (), log: Callable[[str], None] | None = None,
-              log_format: LogFormat = LogFormat.TEXT) -> Starlette:
-    """The API and dashboard, and after them the cluster's own routes (a pipeline's WebSockets, node page and
-    stage files); with `log`, one line per request (RequestLog)."""
+def build_app(api: Api, log: Callable[[str], None] | None = None, log_format: LogFormat = LogFormat.TEXT) -> Starlette:
+    """The API and dashboard (the cluster's members come to its own port, not here); with `log`, one line per
+    request (RequestLog)."""
     app = Starlette(routes=[
         Route("/", api.dashboard),
         Route("/health", api.health),
@@ -627,7 +626,6 @@ def build_app(api: Api, cluster_routes: list[BaseRoute] = (), log: Callable[[str
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
-        *cluster_routes,
     ], exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         middleware=([Middleware(RequestLog, log=log, form=log_format)] if log is not None else []) +
         ([Middleware(CORSMiddleware, allow_origins=list(api.config.cors_origins), allow_methods=["GET", "POST"],

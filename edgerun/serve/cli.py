@@ -27,13 +27,17 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                     "when nodes leave. Requests run one at a time in arrival order.")
     p.add_argument("--model", type=Path, default=None,
                    help="a GGUF file or a Hugging Face directory (default: the shipped SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="0.0.0.0", help="address for HTTP and for nodes (default: 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8000,
-                   help="HTTP port: API, dashboard and, with --plan dp, pipeline workers' WebSockets, the browser "
-                        "node page and stage files (default: 8000)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address of the API and dashboard: this machine only unless set (0.0.0.0: every "
+                        "interface; give --api-key then) (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the API and dashboard (default: 8000)")
+    p.add_argument("--cluster-host", default="0.0.0.0",
+                   help="address nodes, pipeline and expert workers and browser tabs come to; every packet there is "
+                        "checked against the cluster key (default: 0.0.0.0)")
     p.add_argument("--cluster-port", type=int, default=7000,
-                   help="TCP port tensor-parallel nodes connect to; a pipeline (--plan dp) uses --port "
-                        "(default: 7000)")
+                   help="port they join at: tensor-parallel nodes' TCP port (their model file comes from a port "
+                        "beside it), or with --plan dp or moe the workers' WebSockets and the browser node page "
+                        "http://HOST:PORT/node (default: 7000)")
     p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
@@ -90,7 +94,8 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                    help=f"compute threads of this machine's engine and share (default: {threads_default}, this "
                         "machine's cores)")
     p.add_argument("--key", default=None, help="cluster secret that authenticates every packet between master and "
-                   "nodes (default: $EDGERUN_KEY)")
+                   "nodes (default: $EDGERUN_KEY, else the one kept in ~/.config/edgerun/cluster.key, made on the "
+                   "first run; the join line printed at start shows it)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="a multi-turn chat in the terminal with a served model, streaming",
@@ -116,12 +121,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from edgerun.serve.server import ServeConfig, Server
     from edgerun.serve.switch import Prefer
 
-    key = b""
+    key, secret = b"", None
     if not args.no_cluster:
-        from edgerun.commands.common import cluster_key
+        from edgerun.commands.common import cluster_secret
+        from edgerun.net.wire import derive_key
 
-        key = cluster_key(args)
-    config = ServeConfig(model=args.model, host=args.host, port=args.port,
+        secret = cluster_secret(args, make=True)
+        key = derive_key(secret)
+    config = ServeConfig(model=args.model, host=args.host, port=args.port, cluster_host=args.cluster_host,
+                         secret=secret,
                          cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,

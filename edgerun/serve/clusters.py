@@ -11,8 +11,6 @@ import contextlib
 from dataclasses import replace
 from typing import Any, Protocol
 
-from starlette.routing import BaseRoute
-
 from edgerun.model.generate import EngineLost, Stepper, TokenStepper
 from edgerun.moe.hub import MoeHub
 from edgerun.pp.master import PipelineMaster
@@ -48,10 +46,6 @@ class Cluster(Protocol):
     def plan(self) -> dict[str, Any] | None: ...
 
     def counters(self) -> dict[str, int]: ...
-
-    def routes(self) -> list[BaseRoute]:
-        """What the cluster serves over HTTP beside the API."""
-        ...
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None: ...
 
@@ -129,9 +123,6 @@ class TensorParallel:
         return {"blocks": s.blocks, "blocks_incomplete": s.blocks_incomplete, "late_packets": s.late_packets,
                 "rejected": self.master.counters.total()}
 
-    def routes(self) -> list[BaseRoute]:
-        return self.master.routes()  # the model file nodes download; they join over the master's TCP port
-
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         self.master.reconfigure(replace(self.master.config, speed=weight_bytes_per_s))
 
@@ -187,9 +178,6 @@ class Experts:
         s = self.hub.stats
         return {"blocks": s.dispatches, "blocks_incomplete": s.dropped, "late_packets": s.redispatched,
                 "rejected": 0}
-
-    def routes(self) -> list[BaseRoute]:
-        return self.hub.routes()
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         """The hub's own share (attention, routers, head) is not planned."""
@@ -253,9 +241,6 @@ class Pipeline:
 
     def counters(self) -> dict[str, int]:
         return {"blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "rejected": 0}
-
-    def routes(self) -> list[BaseRoute]:
-        return self.pipeline.routes()
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         """The pipeline master computes no layers itself."""

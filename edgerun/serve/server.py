@@ -26,10 +26,12 @@ SWITCH_INTERVAL_S = 0.0005
 @dataclass(frozen=True)
 class ServeConfig:
     model: Path | None = None  # a GGUF file or HF directory; None: the shipped model
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # the API and the dashboard: this machine only unless told otherwise
     port: int = 8000  # HTTP: the API and the dashboard
-    cluster_port: int | None = 7000  # tensor-parallel nodes connect here; None: no cluster
+    cluster_host: str = "0.0.0.0"  # where nodes, workers and tabs come: keyed members from the network
+    cluster_port: int | None = 7000  # nodes, workers and tabs join here; None: no cluster
     key: bytes = b""  # the cluster's derived key
+    secret: str | None = None  # the cluster secret it was derived from, for the join line
     plan: str = "halo"  # tensor-parallel planner, "dp": a pipeline, or "moe": a MoEx hub and expert workers
     transport: str = "udp"  # tensor-parallel: lossy layers over UDP with a timeout, or "tcp": wait for every node
     prefer: Prefer = Prefer.AUTO
@@ -76,9 +78,10 @@ class ServeConfig:
 
 class Server:
     """Everything `edgerun serve` runs: engines, master, service and the HTTP app. run() serves until
-    interrupted. One HTTP server on one port serves the API, the dashboard and, with --plan dp, the pipeline's
-    WebSockets, browser node page and stage files; it runs on an event-loop thread that the pipeline master
-    shares (its deployment and forward passes run where its workers' WebSockets are read)."""
+    interrupted. Two doors: the API and the dashboard at host:port (this machine only by default), and the
+    cluster's members at cluster_host:cluster_port (every interface by default, every packet checked against the
+    cluster key): tensor-parallel nodes' TCP port (their model file from the master's own file server), or a
+    pipeline's or expert hub's own HTTP server with the workers' WebSockets, browser node page and stage files."""
 
     def __init__(self, config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
         from edgerun.model.generate import default_engine, make_engine
@@ -112,7 +115,7 @@ class Server:
                 from edgerun.net.discovery import Advertiser, ClusterMode
 
                 mode = {"dp": ClusterMode.PP, "moe": ClusterMode.MOE}.get(config.plan, ClusterMode.TP)
-                self.advertiser = Advertiser(mode, config.host, self.cluster.port, log=log)
+                self.advertiser = Advertiser(mode, config.cluster_host, self.cluster.port, log=log)
             self.switch = EngineSwitch(single, self.cluster, config.prefer, max_len, log)
             self.metrics = Metrics()
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
@@ -122,8 +125,7 @@ class Server:
                            ApiConfig(name, config.api_key, config.default_max_tokens,
                                      sampling=config.sampling, max_body=config.max_body, threads=config.threads,
                                      cors_origins=config.cors_origins, metrics_public=config.metrics_public))
-            self.app = build_app(self.api, self.cluster.routes() if self.cluster is not None else [],
-                                 log if config.log_requests else None, LogFormat(config.log_format))
+            self.app = build_app(self.api, log if config.log_requests else None, LogFormat(config.log_format))
         except BaseException:
             self.sock.close()
             self.net.stop()
@@ -139,21 +141,21 @@ class Server:
                 from edgerun.moe.hub import HubConfig, MoeHub
                 from edgerun.serve.clusters import Experts
 
-                # Expert workers and tabs come to this server's port: the hub's routes sit beside the API.
+                # Expert workers and tabs come to the cluster port, served by the hub's own HTTP server.
                 hedge, adaptive = hedge_setting(config.hedge, config.replicas)
                 return Experts(MoeHub(model, config.key, HubConfig(
-                    host=config.host, port=self.port, max_len=max_len, replicas=config.replicas, hedge=hedge,
-                    adaptive_hedge=adaptive, activations=config.activations, threads=config.threads),
-                    log=lambda m: log(f"experts: {m}"), net=self.net))
+                    host=config.cluster_host, port=config.cluster_port, max_len=max_len, replicas=config.replicas,
+                    hedge=hedge, adaptive_hedge=adaptive, activations=config.activations, threads=config.threads),
+                    log=lambda m: log(f"experts: {m}")))
             if config.plan == "dp":
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
                 prefix = chat_template_prefix(model.tokenizer) if model.tokenizer.chat_template else []
-                # Workers and tabs come to this server's port: the pipeline's routes sit beside the API.
+                # Workers and tabs come to the cluster port, served by the pipeline master's own HTTP server.
                 return Pipeline(PipelineMaster(model, config.key, PipelineConfig(
-                    host=config.host, port=self.port, max_len=max_len, activations=config.activations,
-                    route=config.route, prefix=tuple(prefix)),
-                    log=lambda m: log(f"pipeline: {m}"), net=self.net))
+                    host=config.cluster_host, port=config.cluster_port, max_len=max_len,
+                    activations=config.activations, route=config.route, prefix=tuple(prefix)),
+                    log=lambda m: log(f"pipeline: {m}")))
             from edgerun.tp.config import MasterConfig
             from edgerun.tp.master import Master
 
@@ -162,25 +164,28 @@ class Server:
                 from edgerun.commands.common import load_plan_file
 
                 plan_file = load_plan_file(config.plan_file)
-            master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.host,
-                                                             port=config.cluster_port, files_port=self.port,
+            # Nodes download the model from the master's own file server beside the cluster port.
+            master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.cluster_host,
+                                                             port=config.cluster_port,
                                                              max_len=max_len, threads=config.threads,
                                                              transport=config.transport,
                                                              activations=config.activations),
                             log=lambda m: log(f"cluster: {m}"))
             return TensorParallel(master, plan_file, lambda m: log(f"cluster: {m}"))
         except OSError as e:
-            raise EdgerunError(f"cannot listen for nodes on {config.host}:{config.cluster_port}: "
+            raise EdgerunError(f"cannot listen for nodes on {config.cluster_host}:{config.cluster_port}: "
                                f"{e.strerror or e}") from e
 
     def run(self) -> None:
         where = f"http://{'localhost' if self.config.host in ('0.0.0.0', '::') else self.config.host}:{self.port}"
         mode = {"dp": "--mode pp ", "moe": "--mode moe "}.get(self.config.plan, "")
+        key = f" --key {self.config.secret}" if self.config.secret else ""
         nodes = "" if self.cluster is None else \
-            f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}`"
+            f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}{key}`"
         if self.config.plan in ("dp", "moe") and self.cluster is not None:
             nodes += f", browser tabs at http://HOST:{self.cluster.port}/node" + \
-                ("?mode=moe" if self.config.plan == "moe" else "")
+                ("?mode=moe" if self.config.plan == "moe" else "") + \
+                (f"#key={self.config.secret}" if self.config.secret else "")
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
