@@ -48,6 +48,7 @@ from edgerun.serve.openai_api import (
     response,
     usage_chunk,
 )
+from edgerun.serve.openapi import openapi
 from edgerun.serve.service import Job, Service
 from edgerun.serve.switch import EngineSwitch, Mode
 from edgerun.serve.tools import ToolChoice, answer_call
@@ -461,6 +462,9 @@ class Api:
             "events": [{"at": e.at, "text": e.text} for e in list(sw.events)],
         }
 
+    async def openapi_json(self, request: Request) -> Response:
+        return JSONResponse(openapi(self.config.model_name))
+
     async def health(self, request: Request) -> Response:
         s = self.state()
         return JSONResponse({"status": "ok", "model": s["model"], "mode": s["mode"],
@@ -611,6 +615,7 @@ def build_app(api: Api, log: Callable[[str], None] | None = None, log_format: Lo
     app = Starlette(routes=[
         Route("/", api.dashboard),
         Route("/health", api.health),
+        Route("/openapi.json", api.openapi_json),
         Route("/metrics", api.metrics_text),
         Route("/api/state", api.state_json),
         Route("/api/events", api.state_events),
