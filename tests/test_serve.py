@@ -964,17 +964,29 @@ def test_langchain_structured_output_and_tools(server: Serving) -> None:
 def test_a_plain_serve_is_safe_by_default(shipped_path: Path, tmp_path: Path) -> None:
     """No --host, no --key: the API listens on loopback only, the cluster port on every interface with a key made
     on the first run (0600 in the config folder) and printed in the join line; a node without the key is refused
-    with a line on both sides, and one with it (or reading the same config folder) joins."""
+    with a line on both sides, and one with it (or reading the same config folder) joins, and rejoins the server
+    started again."""
+    import socket
+
     env = {k: v for k, v in os.environ.items() if k != "EDGERUN_KEY"} | \
         {"EDGERUN_CONFIG": str(tmp_path / "config"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "serve", "--port", "0", "--cluster-port", "0",
-                             "--no-advertise", "--threads", "1", "--prefer", "single"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    with socket.socket() as probe:  # a cluster port the server can be started on again
+        probe.bind(("127.0.0.1", 0))
+        fixed_port = probe.getsockname()[1]
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+
+    def serve() -> subprocess.Popen:
+        lines.clear()
+        p = subprocess.Popen([sys.executable, "-m", "edgerun.cli", "serve", "--port", "0", "--cluster-port",
+                              str(fixed_port), "--no-advertise", "--threads", "1", "--prefer", "single"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True).start()
+        wait_until(lambda: any("serving " in line for line in lines), 180, "the server")
+        return p
+
+    proc = serve()
     nodes: list[subprocess.Popen] = []
     try:
-        wait_until(lambda: any("serving " in line for line in lines), 180, "the server")
         joining = next(line for line in lines if "nodes join with" in line)
         found = re.search(r"at http://([\d.]+):(\d+) .*--master HOST:(\d+) --key (\S+)`", joining)
         assert found, joining
@@ -1006,9 +1018,35 @@ def test_a_plain_serve_is_safe_by_default(shipped_path: Path, tmp_path: Path) ->
             return {n["name"] for n in json.loads(state)["nodes"]}
 
         wait_until(lambda: joined() == {"keyed", "same config"}, 120, "both keyed nodes to join")
+        # The server restarts (same key, same cluster port): its nodes come back.
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        proc = serve()
+        assert not any("made a cluster key" in line for line in lines)  # the kept one
+        port = int(re.search(r"at http://[\d.]+:(\d+) ", next(x for x in lines if "serving " in x)).group(1))
+        wait_until(lambda: joined() == {"keyed", "same config"}, 120, "the nodes to rejoin the restarted server")
     finally:
         for p in nodes:
             p.kill()
             p.wait()
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
+
+
+def test_twenty_schemas_validate_through_the_openai_client(server: Serving) -> None:
+    """The twenty schemas of tests/test_logits.py as a client sends them (response_format json_schema, strict),
+    with the server's default sampling: every answer ends, parses and validates."""
+    import jsonschema
+    from test_logits import SCHEMAS
+
+    client = server.client()
+    for i, schema in enumerate(SCHEMAS):
+        r = client.chat.completions.create(
+            model="any", max_tokens=100,
+            messages=[{"role": "user", "content": f"Answer with a short JSON value that follows this schema: "
+                                                  f"{json.dumps(schema)}"}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                    "strict": True}})
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", (i, text)
+        jsonschema.validate(json.loads(text), schema)
