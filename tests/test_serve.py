@@ -1050,3 +1050,34 @@ def test_twenty_schemas_validate_through_the_openai_client(server: Serving) -> N
         text = r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop", (i, text)
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_template_with_its_own_tool_syntax(qwen_path: Path) -> None:
+    """Qwen2.5's template lists the functions itself and wraps a call in <tool_call> tags: the server renders
+    tools, earlier calls and tool results through it, holds the answer to its tags, and returns the call."""
+    from edgerun.model.loader import load_model
+
+    tok = load_model(qwen_path).tokenizer
+    assert tok.tool_tags == ("<tool_call>", "</tool_call>")
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[WEATHER])
+    assert "<tools>" in rendered and '"get_weather"' in rendered
+    s = Serving("--model", str(qwen_path), "--api-key", API_KEY, "--no-cluster", "--max-context", "1024")
+    try:
+        client = s.client()
+        weather = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        r = client.chat.completions.create(model="any", messages=weather, tools=[WEATHER, CLOCK],
+                                           tool_choice="required", max_tokens=60, temperature=0)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+        follow = [*weather, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+        r = client.chat.completions.create(model="any", messages=follow, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=40, temperature=0)
+        assert r.choices[0].message.tool_calls is None and "18" in r.choices[0].message.content
+        r = client.chat.completions.create(model="any", messages=follow, tools=[WEATHER], max_tokens=40,
+                                           temperature=0)  # auto: prose, or a call in the template's tags
+        message = r.choices[0].message
+        assert (message.tool_calls is None) != (message.content is None) and (message.content or "x")[0] not in "{<"
+    finally:
+        s.close()

@@ -300,9 +300,11 @@ class Tokenizer:
         return StreamDecoder(self._backend)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` into a prompt with the model's own chat template."""
+        """Render `messages` into a prompt with the model's own chat template (and `tools`, OpenAI's function
+        list, for a template that lists them itself)."""
         if self.chat_template is None:
             raise ValueError("model has no chat template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -312,13 +314,26 @@ class Tokenizer:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = _raise_exception
+        # Hugging Face's tojson keeps the keys' order (jinja's sorts them): a function list renders as trained.
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         template = env.from_string(self.chat_template)
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
             eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
+            **({"tools": tools} if tools else {}),
         )
+
+    @property
+    def tool_tags(self) -> tuple[str, str] | None:
+        """The tags the chat template wraps a function call in, where it lists functions itself (Qwen's and
+        Hermes' <tool_call>...</tool_call>); None where it has no tool syntax."""
+        template = self.chat_template or ""
+        if "tools" in template and "<tool_call>" in template and "</tool_call>" in template:
+            return "<tool_call>", "</tool_call>"
+        return None
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -51,7 +52,7 @@ from edgerun.serve.openai_api import (
 from edgerun.serve.openapi import openapi
 from edgerun.serve.service import Job, Service
 from edgerun.serve.switch import EngineSwitch, Mode
-from edgerun.serve.tools import ToolChoice, answer_call
+from edgerun.serve.tools import CallTags, ToolChoice, answer_call
 
 MAX_EMBEDDING_INPUTS = 256  # texts in one /v1/embeddings request
 # A request whose client left before its answer (nginx's "client closed request"), as /metrics counts it.
@@ -199,13 +200,17 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, Endpoint.COMPLETION)
 
+    @functools.cached_property
+    def tool_tags(self) -> CallTags | None:
+        return CallTags.of(self.model.tokenizer)
+
     def _token_text(self, token: int) -> str:
         """A token as logprobs show it: its text (a piece of a character shows as U+FFFD)."""
         return self.model.tokenizer.decode([token])
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         try:
-            return self.model.tokenizer.apply_chat_template(messages)
+            return self.model.tokenizer.apply_chat_template(messages, tools=tools)
         except Exception as e:  # the template's own raise_exception, or a model without one
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
 
@@ -237,7 +242,8 @@ class Api:
         if model_name is not None and not isinstance(model_name, str):
             raise ApiError(400, "'model' must be a string", param="model")
         req, job = await self._admit(lambda: parse_request(endpoint, body, self._render_chat, self.config.sampling,
-                                                           self.model.config.vocab_size))
+                                                           self.model.config.vocab_size,
+                                                           self.tool_tags))
         ids = ResponseIds.new(endpoint, self.config.model_name)
         if req.stream:
             return StreamingResponse(self._counted(request, job, self._sse_lines(job, req, ids, request),

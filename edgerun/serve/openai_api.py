@@ -28,11 +28,13 @@ from edgerun.model.logits import (
 )
 from edgerun.model.sampling import MAX_SEED, USER_DEFAULTS, SamplingParams
 from edgerun.serve.tools import (
+    CallTags,
     ToolCall,
     ToolChoice,
     ToolError,
     Tools,
     call_text,
+    earlier_call,
     parse_tools,
     tool_result_text,
     with_tools,
@@ -123,9 +125,10 @@ def _text_content(content: Any, where: str) -> str:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_messages(body: dict[str, Any], roles: tuple[str, ...] = ROLES) -> list[dict[str, str]]:
+def chat_messages(body: dict[str, Any], roles: tuple[str, ...] = ROLES, native_tools: bool = False) -> list[dict]:
     """The request's messages as the chat template takes them; `roles`: those the API accepts. Earlier tool calls
-    and their results are written in the tools convention (serve/tools.py), as text every template renders."""
+    and their results go to a template with a tool syntax as it expects them (`native_tools`), else are written
+    in the tools convention (serve/tools.py), as text every template renders."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -140,12 +143,16 @@ def chat_messages(body: dict[str, Any], roles: tuple[str, ...] = ROLES) -> list[
             if not isinstance(calls, list):
                 raise ApiError(400, f"{where}: 'tool_calls' must be a list", param="messages")
             try:
+                if native_tools:
+                    out.append({"role": role, "content": "", "tool_calls": [
+                        {"type": "function", "function": earlier_call(c, where)} for c in calls]})
+                    continue
                 content = "\n".join(call_text(c, where) for c in calls)
             except ToolError as e:
                 raise ApiError(400, str(e), param="messages") from e
         else:
             content = _text_content(m.get("content"), where)
-        if role == "tool":  # most templates know no tool role: the result goes back as the user's turn
+        if role == "tool" and not native_tools:  # most templates know no tool role: the result is the user's turn
             role, content = "user", tool_result_text(m, content)
         out.append({"role": role, "content": content})
     return out
@@ -226,9 +233,10 @@ def refuse_unserved(body: dict[str, Any], unserved: dict[str, Any] = UNSERVED) -
 
 
 def parse_request(endpoint: Endpoint, body: Any, render_chat: Any, defaults: SamplingParams = USER_DEFAULTS,
-                  vocab_size: int = 1 << 31) -> GenerationRequest:
-    """The request in `body` (parsed JSON). `render_chat(messages) -> str` applies the model's chat template;
-    sampling settings the request leaves out are `defaults`' (the server's)."""
+                  vocab_size: int = 1 << 31, tool_tags: CallTags | None = None) -> GenerationRequest:
+    """The request in `body` (parsed JSON). `render_chat(messages, tools=None) -> str` applies the model's chat
+    template, whose call tags are `tool_tags` where it has a tool syntax; sampling settings the request leaves out
+    are `defaults`' (the server's)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     refuse_unserved(body)
@@ -236,13 +244,14 @@ def parse_request(endpoint: Endpoint, body: Any, render_chat: Any, defaults: Sam
     tools = None
     if endpoint == Endpoint.CHAT:
         try:
-            tools = parse_tools(body)
+            tools = parse_tools(body, tool_tags)
         except ToolError as e:
             raise ApiError(400, str(e), param="tools") from e
         if tools is not None and tools.choice != ToolChoice.NONE and grammar is not None:
             raise ApiError(400, "'response_format' and 'tools' cannot both shape one answer", param="tools")
-        messages = chat_messages(body)
-        prompt = render_chat(with_tools(messages, tools) if tools is not None else messages)
+        messages = chat_messages(body, native_tools=tool_tags is not None)
+        prompt = render_chat(messages) if tools is None else \
+            render_chat(with_tools(messages, tools), tools=tools.for_template())
         if tools is not None:
             grammar = tools.grammar()
     else:
