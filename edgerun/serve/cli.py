@@ -101,8 +101,8 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p = sub.add_parser("chat", help="a multi-turn chat in the terminal with a served model, streaming",
                        description="Type a message and press Enter; an empty line or Ctrl-D ends the chat, "
                                    "/reset forgets the conversation.")
-    p.add_argument("--url", default="http://localhost:8000",
-                   help="where `edgerun serve` listens (default: http://localhost:8000)")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="where `edgerun serve` listens (default: http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help=f"bearer token (default: ${API_KEY_ENV})")
     p.add_argument("--system", default=None, help="a system message that starts the conversation "
                    "(default: none)")
