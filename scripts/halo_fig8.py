@@ -30,8 +30,10 @@ def main() -> None:
     rows, speedups = [], []
     for name in args.models.split(","):
         model = model_for(name, args.synth_dir or args.out)
-        config = TpBenchConfig(model, tokens=args.tokens, codec=args.codec, timeout_ms=None, loss_at=loss_at,
-                               rate_mbit=args.rate if loss_at == "testbed" else None)
+        config = TpBenchConfig(model, args.plan, tokens=args.tokens, codec=args.codec, timeout_ms=None,
+                               loss_at=loss_at,
+                               rate_mbit=args.rate if loss_at == "testbed" else None,
+                               rebalance=False, every_device=True)  # udp and tcp on the same devices, all computing
         results = bench_tp(config, [int(n) for n in args.nodes.split(",")], losses, ["udp", "tcp"],
                            progress=lambda m, name=name: progress(f"{model_label(name)}: {m}"))
         rows += [asdict(r) | {"model": model_label(name)} for r in results]

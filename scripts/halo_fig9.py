@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f16")
     p.add_argument("--seed", type=int, default=0)
-    add_experiment_args(p, loss_at=False)
+    add_experiment_args(p, loss_at=False, plan=False)  # it compares planners (--plans)
     args = p.parse_args()
     if best_loss_at() != "testbed":
         raise SystemExit("Fig. 9 needs a testbed (root, nftables, cgroups): CPU quotas and link rates are the "
@@ -59,7 +59,8 @@ def main() -> None:
             for rate in rates:
                 config = TpBenchConfig(model, tokens=args.tokens, codec=args.codec, timeout_ms=None,
                                        loss_at="testbed", rate_mbit=rate, cpu_quotas=quotas,
-                                       node_speeds=tuple(BASE_SPEED * q for q in quotas))
+                                       node_speeds=tuple(BASE_SPEED * q for q in quotas),
+                                       rebalance=False)  # each planner's own split (it may leave a node out)
                 tag = f"{nodes} nodes, scenario {scenario + 1} ({' '.join(f'{f:.1f}' for f in ghz)} GHz)"
                 results = bench_tp(config, [nodes], [args.plr], ["udp"], plans=plans,
                                    progress=lambda m, tag=tag: progress(f"{tag}: {m}"))

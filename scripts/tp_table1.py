@@ -31,10 +31,12 @@ def main() -> None:
     add_experiment_args(p)
     args = p.parse_args()
     loss_at = args.loss_at or best_loss_at()
-    config = TpBenchConfig(model_for(args.model, args.synth_dir or args.out), tokens=args.tokens, codec=args.codec,
+    config = TpBenchConfig(model_for(args.model, args.synth_dir or args.out), args.plan, tokens=args.tokens,
+                           codec=args.codec,
                            timeout_ms=args.timeout_ms, timeout_deviations=args.timeout_deviations,
                            parity=args.parity, loss_at=loss_at,
-                           rate_mbit=args.rate if loss_at == "testbed" else None)
+                           rate_mbit=args.rate if loss_at == "testbed" else None,
+                           rebalance=False, every_device=True)  # every row on the same devices, all computing
     results = bench_tp(config, [int(n) for n in args.nodes.split(",")], args.plr.split(","),
                        args.transport.split(","), progress=progress)
     write_tp_results(results, args.out / "table1.csv")

@@ -220,6 +220,8 @@ def test_experiment_scripts_run_on_a_small_testbed(tmp_path: Path, tiny_spec, sy
 
     out = script("tp_table1.py", "--nodes", "1", "--plr", "0,5%")
     assert "testbed loss" in out and "1 node(s), loss 5%: udp" in out
+    # Every row ran on both devices (one split for both transports and both rates), and says so.
+    assert out.count("computed on master, bench-0") == 4 and "left out" not in out
     rows = (tmp_path / "tp_table1.py" / "table1.csv").read_text().splitlines()
     assert len(rows) == 1 + 4  # header + (udp, tcp) x (0, 5%)
     out = script("halo_fig9.py", "--nodes", "2", "--scenarios", "1", "--plans", "minmax,galaxy", "--rates", "100")

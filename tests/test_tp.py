@@ -800,3 +800,55 @@ def test_bench_table_gives_the_median_speed_up_of_a_node_count_run_several_times
         "3 node(s), plan halo, udp, loss 0, 2 runs: speed-up over the single engine, median 2.80x (2.50x, 3.10x); "
         "decode 2.70x (2.40x, 3.00x); prefill 2.90x (2.60x, 3.20x)"]
     assert not any(" runs: " in line for line in tp_table([row(7, 3.0)]).splitlines())
+
+
+def test_bench_rows_run_on_every_device_and_say_which(tiny_spec, synth_gguf, capsys) -> None:
+    """--every-device: udp and tcp rows on one split that every device computes, each row naming its devices; a
+    planner that leaves a device out at the declared speeds is an error naming it."""
+    import json
+
+    from edgerun.bench.tp import TpBenchConfig, bench_tp
+    from edgerun.cli import main
+
+    path = synth_gguf(tiny_spec(tied=False))
+    assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
+                 "--plan", "even", "--every-device", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["transport"] for r in rows] == ["udp", "tcp"]
+    assert all(r["computed_on"] == ["master", "bench-0"] and r["left_out"] == [] and not r["rebalanced"]
+               for r in rows)
+    slow = TpBenchConfig(path, "halo", tokens=2, node_speeds=(1e3,), rebalance=False, every_device=True)
+    with pytest.raises(EdgerunError, match="leaves bench-0 out"):
+        bench_tp(slow, [1], ["0"], ["udp"])
+    with pytest.raises(EdgerunError, match="--every-device"):
+        TpBenchConfig(path, every_device=True)  # with a rebalance
+
+
+def test_bench_table_gives_no_speed_up_for_a_row_whose_nodes_computed_nothing() -> None:
+    import dataclasses
+
+    from edgerun.bench.tp import TpResult, tp_ratios, tp_table
+
+    blank = {f.name: 0 for f in dataclasses.fields(TpResult)
+             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+    def row(transport: str, loss: str, ms: float, on: tuple[str, ...]) -> TpResult:
+        devices = ("master", "n1", "n2")
+        return TpResult(**blank | {"nodes": 2, "transport": transport, "loss": loss, "plan": "halo", "legs": (),
+                                   "ms_per_token": ms, "devices": (), "single_ms_per_token": 100.0,
+                                   "speedup": 100.0 / ms, "single_decode_ms_per_token": 90.0, "decode_speedup": 1.5,
+                                   "single_prefill_ms": 900.0, "prefill_speedup": 1.2, "computed_on": on,
+                                   "left_out": tuple(d for d in devices if d not in on),
+                                   "llamacpp_decode_ms_per_token": 60.0, "llamacpp_prefill_tok_s": 80.0,
+                                   "llamacpp_decode_speedup": 60.0 / ms})
+
+    alone = row("tcp", "0", 50.0, ("master",))
+    rows = [row("udp", "0", 40.0, ("master", "n1", "n2")), alone]
+    table = tp_table(rows)
+    assert "2 node(s), udp, loss 0: computed on master, n1, n2" in table
+    assert "2 node(s), tcp, loss 0: computed on master; left out: n1, n2; the nodes computed nothing" in table
+    assert "2.50x" in table and "2.00x" not in table  # the udp row's speed-up; none for the master alone
+    assert "decode against it: 2 node(s) udp loss 0 1.50x, 2 node(s) tcp loss 0 - (nodes idle)" in table
+    ratios = tp_ratios(rows)
+    assert "tcp 50.0 ms/token;" in ratios and "= " not in ratios.split("tcp")[1]
+    assert "rows whose nodes computed nothing are left out of the ratios" in ratios

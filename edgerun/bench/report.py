@@ -26,9 +26,16 @@ def write_tp_results(results: Sequence[TpResult], path: Path) -> None:
     write_csv([asdict(r) for r in results], path)
 
 
-def add_experiment_args(p: argparse.ArgumentParser, loss_at: bool = True) -> None:
-    """--loss-at (unless the experiment needs a testbed), --synth-dir and --out, as every tensor-parallel
-    experiment script takes them."""
+def add_experiment_args(p: argparse.ArgumentParser, loss_at: bool = True, plan: bool = True) -> None:
+    """--loss-at (unless the experiment needs a testbed), --plan (unless it compares planners), --synth-dir and
+    --out, as every tensor-parallel experiment script takes them."""
+    if plan:
+        # An experiment on loss or transport runs every device on every row: minmax splits by the declared speeds
+        # (even, on equal devices, as HALO's planner does); halo, which weighs each device's synchronizations
+        # against its compute, rightly leaves devices out of a small model, and such rows would measure the
+        # master alone.
+        p.add_argument("--plan", default="minmax", help="the tensor-parallel planner of every row; it must give "
+                       "every device units (default: minmax)")
     if loss_at:
         p.add_argument("--loss-at", choices=LOSS_AT, default=None,
                        help="where loss happens (default: testbed where possible, else process)")

@@ -128,8 +128,13 @@ class TpResult:
     rebalanced: bool  # the plan measured was made with the devices' measured speeds, after a warm-up
     # The rebalance's trial of that plan against the one before it (Master.rebalance), if it made one.
     trial: TrialOutcome | None = None
+    computed_on: tuple[str, ...] = ()  # the devices the row's plan gave units to (master first)
+    left_out: tuple[str, ...] = ()  # the devices of the cluster it gave none
     decode_ms_per_token: float = float("nan")  # the one-token steps alone (ms_per_token has the prompt's prefill)
     single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
+    llamacpp_decode_ms_per_token: float | None = None  # llama-bench's decode, same file and threads (--vs-llamacpp)
+    llamacpp_prefill_tok_s: float | None = None
+    llamacpp_decode_speedup: float | None = None  # llamacpp_decode_ms_per_token / decode_ms_per_token
     speedup: float | None = None  # single_ms_per_token / ms_per_token
     single_decode_ms_per_token: float | None = None
     decode_speedup: float | None = None  # single_decode_ms_per_token / decode_ms_per_token
@@ -212,6 +217,11 @@ class TpBenchConfig:
     parity_always: bool = False  # parity on clean links too (else once a link loses a packet)
     spin_us: float | None = 0.0  # master and nodes poll their UDP socket this long before sleeping; None: auto
     rebalance: bool = True  # after a warm-up, replan with the speeds the devices showed (Master.rebalance)
+    # An experiment's rows: every device computes on every row, on the planner's split at the declared speeds
+    # (no rebalance), one split for every transport and loss of a node count; a split that leaves one out is an
+    # error. Else (serving's way) a row may run on fewer devices than it started, and says so.
+    every_device: bool = False
+    vs_llamacpp: bool = False  # also time llama.cpp's llama-bench on the same file and threads, pinned as the master
     activations: Activations = Activations.INT8  # of every quantized product, the single baseline's too
     trace_dir: Path | None = None  # --trace: master's and nodes' timelines, a directory per node count
     pin: int = 0  # cores of its own for every device (master, each node, the single baseline); 0: not pinned
@@ -231,6 +241,9 @@ class TpBenchConfig:
             raise EdgerunError("--pin takes a number of cores per device, 0 for none")
         if self.gpu_nodes < 0:
             raise EdgerunError("--gpu-nodes takes a number of nodes, 0 for none")
+        if self.every_device and self.rebalance:
+            raise EdgerunError("--every-device runs the planner's split at the declared speeds, not --rebalance (a "
+                               "rebalance by measured speeds may leave slow devices out)")
         if self.pin and self.loss_at == "testbed":
             raise EdgerunError("--pin is for loopback clusters; a testbed's nodes take --cpu-quota")
         check_exchange(self.timeout_ms, self.timeout_deviations, self.rto_min_ms, self.group_size)
@@ -329,7 +342,7 @@ def _rebalance(master: Master, model: Model) -> tuple[bool, TrialOutcome | None]
     milliseconds a token measures nothing in one short request: the replan kept the declared speeds and a split
     slower than the master alone.)"""
     prompt = bench_prompt(model)
-    used = [name for name, held in zip(master.plan.devices, master.plan.memory_bytes, strict=True) if held > 0]
+    used = computing(master.plan)
     for _ in range(REBALANCE_WARMUPS):
         _warm_up(master, prompt)
         master.take_measurements()
@@ -417,7 +430,20 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
         devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
+        computed_on=computing(master.plan), left_out=tuple(d for d in master.plan.devices
+                                                           if d not in computing(master.plan)),
         kind_legs=kind_legs, traced=master.trace is not None, devices=devices)
+
+
+def computing(plan: TPPlan) -> tuple[str, ...]:
+    """The devices a plan gives units to, in its order (the master first)."""
+    return tuple(name for name, held in zip(plan.devices, plan.memory_bytes, strict=True) if held > 0)
+
+
+def nodes_idle(row: TpResult) -> bool:
+    """Whether a row's nodes computed nothing (its plan left every node out): such a row measures the master
+    alone, and no speed-up or loss effect of a cluster may be read from it."""
+    return row.nodes > 0 and bool(row.computed_on) and set(row.computed_on) <= {"master"}
 
 
 def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ...]:
@@ -480,6 +506,7 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
 
         if baseline:
             single()
+        reference = llamacpp_reference(model, config, progress) if config.vs_llamacpp else None
         for nodes in node_counts:
             # auto: by the cores this process could use before --pin narrowed them to the master's
             spin_us = auto_spin_us(nodes + 1, max(config.threads, config.pin), len(USABLE_CORES)) \
@@ -506,8 +533,26 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                                 single_prefill_ms=around.prefill_ms,
                                 prefill_speedup=around.prefill_ms / r.prefill_ms,
                                 **_ceiling_speedups(r, around)) for r in rows]
+            if reference is not None:  # llama.cpp on one device, the yardstick beside every row
+                rows = [replace(r, llamacpp_decode_ms_per_token=1e3 / reference.decode_tok_s,
+                                llamacpp_prefill_tok_s=reference.prefill_tok_s,
+                                llamacpp_decode_speedup=1e3 / reference.decode_tok_s / r.decode_ms_per_token)
+                        for r in rows]
             results += rows
     return results
+
+
+def llamacpp_reference(model: Model, config: TpBenchConfig, progress: Callable[[str], None]):
+    """llama.cpp's llama-bench (built once from the PyPI sdist) on the same GGUF file, at the master's threads
+    and cores, with the bench's prompt length and token count."""
+    from edgerun import llamacpp
+
+    if model.path.suffix != ".gguf":
+        raise EdgerunError(f"--vs-llamacpp runs llama.cpp on the model's GGUF file; {model.path} is not one")
+    cores = device_cores(0, config.pin)
+    progress(f"llama.cpp's llama-bench, {config.threads} thread(s)" + ("" if cores is None else " (pinned)"))
+    return llamacpp.llama_bench(model.path, config.threads, len(bench_prompt(model)), config.tokens, repetitions=2,
+                                cores=None if cores is None else ",".join(map(str, sorted(cores))))
 
 
 def _ceiling_speedups(row: TpResult, single: RequestTiming) -> dict[str, float | None]:
@@ -528,21 +573,29 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
         bed = stack.enter_context(testbed.running(_testbed_for(config, nodes))) if config.loss_at == "testbed" else None
         for group in ([losses] if in_kernel else [[loss] for loss in losses]):
             with local_cluster(model, config, nodes, "0" if in_kernel else group[0], bed) as master:
-                # In one cluster, a plan and transport's rows after its first run on the plan its first made and
-                # rebalanced: a row then differs from its neighbours by its loss rate alone. Replanned from each
-                # row's warm-up, rows of one rate on this 2-core machine ran on plans from the master alone to
-                # 424 of 862 MiB on the node, and the loss ratio measured the plans more than the loss.
-                first: dict[tuple[str, str], tuple[TPPlan, bool, TrialOutcome | None]] = {}
+                # In one cluster, a planner's rows after its first run on the split its first made (and
+                # rebalanced): a row then differs from its neighbours by its loss rate or transport alone, on the
+                # same devices. Replanned from each row's warm-up, rows of one rate on this 2-core machine ran on
+                # plans from the master alone to 424 of 862 MiB on the node, and the loss ratio measured the plans
+                # more than the loss; planned per transport, tcp rows ran on the master alone beside udp rows on
+                # three devices, and "tcp = 0.15x udp" compared two different clusters.
+                first: dict[str, tuple[TPPlan, bool, TrialOutcome | None]] = {}
                 for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
                     progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
                     master.reconfigure(replace(master.config, strategy=plan, transport=transport))
                     master.forget_loss()  # a row after a lossy one (--plr 0,5%,0,5%) starts on clean links too
-                    kept = first.get((plan, transport))
+                    kept = first.get(plan)
                     master.replan(None if kept is None else kept[0])  # before the loss: assignments travel clean
                     if kept is None:
+                        if config.every_device and master.plan.devices_used < nodes + 1:
+                            left = [d for d in master.plan.devices if d not in computing(master.plan)]
+                            raise EdgerunError(
+                                f"plan {plan} leaves {', '.join(left)} out of {nodes} node(s) at the declared "
+                                "speeds, and --every-device asks every device to compute: use --plan even, or "
+                                "declare speeds the planner gives units to")
                         rebalanced, trial = _rebalance(master, model) if config.rebalance and nodes > 0 else \
                             (False, None)
-                        first[(plan, transport)] = (master.plan, rebalanced, trial)
+                        first[plan] = (master.plan, rebalanced, trial)
                     else:
                         rebalanced, trial = kept[1:]
                     # A row on a kept plan has no warm-ups before its loss, in which a spare stream reopened (after
@@ -587,9 +640,10 @@ def tp_table(results: list[TpResult]) -> str:
             f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
             f"{'rebuilt':>7} {'resent':>6} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
     for r in results:
-        speedup = "" if r.speedup is None else f"{r.speedup:.2f}x"
-        decode_speedup = "" if r.decode_speedup is None else f"{r.decode_speedup:.2f}x"
-        prefill_speedup = "" if r.prefill_speedup is None else f"{r.prefill_speedup:.2f}x"
+        idle = nodes_idle(r)  # the master alone: a cluster's speed-up is not measured by this row
+        speedup = "" if r.speedup is None else "-" if idle else f"{r.speedup:.2f}x"
+        decode_speedup = "" if r.decode_speedup is None else "-" if idle else f"{r.decode_speedup:.2f}x"
+        prefill_speedup = "" if r.prefill_speedup is None else "-" if idle else f"{r.prefill_speedup:.2f}x"
         memory = (f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f} (+{r.node_overhead_mb:.0f})"
                   if r.nodes else "-")
         rows.append(f"{r.nodes:>5} {r.devices_used:>4} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} "
@@ -601,6 +655,19 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.partials_resent:>6} "
                     f"{r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")
+    rows += [f"{r.nodes} node(s), {r.transport}, loss {r.loss}: computed on {', '.join(r.computed_on)}"
+             + (f"; left out: {', '.join(r.left_out)}" if r.left_out else "")
+             + ("; the nodes computed nothing, so this row gives no speed-up or loss effect" if nodes_idle(r) else "")
+             for r in results if r.computed_on]
+    yardstick = [r for r in results if r.llamacpp_decode_ms_per_token is not None]
+    if yardstick:
+        ref = yardstick[0]
+        rows.append(f"llama.cpp (llama-bench, same file and threads, on the master's cores): decode "
+                    f"{ref.llamacpp_decode_ms_per_token:.1f} ms/token, prefill {ref.llamacpp_prefill_tok_s:.1f} "
+                    "tok/s; each row's decode against it: " + ", ".join(
+                        f"{r.nodes} node(s) {r.transport} loss {r.loss} "
+                        + ("- (nodes idle)" if nodes_idle(r) else f"{r.llamacpp_decode_speedup:.2f}x")
+                        for r in yardstick))
     singles = [r for r in results if r.single_ms_per_token is not None]
     if singles:
         rows.append(f"single-process engine: {span([r.single_ms_per_token for r in singles])} ms/token, decode "
@@ -685,7 +752,7 @@ def _repeated(results: list[TpResult]) -> list[str]:
     median of its speed-ups, whole, decode and prefill, and each run's. On a shared machine one node count's
     speed-up moved between 2.6x and 3.8x over five minutes (8 devices, 1B, the device machine): one run says
     little."""
-    timed = [r for r in results if r.speedup is not None]
+    timed = [r for r in results if r.speedup is not None and not nodes_idle(r)]
     runs: dict[tuple[int, str, str, str], list[TpResult]] = {}
     for r in timed:
         runs.setdefault((r.nodes, r.plan, r.transport, r.loss), []).append(r)
@@ -716,16 +783,22 @@ def tp_ratios(results: list[TpResult]) -> str:
             ms = statistics.median(mine[i].ms_per_token for i in rows_of)
             label = f"{nodes} node(s), plan {plan}" if several_plans else f"{nodes} node(s)"
             parts = [f"{label}, loss {loss}: udp {ms:.1f} ms/token"]
-            pairs = [1.0] if loss == base else [mine[i].ms_per_token / lossless.ms_per_token for i in rows_of
-                                                if (lossless := _nearest(mine, i, base, True)) is not None]
-            if pairs:
+            # A pair whose rows ran on the master alone measures no loss or transport effect of a cluster.
+            pairs = [1.0] if loss == base else [
+                mine[i].ms_per_token / lossless.ms_per_token for i in rows_of
+                if (lossless := _nearest(mine, i, base, True)) is not None and not nodes_idle(mine[i])
+                and not nodes_idle(lossless)]
+            if pairs and not all(nodes_idle(mine[i]) for i in rows_of):
                 parts.append(_ratio(pairs, f"udp at loss {base}"))
             tcp = [i for i, r in enumerate(mine) if r.transport == "tcp" and r.loss == loss]
             if tcp:
                 over = [mine[i].ms_per_token / other.ms_per_token for i in tcp
-                        if (other := _nearest(mine, i, loss, False)) is not None]
-                parts.append(f"tcp {statistics.median(mine[i].ms_per_token for i in tcp):.1f} ms/token = "
-                             + _ratio(over, "udp"))
+                        if (other := _nearest(mine, i, loss, False)) is not None and not nodes_idle(mine[i])
+                        and not nodes_idle(other)]
+                parts.append(f"tcp {statistics.median(mine[i].ms_per_token for i in tcp):.1f} ms/token"
+                             + (f" = {_ratio(over, 'udp')}" if over else ""))
+            if any(nodes_idle(mine[i]) for i in rows_of + tcp):
+                parts.append("rows whose nodes computed nothing are left out of the ratios")
             rows.append("; ".join(parts))
     return "\n".join(rows)
 

