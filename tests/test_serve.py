@@ -789,6 +789,19 @@ def test_ollama_clients_chat_generate_and_list(server: Serving, shipped_model, s
     assert server.get("/api/version")[0] == 200
     shaped = client.chat(model="any", messages=messages, format="json", options=greedy)
     assert isinstance(json.loads(shaped.message.content), dict)
+    # Tools (Ollama's arguments are an object), whole and streamed; a tool's result is taken back.
+    ask = [{"role": "user", "content": "Call get_weather for Paris in celsius."}]
+    called = client.chat(model="any", messages=ask, tools=[WEATHER], options=greedy | {"num_predict": 60})
+    assert [(c.function.name, c.function.arguments) for c in called.message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "celsius"})] and called.message.content == ""
+    streamed = [p.message.tool_calls for p in client.chat(model="any", messages=ask, tools=[WEATHER], stream=True,
+                                                          options=greedy | {"num_predict": 60})]
+    assert streamed[0] == called.message.tool_calls and streamed[-1] is None
+    answered = client.chat(model="any", tools=[WEATHER], options=greedy | {"num_predict": 8}, messages=[
+        *ask, {"role": "assistant", "content": "", "tool_calls": [{"function": {
+            "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {"role": "tool", "content": "18 degrees and sunny"}])
+    assert answered.done
     with pytest.raises(ollama.ResponseError) as refused:
         client.chat(model="any", messages=messages, format={"type": "nonsense"})
     assert refused.value.status_code == 400 and "format" in refused.value.error

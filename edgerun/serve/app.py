@@ -370,7 +370,8 @@ class Api:
         self._authorize(request)
         body = await self._body(request)
         started = time.perf_counter()
-        req, job = await self._admit(lambda: ollama_api.parse(chat, body, self._render_chat, self.config.sampling))
+        req, job = await self._admit(lambda: ollama_api.parse(chat, body, self._render_chat, self.config.sampling,
+                                                              self.tool_tags))
         if req.stream:
             return StreamingResponse(self._counted(request, job, self._ndjson_lines(job, req, chat, request, started),
                                                    lambda e: json.dumps({"error": f"generation failed: {e}"}) + "\n"),
@@ -379,20 +380,31 @@ class Api:
         if answer is None:
             return Response(status_code=CLIENT_LEFT)
         text, result, _ = answer
-        return JSONResponse(ollama_api.final(self.config.model_name, chat, text, _finish(result),
+        call = None if req.tools is None else answer_call(text, req.tools)
+        return JSONResponse(ollama_api.final(self.config.model_name, chat, "" if call else text, _finish(result),
                                              result.prompt_tokens, len(result.tokens), started, result.prefill_s,
-                                             result.decode_s))
+                                             result.decode_s, call))
 
     async def _ndjson_lines(self, job: Job, req: GenerationRequest, chat: bool, request: Request,
                             started: float) -> AsyncIterator[str]:
-        """Ollama's NDJSON: a line per piece of text, then the closing line with the counts."""
+        """Ollama's NDJSON: a line per piece of text, then the closing line with the counts. An answer that may be a
+        tool call is sent whole at its end: a line with its text or its call."""
         name = self.config.model_name
+        may_call = req.tools is not None and req.tools.choice != ToolChoice.NONE
+        held: list[str] = []
         async for piece in self._pieces(job, req):
+            if isinstance(piece, GenerationResult) and held:
+                text = "".join(held)
+                call = answer_call(text, req.tools) if req.tools else None
+                yield json.dumps(ollama_api.piece(name, chat, "" if call else text, call), ensure_ascii=False) + "\n"
             if isinstance(piece, GenerationResult):
                 yield json.dumps(ollama_api.final(name, chat, "", _finish(piece), piece.prompt_tokens,
                                                   len(piece.tokens), started, piece.prefill_s, piece.decode_s)) + "\n"
                 request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
                 return
+            if may_call:
+                held.append(piece.text)
+                continue
             yield json.dumps(ollama_api.piece(name, chat, piece.text), ensure_ascii=False) + "\n"
 
     async def ollama_tags(self, request: Request) -> Response:

@@ -6,6 +6,7 @@ Errors are Ollama's: {"error": "message"}."""
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -25,25 +26,40 @@ from edgerun.serve.openai_api import (
     refuse_unserved,
     schema_grammar,
 )
+from edgerun.serve.tools import CallTags, ToolCall, ToolError, parse_tools, with_tools
 
 VERSION = "0.6.0"  # the Ollama API this follows, as /api/version reports it
 PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # Ollama fields this server does not serve, and the value of each that asks for nothing.
-UNSERVED: dict[str, Any] = {"tools": [], "images": [], "think": False, "context": [], "template": "", "suffix": ""}
+UNSERVED: dict[str, Any] = {"images": [], "think": False, "context": [], "template": "", "suffix": ""}
 
 
-def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams) -> GenerationRequest:
+def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams,
+          tool_tags: CallTags | None = None) -> GenerationRequest:
     """An /api/chat (`chat`) or /api/generate request. /api/generate renders its prompt (and "system") through the
-    chat template as Ollama does, unless "raw"."""
+    chat template as Ollama does, unless "raw". /api/chat's "tools" are OpenAI's, chosen by the model (Ollama has
+    no tool_choice: auto), in the template's tags `tool_tags` where it has them (serve/tools.py)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     refuse_unserved(body, UNSERVED)
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'options' must be an object", param="options")
+    tools = grammar = None
     if chat:
-        prompt = render_chat(chat_messages(body, ROLES))
+        try:
+            tools = parse_tools({"tools": body.get("tools")}, tool_tags)
+        except ToolError as e:
+            raise ApiError(400, str(e), param="tools") from e
+        messages = chat_messages(body, ROLES, native_tools=tool_tags is not None)
+        if tools is None:
+            prompt = render_chat(messages)
+        else:
+            prompt = render_chat(with_tools(messages, tools), tools=tools.for_template())
+            grammar = tools.grammar()
+    elif body.get("tools"):
+        raise ApiError(400, "'tools' are for /api/chat", param="tools")
     else:
         text, system = body.get("prompt"), body.get("system")
         if not isinstance(text, str) or not text:
@@ -68,9 +84,11 @@ def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams) -> 
     except ValueError as e:
         raise ApiError(400, str(e)) from e
     # num_predict -1 (or -2, "fill the context"): as many as the context leaves
+    if grammar is None:
+        grammar = _format(body.get("format"))
     return GenerationRequest(Endpoint.CHAT if chat else Endpoint.COMPLETION, prompt,
                              None if predict is None or predict < 0 else max(predict, 1), sampling, _stop(options),
-                             stream, False, LogitRules(grammar=_format(body.get("format"))))
+                             stream, False, LogitRules(grammar=grammar), tools)
 
 
 def _format(value: Any) -> Grammar | None:
@@ -88,20 +106,23 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def piece(model: str, chat: bool, text: str) -> dict[str, Any]:
-    """One streamed line of text."""
+def piece(model: str, chat: bool, text: str, call: ToolCall | None = None) -> dict[str, Any]:
+    """One streamed line of text (or of the answer's tool call)."""
     out: dict[str, Any] = {"model": model, "created_at": _now(), "done": False}
     if chat:
         out["message"] = {"role": "assistant", "content": text}
+        if call is not None:  # Ollama's arguments are an object, not OpenAI's JSON text
+            out["message"] = {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}]}
     else:
         out["response"] = text
     return out
 
 
 def final(model: str, chat: bool, text: str, reason: StopReason, prompt_tokens: int, completion_tokens: int,
-          started: float, prefill_s: float, decode_s: float) -> dict[str, Any]:
+          started: float, prefill_s: float, decode_s: float, call: ToolCall | None = None) -> dict[str, Any]:
     """The last line of a stream (`text` empty), or the whole answer: Ollama's counts and durations (ns)."""
-    out = piece(model, chat, text)
+    out = piece(model, chat, text, call)
     ns = 1e9
     out |= {"done": True, "done_reason": "length" if reason == StopReason.MAX_TOKENS else "stop",
             "total_duration": int((time.perf_counter() - started) * ns), "load_duration": 0,

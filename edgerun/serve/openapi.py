@@ -110,7 +110,8 @@ def openapi(model_name: str) -> dict[str, Any]:
             "/api/chat": {"post": _post("Ollama's chat (NDJSON unless stream: false)", {
                 "type": "object", "required": ["messages"], "properties": {
                     "model": STRING, "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
-                    "stream": BOOLEAN, "options": OLLAMA_OPTIONS, "format": OLLAMA_FORMAT}},
+                    "stream": BOOLEAN, "options": OLLAMA_OPTIONS, "format": OLLAMA_FORMAT,
+                    "tools": {"type": "array", "items": TOOL}}},
                 "application/x-ndjson")},
             "/api/generate": {"post": _post("Ollama's generate", {
                 "type": "object", "required": ["prompt"], "properties": {
