@@ -190,14 +190,12 @@ function start() {
         status.lastMs = seconds * 1000;
         show();
         const sampling = message.sampling || {};
+        const vocab = out.dims[out.dims.length - 1];
         if (stage.spec.lm_head && sampling.logits) { // the master draws (a grammar, penalties, logprobs)
-          const vocab = out.dims[out.dims.length - 1];
           send(Msg.COMPUTATION_RESULT, request, {seconds},
                {logits: {dtype: "float32", shape: [vocab], data: out.data.slice(out.data.length - vocab)}});
         } else if (stage.spec.lm_head) { // the token after the input's last one, from that one's logits
-          const vocab = out.dims[out.dims.length - 1];
-          const token = sample(out.data.subarray(out.data.length - vocab), message.sampling || {},
-                               message.position + out.dims[1]);
+          const token = sample(out.data.subarray(out.data.length - vocab), sampling, message.position + out.dims[1]);
           send(Msg.COMPUTATION_RESULT, request, {token, seconds});
         } else {
           send(Msg.COMPUTATION_RESULT, request, {seconds},

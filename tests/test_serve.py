@@ -226,6 +226,12 @@ def test_bad_requests_get_openai_errors(server: Serving) -> None:
         ({**good, "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
         ({**good, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {}}},
          400, "tools"),
+        ({**good, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": "f"}},
+         400, "tools"),
+        ({**good, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "nonsense"}}}}}]}, 400, "tools"),
+        ({**good, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, 400, "tools"),
         ({**good, "top_logprobs": 2}, 400, "top_logprobs"),
         ({**good, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({**good, "presence_penalty": 3}, 400, "presence_penalty"),
@@ -242,6 +248,14 @@ def test_bad_requests_get_openai_errors(server: Serving) -> None:
     neutral = {**good, "response_format": {"type": "text"}, "logprobs": False, "presence_penalty": 0,
                "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none"}
     assert server.post("/v1/chat/completions", neutral)[0] == 200
+    code, reply = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "tool_choice": "required",
+                                                  "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert code == 400 and reply["error"]["param"] == "tools"  # no silent drop of what completions cannot do
+    # tool_choice none with a response format: the format still shapes the answer.
+    code, reply = server.post("/v1/chat/completions", {**good, "max_tokens": 40, "tool_choice": "none",
+                                                       "tools": [{"type": "function", "function": {"name": "f"}}],
+                                                       "response_format": {"type": "json_object"}})
+    assert code == 200 and reply["choices"][0]["message"]["content"].startswith("{")
     assert server.post("/v1/chat/completions", b"{not json")[0] == 400
     assert server.post("/v1/completions", {"prompt": ""})[0] == 400
     assert server.post("/v1/chat/completions", good, key=None)[0] == 401

@@ -430,8 +430,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
         devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
-        computed_on=computing(master.plan), left_out=tuple(d for d in master.plan.devices
-                                                           if d not in computing(master.plan)),
+        computed_on=(on := computing(master.plan)), left_out=tuple(d for d in master.plan.devices if d not in on),
         kind_legs=kind_legs, traced=master.trace is not None, devices=devices)
 
 
@@ -569,6 +568,9 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
     """One node count's combinations: one cluster for all loss rates where the kernel applies them."""
     results = []
     in_kernel = config.loss_at != "process"
+    # A planner's first split (and its rebalance) serves every row of this node count: with in-process loss each
+    # rate has a cluster of its own, whose nodes bear the same names and take the same split.
+    first: dict[str, tuple[TPPlan, bool, TrialOutcome | None]] = {}
     with contextlib.ExitStack() as stack:
         bed = stack.enter_context(testbed.running(_testbed_for(config, nodes))) if config.loss_at == "testbed" else None
         for group in ([losses] if in_kernel else [[loss] for loss in losses]):
@@ -579,7 +581,6 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                 # plans from the master alone to 424 of 862 MiB on the node, and the loss ratio measured the plans
                 # more than the loss; planned per transport, tcp rows ran on the master alone beside udp rows on
                 # three devices, and "tcp = 0.15x udp" compared two different clusters.
-                first: dict[str, tuple[TPPlan, bool, TrialOutcome | None]] = {}
                 for loss, plan, transport in itertools.product(group, plans or [config.plan], transports):
                     progress(f"master + {nodes} node(s), plan {plan}, {transport}, {config.loss_at} loss {loss}")
                     master.reconfigure(replace(master.config, strategy=plan, transport=transport))

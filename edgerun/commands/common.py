@@ -161,17 +161,25 @@ def stored_secret(make: bool) -> str | None:
     """The cluster secret kept in the config folder (cluster.key, readable by its owner only); made on first use
     where `make` (`edgerun serve` without --key), else None where there is none."""
     path = config_dir() / "cluster.key"
-    if path.exists():
-        return path.read_text().strip() or None
-    if not make:
-        return None
+    kept = path.read_text().strip() if path.exists() else ""
+    if kept or not make:
+        return kept or None
     import secrets
 
     path.parent.mkdir(parents=True, exist_ok=True)
     secret = secrets.token_urlsafe(18)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    temporary = path.with_name(f".cluster.key.{os.getpid()}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
+    try:  # two servers started at once: the first one's key is kept, the second reads it
+        os.link(temporary, path)
+    except FileExistsError:
+        if path.read_text().strip():
+            return path.read_text().strip()
+        os.replace(temporary, path)  # an empty file: replaced
+    finally:
+        temporary.unlink(missing_ok=True)
     print(f"edgerun: made a cluster key, kept in {path} (nodes on other machines need it as --key)", file=sys.stderr)
     return secret
 

@@ -53,13 +53,17 @@ def json_schema_grammar(schema: dict[str, Any]) -> Grammar:
     return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(_closed(schema)))
 
 
-def _closed(node: Any) -> Any:
+def _closed(node: Any, close: bool = True) -> Any:
+    """`node` with its object schemas closed; `close` False for the direct parts of an allOf, each of which lists
+    only some of the object's properties (closing them would leave no object that satisfies all)."""
     if isinstance(node, list):
-        return [_closed(v) for v in node]
+        return [_closed(v, close) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: (v if k in ("const", "enum", "default", "examples") else _closed(v)) for k, v in node.items()}
-    if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+    out = {k: v if k in ("const", "enum", "default", "examples") else _closed(v, k != "allOf")
+           for k, v in node.items()}
+    if close and isinstance(node.get("properties"), dict) and "additionalProperties" not in node \
+            and "allOf" not in node:
         out["additionalProperties"] = False
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -326,6 +327,15 @@ class Tokenizer:
             **({"tools": tools} if tools else {}),
         )
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (a byte-level vocabulary's piece of a character included), as OpenAI's logprobs give
+        them; an added token's text as UTF-8."""
+        text = self.token_text(token_id)
+        table = _unicode_to_byte()
+        if all(c in table for c in text):
+            return bytes(table[c] for c in text)
+        return text.encode("utf-8")
+
     @property
     def tool_tags(self) -> tuple[str, str] | None:
         """The tags the chat template wraps a function call in, where it lists functions itself (Qwen's and
@@ -334,6 +344,19 @@ class Tokenizer:
         if "tools" in template and "<tool_call>" in template and "</tool_call>" in template:
             return "<tool_call>", "</tool_call>"
         return None
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's characters back to the bytes they stand for: the printable bytes other than space stand for
+    themselves, every other byte for the character 256 + its rank among them (GPT-2's scheme, which GGUF "gpt2"
+    vocabularies store)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    table = {chr(b): b for b in printable}
+    rest = [b for b in range(256) if b not in set(printable)]
+    table |= {chr(256 + i): b for i, b in enumerate(rest)}
+    return table
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:

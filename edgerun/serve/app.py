@@ -52,7 +52,7 @@ from edgerun.serve.openai_api import (
 from edgerun.serve.openapi import openapi
 from edgerun.serve.service import Job, Service
 from edgerun.serve.switch import EngineSwitch, Mode
-from edgerun.serve.tools import CallTags, ToolChoice, answer_call
+from edgerun.serve.tools import CallTags, ToolCall, ToolChoice, answer_call
 
 MAX_EMBEDDING_INPUTS = 256  # texts in one /v1/embeddings request
 # A request whose client left before its answer (nginx's "client closed request"), as /metrics counts it.
@@ -204,9 +204,10 @@ class Api:
     def tool_tags(self) -> CallTags | None:
         return CallTags.of(self.model.tokenizer)
 
-    def _token_text(self, token: int) -> str:
-        """A token as logprobs show it: its text (a piece of a character shows as U+FFFD)."""
-        return self.model.tokenizer.decode([token])
+    def _token_text(self, token: int) -> tuple[str, bytes]:
+        """A token as logprobs show it: its text (a piece of a character shows as U+FFFD) and its own bytes."""
+        tok = self.model.tokenizer
+        return tok.decode([token]), tok.token_bytes(token)
 
     def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         try:
@@ -331,28 +332,42 @@ class Api:
         asked), a closing chunk with the finish reason, the usage if asked, [DONE]. An answer that may be a tool call
         is sent whole at its end: either its text or the call."""
         yield _sse(chunk(req.endpoint, ids, "", first=True))
-        may_call = req.tools is not None and req.tools.choice != ToolChoice.NONE
-        held: list[Piece] = []
         sent = 0  # characters of the answer sent so far (completions' logprobs count text offsets)
-        async for piece in self._pieces(job, req):
-            if isinstance(piece, GenerationResult):
-                call = answer_call("".join(p.text for p in held), req.tools) if may_call and req.tools else None
-                if call is not None:
-                    yield _sse(chunk(req.endpoint, ids, None, call=call))
-                elif held:
-                    yield self._sse_piece(req, ids, Piece("".join(p.text for p in held),
-                                                          tuple(e for p in held for e in p.logprobs)), 0)
-                yield _sse(chunk(req.endpoint, ids, None, _finish(piece), called=call is not None))
+        called = False
+        async for piece in self._answer_pieces(job, req):
+            if isinstance(piece, ToolCall):
+                called = True
+                yield _sse(chunk(req.endpoint, ids, None, call=piece))
+            elif isinstance(piece, Piece):
+                yield self._sse_piece(req, ids, piece, sent)
+                sent += len(piece.text)
+            else:
+                yield _sse(chunk(req.endpoint, ids, None, _finish(piece), called=called))
                 if req.include_usage:
                     yield _sse(usage_chunk(req.endpoint, ids, piece.prompt_tokens, len(piece.tokens)))
                 yield "data: [DONE]\n\n"
                 request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
+
+    async def _answer_pieces(self, job: Job,
+                             req: GenerationRequest) -> AsyncIterator[Piece | ToolCall | GenerationResult]:
+        """The job's pieces as a stream sends them: as they come, or, for an answer that may be a tool call, held
+        until it is whole and then sent as the call or as one piece of text; the result last."""
+        may_call = req.tools is not None and req.tools.choice != ToolChoice.NONE
+        held: list[Piece] = []
+        async for piece in self._pieces(job, req):
+            if isinstance(piece, GenerationResult):
+                text = "".join(p.text for p in held)
+                call = answer_call(text, req.tools) if may_call and req.tools is not None else None
+                if call is not None:
+                    yield call
+                elif held:
+                    yield Piece(text, tuple(e for p in held for e in p.logprobs))
+                yield piece
                 return
             if may_call:
                 held.append(piece)
-                continue
-            yield self._sse_piece(req, ids, piece, sent)
-            sent += len(piece.text)
+            else:
+                yield piece
 
     def _sse_piece(self, req: GenerationRequest, ids: ResponseIds, piece: Piece, sent: int) -> str:
         logprobs = None if req.rules.top_logprobs is None else \
@@ -390,22 +405,15 @@ class Api:
         """Ollama's NDJSON: a line per piece of text, then the closing line with the counts. An answer that may be a
         tool call is sent whole at its end: a line with its text or its call."""
         name = self.config.model_name
-        may_call = req.tools is not None and req.tools.choice != ToolChoice.NONE
-        held: list[str] = []
-        async for piece in self._pieces(job, req):
-            if isinstance(piece, GenerationResult) and held:
-                text = "".join(held)
-                call = answer_call(text, req.tools) if req.tools else None
-                yield json.dumps(ollama_api.piece(name, chat, "" if call else text, call), ensure_ascii=False) + "\n"
-            if isinstance(piece, GenerationResult):
+        async for piece in self._answer_pieces(job, req):
+            if isinstance(piece, ToolCall):
+                yield json.dumps(ollama_api.piece(name, chat, "", piece), ensure_ascii=False) + "\n"
+            elif isinstance(piece, Piece):
+                yield json.dumps(ollama_api.piece(name, chat, piece.text), ensure_ascii=False) + "\n"
+            else:
                 yield json.dumps(ollama_api.final(name, chat, "", _finish(piece), piece.prompt_tokens,
                                                   len(piece.tokens), started, piece.prefill_s, piece.decode_s)) + "\n"
                 request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
-                return
-            if may_call:
-                held.append(piece.text)
-                continue
-            yield json.dumps(ollama_api.piece(name, chat, piece.text), ensure_ascii=False) + "\n"
 
     async def ollama_tags(self, request: Request) -> Response:
         self._authorize(request)
@@ -437,7 +445,8 @@ class Api:
                     yield Piece(tail, tuple(logprobs[taken:tokens]))
                 yield item
                 return
-            tokens += 1
+            if not stops.stopped:  # tokens after a stop string (made before the cancel took) are not the answer's
+                tokens += 1
             text = stops.push(decoder.push(item))
             if stops.stopped:
                 job.cancel()

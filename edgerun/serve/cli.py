@@ -128,6 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         secret = cluster_secret(args, make=True)
         key = derive_key(secret)
+        if args.key or os.environ.get("EDGERUN_KEY"):
+            secret = None  # a key the user gave is not echoed into the log
     config = ServeConfig(model=args.model, host=args.host, port=args.port, cluster_host=args.cluster_host,
                          secret=secret,
                          cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,

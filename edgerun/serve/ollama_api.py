@@ -22,11 +22,11 @@ from edgerun.serve.openai_api import (
     _integer,
     _number,
     _stop,
-    chat_messages,
+    chat_prompt,
     refuse_unserved,
     schema_grammar,
 )
-from edgerun.serve.tools import CallTags, ToolCall, ToolError, parse_tools, with_tools
+from edgerun.serve.tools import CallTags, ToolCall
 
 VERSION = "0.6.0"  # the Ollama API this follows, as /api/version reports it
 PATHS = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version")
@@ -46,18 +46,11 @@ def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams,
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'options' must be an object", param="options")
-    tools = grammar = None
-    if chat:
-        try:
-            tools = parse_tools({"tools": body.get("tools")}, tool_tags)
-        except ToolError as e:
-            raise ApiError(400, str(e), param="tools") from e
-        messages = chat_messages(body, ROLES, native_tools=tool_tags is not None)
-        if tools is None:
-            prompt = render_chat(messages)
-        else:
-            prompt = render_chat(with_tools(messages, tools), tools=tools.for_template())
-            grammar = tools.grammar()
+    tools = None
+    grammar = _format(body.get("format"))
+    if chat:  # Ollama has no tool_choice: the model chooses
+        prompt, tools, grammar = chat_prompt({"messages": body.get("messages"), "tools": body.get("tools")},
+                                             render_chat, tool_tags, grammar, ROLES)
     elif body.get("tools"):
         raise ApiError(400, "'tools' are for /api/chat", param="tools")
     else:
@@ -84,8 +77,6 @@ def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams,
     except ValueError as e:
         raise ApiError(400, str(e)) from e
     # num_predict -1 (or -2, "fill the context"): as many as the context leaves
-    if grammar is None:
-        grammar = _format(body.get("format"))
     return GenerationRequest(Endpoint.CHAT if chat else Endpoint.COMPLETION, prompt,
                              None if predict is None or predict < 0 else max(predict, 1), sampling, _stop(options),
                              stream, False, LogitRules(grammar=grammar), tools)

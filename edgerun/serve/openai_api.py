@@ -30,7 +30,6 @@ from edgerun.model.sampling import MAX_SEED, USER_DEFAULTS, SamplingParams
 from edgerun.serve.tools import (
     CallTags,
     ToolCall,
-    ToolChoice,
     ToolError,
     Tools,
     call_text,
@@ -144,8 +143,10 @@ def chat_messages(body: dict[str, Any], roles: tuple[str, ...] = ROLES, native_t
                 raise ApiError(400, f"{where}: 'tool_calls' must be a list", param="messages")
             try:
                 if native_tools:
-                    out.append({"role": role, "content": "", "tool_calls": [
-                        {"type": "function", "function": earlier_call(c, where)} for c in calls]})
+                    text = m.get("content")
+                    out.append({"role": role, "content": "" if text is None else _text_content(text, where),
+                                "tool_calls": [{"type": "function", "function": earlier_call(c, where)}
+                                               for c in calls]})
                     continue
                 content = "\n".join(call_text(c, where) for c in calls)
             except ToolError as e:
@@ -232,6 +233,32 @@ def refuse_unserved(body: dict[str, Any], unserved: dict[str, Any] = UNSERVED) -
                            param=name, code="unsupported_parameter")
 
 
+def chat_prompt(body: dict[str, Any], render_chat: Any, tool_tags: CallTags | None, grammar: Grammar | None,
+                roles: tuple[str, ...] = ROLES) -> tuple[str, Tools | None, Grammar | None]:
+    """A chat request's prompt (its messages, and its tools where it lists them, through the chat template), its
+    tools, and the grammar of its answer: the tools' where they may be called, else `grammar` (its response
+    format). A 400 where both would shape the answer, or the tools' grammar is refused."""
+    try:
+        tools = parse_tools(body, tool_tags)
+    except ToolError as e:
+        raise ApiError(400, str(e), param="tools") from e
+    messages = chat_messages(body, roles, native_tools=tool_tags is not None)
+    if tools is None:
+        return render_chat(messages), None, grammar
+    prompt = render_chat(with_tools(messages, tools), tools=tools.for_template())
+    calls = tools.grammar()
+    if calls is None:  # tool_choice none: the response format, if any, shapes the answer
+        return prompt, tools, grammar
+    if grammar is not None:
+        raise ApiError(400, "a response format and tools cannot both shape one answer", param="tools")
+    try:
+        check_grammar(calls)
+    except GrammarError as e:
+        raise ApiError(400, f"'tools': a function's parameters are not a usable JSON Schema: {e}",
+                       param="tools") from e
+    return prompt, tools, calls
+
+
 def parse_request(endpoint: Endpoint, body: Any, render_chat: Any, defaults: SamplingParams = USER_DEFAULTS,
                   vocab_size: int = 1 << 31, tool_tags: CallTags | None = None) -> GenerationRequest:
     """The request in `body` (parsed JSON). `render_chat(messages, tools=None) -> str` applies the model's chat
@@ -243,17 +270,9 @@ def parse_request(endpoint: Endpoint, body: Any, render_chat: Any, defaults: Sam
     grammar = response_grammar(body.get("response_format"))
     tools = None
     if endpoint == Endpoint.CHAT:
-        try:
-            tools = parse_tools(body, tool_tags)
-        except ToolError as e:
-            raise ApiError(400, str(e), param="tools") from e
-        if tools is not None and tools.choice != ToolChoice.NONE and grammar is not None:
-            raise ApiError(400, "'response_format' and 'tools' cannot both shape one answer", param="tools")
-        messages = chat_messages(body, native_tools=tool_tags is not None)
-        prompt = render_chat(messages) if tools is None else \
-            render_chat(with_tools(messages, tools), tools=tools.for_template())
-        if tools is not None:
-            grammar = tools.grammar()
+        prompt, tools, grammar = chat_prompt(body, render_chat, tool_tags, grammar)
+    elif body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        raise ApiError(400, "'tools' are for /v1/chat/completions", param="tools")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -292,14 +311,18 @@ def finish_reason(reason: StopReason, call: ToolCall | None = None) -> str:
     return "length" if reason == StopReason.MAX_TOKENS else "stop"
 
 
-def logprobs_object(endpoint: Endpoint, entries: Sequence[TokenLogprob], text_of: Callable[[int], str],
+def logprobs_object(endpoint: Endpoint, entries: Sequence[TokenLogprob], show: Callable[[int], tuple[str, bytes]],
                     offset: int = 0) -> dict[str, Any]:
-    """OpenAI's logprobs of some tokens: chat's {"content": [...]}, completions' parallel lists (text offsets
-    counted from `offset`, the answer's characters before these tokens)."""
+    """OpenAI's logprobs of some tokens (`show`: a token's text and bytes): chat's {"content": [...]},
+    completions' parallel lists (text offsets counted from `offset`, the answer's characters before these
+    tokens)."""
+    def text_of(token: int) -> str:
+        return show(token)[0]
+
     if endpoint == Endpoint.CHAT:
         def one(token: int, logprob: float) -> dict[str, Any]:
-            text = text_of(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            text, raw = show(token)
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
         return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                             for e in entries], "refusal": None}
     texts = [text_of(e.token) for e in entries]

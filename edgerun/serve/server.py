@@ -31,7 +31,7 @@ class ServeConfig:
     cluster_host: str = "0.0.0.0"  # where nodes, workers and tabs come: keyed members from the network
     cluster_port: int | None = 7000  # nodes, workers and tabs join here; None: no cluster
     key: bytes = b""  # the cluster's derived key
-    secret: str | None = None  # the cluster secret it was derived from, for the join line
+    secret: str | None = None  # the kept cluster secret, shown in the join line (None: the user gave it)
     plan: str = "halo"  # tensor-parallel planner, "dp": a pipeline, or "moe": a MoEx hub and expert workers
     transport: str = "udp"  # tensor-parallel: lossy layers over UDP with a timeout, or "tcp": wait for every node
     prefer: Prefer = Prefer.AUTO
@@ -179,13 +179,14 @@ class Server:
     def run(self) -> None:
         where = f"http://{'localhost' if self.config.host in ('0.0.0.0', '::') else self.config.host}:{self.port}"
         mode = {"dp": "--mode pp ", "moe": "--mode moe "}.get(self.config.plan, "")
-        key = f" --key {self.config.secret}" if self.config.secret else ""
+        key = f" --key {self.config.secret}" if self.config.secret else \
+            (" --key <the key given to serve>" if self.cluster is not None else "")
         nodes = "" if self.cluster is None else \
             f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}{key}`"
         if self.config.plan in ("dp", "moe") and self.cluster is not None:
             nodes += f", browser tabs at http://HOST:{self.cluster.port}/node" + \
                 ("?mode=moe" if self.config.plan == "moe" else "") + \
-                (f"#key={self.config.secret}" if self.config.secret else "")
+                f"#key={self.config.secret or '<the key>'}"
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

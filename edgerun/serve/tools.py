@@ -133,7 +133,8 @@ def parse_tools(body: dict[str, Any], tags: CallTags | None = None) -> Tools | N
         raise ToolError("'tools' names a function twice")
     if choice is None or choice in ("auto", "none", "required"):
         return Tools(tuple(functions), ToolChoice(choice or "auto"), tags=tags)
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
     if named not in names:
         raise ToolError(f"'tool_choice' must be auto, none, required or a function of 'tools' ({', '.join(names)})")
     return Tools(tuple(functions), ToolChoice.NAMED, named, tags)
@@ -176,7 +177,7 @@ def call_text(call: Any, where: str) -> str:
 
 
 def tool_result_text(message: dict[str, Any], content: str) -> str:
-    name = message.get("name") or message.get("tool_call_id") or "the function"
+    name = message.get("name") or message.get("tool_name") or message.get("tool_call_id") or "the function"
     return f"Result of {name}: {content}"
 
 
