@@ -811,6 +811,15 @@ def test_ollama_clients_chat_generate_and_list(server: Serving, shipped_model, s
     streamed = [p.message.tool_calls for p in client.chat(model="any", messages=ask, tools=[WEATHER], stream=True,
                                                           options=greedy | {"num_predict": 60})]
     assert streamed[0] == called.message.tool_calls and streamed[-1] is None
+    # Logprobs, whole and streamed: one a token, the model's, the chosen one first under greedy decoding.
+    scored = client.chat(model="any", messages=messages, options=greedy | {"num_predict": 5}, logprobs=True,
+                         top_logprobs=2)
+    assert len(scored.logprobs) == scored.eval_count and "".join(e.token for e in scored.logprobs) == \
+        scored.message.content
+    assert all(e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 2 for e in scored.logprobs)
+    pieces = [e for p in client.chat(model="any", messages=messages, options=greedy | {"num_predict": 5},
+                                     logprobs=True, top_logprobs=2, stream=True) for e in (p.logprobs or [])]
+    assert [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in scored.logprobs]
     answered = client.chat(model="any", tools=[WEATHER], options=greedy | {"num_predict": 8}, messages=[
         *ask, {"role": "assistant", "content": "", "tool_calls": [{"function": {
             "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},

@@ -394,11 +394,12 @@ class Api:
         answer = await self._answer(request, job, req)
         if answer is None:
             return Response(status_code=CLIENT_LEFT)
-        text, result, _ = answer
+        text, result, entries = answer
         call = None if req.tools is None else answer_call(text, req.tools)
+        shown = None if req.rules.top_logprobs is None else ollama_api.logprobs(entries, self._token_text)
         return JSONResponse(ollama_api.final(self.config.model_name, chat, "" if call else text, _finish(result),
                                              result.prompt_tokens, len(result.tokens), started, result.prefill_s,
-                                             result.decode_s, call))
+                                             result.decode_s, call, shown))
 
     async def _ndjson_lines(self, job: Job, req: GenerationRequest, chat: bool, request: Request,
                             started: float) -> AsyncIterator[str]:
@@ -409,7 +410,9 @@ class Api:
             if isinstance(piece, ToolCall):
                 yield json.dumps(ollama_api.piece(name, chat, "", piece), ensure_ascii=False) + "\n"
             elif isinstance(piece, Piece):
-                yield json.dumps(ollama_api.piece(name, chat, piece.text), ensure_ascii=False) + "\n"
+                shown = None if req.rules.top_logprobs is None else \
+                    ollama_api.logprobs(piece.logprobs, self._token_text)
+                yield json.dumps(ollama_api.piece(name, chat, piece.text, None, shown), ensure_ascii=False) + "\n"
             else:
                 yield json.dumps(ollama_api.final(name, chat, "", _finish(piece), piece.prompt_tokens,
                                                   len(piece.tokens), started, piece.prefill_s, piece.decode_s)) + "\n"

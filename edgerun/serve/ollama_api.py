@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from edgerun.model.generate import StopReason
 from edgerun.model.loader import Model
-from edgerun.model.logits import ANY_JSON_OBJECT, Grammar, LogitRules
+from edgerun.model.logits import ANY_JSON_OBJECT, Grammar, LogitRules, TokenLogprob
 from edgerun.model.sampling import MAX_SEED, SamplingParams
 from edgerun.serve.openai_api import (
+    MAX_TOP_LOGPROBS,
     ApiError,
     Endpoint,
     GenerationRequest,
@@ -77,9 +79,20 @@ def parse(chat: bool, body: Any, render_chat: Any, defaults: SamplingParams,
     except ValueError as e:
         raise ApiError(400, str(e)) from e
     # num_predict -1 (or -2, "fill the context"): as many as the context leaves
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, "'logprobs' must be true or false", param="logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     return GenerationRequest(Endpoint.CHAT if chat else Endpoint.COMPLETION, prompt,
                              None if predict is None or predict < 0 else max(predict, 1), sampling, _stop(options),
-                             stream, False, LogitRules(grammar=grammar), tools)
+                             stream, False, LogitRules(grammar=grammar, top_logprobs=(top or 0) if wanted else None),
+                             tools)
+
+
+def logprobs(entries: Sequence[TokenLogprob], show: Callable[[int], tuple[str, bytes]]) -> list[dict[str, Any]]:
+    """Ollama's logprobs of some tokens: each token's text and log-probability, with the most likely ones."""
+    return [{"token": show(e.token)[0], "logprob": e.logprob,
+             "top_logprobs": [{"token": show(t)[0], "logprob": lp} for t, lp in e.top]} for e in entries]
 
 
 def _format(value: Any) -> Grammar | None:
@@ -97,9 +110,12 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def piece(model: str, chat: bool, text: str, call: ToolCall | None = None) -> dict[str, Any]:
-    """One streamed line of text (or of the answer's tool call)."""
+def piece(model: str, chat: bool, text: str, call: ToolCall | None = None,
+          token_logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One streamed line of text (or of the answer's tool call), with its tokens' logprobs where asked."""
     out: dict[str, Any] = {"model": model, "created_at": _now(), "done": False}
+    if token_logprobs is not None:
+        out["logprobs"] = token_logprobs
     if chat:
         out["message"] = {"role": "assistant", "content": text}
         if call is not None:  # Ollama's arguments are an object, not OpenAI's JSON text
@@ -111,9 +127,10 @@ def piece(model: str, chat: bool, text: str, call: ToolCall | None = None) -> di
 
 
 def final(model: str, chat: bool, text: str, reason: StopReason, prompt_tokens: int, completion_tokens: int,
-          started: float, prefill_s: float, decode_s: float, call: ToolCall | None = None) -> dict[str, Any]:
+          started: float, prefill_s: float, decode_s: float, call: ToolCall | None = None,
+          token_logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The last line of a stream (`text` empty), or the whole answer: Ollama's counts and durations (ns)."""
-    out = piece(model, chat, text, call)
+    out = piece(model, chat, text, call, token_logprobs)
     ns = 1e9
     out |= {"done": True, "done_reason": "length" if reason == StopReason.MAX_TOKENS else "stop",
             "total_duration": int((time.perf_counter() - started) * ns), "load_duration": 0,

@@ -66,6 +66,7 @@ OLLAMA_OPTIONS = {"type": "object", "properties": {
     "top_k": SAMPLING["top_k"], "min_p": SAMPLING["min_p"], "seed": INTEGER, "num_predict": INTEGER,
     "stop": STOP}}
 OLLAMA_FORMAT = {"anyOf": [{"enum": ["", "json"]}, {"type": "object"}]}
+OLLAMA_LOGPROBS = {"logprobs": BOOLEAN, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}}
 
 
 def _post(summary: str, body: dict[str, Any], ok: str = "application/json") -> dict[str, Any]:
@@ -111,12 +112,13 @@ def openapi(model_name: str) -> dict[str, Any]:
                 "type": "object", "required": ["messages"], "properties": {
                     "model": STRING, "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
                     "stream": BOOLEAN, "options": OLLAMA_OPTIONS, "format": OLLAMA_FORMAT,
-                    "tools": {"type": "array", "items": TOOL}}},
+                    "tools": {"type": "array", "items": TOOL}, **OLLAMA_LOGPROBS}},
                 "application/x-ndjson")},
             "/api/generate": {"post": _post("Ollama's generate", {
                 "type": "object", "required": ["prompt"], "properties": {
                     "model": STRING, "prompt": {"type": "string", "minLength": 1}, "system": STRING,
-                    "raw": BOOLEAN, "stream": BOOLEAN, "options": OLLAMA_OPTIONS, "format": OLLAMA_FORMAT}},
+                    "raw": BOOLEAN, "stream": BOOLEAN, "options": OLLAMA_OPTIONS, "format": OLLAMA_FORMAT,
+                    **OLLAMA_LOGPROBS}},
                 "application/x-ndjson")},
             "/api/tags": {"get": _get("Ollama's model list")},
             "/api/show": {"post": _post("Ollama's model details", {"type": "object", "properties": {
