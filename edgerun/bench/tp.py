@@ -430,13 +430,18 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
         devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
-        computed_on=(on := computing(master.plan)), left_out=tuple(d for d in master.plan.devices if d not in on),
+        computed_on=computing(master.plan), left_out=leaving_out(master.plan),
         kind_legs=kind_legs, traced=master.trace is not None, devices=devices)
 
 
 def computing(plan: TPPlan) -> tuple[str, ...]:
     """The devices a plan gives units to, in its order (the master first)."""
     return tuple(name for name, held in zip(plan.devices, plan.memory_bytes, strict=True) if held > 0)
+
+
+def leaving_out(plan: TPPlan) -> tuple[str, ...]:
+    """The devices a plan gives no units to."""
+    return tuple(name for name, held in zip(plan.devices, plan.memory_bytes, strict=True) if held == 0)
 
 
 def nodes_idle(row: TpResult) -> bool:
@@ -589,10 +594,9 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                     master.replan(None if kept is None else kept[0])  # before the loss: assignments travel clean
                     if kept is None:
                         if config.every_device and master.plan.devices_used < nodes + 1:
-                            left = [d for d in master.plan.devices if d not in computing(master.plan)]
                             raise EdgerunError(
-                                f"plan {plan} leaves {', '.join(left)} out of {nodes} node(s) at the declared "
-                                "speeds, and --every-device asks every device to compute: use --plan even, or "
+                                f"plan {plan} leaves {', '.join(leaving_out(master.plan))} out of {nodes} node(s) at "
+                                "the declared speeds, and --every-device asks every device to compute: use --plan even, or "
                                 "declare speeds the planner gives units to")
                         rebalanced, trial = _rebalance(master, model) if config.rebalance and nodes > 0 else \
                             (False, None)
