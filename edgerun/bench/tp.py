@@ -596,8 +596,8 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                         if config.every_device and master.plan.devices_used < nodes + 1:
                             raise EdgerunError(
                                 f"plan {plan} leaves {', '.join(leaving_out(master.plan))} out of {nodes} node(s) at "
-                                "the declared speeds, and --every-device asks every device to compute: use --plan even, or "
-                                "declare speeds the planner gives units to")
+                                "the declared speeds, and --every-device asks every device to compute: use --plan "
+                                "even, or declare speeds the planner gives units to")
                         rebalanced, trial = _rebalance(master, model) if config.rebalance and nodes > 0 else \
                             (False, None)
                         first[plan] = (master.plan, rebalanced, trial)
