@@ -96,6 +96,27 @@ def test_lossless_udp_and_tcp_equal_the_reference(model: Model, reference_tokens
             assert len(set(shares)) > 1  # uneven speeds gave uneven shares
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_the_native_data_path_and_the_python_path_give_the_reference(model: Model, reference_tokens: list[int],
+                                                                    native: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange's native data path (net.fastpath: inputs sent, partials taken, sums) on the master and the
+    nodes, and the Python path it stands in for (EDGERUN_NATIVE=0, which the node processes inherit)."""
+    monkeypatch.setenv("EDGERUN_NATIVE", native)
+    prompt = model.tokenizer.encode(PROMPT)
+    for master, _ in cluster(model, [1e9, 1e9], timeout_ms=2000):
+        assert (master.exchange.fast is not None) == (native == "1")
+        assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
+        assert master.stats.blocks_incomplete == 0
+        if native == "1":  # the lossy one-token blocks' partials came through it (but those the event loop read
+            # while it read a heartbeat that ended a gather)
+            lossy_blocks = 2 * (model.config.n_layers - 1) * (N_TOKENS - 1)
+            assert master.stats.native_partials >= 0.95 * 2 * lossy_blocks
+        else:
+            assert master.stats.native_partials == 0
+
+
 class FullLogits:
     """A master as an engine that returns logits for the generation loop to sample: its nodes send every row."""
 

@@ -509,16 +509,21 @@ class DatagramSocket:
             except OSError:  # e.g. an ICMP error from an earlier send to a node that left
                 continue
             n += 1
-            if self.needless is not None and self.needless(data):
-                self.skipped += 1
-                continue
-            self.arrived_at = arrival_time(ancillary, clock_offset)
-            try:
-                header, payload = open_packet(data, self.key)
-            except WireError as e:
-                self.counters.reject(str(e).split(" ")[0])
-                continue
-            self.on_packet(header, payload, addr)
+            self.handle(data, arrival_time(ancillary, clock_offset), addr)
+
+    def handle(self, data: bytes, arrived_at: float, addr: tuple[str, int]) -> None:
+        """One datagram read off the socket (here, or handed back by the native data path), which arrived at
+        `arrived_at` (perf_counter time): checked and given to the callback, or counted as rejected or needless."""
+        if self.needless is not None and self.needless(data):
+            self.skipped += 1
+            return
+        self.arrived_at = arrived_at
+        try:
+            header, payload = open_packet(data, self.key)
+        except WireError as e:
+            self.counters.reject(str(e).split(" ")[0])
+            return
+        self.on_packet(header, payload, addr)
 
     def _poller(self, watch: list[int], udp: bool) -> select.poll:
         poller = select.poll()

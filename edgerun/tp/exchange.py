@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ import numpy as np
 from edgerun.model.config import ModelConfig
 from edgerun.model.generate import EngineLost
 from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, SendThread, add_fragment
+from edgerun.net.fastpath import FastPath, Gather, GatherEnd, addresses, fits
+from edgerun.net.loss import NoLoss
 from edgerun.net.wire import (
     Added,
     Block,
@@ -103,7 +106,7 @@ class StepStats:
     # (Master.send_s_per_node: what the planner charges the master per node and block).
     send_s: float = 0.0
     sends: int = 0
-    fold_s: float = 0.0  # of one-token blocks: adding the nodes' partials into the sum (BlockExchange._fold)
+    fold_s: float = 0.0  # of one-token blocks: adding the nodes' partials into the sum (BlockExchange._merge)
     account_s: float = 0.0  # of one-token blocks with nodes: counting them (BlockExchange._account)
     # Mirrored blocks: requests for a partial's missing fragments, inputs sent again (a node asked, or nothing of
     # its partial came), and partials that came whole over UDP after the master asked for some of their fragments.
@@ -111,6 +114,7 @@ class StepStats:
     inputs_resent: int = 0
     completed_after_ask: int = 0
     spare_inputs: int = 0  # a prompt's inputs sent again on a lossy node's spare stream (Assign.spare_stream)
+    native_partials: int = 0  # partials the native data path took off the socket (net.fastpath)
 
 
 @dataclass
@@ -134,10 +138,6 @@ class _Wait:
     from_parity: int = 0  # one-datagram partials whose data was lost and one of whose parity copies came
     arrived: dict[int, float] = field(default_factory=dict)  # node index -> seconds after sending
     nodes: dict[int, NodeConn] = field(default_factory=dict)  # the participants by index
-    # The master's share once computed (not the LM head's), and its sum with the partials folded in as they
-    # came: every one in `arrived` (None until the first).
-    own: np.ndarray | None = None
-    total: np.ndarray | None = None
     # A mirrored block (the first layer, the LM head) must come whole: what is missing is asked for again
     # (BlockExchange._ask), first when a partial's parity shows its data is all sent, then every RESEND_S from
     # `retry_at` on. `heard`: when each node's last datagram of the block came; `asked`: the nodes asked so far.
@@ -146,7 +146,6 @@ class _Wait:
     asked: set[int] = field(default_factory=set)
     retry_at: float | None = None
     late: set[int] = field(default_factory=set)  # in `arrived`, but whole only after the block was merged
-    folded: int = 0  # how many of `order` the sum has passed (added, or skipped as missing)
 
     @functools.cached_property
     def order(self) -> list[int]:
@@ -208,6 +207,13 @@ class BlockExchange:
         self.sender: SendThread | None = None  # sends the inputs' parity (started with the first)
         # The block merged last, not yet counted (_account): counted while the next block's nodes compute.
         self.unaccounted: tuple[_Wait, list[NodeConn], bool, float, float] | None = None
+        # The native data path (net.fastpath), where it was built: it sends a block's one-datagram inputs (where
+        # no loss is simulated in this process and no link carries parity) and takes a lossy block's one-datagram
+        # partials off the socket; everything else goes datagram by datagram through the Python path below.
+        self.fast = FastPath.load(key) if datagrams is not None else None
+        self.gather = Gather(self.fast) if self.fast is not None else None
+        self.native_sends = isinstance(udp.loss, NoLoss) and self.fast is not None
+        self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
 
     def close(self) -> None:
         if self.sender is not None:
@@ -282,13 +288,8 @@ class BlockExchange:
         out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
-        # While the nodes compute: the block before's accounts, and the partials that came during the master's
-        # share into the sum (each numpy call costs 10-20 µs after a kernel, wire.as_f32): after the last partial
-        # only its own add is left, not one per node.
+        # While the nodes compute: the block before's accounts.
         self.settle()
-        if block != Block.HEAD:
-            w.own = out
-            self._fold_ready(w)
         if while_waiting is not None:
             while_waiting()
         await self._wait(w, nodes, reliable, over_udp)
@@ -303,39 +304,26 @@ class BlockExchange:
         if block == Block.HEAD:
             self.settle()  # the step's last block: counted before the step returns
             return self._assemble_logits(out, nodes, w.parts)
-        # A partial that did not come whole adds what of it came (a lossy block's missing fragments are zeros).
-        self._fold_ready(w, final=True)
-        return out if w.total is None else w.total
+        return self._merge(w, out)
 
-    def _fold_ready(self, w: _Wait, final: bool = False) -> None:
-        """Add partials into the sum in the participants' order, never in arrival order: float addition is not
-        associative, and a sum that followed arrivals gave the same request other tokens from run to run. Those
-        that came before the first still missing are added at once (while the others compute); `final` adds the
-        rest, what came of each, and skips the ones of which nothing came."""
-        order = w.order
-        while w.folded < len(order):
-            index = order[w.folded]
-            if index in w.arrived or (final and w.parts[index] is not None):
-                self._fold(w, index)
-            elif not final:
-                return
-            w.folded += 1
-
-    def _fold(self, w: _Wait, index: int) -> None:
-        """Add a node's partial into the block's output. The first makes the sum a new array (the master's
-        one-token output is a buffer its block reuses); a one-token partial is added as it came, (hidden,)
-        broadcast onto (1, hidden)."""
+    def _merge(self, w: _Wait, own: np.ndarray) -> np.ndarray:
+        """The master's share plus the partials, added in the participants' order, never in arrival order: float
+        addition is not associative, and a sum that followed arrivals gave the same request other tokens from run
+        to run. A partial that did not come whole adds what of it came (a lossy block's missing fragments are
+        zeros); one of which nothing came is left out. A new array (the master's one-token output is a buffer its
+        block reuses)."""
         started = time.perf_counter()
-        part = w.parts[index]
-        vector = part.vector if isinstance(part, Reassembly) else part
-        if vector.size != w.own.shape[-1]:
-            vector = vector.reshape(w.own.shape)
-        if w.total is None:
-            w.total = w.own + vector
+        parts = [as_f32(p.vector if isinstance(p, Reassembly) else p) for p in (w.parts[i] for i in w.order)
+                 if p is not None]
+        if self.fast is not None:
+            total = self.fast.sum(own, parts)
         else:
-            w.total += vector
+            total = own.copy()
+            for vector in parts:
+                total += vector.reshape(own.shape)
         if w.tokens == 1:
             self.stats.fold_s += time.perf_counter() - started
+        return total
 
     def settle(self) -> None:
         """Count the block merged last, if it is not yet (its accounts wait for the next block's slack)."""
@@ -356,8 +344,10 @@ class BlockExchange:
                         codec: Codec) -> None:
         """The input as datagrams to every node; nodes on paths of one MTU get the same datagrams, encoded and
         sealed once."""
-        datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity fragments)
         parity = max(n.parity for n in nodes)  # a node of fewer takes the first ones
+        if parity == 0 and self.native_sends and self._send_native(nodes, key, x, ranking, codec):
+            return
+        datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity fragments)
         for node in nodes:
             if node.datagram_bytes not in datagrams:
                 sealed = self._input_datagrams(key, x, ranking, codec, node.datagram_bytes, parity=parity)
@@ -379,6 +369,23 @@ class BlockExchange:
                     self.sender = SendThread(self.udp)
                 self.sender.send([(checks[:node.parity], address)])
 
+    def _send_native(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None,
+                     codec: Codec) -> bool:
+        """The input as one datagram to every node, sealed once and sent by the native data path: False (nothing
+        sent) where it takes more than one datagram on some node's path."""
+        prefix = b"" if ranking is None else bytes(ranking)
+        if not fits(codec, x.size, len(prefix), min(n.datagram_bytes for n in nodes)):
+            return False
+        peers = tuple((n.host, n.udp_port) for n in nodes)
+        if self._to[0] != peers:  # the same nodes block after block
+            self._to = (peers, addresses(peers))
+        session, position, layer, block = key
+        header = Header(MsgType.ACTIVATION, session, position, layer, block, 0, codec=codec, tokens=x.shape[0])
+        sent = self.fast.send_vector(self.udp.sock.fileno(), header, as_f32(x), self._to[1], prefix=prefix)
+        self.udp.sent += len(nodes)
+        self.udp.dropped += len(nodes) - max(sent, 0)
+        return True
+
     def _input_datagrams(self, key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None, codec: Codec,
                          datagram_bytes: int, parity: int = 0, only: tuple[int, ...] | None = None) -> list[bytes]:
         """A block's input sealed as datagrams of `datagram_bytes` (see wire.fragment), each led by the ranking."""
@@ -396,7 +403,9 @@ class BlockExchange:
             w.deadline = expected
         else:
             expected = max(expected, w.sent + MIRROR_DRAIN_S)
-        if over_udp and w.outstanding:
+        if self.gather is not None and not reliable and w.tokens == 1 and w.outstanding:
+            await self._gather(w, nodes)
+        elif over_udp and w.outstanding:
             # The lean path: partials are taken straight off the socket on this thread until the block is whole
             # or its deadline passes. A mirrored block (no deadline) drains so long for its UDP copies (at least
             # MIRROR_DRAIN_S), then waits for its TCP copies on the loop. Data on a participant's TCP stream (a
@@ -428,6 +437,42 @@ class BlockExchange:
             await w.future
         w.finish()
         self.wait, self.merged = None, w
+
+    async def _gather(self, w: _Wait, nodes: list[NodeConn]) -> None:
+        """A lossy one-token block's partials taken by the native data path until the block is whole or its
+        deadline passes. A datagram it hands back (a fragment of a longer partial, a parity fragment, a stray or
+        forged packet) goes through the Python path (on_datagram) and what that took is told back; data on a
+        participant's stream lets the event loop run, as in _wait."""
+        gather, datagrams = self.gather, self.datagrams
+        order = w.order
+        gather.start(w.key, order, self.model.hidden, w.deadline, w.lag_bound, datagrams.spin_s,
+                     [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0])
+        arrived = gather.arrived
+        while True:
+            end = gather.run(datagrams.sock.fileno())
+            g = gather.g
+            for i, index in enumerate(order):  # what the native path took, into the block's record
+                if not math.isnan(arrived[i]) and index not in w.arrived:
+                    w.parts[index] = gather.buffer[i]  # merged before the next block's gather writes it again
+                    w.arrive(index, arrived[i])
+                    self.stats.native_partials += 1
+            w.from_parity += g.from_parity
+            datagrams.skipped += g.skipped
+            g.from_parity = g.skipped = 0
+            if end == GatherEnd.OTHER:
+                datagrams.handle(*gather.handed_back())
+            elif end == GatherEnd.STREAM:
+                await asyncio.sleep(0)  # the loop reads the stream that had data, and runs what it wakes
+                if any(not n.alive for n in nodes):
+                    return
+            if w.outstanding == 0 or end == GatherEnd.TIME:
+                return
+            # What the Python path or the loop took (and the deadline that the first arrival moved), told back.
+            for i, index in enumerate(order):
+                if index in w.arrived and math.isnan(arrived[i]):
+                    arrived[i] = w.sent + w.arrived[index]
+                    g.outstanding -= 1
+            g.deadline = w.deadline = min(g.deadline, w.deadline)
 
     def _account(self, w: _Wait, nodes: list[NodeConn], reliable: bool, ended: float, wait_start: float) -> None:
         """Count the block, note the links that lost a partial, and teach the estimators its arrivals."""
@@ -516,8 +561,6 @@ class BlockExchange:
                 return
             w.parts[node.index] = np.frombuffer(message.vector, "<f4")  # read-only, as a datagram's: only read
             w.arrive(node.index)
-            if w.own is not None:
-                self._fold_ready(w)
         elif not self._mirror_copy(key, node.index):
             self.stats.late_packets += 1
 
@@ -536,14 +579,10 @@ class BlockExchange:
                     w.parts[header.node] = vector
                     w.from_parity += is_parity(header)
                     w.arrive(header.node, self.datagrams.arrived_at)
-                    if w.own is not None:
-                        self._fold_ready(w)
                     return
                 target = w.parts[header.node] = Reassembly(w.sizes[header.node], w.nodes[header.node].datagram_bytes)
             if isinstance(target, Reassembly) and add_fragment(target, header, payload, self.counters):
                 w.arrive(header.node, self.datagrams.arrived_at)
-                if w.own is not None:
-                    self._fold_ready(w)
                 self.stats.completed_after_ask += header.node in w.asked
             elif w.mirror and is_parity(header) and isinstance(target, Reassembly) and \
                     header.node not in w.asked:

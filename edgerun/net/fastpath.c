@@ -1,0 +1,504 @@
+/* The tensor-parallel block exchange's per-datagram work in C: seal and send a one-datagram vector to every node of
+ * a block, and take a block's one-datagram partials off the socket (check, decode, stamp) until the block is whole,
+ * its deadline passes or something else arrives, then add them up in the participants' order.
+ *
+ * The wire format is edgerun.net.wire's (its docstring is the reference): a 30-byte little-endian header, the
+ * payload, a 12-byte nonce and a 16-byte AES-256-GCM tag over header and payload with nothing encrypted (GMAC).
+ * The GMAC is OpenSSL's, from the libcrypto the process has loaded already (Python's hashlib and ssl link it),
+ * found by path at run time: nothing to link against at build time, and the same instructions as the Python path.
+ *
+ * No Python API: edgerun.native loads this library with ctypes, which releases the GIL for each call. Anything this
+ * code does not handle (a fragment of a longer vector, a stray packet, a datagram that fails its check, which the
+ * Python side then counts by its reason) goes back to the caller whole, so the exchange's semantics stay in Python.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define HEADER_SIZE 30
+#define NONCE_SIZE 12
+#define MAC_SIZE 16
+#define TRAILER (NONCE_SIZE + MAC_SIZE)
+#define MAX_DATAGRAM 65536
+#define VERSION 5
+#define Q8_BLOCK 32
+#define Q8_BLOCK_BYTES 34
+#define MAX_COPIES 5 /* a one-datagram vector and at most four parity copies (wire.MAX_PARITY) */
+
+enum codec { F32 = 0, F16 = 1, Q8 = 2 };
+enum msg_type { ACTIVATION = 1, PARTIAL = 2 };
+enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3 };
+
+/* ---- OpenSSL's EVP interface, resolved with dlsym (the few calls a GMAC needs) ---------------------------- */
+typedef void EVP_CIPHER_CTX;
+typedef void EVP_CIPHER;
+#define EVP_CTRL_GCM_GET_TAG 0x10
+#define EVP_CTRL_GCM_SET_TAG 0x11
+
+typedef struct crypto {
+    EVP_CIPHER_CTX *(*ctx_new)(void);
+    void (*ctx_free)(EVP_CIPHER_CTX *);
+    const EVP_CIPHER *(*aes_256_gcm)(void);
+    int (*encrypt_init)(EVP_CIPHER_CTX *, const EVP_CIPHER *, void *, const uint8_t *, const uint8_t *);
+    int (*encrypt_update)(EVP_CIPHER_CTX *, uint8_t *, int *, const uint8_t *, int);
+    int (*encrypt_final)(EVP_CIPHER_CTX *, uint8_t *, int *);
+    int (*decrypt_init)(EVP_CIPHER_CTX *, const EVP_CIPHER *, void *, const uint8_t *, const uint8_t *);
+    int (*decrypt_update)(EVP_CIPHER_CTX *, uint8_t *, int *, const uint8_t *, int);
+    int (*decrypt_final)(EVP_CIPHER_CTX *, uint8_t *, int *);
+    int (*ctrl)(EVP_CIPHER_CTX *, int, int, void *);
+} crypto;
+
+typedef struct er_ctx {
+    crypto c;
+    void *lib;
+    EVP_CIPHER_CTX *sealer, *opener; /* keyed once: each message only sets its nonce */
+    uint8_t nonce[NONCE_SIZE];       /* counts up, little-endian, from a random start (as wire._nonce) */
+    uint8_t out[MAX_COPIES][MAX_DATAGRAM];
+} er_ctx;
+
+static int resolve(void *lib, void **slot, const char *name) {
+    *slot = dlsym(lib, name);
+    return *slot != NULL;
+}
+
+void er_free(er_ctx *ctx) {
+    if (ctx == NULL) return;
+    if (ctx->sealer) ctx->c.ctx_free(ctx->sealer);
+    if (ctx->opener) ctx->c.ctx_free(ctx->opener);
+    free(ctx);
+}
+
+/* A context for one cluster key; NULL where libcrypto cannot be loaded or keyed. `nonce` is the random start. */
+er_ctx *er_new(const char *libcrypto, const uint8_t key[32], const uint8_t nonce[NONCE_SIZE]) {
+    void *lib = dlopen(libcrypto, RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) return NULL;
+    er_ctx *ctx = calloc(1, sizeof(er_ctx));
+    if (ctx == NULL) return NULL;
+    crypto *c = &ctx->c;
+    int ok = resolve(lib, (void **)&c->ctx_new, "EVP_CIPHER_CTX_new") &&
+             resolve(lib, (void **)&c->ctx_free, "EVP_CIPHER_CTX_free") &&
+             resolve(lib, (void **)&c->aes_256_gcm, "EVP_aes_256_gcm") &&
+             resolve(lib, (void **)&c->encrypt_init, "EVP_EncryptInit_ex") &&
+             resolve(lib, (void **)&c->encrypt_update, "EVP_EncryptUpdate") &&
+             resolve(lib, (void **)&c->encrypt_final, "EVP_EncryptFinal_ex") &&
+             resolve(lib, (void **)&c->decrypt_init, "EVP_DecryptInit_ex") &&
+             resolve(lib, (void **)&c->decrypt_update, "EVP_DecryptUpdate") &&
+             resolve(lib, (void **)&c->decrypt_final, "EVP_DecryptFinal_ex") &&
+             resolve(lib, (void **)&c->ctrl, "EVP_CIPHER_CTX_ctrl");
+    ctx->lib = lib;
+    if (ok) {
+        ctx->sealer = c->ctx_new();
+        ctx->opener = c->ctx_new();
+        ok = ctx->sealer && ctx->opener && c->encrypt_init(ctx->sealer, c->aes_256_gcm(), NULL, key, NULL) == 1 &&
+             c->decrypt_init(ctx->opener, c->aes_256_gcm(), NULL, key, NULL) == 1;
+    }
+    if (!ok) {
+        er_free(ctx);
+        return NULL;
+    }
+    memcpy(ctx->nonce, nonce, NONCE_SIZE);
+    return ctx;
+}
+
+static void next_nonce(er_ctx *ctx, uint8_t *into) {
+    memcpy(into, ctx->nonce, NONCE_SIZE);
+    for (int i = 0; i < NONCE_SIZE && ++ctx->nonce[i] == 0; i++) {
+    }
+}
+
+/* Append a fresh nonce and the tag of data[0:len] after it; the sealed length. */
+int er_seal(er_ctx *ctx, uint8_t *data, int len) {
+    crypto *c = &ctx->c;
+    uint8_t *nonce = data + len, scratch[16];
+    int n;
+    next_nonce(ctx, nonce);
+    if (c->encrypt_init(ctx->sealer, NULL, NULL, NULL, nonce) != 1 ||
+        c->encrypt_update(ctx->sealer, NULL, &n, data, len) != 1 || c->encrypt_final(ctx->sealer, scratch, &n) != 1 ||
+        c->ctrl(ctx->sealer, EVP_CTRL_GCM_GET_TAG, MAC_SIZE, data + len + NONCE_SIZE) != 1)
+        return -1;
+    return len + TRAILER;
+}
+
+/* 1 where the datagram's tag is right. */
+int er_verify(er_ctx *ctx, const uint8_t *data, int len) {
+    crypto *c = &ctx->c;
+    uint8_t scratch[16];
+    int n, body = len - TRAILER;
+    if (body < 0) return 0;
+    return c->decrypt_init(ctx->opener, NULL, NULL, NULL, data + body) == 1 &&
+           c->decrypt_update(ctx->opener, NULL, &n, data, body) == 1 &&
+           c->ctrl(ctx->opener, EVP_CTRL_GCM_SET_TAG, MAC_SIZE, (void *)(data + body + NONCE_SIZE)) == 1 &&
+           c->decrypt_final(ctx->opener, scratch, &n) > 0;
+}
+
+/* ---- codecs: the same bits as wire.encode_vector / decode_vector --------------------------------------- */
+static uint16_t f16_bits(float value) {
+    /* float32 to IEEE half, rounding to nearest even (numpy's astype("<f2")) */
+    uint32_t x;
+    memcpy(&x, &value, 4);
+    uint32_t sign = (x >> 16) & 0x8000, mant = x & 0x7fffff;
+    int exp = (int)((x >> 23) & 0xff);
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 | (mant >> 13) : 0));
+    int e = exp - 127 + 15;
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00);
+    if (e <= 0) {
+        if (e < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        int shift = 14 - e;
+        uint32_t half = mant >> shift, rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((uint32_t)e << 10) | (mant >> 13), rest = mant & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++; /* may carry into the exponent: still right */
+    return (uint16_t)(sign | half);
+}
+
+static float f16_value(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, x;
+    if (exp == 0x1f) {
+        x = sign | 0x7f800000 | (mant << 13);
+    } else if (exp == 0) {
+        if (mant == 0) {
+            x = sign;
+        } else {
+            int e = -1;
+            do {
+                e++;
+                mant <<= 1;
+            } while (!(mant & 0x400));
+            x = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else {
+        x = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+int er_payload_bytes(int codec, int n) {
+    if (codec == Q8) return (n + Q8_BLOCK - 1) / Q8_BLOCK * Q8_BLOCK_BYTES;
+    return n * (codec == F32 ? 4 : 2);
+}
+
+/* x's n elements in a codec; the bytes written. */
+int er_encode(int codec, const float *x, int n, uint8_t *out) {
+    if (codec == F32) {
+        memcpy(out, x, (size_t)n * 4);
+    } else if (codec == F16) {
+        for (int i = 0; i < n; i++) {
+            uint16_t h = f16_bits(x[i]);
+            memcpy(out + 2 * i, &h, 2);
+        }
+    } else {
+        for (int b = 0; b * Q8_BLOCK < n; b++) {
+            float block[Q8_BLOCK] = {0}, top = 0.0f;
+            int m = n - b * Q8_BLOCK < Q8_BLOCK ? n - b * Q8_BLOCK : Q8_BLOCK;
+            memcpy(block, x + b * Q8_BLOCK, (size_t)m * 4);
+            for (int i = 0; i < Q8_BLOCK; i++) top = fmaxf(top, fabsf(block[i]));
+            /* the scale travels as f16: quantize with the rounded value, so the receiver's scale is the one used */
+            uint16_t bits = f16_bits(top / 127.0f);
+            float scale = f16_value(bits), safe = scale == 0.0f ? 1.0f : scale;
+            uint8_t *o = out + b * Q8_BLOCK_BYTES;
+            memcpy(o, &bits, 2);
+            for (int i = 0; i < Q8_BLOCK; i++) {
+                float q = nearbyintf(block[i] / safe);
+                q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+                o[2 + i] = (uint8_t)(int8_t)q;
+            }
+        }
+    }
+    return er_payload_bytes(codec, n);
+}
+
+void er_decode(int codec, const uint8_t *in, int n, float *out) {
+    if (codec == F32) {
+        memcpy(out, in, (size_t)n * 4);
+    } else if (codec == F16) {
+        for (int i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, in + 2 * i, 2);
+            out[i] = f16_value(h);
+        }
+    } else {
+        for (int i = 0; i < n; i++) {
+            const uint8_t *block = in + (i / Q8_BLOCK) * Q8_BLOCK_BYTES;
+            uint16_t bits;
+            memcpy(&bits, block, 2);
+            out[i] = (float)(int8_t)block[2 + i % Q8_BLOCK] * f16_value(bits);
+        }
+    }
+}
+
+/* ---- the header ----------------------------------------------------------------------------------------- */
+typedef struct er_head { /* wire.Header's fields but the fragment's, which are those of a one-datagram vector */
+    uint32_t session, position;
+    uint16_t layer;
+    uint8_t type, block, node, codec, tokens;
+} er_head;
+
+static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static uint16_t get16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+static uint32_t get32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static void pack_header(uint8_t *p, const er_head *h, uint16_t index, uint32_t length) {
+    p[0] = 'E';
+    p[1] = 'R';
+    p[2] = VERSION;
+    p[3] = h->type;
+    put32(p + 4, h->session);
+    put32(p + 8, h->position);
+    put16(p + 12, h->layer);
+    p[14] = h->block;
+    p[15] = h->node;
+    put16(p + 16, index);
+    put16(p + 18, 1); /* fragment count */
+    p[20] = h->codec;
+    p[21] = h->tokens;
+    put32(p + 22, 0); /* element offset */
+    put32(p + 26, length);
+}
+
+typedef struct er_addr { /* where a datagram goes: IPv4 address and port, both in network order */
+    uint32_t ip;
+    uint16_t port;
+} er_addr;
+
+/* A vector that fits one datagram, sealed as `copies` datagrams (the data, then its parity fragments, which for a
+ * one-fragment vector are copies of it with indices 1, 2, ...) and sent to every address, data before parity. Each
+ * payload starts with `prefix`. The datagrams sent, or -1 (a vector too long for one datagram, a failed seal). */
+int er_send_vector(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
+                   int n, const er_addr *addrs, int naddrs, int copies) {
+    int payload = prefix_len + er_payload_bytes(h->codec, n), size = HEADER_SIZE + payload + TRAILER;
+    if (copies < 1 || copies > MAX_COPIES || size > MAX_DATAGRAM) return -1;
+    uint8_t *first = ctx->out[0];
+    memcpy(first + HEADER_SIZE, prefix, (size_t)prefix_len);
+    er_encode(h->codec, x, n, first + HEADER_SIZE + prefix_len);
+    for (int i = 0; i < copies; i++) {
+        uint8_t *d = ctx->out[i];
+        if (i) memcpy(d + HEADER_SIZE, first + HEADER_SIZE, (size_t)payload);
+        pack_header(d, h, (uint16_t)i, (uint32_t)payload);
+        if (er_seal(ctx, d, HEADER_SIZE + payload) < 0) return -1;
+    }
+    /* every address's datagrams in one system call (a batch at a time) */
+    enum { BATCH = 64 };
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[MAX_COPIES];
+    struct sockaddr_in to[BATCH];
+    for (int i = 0; i < copies; i++) iov[i] = (struct iovec){.iov_base = ctx->out[i], .iov_len = (size_t)size};
+    int sent = 0, queued = 0, total = naddrs * copies;
+    for (int k = 0; k < total; k++) {
+        const er_addr *a = &addrs[k / copies];
+        to[queued] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = a->port, .sin_addr.s_addr = a->ip};
+        msgs[queued] = (struct mmsghdr){.msg_hdr = {.msg_name = &to[queued], .msg_namelen = sizeof to[queued],
+                                                    .msg_iov = &iov[k % copies], .msg_iovlen = 1}};
+        if (++queued == BATCH || k == total - 1) {
+            for (int at = 0; at < queued;) {
+                int done = sendmmsg(fd, msgs + at, (unsigned)(queued - at), 0);
+                if (done <= 0) { /* this datagram cannot go (a node gone: its loss is seen); the rest still go */
+                    at++;
+                    continue;
+                }
+                sent += done;
+                at += done;
+            }
+            queued = 0;
+        }
+    }
+    return sent;
+}
+
+/* ---- a block's partials ---------------------------------------------------------------------------------- */
+static double monotonic_s(void) { /* perf_counter's clock */
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static double realtime_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+typedef struct er_gather {
+    /* the block (in) */
+    uint32_t session, position;
+    uint16_t layer;
+    uint8_t block, pad;
+    int32_t n;                /* participants */
+    const uint8_t *nodes;     /* their node indices */
+    const int32_t *sizes;     /* elements of each one's partial */
+    float *const *parts;      /* where each one's partial is decoded */
+    double *arrived;          /* in/out: perf_counter time its partial came (the kernel's stamp); NAN until then */
+    int32_t outstanding;      /* in/out: participants whose partial has not come */
+    int32_t from_parity;      /* out: partials that came as a parity copy (their data datagram was lost) */
+    double deadline;          /* in/out: perf_counter time to give up (INFINITY: none); moved by the first arrival */
+    double lag_bound;         /* how long after the first partial the others may come (< 0: no bound) */
+    double spin_s;            /* poll without sleeping this long after the last datagram */
+    const int32_t *watch;     /* descriptors whose data ends the wait (TCP streams the event loop reads) */
+    int32_t nwatch;
+    int32_t skipped;          /* out: parity copies of partials already in, left unread */
+    /* a datagram this code does not take, for the caller (out) */
+    uint8_t *other;
+    int32_t other_cap, other_len;
+    double other_at;
+    uint32_t other_ip;
+    uint16_t other_port;
+} er_gather;
+
+typedef struct received {
+    int len;
+    double at;
+    struct sockaddr_in from;
+} received;
+
+/* One datagram off the socket without blocking: its length, or 0 (none waiting), its kernel stamp in perf_counter
+ * time (now if it has none). */
+static int receive(int fd, uint8_t *buf, int cap, received *r, double clock_offset) {
+    char control[CMSG_SPACE(sizeof(struct timespec))];
+    struct iovec iov = {.iov_base = buf, .iov_len = (size_t)cap};
+    struct msghdr msg = {.msg_name = &r->from, .msg_namelen = sizeof r->from, .msg_iov = &iov, .msg_iovlen = 1,
+                         .msg_control = control, .msg_controllen = sizeof control};
+    for (;;) {
+        ssize_t got = recvmsg(fd, &msg, MSG_DONTWAIT);
+        if (got >= 0) {
+            r->len = (int)got;
+            r->at = monotonic_s();
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+                if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SO_TIMESTAMPNS) {
+                    struct timespec t;
+                    memcpy(&t, CMSG_DATA(c), sizeof t);
+                    double stamped = (double)t.tv_sec + (double)t.tv_nsec * 1e-9 + clock_offset;
+                    r->at = stamped < r->at ? stamped : r->at;
+                }
+            }
+            return 1;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
+        /* an ICMP error from an earlier send to a node that left: read on */
+        msg.msg_namelen = sizeof r->from;
+        msg.msg_controllen = sizeof control;
+    }
+}
+
+static int find(const er_gather *g, int node) {
+    for (int i = 0; i < g->n; i++)
+        if (g->nodes[i] == node) return i;
+    return -1;
+}
+
+/* Take it if it is a whole partial of the block from a participant still awaited: 1 taken or left as needless,
+ * 0 not for this code. */
+static int take(er_ctx *ctx, er_gather *g, const uint8_t *d, const received *r, int *first) {
+    if (r->len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != PARTIAL ||
+        get32(d + 4) != g->session || get32(d + 8) != g->position || get16(d + 12) != g->layer ||
+        d[14] != g->block || get16(d + 18) != 1 || get32(d + 22) != 0)
+        return 0;
+    int i = find(g, d[15]), index = get16(d + 16), codec = d[20];
+    if (i < 0 || codec > Q8) return 0;
+    if (!isnan(g->arrived[i])) {
+        if (index >= 1 && index < MAX_COPIES) { /* a parity copy of a partial in already: unread, as needless() */
+            g->skipped++;
+            return 1;
+        }
+        return 0;
+    }
+    uint32_t length = get32(d + 26);
+    if (index >= MAX_COPIES || (int)length != er_payload_bytes(codec, g->sizes[i]) ||
+        HEADER_SIZE + (int)length + TRAILER != r->len || !er_verify(ctx, d, r->len))
+        return 0;
+    er_decode(codec, d + HEADER_SIZE, g->sizes[i], g->parts[i]);
+    g->arrived[i] = r->at;
+    g->outstanding--;
+    g->from_parity += index >= 1;
+    if (*first && g->lag_bound >= 0) {
+        double bound = monotonic_s() + g->lag_bound;
+        g->deadline = bound < g->deadline ? bound : g->deadline;
+    }
+    *first = 0;
+    return 1;
+}
+
+static int watched_has_data(const er_gather *g) {
+    if (g->nwatch <= 0) return 0;
+    struct pollfd fds[64];
+    int n = g->nwatch < 64 ? g->nwatch : 64;
+    for (int i = 0; i < n; i++) fds[i] = (struct pollfd){.fd = g->watch[i], .events = POLLIN};
+    return poll(fds, (nfds_t)n, 0) > 0;
+}
+
+/* Read the block's partials until every one is in (WHOLE), the deadline passes (TIME), a watched stream has data
+ * (STREAM), or a datagram comes that this code does not take (OTHER: in g->other, for the caller). What waits on the
+ * socket already is read first, deadline or not. */
+int er_gather_run(er_ctx *ctx, int fd, er_gather *g) {
+    static uint8_t buf[MAX_DATAGRAM];
+    double clock_offset = monotonic_s() - realtime_s();
+    int first = 1;
+    for (int i = 0; i < g->n; i++) first &= isnan(g->arrived[i]);
+    double idle_until = monotonic_s() + g->spin_s;
+    int spins = 0;
+    received r;
+    for (;;) {
+        if (g->outstanding == 0) return WHOLE;
+        if (receive(fd, buf, sizeof buf, &r, clock_offset)) {
+            if (!take(ctx, g, buf, &r, &first)) {
+                if (r.len > g->other_cap) continue; /* larger than any datagram edgerun sends */
+                memcpy(g->other, buf, (size_t)r.len);
+                g->other_len = r.len;
+                g->other_at = r.at;
+                g->other_ip = r.from.sin_addr.s_addr;
+                g->other_port = r.from.sin_port;
+                return OTHER;
+            }
+            idle_until = monotonic_s() + g->spin_s;
+            continue;
+        }
+        double now = monotonic_s();
+        if (now >= g->deadline) return TIME;
+        if (now < idle_until) { /* spin: a sleeping thread takes hundreds of microseconds to wake on a VM */
+            if (++spins % 32 == 0 && watched_has_data(g)) return STREAM;
+            sched_yield();
+            continue;
+        }
+        struct pollfd fds[65];
+        int n = 1;
+        fds[0] = (struct pollfd){.fd = fd, .events = POLLIN};
+        for (int i = 0; i < g->nwatch && n < 65; i++) fds[n++] = (struct pollfd){.fd = g->watch[i], .events = POLLIN};
+        double wait = g->deadline - now;
+        int ms = wait > 1.0 ? 1000 : (int)ceil(wait * 1000);
+        if (poll(fds, (nfds_t)n, ms) > 0) {
+            for (int i = 1; i < n; i++)
+                if (fds[i].revents) return STREAM;
+        }
+    }
+}
+
+/* out = own + parts[0] + parts[1] + ... element by element, in that order (float addition is not associative: the
+ * same order every run gives the same request the same tokens). */
+void er_sum(float *out, const float *own, const float *const *parts, int nparts, int n) {
+    memcpy(out, own, (size_t)n * 4);
+    for (int p = 0; p < nparts; p++) {
+        const float *part = parts[p];
+        for (int i = 0; i < n; i++) out[i] += part[i];
+    }
+}
