@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -117,6 +118,47 @@ def test_the_native_data_path_and_the_python_path_give_the_reference(model: Mode
             assert master.stats.native_partials == 0
 
 
+@pytest.mark.slow
+def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(model: Model,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With int8 activations the master's share is on ggml, and a one-token step's layers after the first run on
+    the native runner (BlockExchange.run_blocks): the same tokens as the Python path block by block, while forged
+    and garbled datagrams hit the master's socket (handed back to the Python path, counted and dropped), and a node
+    killed mid-generation is replanned around."""
+    prompt = model.tokenizer.encode(PROMPT)
+    lossy_blocks = 2 * (model.config.n_layers - 1) * (N_TOKENS - 1)
+    for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8):
+        ran = master.generate(prompt, N_TOKENS, GREEDY)
+        assert master.stats.native_blocks >= 0.95 * lossy_blocks and master.stats.blocks_incomplete == 0
+        with monkeypatch.context() as patched:
+            patched.setattr(Master, "_native_blocks", lambda self, start: None)
+            before = master.stats.native_blocks
+            assert master.generate(prompt, N_TOKENS, GREEDY) == ran
+            assert master.stats.native_blocks == before
+        rng, stop = random.Random(1), threading.Event()
+        partial = Header(MsgType.PARTIAL, 1, 0, 1, Block.MLP, 1, tokens=1)
+        valid = fragment(partial, np.ones(model.config.hidden, np.float32), KEY)
+        rejected = master.counters.total() + master.stats.late_packets
+
+        fuzzer = threading.Thread(target=fuzz_until, args=(stop, master.udp_port, valid, rng))
+        fuzzer.start()
+        try:
+            assert master.generate(prompt, N_TOKENS, GREEDY) == ran
+        finally:
+            stop.set()
+            fuzzer.join()
+        assert master.counters.total() + master.stats.late_packets > rejected
+        victim, seen = nodes[0].pid, []
+
+        def kill_at_five(_: int, victim: int = victim, seen: list[int] = seen) -> None:
+            seen.append(1)
+            if len(seen) == 5:
+                os.kill(victim, signal.SIGKILL)
+
+        tokens = master.generate(prompt, 32, GREEDY, on_token=kill_at_five)
+        assert tokens[:5] == ran[:5] and len(tokens) == 32 and master.lost_nodes() == ["n0"]
+
+
 class FullLogits:
     """A master as an engine that returns logits for the generation loop to sample: its nodes send every row."""
 
@@ -204,7 +246,7 @@ NEAR_TIE = 1.0
                          ids=["2-nodes", "3-nodes-uneven", "4-nodes-uneven"])
 def test_int8_cluster_agrees_with_the_single_engine(model: Model, speeds: list[float]) -> None:
     """With int8 activations (the default) every device quantizes the blocks it multiplies as the single engine
-    does, but the master normalizes in numpy and sums partials in another order, so a near-tie may break the
+    does, but the master normalizes in its own rounding and sums partials in another order, so a near-tie may break the
     other way. Fed the single engine's greedy tokens (so one flip does not change every later input), the
     cluster's argmax differs only at near-ties (the single engine's logits of the two tokens within NEAR_TIE of
     each other), the difference between the single engine's top two moves by less than NEAR_TIE at every step,
@@ -468,6 +510,13 @@ def mutate(datagram: bytes, rng: random.Random) -> bytes:
                     rng.randrange(1 << 16), rng.choice([0, 1, 2]), rng.randrange(256), rng.randrange(4), 4,
                     Codec(rng.randrange(3)), rng.randrange(256), rng.randrange(1 << 20))  # a PROBE would be valid
     return seal(header, rng.randbytes(rng.randrange(0, 600)), KEY)
+
+
+def fuzz_until(stop: threading.Event, port: int, valid: list[bytes], rng: random.Random) -> None:
+    """Mutated datagrams (mutate) to 127.0.0.1:port, one a millisecond, until `stop` is set."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        while not stop.wait(0.001):
+            sock.sendto(mutate(rng.choice(valid), rng), ("127.0.0.1", port))
 
 
 def authentic_malformed_messages(port: int, rng: random.Random, n: int = 300) -> int:

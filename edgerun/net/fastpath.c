@@ -36,7 +36,7 @@
 
 enum codec { F32 = 0, F16 = 1, Q8 = 2 };
 enum msg_type { ACTIVATION = 1, PARTIAL = 2 };
-enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3 };
+enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5 };
 
 /* ---- OpenSSL's EVP interface, resolved with dlsym (the few calls a GMAC needs) ---------------------------- */
 typedef void EVP_CIPHER_CTX;
@@ -501,4 +501,134 @@ void er_sum(float *out, const float *own, const float *const *parts, int nparts,
         const float *part = parts[p];
         for (int i = 0; i < n; i++) out[i] += part[i];
     }
+}
+
+/* ---- a step's lossy blocks, run one after another ------------------------------------------------------------
+ * For a one-token step, the master's layers after the first: for each block, the hidden state's RMS norm (the
+ * block's input), that input to the block's nodes, the master's own share (its ggml graph, computed here), the
+ * partials gathered until whole or the deadline, and their sum added to the hidden state. The runner returns to the
+ * caller, to resume where it stopped, when a datagram comes that it does not take (OTHER), a watched stream has
+ * data (STREAM) or a block ended without every partial (INCOMPLETE: the caller notes the loss before going on);
+ * DONE after the last block. Each block's record (its input, times, arrivals) is left for the caller's accounts. */
+typedef int (*graph_compute)(void *backend, void *graph);
+
+typedef struct er_block {
+    uint16_t layer;
+    uint8_t block, pad;
+    const float *norm;     /* the RMS norm's weight that makes this block's input from the hidden state */
+    void *graph;           /* the master's share of the block (NULL: it holds none of it) */
+    float *graph_in;       /* the graph's input, in its memory */
+    const float *graph_out;
+    int32_t first, count;  /* its participants: the runner's slots [first, first + count) */
+    double after_send;     /* its deadline, this long after its inputs are sent */
+    double lag_bound;      /* how long after the first partial the others may come (< 0: no bound) */
+    /* out */
+    float *input;          /* its input, kept (the caller's, hidden floats) */
+    double *arrived;       /* per participant: when its partial came (perf_counter), NAN: it did not */
+    double sent, computed, merged, own_s;
+    int32_t outstanding, from_parity, skipped, done;
+} er_block;
+
+typedef struct er_runner {
+    int32_t hidden, nblocks, next, phase; /* next block to run; phase 1: its partials are being gathered */
+    float eps;
+    float *x;                              /* the hidden state, (hidden,) */
+    er_block *blocks;
+    const er_addr *addrs;                  /* per slot: the participant's address and node index */
+    const uint8_t *node_index;
+    uint32_t session, position;
+    uint8_t codec, pad[3];
+    int32_t send_fd, recv_fd;
+    void *backend;
+    graph_compute compute;
+    float *parts;                          /* room for a block's partials: the most participants x hidden */
+    float *sum;                            /* the block's output before it is added (hidden floats) */
+    er_gather g;                           /* the block being gathered (its other buffer set by the caller) */
+} er_runner;
+
+/* The RMS norm of x times w, into out: the sum of squares in double (one rounding), the scale as a float. */
+static void rms_norm(const float *x, const float *w, float *out, int n, float eps) {
+    double squares = 0.0;
+    for (int i = 0; i < n; i++) squares += (double)x[i] * (double)x[i];
+    float scale = (float)(1.0 / sqrt(squares / n + (double)eps));
+    for (int i = 0; i < n; i++) out[i] = x[i] * (w[i] * scale);
+}
+
+void er_rms_norm(const float *x, const float *w, float *out, int n, float eps) { rms_norm(x, w, out, n, eps); }
+
+static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
+    int n = r->hidden;
+    rms_norm(r->x, b->norm, b->input, n, r->eps);
+    er_head h = {.session = r->session, .position = r->position, .layer = b->layer, .type = ACTIVATION,
+                 .block = b->block, .node = 0, .codec = r->codec, .tokens = 1};
+    b->sent = monotonic_s();
+    if (b->count) er_send_vector(ctx, r->send_fd, &h, NULL, 0, b->input, n, r->addrs + b->first, b->count, 1);
+    double began = monotonic_s();
+    if (b->graph != NULL) {
+        memcpy(b->graph_in, b->input, (size_t)n * 4);
+        if (r->compute(r->backend, b->graph) != 0) return -1;
+    }
+    b->computed = monotonic_s();
+    b->own_s = b->computed - began;
+    /* the gather of its partials */
+    static float *slots[256];
+    er_gather *g = &r->g;
+    g->session = r->session;
+    g->position = r->position;
+    g->layer = b->layer;
+    g->block = b->block;
+    g->n = b->count;
+    g->nodes = r->node_index + b->first;
+    g->arrived = b->arrived;
+    for (int i = 0; i < b->count; i++) {
+        slots[i] = r->parts + (size_t)i * n;
+        b->arrived[i] = NAN;
+    }
+    g->parts = slots;
+    g->outstanding = b->count;
+    g->from_parity = g->skipped = 0;
+    g->deadline = b->sent + b->after_send;
+    g->lag_bound = b->lag_bound;
+    return 0;
+}
+
+static void finish_block(er_runner *r, er_block *b) {
+    int n = r->hidden;
+    float *sum = r->sum;
+    if (b->graph != NULL)
+        memcpy(sum, b->graph_out, (size_t)n * 4);
+    else
+        memset(sum, 0, (size_t)n * 4);
+    for (int i = 0; i < b->count; i++) { /* in the participants' order, the same every run */
+        if (isnan(b->arrived[i])) continue;
+        const float *part = r->parts + (size_t)i * n;
+        for (int k = 0; k < n; k++) sum[k] += part[k];
+    }
+    for (int k = 0; k < n; k++) r->x[k] += sum[k];
+    b->merged = monotonic_s();
+    b->outstanding = r->g.outstanding;
+    b->from_parity = r->g.from_parity;
+    b->skipped = r->g.skipped;
+    b->done = 1;
+}
+
+int er_run_blocks(er_ctx *ctx, er_runner *r) {
+    static int32_t sizes[256];
+    er_gather *g = &r->g;
+    for (int i = 0; i < 256; i++) sizes[i] = r->hidden;
+    g->sizes = sizes;
+    while (r->next < r->nblocks) {
+        er_block *b = &r->blocks[r->next];
+        if (r->phase == 0) {
+            if (start_block(ctx, r, b) < 0) return -1;
+            r->phase = 1;
+        }
+        int end = g->outstanding ? er_gather_run(ctx, r->recv_fd, g) : WHOLE;
+        if (end == OTHER || end == STREAM) return end;
+        finish_block(r, b);
+        r->phase = 0;
+        r->next++;
+        if (end == TIME) return INCOMPLETE;
+    }
+    return DONE;
 }

@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
@@ -103,6 +104,9 @@ def _library() -> ctypes.CDLL | None:
     lib.er_gather_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Gather)]
     lib.er_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.er_sum.restype = None
+    lib.er_run_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.er_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
+    lib.er_rms_norm.restype = None
     return lib
 
 
@@ -245,3 +249,109 @@ class Gather:
         g = self.g
         return (self.other.raw[:g.other_len], g.other_at,
                 (socket.inet_ntoa(struct.pack("=I", g.other_ip)), socket.ntohs(g.other_port)))
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_uint16), ("block", ctypes.c_uint8), ("pad", ctypes.c_uint8),
+                ("norm", ctypes.c_void_p), ("graph", ctypes.c_void_p), ("graph_in", ctypes.c_void_p),
+                ("graph_out", ctypes.c_void_p), ("first", ctypes.c_int32), ("count", ctypes.c_int32),
+                ("after_send", ctypes.c_double), ("lag_bound", ctypes.c_double), ("input", ctypes.c_void_p),
+                ("arrived", ctypes.c_void_p), ("sent", ctypes.c_double), ("computed", ctypes.c_double),
+                ("merged", ctypes.c_double), ("own_s", ctypes.c_double), ("outstanding", ctypes.c_int32),
+                ("from_parity", ctypes.c_int32), ("skipped", ctypes.c_int32), ("done", ctypes.c_int32)]
+
+
+class _Runner(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int32), ("nblocks", ctypes.c_int32), ("next", ctypes.c_int32),
+                ("phase", ctypes.c_int32), ("eps", ctypes.c_float), ("x", ctypes.c_void_p),
+                ("blocks", ctypes.POINTER(_Block)), ("addrs", ctypes.POINTER(_Addr)), ("node_index", _u8p),
+                ("session", ctypes.c_uint32), ("position", ctypes.c_uint32), ("codec", ctypes.c_uint8),
+                ("pad", ctypes.c_uint8 * 3), ("send_fd", ctypes.c_int32), ("recv_fd", ctypes.c_int32),
+                ("backend", ctypes.c_void_p), ("compute", ctypes.c_void_p), ("parts", ctypes.c_void_p),
+                ("sum", ctypes.c_void_p), ("g", _Gather)]
+
+
+class RunEnd(IntEnum):
+    """Why er_run_blocks returned."""
+
+    STREAM = 2  # a watched stream has data: the event loop must read it, then run on
+    OTHER = 3  # a datagram it does not take (Runner.handed_back): the Python path handles it, then run on
+    INCOMPLETE = 4  # a block ended without every partial: noted, then run on
+    DONE = 5  # every block ran
+
+
+@dataclass(frozen=True)
+class NativeBlock:
+    """One block of a step as the runner takes it: its RMS norm's weight (float32), the master's graph for its share
+    (None: it holds no unit of it) with the addresses of the graph's input and output, its participants (indices
+    into the runner's slots), and its deadline and lag bound (Timeouts)."""
+
+    layer: int
+    block: int
+    norm: np.ndarray
+    graph: int | None
+    graph_in: int
+    graph_out: int
+    slots: range
+    after_send: float
+    lag_bound: float | None
+
+
+class Runner:
+    """A step's lossy blocks run natively (er_run_blocks), with the records the caller accounts them by."""
+
+    def __init__(self, path: FastPath) -> None:
+        self.path = path
+        self.r = _Runner()
+        self.other = ctypes.create_string_buffer(Gather.OTHER_BYTES)
+        self.r.g.other = ctypes.cast(self.other, _u8p)
+        self.r.g.other_cap = Gather.OTHER_BYTES
+        self._keep: list = []  # what the C structures point into, alive while they do
+
+    def start(self, x: np.ndarray, blocks: Sequence[NativeBlock], peers: Sequence[tuple[str, int]],
+              node_index: Sequence[int], session: int, position: int, codec: int, eps: float, send_fd: int,
+              recv_fd: int, backend: int, compute: int, spin_s: float, watch: Sequence[int]) -> None:
+        """A step's blocks, run on the hidden state x (float32, (hidden,), updated in place)."""
+        r, hidden = self.r, x.size
+        n = len(blocks)
+        self.x = x
+        self.inputs = np.empty((n, hidden), np.float32)  # each block's input, kept for the nodes' fetches
+        most = max((len(b.slots) for b in blocks), default=0)
+        self.arrived = np.full((n, max(1, most)), math.nan)
+        parts, total = np.empty((max(1, most), hidden), np.float32), np.empty(hidden, np.float32)
+        self.records = (_Block * n)()
+        for rec, b, i in zip(self.records, blocks, range(n), strict=True):
+            rec.layer, rec.block, rec.norm = b.layer, b.block, b.norm.ctypes.data
+            rec.graph, rec.graph_in, rec.graph_out = b.graph or None, b.graph_in, b.graph_out
+            rec.first, rec.count = (b.slots.start, len(b.slots)) if len(b.slots) else (0, 0)
+            rec.after_send = b.after_send
+            rec.lag_bound = -1.0 if b.lag_bound is None else b.lag_bound
+            rec.input, rec.arrived = self.inputs[i].ctypes.data, self.arrived[i].ctypes.data
+        addrs = addresses(peers) if peers else (_Addr * 1)()
+        index = (ctypes.c_uint8 * max(1, len(node_index)))(*node_index)
+        watched = (ctypes.c_int32 * max(1, len(watch)))(*watch)
+        self._keep = [blocks, addrs, index, watched, parts, total]
+        r.hidden, r.nblocks, r.next, r.phase, r.eps = hidden, n, 0, 0, eps
+        r.x, r.blocks, r.addrs, r.node_index = x.ctypes.data, self.records, addrs, index
+        r.session, r.position, r.codec, r.send_fd, r.recv_fd = session, position, codec, send_fd, recv_fd
+        r.backend, r.compute, r.parts, r.sum = backend, compute, parts.ctypes.data, total.ctypes.data
+        self.parts = parts
+        r.g.spin_s, r.g.watch, r.g.nwatch = spin_s, watched, len(watch)
+
+    def run(self) -> RunEnd:
+        end = self.path.lib.er_run_blocks(self.path.ctx, ctypes.byref(self.r))
+        if end < 0:
+            raise RuntimeError("ggml's graph failed in a native step")
+        return RunEnd(end)
+
+    def handed_back(self) -> tuple[bytes, float, tuple[str, int]]:
+        g = self.r.g
+        return (self.other.raw[:g.other_len], g.other_at,
+                (socket.inet_ntoa(struct.pack("=I", g.other_ip)), socket.ntohs(g.other_port)))
+
+
+def rms_norm(path: FastPath, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """The runner's RMS norm of one row (float32 (1, hidden) or (hidden,)): the sum of squares in double."""
+    out = np.empty_like(x)
+    path.lib.er_rms_norm(x.ctypes.data, weight.ctypes.data, out.ctypes.data, x.size, eps)
+    return out

@@ -21,8 +21,9 @@ import numpy as np
 
 from edgerun.model.config import ModelConfig
 from edgerun.model.generate import EngineLost
+from edgerun.model.reference import rms_norm_fast
 from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, SendThread, add_fragment
-from edgerun.net.fastpath import FastPath, Gather, GatherEnd, addresses, fits
+from edgerun.net.fastpath import FastPath, Gather, GatherEnd, NativeBlock, RunEnd, Runner, addresses, fits, rms_norm
 from edgerun.net.loss import NoLoss
 from edgerun.net.wire import (
     Added,
@@ -115,6 +116,7 @@ class StepStats:
     completed_after_ask: int = 0
     spare_inputs: int = 0  # a prompt's inputs sent again on a lossy node's spare stream (Assign.spare_stream)
     native_partials: int = 0  # partials the native data path took off the socket (net.fastpath)
+    native_blocks: int = 0  # blocks the native runner ran (BlockExchange.run_blocks)
 
 
 @dataclass
@@ -212,6 +214,7 @@ class BlockExchange:
         # partials off the socket; everything else goes datagram by datagram through the Python path below.
         self.fast = FastPath.load(key) if datagrams is not None else None
         self.gather = Gather(self.fast) if self.fast is not None else None
+        self.runner = Runner(self.fast) if self.fast is not None else None
         self.native_sends = isinstance(udp.loss, NoLoss) and self.fast is not None
         self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
 
@@ -447,18 +450,9 @@ class BlockExchange:
         order = w.order
         gather.start(w.key, order, self.model.hidden, w.deadline, w.lag_bound, datagrams.spin_s,
                      [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0])
-        arrived = gather.arrived
         while True:
             end = gather.run(datagrams.sock.fileno())
-            g = gather.g
-            for i, index in enumerate(order):  # what the native path took, into the block's record
-                if not math.isnan(arrived[i]) and index not in w.arrived:
-                    w.parts[index] = gather.buffer[i]  # merged before the next block's gather writes it again
-                    w.arrive(index, arrived[i])
-                    self.stats.native_partials += 1
-            w.from_parity += g.from_parity
-            datagrams.skipped += g.skipped
-            g.from_parity = g.skipped = 0
+            self._took_natively(w, gather.g, gather.arrived, gather.buffer)
             if end == GatherEnd.OTHER:
                 datagrams.handle(*gather.handed_back())
             elif end == GatherEnd.STREAM:
@@ -467,12 +461,134 @@ class BlockExchange:
                     return
             if w.outstanding == 0 or end == GatherEnd.TIME:
                 return
-            # What the Python path or the loop took (and the deadline that the first arrival moved), told back.
-            for i, index in enumerate(order):
-                if index in w.arrived and math.isnan(arrived[i]):
-                    arrived[i] = w.sent + w.arrived[index]
-                    g.outstanding -= 1
-            g.deadline = w.deadline = min(g.deadline, w.deadline)
+            self._tell_native(w, gather.g, gather.arrived)
+
+    def _took_natively(self, w: _Wait, g, arrived: np.ndarray, rows: np.ndarray) -> None:
+        """What the native path took (a gather's or a runner's, `g`), into the block's record."""
+        for i, index in enumerate(w.order):
+            if not math.isnan(arrived[i]) and index not in w.arrived:
+                w.parts[index] = rows[i]  # merged before the next block's gather writes it again
+                w.arrive(index, arrived[i])
+                self.stats.native_partials += 1
+        w.from_parity += g.from_parity
+        self.datagrams.skipped += g.skipped
+        g.from_parity = g.skipped = 0
+
+    def _tell_native(self, w: _Wait, g, arrived: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """What the Python path or the event loop took (and the deadline that the first arrival moved), told back to
+        the native path; into `rows` too where it adds them up itself (the runner)."""
+        for i, index in enumerate(w.order):
+            if index in w.arrived and math.isnan(arrived[i]):
+                arrived[i] = w.sent + w.arrived[index]
+                g.outstanding -= 1
+                if rows is not None:
+                    part = w.parts[index]
+                    rows[i] = (part.vector if isinstance(part, Reassembly) else part).reshape(-1)
+        g.deadline = w.deadline = min(g.deadline, w.deadline)
+
+    def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """The master's RMS norm of a block's input: the native runner's for one token where it runs (so a step's
+        blocks round alike whichever path runs them), else numpy's."""
+        if self.fast is not None and x.shape[0] == 1:
+            return rms_norm(self.fast, x, weight, eps)
+        return rms_norm_fast(x, weight, eps)
+
+    def runs_natively(self, participants: Sequence[list[NodeConn]]) -> bool:
+        """Whether a one-token step's lossy blocks with these participants can run on the native runner: inputs it
+        may send (no loss simulated here, no parity, one datagram on every path) over UDP with a deadline."""
+        if self.runner is None or not self.native_sends or self.routes.of(1, Block.ATTN, 1) != Route.DATAGRAM:
+            return False
+        nodes = {n.index: n for block in participants for n in block}.values()
+        return all(n.parity == 0 and n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes)
+                   for n in nodes)
+
+    async def run_blocks(self, x: np.ndarray, position: int, blocks: list[NativeBlock],
+                         participants: list[list[NodeConn]], eps: float, backend: int, compute: int) -> None:
+        """A one-token step's lossy blocks on the native runner (see runs_natively), on the hidden state x
+        ((1, hidden) float32, updated in place): each block's input normalized from x, sent, the master's share
+        computed (`blocks`' graphs, by ggml's `compute` on `backend`), the partials gathered by its deadline and
+        added with the share into x. It comes back here for a datagram it does not take, a stream with data and a
+        block merged incomplete; each block is counted as `run` counts it."""
+        runner, datagrams = self.runner, self.datagrams
+        peers = [(n.host, n.udp_port) for block in participants for n in block]
+        index = [n.index for block in participants for n in block]
+        watch = sorted({fd for block in participants for fd in (n.channel.fileno() for n in block) if fd >= 0})
+        runner.start(x.reshape(-1), blocks, peers, index, self.session, position, int(self.config.codec), eps,
+                     self.udp.sock.fileno(), datagrams.sock.fileno(), backend, compute, datagrams.spin_s, watch)
+        self.settle()
+        counted = 0
+        w: _Wait | None = None  # the block in gather, where the runner came back in it
+        while True:
+            end = runner.run()
+            r = runner.r
+            if r.phase == 1:  # back in a block's gather: its record, for the Python path's datagrams and the loop
+                b, nodes = blocks[r.next], participants[r.next]
+                if w is None or w.key[2:] != (b.layer, b.block):
+                    w = self.wait = self._native_wait(r.next, position, nodes)
+                self._took_natively(w, r.g, runner.arrived[r.next], runner.parts)
+                if end == RunEnd.OTHER:
+                    datagrams.handle(*runner.handed_back())
+                else:
+                    await asyncio.sleep(0)  # the loop reads the stream that had data, and runs what it wakes
+                self._tell_native(w, r.g, runner.arrived[r.next], runner.parts)
+                if lost := [n for n in nodes if not n.alive]:
+                    self.wait = None
+                    raise NodeLost(lost[0].name)
+            counted = self._count_native(counted, position, blocks, participants)
+            if end == RunEnd.DONE:
+                return
+
+    def _native_wait(self, i: int, position: int, nodes: list[NodeConn]) -> _Wait:
+        """The record of the runner's block i, as `run` keeps one (from what the runner noted)."""
+        b, rec = self.runner.r.blocks[i], self.runner.records[i]
+        future = asyncio.get_running_loop().create_future()
+        w = _Wait((self.session, position, b.layer, b.block), dict.fromkeys(n.index for n in nodes),
+                  dict.fromkeys((n.index for n in nodes), self.model.hidden), future, rec.sent, len(nodes), 1,
+                  nodes={n.index: n for n in nodes})
+        w.deadline = rec.sent + rec.after_send
+        return w
+
+    def _count_native(self, counted: int, position: int, blocks: list[NativeBlock],
+                      participants: list[list[NodeConn]]) -> int:
+        """Count the blocks the runner merged since the last count (as `run` counts its blocks), keep their inputs
+        for the nodes' fetches, and note their moments in the trace; how many are counted now."""
+        runner, stats = self.runner, self.stats
+        while counted < runner.r.next:
+            rec, nodes = runner.records[counted], participants[counted]
+            b = blocks[counted]
+            key = (self.session, position, b.layer, b.block)
+            w = self.wait if self.wait is not None and self.wait.key == key else \
+                self._native_wait(counted, position, nodes)
+            arrived = runner.arrived[counted]
+            for i, n in enumerate(nodes):
+                if not math.isnan(arrived[i]) and n.index not in w.arrived:
+                    w.parts[n.index] = runner.parts[i]
+                    w.arrived[n.index] = arrived[i] - rec.sent
+                    stats.native_partials += 1
+            w.outstanding = len(nodes) - len(w.arrived)
+            w.from_parity += rec.from_parity
+            self.datagrams.skipped += rec.skipped
+            started = rec.computed - rec.own_s
+            stats.compute_s += rec.own_s
+            stats.wait_s += rec.merged - rec.computed
+            if nodes:
+                stats.send_s += started - rec.sent
+                stats.sends += len(nodes)
+                self.udp.sent += len(nodes)
+                self.recent_inputs[key] = (runner.inputs[counted].reshape(1, -1), None)
+                for node in self.pending_fetch.pop(key, []):
+                    self.send_input(node, key, *self.recent_inputs[key])
+            self.wait, self.merged = None, w
+            if w.outstanding:  # a partial only late is read first, as settle() reads it (it teaches a lag, not loss)
+                self.datagrams.read_waiting()
+            self._account(w, nodes, False, rec.merged, rec.computed)
+            if self.trace is not None and nodes:
+                self._record(w, started, rec.computed, rec.merged)
+            stats.native_blocks += 1
+            if lost := [n for n in nodes if not n.alive]:
+                raise NodeLost(lost[0].name)
+            counted += 1
+        return counted
 
     def _account(self, w: _Wait, nodes: list[NodeConn], reliable: bool, ended: float, wait_start: float) -> None:
         """Count the block, note the links that lost a partial, and teach the estimators its arrivals."""

@@ -10,6 +10,7 @@ once per token count and cache length and rerun with new inputs, as the whole-mo
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -166,6 +167,30 @@ class GgmlShard(_ShareBase):
         self.calls.add(graph, began)
         return out
 
+    def native_block(self, layer: int, block: Block, start: int) -> tuple[int, int, int] | None:
+        """For a one-token step at position `start` run natively (net.fastpath.Runner): this block's graph and the
+        addresses of its input and output in the graph's memory, its inputs set and (attention) its cache advanced
+        to take the token; (0, 0, 0) where this share holds no unit of the block; None where the graph's memory is
+        not this process's (a GPU's)."""
+        if self.backend.name != "cpu":
+            return None
+        if block == Block.ATTN:
+            tensors = self.attn[layer]
+            end = self._advance(layer, start, 1)
+            if tensors is None:
+                return 0, 0, 0
+            n_kv = cache_rows(end, self.max_len)
+            graph = self._graph((Block.ATTN, layer, 1, n_kv),
+                                lambda scratch: _BlockGraph.attention(self, tensors, 1, n_kv, scratch))
+            graph.inputs.set(graph.gc, start, graph.mask)
+        else:
+            tensors = self.mlp_tensors[layer]
+            if tensors is None:
+                return 0, 0, 0
+            graph = self._graph((Block.MLP, layer, 1), lambda scratch: _BlockGraph.mlp(self, tensors, 1, scratch))
+        graph.fresh = False
+        return graph.gc.graph, graph.gc.view(graph.x).ctypes.data, graph.gc.view(graph.out).ctypes.data
+
     def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         began = time.perf_counter()
         x = _rows(x_norm, self.config.hidden)
@@ -175,6 +200,11 @@ class GgmlShard(_ShareBase):
         out = graph.run(x)
         self.calls.add(graph, began)
         return self.vocab_rows, out
+
+
+def ggml_compute_address() -> int:
+    """The address of ggml's graph computation (ggml_backend_graph_compute), for the native runner to call."""
+    return ctypes.cast(ggml_lib.lib().ggml_backend_graph_compute, ctypes.c_void_p).value
 
 
 def build_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int, threads: int | None,

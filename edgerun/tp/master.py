@@ -30,9 +30,9 @@ from edgerun.errors import EdgerunError
 from edgerun.model.generate import Engine, EngineLost, default_engine, generate, make_engine
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
-from edgerun.model.reference import rms_norm_fast
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
+from edgerun.net.fastpath import NativeBlock
 from edgerun.net.http_server import bind
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_routes, model_sha256
@@ -43,7 +43,7 @@ from edgerun.sched.tp_plan import SyncModel, TPPlan, UnitCounts, objective, plan
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
-from edgerun.tp.ggml_shard import GgmlShard, build_share
+from edgerun.tp.ggml_shard import GgmlShard, build_share, ggml_compute_address
 from edgerun.tp.kernel_fit import KernelFit, Measured, pooled, pooled_measurements
 from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
 from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
@@ -173,6 +173,7 @@ class Master:
         self.whole: Engine | None = None
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
+        self._native_plan: tuple[TPPlan | None, list[list[NodeConn]]] = (None, [])  # _native_blocks' participants
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
         self.deployed: list[NodeConn] = []
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
@@ -597,14 +598,18 @@ class Master:
         overlap_pred = ahead and "pred" in self.config.overlap
         previous_input = None
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
+        norm = self.exchange.norm
         for layer in range(c.n_layers):
+            if layer == 1 and len(tokens) == 1 and (native := self._native_blocks(start)) is not None:
+                x = await self._run_native(x, start, *native)  # the layers after the first, natively
+                break
             lw = weights.layers[layer]
             ranked, predicted = predicted, {}
-            attn_input = rms_norm_fast(x, lw.attn_norm, c.norm_eps)
+            attn_input = norm(x, lw.attn_norm, c.norm_eps)
             features = previous_input if ahead else attn_input
             attn_ranking = ranked[Block.ATTN] if ranked else self._rank(layer, Block.ATTN, features)
             x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking)
-            mlp_input = rms_norm_fast(x, lw.ffn_norm, c.norm_eps)
+            mlp_input = norm(x, lw.ffn_norm, c.norm_eps)
             features = previous_input if ahead else mlp_input
             mlp_ranking = ranked[Block.MLP] if ranked else self._rank(layer, Block.MLP, features)
 
@@ -619,7 +624,46 @@ class Master:
         oldest = self.position - KEPT_POSITIONS
         self.exchange.forget_before(oldest)
         self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
-        return await self._block(0, Block.HEAD, rms_norm_fast(x[-1:], weights.output_norm, c.norm_eps), start)
+        return await self._block(0, Block.HEAD, norm(x[-1:], weights.output_norm, c.norm_eps), start)
+
+    def _native_blocks(self, start: int) -> tuple[list[NativeBlock], list[list[NodeConn]]] | None:
+        """A one-token step's blocks after the first layer as the native runner takes them (BlockExchange.run_blocks),
+        or None where it cannot: a share off this process's memory or not on ggml, dynamic mapping, nodes it cannot
+        send to (BlockExchange.runs_natively)."""
+        shard, c = self.shard, self.model.config
+        if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic":
+            return None
+        if self._native_plan[0] is not self.plan:  # who takes part in each block: once a deployment
+            self._native_plan = (self.plan, [self._participants(layer, block) for layer in range(1, c.n_layers)
+                                             for block in (Block.ATTN, Block.MLP)])
+        participants = self._native_plan[1]
+        if not self.exchange.runs_natively(participants):
+            return None
+        timeouts, timing = self.exchange.timeouts, {}
+        blocks = []
+        for i, nodes in enumerate(participants):
+            layer, block = 1 + i // 2, Block.ATTN if i % 2 == 0 else Block.MLP
+            members = tuple(n.index for n in nodes)
+            if members not in timing:  # a deadline and a lag bound for each set of participants, as `run` sets them
+                timing[members] = (timeouts.after_send([n.arrival for n in nodes]),
+                                   timeouts.after_first([n.lag for n in nodes]))
+            graph, graph_in, graph_out = shard.native_block(layer, block, start)
+            lw = self.model.weights.layers[layer]
+            blocks.append(NativeBlock(layer, int(block), lw.attn_norm if block == Block.ATTN else lw.ffn_norm,
+                                      graph or None, graph_in, graph_out, range(len(nodes)), *timing[members]))
+        return blocks, participants
+
+    async def _run_native(self, x: np.ndarray, start: int, blocks: list[NativeBlock],
+                          participants: list[list[NodeConn]]) -> np.ndarray:
+        """The hidden state after the step's blocks `blocks` ran natively; the master's kernels measured as `_block`
+        measures them."""
+        x = np.array(x, np.float32, order="C")  # the runner adds into it
+        shard = self.shard
+        await self.exchange.run_blocks(x, start, blocks, participants, self.model.config.norm_eps,
+                                       shard.backend.handle, ggml_compute_address())
+        for b, record in zip(blocks, self.exchange.runner.records, strict=True):
+            self.own_decode = self.own_decode.add(shard.block_bytes(b.layer, Block(b.block)), record.own_s)
+        return x
 
     # --- the blocking interface, for callers outside the loop -------------------------------------
     def reset(self) -> None:
