@@ -284,14 +284,16 @@ typedef struct er_addr { /* where a datagram goes: IPv4 address and port, both i
 } er_addr;
 
 /* A vector that fits one datagram, sealed as `copies` datagrams (the data, then its parity fragments, which for a
- * one-fragment vector are copies of it with indices 1, 2, ...) and sent to every address, data before parity. Each
- * payload starts with `prefix`. The datagrams sent, or -1 (a vector too long for one datagram, a failed seal). */
-int er_send_vector(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
-                   int n, const er_addr *addrs, int naddrs, int copies) {
+ * one-fragment vector are copies of it with indices 1, 2, ...) and sent to every address: to address a only the first
+ * per[a] of them where `per` is given (a link without parity takes the data alone). Every address's data goes before
+ * any parity. Each payload starts with `prefix`. The datagrams sent, or -1 (a vector too long for one datagram, a
+ * failed seal). */
+int er_send_copies(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
+                   int n, const er_addr *addrs, int naddrs, int copies, const uint8_t *per) {
     int payload = prefix_len + er_payload_bytes(h->codec, n), size = HEADER_SIZE + payload + TRAILER;
     if (copies < 1 || copies > MAX_COPIES || size > MAX_DATAGRAM) return -1;
     uint8_t *first = ctx->out[0];
-    memcpy(first + HEADER_SIZE, prefix, (size_t)prefix_len);
+    if (prefix_len) memcpy(first + HEADER_SIZE, prefix, (size_t)prefix_len);
     er_encode(h->codec, x, n, first + HEADER_SIZE + prefix_len);
     for (int i = 0; i < copies; i++) {
         uint8_t *d = ctx->out[i];
@@ -299,32 +301,43 @@ int er_send_vector(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix,
         pack_header(d, h, (uint16_t)i, (uint32_t)payload);
         if (er_seal(ctx, d, HEADER_SIZE + payload) < 0) return -1;
     }
-    /* every address's datagrams in one system call (a batch at a time) */
+    /* every address's datagrams in as few system calls as the batch allows */
     enum { BATCH = 64 };
     struct mmsghdr msgs[BATCH];
     struct iovec iov[MAX_COPIES];
     struct sockaddr_in to[BATCH];
     for (int i = 0; i < copies; i++) iov[i] = (struct iovec){.iov_base = ctx->out[i], .iov_len = (size_t)size};
-    int sent = 0, queued = 0, total = naddrs * copies;
-    for (int k = 0; k < total; k++) {
-        const er_addr *a = &addrs[k / copies];
-        to[queued] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = a->port, .sin_addr.s_addr = a->ip};
-        msgs[queued] = (struct mmsghdr){.msg_hdr = {.msg_name = &to[queued], .msg_namelen = sizeof to[queued],
-                                                    .msg_iov = &iov[k % copies], .msg_iovlen = 1}};
-        if (++queued == BATCH || k == total - 1) {
-            for (int at = 0; at < queued;) {
-                int done = sendmmsg(fd, msgs + at, (unsigned)(queued - at), 0);
-                if (done <= 0) { /* this datagram cannot go (a node gone: its loss is seen); the rest still go */
-                    at++;
-                    continue;
-                }
-                sent += done;
-                at += done;
+    int sent = 0, queued = 0;
+    for (int c = 0; c < copies; c++) {
+        for (int a = 0; a < naddrs; a++) {
+            int last = c == copies - 1 && a == naddrs - 1;
+            if (per == NULL || per[a] > c) {
+                to[queued] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = addrs[a].port,
+                                                  .sin_addr.s_addr = addrs[a].ip};
+                msgs[queued] = (struct mmsghdr){.msg_hdr = {.msg_name = &to[queued], .msg_namelen = sizeof to[queued],
+                                                            .msg_iov = &iov[c], .msg_iovlen = 1}};
+                queued++;
             }
-            queued = 0;
+            if (queued == BATCH || (last && queued)) {
+                for (int at = 0; at < queued;) {
+                    int done = sendmmsg(fd, msgs + at, (unsigned)(queued - at), 0);
+                    if (done <= 0) { /* this one cannot go (a node gone: its loss is seen); the rest still go */
+                        at++;
+                        continue;
+                    }
+                    sent += done;
+                    at += done;
+                }
+                queued = 0;
+            }
         }
     }
     return sent;
+}
+
+int er_send_vector(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
+                   int n, const er_addr *addrs, int naddrs, int copies) {
+    return er_send_copies(ctx, fd, h, prefix, prefix_len, x, n, addrs, naddrs, copies, NULL);
 }
 
 /* ---- a block's partials ---------------------------------------------------------------------------------- */
@@ -364,6 +377,9 @@ typedef struct er_gather {
     double other_at;
     uint32_t other_ip;
     uint16_t other_port;
+    /* in: parity copies of other blocks' partials are left unread (the block before is whole: nothing of it is
+     * awaited, as needless() judges); 0 hands them back */
+    int32_t skip_old_parity;
 } er_gather;
 
 typedef struct received {
@@ -411,9 +427,16 @@ static int find(const er_gather *g, int node) {
  * 0 not for this code. */
 static int take(er_ctx *ctx, er_gather *g, const uint8_t *d, const received *r, int *first) {
     if (r->len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != PARTIAL ||
-        get32(d + 4) != g->session || get32(d + 8) != g->position || get16(d + 12) != g->layer ||
-        d[14] != g->block || get16(d + 18) != 1 || get32(d + 22) != 0)
+        get16(d + 18) != 1 || get32(d + 22) != 0)
         return 0;
+    if (get32(d + 4) != g->session || get32(d + 8) != g->position || get16(d + 12) != g->layer ||
+        d[14] != g->block) {
+        if (g->skip_old_parity && get16(d + 16) >= 1) { /* a parity copy of an earlier block's partial */
+            g->skipped++;
+            return 1;
+        }
+        return 0;
+    }
     int i = find(g, d[15]), index = get16(d + 16), codec = d[20];
     if (i < 0 || codec > Q8) return 0;
     if (!isnan(g->arrived[i])) {
@@ -519,6 +542,10 @@ typedef struct er_block {
     void *graph;           /* the master's share of the block (NULL: it holds none of it) */
     float *graph_in;       /* the graph's input, in its memory */
     const float *graph_out;
+    int32_t *pos;          /* attention: the graph's position, cache row and mask (NULL for an MLP) */
+    int64_t *rows;
+    uint16_t *mask;        /* float16, n_kv: 0 for the rows up to the position, minus infinity after */
+    int32_t n_kv;
     int32_t first, count;  /* its participants: the runner's slots [first, first + count) */
     double after_send;     /* its deadline, this long after its inputs are sent */
     double lag_bound;      /* how long after the first partial the others may come (< 0: no bound) */
@@ -534,8 +561,9 @@ typedef struct er_runner {
     float eps;
     float *x;                              /* the hidden state, (hidden,) */
     er_block *blocks;
-    const er_addr *addrs;                  /* per slot: the participant's address and node index */
+    const er_addr *addrs;                  /* per slot: the participant's address, node index and copies sent */
     const uint8_t *node_index;
+    const uint8_t *copies;                 /* (1 + its link's parity fragments) */
     uint32_t session, position;
     uint8_t codec, pad[3];
     int32_t send_fd, recv_fd;
@@ -543,6 +571,7 @@ typedef struct er_runner {
     graph_compute compute;
     float *parts;                          /* room for a block's partials: the most participants x hidden */
     float *sum;                            /* the block's output before it is added (hidden floats) */
+    int32_t skip_first;                    /* the first block's skip_old_parity (the caller's block before) */
     er_gather g;                           /* the block being gathered (its other buffer set by the caller) */
 } er_runner;
 
@@ -562,10 +591,20 @@ static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     er_head h = {.session = r->session, .position = r->position, .layer = b->layer, .type = ACTIVATION,
                  .block = b->block, .node = 0, .codec = r->codec, .tokens = 1};
     b->sent = monotonic_s();
-    if (b->count) er_send_vector(ctx, r->send_fd, &h, NULL, 0, b->input, n, r->addrs + b->first, b->count, 1);
+    if (b->count) {
+        int most = 1;
+        for (int i = 0; i < b->count; i++) most = r->copies[b->first + i] > most ? r->copies[b->first + i] : most;
+        er_send_copies(ctx, r->send_fd, &h, NULL, 0, b->input, n, r->addrs + b->first, b->count, most,
+                       r->copies + b->first);
+    }
     double began = monotonic_s();
     if (b->graph != NULL) {
         memcpy(b->graph_in, b->input, (size_t)n * 4);
+        if (b->pos != NULL) {
+            *b->pos = (int32_t)r->position;
+            *b->rows = (int64_t)r->position;
+            for (int k = 0; k < b->n_kv; k++) b->mask[k] = k <= (int)r->position ? 0 : 0xfc00;
+        }
         if (r->compute(r->backend, b->graph) != 0) return -1;
     }
     b->computed = monotonic_s();
@@ -589,6 +628,7 @@ static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     g->from_parity = g->skipped = 0;
     g->deadline = b->sent + b->after_send;
     g->lag_bound = b->lag_bound;
+    g->skip_old_parity = r->next == 0 ? r->skip_first : r->blocks[r->next - 1].outstanding == 0;
     return 0;
 }
 

@@ -50,7 +50,7 @@ class _Gather(ctypes.Structure):
                 ("spin_s", ctypes.c_double), ("watch", ctypes.POINTER(ctypes.c_int32)), ("nwatch", ctypes.c_int32),
                 ("skipped", ctypes.c_int32), ("other", _u8p), ("other_cap", ctypes.c_int32),
                 ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
-                ("other_port", ctypes.c_uint16)]
+                ("other_port", ctypes.c_uint16), ("skip_old_parity", ctypes.c_int32)]
 
 
 class GatherEnd(IntEnum):
@@ -217,9 +217,11 @@ class Gather:
         self._watch = (ctypes.c_int32 * 0)()
 
     def start(self, key: tuple[int, int, int, int], nodes: Sequence[int], size: int, deadline: float,
-              lag_bound: float | None, spin_s: float, watch: Sequence[int]) -> None:
-        """A new block: every participant's partial is `size` elements."""
+              lag_bound: float | None, spin_s: float, watch: Sequence[int], skip_old_parity: bool = True) -> None:
+        """A new block: every participant's partial is `size` elements. `skip_old_parity`: parity copies of other
+        blocks' partials are left unread (nothing of the block before is awaited)."""
         g = self.g
+        g.skip_old_parity = skip_old_parity
         g.session, g.position, g.layer, g.block = key
         n = g.n = len(nodes)
         if self._shape != (tuple(nodes), size):  # the same participants block after block: set up once for them
@@ -254,21 +256,24 @@ class Gather:
 class _Block(ctypes.Structure):
     _fields_ = [("layer", ctypes.c_uint16), ("block", ctypes.c_uint8), ("pad", ctypes.c_uint8),
                 ("norm", ctypes.c_void_p), ("graph", ctypes.c_void_p), ("graph_in", ctypes.c_void_p),
-                ("graph_out", ctypes.c_void_p), ("first", ctypes.c_int32), ("count", ctypes.c_int32),
-                ("after_send", ctypes.c_double), ("lag_bound", ctypes.c_double), ("input", ctypes.c_void_p),
-                ("arrived", ctypes.c_void_p), ("sent", ctypes.c_double), ("computed", ctypes.c_double),
-                ("merged", ctypes.c_double), ("own_s", ctypes.c_double), ("outstanding", ctypes.c_int32),
-                ("from_parity", ctypes.c_int32), ("skipped", ctypes.c_int32), ("done", ctypes.c_int32)]
+                ("graph_out", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("rows", ctypes.c_void_p),
+                ("mask", ctypes.c_void_p), ("n_kv", ctypes.c_int32), ("first", ctypes.c_int32),
+                ("count", ctypes.c_int32), ("after_send", ctypes.c_double), ("lag_bound", ctypes.c_double),
+                ("input", ctypes.c_void_p), ("arrived", ctypes.c_void_p), ("sent", ctypes.c_double),
+                ("computed", ctypes.c_double), ("merged", ctypes.c_double), ("own_s", ctypes.c_double),
+                ("outstanding", ctypes.c_int32), ("from_parity", ctypes.c_int32), ("skipped", ctypes.c_int32),
+                ("done", ctypes.c_int32)]
 
 
 class _Runner(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int32), ("nblocks", ctypes.c_int32), ("next", ctypes.c_int32),
                 ("phase", ctypes.c_int32), ("eps", ctypes.c_float), ("x", ctypes.c_void_p),
                 ("blocks", ctypes.POINTER(_Block)), ("addrs", ctypes.POINTER(_Addr)), ("node_index", _u8p),
-                ("session", ctypes.c_uint32), ("position", ctypes.c_uint32), ("codec", ctypes.c_uint8),
-                ("pad", ctypes.c_uint8 * 3), ("send_fd", ctypes.c_int32), ("recv_fd", ctypes.c_int32),
-                ("backend", ctypes.c_void_p), ("compute", ctypes.c_void_p), ("parts", ctypes.c_void_p),
-                ("sum", ctypes.c_void_p), ("g", _Gather)]
+                ("copies", _u8p), ("session", ctypes.c_uint32), ("position", ctypes.c_uint32),
+                ("codec", ctypes.c_uint8), ("pad", ctypes.c_uint8 * 3), ("send_fd", ctypes.c_int32),
+                ("recv_fd", ctypes.c_int32), ("backend", ctypes.c_void_p), ("compute", ctypes.c_void_p),
+                ("parts", ctypes.c_void_p), ("sum", ctypes.c_void_p), ("skip_first", ctypes.c_int32),
+                ("g", _Gather)]
 
 
 class RunEnd(IntEnum):
@@ -281,24 +286,36 @@ class RunEnd(IntEnum):
 
 
 @dataclass(frozen=True)
+class NativeGraph:
+    """A one-token graph of the master's share as the runner computes it: addresses of the graph and of its input
+    and output in its memory; for attention, of its position, cache row and mask (n_kv float16), which the runner
+    writes for each token."""
+
+    graph: int
+    x: int
+    out: int
+    pos: int = 0
+    rows: int = 0
+    mask: int = 0
+    n_kv: int = 0
+
+
+@dataclass(frozen=True)
 class NativeBlock:
     """One block of a step as the runner takes it: its RMS norm's weight (float32), the master's graph for its share
-    (None: it holds no unit of it) with the addresses of the graph's input and output, its participants (indices
-    into the runner's slots), and its deadline and lag bound (Timeouts)."""
+    (None: it holds no unit of it), and its participants' addresses and node indices."""
 
     layer: int
     block: int
     norm: np.ndarray
-    graph: int | None
-    graph_in: int
-    graph_out: int
-    slots: range
-    after_send: float
-    lag_bound: float | None
+    graph: NativeGraph | None
+    peers: tuple[tuple[str, int], ...]
+    nodes: tuple[int, ...]
 
 
 class Runner:
-    """A step's lossy blocks run natively (er_run_blocks), with the records the caller accounts them by."""
+    """A step's lossy blocks run natively (er_run_blocks), with the records the caller accounts them by. `prepare`
+    sets up a run of blocks (once for as long as they stay the same), `start` each step."""
 
     def __init__(self, path: FastPath) -> None:
         self.path = path
@@ -306,37 +323,57 @@ class Runner:
         self.other = ctypes.create_string_buffer(Gather.OTHER_BYTES)
         self.r.g.other = ctypes.cast(self.other, _u8p)
         self.r.g.other_cap = Gather.OTHER_BYTES
+        self.blocks: tuple[NativeBlock, ...] = ()
         self._keep: list = []  # what the C structures point into, alive while they do
 
-    def start(self, x: np.ndarray, blocks: Sequence[NativeBlock], peers: Sequence[tuple[str, int]],
-              node_index: Sequence[int], session: int, position: int, codec: int, eps: float, send_fd: int,
-              recv_fd: int, backend: int, compute: int, spin_s: float, watch: Sequence[int]) -> None:
-        """A step's blocks, run on the hidden state x (float32, (hidden,), updated in place)."""
-        r, hidden = self.r, x.size
-        n = len(blocks)
-        self.x = x
-        self.inputs = np.empty((n, hidden), np.float32)  # each block's input, kept for the nodes' fetches
-        most = max((len(b.slots) for b in blocks), default=0)
+    def prepare(self, blocks: Sequence[NativeBlock], hidden: int, eps: float, codec: int, send_fd: int, recv_fd: int,
+                backend: int, compute: int, spin_s: float, watch: Sequence[int]) -> None:
+        r, n = self.r, len(blocks)
+        self.blocks = tuple(blocks)
+        self.inputs = np.empty((n, hidden), np.float32)  # each block's input (copied out for the nodes' fetches)
+        most = max((len(b.nodes) for b in blocks), default=0)
         self.arrived = np.full((n, max(1, most)), math.nan)
-        parts, total = np.empty((max(1, most), hidden), np.float32), np.empty(hidden, np.float32)
+        self.parts = np.empty((max(1, most), hidden), np.float32)
+        total = np.empty(hidden, np.float32)
         self.records = (_Block * n)()
+        first = 0
         for rec, b, i in zip(self.records, blocks, range(n), strict=True):
             rec.layer, rec.block, rec.norm = b.layer, b.block, b.norm.ctypes.data
-            rec.graph, rec.graph_in, rec.graph_out = b.graph or None, b.graph_in, b.graph_out
-            rec.first, rec.count = (b.slots.start, len(b.slots)) if len(b.slots) else (0, 0)
-            rec.after_send = b.after_send
-            rec.lag_bound = -1.0 if b.lag_bound is None else b.lag_bound
+            graph = b.graph or NativeGraph(0, 0, 0)
+            rec.graph, rec.graph_in, rec.graph_out = graph.graph or None, graph.x, graph.out
+            rec.pos, rec.rows, rec.mask, rec.n_kv = graph.pos or None, graph.rows or None, graph.mask or None, \
+                graph.n_kv
+            rec.first, rec.count = first, len(b.nodes)
+            first += len(b.nodes)
             rec.input, rec.arrived = self.inputs[i].ctypes.data, self.arrived[i].ctypes.data
+        peers = [p for b in blocks for p in b.peers]
         addrs = addresses(peers) if peers else (_Addr * 1)()
-        index = (ctypes.c_uint8 * max(1, len(node_index)))(*node_index)
+        index = (ctypes.c_uint8 * max(1, first))(*[i for b in blocks for i in b.nodes])
+        self.copies = (ctypes.c_uint8 * max(1, first))(*([1] * first))
         watched = (ctypes.c_int32 * max(1, len(watch)))(*watch)
-        self._keep = [blocks, addrs, index, watched, parts, total]
-        r.hidden, r.nblocks, r.next, r.phase, r.eps = hidden, n, 0, 0, eps
-        r.x, r.blocks, r.addrs, r.node_index = x.ctypes.data, self.records, addrs, index
-        r.session, r.position, r.codec, r.send_fd, r.recv_fd = session, position, codec, send_fd, recv_fd
-        r.backend, r.compute, r.parts, r.sum = backend, compute, parts.ctypes.data, total.ctypes.data
-        self.parts = parts
+        self._keep = [addrs, index, watched, total]
+        r.hidden, r.nblocks, r.eps, r.blocks = hidden, n, eps, self.records
+        r.addrs, r.node_index, r.copies = addrs, index, self.copies
+        r.codec, r.send_fd, r.recv_fd, r.backend, r.compute = codec, send_fd, recv_fd, backend, compute
+        r.parts, r.sum = self.parts.ctypes.data, total.ctypes.data
         r.g.spin_s, r.g.watch, r.g.nwatch = spin_s, watched, len(watch)
+
+    def start(self, x: np.ndarray, session: int, position: int, skip_old_parity: bool = True) -> None:
+        """A step on the hidden state x (float32, C order, updated in place) at this position. `skip_old_parity`:
+        as Gather.start's, for its first block."""
+        r = self.r
+        r.x, r.session, r.position, r.next, r.phase = x.ctypes.data, session, position, 0, 0
+        r.skip_first = skip_old_parity
+
+    def set_timing(self, timing: Sequence[tuple[float, float | None]]) -> None:
+        """Each block's deadline after its send and its lag bound (None: none)."""
+        for rec, (after_send, lag_bound) in zip(self.records, timing, strict=True):
+            rec.after_send, rec.lag_bound = after_send, -1.0 if lag_bound is None else lag_bound
+
+    def set_copies(self, copies: Sequence[int]) -> None:
+        """Datagrams each participant slot takes of a block's input: 1 + its link's parity fragments."""
+        for slot, n in enumerate(copies):
+            self.copies[slot] = n
 
     def run(self) -> RunEnd:
         end = self.path.lib.er_run_blocks(self.path.ctx, ctypes.byref(self.r))

@@ -129,7 +129,7 @@ class _Wait:
     key: tuple[int, int, int, int]
     parts: dict[int, Reassembly | np.ndarray | None]
     sizes: dict[int, int]  # elements of each participant's reply
-    future: asyncio.Future
+    future: asyncio.Future | None  # None: a block the native runner ran, counted after it merged
     sent: float
     outstanding: int
     tokens: int  # the step's tokens: a partial holds one vector per token (the LM head's: the last token's)
@@ -180,7 +180,7 @@ class _Wait:
     def finish(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        if not self.future.done():
+        if self.future is not None and not self.future.done():
             self.future.set_result(None)
 
     def first(self) -> float:
@@ -449,7 +449,7 @@ class BlockExchange:
         gather, datagrams = self.gather, self.datagrams
         order = w.order
         gather.start(w.key, order, self.model.hidden, w.deadline, w.lag_bound, datagrams.spin_s,
-                     [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0])
+                     [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0], self._nothing_awaited())
         while True:
             end = gather.run(datagrams.sock.fileno())
             self._took_natively(w, gather.g, gather.arrived, gather.buffer)
@@ -462,6 +462,10 @@ class BlockExchange:
             if w.outstanding == 0 or end == GatherEnd.TIME:
                 return
             self._tell_native(w, gather.g, gather.arrived)
+
+    def _nothing_awaited(self) -> bool:
+        """Whether nothing of the block merged last may still come (its late partials teach lags: _late)."""
+        return self.merged is None or self.merged.outstanding == 0
 
     def _took_natively(self, w: _Wait, g, arrived: np.ndarray, rows: np.ndarray) -> None:
         """What the native path took (a gather's or a runner's, `g`), into the block's record."""
@@ -495,34 +499,52 @@ class BlockExchange:
 
     def runs_natively(self, participants: Sequence[list[NodeConn]]) -> bool:
         """Whether a one-token step's lossy blocks with these participants can run on the native runner: inputs it
-        may send (no loss simulated here, no parity, one datagram on every path) over UDP with a deadline."""
+        may send (no loss simulated here, one datagram on every path) over UDP with a deadline."""
         if self.runner is None or not self.native_sends or self.routes.of(1, Block.ATTN, 1) != Route.DATAGRAM:
             return False
         nodes = {n.index: n for block in participants for n in block}.values()
-        return all(n.parity == 0 and n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes)
+        return all(n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes)
                    for n in nodes)
 
-    async def run_blocks(self, x: np.ndarray, position: int, blocks: list[NativeBlock],
-                         participants: list[list[NodeConn]], eps: float, backend: int, compute: int) -> None:
-        """A one-token step's lossy blocks on the native runner (see runs_natively), on the hidden state x
-        ((1, hidden) float32, updated in place): each block's input normalized from x, sent, the master's share
-        computed (`blocks`' graphs, by ggml's `compute` on `backend`), the partials gathered by its deadline and
-        added with the share into x. It comes back here for a datagram it does not take, a stream with data and a
-        block merged incomplete; each block is counted as `run` counts it."""
-        runner, datagrams = self.runner, self.datagrams
-        peers = [(n.host, n.udp_port) for block in participants for n in block]
-        index = [n.index for block in participants for n in block]
-        watch = sorted({fd for block in participants for fd in (n.channel.fileno() for n in block) if fd >= 0})
-        runner.start(x.reshape(-1), blocks, peers, index, self.session, position, int(self.config.codec), eps,
-                     self.udp.sock.fileno(), datagrams.sock.fileno(), backend, compute, datagrams.spin_s, watch)
+    def prepare_blocks(self, blocks: list[NativeBlock], participants: list[list[NodeConn]], eps: float, backend: int,
+                       compute: int) -> None:
+        """Set the native runner up for a step's blocks (while they, their graphs and their nodes stay the same)."""
+        watch = sorted({fd for nodes in participants for fd in (n.channel.fileno() for n in nodes) if fd >= 0})
+        self.runner.prepare(blocks, self.model.hidden, eps, int(self.config.codec), self.udp.sock.fileno(),
+                            self.datagrams.sock.fileno(), backend, compute, self.datagrams.spin_s, watch)
+        groups: dict[tuple[int, ...], tuple[list[NodeConn], list[int]]] = {}
+        for i, nodes in enumerate(participants):
+            groups.setdefault(tuple(n.index for n in nodes), (nodes, []))[1].append(i)
+        self._runner_groups = list(groups.values())  # blocks with the same participants share their deadlines
+        self._runner_timing: list[tuple[float, float | None]] | None = None
+        self._runner_copies: tuple[int, ...] = ()
+
+    async def run_blocks(self, x: np.ndarray, position: int, participants: list[list[NodeConn]]) -> None:
+        """A one-token step's lossy blocks on the native runner as prepare_blocks set it up (see runs_natively), on
+        the hidden state x ((1, hidden) float32, updated in place): each block's input normalized from x, sent, the
+        master's share computed, the partials gathered by its deadline and added with the share into x. It comes
+        back here for a datagram it does not take, a stream with data and a block merged incomplete; each block is
+        counted as `run` counts it."""
+        runner, datagrams, timeouts = self.runner, self.datagrams, self.timeouts
+        timing: list[tuple[float, float | None]] = [(0.0, None)] * len(participants)
+        for nodes, members in self._runner_groups:  # each block's deadline and lag bound, as `run` sets them
+            after = (timeouts.after_send([n.arrival for n in nodes]), timeouts.after_first([n.lag for n in nodes]))
+            for i in members:
+                timing[i] = after
+        if timing != self._runner_timing:
+            runner.set_timing(timing)
+            self._runner_timing = timing
+        self._refresh_copies(participants)
+        runner.r.g.spin_s = datagrams.spin_s
         self.settle()
+        runner.start(x, self.session, position, self._nothing_awaited())
         counted = 0
         w: _Wait | None = None  # the block in gather, where the runner came back in it
         while True:
             end = runner.run()
             r = runner.r
             if r.phase == 1:  # back in a block's gather: its record, for the Python path's datagrams and the loop
-                b, nodes = blocks[r.next], participants[r.next]
+                b, nodes = runner.blocks[r.next], participants[r.next]
                 if w is None or w.key[2:] != (b.layer, b.block):
                     w = self.wait = self._native_wait(r.next, position, nodes)
                 self._took_natively(w, r.g, runner.arrived[r.next], runner.parts)
@@ -534,32 +556,63 @@ class BlockExchange:
                 if lost := [n for n in nodes if not n.alive]:
                     self.wait = None
                     raise NodeLost(lost[0].name)
-            counted = self._count_native(counted, position, blocks, participants)
+            counted = self._count_native(counted, position, participants)
             if end == RunEnd.DONE:
                 return
+            if end == RunEnd.INCOMPLETE:  # a link that lost a partial gets its parity from the next block on
+                self._refresh_copies(participants)
+
+    def _refresh_copies(self, participants: list[list[NodeConn]]) -> None:
+        """The runner's copies of each input: 1 + the parity of the participant's link."""
+        copies = tuple(1 + n.parity for nodes in participants for n in nodes)
+        if copies != self._runner_copies:
+            self.runner.set_copies(copies)
+            self._runner_copies = copies
 
     def _native_wait(self, i: int, position: int, nodes: list[NodeConn]) -> _Wait:
         """The record of the runner's block i, as `run` keeps one (from what the runner noted)."""
-        b, rec = self.runner.r.blocks[i], self.runner.records[i]
-        future = asyncio.get_running_loop().create_future()
+        b, rec = self.runner.blocks[i], self.runner.records[i]
         w = _Wait((self.session, position, b.layer, b.block), dict.fromkeys(n.index for n in nodes),
-                  dict.fromkeys((n.index for n in nodes), self.model.hidden), future, rec.sent, len(nodes), 1,
+                  dict.fromkeys((n.index for n in nodes), self.model.hidden), None, rec.sent, len(nodes), 1,
                   nodes={n.index: n for n in nodes})
         w.deadline = rec.sent + rec.after_send
         return w
 
-    def _count_native(self, counted: int, position: int, blocks: list[NativeBlock],
-                      participants: list[list[NodeConn]]) -> int:
+    def _count_native(self, counted: int, position: int, participants: list[list[NodeConn]]) -> int:
         """Count the blocks the runner merged since the last count (as `run` counts its blocks), keep their inputs
         for the nodes' fetches, and note their moments in the trace; how many are counted now."""
         runner, stats = self.runner, self.stats
+        if counted < runner.r.next:
+            inputs = runner.inputs.copy()  # the runner writes the next step's into its own
         while counted < runner.r.next:
-            rec, nodes = runner.records[counted], participants[counted]
-            b = blocks[counted]
+            rec, nodes, b = runner.records[counted], participants[counted], runner.blocks[counted]
             key = (self.session, position, b.layer, b.block)
+            arrived = runner.arrived[counted]
+            if nodes:
+                self.recent_inputs[key] = (inputs[counted:counted + 1], None)
+                for node in self.pending_fetch.pop(key, []):
+                    self.send_input(node, key, *self.recent_inputs[key])
+            if rec.outstanding == 0 and self.trace is None and (self.wait is None or self.wait.key != key):
+                # The lean count of a whole block that ran without coming back (most do)
+                first = float(arrived[:len(nodes)].min()) - rec.sent if nodes else 0.0
+                for i, node in enumerate(nodes):
+                    self._learn(node, arrived[i] - rec.sent, first, 1, False)
+                stats.blocks += 1
+                stats.native_blocks += 1
+                stats.native_partials += len(nodes)
+                stats.partials_rebuilt += rec.from_parity
+                self.datagrams.skipped += rec.skipped
+                stats.compute_s += rec.own_s
+                stats.wait_s += rec.merged - rec.computed
+                if nodes:
+                    stats.send_s += rec.computed - rec.own_s - rec.sent
+                    stats.sends += len(nodes)
+                    self.udp.sent += len(nodes)
+                self.merged = None  # nothing of it can come late
+                counted += 1
+                continue
             w = self.wait if self.wait is not None and self.wait.key == key else \
                 self._native_wait(counted, position, nodes)
-            arrived = runner.arrived[counted]
             for i, n in enumerate(nodes):
                 if not math.isnan(arrived[i]) and n.index not in w.arrived:
                     w.parts[n.index] = runner.parts[i]
@@ -575,9 +628,6 @@ class BlockExchange:
                 stats.send_s += started - rec.sent
                 stats.sends += len(nodes)
                 self.udp.sent += len(nodes)
-                self.recent_inputs[key] = (runner.inputs[counted].reshape(1, -1), None)
-                for node in self.pending_fetch.pop(key, []):
-                    self.send_input(node, key, *self.recent_inputs[key])
             self.wait, self.merged = None, w
             if w.outstanding:  # a partial only late is read first, as settle() reads it (it teaches a lag, not loss)
                 self.datagrams.read_waiting()
@@ -605,17 +655,21 @@ class BlockExchange:
             w.from_parity
         if w.tokens > 1 and reliable:
             self._watch_streams(nodes)
-        if w.tokens == 1:  # one-token blocks teach each node's synchronization time (NodeConn.sync_s)
-            for node in nodes:
-                if node.index in w.arrived and node.index not in w.late:
-                    node.arrival_s += w.arrived[node.index]
-                    node.arrival_blocks += 1
-        if not reliable and w.arrived and self.timeouts.fixed_s is None:  # a fixed timeout learns nothing
-            first = w.first()
-            for node in nodes:
-                if node.index in w.arrived and node.index not in w.late:  # a late one taught its lag in _late
-                    node.arrival.observe(w.arrived[node.index])
-                    node.lag.observe(w.arrived[node.index] - first)
+        first = w.first() if w.arrived else 0.0
+        for node in nodes:
+            if node.index in w.arrived and node.index not in w.late:  # a late one taught its lag in _late
+                self._learn(node, w.arrived[node.index], first, w.tokens, reliable)
+
+    def _learn(self, node: NodeConn, after: float, first: float, tokens: int, reliable: bool) -> None:
+        """A partial that came `after` seconds after its input was sent (`first`: the block's first partial's):
+        one-token blocks teach the node's synchronization time (NodeConn.sync_s), lossy ones its arrival and lag
+        estimates (a fixed timeout learns nothing)."""
+        if tokens == 1:
+            node.arrival_s += after
+            node.arrival_blocks += 1
+        if not reliable and self.timeouts.fixed_s is None:
+            node.arrival.observe(after)
+            node.lag.observe(after - first)
 
     def _watch_streams(self, nodes: list[NodeConn]) -> None:
         """After a prompt's block: a node whose stream sent segments again in it (LOSSY_RESENT) is on a lossy link."""

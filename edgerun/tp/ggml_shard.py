@@ -33,6 +33,7 @@ from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, 
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
 from edgerun.model.weights import ModelWeights
+from edgerun.net.fastpath import NativeGraph
 from edgerun.net.wire import Block
 from edgerun.profile.memory import huge_pages, release_mapped_files
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, _rows, _ShareBase
@@ -167,29 +168,37 @@ class GgmlShard(_ShareBase):
         self.calls.add(graph, began)
         return out
 
-    def native_block(self, layer: int, block: Block, start: int) -> tuple[int, int, int] | None:
-        """For a one-token step at position `start` run natively (net.fastpath.Runner): this block's graph and the
-        addresses of its input and output in the graph's memory, its inputs set and (attention) its cache advanced
-        to take the token; (0, 0, 0) where this share holds no unit of the block; None where the graph's memory is
-        not this process's (a GPU's)."""
-        if self.backend.name != "cpu":
-            return None
+    def native_graph(self, layer: int, block: Block, n_kv: int) -> NativeGraph | None:
+        """This block's one-token graph for a step that reads n_kv cache rows, as the native runner computes it
+        (net.fastpath.Runner, which writes the attention's position and mask itself); None where this share holds
+        no unit of the block. Only for a share in this process's memory (on the CPU)."""
         if block == Block.ATTN:
             tensors = self.attn[layer]
-            end = self._advance(layer, start, 1)
             if tensors is None:
-                return 0, 0, 0
-            n_kv = cache_rows(end, self.max_len)
+                return None
             graph = self._graph((Block.ATTN, layer, 1, n_kv),
                                 lambda scratch: _BlockGraph.attention(self, tensors, 1, n_kv, scratch))
-            graph.inputs.set(graph.gc, start, graph.mask)
         else:
             tensors = self.mlp_tensors[layer]
             if tensors is None:
-                return 0, 0, 0
+                return None
             graph = self._graph((Block.MLP, layer, 1), lambda scratch: _BlockGraph.mlp(self, tensors, 1, scratch))
         graph.fresh = False
-        return graph.gc.graph, graph.gc.view(graph.x).ctypes.data, graph.gc.view(graph.out).ctypes.data
+        gc = graph.gc
+
+        def at(t: int) -> int:
+            return gc.view(t).ctypes.data
+
+        if block != Block.ATTN:
+            return NativeGraph(gc.graph, at(graph.x), at(graph.out))
+        inputs = graph.inputs
+        return NativeGraph(gc.graph, at(graph.x), at(graph.out), at(inputs.pos), at(inputs.rows), at(inputs.mask),
+                           n_kv)
+
+    def advance(self, layers: Sequence[int], start: int) -> None:
+        """These layers' caches take the token at `start` (a step the native runner computes)."""
+        for layer in layers:
+            self._advance(layer, start, 1)
 
     def logits(self, x_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         began = time.perf_counter()

@@ -28,6 +28,7 @@ from starlette.routing import BaseRoute
 
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import Engine, EngineLost, default_engine, generate, make_engine
+from edgerun.model.ggml_engine import cache_rows
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler
@@ -173,7 +174,9 @@ class Master:
         self.whole: Engine | None = None
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
-        self._native_plan: tuple[TPPlan | None, list[list[NodeConn]]] = (None, [])  # _native_blocks' participants
+        # The native runner's setup (_native_step): the plan, cache rows and session it was prepared for.
+        self._native_key: tuple[TPPlan | None, int, int] = (None, 0, -1)
+        self._native_participants: list[list[NodeConn]] = []
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
         self.deployed: list[NodeConn] = []
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
@@ -600,8 +603,8 @@ class Master:
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
         norm = self.exchange.norm
         for layer in range(c.n_layers):
-            if layer == 1 and len(tokens) == 1 and (native := self._native_blocks(start)) is not None:
-                x = await self._run_native(x, start, *native)  # the layers after the first, natively
+            if layer == 1 and len(tokens) == 1 and (participants := self._native_step(start)) is not None:
+                x = await self._run_native(x, start, participants)  # the layers after the first, natively
                 break
             lw = weights.layers[layer]
             ranked, predicted = predicted, {}
@@ -626,42 +629,41 @@ class Master:
         self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
         return await self._block(0, Block.HEAD, norm(x[-1:], weights.output_norm, c.norm_eps), start)
 
-    def _native_blocks(self, start: int) -> tuple[list[NativeBlock], list[list[NodeConn]]] | None:
-        """A one-token step's blocks after the first layer as the native runner takes them (BlockExchange.run_blocks),
-        or None where it cannot: a share off this process's memory or not on ggml, dynamic mapping, nodes it cannot
-        send to (BlockExchange.runs_natively)."""
+    def _native_step(self, start: int) -> list[list[NodeConn]] | None:
+        """The participants of a one-token step's blocks after the first layer, with the native runner prepared to
+        run them (BlockExchange.run_blocks); None where it cannot: a share off this process's memory or not on ggml,
+        dynamic mapping, nodes it cannot send to (BlockExchange.runs_natively)."""
         shard, c = self.shard, self.model.config
         if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic":
             return None
-        if self._native_plan[0] is not self.plan:  # who takes part in each block: once a deployment
-            self._native_plan = (self.plan, [self._participants(layer, block) for layer in range(1, c.n_layers)
-                                             for block in (Block.ATTN, Block.MLP)])
-        participants = self._native_plan[1]
+        n_kv = cache_rows(start + 1, shard.max_len)
+        key = (self.plan, n_kv, self.exchange.session)
+        if self._native_key[0] is not self.plan:  # who takes part in each block: once a deployment
+            self._native_participants = [self._participants(layer, block) for layer in range(1, c.n_layers)
+                                         for block in (Block.ATTN, Block.MLP)]
+        participants = self._native_participants
         if not self.exchange.runs_natively(participants):
             return None
-        timeouts, timing = self.exchange.timeouts, {}
-        blocks = []
-        for i, nodes in enumerate(participants):
-            layer, block = 1 + i // 2, Block.ATTN if i % 2 == 0 else Block.MLP
-            members = tuple(n.index for n in nodes)
-            if members not in timing:  # a deadline and a lag bound for each set of participants, as `run` sets them
-                timing[members] = (timeouts.after_send([n.arrival for n in nodes]),
-                                   timeouts.after_first([n.lag for n in nodes]))
-            graph, graph_in, graph_out = shard.native_block(layer, block, start)
-            lw = self.model.weights.layers[layer]
-            blocks.append(NativeBlock(layer, int(block), lw.attn_norm if block == Block.ATTN else lw.ffn_norm,
-                                      graph or None, graph_in, graph_out, range(len(nodes)), *timing[members]))
-        return blocks, participants
+        if self._native_key != key:  # the graphs change with the cache rows a step reads
+            blocks = []
+            for i, nodes in enumerate(participants):
+                layer, block = 1 + i // 2, Block.ATTN if i % 2 == 0 else Block.MLP
+                lw = self.model.weights.layers[layer]
+                blocks.append(NativeBlock(layer, int(block), lw.attn_norm if block == Block.ATTN else lw.ffn_norm,
+                                          shard.native_graph(layer, block, n_kv),
+                                          tuple((n.host, n.udp_port) for n in nodes), tuple(n.index for n in nodes)))
+            self.exchange.prepare_blocks(blocks, participants, c.norm_eps, shard.backend.handle, ggml_compute_address())
+            self._native_key = key
+        return participants
 
-    async def _run_native(self, x: np.ndarray, start: int, blocks: list[NativeBlock],
-                          participants: list[list[NodeConn]]) -> np.ndarray:
-        """The hidden state after the step's blocks `blocks` ran natively; the master's kernels measured as `_block`
-        measures them."""
-        x = np.array(x, np.float32, order="C")  # the runner adds into it
+    async def _run_native(self, x: np.ndarray, start: int, participants: list[list[NodeConn]]) -> np.ndarray:
+        """The hidden state after the step's layers after the first ran natively; the master's kernels measured as
+        `_block` measures them."""
         shard = self.shard
-        await self.exchange.run_blocks(x, start, blocks, participants, self.model.config.norm_eps,
-                                       shard.backend.handle, ggml_compute_address())
-        for b, record in zip(blocks, self.exchange.runner.records, strict=True):
+        shard.advance(range(1, self.model.config.n_layers), start)
+        x = np.array(x, np.float32, order="C")  # the runner adds into it
+        await self.exchange.run_blocks(x, start, participants)
+        for b, record in zip(self.exchange.runner.blocks, self.exchange.runner.records, strict=True):
             self.own_decode = self.own_decode.add(shard.block_bytes(b.layer, Block(b.block)), record.own_s)
         return x
 
