@@ -215,7 +215,7 @@ class BlockExchange:
         self.fast = FastPath.load(key) if datagrams is not None else None
         self.gather = Gather(self.fast) if self.fast is not None else None
         self.runner = Runner(self.fast) if self.fast is not None else None
-        self.native_sends = isinstance(udp.loss, NoLoss) and self.fast is not None
+        self.native_sends = self.fast is not None and isinstance(udp, LossyUdp) and isinstance(udp.loss, NoLoss)
         self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
 
     def close(self) -> None:
