@@ -131,7 +131,7 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
         ran = master.generate(prompt, N_TOKENS, GREEDY)
         assert master.stats.native_blocks >= 0.95 * lossy_blocks and master.stats.blocks_incomplete == 0
         with monkeypatch.context() as patched:
-            patched.setattr(Master, "_native_blocks", lambda self, start: None)
+            patched.setattr(Master, "_native_step", lambda self, start: None)
             before = master.stats.native_blocks
             assert master.generate(prompt, N_TOKENS, GREEDY) == ran
             assert master.stats.native_blocks == before
