@@ -122,7 +122,8 @@ def test_the_native_data_path_and_the_python_path_give_the_reference(model: Mode
 def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(model: Model,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """With int8 activations the master's share is on ggml, and a one-token step's layers after the first run on
-    the native runner (BlockExchange.run_blocks): the same tokens as the Python path block by block, while forged
+    the native runner (BlockExchange.run_blocks) and the nodes' native servers (NodeServer): the same tokens as the
+    Python path block by block, while forged
     and garbled datagrams hit the master's socket (handed back to the Python path, counted and dropped), and a node
     killed mid-generation is replanned around."""
     prompt = model.tokenizer.encode(PROMPT)
@@ -130,6 +131,8 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
     for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8):
         ran = master.generate(prompt, N_TOKENS, GREEDY)
         assert master.stats.native_blocks >= 0.95 * lossy_blocks and master.stats.blocks_incomplete == 0
+        time.sleep(1.2)  # the nodes' next heartbeats: their native servers computed the lossy blocks too
+        assert all(n.native_blocks >= 0.9 * lossy_blocks for n in master.nodes), [n.native_blocks for n in master.nodes]
         with monkeypatch.context() as patched:
             patched.setattr(Master, "_native_step", lambda self, start: None)
             before = master.stats.native_blocks

@@ -481,6 +481,13 @@ class DatagramSocket:
         self.loop = loop
         loop.add_reader(self.sock.fileno(), self.read_all)
 
+    def set_reader(self, reader: Callable[[], None] | None) -> None:
+        """What reads the socket when the loop finds it readable: `reader` (a node's native server), or read_all.
+        On the loop's thread."""
+        if self.loop is not None:
+            self.loop.remove_reader(self.sock.fileno())
+            self.loop.add_reader(self.sock.fileno(), reader or self.read_all)
+
     def watch_streams(self, fds: list[int]) -> None:
         """The descriptors (TCP streams the loop reads) whose data ends a spin of the loop's reader."""
         self._watched = self._poller(fds, udp=False)

@@ -36,7 +36,7 @@
 
 enum codec { F32 = 0, F16 = 1, Q8 = 2 };
 enum msg_type { ACTIVATION = 1, PARTIAL = 2 };
-enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5 };
+enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5, IDLE = 6 };
 
 /* ---- OpenSSL's EVP interface, resolved with dlsym (the few calls a GMAC needs) ---------------------------- */
 typedef void EVP_CIPHER_CTX;
@@ -671,4 +671,147 @@ int er_run_blocks(er_ctx *ctx, er_runner *r) {
         if (end == TIME) return INCOMPLETE;
     }
     return DONE;
+}
+
+/* ---- a node's one-token blocks, computed as their inputs come -------------------------------------------------
+ * A node's lossy blocks (the layers after the first, by datagram) without Python: the input's datagram checked and
+ * decoded into the block's graph, the graph computed (attention: at the next position of its layer's cache), the
+ * partial sealed and sent to the master. It comes back to the caller for anything else (OTHER: the datagram, which
+ * the Python path handles), when a watched stream has data (STREAM), when nothing came for spin_s (IDLE) and at
+ * least every max_s (TIME), so the event loop runs its timers. */
+typedef struct er_share_block {
+    void *graph;            /* NULL: the Python path computes it (no unit of it here, or its graph is not ready) */
+    float *graph_in;
+    const float *graph_out;
+    int32_t *pos;           /* attention: position, cache row and mask (n_kv float16) */
+    int64_t *rows;
+    uint16_t *mask;
+    int32_t n_kv;
+    double bytes;           /* its weight bytes, for the kernels' fit */
+} er_share_block;
+
+typedef struct er_node {
+    uint32_t session;
+    uint8_t index, codec, copies, pad;  /* this node's index, its partials' codec, 1 + its link's parity */
+    int32_t hidden, n_layers;
+    er_share_block *blocks;             /* per layer: attention, then MLP */
+    const uint8_t *datagram;            /* per layer: 1 where its blocks travel by datagram */
+    int32_t *lengths;                   /* in/out: each layer's cached positions */
+    const int32_t *attn_layers;         /* the layers holding attention units */
+    int32_t n_attn;
+    int32_t *mlp_taken;                 /* per layer: the position of the last MLP input computed (-1: none) */
+    int32_t latest[3];                  /* in/out: (position, layer, block) of the newest input seen */
+    er_addr master;
+    int32_t send_fd, recv_fd;
+    void *backend;
+    graph_compute compute;
+    double spin_s, max_s;
+    const int32_t *watch;
+    int32_t nwatch;
+    /* out: what it computed */
+    int32_t computed;
+    int32_t skipped;
+    double seconds, bytes, bytes_sq, cross; /* the kernels' sums (KernelFit) */
+    /* a datagram handed back */
+    uint8_t *other;
+    int32_t other_cap, other_len;
+    double other_at;
+    uint32_t other_ip;
+    uint16_t other_port;
+} er_node;
+
+static int order_after(const int32_t *a, int p, int l, int b) { /* (p, l, b) > a, lexicographically */
+    if (p != a[0]) return p > a[0];
+    if (l != a[1]) return l > a[1];
+    return b > a[2];
+}
+
+/* Whether the master has gone past an attention input this node still needs (it is fetched by the Python path). */
+static int behind(const er_node *s, int p, int l, int b) {
+    for (int i = 0; i < s->n_attn; i++) {
+        int layer = s->attn_layers[i], q = s->lengths[layer];
+        if (q > p || (q == p && (layer > l || (layer == l && b == 0)))) continue;
+        return 1;
+    }
+    return 0;
+}
+
+/* 1: taken (computed and answered, or a parity copy of what was), 0: for the caller. */
+static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len) {
+    if (len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != ACTIVATION ||
+        get32(d + 4) != s->session || get16(d + 18) != 1 || get32(d + 22) != 0 || d[21] != 1)
+        return 0;
+    int p = (int)get32(d + 8), l = get16(d + 12), b = d[14], index = get16(d + 16), codec = d[20];
+    if (l >= s->n_layers || b > 1 || codec > Q8 || index >= MAX_COPIES || !s->datagram[l]) return 0;
+    er_share_block *blk = &s->blocks[2 * l + b];
+    if (b == 0 ? p < s->lengths[l] : p == s->mlp_taken[l]) { /* a copy of what is computed (parity, a resend) */
+        s->skipped++;
+        return 1;
+    }
+    if (blk->graph == NULL || (b == 0 && (p != s->lengths[l] || p + 1 > blk->n_kv)) || (b == 1 && p < s->latest[0]))
+        return 0;
+    if ((int)get32(d + 26) != er_payload_bytes(codec, s->hidden) || HEADER_SIZE + (int)get32(d + 26) + TRAILER != len)
+        return 0;
+    if (order_after(s->latest, p, l, b) && behind(s, p, l, b)) return 0; /* the Python path fetches what is missing */
+    if (!er_verify(ctx, d, len)) return 0;
+    double began = monotonic_s();
+    er_decode(codec, d + HEADER_SIZE, s->hidden, blk->graph_in);
+    if (b == 0) {
+        *blk->pos = p;
+        *blk->rows = p;
+        for (int k = 0; k < blk->n_kv; k++) blk->mask[k] = k <= p ? 0 : 0xfc00;
+    }
+    if (s->compute(s->backend, blk->graph) != 0) return 0;
+    double took = monotonic_s() - began;
+    if (order_after(s->latest, p, l, b)) {
+        s->latest[0] = p;
+        s->latest[1] = l;
+        s->latest[2] = b;
+    }
+    if (b == 0)
+        s->lengths[l] = p + 1;
+    else
+        s->mlp_taken[l] = p;
+    er_head h = {.session = s->session, .position = (uint32_t)p, .layer = (uint16_t)l, .type = PARTIAL,
+                 .block = (uint8_t)b, .node = s->index, .codec = s->codec, .tokens = 1};
+    er_send_vector(ctx, s->send_fd, &h, NULL, 0, blk->graph_out, s->hidden, &s->master, 1, s->copies);
+    s->computed++;
+    s->seconds += took;
+    s->bytes += blk->bytes;
+    s->bytes_sq += blk->bytes * blk->bytes;
+    s->cross += blk->bytes * took;
+    return 1;
+}
+
+int er_node_serve(er_ctx *ctx, er_node *s) {
+    static uint8_t buf[MAX_DATAGRAM];
+    double clock_offset = monotonic_s() - realtime_s(), started = monotonic_s();
+    double idle_until = started + s->spin_s;
+    int spins = 0;
+    received r;
+    for (;;) {
+        if (receive(s->recv_fd, buf, sizeof buf, &r, clock_offset)) {
+            if (!serve_one(ctx, s, buf, r.len)) {
+                if (r.len > s->other_cap) continue;
+                memcpy(s->other, buf, (size_t)r.len);
+                s->other_len = r.len;
+                s->other_at = r.at;
+                s->other_ip = r.from.sin_addr.s_addr;
+                s->other_port = r.from.sin_port;
+                return OTHER;
+            }
+            idle_until = monotonic_s() + s->spin_s;
+            continue;
+        }
+        double now = monotonic_s();
+        if (now >= idle_until) return IDLE;
+        if (now - started >= s->max_s) return TIME;
+        if (++spins % 32 == 0 && s->nwatch > 0) {
+            struct pollfd fds[8];
+            int n = s->nwatch < 8 ? s->nwatch : 8;
+            for (int i = 0; i < n; i++) fds[i] = (struct pollfd){.fd = s->watch[i], .events = POLLIN};
+            if (poll(fds, (nfds_t)n, 0) > 0) return STREAM;
+        }
+        sched_yield();
+    }
 }

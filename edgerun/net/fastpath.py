@@ -107,6 +107,7 @@ def _library() -> ctypes.CDLL | None:
     lib.er_run_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.er_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
     lib.er_rms_norm.restype = None
+    lib.er_node_serve.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -392,3 +393,103 @@ def rms_norm(path: FastPath, x: np.ndarray, weight: np.ndarray, eps: float) -> n
     out = np.empty_like(x)
     path.lib.er_rms_norm(x.ctypes.data, weight.ctypes.data, out.ctypes.data, x.size, eps)
     return out
+
+
+class _ShareBlock(ctypes.Structure):
+    _fields_ = [("graph", ctypes.c_void_p), ("graph_in", ctypes.c_void_p), ("graph_out", ctypes.c_void_p),
+                ("pos", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("mask", ctypes.c_void_p),
+                ("n_kv", ctypes.c_int32), ("bytes", ctypes.c_double)]
+
+
+class _Node(ctypes.Structure):
+    _fields_ = [("session", ctypes.c_uint32), ("index", ctypes.c_uint8), ("codec", ctypes.c_uint8),
+                ("copies", ctypes.c_uint8), ("pad", ctypes.c_uint8), ("hidden", ctypes.c_int32),
+                ("n_layers", ctypes.c_int32), ("blocks", ctypes.POINTER(_ShareBlock)), ("datagram", _u8p),
+                ("lengths", ctypes.POINTER(ctypes.c_int32)), ("attn_layers", ctypes.POINTER(ctypes.c_int32)),
+                ("n_attn", ctypes.c_int32), ("mlp_taken", ctypes.POINTER(ctypes.c_int32)),
+                ("latest", ctypes.c_int32 * 3), ("master", _Addr), ("send_fd", ctypes.c_int32),
+                ("recv_fd", ctypes.c_int32), ("backend", ctypes.c_void_p), ("compute", ctypes.c_void_p),
+                ("spin_s", ctypes.c_double), ("max_s", ctypes.c_double), ("watch", ctypes.POINTER(ctypes.c_int32)),
+                ("nwatch", ctypes.c_int32), ("computed", ctypes.c_int32), ("skipped", ctypes.c_int32),
+                ("seconds", ctypes.c_double), ("bytes", ctypes.c_double), ("bytes_sq", ctypes.c_double),
+                ("cross", ctypes.c_double), ("other", _u8p), ("other_cap", ctypes.c_int32),
+                ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
+                ("other_port", ctypes.c_uint16)]
+
+
+class ServeEnd(IntEnum):
+    """Why er_node_serve returned."""
+
+    TIME = 1  # it kept the loop long enough: its timers run, then it serves on
+    STREAM = 2  # a watched stream (the master's) has data
+    OTHER = 3  # a datagram it does not take (NodeServer.handed_back): the Python path handles it
+    IDLE = 6  # nothing came for spin_s: the event loop waits for the socket
+
+
+class NodeServer:
+    """A node's lossy one-token blocks served natively (er_node_serve): per layer, the attention and MLP graphs of
+    its share (None: the Python path computes that block), their weight bytes, and whether the layer's blocks come
+    by datagram."""
+
+    MAX_S = 0.05  # the longest one call keeps the event loop (its heartbeats)
+
+    def __init__(self, path: FastPath) -> None:
+        self.path = path
+        self.s = _Node()
+        self.other = ctypes.create_string_buffer(Gather.OTHER_BYTES)
+        self.s.other = ctypes.cast(self.other, _u8p)
+        self.s.other_cap = Gather.OTHER_BYTES
+        self.s.max_s = self.MAX_S
+        self._keep: list = []
+
+    def prepare(self, graphs: Sequence[NativeGraph | None], weight_bytes: Sequence[float],
+                by_datagram: Sequence[bool], attn_layers: Sequence[int], hidden: int, index: int, codec: int,
+                master: tuple[str, int], send_fd: int, recv_fd: int, backend: int, compute: int, spin_s: float,
+                watch: Sequence[int]) -> None:
+        """`graphs` and `weight_bytes`: two per layer (attention, MLP)."""
+        s, n_layers = self.s, len(by_datagram)
+        blocks = (_ShareBlock * (2 * n_layers))()
+        for slot, graph, nbytes in zip(blocks, graphs, weight_bytes, strict=True):
+            if graph is not None:
+                slot.graph, slot.graph_in, slot.graph_out = graph.graph, graph.x, graph.out
+                slot.pos, slot.rows, slot.mask, slot.n_kv = graph.pos or None, graph.rows or None, \
+                    graph.mask or None, graph.n_kv
+            slot.bytes = nbytes
+        datagram = (ctypes.c_uint8 * n_layers)(*map(int, by_datagram))
+        self.lengths = (ctypes.c_int32 * n_layers)()
+        attn = (ctypes.c_int32 * max(1, len(attn_layers)))(*attn_layers)
+        if not self._keep or len(self.mlp_taken) != n_layers:
+            self.mlp_taken = (ctypes.c_int32 * n_layers)(*([-1] * n_layers))
+        watched = (ctypes.c_int32 * max(1, len(watch)))(*watch)
+        self._keep = [blocks, datagram, attn, watched, graphs]
+        s.hidden, s.n_layers, s.blocks, s.datagram, s.lengths = hidden, n_layers, blocks, datagram, self.lengths
+        s.attn_layers, s.n_attn, s.mlp_taken = attn, len(attn_layers), self.mlp_taken
+        s.index, s.codec, s.send_fd, s.recv_fd, s.backend, s.compute = index, codec, send_fd, recv_fd, backend, compute
+        s.master = addresses([master])[0]
+        s.spin_s, s.watch, s.nwatch = spin_s, watched, len(watch)
+
+    def new_session(self) -> None:
+        for layer in range(len(self.mlp_taken)):
+            self.mlp_taken[layer] = -1
+
+    def serve(self, session: int, lengths: list[int], latest: tuple[int, int, int], copies: int) -> ServeEnd:
+        """Serve until it returns; `lengths` (each layer's cached positions) is updated in place, and the newest
+        input seen is `latest` afterwards."""
+        s = self.s
+        s.session, s.copies = session, copies
+        self.lengths[:] = lengths
+        s.latest[:] = latest
+        s.computed = s.skipped = 0
+        s.seconds = s.bytes = s.bytes_sq = s.cross = 0.0
+        end = ServeEnd(self.path.lib.er_node_serve(self.path.ctx, ctypes.byref(s)))
+        lengths[:] = self.lengths
+        return end
+
+    @property
+    def latest(self) -> tuple[int, int, int]:
+        return tuple(self.s.latest)
+
+    def handed_back(self) -> tuple[bytes, float, tuple[str, int]]:
+        s = self.s
+        return (self.other.raw[:s.other_len], s.other_at,
+                (socket.inet_ntoa(struct.pack("=I", s.other_ip)), socket.ntohs(s.other_port)))

@@ -91,6 +91,7 @@ class NodeConn:
     decode: KernelFit = field(default_factory=KernelFit)  # its layers' one-token blocks on its current share
     decode_s: float = 0.0  # the kernel time of all its one-token blocks, the LM head's too
     call_cost: tuple[int, float] = (0, 0.0)  # one-token share calls, and their seconds beyond the kernels' graph
+    native_blocks: int = 0  # one-token blocks its native server computed
     # One-token blocks on its current share whose partial arrived, the seconds from sending each input to its
     # partial's arrival, and both as they stood when its last heartbeat (with `decode`) came.
     arrival_s: float = 0.0
@@ -223,7 +224,8 @@ class Membership:
                 node.pongs.append(time.perf_counter())
                 node.pong.set()
             case Heartbeat(rejected, compute_s, rss_mb, decode, decode_s, session, session_compute_s, calls,
-                           call_overhead_s):
+                           call_overhead_s, native_blocks):
+                node.native_blocks = native_blocks
                 node.rejected, node.compute_s, node.peak_rss_mb = rejected, compute_s, rss_mb
                 node.session_compute = (session, session_compute_s)
                 node.call_cost = (calls, call_overhead_s)

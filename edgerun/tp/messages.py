@@ -128,6 +128,7 @@ class Heartbeat:
     # share's fixed cost a call; 0 where the share does not count them).
     calls: int = 0
     call_overhead_s: float = 0.0
+    native_blocks: int = 0  # one-token blocks its native server computed (net.fastpath.NodeServer)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.model.ggml_engine import cache_rows
 from edgerun.model.loader import Model, load_model
 from edgerun.net.backoff import Backoff
 from edgerun.net.channel import (
@@ -41,7 +42,7 @@ from edgerun.net.channel import (
     connect_channel,
     path_datagram_bytes,
 )
-from edgerun.net.fastpath import FastPath, addresses, fits
+from edgerun.net.fastpath import FastPath, NodeServer, ServeEnd, addresses, fits
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import (
@@ -62,7 +63,7 @@ from edgerun.net.wire import (
 )
 from edgerun.profile.device import device_summary
 from edgerun.profile.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
-from edgerun.tp.ggml_shard import GgmlShard, build_share
+from edgerun.tp.ggml_shard import GgmlShard, build_share, ggml_compute_address
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
     MAX_PROBE_BYTES,
@@ -157,6 +158,11 @@ class Node:
         # simulated in this process.
         self.fast = FastPath.load(key) if loss is None or isinstance(loss, NoLoss) else None
         self._to_master: tuple[tuple[str, int], object] = (("", 0), None)  # its address, natively
+        # ... and serves the share's lossy one-token blocks (NodeServer) where it can: see _serve_natively.
+        self.server: NodeServer | None = None
+        self.datagrams: DatagramSocket | None = None  # the UDP socket, once joined
+        self.native_blocks = 0  # blocks it computed
+        self._server_n_kv = 0  # the cache rows its attention graphs read
         self.counters = Counters()
         # Loop-thread state: the share, the session, and the inputs not computed yet.
         self.spec: ShardSpec | None = None
@@ -258,6 +264,7 @@ class Node:
         async for message in self.channel.messages(self.counters):
             if isinstance(message, Assign):  # loading a share takes a while: keep the loop (heartbeats) going
                 spec = message.spec
+                self._serve_natively(False)  # the native server computes on the old share's graphs
                 # The old share goes before the new one is built (no local name may keep it either: a device
                 # would hold both while it builds, the peak of its memory).
                 self.shard = None
@@ -295,7 +302,7 @@ class Node:
                 self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode,
                                             self.decode_s, self.session, self.session_compute_s,
                                             0 if calls is None else calls.count,
-                                            0.0 if calls is None else calls.overhead_s))
+                                            0.0 if calls is None else calls.overhead_s, self.native_blocks))
             except (OSError, ConnectionError):
                 return
             now = time.monotonic()
@@ -326,6 +333,7 @@ class Node:
         elif self.spare is not None:
             self.spare.set_rto_min(message.rto_min_ms)
         self._new_session(message.session)
+        self._serve_natively(True)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
         self.log(f"node {self.name}: holds {sum(map(len, spec.attn_units))} attention units, "
                  f"{sum(map(len, spec.mlp_groups))} MLP groups and {len(spec.vocab_blocks)} vocabulary blocks: "
@@ -386,11 +394,64 @@ class Node:
 
     def _new_session(self, session: int, top: int | None = None) -> None:
         self.session, self.session_compute_s, self.top = session, 0.0, top
+        if self.server is not None:
+            self.server.new_session()
         self.inputs.clear()
         self.kept_partials.clear()
         self.latest_seen = (-1, -1, -1)
         if self.shard is not None:
             self.shard.truncate(0)
+
+    def _serve_natively(self, on: bool) -> None:
+        """Serve the share's lossy one-token blocks natively (net.fastpath.NodeServer: no Python between an input's
+        datagram and its partial's), where the share is on ggml in this process's memory with static units, no
+        loss is simulated here and no trace is kept; otherwise (and with `on` False) the Python path reads every
+        datagram."""
+        shard = self.shard
+        if not on or self.fast is None or self.trace is not None or self.priorities is not None or \
+                not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.datagrams is None:
+            self.server = None
+            if self.datagrams is not None:
+                self.datagrams.set_reader(None)
+            return
+        c = self.model.config
+        n_kv = cache_rows(min((shard.lengths[layer] for layer in self.attn_layers), default=0) + 1, shard.max_len)
+        graphs, weight_bytes = [], []
+        for layer in range(c.n_layers):
+            for block in (Block.ATTN, Block.MLP):
+                graphs.append(shard.native_graph(layer, block, n_kv))
+                weight_bytes.append(shard.block_bytes(layer, block))
+        by_datagram = [all(self.routes.of(layer, block, 1) == Route.DATAGRAM for block in (Block.ATTN, Block.MLP))
+                       for layer in range(c.n_layers)]
+        server = self.server or NodeServer(self.fast)
+        server.prepare(graphs, weight_bytes, by_datagram, self.attn_layers, c.hidden, self.index, int(self.codec),
+                       (self.master[0], self.master_udp_port), self.udp.sock.fileno(), self.datagrams.sock.fileno(),
+                       shard.backend.handle, ggml_compute_address(), self.spin_s, [self.channel.fileno()])
+        self.server, self._server_n_kv = server, n_kv
+        self.datagrams.set_reader(self._read_natively)
+
+    def _read_natively(self) -> None:
+        """The socket is readable: the native server serves what it can, the Python path the rest."""
+        while (server := self.server) is not None and self.shard is not None:
+            end = server.serve(self.session, self.shard.lengths, self.latest_seen, 1 + self.parity)
+            self.latest_seen = server.latest
+            s = server.s
+            if s.computed:  # counted as _compute_and_send counts a block
+                self.native_blocks += s.computed
+                self.compute_s += s.seconds
+                self.session_compute_s += s.seconds
+                self.decode_s += s.seconds
+                d = self.decode
+                self.decode = KernelFit(d.blocks + s.computed, d.bytes + s.bytes, d.seconds + s.seconds,
+                                        d.bytes_sq + s.bytes_sq, d.cross + s.cross)
+            self.datagrams.skipped += s.skipped
+            if end != ServeEnd.OTHER:
+                return
+            self.datagrams.handle(*server.handed_back())
+            first = next(iter(self.attn_layers), None)
+            if first is not None and self.shard is not None and \
+                    cache_rows(self.shard.lengths[first] + 1, self.shard.max_len) != self._server_n_kv:
+                self._serve_natively(True)  # the next attention graphs read more cache rows
 
     def _order(self, position: int, layer: int, block: int) -> tuple[int, int, int]:
         """Where an input falls in the master's sending order: the LM head comes after every layer."""
