@@ -147,6 +147,10 @@ class TpResult:
     kind_legs: dict[str, tuple[Leg, ...]] = field(default_factory=dict)
     traced: bool = False  # --trace: the row's one-token blocks were recorded (legs: what they showed)
     devices: tuple[DeviceRun, ...] = ()  # rows with nodes: each device's share and its kernels as measured in the run
+    # The native data path (net.fastpath): the row's blocks the master's runner ran, and of each node's one-token
+    # blocks on its share (as its last heartbeat said) the share its native server computed.
+    native_blocks: int = 0
+    node_native_share: tuple[float, ...] = ()
     # --ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
     # (bench.ceiling): the decode, the prompt and the whole request this machine allows the cluster with nothing but
     # its kernels, and each over the single engine's
@@ -431,7 +435,9 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
         devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
         computed_on=computing(master.plan), left_out=leaving_out(master.plan),
-        kind_legs=kind_legs, traced=master.trace is not None, devices=devices)
+        kind_legs=kind_legs, traced=master.trace is not None, devices=devices,
+        native_blocks=s.native_blocks - before["native_blocks"],
+        node_native_share=tuple(r.native_blocks / r.decode.blocks if r.decode.blocks else 0.0 for r in reports))
 
 
 def computing(plan: TPPlan) -> tuple[str, ...]:
@@ -698,6 +704,11 @@ def tp_table(results: list[TpResult]) -> str:
                         "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " + _legs(r.legs))
         for kind, legs in r.kind_legs.items():
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {kind} blocks alone: {_legs(legs)}")
+        if r.nodes and r.blocks:
+            shares = ", ".join(f"{share:.0%}" for share in r.node_native_share) or "none"
+            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: native data path: the master ran "
+                        f"{r.native_blocks} of its {r.blocks} blocks natively; of the nodes' one-token blocks, "
+                        f"natively: {shares}")
         if r.prompt_inputs_doubled:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.prompt_inputs_doubled} prompt inputs "
                         "went to lossy nodes on both their streams")

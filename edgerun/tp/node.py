@@ -322,7 +322,7 @@ class Node:
         self.parity, self.datagram_bytes = message.parity, message.datagram_bytes
         self.priorities = message.priorities
         self.master_udp_port = message.udp_port
-        self.decode, self.decode_s = KernelFit(), 0.0
+        self.decode, self.decode_s, self.native_blocks = KernelFit(), 0.0, 0
         self.channel.set_rto_min(message.rto_min_ms)
         self.spare_used = False
         if message.spare_stream and self.spare is None and (self.spare_task is None or self.spare_task.done()):
