@@ -53,6 +53,13 @@ class _Gather(ctypes.Structure):
                 ("other_port", ctypes.c_uint16), ("skip_old_parity", ctypes.c_int32)]
 
 
+def _handed_back(buffer: ctypes.Array, native: _Gather | _Node) -> tuple[bytes, float, tuple[str, int]]:
+    """A datagram the native path handed back (in `buffer`, as `native` describes it): its bytes, when it arrived
+    (perf_counter time) and where from."""
+    return (buffer.raw[:native.other_len], native.other_at,
+            (socket.inet_ntoa(struct.pack("=I", native.other_ip)), socket.ntohs(native.other_port)))
+
+
 class GatherEnd(IntEnum):
     """Why er_gather_run returned."""
 
@@ -249,9 +256,7 @@ class Gather:
 
     def handed_back(self) -> tuple[bytes, float, tuple[str, int]]:
         """The datagram of an OTHER end, when it arrived (perf_counter time) and where from."""
-        g = self.g
-        return (self.other.raw[:g.other_len], g.other_at,
-                (socket.inet_ntoa(struct.pack("=I", g.other_ip)), socket.ntohs(g.other_port)))
+        return _handed_back(self.other, self.g)
 
 
 class _Block(ctypes.Structure):
@@ -383,9 +388,7 @@ class Runner:
         return RunEnd(end)
 
     def handed_back(self) -> tuple[bytes, float, tuple[str, int]]:
-        g = self.r.g
-        return (self.other.raw[:g.other_len], g.other_at,
-                (socket.inet_ntoa(struct.pack("=I", g.other_ip)), socket.ntohs(g.other_port)))
+        return _handed_back(self.other, self.r.g)
 
 
 def rms_norm(path: FastPath, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -490,6 +493,4 @@ class NodeServer:
         return tuple(self.s.latest)
 
     def handed_back(self) -> tuple[bytes, float, tuple[str, int]]:
-        s = self.s
-        return (self.other.raw[:s.other_len], s.other_at,
-                (socket.inet_ntoa(struct.pack("=I", s.other_ip)), socket.ntohs(s.other_port)))
+        return _handed_back(self.other, self.s)
