@@ -638,7 +638,8 @@ class Master:
             return None
         n_kv = cache_rows(start + 1, shard.max_len)
         key = (self.plan, n_kv, self.exchange.session)
-        if self._native_key[0] is not self.plan:  # who takes part in each block: once a deployment
+        if self._native_key[0] is not self.plan or self._native_key[2] != self.exchange.session:
+            # who takes part in each block: once a deployment (a session; a replan may keep its plan)
             self._native_participants = [self._participants(layer, block) for layer in range(1, c.n_layers)
                                          for block in (Block.ATTN, Block.MLP)]
         participants = self._native_participants
