@@ -610,6 +610,8 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
                  "--trace", str(tmp_path / "trace"), "--ceiling"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["transport"] for r in results] == ["udp", "tcp"]
+    # The udp row's decode steps ran their layers after the first on the master's native runner; tcp's cannot.
+    assert results[0]["native_blocks"] > 0 and results[1]["native_blocks"] == 0
     for r in results:
         assert r["tokens"] == 4 and r["group_size"] == 64 and r["ms_per_token"] > 0 and r["blocks"] > 0
         assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01

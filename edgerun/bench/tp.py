@@ -669,7 +669,7 @@ def tp_table(results: list[TpResult]) -> str:
     rows += [f"{r.nodes} node(s), {r.transport}, loss {r.loss}: computed on {', '.join(r.computed_on)}"
              + (f"; left out: {', '.join(r.left_out)}" if r.left_out else "")
              + ("; the nodes computed nothing, so this row gives no speed-up or loss effect" if nodes_idle(r) else "")
-             for r in results if r.computed_on]
+             + _native_said(r) for r in results if r.computed_on]
     yardstick = [r for r in results if r.llamacpp_decode_ms_per_token is not None]
     if yardstick:
         ref = yardstick[0]
@@ -704,11 +704,6 @@ def tp_table(results: list[TpResult]) -> str:
                         "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " + _legs(r.legs))
         for kind, legs in r.kind_legs.items():
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {kind} blocks alone: {_legs(legs)}")
-        if r.nodes and r.blocks:
-            shares = ", ".join(f"{share:.0%}" for share in r.node_native_share) or "none"
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: native data path: the master ran "
-                        f"{r.native_blocks} of its {r.blocks} blocks natively; of the nodes' one-token blocks, "
-                        f"natively: {shares}")
         if r.prompt_inputs_doubled:
             rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.prompt_inputs_doubled} prompt inputs "
                         "went to lossy nodes on both their streams")
@@ -723,6 +718,14 @@ def tp_table(results: list[TpResult]) -> str:
                                     ("" if d.call_us is None else f", calls {d.call_us:.0f} µs")
                                     for d in r.devices))
     return "\n".join(rows)
+
+
+def _native_said(r: TpResult) -> str:
+    """How much of a row the native data path ran (net.fastpath): the master's blocks, each node's one-token ones."""
+    if not r.nodes or not r.blocks:
+        return ""
+    shares = ", ".join(f"{share:.0%}" for share in r.node_native_share) or "none"
+    return f"; natively: {r.native_blocks} of the master's {r.blocks} blocks, of each node's one-token blocks {shares}"
 
 
 def _legs(legs: Sequence[Leg]) -> str:
