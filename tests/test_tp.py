@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -151,14 +151,7 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
             stop.set()
             fuzzer.join()
         assert master.counters.total() + master.stats.late_packets > rejected
-        victim, seen = nodes[0].pid, []
-
-        def kill_at_five(_: int, victim: int = victim, seen: list[int] = seen) -> None:
-            seen.append(1)
-            if len(seen) == 5:
-                os.kill(victim, signal.SIGKILL)
-
-        tokens = master.generate(prompt, 32, GREEDY, on_token=kill_at_five)
+        tokens = master.generate(prompt, 32, GREEDY, on_token=kill_at(nodes[0].pid, 5))
         assert tokens[:5] == ran[:5] and len(tokens) == 32 and master.lost_nodes() == ["n0"]
 
 
@@ -471,18 +464,23 @@ def test_a_prompt_crosses_a_lossy_link_on_both_streams(model: Model, reference_t
         assert master.wait_for_spares() and all(n.spare is not None for n in master.nodes)
 
 
+def kill_at(pid: int, tokens: int) -> Callable[[int], None]:
+    """A generation's on_token that kills the process `pid` (SIGKILL) once `tokens` tokens are out."""
+    seen: list[int] = []
+
+    def on_token(_: int) -> None:
+        seen.append(1)
+        if len(seen) == tokens:
+            os.kill(pid, signal.SIGKILL)
+
+    return on_token
+
+
 @pytest.mark.slow
 def test_kill_a_node_mid_generation(model: Model, reference_tokens: list[int]) -> None:
     prompt = model.tokenizer.encode(PROMPT)
     for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000):
-        victim, seen = nodes[0].pid, []
-
-        def kill_at_five(_: int, victim: int = victim, seen: list[int] = seen) -> None:
-            seen.append(1)
-            if len(seen) == 5:
-                os.kill(victim, signal.SIGKILL)
-
-        tokens = master.generate(prompt, 32, GREEDY, on_token=kill_at_five)
+        tokens = master.generate(prompt, 32, GREEDY, on_token=kill_at(nodes[0].pid, 5))
         # The request finished on the devices left, and a re-prefill keeps greedy output exact.
         assert tokens == reference_tokens[:32]
         assert master.lost_nodes() == ["n0"]

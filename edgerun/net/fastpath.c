@@ -462,12 +462,26 @@ static int take(er_ctx *ctx, er_gather *g, const uint8_t *d, const received *r, 
     return 1;
 }
 
-static int watched_has_data(const er_gather *g) {
-    if (g->nwatch <= 0) return 0;
+/* Whether one of the watched descriptors (TCP streams the event loop reads) has data, without waiting. */
+static int watched_has_data(const int32_t *watch, int nwatch) {
+    if (nwatch <= 0) return 0;
     struct pollfd fds[64];
-    int n = g->nwatch < 64 ? g->nwatch : 64;
-    for (int i = 0; i < n; i++) fds[i] = (struct pollfd){.fd = g->watch[i], .events = POLLIN};
+    int n = nwatch < 64 ? nwatch : 64;
+    for (int i = 0; i < n; i++) fds[i] = (struct pollfd){.fd = watch[i], .events = POLLIN};
     return poll(fds, (nfds_t)n, 0) > 0;
+}
+
+/* A datagram for the caller, with when it arrived and where from (the other_* fields of er_gather and er_node);
+ * 0 where it is larger than any datagram edgerun sends (dropped). */
+static int hand_back(const uint8_t *buf, const received *r, uint8_t *other, int32_t cap, int32_t *len, double *at,
+                     uint32_t *ip, uint16_t *port) {
+    if (r->len > cap) return 0;
+    memcpy(other, buf, (size_t)r->len);
+    *len = r->len;
+    *at = r->at;
+    *ip = r->from.sin_addr.s_addr;
+    *port = r->from.sin_port;
+    return 1;
 }
 
 /* Read the block's partials until every one is in (WHOLE), the deadline passes (TIME), a watched stream has data
@@ -485,13 +499,10 @@ int er_gather_run(er_ctx *ctx, int fd, er_gather *g) {
         if (g->outstanding == 0) return WHOLE;
         if (receive(fd, buf, sizeof buf, &r, clock_offset)) {
             if (!take(ctx, g, buf, &r, &first)) {
-                if (r.len > g->other_cap) continue; /* larger than any datagram edgerun sends */
-                memcpy(g->other, buf, (size_t)r.len);
-                g->other_len = r.len;
-                g->other_at = r.at;
-                g->other_ip = r.from.sin_addr.s_addr;
-                g->other_port = r.from.sin_port;
-                return OTHER;
+                if (hand_back(buf, &r, g->other, g->other_cap, &g->other_len, &g->other_at, &g->other_ip,
+                              &g->other_port))
+                    return OTHER;
+                continue;
             }
             idle_until = monotonic_s() + g->spin_s;
             continue;
@@ -499,7 +510,7 @@ int er_gather_run(er_ctx *ctx, int fd, er_gather *g) {
         double now = monotonic_s();
         if (now >= g->deadline) return TIME;
         if (now < idle_until) { /* spin: a sleeping thread takes hundreds of microseconds to wake on a VM */
-            if (++spins % 32 == 0 && watched_has_data(g)) return STREAM;
+            if (++spins % 32 == 0 && watched_has_data(g->watch, g->nwatch)) return STREAM;
             sched_yield();
             continue;
         }
@@ -792,13 +803,10 @@ int er_node_serve(er_ctx *ctx, er_node *s) {
     for (;;) {
         if (receive(s->recv_fd, buf, sizeof buf, &r, clock_offset)) {
             if (!serve_one(ctx, s, buf, r.len)) {
-                if (r.len > s->other_cap) continue;
-                memcpy(s->other, buf, (size_t)r.len);
-                s->other_len = r.len;
-                s->other_at = r.at;
-                s->other_ip = r.from.sin_addr.s_addr;
-                s->other_port = r.from.sin_port;
-                return OTHER;
+                if (hand_back(buf, &r, s->other, s->other_cap, &s->other_len, &s->other_at, &s->other_ip,
+                              &s->other_port))
+                    return OTHER;
+                continue;
             }
             idle_until = monotonic_s() + s->spin_s;
             continue;
@@ -806,12 +814,7 @@ int er_node_serve(er_ctx *ctx, er_node *s) {
         double now = monotonic_s();
         if (now >= idle_until) return IDLE;
         if (now - started >= s->max_s) return TIME;
-        if (++spins % 32 == 0 && s->nwatch > 0) {
-            struct pollfd fds[8];
-            int n = s->nwatch < 8 ? s->nwatch : 8;
-            for (int i = 0; i < n; i++) fds[i] = (struct pollfd){.fd = s->watch[i], .events = POLLIN};
-            if (poll(fds, (nfds_t)n, 0) > 0) return STREAM;
-        }
+        if (++spins % 32 == 0 && watched_has_data(s->watch, s->nwatch)) return STREAM;
         sched_yield();
     }
 }

@@ -53,6 +53,16 @@ class _Gather(ctypes.Structure):
                 ("other_port", ctypes.c_uint16), ("skip_old_parity", ctypes.c_int32)]
 
 
+OTHER_BYTES = 65536  # room for a datagram the native path hands back: more than any edgerun sends
+
+
+def _room_for_other(native: _Gather | _Node) -> ctypes.Array:
+    """The buffer where the native path leaves a datagram it hands back, wired into `native`."""
+    buffer = ctypes.create_string_buffer(OTHER_BYTES)
+    native.other, native.other_cap = ctypes.cast(buffer, _u8p), OTHER_BYTES
+    return buffer
+
+
 def _handed_back(buffer: ctypes.Array, native: _Gather | _Node) -> tuple[bytes, float, tuple[str, int]]:
     """A datagram the native path handed back (in `buffer`, as `native` describes it): its bytes, when it arrived
     (perf_counter time) and where from."""
@@ -213,14 +223,10 @@ class Gather:
     """A master's reusable state for er_gather_run: a block's participants, their partials' buffers and arrival
     times, and room for a datagram handed back."""
 
-    OTHER_BYTES = 65536
-
     def __init__(self, path: FastPath) -> None:
         self.path = path
         self.g = _Gather()
-        self.other = ctypes.create_string_buffer(self.OTHER_BYTES)
-        self.g.other = ctypes.cast(self.other, _u8p)
-        self.g.other_cap = self.OTHER_BYTES
+        self.other = _room_for_other(self.g)
         self._shape: tuple[tuple[int, ...], int] = ((), 0)
         self._watch = (ctypes.c_int32 * 0)()
 
@@ -326,9 +332,7 @@ class Runner:
     def __init__(self, path: FastPath) -> None:
         self.path = path
         self.r = _Runner()
-        self.other = ctypes.create_string_buffer(Gather.OTHER_BYTES)
-        self.r.g.other = ctypes.cast(self.other, _u8p)
-        self.r.g.other_cap = Gather.OTHER_BYTES
+        self.other = _room_for_other(self.r.g)
         self.blocks: tuple[NativeBlock, ...] = ()
         self._keep: list = []  # what the C structures point into, alive while they do
 
@@ -439,9 +443,7 @@ class NodeServer:
     def __init__(self, path: FastPath) -> None:
         self.path = path
         self.s = _Node()
-        self.other = ctypes.create_string_buffer(Gather.OTHER_BYTES)
-        self.s.other = ctypes.cast(self.other, _u8p)
-        self.s.other_cap = Gather.OTHER_BYTES
+        self.other = _room_for_other(self.s)
         self.s.max_s = self.MAX_S
         self._keep: list = []
 

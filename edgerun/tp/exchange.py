@@ -588,31 +588,31 @@ class BlockExchange:
             rec, nodes, b = runner.records[counted], participants[counted], runner.blocks[counted]
             key = (self.session, position, b.layer, b.block)
             arrived = runner.arrived[counted]
+            started = rec.computed - rec.own_s
+            stats.native_blocks += 1
+            stats.compute_s += rec.own_s
+            stats.wait_s += rec.merged - rec.computed
+            self.datagrams.skipped += rec.skipped
             if nodes:
                 self.recent_inputs[key] = (inputs[counted:counted + 1], None)
                 for node in self.pending_fetch.pop(key, []):
                     self.send_input(node, key, *self.recent_inputs[key])
+                stats.send_s += started - rec.sent
+                stats.sends += len(nodes)
+                self.udp.sent += len(nodes)
+            counted += 1
             if rec.outstanding == 0 and self.trace is None and (self.wait is None or self.wait.key != key):
                 # The lean count of a whole block that ran without coming back (most do)
                 first = float(arrived[:len(nodes)].min()) - rec.sent if nodes else 0.0
                 for i, node in enumerate(nodes):
                     self._learn(node, arrived[i] - rec.sent, first, 1, False)
                 stats.blocks += 1
-                stats.native_blocks += 1
                 stats.native_partials += len(nodes)
                 stats.partials_rebuilt += rec.from_parity
-                self.datagrams.skipped += rec.skipped
-                stats.compute_s += rec.own_s
-                stats.wait_s += rec.merged - rec.computed
-                if nodes:
-                    stats.send_s += rec.computed - rec.own_s - rec.sent
-                    stats.sends += len(nodes)
-                    self.udp.sent += len(nodes)
                 self.merged = None  # nothing of it can come late
-                counted += 1
                 continue
             w = self.wait if self.wait is not None and self.wait.key == key else \
-                self._native_wait(counted, position, nodes)
+                self._native_wait(counted - 1, position, nodes)
             for i, n in enumerate(nodes):
                 if not math.isnan(arrived[i]) and n.index not in w.arrived:
                     w.parts[n.index] = runner.parts[i]
@@ -620,24 +620,14 @@ class BlockExchange:
                     stats.native_partials += 1
             w.outstanding = len(nodes) - len(w.arrived)
             w.from_parity += rec.from_parity
-            self.datagrams.skipped += rec.skipped
-            started = rec.computed - rec.own_s
-            stats.compute_s += rec.own_s
-            stats.wait_s += rec.merged - rec.computed
-            if nodes:
-                stats.send_s += started - rec.sent
-                stats.sends += len(nodes)
-                self.udp.sent += len(nodes)
             self.wait, self.merged = None, w
             if w.outstanding:  # a partial only late is read first, as settle() reads it (it teaches a lag, not loss)
                 self.datagrams.read_waiting()
             self._account(w, nodes, False, rec.merged, rec.computed)
             if self.trace is not None and nodes:
                 self._record(w, started, rec.computed, rec.merged)
-            stats.native_blocks += 1
             if lost := [n for n in nodes if not n.alive]:
                 raise NodeLost(lost[0].name)
-            counted += 1
         return counted
 
     def _account(self, w: _Wait, nodes: list[NodeConn], reliable: bool, ended: float, wait_start: float) -> None:
