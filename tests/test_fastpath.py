@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from edgerun.net import wire
 from edgerun.net.fastpath import FastPath, Gather, GatherEnd, addresses, fits, library_path
+from edgerun.net.group import join_group, new_group, send_to_groups
 from edgerun.net.wire import Codec, Header, MsgType, authenticate, fragment, open_packet
 
 KEY = os.urandom(32)
@@ -104,6 +105,39 @@ def test_send_vector_sends_what_fragment_seals(codec: Codec, n: int, parity: int
         sender.close()
         for r in receivers:
             r.close()
+
+
+@pytest.mark.parametrize("parity", [0, 2])
+def test_a_grouped_address_takes_the_data_from_the_group_and_its_parity_by_unicast(fast: FastPath,
+                                                                                    parity: int) -> None:
+    group = new_group()
+    members = [join_group(group, "127.0.0.1") for _ in range(2)]  # two nodes of one host: each gets a copy
+    receivers = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        send_to_groups(sender, "127.0.0.1")
+        for r in [*receivers, *members]:
+            r.settimeout(5)
+        for r in receivers:
+            r.bind(("127.0.0.1", 0))
+        x = vectors(1, 2048)
+        header = Header(MsgType.ACTIVATION, 9, 4, 3, 1, 0, codec=Codec.F32, tokens=1)
+        # the first receiver is grouped (its parity only), the second is not (everything by unicast)
+        sent = fast.send_vector(sender.fileno(), header, x, addresses([r.getsockname() for r in receivers]),
+                                copies=1 + parity, group=group, grouped=[True, False])
+        assert sent == 1 + parity + (1 + parity)
+        expected = [open_packet(d, KEY) for d in fragment(header, x, KEY, 65507, parity=parity)]
+        for m in members:
+            assert open_packet(m.recv(70000), KEY) == expected[0]
+        assert [open_packet(receivers[0].recv(70000), KEY) for _ in expected[1:]] == expected[1:]
+        assert [open_packet(receivers[1].recv(70000), KEY) for _ in expected] == expected
+        for r in [*receivers, *members]:  # nothing more came
+            r.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                r.recv(70000)
+    finally:
+        for s in [sender, *receivers, *members]:
+            s.close()
 
 
 def test_a_vector_too_long_for_one_datagram_is_refused(fast: FastPath) -> None:

@@ -3,6 +3,7 @@ loopback, checked against the single-process reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -133,6 +134,11 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
         assert master.stats.native_blocks >= 0.95 * lossy_blocks and master.stats.blocks_incomplete == 0
         time.sleep(1.2)  # the nodes' next heartbeats: their native servers computed the lossy blocks too
         assert all(n.native_blocks >= 0.9 * lossy_blocks for n in master.nodes), [n.native_blocks for n in master.nodes]
+        # both nodes echoed the group's probe: the inputs went once to the multicast group (net.group) ...
+        assert all(n.in_group for n in master.nodes) and master.exchange.runner.r.group.port != 0
+        master.reconfigure(dataclasses.replace(master.config, multicast=False))  # ... and by unicast alike
+        assert master.generate(prompt, N_TOKENS, GREEDY) == ran and master.exchange.runner.r.group.port == 0
+        master.reconfigure(dataclasses.replace(master.config, multicast=True))
         with monkeypatch.context() as patched:
             patched.setattr(Master, "_native_step", lambda self, start: None)
             before = master.stats.native_blocks
@@ -610,6 +616,7 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     assert [r["transport"] for r in results] == ["udp", "tcp"]
     # The udp row's decode steps ran their layers after the first on the master's native runner; tcp's cannot.
     assert results[0]["native_blocks"] > 0 and results[1]["native_blocks"] == 0
+    assert results[0]["group_nodes"] == 1  # its inputs went to the master's multicast group
     for r in results:
         assert r["tokens"] == 4 and r["group_size"] == 64 and r["ms_per_token"] > 0 and r["blocks"] > 0
         assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01

@@ -151,6 +151,7 @@ class TpResult:
     # blocks on its share (as its last heartbeat said) the share its native server computed.
     native_blocks: int = 0
     node_native_share: tuple[float, ...] = ()
+    group_nodes: int = 0  # nodes whose one-token inputs went to the master's multicast group (net.group)
     # --ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
     # (bench.ceiling): the decode, the prompt and the whole request this machine allows the cluster with nothing but
     # its kernels, and each over the single engine's
@@ -231,6 +232,7 @@ class TpBenchConfig:
     pin: int = 0  # cores of its own for every device (master, each node, the single baseline); 0: not pinned
     ceiling: bool = False  # also time each node count's kernels alone, in step, without the network (bench.ceiling)
     gpu_nodes: int = 0  # the first this many nodes compute their shares on the GPU (node --device cuda)
+    multicast: bool = True  # one-token inputs to the master's multicast group (never with loss_at "kernel")
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -315,7 +317,8 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
             max_len=CONTEXT, rto_min_ms=config.rto_min_ms, timeout_deviations=config.timeout_deviations,
             parity=config.parity, parity_always=config.parity_always, mapping=config.mapping,
             overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads,
-            spin_us=config.spin_us, activations=config.activations, trace_dir=_trace_dir(config, nodes))
+            spin_us=config.spin_us, activations=config.activations, trace_dir=_trace_dir(config, nodes),
+            multicast=config.multicast and config.loss_at != "kernel")
         master = Master(model, derive_key(SECRET), master_config, loss=loss_model(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
@@ -437,7 +440,8 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         computed_on=computing(master.plan), left_out=leaving_out(master.plan),
         kind_legs=kind_legs, traced=master.trace is not None, devices=devices,
         native_blocks=s.native_blocks - before["native_blocks"],
-        node_native_share=tuple(r.native_blocks / r.decode.blocks if r.decode.blocks else 0.0 for r in reports))
+        node_native_share=tuple(r.native_blocks / r.decode.blocks if r.decode.blocks else 0.0 for r in reports),
+        group_nodes=sum(n.alive and n.in_group for n in master.membership.nodes) if master.config.multicast else 0)
 
 
 def computing(plan: TPPlan) -> tuple[str, ...]:
@@ -725,7 +729,8 @@ def _native_said(r: TpResult) -> str:
     if not r.nodes or not r.blocks:
         return ""
     shares = ", ".join(f"{share:.0%}" for share in r.node_native_share) or "none"
-    return f"; natively: {r.native_blocks} of the master's {r.blocks} blocks, of each node's one-token blocks {shares}"
+    return f"; natively: {r.native_blocks} of the master's {r.blocks} blocks, of each node's one-token blocks " \
+           f"{shares}; inputs by multicast to {r.group_nodes} of {r.nodes} nodes"
 
 
 def _legs(legs: Sequence[Leg]) -> str:

@@ -408,6 +408,10 @@ class AsyncChannel:
             except messages.BadMessage:
                 counters.reject("message")
 
+    def local_address(self) -> str:
+        """This end's IP address: the interface that faces the peer."""
+        return self.transport.get_extra_info("sockname")[0]
+
     def fileno(self) -> int:
         """The stream's socket descriptor, -1 once it is gone."""
         return -1 if self._fileno < 0 or self.transport.is_closing() else self._fileno
@@ -455,11 +459,16 @@ class DatagramSocket:
 
     def __init__(self, host: str, key: bytes, counters: Counters,
                  on_packet: Callable[[Header, bytes, tuple[str, int]], None], spin_s: float = 0.0,
-                 idle_spin: bool = False, needless: Callable[[bytes], bool] | None = None) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self.sock.bind((host, 0))
-        self.sock.setblocking(False)
+                 idle_spin: bool = False, needless: Callable[[bytes], bool] | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """`sock`: a bound, non-blocking socket to read (a multicast group's, net.group) instead of a new one on
+        an ephemeral port of `host`."""
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            sock.bind((host, 0))
+            sock.setblocking(False)
+        self.sock = sock
         self.port = self.sock.getsockname()[1]
         # The kernel stamps each datagram as it arrives: a reader busy with other work (the master computing its
         # own share) still learns when a partial came, not when it got round to reading it.

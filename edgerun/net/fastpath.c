@@ -285,11 +285,13 @@ typedef struct er_addr { /* where a datagram goes: IPv4 address and port, both i
 
 /* A vector that fits one datagram, sealed as `copies` datagrams (the data, then its parity fragments, which for a
  * one-fragment vector are copies of it with indices 1, 2, ...) and sent to every address: to address a only the first
- * per[a] of them where `per` is given (a link without parity takes the data alone). Every address's data goes before
- * any parity. Each payload starts with `prefix`. The datagrams sent, or -1 (a vector too long for one datagram, a
- * failed seal). */
-int er_send_copies(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
-                   int n, const er_addr *addrs, int naddrs, int copies, const uint8_t *per) {
+ * per[a] of them where `per` is given (a link without parity takes the data alone). Where `group` is given, the data
+ * goes once to that multicast group instead of to each address a with grouped[a] (their parity still goes to each);
+ * the group's one datagram goes first. Every address's data goes before any parity. Each payload starts with
+ * `prefix`. The datagrams sent, or -1 (a vector too long for one datagram, a failed seal). */
+int er_send_group(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
+                  int n, const er_addr *addrs, int naddrs, int copies, const uint8_t *per, const er_addr *group,
+                  const uint8_t *grouped) {
     int payload = prefix_len + er_payload_bytes(h->codec, n), size = HEADER_SIZE + payload + TRAILER;
     if (copies < 1 || copies > MAX_COPIES || size > MAX_DATAGRAM) return -1;
     uint8_t *first = ctx->out[0];
@@ -307,13 +309,16 @@ int er_send_copies(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix,
     struct iovec iov[MAX_COPIES];
     struct sockaddr_in to[BATCH];
     for (int i = 0; i < copies; i++) iov[i] = (struct iovec){.iov_base = ctx->out[i], .iov_len = (size_t)size};
-    int sent = 0, queued = 0;
+    int sent = 0, queued = 0, to_group = 0;
+    if (group != NULL)
+        for (int a = 0; a < naddrs; a++) to_group |= grouped[a];
     for (int c = 0; c < copies; c++) {
-        for (int a = 0; a < naddrs; a++) {
+        for (int a = -to_group * (c == 0); a < naddrs; a++) { /* a = -1: the group's datagram */
             int last = c == copies - 1 && a == naddrs - 1;
-            if (per == NULL || per[a] > c) {
-                to[queued] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = addrs[a].port,
-                                                  .sin_addr.s_addr = addrs[a].ip};
+            const er_addr *at = a < 0 ? group : &addrs[a];
+            if (a < 0 || ((per == NULL || per[a] > c) && !(c == 0 && to_group && grouped[a]))) {
+                to[queued] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = at->port,
+                                                  .sin_addr.s_addr = at->ip};
                 msgs[queued] = (struct mmsghdr){.msg_hdr = {.msg_name = &to[queued], .msg_namelen = sizeof to[queued],
                                                             .msg_iov = &iov[c], .msg_iovlen = 1}};
                 queued++;
@@ -335,9 +340,14 @@ int er_send_copies(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix,
     return sent;
 }
 
+int er_send_copies(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
+                   int n, const er_addr *addrs, int naddrs, int copies, const uint8_t *per) {
+    return er_send_group(ctx, fd, h, prefix, prefix_len, x, n, addrs, naddrs, copies, per, NULL, NULL);
+}
+
 int er_send_vector(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
                    int n, const er_addr *addrs, int naddrs, int copies) {
-    return er_send_copies(ctx, fd, h, prefix, prefix_len, x, n, addrs, naddrs, copies, NULL);
+    return er_send_group(ctx, fd, h, prefix, prefix_len, x, n, addrs, naddrs, copies, NULL, NULL, NULL);
 }
 
 /* ---- a block's partials ---------------------------------------------------------------------------------- */
@@ -584,6 +594,8 @@ typedef struct er_runner {
     float *sum;                            /* the block's output before it is added (hidden floats) */
     int32_t skip_first;                    /* the first block's skip_old_parity (the caller's block before) */
     er_gather g;                           /* the block being gathered (its other buffer set by the caller) */
+    er_addr group;                         /* the multicast group of the inputs (port 0: none) */
+    const uint8_t *grouped;                /* per slot: 1 where the participant takes its input from the group */
 } er_runner;
 
 /* The RMS norm of x times w, into out: the sum of squares in double (one rounding), the scale as a float. */
@@ -605,8 +617,8 @@ static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     if (b->count) {
         int most = 1;
         for (int i = 0; i < b->count; i++) most = r->copies[b->first + i] > most ? r->copies[b->first + i] : most;
-        er_send_copies(ctx, r->send_fd, &h, NULL, 0, b->input, n, r->addrs + b->first, b->count, most,
-                       r->copies + b->first);
+        er_send_group(ctx, r->send_fd, &h, NULL, 0, b->input, n, r->addrs + b->first, b->count, most,
+                      r->copies + b->first, r->group.port ? &r->group : NULL, r->grouped + b->first);
     }
     double began = monotonic_s();
     if (b->graph != NULL) {
@@ -713,7 +725,7 @@ typedef struct er_node {
     int32_t *mlp_taken;                 /* per layer: the position of the last MLP input computed (-1: none) */
     int32_t latest[3];                  /* in/out: (position, layer, block) of the newest input seen */
     er_addr master;
-    int32_t send_fd, recv_fd;
+    int32_t send_fd, recv_fd, group_fd; /* group_fd: the socket of the master's multicast group (-1: none) */
     void *backend;
     graph_compute compute;
     double spin_s, max_s;
@@ -729,6 +741,10 @@ typedef struct er_node {
     double other_at;
     uint32_t other_ip;
     uint16_t other_port;
+    /* a trace (NULL: none): per served block 7 doubles, position, layer, block and the perf_counter moments its
+     * input reached the socket, was taken, computed and its partial sent (tp.trace's node events) */
+    double *trace;
+    int32_t trace_cap, trace_len;
 } er_node;
 
 static int order_after(const int32_t *a, int p, int l, int b) { /* (p, l, b) > a, lexicographically */
@@ -748,7 +764,7 @@ static int behind(const er_node *s, int p, int l, int b) {
 }
 
 /* 1: taken (computed and answered, or a parity copy of what was), 0: for the caller. */
-static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len) {
+static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double at) {
     if (len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != ACTIVATION ||
         get32(d + 4) != s->session || get16(d + 18) != 1 || get32(d + 22) != 0 || d[21] != 1)
         return 0;
@@ -786,6 +802,10 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len) {
     er_head h = {.session = s->session, .position = (uint32_t)p, .layer = (uint16_t)l, .type = PARTIAL,
                  .block = (uint8_t)b, .node = s->index, .codec = s->codec, .tokens = 1};
     er_send_vector(ctx, s->send_fd, &h, NULL, 0, blk->graph_out, s->hidden, &s->master, 1, s->copies);
+    if (s->trace != NULL && s->trace_len < s->trace_cap) {
+        double *t = s->trace + 7 * s->trace_len++;
+        t[0] = p, t[1] = l, t[2] = b, t[3] = at, t[4] = began, t[5] = began + took, t[6] = monotonic_s();
+    }
     s->computed++;
     s->seconds += took;
     s->bytes += blk->bytes;
@@ -801,8 +821,9 @@ int er_node_serve(er_ctx *ctx, er_node *s) {
     int spins = 0;
     received r;
     for (;;) {
-        if (receive(s->recv_fd, buf, sizeof buf, &r, clock_offset)) {
-            if (!serve_one(ctx, s, buf, r.len)) {
+        if (receive(s->recv_fd, buf, sizeof buf, &r, clock_offset) ||
+            (s->group_fd >= 0 && receive(s->group_fd, buf, sizeof buf, &r, clock_offset))) {
+            if (!serve_one(ctx, s, buf, r.len, r.at)) {
                 if (hand_back(buf, &r, s->other, s->other_cap, &s->other_len, &s->other_at, &s->other_ip,
                               &s->other_port))
                     return OTHER;

@@ -115,9 +115,9 @@ def _library() -> ctypes.CDLL | None:
     lib.er_encode.argtypes = [ctypes.c_int, _f32p, ctypes.c_int, ctypes.c_char_p]
     lib.er_decode.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, _f32p]
     lib.er_decode.restype = None
-    lib.er_send_vector.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Head), ctypes.c_char_p,
-                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Addr), ctypes.c_int,
-                                   ctypes.c_int]
+    lib.er_send_group.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Head), ctypes.c_char_p,
+                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Addr), ctypes.c_int,
+                                  ctypes.c_int, _u8p, ctypes.POINTER(_Addr), _u8p]
     lib.er_gather_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Gather)]
     lib.er_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.er_sum.restype = None
@@ -176,15 +176,20 @@ class FastPath:
         self.close()
 
     def send_vector(self, fd: int, header: Header, x: np.ndarray, to: ctypes.Array, copies: int = 1,
-                    prefix: bytes = b"") -> int:
+                    prefix: bytes = b"", group: tuple[str, int] | None = None, grouped: Sequence[bool] = ()) -> int:
         """x (float32, C order) as one datagram and copies - 1 parity copies to every address of `to`
-        (addresses()): the bytes wire.fragment seals for a vector that fits one datagram. The datagrams sent; -1
-        where x does not fit one datagram."""
+        (addresses()): the bytes wire.fragment seals for a vector that fits one datagram. With a multicast `group`,
+        the data datagram goes once to the group instead of to each address whose `grouped` is true (they still
+        get the parity copies). The datagrams sent; -1 where x does not fit one datagram."""
         h = self._head
         h.session, h.position, h.layer, h.type = header.session, header.position, header.layer, header.type
         h.block, h.node, h.codec, h.tokens = header.block, header.node, header.codec, header.tokens
-        return self.lib.er_send_vector(self.ctx, fd, self._head_ref, prefix, len(prefix), x.ctypes.data, x.size, to,
-                                       len(to), copies)
+        if group is None:
+            return self.lib.er_send_group(self.ctx, fd, self._head_ref, prefix, len(prefix), x.ctypes.data, x.size,
+                                          to, len(to), copies, None, None, None)
+        return self.lib.er_send_group(self.ctx, fd, self._head_ref, prefix, len(prefix), x.ctypes.data, x.size, to,
+                                      len(to), copies, None, addresses([group]),
+                                      (ctypes.c_uint8 * len(to))(*map(int, grouped)))
 
     def sum(self, own: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
         """own + parts[0] + parts[1] + ..., in that order (float32, a new array of own's shape)."""
@@ -285,7 +290,7 @@ class _Runner(ctypes.Structure):
                 ("codec", ctypes.c_uint8), ("pad", ctypes.c_uint8 * 3), ("send_fd", ctypes.c_int32),
                 ("recv_fd", ctypes.c_int32), ("backend", ctypes.c_void_p), ("compute", ctypes.c_void_p),
                 ("parts", ctypes.c_void_p), ("sum", ctypes.c_void_p), ("skip_first", ctypes.c_int32),
-                ("g", _Gather)]
+                ("g", _Gather), ("group", _Addr), ("grouped", _u8p)]
 
 
 class RunEnd(IntEnum):
@@ -360,10 +365,11 @@ class Runner:
         addrs = addresses(peers) if peers else (_Addr * 1)()
         index = (ctypes.c_uint8 * max(1, first))(*[i for b in blocks for i in b.nodes])
         self.copies = (ctypes.c_uint8 * max(1, first))(*([1] * first))
+        self.grouped = (ctypes.c_uint8 * max(1, first))()
         watched = (ctypes.c_int32 * max(1, len(watch)))(*watch)
         self._keep = [addrs, index, watched, total]
         r.hidden, r.nblocks, r.eps, r.blocks = hidden, n, eps, self.records
-        r.addrs, r.node_index, r.copies = addrs, index, self.copies
+        r.addrs, r.node_index, r.copies, r.grouped = addrs, index, self.copies, self.grouped
         r.codec, r.send_fd, r.recv_fd, r.backend, r.compute = codec, send_fd, recv_fd, backend, compute
         r.parts, r.sum = self.parts.ctypes.data, total.ctypes.data
         r.g.spin_s, r.g.watch, r.g.nwatch = spin_s, watched, len(watch)
@@ -384,6 +390,16 @@ class Runner:
         """Datagrams each participant slot takes of a block's input: 1 + its link's parity fragments."""
         for slot, n in enumerate(copies):
             self.copies[slot] = n
+
+    def set_group(self, group: tuple[str, int] | None, grouped: Sequence[bool]) -> None:
+        """The multicast group the inputs go to (None: none), and per participant slot whether its node takes its
+        input from there (the rest by unicast; parity copies always by unicast)."""
+        if group is None:
+            self.r.group.port = 0
+        else:
+            self.r.group = addresses([group])[0]
+        for slot, on in enumerate(grouped):
+            self.grouped[slot] = on
 
     def run(self) -> RunEnd:
         end = self.path.lib.er_run_blocks(self.path.ctx, ctypes.byref(self.r))
@@ -415,13 +431,15 @@ class _Node(ctypes.Structure):
                 ("lengths", ctypes.POINTER(ctypes.c_int32)), ("attn_layers", ctypes.POINTER(ctypes.c_int32)),
                 ("n_attn", ctypes.c_int32), ("mlp_taken", ctypes.POINTER(ctypes.c_int32)),
                 ("latest", ctypes.c_int32 * 3), ("master", _Addr), ("send_fd", ctypes.c_int32),
-                ("recv_fd", ctypes.c_int32), ("backend", ctypes.c_void_p), ("compute", ctypes.c_void_p),
+                ("recv_fd", ctypes.c_int32), ("group_fd", ctypes.c_int32), ("backend", ctypes.c_void_p),
+                ("compute", ctypes.c_void_p),
                 ("spin_s", ctypes.c_double), ("max_s", ctypes.c_double), ("watch", ctypes.POINTER(ctypes.c_int32)),
                 ("nwatch", ctypes.c_int32), ("computed", ctypes.c_int32), ("skipped", ctypes.c_int32),
                 ("seconds", ctypes.c_double), ("bytes", ctypes.c_double), ("bytes_sq", ctypes.c_double),
                 ("cross", ctypes.c_double), ("other", _u8p), ("other_cap", ctypes.c_int32),
                 ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
-                ("other_port", ctypes.c_uint16)]
+                ("other_port", ctypes.c_uint16), ("trace", ctypes.POINTER(ctypes.c_double)),
+                ("trace_cap", ctypes.c_int32), ("trace_len", ctypes.c_int32)]
 
 
 class ServeEnd(IntEnum):
@@ -443,6 +461,7 @@ class NodeServer:
     def __init__(self, path: FastPath) -> None:
         self.path = path
         self.s = _Node()
+        self.s.group_fd = -1
         self.other = _room_for_other(self.s)
         self.s.max_s = self.MAX_S
         self._keep: list = []
@@ -450,8 +469,9 @@ class NodeServer:
     def prepare(self, graphs: Sequence[NativeGraph | None], weight_bytes: Sequence[float],
                 by_datagram: Sequence[bool], attn_layers: Sequence[int], hidden: int, index: int, codec: int,
                 master: tuple[str, int], send_fd: int, recv_fd: int, backend: int, compute: int, spin_s: float,
-                watch: Sequence[int]) -> None:
-        """`graphs` and `weight_bytes`: two per layer (attention, MLP)."""
+                watch: Sequence[int], group_fd: int = -1) -> None:
+        """`graphs` and `weight_bytes`: two per layer (attention, MLP); `group_fd`: the socket of the master's
+        multicast group, read beside `recv_fd` (-1: none)."""
         s, n_layers = self.s, len(by_datagram)
         blocks = (_ShareBlock * (2 * n_layers))()
         for slot, graph, nbytes in zip(blocks, graphs, weight_bytes, strict=True):
@@ -470,8 +490,26 @@ class NodeServer:
         s.hidden, s.n_layers, s.blocks, s.datagram, s.lengths = hidden, n_layers, blocks, datagram, self.lengths
         s.attn_layers, s.n_attn, s.mlp_taken = attn, len(attn_layers), self.mlp_taken
         s.index, s.codec, s.send_fd, s.recv_fd, s.backend, s.compute = index, codec, send_fd, recv_fd, backend, compute
+        s.group_fd = group_fd
         s.master = addresses([master])[0]
         s.spin_s, s.watch, s.nwatch = spin_s, watched, len(watch)
+
+    TRACE_ROOM = 4096  # blocks a call may record: one call serves at most MAX_S of them
+
+    def keep_trace(self) -> None:
+        """Record each served block's moments (`traced` hands them over after each `serve`)."""
+        if not self.s.trace:
+            self._trace = (ctypes.c_double * (7 * self.TRACE_ROOM))()
+            self.s.trace, self.s.trace_cap = self._trace, self.TRACE_ROOM
+
+    def traced(self) -> list[tuple[int, int, int, float, float, float, float]]:
+        """The blocks served by the last `serve`, as (position, layer, block, received, taken, computed,
+        replied): perf_counter times."""
+        s = self.s
+        if not s.trace:
+            return []
+        flat = self._trace[:7 * s.trace_len]
+        return [(int(flat[i]), int(flat[i + 1]), int(flat[i + 2]), *flat[i + 3:i + 7]) for i in range(0, len(flat), 7)]
 
     def new_session(self) -> None:
         for layer in range(len(self.mlp_taken)):
@@ -484,7 +522,7 @@ class NodeServer:
         s.session, s.copies = session, copies
         self.lengths[:] = lengths
         s.latest[:] = latest
-        s.computed = s.skipped = 0
+        s.computed = s.skipped = s.trace_len = 0
         s.seconds = s.bytes = s.bytes_sq = s.cross = 0.0
         end = ServeEnd(self.path.lib.er_node_serve(self.path.ctx, ctypes.byref(s)))
         lengths[:] = self.lengths

@@ -70,6 +70,10 @@ class MasterConfig:
     activations: Activations = Activations.INT8  # of every device's quantized products (its kernels' numbers)
     spin_us: float = 0.0  # how long the master polls for partials without sleeping (DatagramSocket.spin_s)
     trace_dir: Path | None = None  # where the master writes its timeline of one-token blocks (tp.trace)
+    # One-token inputs go once to a multicast group for the nodes that joined it (net.group) rather than to each.
+    # Off for loss made on loopback's input hook (bench tp --loss-at kernel): there one drop would lose a group
+    # datagram for every node at once, where on a LAN each node's link loses its own copy.
+    multicast: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.overlap) - set(OVERLAPS)

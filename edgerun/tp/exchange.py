@@ -24,6 +24,7 @@ from edgerun.model.generate import EngineLost
 from edgerun.model.reference import rms_norm_fast
 from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, SendThread, add_fragment
 from edgerun.net.fastpath import FastPath, Gather, GatherEnd, NativeBlock, RunEnd, Runner, addresses, fits, rms_norm
+from edgerun.net.group import PROBE_LAYER, send_to_groups
 from edgerun.net.loss import NoLoss
 from edgerun.net.wire import (
     Added,
@@ -38,6 +39,7 @@ from edgerun.net.wire import (
     fragment,
     is_parity,
     peek_parity,
+    seal,
     whole_vector,
 )
 from edgerun.tp.config import MasterConfig
@@ -217,6 +219,11 @@ class BlockExchange:
         self.runner = Runner(self.fast) if self.fast is not None else None
         self.native_sends = self.fast is not None and isinstance(udp, LossyUdp) and isinstance(udp.loss, NoLoss)
         self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
+        # The master's multicast group (net.group; the master sets it), the last probe sent to it (monotonic time)
+        # and whether this socket sends to groups yet.
+        self.group: tuple[str, int] | None = None
+        self._group_probed = -math.inf
+        self._group_sending = False
 
     def close(self) -> None:
         if self.sender is not None:
@@ -517,7 +524,8 @@ class BlockExchange:
             groups.setdefault(tuple(n.index for n in nodes), (nodes, []))[1].append(i)
         self._runner_groups = list(groups.values())  # blocks with the same participants share their deadlines
         self._runner_timing: list[tuple[float, float | None]] | None = None
-        self._runner_copies: tuple[int, ...] = ()
+        self._runner_links: tuple[tuple[int, bool], ...] | None = None  # its nodes' parity and group, as set
+        self._step_nodes = list({n.index: n for nodes in participants for n in nodes}.values())
 
     async def run_blocks(self, x: np.ndarray, position: int, participants: list[list[NodeConn]]) -> None:
         """A one-token step's lossy blocks on the native runner as prepare_blocks set it up (see runs_natively), on
@@ -563,11 +571,39 @@ class BlockExchange:
                 self._refresh_copies(participants)
 
     def _refresh_copies(self, participants: list[list[NodeConn]]) -> None:
-        """The runner's copies of each input: 1 + the parity of the participant's link."""
-        copies = tuple(1 + n.parity for nodes in participants for n in nodes)
-        if copies != self._runner_copies:
-            self.runner.set_copies(copies)
-            self._runner_copies = copies
+        """The runner's copies of each input: 1 + the parity of the participant's link; and which participants take
+        their input from the multicast group."""
+        multicast = self.group is not None and self.config.multicast
+        links = tuple((n.parity, multicast and n.in_group) for n in self._step_nodes)
+        if multicast and not all(in_group for _, in_group in links) and \
+                time.monotonic() - self._group_probed >= self.GROUP_PROBE_S:
+            self._probe_group(self._step_nodes[0])
+        if links == self._runner_links:  # as the runner has them (the same every step but the first few)
+            return
+        self.runner.set_copies([1 + n.parity for nodes in participants for n in nodes])
+        grouped = self._grouped(participants) if multicast else (False,) * sum(map(len, participants))
+        self.runner.set_group(self.group if any(grouped) else None, grouped)
+        self._runner_links = links
+
+    GROUP_PROBE_S = 0.2  # a node that has not echoed a group probe is probed again this often (one datagram)
+
+    def _grouped(self, participants: list[list[NodeConn]]) -> tuple[bool, ...]:
+        """Per participant slot, whether its input goes to the group: where the node echoed a group probe and
+        every such node of the step takes part in the block (a group datagram reaches them all)."""
+        members = {n.index for n in self._step_nodes if n.in_group}
+        return tuple(n.in_group and members <= {m.index for m in nodes} for nodes in participants for n in nodes)
+
+    def _probe_group(self, node: NodeConn) -> None:
+        """One probe to the group (net.group): each node that gets it echoes it with its index."""
+        self._group_probed = time.monotonic()
+        try:
+            if not self._group_sending:  # out of the interface that faces the nodes
+                send_to_groups(self.udp.sock, node.channel.local_address())
+                self._group_sending = True
+            self.udp.send_all([seal(Header(MsgType.PROBE, self.session, 0, PROBE_LAYER), b"", self.key)], self.group)
+        except OSError as e:  # no multicast route: the nodes keep their unicast inputs
+            self.log(f"cannot send to the multicast group {self.group[0]} ({e}): inputs go by unicast")
+            self.group = None
 
     def _native_wait(self, i: int, position: int, nodes: list[NodeConn]) -> _Wait:
         """The record of the runner's block i, as `run` keeps one (from what the runner noted)."""

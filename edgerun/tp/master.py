@@ -34,6 +34,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
 from edgerun.net.fastpath import NativeBlock
+from edgerun.net.group import PROBE_LAYER, new_group
 from edgerun.net.http_server import bind
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_routes, model_sha256
@@ -160,7 +161,9 @@ class Master:
         self.trace = None if config.trace_dir is None else Trace(config.trace_dir / "master.jsonl", "master")
         self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log,
                                       self.trace)
-        self.membership = Membership(key, Welcome(self.model_sha256, files_port, self.udp_port),
+        self.group = new_group()  # joined by every node; used while config.multicast (BlockExchange.group)
+        self.exchange.group = self.group
+        self.membership = Membership(key, Welcome(self.model_sha256, files_port, self.udp_port, *self.group),
                                      self.net, self.udp, self.counters, self._node_message,
                                      self.exchange.on_node_lost, log)
         self.reconfigure(config)
@@ -233,7 +236,8 @@ class Master:
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
         if header.type == MsgType.PROBE:
-            self.membership.probe_echoed(header)
+            if header.layer != PROBE_LAYER or header.session == self.exchange.session:  # a group probe: this plan's
+                self.membership.probe_echoed(header)
         elif header.type == MsgType.PARTIAL:
             self.exchange.on_datagram(header, payload)
         elif header.type == MsgType.RESEND:

@@ -22,6 +22,7 @@ from edgerun.net.channel import (
     LossyUdp,
     path_datagram_bytes,
 )
+from edgerun.net.group import PROBE_LAYER
 from edgerun.net.wire import KEY_REJECTED, BadMac, Header, MsgType, WireError, seal
 from edgerun.sched.profiles import Link
 from edgerun.tp.kernel_fit import KernelFit
@@ -80,6 +81,7 @@ class NodeConn:
     pong: threading.Event = field(default_factory=threading.Event)
     pongs: list[float] = field(default_factory=list)
     echoes: int = 0
+    in_group: bool = False  # it echoed a probe sent to the master's multicast group: its inputs may go there
     # What the node reports: its share's sizes when ready, and with every heartbeat (every HEARTBEAT_S) its
     # kernels' time so far and its peak resident memory.
     weight_bytes: int = 0
@@ -244,10 +246,13 @@ class Membership:
                     node.channel.close()  # its reader then ends and marks it dead
 
     def probe_echoed(self, header: Header) -> None:
-        """A link probe came back (on the loop's thread)."""
+        """A link probe came back (on the loop's thread); a group probe's (net.group) from the node it names."""
         for node in self.nodes:
-            if node.index == header.node:
-                node.echoes += 1
+            if node.index == header.node and node.alive:
+                if header.layer == PROBE_LAYER:
+                    node.in_group = True
+                else:
+                    node.echoes += 1
 
     def wait_for_nodes(self, n: int, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s

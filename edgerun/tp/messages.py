@@ -168,6 +168,10 @@ class Welcome:
     model_sha256: str  # the node fetches the master's file over HTTP when its own differs
     http_port: int
     udp_port: int
+    # The multicast group of the master's one-token inputs (net.group; "": none): the node joins it and echoes its
+    # probes, and the master sends an input once to the group for the nodes that did.
+    group: str = ""
+    group_port: int = 0
 
 
 @dataclass(frozen=True)

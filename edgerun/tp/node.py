@@ -43,6 +43,7 @@ from edgerun.net.channel import (
     path_datagram_bytes,
 )
 from edgerun.net.fastpath import FastPath, NodeServer, ServeEnd, addresses, fits
+from edgerun.net.group import PROBE_LAYER, join_group
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import (
@@ -161,6 +162,10 @@ class Node:
         # ... and serves the share's lossy one-token blocks (NodeServer) where it can: see _serve_natively.
         self.server: NodeServer | None = None
         self.datagrams: DatagramSocket | None = None  # the UDP socket, once joined
+        # The master's multicast group of one-token inputs (Welcome.group, net.group), read beside it while the share
+        # computes a block by datagram.
+        self.group: tuple[str, int] | None = None
+        self.group_datagrams: DatagramSocket | None = None
         self.native_blocks = 0  # blocks it computed
         self._server_n_kv = 0  # the cache rows its attention graphs read
         self.counters = Counters()
@@ -204,6 +209,7 @@ class Node:
             self.net.stop()
             raise
         self.master_udp_port = welcome.udp_port
+        self.group = (welcome.group, welcome.group_port) if welcome.group else None
         heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.net.loop)
         self._use_masters_model(welcome.model_sha256, welcome.http_port)
         try:
@@ -213,6 +219,8 @@ class Node:
         finally:
             self.running = False
             self.udp.close()
+            if self.group_datagrams is not None:
+                self.group_datagrams.sock.close()
             heartbeat.cancel()
             self.net.stop()
             if self.trace is not None:  # the blocks since the last heartbeat's flush
@@ -315,6 +323,31 @@ class Node:
                          f"{self.counters.total()} packets rejected, peak RSS {peak_rss_mb():.0f} MB")
                 summarized, last_compute, last_decode = now, self.compute_s, self.decode
 
+    def _in_group(self, on: bool) -> None:
+        """Join the master's group (on the interface that faces it) or leave it. A node whose share computes no
+        block by datagram leaves it, so that the master's inputs do not wake it; a host that cannot join it keeps
+        its unicast inputs (the master sends by multicast only to nodes that echoed its group probe)."""
+        if on == (self.group_datagrams is not None) or self.group is None or self.datagrams is None:
+            return
+        if not on:
+            self.group_datagrams.close()
+            self.group_datagrams = None
+            self.datagrams.watch_streams([self.channel.fileno()])
+            return
+        try:
+            sock = join_group(self.group, self.channel.local_address())
+        except OSError as e:
+            self.log(f"node {self.name}: cannot join the master's group {self.group[0]} ({e}): its inputs come "
+                     "by unicast")
+            self.group = None
+            return
+        group = DatagramSocket("", self.key, self.counters, self._on_datagram, self.spin_s, idle_spin=True,
+                               needless=self._needless, sock=sock)
+        group.watch_streams([self.channel.fileno(), self.datagrams.sock.fileno()])
+        group.attach(asyncio.get_running_loop())
+        self.datagrams.watch_streams([self.channel.fileno(), sock.fileno()])  # a group input ends a spin
+        self.group_datagrams = group
+
     def _assign(self, message: Assign, spec: ShardSpec, shard: GgmlShard | QuantShard | Shard) -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
@@ -333,6 +366,9 @@ class Node:
         elif self.spare is not None:
             self.spare.set_rto_min(message.rto_min_ms)
         self._new_session(message.session)
+        self._in_group(any((spec.attn_units[layer] and self.routes.of(layer, Block.ATTN, 1) == Route.DATAGRAM) or
+                           (spec.mlp_groups[layer] and self.routes.of(layer, Block.MLP, 1) == Route.DATAGRAM)
+                           for layer in range(len(spec.attn_units))))
         self._serve_natively(True)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
         self.log(f"node {self.name}: holds {sum(map(len, spec.attn_units))} attention units, "
@@ -405,14 +441,14 @@ class Node:
     def _serve_natively(self, on: bool) -> None:
         """Serve the share's lossy one-token blocks natively (net.fastpath.NodeServer: no Python between an input's
         datagram and its partial's), where the share is on ggml in this process's memory with static units, no
-        loss is simulated here and no trace is kept; otherwise (and with `on` False) the Python path reads every
-        datagram."""
+        loss is simulated here; otherwise (and with `on` False) the Python path reads every datagram."""
         shard = self.shard
-        if not on or self.fast is None or self.trace is not None or self.priorities is not None or \
+        if not on or self.fast is None or self.priorities is not None or \
                 not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.datagrams is None:
             self.server = None
-            if self.datagrams is not None:
-                self.datagrams.set_reader(None)
+            for socket_ in (self.datagrams, self.group_datagrams):
+                if socket_ is not None:
+                    socket_.set_reader(None)
             return
         c = self.model.config
         n_kv = cache_rows(min((shard.lengths[layer] for layer in self.attn_layers), default=0) + 1, shard.max_len)
@@ -426,9 +462,14 @@ class Node:
         server = self.server or NodeServer(self.fast)
         server.prepare(graphs, weight_bytes, by_datagram, self.attn_layers, c.hidden, self.index, int(self.codec),
                        (self.master[0], self.master_udp_port), self.udp.sock.fileno(), self.datagrams.sock.fileno(),
-                       shard.backend.handle, ggml_compute_address(), self.spin_s, [self.channel.fileno()])
+                       shard.backend.handle, ggml_compute_address(), self.spin_s, [self.channel.fileno()],
+                       -1 if self.group_datagrams is None else self.group_datagrams.sock.fileno())
+        if self.trace is not None:
+            server.keep_trace()
         self.server, self._server_n_kv = server, n_kv
         self.datagrams.set_reader(self._read_natively)
+        if self.group_datagrams is not None:
+            self.group_datagrams.set_reader(self._read_natively)
 
     def _read_natively(self) -> None:
         """The socket is readable: the native server serves what it can, the Python path the rest."""
@@ -445,6 +486,12 @@ class Node:
                 self.decode = KernelFit(d.blocks + s.computed, d.bytes + s.bytes, d.seconds + s.seconds,
                                         d.bytes_sq + s.bytes_sq, d.cross + s.cross)
             self.datagrams.skipped += s.skipped
+            if self.trace is not None:
+                for position, layer, block, *moments in server.traced():
+                    key = (self.session, position, layer, block)
+                    for event, at in zip((Event.RECEIVED, Event.HANDLED, Event.COMPUTED, Event.REPLIED), moments,
+                                         strict=True):
+                        self.trace.add(event, key, at, self.index)
             if end != ServeEnd.OTHER:
                 return
             self.datagrams.handle(*server.handed_back())
@@ -506,7 +553,10 @@ class Node:
             self.trace.add(Event.RECEIVED, key, self.datagrams.arrived_at)
             self.trace.add(Event.HANDLED, key, time.perf_counter())
         if header.type == MsgType.PROBE:
-            # A link probe from the master: echo it, through this side's loss like any datagram.
+            # A link probe from the master: echo it, through this side's loss like any datagram. A group probe
+            # comes back with this node's index: the master then sends its inputs to the group for it.
+            if header.layer == PROBE_LAYER:
+                header = header._replace(node=self.index)
             self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
             return
         if header.type == MsgType.RESEND:
