@@ -211,6 +211,8 @@ class BlockExchange:
         self.sender: SendThread | None = None  # sends the inputs' parity (started with the first)
         # The block merged last, not yet counted (_account): counted while the next block's nodes compute.
         self.unaccounted: tuple[_Wait, list[NodeConn], bool, float, float] | None = None
+        # The native runner's blocks merged but not counted yet (_count_native's arguments), likewise.
+        self._uncounted: tuple[int, int, list[list[NodeConn]]] | None = None
         # The native data path (net.fastpath), where it was built: it sends a block's one-datagram inputs (where
         # no loss is simulated in this process and no link carries parity) and takes a lossy block's one-datagram
         # partials off the socket; everything else goes datagram by datagram through the Python path below.
@@ -275,7 +277,12 @@ class BlockExchange:
         # still be up.)
         spare = [n for n in nodes if n.lossy and n.spare is not None and _copy_pays(n, x.nbytes)] \
             if seq > 1 and reliable and self.config.transport == "udp" else []
-        if reliable and nodes:
+        # A one-token mirrored block's stream copies go after the master's own share: its nodes start on the
+        # datagrams, and the copies (a frame written to every stream, ~25 µs a node on loopback: 7 nodes' were most
+        # of the LM head's 309 µs of sends at 8 devices) are for a datagram lost on the way, which a link that lost
+        # one gets parity copies of too.
+        copies_later = mirror and seq == 1 and self.config.transport == "udp"
+        if reliable and nodes and not copies_later:
             self._send_inputs(nodes, key, x, ranking, spare)
         if nodes and seq == 1:
             self.stats.send_s += time.perf_counter() - sent
@@ -298,6 +305,8 @@ class BlockExchange:
         out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
+        if copies_later and nodes:
+            self._send_inputs(nodes, key, x, ranking)
         # While the nodes compute: the block before's accounts.
         self.settle()
         if while_waiting is not None:
@@ -336,7 +345,11 @@ class BlockExchange:
         return total
 
     def settle(self) -> None:
-        """Count the block merged last, if it is not yet (its accounts wait for the next block's slack)."""
+        """Count the block merged last, if it is not yet (its accounts wait for the next block's slack), and the
+        native runner's blocks since it last came back."""
+        if self._uncounted is not None:
+            pending, self._uncounted = self._uncounted, None
+            self._count_native(*pending)
         if self.unaccounted is not None:
             pending, self.unaccounted = self.unaccounted, None
             started = time.perf_counter()
@@ -516,6 +529,7 @@ class BlockExchange:
     def prepare_blocks(self, blocks: list[NativeBlock], participants: list[list[NodeConn]], eps: float, backend: int,
                        compute: int) -> None:
         """Set the native runner up for a step's blocks (while they, their graphs and their nodes stay the same)."""
+        self.settle()  # the blocks of its last run are counted from its records
         watch = sorted({fd for nodes in participants for fd in (n.channel.fileno() for n in nodes) if fd >= 0})
         self.runner.prepare(blocks, self.model.hidden, eps, int(self.config.codec), self.udp.sock.fileno(),
                             self.datagrams.sock.fileno(), backend, compute, self.datagrams.spin_s, watch)
@@ -564,9 +578,10 @@ class BlockExchange:
                 if lost := [n for n in nodes if not n.alive]:
                     self.wait = None
                     raise NodeLost(lost[0].name)
-            counted = self._count_native(counted, position, participants)
-            if end == RunEnd.DONE:
+            if end == RunEnd.DONE:  # the blocks not counted yet are counted while the LM head's nodes compute
+                self._uncounted = (counted, position, participants)
                 return
+            counted = self._count_native(counted, position, participants)
             if end == RunEnd.INCOMPLETE:  # a link that lost a partial gets its parity from the next block on
                 self._refresh_copies(participants)
 
@@ -637,11 +652,13 @@ class BlockExchange:
                 stats.sends += len(nodes)
                 self.udp.sent += len(nodes)
             counted += 1
-            if rec.outstanding == 0 and self.trace is None and (self.wait is None or self.wait.key != key):
+            if rec.outstanding == 0 and (self.wait is None or self.wait.key != key):
                 # The lean count of a whole block that ran without coming back (most do)
                 first = float(arrived[:len(nodes)].min()) - rec.sent if nodes else 0.0
                 for i, node in enumerate(nodes):
                     self._learn(node, arrived[i] - rec.sent, first, 1, False)
+                if self.trace is not None and nodes:
+                    self._record_native(key, rec, started, nodes, arrived)
                 stats.blocks += 1
                 stats.native_partials += len(nodes)
                 stats.partials_rebuilt += rec.from_parity
@@ -706,6 +723,17 @@ class BlockExchange:
             node.segments = now
             if resent >= LOSSY_RESENT and resent >= LOSSY_RESENT_SHARE * sent:
                 self.saw_loss(node)
+
+    def _record_native(self, key: BlockKey, rec: object, started: float, nodes: list[NodeConn],
+                       arrived: np.ndarray) -> None:
+        """A whole native block's moments in the trace, from the runner's record."""
+        add = self.trace.add
+        add(Event.SEND, key, rec.sent)
+        add(Event.SENT, key, started)
+        add(Event.OWN, key, rec.computed)
+        for i, node in enumerate(nodes):
+            add(Event.ARRIVED, key, float(arrived[i]), node.index)
+        add(Event.MERGED, key, rec.merged)
 
     def _record(self, w: _Wait, sent: float, computed: float, merged: float) -> None:
         """The block's moments in the trace (after the block: nothing of it on the nodes' path)."""

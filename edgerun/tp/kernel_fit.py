@@ -20,7 +20,7 @@ line needs travel in a node's heartbeat.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from edgerun.sched.profiles import Compute
@@ -54,6 +54,12 @@ class KernelFit:
     def add(self, nbytes: float, seconds: float) -> KernelFit:
         return KernelFit(self.blocks + 1, self.bytes + nbytes, self.seconds + seconds,
                          self.bytes_sq + nbytes * nbytes, self.cross + nbytes * seconds)
+
+    def add_all(self, nbytes: Sequence[float], seconds: Sequence[float]) -> KernelFit:
+        """Every block of a run at once (the native runner's step)."""
+        return KernelFit(self.blocks + len(nbytes), self.bytes + sum(nbytes), self.seconds + sum(seconds),
+                         self.bytes_sq + sum(b * b for b in nbytes),
+                         self.cross + sum(b * t for b, t in zip(nbytes, seconds, strict=True)))
 
     def measured(self, default_fixed_s: float = Compute.session_overhead_ms / 1e3) -> Measured | None:
         """Speed and fixed cost once there is enough to say. Where the blocks are all of one size, or the line

@@ -180,6 +180,7 @@ class Master:
         # The native runner's setup (_native_step): the plan, cache rows and session it was prepared for.
         self._native_key: tuple[TPPlan | None, int, int] = (None, 0, -1)
         self._native_participants: list[list[NodeConn]] = []
+        self._native_bytes: list[float] = []  # each of its blocks' weight bytes, for own_decode
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
         self.deployed: list[NodeConn] = []
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
@@ -658,6 +659,7 @@ class Master:
                                           shard.native_graph(layer, block, n_kv),
                                           tuple((n.host, n.udp_port) for n in nodes), tuple(n.index for n in nodes)))
             self.exchange.prepare_blocks(blocks, participants, c.norm_eps, shard.backend.handle, ggml_compute_address())
+            self._native_bytes = [shard.block_bytes(b.layer, Block(b.block)) for b in blocks]
             self._native_key = key
         return participants
 
@@ -668,8 +670,7 @@ class Master:
         shard.advance(range(1, self.model.config.n_layers), start)
         x = np.array(x, np.float32, order="C")  # the runner adds into it
         await self.exchange.run_blocks(x, start, participants)
-        for b, record in zip(self.exchange.runner.blocks, self.exchange.runner.records, strict=True):
-            self.own_decode = self.own_decode.add(shard.block_bytes(b.layer, Block(b.block)), record.own_s)
+        self.own_decode = self.own_decode.add_all(self._native_bytes, [r.own_s for r in self.exchange.runner.records])
         return x
 
     # --- the blocking interface, for callers outside the loop -------------------------------------
