@@ -758,6 +758,16 @@ def test_the_star_floor_script_times_a_bare_exchange_beside_its_kernel() -> None
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, bad
 
 
+def test_pinned_devices_take_a_physical_core_each_before_any_second_hardware_thread() -> None:
+    from edgerun.bench.tp import physical_first
+
+    pairs = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}  # hardware threads numbered side by side
+    assert physical_first(range(4), pairs.__getitem__) == (0, 2, 1, 3)
+    halves = {c: [c % 4, c % 4 + 4] for c in range(8)}  # ... or in halves
+    assert physical_first(range(8), halves.__getitem__) == tuple(range(8))
+    assert physical_first([5, 1], lambda c: [c]) == (1, 5)  # no hyperthreads: in order
+
+
 def test_pinned_devices_take_cores_of_their_own_in_turn() -> None:
     from edgerun.bench.tp import USABLE_CORES, TpBenchConfig, device_cores, pinned
 

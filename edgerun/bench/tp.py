@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -259,7 +259,31 @@ LOSS_AT = ("process", "kernel", "testbed")
 
 
 # The cores this process may use, taken before --pin narrows them to the master's.
-USABLE_CORES = tuple(sorted(os.sched_getaffinity(0)))
+def physical_first(cores: Iterable[int], siblings_of: Callable[[int], Sequence[int]] | None = None) -> tuple[int, ...]:
+    """The cores, one hardware thread of every physical core before the second thread of any: two devices pinned
+    to the two threads of one core share its execution units (one spinning for a packet slows the other's
+    kernels), which separate machines do not. `siblings_of(core)`: the hardware threads of its physical core
+    (default: Linux's topology files; a core without them is a core of its own)."""
+    def rank(core: int) -> int:
+        siblings = sorted((siblings_of or _siblings)(core))
+        return siblings.index(core) if core in siblings else 0
+    return tuple(sorted(cores, key=lambda core: (rank(core), core)))
+
+
+def _siblings(core: int) -> list[int]:
+    """The hardware threads of a core's physical core, from sysfs (e.g. "0,8" or "0-1")."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return [core]
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+USABLE_CORES = physical_first(os.sched_getaffinity(0))
 
 
 def device_cores(device: int, cores: int) -> set[int] | None:
