@@ -277,10 +277,11 @@ class BlockExchange:
         # still be up.)
         spare = [n for n in nodes if n.lossy and n.spare is not None and _copy_pays(n, x.nbytes)] \
             if seq > 1 and reliable and self.config.transport == "udp" else []
-        # A one-token mirrored block's stream copies go after the master's own share: its nodes start on the
-        # datagrams, and the copies (a frame written to every stream, ~25 µs a node on loopback: 7 nodes' were most
-        # of the LM head's 309 µs of sends at 8 devices) are for a datagram lost on the way, which a link that lost
-        # one gets parity copies of too.
+        # A one-token mirrored block's stream copies go only to nodes on lossy links, after the master's own
+        # share: its nodes start on the datagrams, and the copies (a frame written to every stream, ~25 µs a node on
+        # loopback: 7 nodes' were most of the LM head's 309 µs of sends at 8 devices, and each node read and dropped
+        # its copy as the next block's input came) are for a datagram lost on the way. A clean link's lost input is
+        # sent again (_ask_again), and over the stream once the drain ends (_wait).
         copies_later = mirror and seq == 1 and self.config.transport == "udp"
         if reliable and nodes and not copies_later:
             self._send_inputs(nodes, key, x, ranking, spare)
@@ -305,8 +306,8 @@ class BlockExchange:
         out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
-        if copies_later and nodes:
-            self._send_inputs(nodes, key, x, ranking)
+        if copies_later and (lossy := [n for n in nodes if n.lossy or n.parity]):
+            self._send_inputs(lossy, key, x, ranking)
         # While the nodes compute: the block before's accounts.
         self.settle()
         if while_waiting is not None:
@@ -454,6 +455,14 @@ class BlockExchange:
                     break
         if w.outstanding and not any(not n.alive for n in nodes) and (
                 reliable or w.deadline is None or time.perf_counter() < w.deadline):
+            if w.mirror and w.tokens == 1 and (kept := self.recent_inputs.get(w.key)) is not None:
+                # The last resort for a clean link's lost one-token input or partial: the input over the stream
+                # (a node that computed it answers with its kept partial), and parity and stream copies from now on
+                clean = [n for n in nodes if n.index not in w.arrived and not (n.lossy or n.parity)]
+                for node in clean:
+                    self.saw_loss(node)
+                if clean:
+                    self._send_inputs(clean, w.key, *kept)
             w.timed = True
             if w.deadline is not None:
                 w.expire_at(w.deadline)

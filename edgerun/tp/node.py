@@ -176,8 +176,10 @@ class Node:
         self.session = -1
         self.top: int | None = None  # the session's sampler draws from this many logits at most (Reset.top)
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
-        # The last mirrored partials sent (their headers and vectors), for the master's Resend requests.
+        # The last mirrored partials sent (their headers and vectors), for the master's Resend requests; the keys of
+        # those that went as datagrams alone (one-token partials on a clean link: see _send_partial).
         self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray]] = {}
+        self.datagram_only: set[tuple[int, int, int, int]] = set()
         self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
@@ -410,6 +412,12 @@ class Node:
                 if len(vector) % 4:
                     self.counters.reject("message")
                     return
+                key = (session, position, layer, int(block))
+                if key in self.datagram_only:  # its partial went as a datagram alone: the master did not get it
+                    self.datagram_only.discard(key)
+                    self.channel.send(Partial(session, position, layer, block,
+                                              memoryview(as_f32(self.kept_partials[key][1])).cast("B")))
+                    return
                 x = np.frombuffer(vector, "<f4")  # a view of the frame: the share reads it, never writes
                 entry = self._entry(Header(MsgType.ACTIVATION, session, position, layer, block), x.size)
                 if entry is not None:
@@ -434,6 +442,7 @@ class Node:
             self.server.new_session()
         self.inputs.clear()
         self.kept_partials.clear()
+        self.datagram_only.clear()
         self.latest_seen = (-1, -1, -1)
         if self.shard is not None:
             self.shard.truncate(0)
@@ -714,9 +723,19 @@ class Node:
             else:
                 self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes, parity=self.parity), master)
             if route == Route.MIRRORED:  # kept for the master's requests: `out` is a buffer its block reuses
-                self.kept_partials[(self.session, position, layer, int(block))] = (header, out.copy())
+                key = (self.session, position, layer, int(block))
+                self.kept_partials[key] = (header, out.copy())
                 while len(self.kept_partials) > KEPT_PARTIALS:
-                    del self.kept_partials[next(iter(self.kept_partials))]
+                    self.datagram_only.discard(oldest := next(iter(self.kept_partials)))
+                    del self.kept_partials[oldest]
+                if seq == 1 and self.parity == 0:
+                    # A one-token partial on a clean link goes as a datagram alone: at 8 devices the stream copies
+                    # of the first layer's and the LM head's partials were 21 frames a token for the master to
+                    # read and drop. One that is lost is asked for again (Resend), and where its input comes over
+                    # the stream after all (the master's last resort) the kept partial answers it there; the
+                    # master's ParityOn (a loss seen) brings the copies back.
+                    self.datagram_only.add(key)
+                    return
         if route != Route.DATAGRAM:  # the frame is built before send returns: a view of `out` is copied once
             frame = self.channel.frame(Partial(self.session, position, layer, block,
                                                memoryview(as_f32(out)).cast("B")))
