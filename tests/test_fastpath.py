@@ -212,6 +212,21 @@ def test_gather_takes_every_partial_and_stamps_it(block: Block) -> None:
         assert np.array_equal(g.buffer[i], block.parts[node])
 
 
+def test_gather_takes_partials_of_a_size_each_into_the_front_of_their_rows(block: Block) -> None:
+    sizes = {1: 6, 2: 40, 3: 2}  # an LM head's: each node's top logits and their places, or its rows
+    block.parts = {node: np.arange(size, dtype=np.float32) + node for node, size in sizes.items()}
+    block.send(1, size=5)  # a misfit: handed back, not taken
+    for node in (2, 3, 1):
+        block.send(node)
+    block.gather.start(Block.KEY, [1, 2, 3], [sizes[n] for n in (1, 2, 3)], time.perf_counter() + 2, None, 0.0, [])
+    ends = [block.gather.run(block.master.fileno()) for _ in range(2)]
+    g = block.gather
+    assert ends == [GatherEnd.OTHER, GatherEnd.WHOLE]
+    assert g.g.outstanding == 0 and g.buffer.shape == (3, 40)
+    for i, node in enumerate((1, 2, 3)):
+        assert np.array_equal(g.buffer[i, :sizes[node]], block.parts[node])
+
+
 def test_gather_ends_at_its_deadline_with_what_came(block: Block) -> None:
     block.send(2)
     block.start(deadline_s=0.05)

@@ -232,22 +232,24 @@ class Gather:
         self.path = path
         self.g = _Gather()
         self.other = _room_for_other(self.g)
-        self._shape: tuple[tuple[int, ...], int] = ((), 0)
+        self._shape: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._watch = (ctypes.c_int32 * 0)()
 
-    def start(self, key: tuple[int, int, int, int], nodes: Sequence[int], size: int, deadline: float,
+    def start(self, key: tuple[int, int, int, int], nodes: Sequence[int], size: int | Sequence[int], deadline: float,
               lag_bound: float | None, spin_s: float, watch: Sequence[int], skip_old_parity: bool = True) -> None:
-        """A new block: every participant's partial is `size` elements. `skip_old_parity`: parity copies of other
-        blocks' partials are left unread (nothing of the block before is awaited)."""
+        """A new block: every participant's partial is `size` elements (or each its own: an LM head's). Each one's
+        row of `buffer` is the longest's; its partial is the row's first elements. `skip_old_parity`: parity copies
+        of other blocks' partials are left unread (nothing of the block before is awaited)."""
         g = self.g
         g.skip_old_parity = skip_old_parity
         g.session, g.position, g.layer, g.block = key
         n = g.n = len(nodes)
-        if self._shape != (tuple(nodes), size):  # the same participants block after block: set up once for them
-            self._shape = (tuple(nodes), size)
-            self.buffer = np.zeros((n, size), np.float32)
+        sizes = (size,) * n if isinstance(size, int) else tuple(size)
+        if self._shape != (tuple(nodes), sizes):  # the same participants block after block: set up once for them
+            self._shape = (tuple(nodes), sizes)
+            self.buffer = np.zeros((n, max(sizes, default=0)), np.float32)
             self.nodes = (ctypes.c_uint8 * n)(*nodes)
-            self.sizes = (ctypes.c_int32 * n)(*([size] * n))
+            self.sizes = (ctypes.c_int32 * n)(*sizes)
             self.parts = (_f32p * n)(*[_floats(self.buffer[i]) for i in range(n)])
             self.arrived = np.full(n, math.nan)
             g.nodes, g.sizes, g.parts = self.nodes, self.sizes, self.parts

@@ -427,9 +427,13 @@ class BlockExchange:
             w.deadline = expected
         else:
             expected = max(expected, w.sent + MIRROR_DRAIN_S)
-        if self.gather is not None and not reliable and w.tokens == 1 and w.outstanding:
-            await self._gather(w, nodes)
-        elif over_udp and w.outstanding:
+        gathered = self.gather is not None and w.tokens == 1 and w.outstanding and (not reliable or w.mirror)
+        if gathered:
+            # A lossy block's partials by its deadline; a mirrored one's (the first layer's, the LM head's) until
+            # RESEND_S after the first came, when the drain below asks again for what is missing (7 partials read
+            # by the Python path were ~350 µs of the LM head's merge at 8 devices).
+            await self._gather(w, nodes, *((w.deadline, w.lag_bound) if not reliable else (expected, RESEND_S)))
+        if over_udp and w.outstanding and (not gathered or w.mirror):
             # The lean path: partials are taken straight off the socket on this thread until the block is whole
             # or its deadline passes. A mirrored block (no deadline) drains so long for its UDP copies (at least
             # MIRROR_DRAIN_S), then waits for its TCP copies on the loop. Data on a participant's TCP stream (a
@@ -470,14 +474,14 @@ class BlockExchange:
         w.finish()
         self.wait, self.merged = None, w
 
-    async def _gather(self, w: _Wait, nodes: list[NodeConn]) -> None:
-        """A lossy one-token block's partials taken by the native data path until the block is whole or its
-        deadline passes. A datagram it hands back (a fragment of a longer partial, a parity fragment, a stray or
-        forged packet) goes through the Python path (on_datagram) and what that took is told back; data on a
-        participant's stream lets the event loop run, as in _wait."""
+    async def _gather(self, w: _Wait, nodes: list[NodeConn], deadline: float, lag_bound: float | None) -> None:
+        """A one-token block's partials taken by the native data path until the block is whole or the deadline
+        passes (moved to lag_bound after the first). A datagram it hands back (a fragment of a longer partial, a
+        parity fragment, a stray or forged packet) goes through the Python path (on_datagram) and what that took
+        is told back; data on a participant's stream lets the event loop run, as in _wait."""
         gather, datagrams = self.gather, self.datagrams
         order = w.order
-        gather.start(w.key, order, self.model.hidden, w.deadline, w.lag_bound, datagrams.spin_s,
+        gather.start(w.key, order, [w.sizes[i] for i in order], deadline, lag_bound, datagrams.spin_s,
                      [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0], self._nothing_awaited())
         while True:
             end = gather.run(datagrams.sock.fileno())
@@ -500,7 +504,7 @@ class BlockExchange:
         """What the native path took (a gather's or a runner's, `g`), into the block's record."""
         for i, index in enumerate(w.order):
             if not math.isnan(arrived[i]) and index not in w.arrived:
-                w.parts[index] = rows[i]  # merged before the next block's gather writes it again
+                w.parts[index] = rows[i, :w.sizes[index]]  # merged before the next block's gather writes it again
                 w.arrive(index, arrived[i])
                 self.stats.native_partials += 1
         w.from_parity += g.from_parity
@@ -517,7 +521,8 @@ class BlockExchange:
                 if rows is not None:
                     part = w.parts[index]
                     rows[i] = (part.vector if isinstance(part, Reassembly) else part).reshape(-1)
-        g.deadline = w.deadline = min(g.deadline, w.deadline)
+        if w.deadline is not None:  # a mirrored block has none
+            g.deadline = w.deadline = min(g.deadline, w.deadline)
 
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """The master's RMS norm of a block's input: the native runner's for one token where it runs (so a step's
