@@ -161,6 +161,23 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
         assert tokens[:5] == ran[:5] and len(tokens) == 32 and master.lost_nodes() == ["n0"]
 
 
+@pytest.mark.slow
+def test_nodes_that_cannot_join_the_group_keep_unicast_inputs(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group the nodes cannot join (here a unicast address: IP_ADD_MEMBERSHIP refuses it) leaves every node on
+    unicast inputs: none echoes a group probe, the runner sends to each, and the tokens are the Python path's."""
+    import edgerun.tp.master as master_module
+
+    monkeypatch.setattr(master_module, "new_group", lambda: ("127.0.0.1", 9))
+    prompt = model.tokenizer.encode(PROMPT)
+    for master, _ in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8):
+        ran = master.generate(prompt, 16, GREEDY)
+        assert master.stats.native_blocks > 0 and master.exchange.runner.r.group.port == 0
+        assert not any(n.in_group for n in master.nodes)
+        with monkeypatch.context() as patched:
+            patched.setattr(Master, "_native_step", lambda self, start: None)
+            assert master.generate(prompt, 16, GREEDY) == ran
+
+
 class FullLogits:
     """A master as an engine that returns logits for the generation loop to sample: its nodes send every row."""
 

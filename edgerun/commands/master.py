@@ -236,7 +236,7 @@ def cmd_master(args: argparse.Namespace) -> None:
                           rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
                           parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
                           spin_us=args.spin_us, activations=Activations(args.activations),
-                          overlap=overlaps(args.overlap), threads=args.threads)
+                          overlap=overlaps(args.overlap), threads=args.threads, multicast=args.multicast)
     fixed = None if args.plan_file is None else load_plan_file(args.plan_file)
     try:
         master = Master(model, cluster_key(args), config, loss=loss_arg(args), predictors=predictors, log=log)
@@ -311,6 +311,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="udp: partial results over UDP with a timeout (default); tcp: wait for every node")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire: "
                    "f32 exact, f16 and q8 fewer datagrams per vector (default: f32)")
+    p.add_argument("--no-multicast", dest="multicast", action="store_false",
+                   help="send every one-token input to each node rather than once to the master's multicast group "
+                        "(default: multicast, for the nodes that echo a probe sent to the group)")
     udp_args(p)
     rto_min_arg(p)
     spin_arg(p)
