@@ -465,7 +465,9 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         kind_legs=kind_legs, traced=master.trace is not None, devices=devices,
         native_blocks=s.native_blocks - before["native_blocks"],
         node_native_share=tuple(r.native_blocks / r.decode.blocks if r.decode.blocks else 0.0 for r in reports),
-        group_nodes=sum(n.alive and n.in_group for n in master.membership.nodes) if master.config.multicast else 0)
+        # the runner alone sends to the group: a row it did not run (tcp, loss made in-process) sent none there
+        group_nodes=sum(n.alive and n.in_group for n in master.membership.nodes)
+        if master.config.multicast and s.native_blocks > before["native_blocks"] else 0)
 
 
 def computing(plan: TPPlan) -> tuple[str, ...]:
