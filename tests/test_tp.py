@@ -675,8 +675,10 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     # ... and each device's share with its kernels as measured in the run
     assert [d["name"] for d in results[0]["devices"]] == ["master", "bench-0"]
     assert all(d["weight_mb"] > 0 for d in results[0]["devices"])
-    # ... among them each ggml share's own cost a call beyond its kernels (inputs in, output out, Python)
-    assert all(0 < d["call_us"] < 1000 for d in results[0]["devices"]), results[0]["devices"]
+    # ... among them each ggml share's own cost a call beyond its kernels (inputs in, output out, Python): the
+    # master's first layer and LM head are such calls; a node's one-token blocks may all have run natively (none)
+    master_run, node_run = results[0]["devices"]
+    assert 0 < master_run["call_us"] < 1000 and (node_run["call_us"] is None or 0 < node_run["call_us"] < 1000)
     row = {k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__}
     table = tp_table([TpResult(**row | {"legs": (), "devices": (), "traced": False, "kind_legs": {}})])
     assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
@@ -695,7 +697,7 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
                                          "devices": tuple(DeviceRun(**d) for d in results[0]["devices"])})])
     assert "critical path" in traced.splitlines()[-2] and "node kernel " in traced.splitlines()[-2]
     assert "shares" in traced.splitlines()[-1] and "bench-0 " in traced.splitlines()[-1]
-    assert f"calls {results[0]['devices'][1]['call_us']:.0f} µs" in traced.splitlines()[-1]
+    assert f"calls {master_run['call_us']:.0f} µs" in traced.splitlines()[-1]
     # ... and the blocks of each kind alone, which the ceiling's line sets against its own block of that kind: what
     # the cluster's block takes beyond the kernels' (the LM head's partial, a top-k list, is not the layers').
     kinds = results[0]["kind_legs"]

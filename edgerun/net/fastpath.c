@@ -36,7 +36,7 @@
 
 enum codec { F32 = 0, F16 = 1, Q8 = 2 };
 enum msg_type { ACTIVATION = 1, PARTIAL = 2 };
-enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5, IDLE = 6 };
+enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5, IDLE = 6, MIRRORED = 7 };
 
 /* ---- OpenSSL's EVP interface, resolved with dlsym (the few calls a GMAC needs) ---------------------------- */
 typedef void EVP_CIPHER_CTX;
@@ -745,6 +745,11 @@ typedef struct er_node {
      * input reached the socket, was taken, computed and its partial sent (tp.trace's node events) */
     double *trace;
     int32_t trace_cap, trace_len;
+    /* per layer: 1 where its one-token blocks are mirrored (the first layer: reliable, datagram first). Such a
+     * block's partial goes as float32; then the server returns MIRRORED with the block in `served` (position,
+     * layer, block) for the caller to keep its partial (Resend) and send its stream copy where the link wants one */
+    const uint8_t *mirrored;
+    int32_t served[3];
 } er_node;
 
 static int order_after(const int32_t *a, int p, int l, int b) { /* (p, l, b) > a, lexicographically */
@@ -763,13 +768,15 @@ static int behind(const er_node *s, int p, int l, int b) {
     return 0;
 }
 
-/* 1: taken (computed and answered, or a parity copy of what was), 0: for the caller. */
+/* 1: taken (computed and answered, or a parity copy of what was), 2: a mirrored block computed and answered
+ * (for the caller to keep), 0: for the caller. */
 static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double at) {
     if (len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != ACTIVATION ||
         get32(d + 4) != s->session || get16(d + 18) != 1 || get32(d + 22) != 0 || d[21] != 1)
         return 0;
     int p = (int)get32(d + 8), l = get16(d + 12), b = d[14], index = get16(d + 16), codec = d[20];
-    if (l >= s->n_layers || b > 1 || codec > Q8 || index >= MAX_COPIES || !s->datagram[l]) return 0;
+    if (l >= s->n_layers || b > 1 || codec > Q8 || index >= MAX_COPIES || !(s->datagram[l] || s->mirrored[l]))
+        return 0;
     er_share_block *blk = &s->blocks[2 * l + b];
     if (b == 0 ? p < s->lengths[l] : p == s->mlp_taken[l]) { /* a copy of what is computed (parity, a resend) */
         s->skipped++;
@@ -799,8 +806,9 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double 
         s->lengths[l] = p + 1;
     else
         s->mlp_taken[l] = p;
+    int mirrored = s->mirrored[l];
     er_head h = {.session = s->session, .position = (uint32_t)p, .layer = (uint16_t)l, .type = PARTIAL,
-                 .block = (uint8_t)b, .node = s->index, .codec = s->codec, .tokens = 1};
+                 .block = (uint8_t)b, .node = s->index, .codec = mirrored ? F32 : s->codec, .tokens = 1};
     er_send_vector(ctx, s->send_fd, &h, NULL, 0, blk->graph_out, s->hidden, &s->master, 1, s->copies);
     if (s->trace != NULL && s->trace_len < s->trace_cap) {
         double *t = s->trace + 7 * s->trace_len++;
@@ -811,6 +819,10 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double 
     s->bytes += blk->bytes;
     s->bytes_sq += blk->bytes * blk->bytes;
     s->cross += blk->bytes * took;
+    if (mirrored) {
+        s->served[0] = p, s->served[1] = l, s->served[2] = b;
+        return 2;
+    }
     return 1;
 }
 
@@ -823,12 +835,14 @@ int er_node_serve(er_ctx *ctx, er_node *s) {
     for (;;) {
         if (receive(s->recv_fd, buf, sizeof buf, &r, clock_offset) ||
             (s->group_fd >= 0 && receive(s->group_fd, buf, sizeof buf, &r, clock_offset))) {
-            if (!serve_one(ctx, s, buf, r.len, r.at)) {
+            int served = serve_one(ctx, s, buf, r.len, r.at);
+            if (!served) {
                 if (hand_back(buf, &r, s->other, s->other_cap, &s->other_len, &s->other_at, &s->other_ip,
                               &s->other_port))
                     return OTHER;
                 continue;
             }
+            if (served == 2) return MIRRORED;
             idle_until = monotonic_s() + s->spin_s;
             continue;
         }

@@ -441,7 +441,8 @@ class _Node(ctypes.Structure):
                 ("cross", ctypes.c_double), ("other", _u8p), ("other_cap", ctypes.c_int32),
                 ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
                 ("other_port", ctypes.c_uint16), ("trace", ctypes.POINTER(ctypes.c_double)),
-                ("trace_cap", ctypes.c_int32), ("trace_len", ctypes.c_int32)]
+                ("trace_cap", ctypes.c_int32), ("trace_len", ctypes.c_int32), ("mirrored", _u8p),
+                ("served", ctypes.c_int32 * 3)]
 
 
 class ServeEnd(IntEnum):
@@ -451,6 +452,7 @@ class ServeEnd(IntEnum):
     STREAM = 2  # a watched stream (the master's) has data
     OTHER = 3  # a datagram it does not take (NodeServer.handed_back): the Python path handles it
     IDLE = 6  # nothing came for spin_s: the event loop waits for the socket
+    MIRRORED = 7  # a mirrored block computed and answered (NodeServer.served): the caller keeps its partial
 
 
 class NodeServer:
@@ -471,9 +473,10 @@ class NodeServer:
     def prepare(self, graphs: Sequence[NativeGraph | None], weight_bytes: Sequence[float],
                 by_datagram: Sequence[bool], attn_layers: Sequence[int], hidden: int, index: int, codec: int,
                 master: tuple[str, int], send_fd: int, recv_fd: int, backend: int, compute: int, spin_s: float,
-                watch: Sequence[int], group_fd: int = -1) -> None:
+                watch: Sequence[int], group_fd: int = -1, mirrored: Sequence[bool] = ()) -> None:
         """`graphs` and `weight_bytes`: two per layer (attention, MLP); `group_fd`: the socket of the master's
-        multicast group, read beside `recv_fd` (-1: none)."""
+        multicast group, read beside `recv_fd` (-1: none); `mirrored`: per layer, whether its one-token blocks are
+        mirrored (served too, each returning MIRRORED)."""
         s, n_layers = self.s, len(by_datagram)
         blocks = (_ShareBlock * (2 * n_layers))()
         for slot, graph, nbytes in zip(blocks, graphs, weight_bytes, strict=True):
@@ -483,6 +486,8 @@ class NodeServer:
                     graph.mask or None, graph.n_kv
             slot.bytes = nbytes
         datagram = (ctypes.c_uint8 * n_layers)(*map(int, by_datagram))
+        self.mirrored = (ctypes.c_uint8 * n_layers)(*map(int, mirrored or [False] * n_layers))
+        self._graphs = graphs
         self.lengths = (ctypes.c_int32 * n_layers)()
         attn = (ctypes.c_int32 * max(1, len(attn_layers)))(*attn_layers)
         if not self._keep or len(self.mlp_taken) != n_layers:
@@ -490,6 +495,7 @@ class NodeServer:
         watched = (ctypes.c_int32 * max(1, len(watch)))(*watch)
         self._keep = [blocks, datagram, attn, watched, graphs]
         s.hidden, s.n_layers, s.blocks, s.datagram, s.lengths = hidden, n_layers, blocks, datagram, self.lengths
+        s.mirrored = self.mirrored
         s.attn_layers, s.n_attn, s.mlp_taken = attn, len(attn_layers), self.mlp_taken
         s.index, s.codec, s.send_fd, s.recv_fd, s.backend, s.compute = index, codec, send_fd, recv_fd, backend, compute
         s.group_fd = group_fd
@@ -533,6 +539,13 @@ class NodeServer:
     @property
     def latest(self) -> tuple[int, int, int]:
         return tuple(self.s.latest)
+
+    def served(self) -> tuple[int, int, int, np.ndarray]:
+        """After MIRRORED: the block served (position, layer, block) and a copy of its partial."""
+        position, layer, block = self.s.served
+        graph = self._graphs[2 * layer + block]
+        out = (ctypes.c_float * self.s.hidden).from_address(graph.out)
+        return position, layer, block, np.array(out, np.float32)
 
     def handed_back(self) -> tuple[bytes, float, tuple[str, int]]:
         return _handed_back(self.other, self.s)

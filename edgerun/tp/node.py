@@ -466,13 +466,13 @@ class Node:
             for block in (Block.ATTN, Block.MLP):
                 graphs.append(shard.native_graph(layer, block, n_kv))
                 weight_bytes.append(shard.block_bytes(layer, block))
-        by_datagram = [all(self.routes.of(layer, block, 1) == Route.DATAGRAM for block in (Block.ATTN, Block.MLP))
-                       for layer in range(c.n_layers)]
+        by_datagram, mirrored = ([all(self.routes.of(layer, block, 1) == route for block in (Block.ATTN, Block.MLP))
+                                  for layer in range(c.n_layers)] for route in (Route.DATAGRAM, Route.MIRRORED))
         server = self.server or NodeServer(self.fast)
         server.prepare(graphs, weight_bytes, by_datagram, self.attn_layers, c.hidden, self.index, int(self.codec),
                        (self.master[0], self.master_udp_port), self.udp.sock.fileno(), self.datagrams.sock.fileno(),
                        shard.backend.handle, ggml_compute_address(), self.spin_s, [self.channel.fileno()],
-                       -1 if self.group_datagrams is None else self.group_datagrams.sock.fileno())
+                       -1 if self.group_datagrams is None else self.group_datagrams.sock.fileno(), mirrored)
         if self.trace is not None:
             server.keep_trace()
         self.server, self._server_n_kv = server, n_kv
@@ -501,6 +501,9 @@ class Node:
                     for event, at in zip((Event.RECEIVED, Event.HANDLED, Event.COMPUTED, Event.REPLIED), moments,
                                          strict=True):
                         self.trace.add(event, key, at, self.index)
+            if end == ServeEnd.MIRRORED:
+                self._served_mirrored()
+                continue
             if end != ServeEnd.OTHER:
                 return
             self.datagrams.handle(*server.handed_back())
@@ -722,20 +725,8 @@ class Node:
                 self.udp.sent += 1 + self.parity
             else:
                 self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes, parity=self.parity), master)
-            if route == Route.MIRRORED:  # kept for the master's requests: `out` is a buffer its block reuses
-                key = (self.session, position, layer, int(block))
-                self.kept_partials[key] = (header, out.copy())
-                while len(self.kept_partials) > KEPT_PARTIALS:
-                    self.datagram_only.discard(oldest := next(iter(self.kept_partials)))
-                    del self.kept_partials[oldest]
-                if seq == 1 and self.parity == 0:
-                    # A one-token partial on a clean link goes as a datagram alone: at 8 devices the stream copies
-                    # of the first layer's and the LM head's partials were 21 frames a token for the master to
-                    # read and drop. One that is lost is asked for again (Resend), and where its input comes over
-                    # the stream after all (the master's last resort) the kept partial answers it there; the
-                    # master's ParityOn (a loss seen) brings the copies back.
-                    self.datagram_only.add(key)
-                    return
+            if route == Route.MIRRORED and not self._keep_mirrored(header, out.copy()):
+                return  # `out` is a buffer its block reuses: kept as a copy
         if route != Route.DATAGRAM:  # the frame is built before send returns: a view of `out` is copied once
             frame = self.channel.frame(Partial(self.session, position, layer, block,
                                                memoryview(as_f32(out)).cast("B")))
@@ -743,6 +734,34 @@ class Node:
             if seq > 1 and self.spare_used and self.spare is not None:  # a prompt's partial over a lossy link
                 with contextlib.suppress(OSError, ConnectionError):
                     self.spare.send_frame(frame)
+
+    def _keep_mirrored(self, header: Header, out: np.ndarray) -> bool:
+        """A mirrored partial sent as datagrams, kept for the master's Resend requests; whether its stream copy
+        goes too. A one-token partial on a clean link goes as a datagram alone: at 8 devices the stream copies of the
+        first layer's and the LM head's partials were 21 frames a token for the master to read and drop. One that
+        is lost is asked for again (Resend), and where its input comes over the stream after all (the master's last
+        resort) the kept partial answers it there; the master's ParityOn (a loss seen) brings the copies back."""
+        key = (header.session, header.position, header.layer, header.block)
+        self.kept_partials[key] = (header, out)
+        while len(self.kept_partials) > KEPT_PARTIALS:
+            self.datagram_only.discard(oldest := next(iter(self.kept_partials)))
+            del self.kept_partials[oldest]
+        if header.tokens == 1 and self.parity == 0:
+            self.datagram_only.add(key)
+            return False
+        return True
+
+    def _served_mirrored(self) -> None:
+        """The native server computed a mirrored one-token block and sent its partial: kept as _send_partial keeps
+        one, its stream copy sent where the link wants one, and an MLP input marked done, so that the input's stream
+        copy finds it computed (an attention input's does: the cache holds its position)."""
+        position, layer, block, out = self.server.served()
+        header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index, codec=Codec.F32, tokens=1)
+        if self._keep_mirrored(header, out):
+            self.channel.send(Partial(self.session, position, layer, Block(block), memoryview(out).cast("B")))
+        if block == Block.MLP and (entry := self._entry(header._replace(type=MsgType.ACTIVATION),
+                                                        self.model.config.hidden)) is not None:
+            entry.done = True
 
 
 def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name: str, budget_mb: float,
