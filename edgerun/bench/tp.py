@@ -287,8 +287,9 @@ USABLE_CORES = physical_first(os.sched_getaffinity(0))
 
 
 def device_cores(device: int, cores: int) -> set[int] | None:
-    """The cores of device `device` (0: the master) under --pin: `cores` consecutive cores of those this process
-    may use, device after device, wrapping around when there are more devices than cores; None unpinned."""
+    """The cores of device `device` (0: the master) under --pin: the next `cores` of those this process may use
+    (in physical_first's order), device after device, wrapping around when there are more devices than cores;
+    None unpinned."""
     if cores < 1:
         return None
     return {USABLE_CORES[(device * cores + k) % len(USABLE_CORES)] for k in range(cores)}

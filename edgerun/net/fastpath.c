@@ -324,25 +324,20 @@ int er_send_group(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, 
                 queued++;
             }
             if (queued == BATCH || (last && queued)) {
-                for (int at = 0; at < queued;) {
-                    int done = sendmmsg(fd, msgs + at, (unsigned)(queued - at), 0);
+                for (int from = 0; from < queued;) {
+                    int done = sendmmsg(fd, msgs + from, (unsigned)(queued - from), 0);
                     if (done <= 0) { /* this one cannot go (a node gone: its loss is seen); the rest still go */
-                        at++;
+                        from++;
                         continue;
                     }
                     sent += done;
-                    at += done;
+                    from += done;
                 }
                 queued = 0;
             }
         }
     }
     return sent;
-}
-
-int er_send_copies(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
-                   int n, const er_addr *addrs, int naddrs, int copies, const uint8_t *per) {
-    return er_send_group(ctx, fd, h, prefix, prefix_len, x, n, addrs, naddrs, copies, per, NULL, NULL);
 }
 
 int er_send_vector(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,

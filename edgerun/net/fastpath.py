@@ -184,12 +184,10 @@ class FastPath:
         h = self._head
         h.session, h.position, h.layer, h.type = header.session, header.position, header.layer, header.type
         h.block, h.node, h.codec, h.tokens = header.block, header.node, header.codec, header.tokens
-        if group is None:
-            return self.lib.er_send_group(self.ctx, fd, self._head_ref, prefix, len(prefix), x.ctypes.data, x.size,
-                                          to, len(to), copies, None, None, None)
+        to_group = (None, None) if group is None else \
+            (addresses([group]), (ctypes.c_uint8 * len(to))(*map(int, grouped)))
         return self.lib.er_send_group(self.ctx, fd, self._head_ref, prefix, len(prefix), x.ctypes.data, x.size, to,
-                                      len(to), copies, None, addresses([group]),
-                                      (ctypes.c_uint8 * len(to))(*map(int, grouped)))
+                                      len(to), copies, None, *to_group)
 
     def sum(self, own: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
         """own + parts[0] + parts[1] + ..., in that order (float32, a new array of own's shape)."""
@@ -233,6 +231,7 @@ class Gather:
         self.g = _Gather()
         self.other = _room_for_other(self.g)
         self._shape: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self._shapes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple] = {}  # each shape's buffers, by shape
         self._watch = (ctypes.c_int32 * 0)()
 
     def start(self, key: tuple[int, int, int, int], nodes: Sequence[int], size: int | Sequence[int], deadline: float,
@@ -245,17 +244,19 @@ class Gather:
         g.session, g.position, g.layer, g.block = key
         n = g.n = len(nodes)
         sizes = (size,) * n if isinstance(size, int) else tuple(size)
-        if self._shape != (tuple(nodes), sizes):  # the same participants block after block: set up once for them
-            self._shape = (tuple(nodes), sizes)
-            self.buffer = np.zeros((n, max(sizes, default=0)), np.float32)
-            self.nodes = (ctypes.c_uint8 * n)(*nodes)
-            self.sizes = (ctypes.c_int32 * n)(*sizes)
-            self.parts = (_f32p * n)(*[_floats(self.buffer[i]) for i in range(n)])
-            self.arrived = np.full(n, math.nan)
+        shape = (tuple(nodes), sizes)
+        if self._shape != shape:  # the same participants block after block: set up once for each shape of block
+            if shape not in self._shapes:  # (a step's first layer's and its LM head's differ)
+                if len(self._shapes) >= 8:
+                    self._shapes.clear()
+                buffer = np.zeros((n, max(sizes, default=0)), np.float32)
+                self._shapes[shape] = (buffer, (ctypes.c_uint8 * n)(*nodes), (ctypes.c_int32 * n)(*sizes),
+                                       (_f32p * n)(*[_floats(buffer[i]) for i in range(n)]), np.full(n, math.nan))
+            self._shape = shape
+            self.buffer, self.nodes, self.sizes, self.parts, self.arrived = self._shapes[shape]
             g.nodes, g.sizes, g.parts = self.nodes, self.sizes, self.parts
             g.arrived = self.arrived.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
-        else:
-            self.arrived.fill(math.nan)
+        self.arrived.fill(math.nan)
         g.outstanding, g.from_parity, g.skipped = n, 0, 0
         g.deadline = deadline
         g.lag_bound = -1.0 if lag_bound is None else lag_bound
@@ -282,6 +283,9 @@ class _Block(ctypes.Structure):
                 ("computed", ctypes.c_double), ("merged", ctypes.c_double), ("own_s", ctypes.c_double),
                 ("outstanding", ctypes.c_int32), ("from_parity", ctypes.c_int32), ("skipped", ctypes.c_int32),
                 ("done", ctypes.c_int32)]
+
+
+NativeRecord = _Block  # a runner block's record, as the caller reads it after the run
 
 
 class _Runner(ctypes.Structure):
@@ -487,13 +491,13 @@ class NodeServer:
             slot.bytes = nbytes
         datagram = (ctypes.c_uint8 * n_layers)(*map(int, by_datagram))
         self.mirrored = (ctypes.c_uint8 * n_layers)(*map(int, mirrored or [False] * n_layers))
-        self._graphs = graphs
+        self.graphs = graphs  # two per layer, as `blocks` holds them (served() reads a mirrored one's output)
         self.lengths = (ctypes.c_int32 * n_layers)()
         attn = (ctypes.c_int32 * max(1, len(attn_layers)))(*attn_layers)
         if not self._keep or len(self.mlp_taken) != n_layers:
             self.mlp_taken = (ctypes.c_int32 * n_layers)(*([-1] * n_layers))
         watched = (ctypes.c_int32 * max(1, len(watch)))(*watch)
-        self._keep = [blocks, datagram, attn, watched, graphs]
+        self._keep = [blocks, datagram, attn, watched]
         s.hidden, s.n_layers, s.blocks, s.datagram, s.lengths = hidden, n_layers, blocks, datagram, self.lengths
         s.mirrored = self.mirrored
         s.attn_layers, s.n_attn, s.mlp_taken = attn, len(attn_layers), self.mlp_taken
@@ -543,7 +547,7 @@ class NodeServer:
     def served(self) -> tuple[int, int, int, np.ndarray]:
         """After MIRRORED: the block served (position, layer, block) and a copy of its partial."""
         position, layer, block = self.s.served
-        graph = self._graphs[2 * layer + block]
+        graph = self.graphs[2 * layer + block]
         out = (ctypes.c_float * self.s.hidden).from_address(graph.out)
         return position, layer, block, np.array(out, np.float32)
 

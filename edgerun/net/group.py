@@ -14,8 +14,10 @@ only after the node has echoed a probe sent to the group (`PROBE_LAYER`); other 
 
 from __future__ import annotations
 
+import math
 import random
 import socket
+import time
 
 PROBE_LAYER = 0xFFFF  # a probe sent to the group carries this layer; the node echoes it with its own index
 
@@ -50,3 +52,26 @@ def join_group(group: tuple[str, int], interface: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class GroupSender:
+    """A master's side of its group: where it is, and its probes. `probe` sends one (out of the interface that faces
+    the nodes, set on the socket before the first) when one is `due`; OSError where the host cannot send there."""
+
+    PROBE_S = 0.2  # a node that has not echoed a probe is probed again this often (one datagram)
+
+    def __init__(self, group: tuple[str, int]) -> None:
+        self.group = group
+        self.probed = -math.inf  # monotonic time of the last probe
+        self.sending = False  # the socket sends to groups out of the right interface
+
+    def due(self) -> bool:
+        return time.monotonic() - self.probed >= self.PROBE_S
+
+    def probe(self, sock: socket.socket, probe: bytes, interface: str) -> None:
+        """Send `probe` (a sealed PROBE of layer PROBE_LAYER) to the group from `sock`."""
+        self.probed = time.monotonic()
+        if not self.sending:
+            send_to_groups(sock, interface)
+            self.sending = True
+        sock.sendto(probe, self.group)

@@ -23,8 +23,19 @@ from edgerun.model.config import ModelConfig
 from edgerun.model.generate import EngineLost
 from edgerun.model.reference import rms_norm_fast
 from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, SendThread, add_fragment
-from edgerun.net.fastpath import FastPath, Gather, GatherEnd, NativeBlock, RunEnd, Runner, addresses, fits, rms_norm
-from edgerun.net.group import PROBE_LAYER, send_to_groups
+from edgerun.net.fastpath import (
+    FastPath,
+    Gather,
+    GatherEnd,
+    NativeBlock,
+    NativeRecord,
+    RunEnd,
+    Runner,
+    addresses,
+    fits,
+    rms_norm,
+)
+from edgerun.net.group import PROBE_LAYER, GroupSender
 from edgerun.net.loss import NoLoss
 from edgerun.net.wire import (
     Added,
@@ -150,6 +161,7 @@ class _Wait:
     asked: set[int] = field(default_factory=set)
     retry_at: float | None = None
     late: set[int] = field(default_factory=set)  # in `arrived`, but whole only after the block was merged
+    streamed: set[int] = field(default_factory=set)  # one-token mirrored: the nodes its input went to on the stream
 
     @functools.cached_property
     def order(self) -> list[int]:
@@ -221,11 +233,7 @@ class BlockExchange:
         self.runner = Runner(self.fast) if self.fast is not None else None
         self.native_sends = self.fast is not None and isinstance(udp, LossyUdp) and isinstance(udp.loss, NoLoss)
         self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
-        # The master's multicast group (net.group; the master sets it), the last probe sent to it (monotonic time)
-        # and whether this socket sends to groups yet.
-        self.group: tuple[str, int] | None = None
-        self._group_probed = -math.inf
-        self._group_sending = False
+        self.group: GroupSender | None = None  # the master's multicast group (net.group; the master sets it)
 
     def close(self) -> None:
         if self.sender is not None:
@@ -308,6 +316,7 @@ class BlockExchange:
         self.stats.compute_s += wait_start - compute_start
         if copies_later and (lossy := [n for n in nodes if n.lossy or n.parity]):
             self._send_inputs(lossy, key, x, ranking)
+            w.streamed.update(n.index for n in lossy)
         # While the nodes compute: the block before's accounts.
         self.settle()
         if while_waiting is not None:
@@ -350,7 +359,7 @@ class BlockExchange:
         native runner's blocks since it last came back."""
         if self._uncounted is not None:
             pending, self._uncounted = self._uncounted, None
-            self._count_native(*pending)
+            self._count_native(*pending, raise_lost=False)  # a node lost since is the caller's to notice
         if self.unaccounted is not None:
             pending, self.unaccounted = self.unaccounted, None
             started = time.perf_counter()
@@ -460,13 +469,15 @@ class BlockExchange:
         if w.outstanding and not any(not n.alive for n in nodes) and (
                 reliable or w.deadline is None or time.perf_counter() < w.deadline):
             if w.mirror and w.tokens == 1 and (kept := self.recent_inputs.get(w.key)) is not None:
-                # The last resort for a clean link's lost one-token input or partial: the input over the stream
-                # (a node that computed it answers with its kept partial), and parity and stream copies from now on
-                clean = [n for n in nodes if n.index not in w.arrived and not (n.lossy or n.parity)]
-                for node in clean:
+                # The last resort for a lost one-token input or partial of a node whose input did not go on its
+                # stream (its link was clean then): the input over the stream, which a node answers there (from
+                # its kept partial where it computed it already), and parity and stream copies from now on
+                missing = [n for n in nodes if n.index not in w.arrived and n.index not in w.streamed]
+                for node in missing:
                     self.saw_loss(node)
-                if clean:
-                    self._send_inputs(clean, w.key, *kept)
+                if missing:
+                    self._send_inputs(missing, w.key, *kept)
+                    w.streamed.update(n.index for n in missing)
             w.timed = True
             if w.deadline is not None:
                 w.expire_at(w.deadline)
@@ -594,6 +605,7 @@ class BlockExchange:
                     raise NodeLost(lost[0].name)
             if end == RunEnd.DONE:  # the blocks not counted yet are counted while the LM head's nodes compute
                 self._uncounted = (counted, position, participants)
+                self.wait = None  # the last block, if it came back in its gather, is merged: its record is counted
                 return
             counted = self._count_native(counted, position, participants)
             if end == RunEnd.INCOMPLETE:  # a link that lost a partial gets its parity from the next block on
@@ -604,17 +616,14 @@ class BlockExchange:
         their input from the multicast group."""
         multicast = self.group is not None and self.config.multicast
         links = tuple((n.parity, multicast and n.in_group) for n in self._step_nodes)
-        if multicast and not all(in_group for _, in_group in links) and \
-                time.monotonic() - self._group_probed >= self.GROUP_PROBE_S:
+        if multicast and not all(in_group for _, in_group in links) and self.group.due():
             self._probe_group(self._step_nodes[0])
         if links == self._runner_links:  # as the runner has them (the same every step but the first few)
             return
         self.runner.set_copies([1 + n.parity for nodes in participants for n in nodes])
         grouped = self._grouped(participants) if multicast else (False,) * sum(map(len, participants))
-        self.runner.set_group(self.group if any(grouped) else None, grouped)
+        self.runner.set_group(self.group.group if any(grouped) else None, grouped)
         self._runner_links = links
-
-    GROUP_PROBE_S = 0.2  # a node that has not echoed a group probe is probed again this often (one datagram)
 
     def _grouped(self, participants: list[list[NodeConn]]) -> tuple[bool, ...]:
         """Per participant slot, whether its input goes to the group: where the node echoed a group probe and
@@ -623,15 +632,13 @@ class BlockExchange:
         return tuple(n.in_group and members <= {m.index for m in nodes} for nodes in participants for n in nodes)
 
     def _probe_group(self, node: NodeConn) -> None:
-        """One probe to the group (net.group): each node that gets it echoes it with its index."""
-        self._group_probed = time.monotonic()
+        """One probe to the group (net.group), out of the interface that faces `node`: each node that gets it
+        echoes it with its index."""
         try:
-            if not self._group_sending:  # out of the interface that faces the nodes
-                send_to_groups(self.udp.sock, node.channel.local_address())
-                self._group_sending = True
-            self.udp.send_all([seal(Header(MsgType.PROBE, self.session, 0, PROBE_LAYER), b"", self.key)], self.group)
+            self.group.probe(self.udp.sock, seal(Header(MsgType.PROBE, self.session, 0, PROBE_LAYER), b"", self.key),
+                             node.channel.local_address())
         except OSError as e:  # no multicast route: the nodes keep their unicast inputs
-            self.log(f"cannot send to the multicast group {self.group[0]} ({e}): inputs go by unicast")
+            self.log(f"cannot send to the multicast group {self.group.group[0]} ({e}): inputs go by unicast")
             self.group = None
 
     def _native_wait(self, i: int, position: int, nodes: list[NodeConn]) -> _Wait:
@@ -643,9 +650,11 @@ class BlockExchange:
         w.deadline = rec.sent + rec.after_send
         return w
 
-    def _count_native(self, counted: int, position: int, participants: list[list[NodeConn]]) -> int:
+    def _count_native(self, counted: int, position: int, participants: list[list[NodeConn]],
+                      raise_lost: bool = True) -> int:
         """Count the blocks the runner merged since the last count (as `run` counts its blocks), keep their inputs
-        for the nodes' fetches, and note their moments in the trace; how many are counted now."""
+        for the nodes' fetches, and note their moments in the trace; how many are counted now. NodeLost for a
+        participant of an incomplete block found dead, with `raise_lost`."""
         runner, stats = self.runner, self.stats
         if counted < runner.r.next:
             inputs = runner.inputs.copy()  # the runner writes the next step's into its own
@@ -693,7 +702,7 @@ class BlockExchange:
             self._account(w, nodes, False, rec.merged, rec.computed)
             if self.trace is not None and nodes:
                 self._record(w, started, rec.computed, rec.merged)
-            if lost := [n for n in nodes if not n.alive]:
+            if raise_lost and (lost := [n for n in nodes if not n.alive]):
                 raise NodeLost(lost[0].name)
         return counted
 
@@ -738,7 +747,7 @@ class BlockExchange:
             if resent >= LOSSY_RESENT and resent >= LOSSY_RESENT_SHARE * sent:
                 self.saw_loss(node)
 
-    def _record_native(self, key: BlockKey, rec: object, started: float, nodes: list[NodeConn],
+    def _record_native(self, key: BlockKey, rec: NativeRecord, started: float, nodes: list[NodeConn],
                        arrived: np.ndarray) -> None:
         """A whole native block's moments in the trace, from the runner's record."""
         add = self.trace.add
@@ -901,7 +910,10 @@ class BlockExchange:
             self.wait.finish()  # the block's coroutine sees the loss and replans
 
     def saw_loss(self, node: NodeConn) -> None:
-        """A packet on this node's link went missing (or came too late to count): parity both ways from now on."""
+        """A packet on this node's link went missing (or came too late to count): parity both ways from now on. A
+        group member is probed again (group datagrams may have stopped reaching it: a switch whose membership
+        aged out) and takes unicast inputs until it echoes."""
+        node.in_group = False
         if node.lossy or not self.config.parity:
             node.lossy = True
             return

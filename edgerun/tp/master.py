@@ -34,7 +34,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
 from edgerun.net.fastpath import NativeBlock
-from edgerun.net.group import PROBE_LAYER, new_group
+from edgerun.net.group import PROBE_LAYER, GroupSender, new_group
 from edgerun.net.http_server import bind
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_routes, model_sha256
@@ -161,9 +161,11 @@ class Master:
         self.trace = None if config.trace_dir is None else Trace(config.trace_dir / "master.jsonl", "master")
         self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log,
                                       self.trace)
-        self.group = new_group()  # joined by every node; used while config.multicast (BlockExchange.group)
-        self.exchange.group = self.group
-        self.membership = Membership(key, Welcome(self.model_sha256, files_port, self.udp_port, *self.group),
+        # The multicast group of one-token inputs (net.group): named to the nodes that join (none without multicast)
+        self.group = new_group()
+        self.exchange.group = GroupSender(self.group)
+        self.membership = Membership(key, Welcome(self.model_sha256, files_port, self.udp_port,
+                                                  *(self.group if config.multicast else ("", 0))),
                                      self.net, self.udp, self.counters, self._node_message,
                                      self.exchange.on_node_lost, log)
         self.reconfigure(config)

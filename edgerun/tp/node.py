@@ -180,6 +180,7 @@ class Node:
         # those that went as datagrams alone (one-token partials on a clean link: see _send_partial).
         self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray]] = {}
         self.datagram_only: set[tuple[int, int, int, int]] = set()
+        self._from_stream = False  # computing an input that came on the stream: its partial goes there too
         self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
@@ -221,10 +222,11 @@ class Node:
         finally:
             self.running = False
             self.udp.close()
-            if self.group_datagrams is not None:
-                self.group_datagrams.sock.close()
             heartbeat.cancel()
             self.net.stop()
+            if self.group_datagrams is not None:  # its reader went with the loop
+                self.group_datagrams.sock.close()
+                self.group_datagrams = None
             if self.trace is not None:  # the blocks since the last heartbeat's flush
                 self.trace.flush()
 
@@ -423,7 +425,11 @@ class Node:
                 if entry is not None:
                     entry.full = x
                     entry.ranking = valid_ranking(ranking, self._units(block))
-                    self._take(position, layer, block, entry)
+                    self._from_stream = True  # what it computes now is answered on the stream too
+                    try:
+                        self._take(position, layer, block, entry)
+                    finally:
+                        self._from_stream = False
             case ParityOn(fragments):  # the link lost a packet: parity after every partial from now on
                 self.parity = fragments
             case Ping(seq):
@@ -578,6 +584,13 @@ class Node:
                 or self.model is None):
             self.counters.reject("unexpected")
             return
+        if header.block != Block.HEAD and self.spec is not None and self.priorities is None and (
+                header.layer >= len(self.spec.attn_units) or
+                not (self.spec.attn_units if header.block == Block.ATTN else self.spec.mlp_groups)[header.layer]):
+            # a block this share holds nothing of: a group datagram for the other nodes (the master sends one to
+            # the group only for blocks every member it knows takes part in; this node had not echoed yet)
+            self.counters.reject("unexpected")
+            return
         entry = self._entry(header, header.tokens * self.model.config.hidden) if header.tokens else None
         if entry is None:
             self.counters.reject("stale")
@@ -689,6 +702,8 @@ class Node:
             out = self.shard.attention(layer, x, position, output=output, units=units)
         elif block == Block.MLP:
             out = self.shard.mlp(layer, x, groups=units) if output else None
+            if self.server is not None and x.shape[0] == 1:  # its datagram's copies then find it computed natively
+                self.server.mlp_taken[layer] = position
         else:
             _, out = self.shard.logits(x[-1:])
             if self.top is not None:  # the session's sampler picks from no more: the rest stays here
@@ -740,13 +755,15 @@ class Node:
         goes too. A one-token partial on a clean link goes as a datagram alone: at 8 devices the stream copies of the
         first layer's and the LM head's partials were 21 frames a token for the master to read and drop. One that
         is lost is asked for again (Resend), and where its input comes over the stream after all (the master's last
-        resort) the kept partial answers it there; the master's ParityOn (a loss seen) brings the copies back."""
+        resort) the kept partial answers it there; the master's ParityOn (a loss seen) brings the copies back. An
+        input that came on the stream is always answered there (with --parity 0 no ParityOn comes, and the
+        master's stream copy is what it relies on)."""
         key = (header.session, header.position, header.layer, header.block)
         self.kept_partials[key] = (header, out)
         while len(self.kept_partials) > KEPT_PARTIALS:
             self.datagram_only.discard(oldest := next(iter(self.kept_partials)))
             del self.kept_partials[oldest]
-        if header.tokens == 1 and self.parity == 0:
+        if header.tokens == 1 and self.parity == 0 and not self._from_stream:
             self.datagram_only.add(key)
             return False
         return True
