@@ -162,10 +162,10 @@ class Master:
         self.exchange = BlockExchange(model.config, key, config, self.udp, self.datagrams, self.counters, log,
                                       self.trace)
         # The multicast group of one-token inputs (net.group): named to the nodes that join (none without multicast)
-        self.group = new_group()
-        self.exchange.group = GroupSender(self.group)
+        group = new_group()
+        self.exchange.group = GroupSender(group)
         self.membership = Membership(key, Welcome(self.model_sha256, files_port, self.udp_port,
-                                                  *(self.group if config.multicast else ("", 0))),
+                                                  *(group if config.multicast else ("", 0))),
                                      self.net, self.udp, self.counters, self._node_message,
                                      self.exchange.on_node_lost, log)
         self.reconfigure(config)

@@ -176,10 +176,9 @@ class Node:
         self.session = -1
         self.top: int | None = None  # the session's sampler draws from this many logits at most (Reset.top)
         self.inputs: dict[tuple[int, int, int, int], _Input] = {}
-        # The last mirrored partials sent (their headers and vectors), for the master's Resend requests; the keys of
-        # those that went as datagrams alone (one-token partials on a clean link: see _send_partial).
-        self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray]] = {}
-        self.datagram_only: set[tuple[int, int, int, int]] = set()
+        # The last mirrored partials sent (their headers and vectors), for the master's Resend requests, and whether
+        # each went on the stream too (a one-token partial on a clean link goes as a datagram alone: _keep_mirrored).
+        self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray, bool]] = {}
         self._from_stream = False  # computing an input that came on the stream: its partial goes there too
         self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
         self.index = 0  # this node's index in the master's plan
@@ -415,10 +414,10 @@ class Node:
                     self.counters.reject("message")
                     return
                 key = (session, position, layer, int(block))
-                if key in self.datagram_only:  # its partial went as a datagram alone: the master did not get it
-                    self.datagram_only.discard(key)
-                    self.channel.send(Partial(session, position, layer, block,
-                                              memoryview(as_f32(self.kept_partials[key][1])).cast("B")))
+                kept = self.kept_partials.get(key)
+                if kept is not None and not kept[2]:  # its partial went as a datagram alone: the master lacks it
+                    self.kept_partials[key] = (*kept[:2], True)
+                    self._stream_copy(kept[0], kept[1])
                     return
                 x = np.frombuffer(vector, "<f4")  # a view of the frame: the share reads it, never writes
                 entry = self._entry(Header(MsgType.ACTIVATION, session, position, layer, block), x.size)
@@ -448,7 +447,6 @@ class Node:
             self.server.new_session()
         self.inputs.clear()
         self.kept_partials.clear()
-        self.datagram_only.clear()
         self.latest_seen = (-1, -1, -1)
         if self.shard is not None:
             self.shard.truncate(0)
@@ -628,7 +626,7 @@ class Node:
         kept = self.kept_partials.get((request.session, request.position, request.layer, int(request.block)))
         if kept is None:  # not computed yet (its input is on its way), or long gone
             return
-        partial, out = kept
+        partial, out, _ = kept
         self.udp.send_all(fragment(partial, out, self.key, self.datagram_bytes, only=request.fragments or None),
                           (self.master[0], self.master_udp_port))
 
@@ -758,15 +756,16 @@ class Node:
         resort) the kept partial answers it there; the master's ParityOn (a loss seen) brings the copies back. An
         input that came on the stream is always answered there (with --parity 0 no ParityOn comes, and the
         master's stream copy is what it relies on)."""
-        key = (header.session, header.position, header.layer, header.block)
-        self.kept_partials[key] = (header, out)
+        streamed = header.tokens > 1 or self.parity > 0 or self._from_stream
+        self.kept_partials[(header.session, header.position, header.layer, header.block)] = (header, out, streamed)
         while len(self.kept_partials) > KEPT_PARTIALS:
-            self.datagram_only.discard(oldest := next(iter(self.kept_partials)))
-            del self.kept_partials[oldest]
-        if header.tokens == 1 and self.parity == 0 and not self._from_stream:
-            self.datagram_only.add(key)
-            return False
-        return True
+            del self.kept_partials[next(iter(self.kept_partials))]
+        return streamed
+
+    def _stream_copy(self, header: Header, out: np.ndarray) -> None:
+        """A mirrored partial (its datagrams' header) on the stream to the master."""
+        self.channel.send(Partial(header.session, header.position, header.layer, Block(header.block),
+                                  memoryview(as_f32(out)).cast("B")))
 
     def _served_mirrored(self) -> None:
         """The native server computed a mirrored one-token block and sent its partial: kept as _send_partial keeps
@@ -775,7 +774,7 @@ class Node:
         position, layer, block, out = self.server.served()
         header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index, codec=Codec.F32, tokens=1)
         if self._keep_mirrored(header, out):
-            self.channel.send(Partial(self.session, position, layer, Block(block), memoryview(out).cast("B")))
+            self._stream_copy(header, out)
         if block == Block.MLP and (entry := self._entry(header._replace(type=MsgType.ACTIVATION),
                                                         self.model.config.hidden)) is not None:
             entry.done = True
