@@ -20,7 +20,7 @@ SAMPLES: list[m.Message] = [
     m.Register("pi-4", 512.5, 2e9, 40_000, 1472),
     m.Spare("pi-4", 40_000),
     m.Ready(3, 10_000_000, 65_536),
-    m.Heartbeat(7, 0.25, 300.5, m.KernelFit(3, 4_000_000, 0.01, 6e12, 1.5e4), 0.012, 3, 0.125, 660, 0.0132),
+    m.Heartbeat(7, 0.25, 300.5, m.KernelFit(3, 4_000_000, 0.01, 6e12, 1.5e4), 0.012, 3, 0.125, 660, 0.0132, 12, 0.0625),
     m.Fetch(3, 17, 5, Block.ATTN),
     m.Partial(3, 17, 5, Block.MLP, bytes(range(16))),
     m.Pong(4),

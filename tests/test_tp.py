@@ -639,6 +639,10 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
         assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01
         # The node's own kernels and memory, from its heartbeats; the single engine timed in the same run.
         assert 0 < r["node_compute_ms_per_token"] < r["ms_per_token"]
+        # The decode steps' own synchronization: their time beyond their slowest device's kernels, a block; the
+        # node's kernels in them are less than the whole time of the steps.
+        blocks_a_step = 2 * load_model(path).config.n_layers + 1  # attention and MLP a layer, and the LM head
+        assert 0 < r["decode_sync_us"] * 1e-3 * blocks_a_step < r["decode_ms_per_token"]
         assert r["node_weight_mb"] > 0 and r["node_kv_mb"] > 0 and r["node_peak_rss_mb"] > r["node_weight_mb"]
         assert r["node_overhead_mb"] == pytest.approx(r["node_peak_rss_mb"] - r["node_weight_mb"] - r["node_kv_mb"])
         assert r["single_ms_per_token"] > 0

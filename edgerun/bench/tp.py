@@ -118,6 +118,10 @@ class TpResult:
     rejected: int
     node_compute_ms_per_token: float  # the busiest node's time in its kernels
     sync_overhead_us: float  # per synchronization: time beyond the slowest device's compute, over blocks
+    # ... the same for the one-token steps alone: a decode step's time beyond the slowest device's kernels in it,
+    # over its blocks (the prompt's blocks carry many tokens each, and their time was most of sync_overhead_us
+    # on two cores: ~140 of ~190 µs a block)
+    decode_sync_us: float
     # Memory in MiB (2**20 bytes), as the kernel counts resident memory.
     master_weight_mb: float  # the master's share of quantized weights
     node_weight_mb: float  # the largest node share
@@ -408,8 +412,14 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     s, sent, dropped, rejected = master.stats, master.udp.sent, master.udp.dropped, master.counters.total()
     before = dict(s.__dict__)
     matched0, kdropped0 = kernel_counters()
+    at_first: dict[str, float] = {}  # the master's counts when the prompt's token came: the decode's start
+
+    def first(_: int) -> None:
+        if not at_first:
+            at_first.update(s.__dict__)
+
     start = time.perf_counter()
-    result = generate(master, prompt, config.tokens, greedy)
+    result = generate(master, prompt, config.tokens, greedy, on_token=first)
     elapsed = time.perf_counter() - start
     timing = RequestTiming.of(result, elapsed)
     generated = result.tokens
@@ -433,6 +443,10 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     blocks = s.blocks - before["blocks"]
     syncs_per_token = blocks / n
     overhead = (elapsed / n - max(compute, node_compute)) / max(syncs_per_token, 1)
+    steps = max(1, len(generated) - 1)
+    decode_compute = max([(s.compute_s - at_first["compute_s"]) / steps]
+                         + [r.session_decode[1] / steps for r in reports if r.session_decode[0] == session])
+    decode_sync = (timing.decode_ms_per_token / 1e3 - decode_compute) / max((s.blocks - at_first["blocks"]) / steps, 1)
     biggest = max(reports, key=lambda r: r.weight_bytes, default=None)
     timeout_ms = master.config.timeout_ms
     return TpResult(
@@ -456,6 +470,7 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
         late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected,
         node_compute_ms_per_token=node_compute * 1e3, sync_overhead_us=overhead * 1e6,
+        decode_sync_us=decode_sync * 1e6 if len(generated) > 1 else float("nan"),
         master_weight_mb=master.weight_bytes / MIB,
         node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / MIB,
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
@@ -672,14 +687,16 @@ def tp_table(results: list[TpResult]) -> str:
     """Times in ms per token; "used" the devices the plan gave units to (master included); "plan" what the plan
     predicts at the speeds the devices showed in the run (its model of the run, to check against ms/token);
     "lost wait" is the part of "wait" spent in blocks that ended incomplete; "node" the busiest node's kernels;
-    "sync" the time per synchronization beyond the slowest device's compute (µs); "speed-up" against the
+    "sync" the time per one-token synchronization beyond the slowest device's compute in the decode steps (µs),
+    "req sync" the same over the whole request (the prompt's blocks and time counted in); "speed-up" against the
     single-process engine (--baseline); "decode" the one-token steps alone (ms/token includes the prompt's
     prefill), with their speed-up over the single engine's; "prefill" the prompt's prefill and first token in ms
     (the time to the first token), with its speed-up; "rebuilt" partials rebuilt from a parity fragment, "resent"
     mirrored partials that came whole after the master asked for fragments they lacked."""
     rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
             f"{'decode':>7} {'(x)':>6} {'prefill':>8} {'(x)':>6} {'compute':>8} "
-            f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'incomplete blocks':>17} "
+            f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'req sync':>8} "
+            f"{'incomplete blocks':>17} "
             f"{'rebuilt':>7} {'resent':>6} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
     for r in results:
         idle = nodes_idle(r)  # the master alone: a cluster's speed-up is not measured by this row
@@ -693,7 +710,8 @@ def tp_table(results: list[TpResult]) -> str:
                     f"{r.prefill_ms:>8.1f} {prefill_speedup:>6} {r.compute_ms_per_token:>8.1f} "
                     f"{r.node_compute_ms_per_token:>7.1f} "
                     f"{r.wait_ms_per_token:>8.1f} "
-                    f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.sync_overhead_us:>8.0f} "
+                    f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.decode_sync_us:>8.0f} "
+                    f"{r.sync_overhead_us:>8.0f} "
                     f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.partials_resent:>6} "
                     f"{r.late_packets:>9} "
                     f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")

@@ -88,6 +88,7 @@ class NodeConn:
     cache_bytes: int = 0
     compute_s: float = 0.0
     session_compute: tuple[int, float] = (0, 0.0)  # (session, its kernels' seconds in it so far)
+    session_decode: tuple[int, float] = (0, 0.0)  # (session, its one-token blocks' kernel seconds in it so far)
     peak_rss_mb: float = 0.0
     heartbeats: int = 0
     decode: KernelFit = field(default_factory=KernelFit)  # its layers' one-token blocks on its current share
@@ -226,8 +227,9 @@ class Membership:
                 node.pongs.append(time.perf_counter())
                 node.pong.set()
             case Heartbeat(rejected, compute_s, rss_mb, decode, decode_s, session, session_compute_s, calls,
-                           call_overhead_s, native_blocks):
+                           call_overhead_s, native_blocks, session_decode_s):
                 node.native_blocks = native_blocks
+                node.session_decode = (session, session_decode_s)
                 node.rejected, node.compute_s, node.peak_rss_mb = rejected, compute_s, rss_mb
                 node.session_compute = (session, session_compute_s)
                 node.call_cost = (calls, call_overhead_s)

@@ -129,6 +129,8 @@ class Heartbeat:
     calls: int = 0
     call_overhead_s: float = 0.0
     native_blocks: int = 0  # one-token blocks its native server computed (net.fastpath.NodeServer)
+    # ... and the session's one-token blocks' kernels alone: its decode, apart from its prompt (bench tp's sync)
+    session_decode_s: float = 0.0
 
 
 @dataclass(frozen=True)

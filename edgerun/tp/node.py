@@ -191,6 +191,7 @@ class Node:
         self.priorities: Priorities | None = None
         self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
         self.session_compute_s = 0.0  # ... of it, since the session began
+        self.session_decode_s = 0.0  # ... and of its one-token blocks alone
         self.decode = KernelFit()  # the layers' one-token blocks on the current share: its measured speed
         self.decode_s = 0.0  # every one-token block's kernels on the current share, the LM head's too
         self.running = True
@@ -313,7 +314,8 @@ class Node:
                 self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode,
                                             self.decode_s, self.session, self.session_compute_s,
                                             0 if calls is None else calls.count,
-                                            0.0 if calls is None else calls.overhead_s, self.native_blocks))
+                                            0.0 if calls is None else calls.overhead_s, self.native_blocks,
+                                            self.session_decode_s))
             except (OSError, ConnectionError):
                 return
             now = time.monotonic()
@@ -442,7 +444,7 @@ class Node:
                 self.counters.reject("unexpected")
 
     def _new_session(self, session: int, top: int | None = None) -> None:
-        self.session, self.session_compute_s, self.top = session, 0.0, top
+        self.session, self.session_compute_s, self.session_decode_s, self.top = session, 0.0, 0.0, top
         if self.server is not None:
             self.server.new_session()
         self.inputs.clear()
@@ -494,6 +496,7 @@ class Node:
                 self.native_blocks += s.computed
                 self.compute_s += s.seconds
                 self.session_compute_s += s.seconds
+                self.session_decode_s += s.seconds
                 self.decode_s += s.seconds
                 d = self.decode
                 self.decode = KernelFit(d.blocks + s.computed, d.bytes + s.bytes, d.seconds + s.seconds,
@@ -718,6 +721,7 @@ class Node:
         self.session_compute_s += took
         if x.shape[0] == 1 and out is not None:
             self.decode_s += took
+            self.session_decode_s += took
             if block != Block.HEAD:  # the layers' blocks (KernelFit)
                 self.decode = self.decode.add(
                     self.shard.block_bytes(layer, block, None if units is None else len(units)), took)
