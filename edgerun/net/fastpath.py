@@ -274,7 +274,7 @@ class Gather:
 
 
 class _Block(ctypes.Structure):
-    _fields_ = [("layer", ctypes.c_uint16), ("block", ctypes.c_uint8), ("pad", ctypes.c_uint8),
+    _fields_ = [("layer", ctypes.c_uint16), ("block", ctypes.c_uint8), ("mirrored", ctypes.c_uint8),
                 ("norm", ctypes.c_void_p), ("graph", ctypes.c_void_p), ("graph_in", ctypes.c_void_p),
                 ("graph_out", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("rows", ctypes.c_void_p),
                 ("mask", ctypes.c_void_p), ("n_kv", ctypes.c_int32), ("first", ctypes.c_int32),
@@ -306,6 +306,9 @@ class RunEnd(IntEnum):
     OTHER = 3  # a datagram it does not take (Runner.handed_back): the Python path handles it, then run on
     INCOMPLETE = 4  # a block ended without every partial: noted, then run on
     DONE = 5  # every block ran
+    # a mirrored block (the first layer's) lacks a partial at its deadline: the Python path gets it (asking again,
+    # then over the stream) and tells the gather (BlockExchange._tell_native), then run on
+    MIRROR_WAIT = 8
 
 
 @dataclass(frozen=True)
@@ -334,6 +337,7 @@ class NativeBlock:
     graph: NativeGraph | None
     peers: tuple[tuple[str, int], ...]
     nodes: tuple[int, ...]
+    mirrored: bool = False  # the first layer's: float32 both ways, and never merged without a partial
 
 
 class Runner:
@@ -359,7 +363,7 @@ class Runner:
         self.records = (_Block * n)()
         first = 0
         for rec, b, i in zip(self.records, blocks, range(n), strict=True):
-            rec.layer, rec.block, rec.norm = b.layer, b.block, b.norm.ctypes.data
+            rec.layer, rec.block, rec.mirrored, rec.norm = b.layer, b.block, b.mirrored, b.norm.ctypes.data
             graph = b.graph or NativeGraph(0, 0, 0)
             rec.graph, rec.graph_in, rec.graph_out = graph.graph or None, graph.x, graph.out
             rec.pos, rec.rows, rec.mask, rec.n_kv = graph.pos or None, graph.rows or None, graph.mask or None, \

@@ -130,6 +130,7 @@ class StepStats:
     spare_inputs: int = 0  # a prompt's inputs sent again on a lossy node's spare stream (Assign.spare_stream)
     native_partials: int = 0  # partials the native data path took off the socket (net.fastpath)
     native_blocks: int = 0  # blocks the native runner ran (BlockExchange.run_blocks)
+    native_mirror_waits: int = 0  # of them mirrored (the first layer's), completed by the Python path (MIRROR_WAIT)
 
 
 @dataclass
@@ -491,12 +492,16 @@ class BlockExchange:
         parity fragment, a stray or forged packet) goes through the Python path (on_datagram) and what that took
         is told back; data on a participant's stream lets the event loop run, as in _wait."""
         gather, datagrams = self.gather, self.datagrams
-        order = w.order
+        # the participants still awaited (the native runner's block that came back for a mirrored partial has some
+        # in), with the first one's lag bound
+        order = [i for i in w.order if i not in w.arrived]
+        if w.arrived and lag_bound is not None:
+            deadline = min(deadline, w.sent + w.first() + lag_bound)
         gather.start(w.key, order, [w.sizes[i] for i in order], deadline, lag_bound, datagrams.spin_s,
                      [fd for fd in (n.channel.fileno() for n in nodes) if fd >= 0], self._nothing_awaited())
         while True:
             end = gather.run(datagrams.sock.fileno())
-            self._took_natively(w, gather.g, gather.arrived, gather.buffer)
+            self._took_natively(w, gather.g, gather.arrived, gather.buffer, order)
             if end == GatherEnd.OTHER:
                 datagrams.handle(*gather.handed_back())
             elif end == GatherEnd.STREAM:
@@ -505,15 +510,17 @@ class BlockExchange:
                     return
             if w.outstanding == 0 or end == GatherEnd.TIME:
                 return
-            self._tell_native(w, gather.g, gather.arrived)
+            self._tell_native(w, gather.g, gather.arrived, order=order)
 
     def _nothing_awaited(self) -> bool:
         """Whether nothing of the block merged last may still come (its late partials teach lags: _late)."""
         return self.merged is None or self.merged.outstanding == 0
 
-    def _took_natively(self, w: _Wait, g, arrived: np.ndarray, rows: np.ndarray) -> None:
-        """What the native path took (a gather's or a runner's, `g`), into the block's record."""
-        for i, index in enumerate(w.order):
+    def _took_natively(self, w: _Wait, g, arrived: np.ndarray, rows: np.ndarray,
+                       order: Sequence[int] | None = None) -> None:
+        """What the native path took (a gather's or a runner's, `g`, whose participants are `order`: all the
+        block's by default), into the block's record."""
+        for i, index in enumerate(w.order if order is None else order):
             if not math.isnan(arrived[i]) and index not in w.arrived:
                 w.parts[index] = rows[i, :w.sizes[index]]  # merged before the next block's gather writes it again
                 w.arrive(index, arrived[i])
@@ -522,10 +529,12 @@ class BlockExchange:
         self.datagrams.skipped += g.skipped
         g.from_parity = g.skipped = 0
 
-    def _tell_native(self, w: _Wait, g, arrived: np.ndarray, rows: np.ndarray | None = None) -> None:
+    def _tell_native(self, w: _Wait, g, arrived: np.ndarray, rows: np.ndarray | None = None,
+                     order: Sequence[int] | None = None) -> None:
         """What the Python path or the event loop took (and the deadline that the first arrival moved), told back to
-        the native path; into `rows` too where it adds them up itself (the runner)."""
-        for i, index in enumerate(w.order):
+        the native path (participants `order`, as in _took_natively); into `rows` too where it adds them up itself
+        (the runner)."""
+        for i, index in enumerate(w.order if order is None else order):
             if index in w.arrived and math.isnan(arrived[i]):
                 arrived[i] = w.sent + w.arrived[index]
                 g.outstanding -= 1
@@ -549,6 +558,17 @@ class BlockExchange:
             return False
         nodes = {n.index: n for block in participants for n in block}.values()
         return all(n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes)
+                   for n in nodes)
+
+    def runs_first_natively(self, participants: Sequence[list[NodeConn]]) -> bool:
+        """Whether the first layer's one-token blocks with these participants can run on the native runner too:
+        mirrored over UDP (datagrams first, reliable), each input one float32 datagram, and every participant on a
+        clean link (no parity, no stream copies: a lossy link's first layer runs in `run`)."""
+        if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED
+                                                 for b in (Block.ATTN, Block.MLP)):
+            return False
+        nodes = {n.index: n for block in participants for n in block}.values()
+        return all(n.alive and not n.lossy and not n.parity and fits(Codec.F32, self.model.hidden, 0, n.datagram_bytes)
                    for n in nodes)
 
     def prepare_blocks(self, blocks: list[NativeBlock], participants: list[list[NodeConn]], eps: float, backend: int,
@@ -575,9 +595,10 @@ class BlockExchange:
         runner, datagrams, timeouts = self.runner, self.datagrams, self.timeouts
         timing: list[tuple[float, float | None]] = [(0.0, None)] * len(participants)
         for nodes, members in self._runner_groups:  # each block's deadline and lag bound, as `run` sets them
-            after = (timeouts.after_send([n.arrival for n in nodes]), timeouts.after_first([n.lag for n in nodes]))
-            for i in members:
-                timing[i] = after
+            after_send = timeouts.after_send([n.arrival for n in nodes])
+            after = (after_send, timeouts.after_first([n.lag for n in nodes]))
+            for i in members:  # a mirrored block drains, as `_wait` drains one, then asks again for what is missing
+                timing[i] = (max(after_send, MIRROR_DRAIN_S), RESEND_S) if runner.blocks[i].mirrored else after
         if timing != self._runner_timing:
             runner.set_timing(timing)
             self._runner_timing = timing
@@ -597,6 +618,11 @@ class BlockExchange:
                 self._took_natively(w, r.g, runner.arrived[r.next], runner.parts)
                 if end == RunEnd.OTHER:
                     datagrams.handle(*runner.handed_back())
+                elif end == RunEnd.MIRROR_WAIT:  # what is missing is asked for again, as `run` asks
+                    self.stats.native_mirror_waits += 1
+                    self.recent_inputs[w.key] = (runner.inputs[r.next:r.next + 1].copy(), None)
+                    self.mirrors[w.key] = w
+                    await self._wait(w, nodes, True, True)
                 else:
                     await asyncio.sleep(0)  # the loop reads the stream that had data, and runs what it wakes
                 self._tell_native(w, r.g, runner.arrived[r.next], runner.parts)
@@ -645,9 +671,11 @@ class BlockExchange:
         """The record of the runner's block i, as `run` keeps one (from what the runner noted)."""
         b, rec = self.runner.blocks[i], self.runner.records[i]
         w = _Wait((self.session, position, b.layer, b.block), dict.fromkeys(n.index for n in nodes),
-                  dict.fromkeys((n.index for n in nodes), self.model.hidden), None, rec.sent, len(nodes), 1,
-                  nodes={n.index: n for n in nodes})
-        w.deadline = rec.sent + rec.after_send
+                  dict.fromkeys((n.index for n in nodes), self.model.hidden),
+                  asyncio.get_running_loop().create_future() if b.mirrored else None, rec.sent, len(nodes), 1,
+                  nodes={n.index: n for n in nodes}, mirror=b.mirrored)
+        if not b.mirrored:  # a mirrored block has no deadline: it waits for every partial
+            w.deadline = rec.sent + rec.after_send
         return w
 
     def _count_native(self, counted: int, position: int, participants: list[list[NodeConn]],
@@ -678,8 +706,8 @@ class BlockExchange:
             if rec.outstanding == 0 and (self.wait is None or self.wait.key != key):
                 # The lean count of a whole block that ran without coming back (most do)
                 first = float(arrived[:len(nodes)].min()) - rec.sent if nodes else 0.0
-                for i, node in enumerate(nodes):
-                    self._learn(node, arrived[i] - rec.sent, first, 1, False)
+                for i, node in enumerate(nodes):  # a mirrored block's float32 partials teach no lossy deadline
+                    self._learn(node, arrived[i] - rec.sent, first, 1, bool(rec.mirrored))
                 if self.trace is not None and nodes:
                     self._record_native(key, rec, started, nodes, arrived)
                 stats.blocks += 1
@@ -699,7 +727,7 @@ class BlockExchange:
             self.wait, self.merged = None, w
             if w.outstanding:  # a partial only late is read first, as settle() reads it (it teaches a lag, not loss)
                 self.datagrams.read_waiting()
-            self._account(w, nodes, False, rec.merged, rec.computed)
+            self._account(w, nodes, bool(rec.mirrored), rec.merged, rec.computed)
             if self.trace is not None and nodes:
                 self._record(w, started, rec.computed, rec.merged)
             if raise_lost and (lost := [n for n in nodes if not n.alive]):

@@ -180,7 +180,7 @@ class Master:
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
         # The native runner's setup (_native_step): the plan, cache rows and session it was prepared for.
-        self._native_key: tuple[TPPlan | None, int, int] = (None, 0, -1)
+        self._native_key: tuple[TPPlan | None, int, int, int] = (None, 0, -1, 0)
         self._native_participants: list[list[NodeConn]] = []
         self._native_bytes: list[float] = []  # each of its blocks' weight bytes, for own_decode
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
@@ -610,8 +610,10 @@ class Master:
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
         norm = self.exchange.norm
         for layer in range(c.n_layers):
-            if layer == 1 and len(tokens) == 1 and (participants := self._native_step(start)) is not None:
-                x = await self._run_native(x, start, participants)  # the layers after the first, natively
+            # A one-token step's layers natively: every one where the first layer's links are clean, else those
+            # after the first (the first then runs here: its stream copies, parity)
+            if layer <= 1 and len(tokens) == 1 and (participants := self._native_step(start, layer)) is not None:
+                x = await self._run_native(x, start, participants, layer)
                 break
             lw = weights.layers[layer]
             ranked, predicted = predicted, {}
@@ -636,40 +638,44 @@ class Master:
         self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
         return await self._block(0, Block.HEAD, norm(x[-1:], weights.output_norm, c.norm_eps), start)
 
-    def _native_step(self, start: int) -> list[list[NodeConn]] | None:
-        """The participants of a one-token step's blocks after the first layer, with the native runner prepared to
-        run them (BlockExchange.run_blocks); None where it cannot: a share off this process's memory or not on ggml,
-        dynamic mapping, nodes it cannot send to (BlockExchange.runs_natively)."""
+    def _native_step(self, start: int, first: int) -> list[list[NodeConn]] | None:
+        """The participants of a one-token step's blocks from layer `first` (0 or 1) on, with the native runner
+        prepared to run them (BlockExchange.run_blocks); None where it cannot: a share off this process's memory or
+        not on ggml, dynamic mapping, nodes it cannot send to (BlockExchange.runs_natively), and from the first layer,
+        one of its nodes on a lossy link (BlockExchange.runs_first_natively)."""
         shard, c = self.shard, self.model.config
         if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic":
             return None
         n_kv = cache_rows(start + 1, shard.max_len)
-        key = (self.plan, n_kv, self.exchange.session)
+        key = (self.plan, n_kv, self.exchange.session, first)
         if self._native_key[0] is not self.plan or self._native_key[2] != self.exchange.session:
             # who takes part in each block: once a deployment (a session; a replan may keep its plan)
-            self._native_participants = [self._participants(layer, block) for layer in range(1, c.n_layers)
+            self._native_participants = [self._participants(layer, block) for layer in range(c.n_layers)
                                          for block in (Block.ATTN, Block.MLP)]
-        participants = self._native_participants
-        if not self.exchange.runs_natively(participants):
+        participants = self._native_participants[2 * first:]
+        if not self.exchange.runs_natively(participants[2 - 2 * first:]) or \
+                (first == 0 and not self.exchange.runs_first_natively(participants[:2])):
             return None
         if self._native_key != key:  # the graphs change with the cache rows a step reads
             blocks = []
             for i, nodes in enumerate(participants):
-                layer, block = 1 + i // 2, Block.ATTN if i % 2 == 0 else Block.MLP
+                layer, block = first + i // 2, Block.ATTN if i % 2 == 0 else Block.MLP
                 lw = self.model.weights.layers[layer]
                 blocks.append(NativeBlock(layer, int(block), lw.attn_norm if block == Block.ATTN else lw.ffn_norm,
                                           shard.native_graph(layer, block, n_kv),
-                                          tuple((n.host, n.udp_port) for n in nodes), tuple(n.index for n in nodes)))
+                                          tuple((n.host, n.udp_port) for n in nodes), tuple(n.index for n in nodes),
+                                          mirrored=layer == 0))
             self.exchange.prepare_blocks(blocks, participants, c.norm_eps, shard.backend.handle, ggml_compute_address())
             self._native_bytes = [shard.block_bytes(b.layer, Block(b.block)) for b in blocks]
             self._native_key = key
         return participants
 
-    async def _run_native(self, x: np.ndarray, start: int, participants: list[list[NodeConn]]) -> np.ndarray:
-        """The hidden state after the step's layers after the first ran natively; the master's kernels measured as
+    async def _run_native(self, x: np.ndarray, start: int, participants: list[list[NodeConn]],
+                          first: int) -> np.ndarray:
+        """The hidden state after the step's layers from `first` on ran natively; the master's kernels measured as
         `_block` measures them."""
         shard = self.shard
-        shard.advance(range(1, self.model.config.n_layers), start)
+        shard.advance(range(first, self.model.config.n_layers), start)
         x = np.array(x, np.float32, order="C")  # the runner adds into it
         await self.exchange.run_blocks(x, start, participants)
         self.own_decode = self.own_decode.add_all(self._native_bytes, [r.own_s for r in self.exchange.runner.records])
