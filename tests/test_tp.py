@@ -131,8 +131,10 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
     lossy_blocks = 2 * (model.config.n_layers - 1) * (N_TOKENS - 1)
     for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8):
         ran = master.generate(prompt, N_TOKENS, GREEDY)
-        # the first layer's blocks too, on clean links (mirrored: float32, every partial awaited)
+        # the first layer's blocks too, on clean links (mirrored: float32, every partial awaited), and the LM head's
+        # input went from the runner as its last block merged
         assert master.stats.native_blocks >= 0.95 * (lossy_blocks + 2 * (N_TOKENS - 1))
+        assert master.exchange.runner.head is not None and master.exchange.runner.r.head_count == 2
         assert master.stats.blocks_incomplete == 0
         time.sleep(1.2)  # the nodes' next heartbeats: their native servers computed the lossy blocks too
         assert all(n.native_blocks >= 0.9 * lossy_blocks for n in master.nodes), [n.native_blocks for n in master.nodes]

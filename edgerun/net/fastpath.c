@@ -36,6 +36,7 @@
 
 enum codec { F32 = 0, F16 = 1, Q8 = 2 };
 enum msg_type { ACTIVATION = 1, PARTIAL = 2 };
+enum block_kind { ATTN = 0, MLP = 1, HEAD = 2 };
 enum gather_end { WHOLE = 0, TIME = 1, STREAM = 2, OTHER = 3, INCOMPLETE = 4, DONE = 5, IDLE = 6, MIRRORED = 7,
                   MIRROR_WAIT = 8 };
 
@@ -594,6 +595,12 @@ typedef struct er_runner {
     er_gather g;                           /* the block being gathered (its other buffer set by the caller) */
     er_addr group;                         /* the multicast group of the inputs (port 0: none) */
     const uint8_t *grouped;                /* per slot: 1 where the participant takes its input from the group */
+    /* the LM head's input, sent as the last block is merged so its nodes start at once (head_count 0: not here):
+     * the hidden state's RMS norm by head_norm into head_input, float32, to slots [head_first, + head_count) */
+    const float *head_norm;
+    float *head_input;
+    int32_t head_first, head_count;
+    double head_sent;                      /* out: when it was sent (perf_counter time) */
 } er_runner;
 
 /* The RMS norm of x times w, into out: the sum of squares in double (one rounding), the scale as a float. */
@@ -690,6 +697,15 @@ int er_run_blocks(er_ctx *ctx, er_runner *r) {
         finish_block(r, b);
         r->phase = 0;
         r->next++;
+        if (r->next == r->nblocks && r->head_count > 0) {
+            int n = r->hidden;
+            rms_norm(r->x, r->head_norm, r->head_input, n, r->eps);
+            er_head h = {.session = r->session, .position = r->position, .layer = 0, .type = ACTIVATION,
+                         .block = HEAD, .node = 0, .codec = F32, .tokens = 1};
+            r->head_sent = monotonic_s();
+            er_send_group(ctx, r->send_fd, &h, NULL, 0, r->head_input, n, r->addrs + r->head_first, r->head_count, 1,
+                          r->copies + r->head_first, r->group.port ? &r->group : NULL, r->grouped + r->head_first);
+        }
         if (end == TIME) return INCOMPLETE;
     }
     return DONE;

@@ -296,7 +296,9 @@ class _Runner(ctypes.Structure):
                 ("codec", ctypes.c_uint8), ("pad", ctypes.c_uint8 * 3), ("send_fd", ctypes.c_int32),
                 ("recv_fd", ctypes.c_int32), ("backend", ctypes.c_void_p), ("compute", ctypes.c_void_p),
                 ("parts", ctypes.c_void_p), ("sum", ctypes.c_void_p), ("skip_first", ctypes.c_int32),
-                ("g", _Gather), ("group", _Addr), ("grouped", _u8p)]
+                ("g", _Gather), ("group", _Addr), ("grouped", _u8p), ("head_norm", ctypes.c_void_p),
+                ("head_input", ctypes.c_void_p), ("head_first", ctypes.c_int32), ("head_count", ctypes.c_int32),
+                ("head_sent", ctypes.c_double)]
 
 
 class RunEnd(IntEnum):
@@ -340,6 +342,16 @@ class NativeBlock:
     mirrored: bool = False  # the first layer's: float32 both ways, and never merged without a partial
 
 
+@dataclass(frozen=True)
+class NativeHead:
+    """The LM head's input as the runner sends it once a step's last block is merged: the final RMS norm's weight
+    (float32), and the head's participants' addresses and node indices. Its partials are gathered by the caller."""
+
+    norm: np.ndarray
+    peers: tuple[tuple[str, int], ...]
+    nodes: tuple[int, ...]
+
+
 class Runner:
     """A step's lossy blocks run natively (er_run_blocks), with the records the caller accounts them by. `prepare`
     sets up a run of blocks (once for as long as they stay the same), `start` each step."""
@@ -352,9 +364,13 @@ class Runner:
         self._keep: list = []  # what the C structures point into, alive while they do
 
     def prepare(self, blocks: Sequence[NativeBlock], hidden: int, eps: float, codec: int, send_fd: int, recv_fd: int,
-                backend: int, compute: int, spin_s: float, watch: Sequence[int]) -> None:
+                backend: int, compute: int, spin_s: float, watch: Sequence[int],
+                head: NativeHead | None = None) -> None:
+        """`head`: the LM head's input is sent too, once the last block is merged (`head_input`, `head_sent`);
+        its participants take the slots after the blocks'."""
         r, n = self.r, len(blocks)
         self.blocks = tuple(blocks)
+        self.head = head
         self.inputs = np.empty((n, hidden), np.float32)  # each block's input (copied out for the nodes' fetches)
         most = max((len(b.nodes) for b in blocks), default=0)
         self.arrived = np.full((n, max(1, most)), math.nan)
@@ -371,13 +387,19 @@ class Runner:
             rec.first, rec.count = first, len(b.nodes)
             first += len(b.nodes)
             rec.input, rec.arrived = self.inputs[i].ctypes.data, self.arrived[i].ctypes.data
-        peers = [p for b in blocks for p in b.peers]
+        sending = [*blocks, head] if head is not None else list(blocks)
+        slots = first + (len(head.nodes) if head is not None else 0)
+        peers = [p for b in sending for p in b.peers]
         addrs = addresses(peers) if peers else (_Addr * 1)()
-        index = (ctypes.c_uint8 * max(1, first))(*[i for b in blocks for i in b.nodes])
-        self.copies = (ctypes.c_uint8 * max(1, first))(*([1] * first))
-        self.grouped = (ctypes.c_uint8 * max(1, first))()
+        index = (ctypes.c_uint8 * max(1, slots))(*[i for b in sending for i in b.nodes])
+        self.copies = (ctypes.c_uint8 * max(1, slots))(*([1] * slots))
+        self.grouped = (ctypes.c_uint8 * max(1, slots))()
         watched = (ctypes.c_int32 * max(1, len(watch)))(*watch)
+        self.head_input = np.empty((1, hidden), np.float32)
         self._keep = [addrs, index, watched, total]
+        r.head_first, r.head_count = first, 0 if head is None else len(head.nodes)
+        r.head_norm = None if head is None else head.norm.ctypes.data
+        r.head_input, r.head_sent = self.head_input.ctypes.data, math.nan
         r.hidden, r.nblocks, r.eps, r.blocks = hidden, n, eps, self.records
         r.addrs, r.node_index, r.copies, r.grouped = addrs, index, self.copies, self.grouped
         r.codec, r.send_fd, r.recv_fd, r.backend, r.compute = codec, send_fd, recv_fd, backend, compute

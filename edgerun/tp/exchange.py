@@ -14,7 +14,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +28,7 @@ from edgerun.net.fastpath import (
     Gather,
     GatherEnd,
     NativeBlock,
+    NativeHead,
     NativeRecord,
     RunEnd,
     Runner,
@@ -226,6 +227,8 @@ class BlockExchange:
         self.unaccounted: tuple[_Wait, list[NodeConn], bool, float, float] | None = None
         # The native runner's blocks merged but not counted yet (_count_native's arguments), likewise.
         self._uncounted: tuple[int, int, list[list[NodeConn]]] | None = None
+        self._deferred: list[Callable[[], None]] = []  # the caller's accounts of a step, for the next slack (defer)
+        self._runner_head: list[list[NodeConn]] = []  # the LM head's participants, where the runner sends its input
         # The native data path (net.fastpath), where it was built: it sends a block's one-datagram inputs (where
         # no loss is simulated in this process and no link carries parity) and takes a lossy block's one-datagram
         # partials off the socket; everything else goes datagram by datagram through the Python path below.
@@ -266,20 +269,21 @@ class BlockExchange:
 
     async def run(self, nodes: list[NodeConn], position: int, layer: int, block: Block, x: np.ndarray,
                   ranking: tuple[int, ...] | None, own_share: Callable[[], np.ndarray],
-                  while_waiting: Callable[[], None] | None = None) -> np.ndarray:
+                  while_waiting: Callable[[], None] | None = None, sent_at: float | None = None) -> np.ndarray:
         """The block's output: `own_share()` (the master's, computed while the nodes compute theirs) plus every
         node's partial that arrived in time. `while_waiting` runs after the master's share, before waiting for
-        the nodes (HALO's Pred overlapped with Comm)."""
+        the nodes (HALO's Pred overlapped with Comm). `sent_at`: its datagrams went already, then (the LM head's,
+        sent by the native runner: prepare_blocks)."""
         loop = asyncio.get_running_loop()
         seq = x.shape[0]
         key = (self.session, position, layer, int(block))
         route = self.routes.of(layer, block, seq)
         reliable, mirror, over_udp = route != Route.DATAGRAM, route == Route.MIRRORED, route != Route.RELIABLE
-        sent = time.perf_counter()
+        sent = time.perf_counter() if sent_at is None else sent_at
         # A mirrored block's datagrams before its TCP copy, as nodes send their partials: a node takes the datagram
         # straight off its socket. Sent second, the datagram came after the frame and the node's loop read the
         # frame first for 45 of 94 mirrored inputs in a 32-token 1B run here (`bench tp --trace`).
-        if nodes and over_udp:
+        if nodes and over_udp and sent_at is None:
             self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
         # A prompt's input goes on a lossy node's spare stream as well: its partial comes back on both. (Not with the
         # strict tcp baseline, whose nodes close their spares; one opened while a switch to it was under way may
@@ -294,7 +298,7 @@ class BlockExchange:
         copies_later = mirror and seq == 1 and self.config.transport == "udp"
         if reliable and nodes and not copies_later:
             self._send_inputs(nodes, key, x, ranking, spare)
-        if nodes and seq == 1:
+        if nodes and seq == 1 and sent_at is None:
             self.stats.send_s += time.perf_counter() - sent
             self.stats.sends += len(nodes)
         # The block's bookkeeping once its inputs are out, off the nodes' path: no reply can be read before this
@@ -355,9 +359,18 @@ class BlockExchange:
             self.stats.fold_s += time.perf_counter() - started
         return total
 
+    def defer(self, accounts: Callable[[], None]) -> None:
+        """Run `accounts` at the next settle (while the next block's nodes compute, or before the next run of the
+        native runner, whose records it may read): off the step's path."""
+        self._deferred.append(accounts)
+
     def settle(self) -> None:
         """Count the block merged last, if it is not yet (its accounts wait for the next block's slack), and the
-        native runner's blocks since it last came back."""
+        native runner's blocks since it last came back; then what was deferred."""
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for accounts in deferred:
+                accounts()
         if self._uncounted is not None:
             pending, self._uncounted = self._uncounted, None
             self._count_native(*pending, raise_lost=False)  # a node lost since is the caller's to notice
@@ -551,40 +564,39 @@ class BlockExchange:
             return rms_norm(self.fast, x, weight, eps)
         return rms_norm_fast(x, weight, eps)
 
-    def runs_natively(self, participants: Sequence[list[NodeConn]]) -> bool:
-        """Whether a one-token step's lossy blocks with these participants can run on the native runner: inputs it
-        may send (no loss simulated here, one datagram on every path) over UDP with a deadline."""
+    def runs_natively(self, nodes: Iterable[NodeConn]) -> bool:
+        """Whether a one-token step's lossy blocks whose participants are these nodes can run on the native runner:
+        inputs it may send (no loss simulated here, one datagram on every path) over UDP with a deadline."""
         if self.runner is None or not self.native_sends or self.routes.of(1, Block.ATTN, 1) != Route.DATAGRAM:
             return False
-        nodes = {n.index: n for block in participants for n in block}.values()
-        return all(n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes)
-                   for n in nodes)
+        return all(n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes) for n in nodes)
 
-    def runs_first_natively(self, participants: Sequence[list[NodeConn]]) -> bool:
-        """Whether the first layer's one-token blocks with these participants can run on the native runner too:
-        mirrored over UDP (datagrams first, reliable), each input one float32 datagram, and every participant on a
-        clean link (no parity, no stream copies: a lossy link's first layer runs in `run`)."""
-        if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED
-                                                 for b in (Block.ATTN, Block.MLP)):
+    def runs_first_natively(self, nodes: Iterable[NodeConn], blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:
+        """Whether the first layer's one-token blocks (or the LM head's input: `blocks`) whose participants are these
+        nodes can run on the native runner too: mirrored over UDP (datagrams first, reliable), each input one float32
+        datagram, and every participant on a clean link (no parity, no stream copies: a lossy link's run in `run`)."""
+        if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
             return False
-        nodes = {n.index: n for block in participants for n in block}.values()
         return all(n.alive and not n.lossy and not n.parity and fits(Codec.F32, self.model.hidden, 0, n.datagram_bytes)
                    for n in nodes)
 
     def prepare_blocks(self, blocks: list[NativeBlock], participants: list[list[NodeConn]], eps: float, backend: int,
-                       compute: int) -> None:
-        """Set the native runner up for a step's blocks (while they, their graphs and their nodes stay the same)."""
+                       compute: int, head: tuple[NativeHead, list[NodeConn]] | None = None) -> None:
+        """Set the native runner up for a step's blocks (while they, their graphs and their nodes stay the same);
+        with `head` (and its participants), to send the LM head's input too once the last block is merged."""
         self.settle()  # the blocks of its last run are counted from its records
         watch = sorted({fd for nodes in participants for fd in (n.channel.fileno() for n in nodes) if fd >= 0})
         self.runner.prepare(blocks, self.model.hidden, eps, int(self.config.codec), self.udp.sock.fileno(),
-                            self.datagrams.sock.fileno(), backend, compute, self.datagrams.spin_s, watch)
+                            self.datagrams.sock.fileno(), backend, compute, self.datagrams.spin_s, watch,
+                            None if head is None else head[0])
+        self._runner_head = [] if head is None else [head[1]]  # the head's participants, in the slots after the blocks'
         groups: dict[tuple[int, ...], tuple[list[NodeConn], list[int]]] = {}
         for i, nodes in enumerate(participants):
             groups.setdefault(tuple(n.index for n in nodes), (nodes, []))[1].append(i)
         self._runner_groups = list(groups.values())  # blocks with the same participants share their deadlines
         self._runner_timing: list[tuple[float, float | None]] | None = None
         self._runner_links: tuple[tuple[int, bool], ...] | None = None  # its nodes' parity and group, as set
-        self._step_nodes = list({n.index: n for nodes in participants for n in nodes}.values())
+        self._step_nodes = list({n.index: n for nodes in [*participants, *self._runner_head] for n in nodes}.values())
 
     async def run_blocks(self, x: np.ndarray, position: int, participants: list[list[NodeConn]]) -> None:
         """A one-token step's lossy blocks on the native runner as prepare_blocks set it up (see runs_natively), on
@@ -646,8 +658,9 @@ class BlockExchange:
             self._probe_group(self._step_nodes[0])
         if links == self._runner_links:  # as the runner has them (the same every step but the first few)
             return
-        self.runner.set_copies([1 + n.parity for nodes in participants for n in nodes])
-        grouped = self._grouped(participants) if multicast else (False,) * sum(map(len, participants))
+        slots = [*participants, *self._runner_head]  # the LM head's input, where the runner sends it, last
+        self.runner.set_copies([1 + n.parity for nodes in slots for n in nodes])
+        grouped = self._grouped(slots) if multicast else (False,) * sum(map(len, slots))
         self.runner.set_group(self.group.group if any(grouped) else None, grouped)
         self._runner_links = links
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
-from edgerun.net.fastpath import NativeBlock
+from edgerun.net.fastpath import NativeBlock, NativeHead
 from edgerun.net.group import PROBE_LAYER, GroupSender, new_group
 from edgerun.net.http_server import bind
 from edgerun.net.loss import LossModel
@@ -180,8 +181,10 @@ class Master:
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
         # The native runner's setup (_native_step): the plan, cache rows and session it was prepared for.
-        self._native_key: tuple[TPPlan | None, int, int, int] = (None, 0, -1, 0)
+        self._native_key: tuple[TPPlan | None, int, int, int, bool] = (None, 0, -1, 0, False)
         self._native_participants: list[list[NodeConn]] = []
+        self._native_nodes: tuple[list[NodeConn], list[NodeConn]] = ([], [])  # of the first layer, of the others
+        self._head_nodes: list[NodeConn] = []  # the LM head's participants
         self._native_bytes: list[float] = []  # each of its blocks' weight bytes, for own_decode
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
         self.deployed: list[NodeConn] = []
@@ -536,8 +539,9 @@ class Master:
 
     async def _block(self, layer: int, block: Block, x: np.ndarray, start: int,
                      ranking: tuple[int, ...] | None = None,
-                     while_waiting: Callable[[], None] | None = None) -> np.ndarray:
-        """This block's output: the master's share plus every node's partial that arrived in time."""
+                     while_waiting: Callable[[], None] | None = None, sent_at: float | None = None) -> np.ndarray:
+        """This block's output: the master's share plus every node's partial that arrived in time (`sent_at`: its
+        input went to the nodes then, from the native runner)."""
         nodes = self._participants(layer, block)
         own_units = None
         if ranking is not None:
@@ -563,7 +567,7 @@ class Master:
                     time.perf_counter() - started)
             return out
 
-        return await self.exchange.run(nodes, start, layer, block, x, ranking, own_share, while_waiting)
+        return await self.exchange.run(nodes, start, layer, block, x, ranking, own_share, while_waiting, sent_at)
 
     def _whole_step(self, tokens: Sequence[int]) -> np.ndarray:
         """A step of a plan that leaves every node out: the whole-model engine's logits. Its one-token steps
@@ -609,11 +613,14 @@ class Master:
         previous_input = None
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
         norm = self.exchange.norm
+        head_sent: float | None = None  # when the native runner sent the LM head's input, where it did
         for layer in range(c.n_layers):
             # A one-token step's layers natively: every one where the first layer's links are clean, else those
             # after the first (the first then runs here: its stream copies, parity)
             if layer <= 1 and len(tokens) == 1 and (participants := self._native_step(start, layer)) is not None:
                 x = await self._run_native(x, start, participants, layer)
+                if (runner := self.exchange.runner).head is not None:  # it sent the LM head's input too: that one
+                    head_sent, x = runner.r.head_sent, runner.head_input.copy()
                 break
             lw = weights.layers[layer]
             ranked, predicted = predicted, {}
@@ -633,10 +640,14 @@ class Master:
                                       while_waiting=predict_next if overlap_pred and layer + 1 < c.n_layers else None)
             previous_input = attn_input
         self.position = start + len(tokens)
-        oldest = self.position - KEPT_POSITIONS
+        self.exchange.defer(functools.partial(self._forget_before, self.position - KEPT_POSITIONS))
+        head_input = x if head_sent is not None else norm(x[-1:], weights.output_norm, c.norm_eps)
+        return await self._block(0, Block.HEAD, head_input, start, sent_at=head_sent)
+
+    def _forget_before(self, oldest: int) -> None:
+        """Let go of what was kept for positions before `oldest` (the nodes' fetches, dynamic mapping's rankings)."""
         self.exchange.forget_before(oldest)
         self.assignments = {k: v for k, v in self.assignments.items() if k[1] >= oldest}
-        return await self._block(0, Block.HEAD, norm(x[-1:], weights.output_norm, c.norm_eps), start)
 
     def _native_step(self, start: int, first: int) -> list[list[NodeConn]] | None:
         """The participants of a one-token step's blocks from layer `first` (0 or 1) on, with the native runner
@@ -647,15 +658,22 @@ class Master:
         if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic":
             return None
         n_kv = cache_rows(start + 1, shard.max_len)
-        key = (self.plan, n_kv, self.exchange.session, first)
+        key: tuple = (self.plan, n_kv, self.exchange.session, first)
         if self._native_key[0] is not self.plan or self._native_key[2] != self.exchange.session:
             # who takes part in each block: once a deployment (a session; a replan may keep its plan)
             self._native_participants = [self._participants(layer, block) for layer in range(c.n_layers)
                                          for block in (Block.ATTN, Block.MLP)]
+            self._native_nodes = tuple(list({n.index: n for nodes in blocks for n in nodes}.values()) for blocks in
+                                       (self._native_participants[:2], self._native_participants[2:]))
+            self._head_nodes = self._participants(0, Block.HEAD)
         participants = self._native_participants[2 * first:]
-        if not self.exchange.runs_natively(participants[2 - 2 * first:]) or \
-                (first == 0 and not self.exchange.runs_first_natively(participants[:2])):
+        if not self.exchange.runs_natively(self._native_nodes[1]) or \
+                (first == 0 and not self.exchange.runs_first_natively(self._native_nodes[0])):
             return None
+        # the LM head's input goes from the runner too where it runs the first layer and the head's links are clean
+        head_sent = first == 0 and bool(self._head_nodes) and \
+            self.exchange.runs_first_natively(self._head_nodes, (Block.HEAD,))
+        key = (*key, head_sent)
         if self._native_key != key:  # the graphs change with the cache rows a step reads
             blocks = []
             for i, nodes in enumerate(participants):
@@ -665,7 +683,10 @@ class Master:
                                           shard.native_graph(layer, block, n_kv),
                                           tuple((n.host, n.udp_port) for n in nodes), tuple(n.index for n in nodes),
                                           mirrored=layer == 0))
-            self.exchange.prepare_blocks(blocks, participants, c.norm_eps, shard.backend.handle, ggml_compute_address())
+            head = (NativeHead(self.model.weights.output_norm, tuple((n.host, n.udp_port) for n in self._head_nodes),
+                               tuple(n.index for n in self._head_nodes)), self._head_nodes) if head_sent else None
+            self.exchange.prepare_blocks(blocks, participants, c.norm_eps, shard.backend.handle, ggml_compute_address(),
+                                         head)
             self._native_bytes = [shard.block_bytes(b.layer, Block(b.block)) for b in blocks]
             self._native_key = key
         return participants
@@ -678,8 +699,12 @@ class Master:
         shard.advance(range(first, self.model.config.n_layers), start)
         x = np.array(x, np.float32, order="C")  # the runner adds into it
         await self.exchange.run_blocks(x, start, participants)
-        self.own_decode = self.own_decode.add_all(self._native_bytes, [r.own_s for r in self.exchange.runner.records])
+        self.exchange.defer(self._count_own_native)  # in the LM head's slack (~50-75 µs of the step's path)
         return x
+
+    def _count_own_native(self) -> None:
+        """The master's kernels in the native runner's last step, as `_block` measures them."""
+        self.own_decode = self.own_decode.add_all(self._native_bytes, [r.own_s for r in self.exchange.runner.records])
 
     # --- the blocking interface, for callers outside the loop -------------------------------------
     def reset(self) -> None:
