@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import selectors
 import socket
 import threading
@@ -104,3 +105,42 @@ def test_auto_spin_where_every_compute_thread_has_a_core() -> None:
     assert auto_spin_us(3, 1, cores=2) == 0.0
     assert auto_spin_us(1, 1) == AUTO_SPIN_US  # this machine's cores by default
 
+
+
+def test_coroutines_run_in_turn_by_one_task_and_the_loop_runs_on_between_them() -> None:
+    """run_in_turn: one task runs the caller's coroutines one after another (a step that awaits still lets the loop
+    run), hands back each one's result or exception, polls spin_s for the next and then ends, after which the next
+    call starts a new one; the loop's other coroutines run between turns; turns the task left when it ended (a
+    stopped loop cancels it) fail rather than wait forever."""
+    from edgerun.net.channel import _Turn
+
+    net = EventLoopThread()
+    tasks: list[asyncio.Task | None] = []
+
+    async def step(i: int) -> int:
+        tasks.append(asyncio.current_task())
+        await asyncio.sleep(0.001)  # awaits on the loop, as a step's stream replies do
+        if i == 3:
+            raise ValueError("step 3")
+        return i * i
+
+    try:
+        assert [net.run_in_turn(step(i), 0.2) for i in range(3)] == [0, 1, 4]
+        assert len({id(t) for t in tasks}) == 1  # one task ran them all
+        with pytest.raises(ValueError, match="step 3"):
+            net.run_in_turn(step(3), 0.2)
+        assert net.call(lambda: 6 * 7) == 42  # the loop's own work runs once the turns' polling ends
+        time.sleep(0.3)  # ... past spin_s: the task of turns ended
+        assert net.run_in_turn(step(4), 0.2) == 16 and len({id(t) for t in tasks}) == 2
+        assert net.run_in_turn(step(5), 0.0) == 25  # no spin: a plain run, a task of its own
+        assert len({id(t) for t in tasks}) == 3
+        time.sleep(0.3)
+        left = _Turn(step(6))
+        with net._turns_lock:
+            net._turns = collections.deque([left])
+        net._turns_ended(None)  # as the task's end calls it
+        with pytest.raises(RuntimeError, match="stopped before this step ran"):
+            left.result(0.0)
+        assert net._turns is None and net.run_in_turn(step(7), 0.2) == 49
+    finally:
+        net.stop()

@@ -713,12 +713,13 @@ class Master:
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens after those already seen; the last token's logits."""
-        return self.net.run(self._step(tokens))
+        return self.net.run_in_turn(self._step(tokens), self.config.spin_us / 1e6)
 
     def step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int:
         """Run tokens after those already seen; the token the sampler draws (the generation loop's step): the
         nodes send only the logits it can draw (Sampler.candidates)."""
-        return sampler(self.net.run(self._step(tokens, sampler.candidates)), start + len(tokens))
+        return sampler(self.net.run_in_turn(self._step(tokens, sampler.candidates), self.config.spin_us / 1e6),
+                       start + len(tokens))
 
     def recover(self, lost: EngineLost) -> None:
         """After a node was lost mid-step: plan over the devices left (the generation loop re-prefills)."""
