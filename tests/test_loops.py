@@ -140,7 +140,7 @@ def test_coroutines_run_in_turn_by_one_task_and_the_loop_runs_on_between_them() 
             net._turns = collections.deque([left])
         net._turns_ended(None)  # as the task's end calls it
         with pytest.raises(RuntimeError, match="stopped before this step ran"):
-            left.result(0.0)
+            left.result()
         assert net._turns is None and net.run_in_turn(step(7), 0.2) == 49
     finally:
         net.stop()

@@ -96,8 +96,8 @@ def route_arg(p: argparse.ArgumentParser) -> None:
 def spin_arg(p: argparse.ArgumentParser, auto: bool = False) -> None:
     """--spin-us; `auto` (benchmarks, which start every process on this machine): the default is auto."""
     what = ("after the last message, keep polling for the next one this many microseconds before sleeping "
-            "(tensor-parallel: the UDP socket, and on the master each step's hand-over between the generation and "
-            "the network; pipeline: the pass port and the event loop): a sleeping process can "
+            "(tensor-parallel: the UDP socket, and on the master the generation's next step; pipeline: the pass port "
+            "and the event loop): a sleeping process can "
             "take hundreds of microseconds to wake for a packet on virtual machines, several times a block's "
             "compute, once per block or stage on every token's path. Holds a core while generating: use it where "
             "each process has a core of its own")

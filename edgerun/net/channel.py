@@ -207,10 +207,9 @@ class _Turn:
             self.outcome = (False, RuntimeError("the event loop stopped before this step ran"))
         self.done.set()
 
-    def result(self, spin_s: float) -> Any:
-        end = time.perf_counter() + spin_s
-        while self.outcome is None and time.perf_counter() < end:
-            os.sched_yield()
+    def result(self) -> Any:
+        # Waited for asleep: a caller polling through the step took the core from the step's own thread where they
+        # share one (bench tp --pin), for no gain (A/B here, master + 1 node: 24.3 ms a token against 23.2 asleep).
         self.done.wait()
         assert self.outcome is not None
         returned, value = self.outcome
@@ -237,11 +236,11 @@ class EventLoopThread:
     def run_in_turn(self, coro: Coroutine[Any, Any, T], spin_s: float) -> T:
         """`run` for a caller that hands the loop one coroutine after another (a generation's steps). With spin_s,
         one task on the loop runs them in turn, and after each polls for the next for up to spin_s without going
-        back to the loop; the caller polls for its result. A step then reaches the loop and its result the caller in
-        a few microseconds, not the rounds of the loop and the wake-ups that `run` takes each way (a task made, a
-        future's callbacks scheduled: ~210 µs of every tensor-parallel token on the master here, its caches cold
-        after the LM head's kernels). The loop's other work waits meanwhile, at most spin_s after a step. Without
-        spin_s, `run`. Spinning holds a core: for a process that has one of its own."""
+        back to the loop; each hands its result to the caller as it ends. A step then skips the rounds of the loop
+        that `run` takes each way (a task made, a future's callbacks scheduled: ~90 µs of every tensor-parallel
+        token on the master here, its caches cold after the LM head's kernels). The loop's other work waits
+        meanwhile, at most spin_s after a step. Without spin_s, `run`. Polling holds a core: for a process that has
+        one of its own."""
         if spin_s <= 0:
             return self.run(coro)
         turn = _Turn(coro)
@@ -253,7 +252,7 @@ class EventLoopThread:
                 self._turns = collections.deque([turn])
         if waiting is None:
             self.submit(self._take_turns(spin_s)).add_done_callback(self._turns_ended)
-        return turn.result(spin_s)
+        return turn.result()
 
     def _turns_ended(self, _: concurrent.futures.Future) -> None:
         """The task of turns ended: the turns it left (the loop stopped, its task cancelled) end with an error."""
