@@ -613,18 +613,27 @@ static void rms_norm(const float *x, const float *w, float *out, int n, float ep
 
 void er_rms_norm(const float *x, const float *w, float *out, int n, float eps) { rms_norm(x, w, out, n, eps); }
 
+/* The hidden state's RMS norm by `norm` into `input`, sent as the step's input of (layer, block) to the participant
+ * slots [first, first + count): to the group for those that take it there, each with its copies. When it went. */
+static double send_input(er_ctx *ctx, er_runner *r, const float *norm, float *input, int layer, int block, int codec,
+                         int first, int count) {
+    rms_norm(r->x, norm, input, r->hidden, r->eps);
+    er_head h = {.session = r->session, .position = r->position, .layer = (uint16_t)layer, .type = ACTIVATION,
+                 .block = (uint8_t)block, .node = 0, .codec = (uint8_t)codec, .tokens = 1};
+    double sent = monotonic_s();
+    if (count) {
+        int most = 1;
+        for (int i = 0; i < count; i++) most = r->copies[first + i] > most ? r->copies[first + i] : most;
+        er_send_group(ctx, r->send_fd, &h, NULL, 0, input, r->hidden, r->addrs + first, count, most, r->copies + first,
+                      r->group.port ? &r->group : NULL, r->grouped + first);
+    }
+    return sent;
+}
+
 static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     int n = r->hidden;
-    rms_norm(r->x, b->norm, b->input, n, r->eps);
-    er_head h = {.session = r->session, .position = r->position, .layer = b->layer, .type = ACTIVATION,
-                 .block = b->block, .node = 0, .codec = b->mirrored ? F32 : r->codec, .tokens = 1};
-    b->sent = monotonic_s();
-    if (b->count) {
-        int most = 1;
-        for (int i = 0; i < b->count; i++) most = r->copies[b->first + i] > most ? r->copies[b->first + i] : most;
-        er_send_group(ctx, r->send_fd, &h, NULL, 0, b->input, n, r->addrs + b->first, b->count, most,
-                      r->copies + b->first, r->group.port ? &r->group : NULL, r->grouped + b->first);
-    }
+    b->sent = send_input(ctx, r, b->norm, b->input, b->layer, b->block, b->mirrored ? F32 : r->codec, b->first,
+                         b->count);
     double began = monotonic_s();
     if (b->graph != NULL) {
         memcpy(b->graph_in, b->input, (size_t)n * 4);
@@ -697,15 +706,8 @@ int er_run_blocks(er_ctx *ctx, er_runner *r) {
         finish_block(r, b);
         r->phase = 0;
         r->next++;
-        if (r->next == r->nblocks && r->head_count > 0) {
-            int n = r->hidden;
-            rms_norm(r->x, r->head_norm, r->head_input, n, r->eps);
-            er_head h = {.session = r->session, .position = r->position, .layer = 0, .type = ACTIVATION,
-                         .block = HEAD, .node = 0, .codec = F32, .tokens = 1};
-            r->head_sent = monotonic_s();
-            er_send_group(ctx, r->send_fd, &h, NULL, 0, r->head_input, n, r->addrs + r->head_first, r->head_count, 1,
-                          r->copies + r->head_first, r->group.port ? &r->group : NULL, r->grouped + r->head_first);
-        }
+        if (r->next == r->nblocks && r->head_count > 0)
+            r->head_sent = send_input(ctx, r, r->head_norm, r->head_input, 0, HEAD, F32, r->head_first, r->head_count);
         if (end == TIME) return INCOMPLETE;
     }
     return DONE;

@@ -571,10 +571,12 @@ class BlockExchange:
             return False
         return all(n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes) for n in nodes)
 
-    def runs_first_natively(self, nodes: Iterable[NodeConn], blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:
-        """Whether the first layer's one-token blocks (or the LM head's input: `blocks`) whose participants are these
-        nodes can run on the native runner too: mirrored over UDP (datagrams first, reliable), each input one float32
-        datagram, and every participant on a clean link (no parity, no stream copies: a lossy link's run in `run`)."""
+    def runs_mirrored_natively(self, nodes: Iterable[NodeConn],
+                               blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:
+        """Whether mirrored one-token blocks (the first layer's, or the LM head's input: `blocks`) whose participants
+        are these nodes can go through the native runner: mirrored over UDP (datagrams first, reliable), each input
+        one float32 datagram, and every participant on a clean link (no parity, no stream copies: a lossy link's go
+        through `run`)."""
         if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
             return False
         return all(n.alive and not n.lossy and not n.parity and fits(Codec.F32, self.model.hidden, 0, n.datagram_bytes)

@@ -653,7 +653,7 @@ class Master:
         """The participants of a one-token step's blocks from layer `first` (0 or 1) on, with the native runner
         prepared to run them (BlockExchange.run_blocks); None where it cannot: a share off this process's memory or
         not on ggml, dynamic mapping, nodes it cannot send to (BlockExchange.runs_natively), and from the first layer,
-        one of its nodes on a lossy link (BlockExchange.runs_first_natively)."""
+        one of its nodes on a lossy link (BlockExchange.runs_mirrored_natively)."""
         shard, c = self.shard, self.model.config
         if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic":
             return None
@@ -668,11 +668,11 @@ class Master:
             self._head_nodes = self._participants(0, Block.HEAD)
         participants = self._native_participants[2 * first:]
         if not self.exchange.runs_natively(self._native_nodes[1]) or \
-                (first == 0 and not self.exchange.runs_first_natively(self._native_nodes[0])):
+                (first == 0 and not self.exchange.runs_mirrored_natively(self._native_nodes[0])):
             return None
         # the LM head's input goes from the runner too where it runs the first layer and the head's links are clean
         head_sent = first == 0 and bool(self._head_nodes) and \
-            self.exchange.runs_first_natively(self._head_nodes, (Block.HEAD,))
+            self.exchange.runs_mirrored_natively(self._head_nodes, (Block.HEAD,))
         key = (*key, head_sent)
         if self._native_key != key:  # the graphs change with the cache rows a step reads
             blocks = []
