@@ -34,6 +34,8 @@ export function sample(logits, sampling, position) {
   let candidates = Array.from(z.keys()).sort((a, b) => z[b] - z[a] || a - b);
   const topK = sampling.top_k || 0, topP = sampling.top_p ?? 1, minP = sampling.min_p || 0;
   if (topK > 0 && topK < z.length) candidates = candidates.slice(0, topK);
+  // A temperature so small that the logits overflow: the greedy draw, as sampling.py's.
+  if (!Number.isFinite(z[candidates[0]])) return argmax(logits);
   // Each candidate's probability over the first's; with min-p, the prefix at least min-p times as likely.
   let weights = candidates.map((i) => Math.exp(z[i] - z[candidates[0]]));
   if (minP > 0) weights = weights.slice(0, weights.filter((w) => w >= minP).length);

@@ -113,13 +113,15 @@ def wait_for(condition: Callable[[], bool], logs: list[str], timeout_s: float = 
 
 def test_javascript_sampling_matches_python(tmp_path: Path) -> None:
     """browser/sampling.js draws the same tokens as edgerun/model/sampling.py: greedy, temperature,
-    top-k, top-p and min-p, over many seeds and positions, also with tied logits."""
+    top-k, top-p and min-p, over many seeds and positions, also with tied logits and a temperature that
+    overflows them."""
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((40, 300)).astype(np.float32) * 3
     logits[:, 10:20] = logits[:, 5:6]  # ties: the stable order keeps them by index
     settings = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 1.3, "top_k": 12},
                 {"temperature": 1.0, "top_p": 0.6}, {"temperature": 0.7, "top_k": 40, "top_p": 0.9},
-                {"temperature": 1.5, "min_p": 0.2}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}]
+                {"temperature": 1.5, "min_p": 0.2}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+                {"temperature": 2.2250738585e-313, "min_p": 0.05}]  # logits over it overflow: greedy
     cases = [(row, setting | {"seed": seed}, position) for row in range(len(logits)) for setting in settings
              for seed, position in ((row * 7919, row), (2**53 - 1 - row, 1000 + row))]
     (tmp_path / "logits.json").write_text(json.dumps(logits.tolist()))

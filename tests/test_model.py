@@ -634,6 +634,16 @@ def test_temperature_one_follows_softmax() -> None:
     np.testing.assert_allclose(freq, probs, atol=0.03)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"min_p": 0.05}, {"top_p": 5e-324}, {"top_k": 2, "min_p": 0.05, "top_p": 0.5}])
+def test_a_temperature_that_overflows_the_logits_draws_greedily(kwargs: dict[str, float]) -> None:
+    """A temperature so small that logits over it overflow (2.2e-313, from an API fuzzer) draws the largest logit,
+    as its limit does, whatever the other settings (the draw's weights were inf - inf: an empty candidate list)."""
+    logits = np.array([0.5, 3.0, -2.0, 3.0, -np.inf], np.float32)
+    assert set(_draws(SamplingParams(temperature=2.2250738585e-313, seed=1, **kwargs), logits, 20)) == {1}
+    assert set(_draws(SamplingParams(temperature=2.2250738585e-313, seed=1, **kwargs),
+                      np.array([-1.0, 2.0, 7.5], np.float32), 20)) == {2}
+
+
 @pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5},
                                     {"top_p": -0.2}, {"top_p": math.nan}, {"min_p": 1.0}, {"min_p": -0.1},
                                     {"min_p": math.nan}])

@@ -91,11 +91,16 @@ class Sampler:
         p = self.params
         if p.temperature == 0.0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / p.temperature
+        with np.errstate(over="ignore"):
+            z = logits.astype(np.float64) / p.temperature
         # Candidates from the most to the least likely, ties by index (a stable sort; with top-k, `largest`, the
         # same order cut at k), so that every implementation keeps the same top-k and top-p prefix. Sums are
         # running sums (cumsum), which JavaScript computes in the same order.
         candidates = largest(z, p.top_k) if p.top_k > 0 else np.argsort(-z, kind="stable")
+        if not np.isfinite(z[candidates[0]]):
+            # A temperature so small that the logits overflow (2e-313 in an API request): its draw is the greedy one
+            # (the weights below would be inf - inf, not a number)
+            return int(np.argmax(logits))
         weights = np.exp(z[candidates] - z[candidates[0]])  # each candidate's probability over the first's
         if p.min_p > 0.0:  # the candidates at least min-p times as likely as the first: a prefix of them
             weights = weights[:int(np.count_nonzero(weights >= p.min_p))]
