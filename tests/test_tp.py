@@ -4,6 +4,7 @@ loopback, checked against the single-process reference."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import signal
@@ -154,6 +155,15 @@ def test_the_native_runner_gives_the_python_paths_tokens_under_fuzz_and_a_kill(m
         waits = master.stats.native_mirror_waits
         assert master.generate(prompt, 16, GREEDY, on_token=pause_at(nodes[1].pid, 8, 0.05)) == ran[:16]
         assert master.stats.native_mirror_waits > waits and master.stats.blocks_incomplete == 0
+        # Links marked lossy (parity both ways from then on, ParityOn): the first layer and the LM head's input still
+        # go through the runner, each input with its parity copy, the same tokens.
+        master.net.call(functools.partial(mark_lossy, master))
+        before = master.stats.native_blocks
+        assert master.generate(prompt, N_TOKENS, GREEDY) == ran
+        assert master.stats.native_blocks - before >= 0.95 * (lossy_blocks + 2 * (N_TOKENS - 1))
+        assert master.config.parity > 0 and all(n.parity == master.config.parity for n in master.nodes)
+        assert list(master.exchange.runner.copies[:2]) == [1 + master.config.parity] * 2  # the first block's nodes
+        assert master.exchange.runner.r.head_count == 2 and master.stats.blocks_incomplete == 0
         rng, stop = random.Random(1), threading.Event()
         partial = Header(MsgType.PARTIAL, 1, 0, 1, Block.MLP, 1, tokens=1)
         valid = fragment(partial, np.ones(model.config.hidden, np.float32), KEY)
@@ -495,6 +505,12 @@ def test_a_prompt_crosses_a_lossy_link_on_both_streams(model: Model, reference_t
         master.reconfigure(replace(master.config, transport="udp"))
         master.replan()  # the nodes open their spares again; Master.wait_for_spares waits for them
         assert master.wait_for_spares() and all(n.spare is not None for n in master.nodes)
+
+
+def mark_lossy(master: Master) -> None:
+    """Every node's link as if it had lost a packet (on the master's loop): parity both ways from now on."""
+    for node in master.nodes:
+        master.exchange.saw_loss(node)
 
 
 def pause_at(pid: int, tokens: int, seconds: float) -> Callable[[int], None]:

@@ -290,13 +290,14 @@ class BlockExchange:
         # still be up.)
         spare = [n for n in nodes if n.lossy and n.spare is not None and _copy_pays(n, x.nbytes)] \
             if seq > 1 and reliable and self.config.transport == "udp" else []
-        # A one-token mirrored block's stream copies go only to nodes on lossy links, after the master's own
-        # share: its nodes start on the datagrams, and the copies (a frame written to every stream, ~25 µs a node on
-        # loopback: 7 nodes' were most of the LM head's 309 µs of sends at 8 devices, and each node read and dropped
-        # its copy as the next block's input came) are for a datagram lost on the way. A clean link's lost input is
-        # sent again (_ask_again), and over the stream once the drain ends (_wait).
-        copies_later = mirror and seq == 1 and self.config.transport == "udp"
-        if reliable and nodes and not copies_later:
+        # A one-token mirrored block goes as datagrams alone (with a lossy link's parity), as the native runner
+        # sends the first layer's: stream copies (a frame written to every stream, ~25 µs a node on loopback: 7
+        # nodes' were most of the LM head's 309 µs of sends at 8 devices, and each node read and dropped its copy
+        # as the next block's input came, or answered it on its stream) cost every block for the few datagrams
+        # parity does not mend. What is lost is asked for again (_ask_again), and the input goes over the stream
+        # once the drain ends (_wait).
+        datagrams_alone = mirror and seq == 1 and self.config.transport == "udp"
+        if reliable and nodes and not datagrams_alone:
             self._send_inputs(nodes, key, x, ranking, spare)
         if nodes and seq == 1 and sent_at is None:
             self.stats.send_s += time.perf_counter() - sent
@@ -319,9 +320,6 @@ class BlockExchange:
         out = own_share()
         wait_start = time.perf_counter()
         self.stats.compute_s += wait_start - compute_start
-        if copies_later and (lossy := [n for n in nodes if n.lossy or n.parity]):
-            self._send_inputs(lossy, key, x, ranking)
-            w.streamed.update(n.index for n in lossy)
         # While the nodes compute: the block before's accounts.
         self.settle()
         if while_waiting is not None:
@@ -575,12 +573,11 @@ class BlockExchange:
                                blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:
         """Whether mirrored one-token blocks (the first layer's, or the LM head's input: `blocks`) whose participants
         are these nodes can go through the native runner: mirrored over UDP (datagrams first, reliable), each input
-        one float32 datagram, and every participant on a clean link (no parity, no stream copies: a lossy link's go
-        through `run`)."""
+        one float32 datagram. A lossy link's input goes with its parity copies and without the stream copy `run`
+        sends it: what parity does not mend is asked for again (MIRROR_WAIT, then `_wait`)."""
         if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
             return False
-        return all(n.alive and not n.lossy and not n.parity and fits(Codec.F32, self.model.hidden, 0, n.datagram_bytes)
-                   for n in nodes)
+        return all(n.alive and fits(Codec.F32, self.model.hidden, 0, n.datagram_bytes) for n in nodes)
 
     def prepare_blocks(self, blocks: list[NativeBlock], participants: list[list[NodeConn]], eps: float, backend: int,
                        compute: int, head: tuple[NativeHead, list[NodeConn]] | None = None) -> None:
