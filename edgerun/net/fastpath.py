@@ -179,8 +179,8 @@ class FastPath:
                     prefix: bytes = b"", group: tuple[str, int] | None = None, grouped: Sequence[bool] = ()) -> int:
         """x (float32, C order) as one datagram and copies - 1 parity copies to every address of `to`
         (addresses()): the bytes wire.fragment seals for a vector that fits one datagram. With a multicast `group`,
-        the data datagram goes once to the group instead of to each address whose `grouped` is true (they still
-        get the parity copies). The datagrams sent; -1 where x does not fit one datagram."""
+        the datagrams go once to the group instead of to each address whose `grouped` is true. The datagrams
+        sent; -1 where x does not fit one datagram."""
         h = self._head
         h.session, h.position, h.layer, h.type = header.session, header.position, header.layer, header.type
         h.block, h.node, h.codec, h.tokens = header.block, header.node, header.codec, header.tokens
@@ -425,7 +425,7 @@ class Runner:
 
     def set_group(self, group: tuple[str, int] | None, grouped: Sequence[bool]) -> None:
         """The multicast group the inputs go to (None: none), and per participant slot whether its node takes its
-        input from there (the rest by unicast; parity copies always by unicast)."""
+        input from there, its parity copies too (the most any of them takes; the rest by unicast)."""
         if group is None:
             self.r.group.port = 0
         else:
