@@ -625,7 +625,8 @@ class BlockExchange:
             if r.phase == 1:  # back in a block's gather: its record, for the Python path's datagrams and the loop
                 b, nodes = runner.blocks[r.next], participants[r.next]
                 if w is None or w.key[2:] != (b.layer, b.block):
-                    w = self.wait = self._native_wait(r.next, position, nodes)
+                    w = self._native_wait(r.next, position, nodes)
+                self.wait = w  # the block in gather, for what the Python path and the loop take
                 self._took_natively(w, r.g, runner.arrived[r.next], runner.parts)
                 if end == RunEnd.OTHER:
                     datagrams.handle(*runner.handed_back())
@@ -736,7 +737,13 @@ class BlockExchange:
                     stats.native_partials += 1
             w.outstanding = len(nodes) - len(w.arrived)
             w.from_parity += rec.from_parity
-            self.wait, self.merged = None, w
+            # Only the block's own record stops being the one in merge: counted from settle() in the LM head's
+            # slack, the head's (which the Python path runs after the runner) stays so, or its partials that come
+            # through the Python path (fragments, a resend, the stream) would find no block to go to, and the
+            # head, which waits for every partial, would wait for ever.
+            if self.wait is w:
+                self.wait = None
+            self.merged = w
             if w.outstanding:  # a partial only late is read first, as settle() reads it (it teaches a lag, not loss)
                 self.datagrams.read_waiting()
             self._account(w, nodes, bool(rec.mirrored), rec.merged, rec.computed)
