@@ -549,3 +549,35 @@ def test_a_partial_that_comes_after_its_block_was_merged_leaves_its_link_clean(t
     sender.close()
     exchange.datagrams.close()
     loop.close()
+
+
+def test_a_runner_block_counted_in_the_heads_slack_leaves_the_head_in_merge(tiny_spec, synth_gguf) -> None:
+    """The native runner's last blocks are counted while the LM head's nodes compute (settle, from the head's
+    `run`): one merged without a partial is counted as incomplete, and the head stays the block in merge, so that
+    its partials that come through the Python path (fragments, a resend, the stream) still find it (a head that lost
+    its record waited for ever: 8 devices, 5% kernel loss)."""
+    from types import SimpleNamespace
+
+    from edgerun.net.channel import Counters
+    from edgerun.tp.config import MasterConfig
+    from edgerun.tp.exchange import BlockExchange, _Wait
+    from edgerun.tp.membership import NodeConn
+
+    model = load_model(synth_gguf(tiny_spec()))
+    hidden = model.config.hidden
+    exchange = BlockExchange(model.config, KEY, MasterConfig(), None, None, Counters(), print)
+    node = NodeConn(1, "n", _Recorder(), "127.0.0.1", 9, 100.0, 1e9)
+    # the runner merged layer 1's attention without the node's partial (its deadline passed)
+    record = SimpleNamespace(sent=1.0, computed=1.002, own_s=0.001, merged=1.004, after_send=0.003, skipped=0,
+                             outstanding=1, mirrored=0, from_parity=0)
+    exchange.runner = SimpleNamespace(r=SimpleNamespace(next=1), records=[record], inputs=np.ones((1, hidden)),
+                                      arrived=np.full((1, 1), np.nan), parts=np.zeros((1, hidden), np.float32),
+                                      blocks=[SimpleNamespace(layer=1, block=int(Block.ATTN), mirrored=False)])
+    exchange.datagrams = SimpleNamespace(read_waiting=lambda: None, skipped=0)
+    exchange.udp = SimpleNamespace(sent=0)
+    head = _Wait((0, 5, 0, int(Block.HEAD)), {1: None}, {1: 8}, None, 1.01, 1, 1, nodes={1: node}, mirror=True)
+    exchange.wait = head
+    exchange._uncounted = (0, 5, [[node]])
+    exchange.settle()
+    assert exchange.stats.blocks_incomplete == 1 and node.lossy  # counted, and its link marked lossy
+    assert exchange.wait is head and exchange.merged.key == (0, 5, 1, int(Block.ATTN))
