@@ -208,6 +208,34 @@ def test_seeded_concurrent_streams_get_what_they_get_alone(server: Serving) -> N
     assert len(set(alone)) > 1  # the seeds matter
 
 
+def test_bench_serve_measures_concurrent_streams_against_a_running_server(server: Serving) -> None:
+    """`bench serve --url` against a running server: every stream's tokens come back (the usage), first tokens and
+    gaps are timed, and the aggregate is the row's tokens over its wall time; a wrong key is one line naming 401."""
+    from edgerun.bench.serve import ServeBenchConfig, bench_serve, percentile
+    from edgerun.errors import EdgerunError
+
+    rows = bench_serve(ServeBenchConfig(streams=(2, 1), max_tokens=4, url=server.url, api_key=API_KEY))
+    assert [r.streams for r in rows] == [2, 1] and [r.tokens for r in rows] == [8, 4]
+    for r in rows:
+        assert 0 < r.ttft_p50_ms <= r.ttft_p95_ms and r.itl_p50_ms > 0
+        assert r.aggregate_tok_s == pytest.approx(r.tokens / r.wall_s)
+        assert r.ttft_p95_ms < r.wall_s * 1e3
+    assert rows[1].vs_one == 1.0 and rows[0].vs_one == pytest.approx(rows[0].aggregate_tok_s / rows[1].aggregate_tok_s)
+    with pytest.raises(EdgerunError, match="401"):
+        bench_serve(ServeBenchConfig(streams=(1,), max_tokens=2, url=server.url, api_key="sk-wrong"))
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0 and percentile([1.0, 2.0], 95) == 2.0
+
+
+def test_bench_serve_starts_its_own_server(shipped_path: Path) -> None:
+    """`edgerun bench serve` as a user runs it: it starts edgerun serve, streams, prints JSON rows, stops it."""
+    out = subprocess.run([sys.executable, "-m", "edgerun.cli", "bench", "serve", "--streams", "1,3", "--max-tokens",
+                          "3", "--json"], capture_output=True, text=True, timeout=600, check=True)
+    rows = json.loads(out.stdout)
+    assert [(r["streams"], r["tokens"]) for r in rows] == [(1, 3), (3, 9)] and rows[0]["vs_one"] == 1.0
+    assert all(r["aggregate_tok_s"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)
+    assert "starting edgerun serve" in out.stderr
+
+
 def test_bad_requests_get_openai_errors(server: Serving) -> None:
     good = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     cases = [

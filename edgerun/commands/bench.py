@@ -94,6 +94,18 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
         print(tp_ratios(results))
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    import os
+
+    from edgerun.bench.serve import ServeBenchConfig, bench_serve, serve_table
+    from edgerun.serve.cli import API_KEY_ENV
+
+    config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
+                              args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads)
+    rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
+    print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
+
+
 def cmd_bench_pp(args: argparse.Namespace) -> None:
     from edgerun.bench.pp import SWAP_TOKENS, bench_pp, bench_swap, pp_table, swap_table
     from edgerun.model.loader import load_model
@@ -298,6 +310,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list of rows, one per hedging factor, with "
                    "hedge, expert_mean_ms, expert_p99_ms, model_mean_ms and tokens_per_s among their keys")
     p.set_defaults(func=cmd_bench_moe)
+    p = bench.add_parser("serve", help="concurrent streaming clients against edgerun serve: aggregate tokens/s, "
+                         "time to first token and between tokens per number of streams",
+                         description="Start `edgerun serve --no-cluster` on a free port (or use the server at --url), "
+                                     "then for each count in --streams start that many streaming completions at "
+                                     "once (greedy, the same prompt) over HTTP and report per row: the streams, "
+                                     "their completion tokens, the row's wall time, the aggregate tokens a second "
+                                     "and its ratio to one stream's, the time to first token (p50, p95) and "
+                                     "between pieces of text (p50). One warm-up request runs first, unmeasured.")
+    model_arg(p)
+    p.add_argument("--streams", default="1,4,8,16",
+                   help="concurrent streams per row, comma-separated (default: 1,4,8,16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens each stream asks for (default: 32)")
+    p.add_argument("--url", default=None,
+                   help="measure the server already running here (http://HOST:PORT, any plan it serves) instead "
+                        "of starting one (default: start edgerun serve --no-cluster with --model and --threads)")
+    p.add_argument("--api-key", default=None, help="bearer token for --url's server (default: $EDGERUN_API_KEY)")
+    p.add_argument("--threads", type=thread_count, default=1, help="the started server's threads (default: 1)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "
+                   "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms and vs_one")
+    p.set_defaults(func=cmd_bench_serve)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
                          description="Start a master in this process and node processes on loopback, generate "
                                      "--tokens tokens greedily for every combination of --nodes, --plr and "

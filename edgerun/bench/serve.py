@@ -1,0 +1,209 @@
+"""`edgerun bench serve`: concurrent streaming clients against an OpenAI-compatible `edgerun serve`, one row per
+number of streams: the aggregate tokens a second, the time to each stream's first text (p50, p95), the time between
+its pieces of text (p50), and the aggregate against one stream's.
+
+The server is a process of its own (`edgerun serve --no-cluster` on a free port, started here and stopped after),
+or one already running (--url), so the clients' threads never share an interpreter with it. Every stream of a row
+starts at once (a barrier) with the same greedy request, and streams its answer over HTTP as a user's client does
+(server-sent events, the usage in the last chunk).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from edgerun.errors import EdgerunError
+
+START_TIMEOUT_S = 300  # loading the model and starting the server
+REQUEST_TIMEOUT_S = 600
+BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    streams: tuple[int, ...] = (1, 4, 8, 16)
+    max_tokens: int = 32  # each stream's answer at most
+    url: str | None = None  # a running server's; None: start `edgerun serve --no-cluster` here
+    api_key: str | None = None
+    model: Path | None = None  # the started server's (None: the shipped model)
+    threads: int = 1  # the started server's
+    prompt: str = BENCH_PROMPT
+
+    def __post_init__(self) -> None:
+        if not self.streams or min(self.streams) < 1:
+            raise EdgerunError("--streams must be whole numbers of at least 1, comma-separated: 1,4,8,16")
+        if self.max_tokens < 1:
+            raise EdgerunError("--max-tokens must be at least 1")
+        if self.url is not None and not re.match(r"^https?://[^/]+", self.url):
+            raise EdgerunError(f"--url must be a server's http:// address, not {self.url!r}")
+
+
+@dataclass(frozen=True)
+class StreamTiming:
+    """One streamed answer as its client saw it (seconds from its request)."""
+    first_s: float  # to the first piece of text
+    gaps_s: tuple[float, ...]  # between its pieces of text
+    tokens: int  # completion tokens (the usage the server reported)
+    end_s: float  # to the end of the stream
+
+
+@dataclass(frozen=True)
+class ServeRow:
+    streams: int
+    tokens: int  # every stream's completion tokens
+    wall_s: float  # from the row's start to its last stream's end
+    aggregate_tok_s: float
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    itl_p50_ms: float  # between pieces of text, over every stream's
+    vs_one: float | None  # aggregate_tok_s over the one-stream row's (None without one)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) by the nearest rank: a value that was measured, never an interpolation."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def stream_once(url: str, body: dict, api_key: str | None) -> StreamTiming:
+    """POST a streamed completion and time its pieces as they arrive."""
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {api_key}"} if api_key else {})
+    request = urllib.request.Request(url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), headers,
+                                     method="POST")
+    started = time.perf_counter()
+    pieces: list[float] = []
+    tokens = None
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            for raw in reply:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise EdgerunError(f"the server failed mid-answer: {data['error']['message']}")
+                if data.get("usage"):
+                    tokens = int(data["usage"]["completion_tokens"])
+                if data.get("choices") and data["choices"][0].get("text"):
+                    pieces.append(time.perf_counter() - started)
+    except urllib.error.HTTPError as e:
+        raise EdgerunError(f"the server answered {e.code}: {e.read().decode(errors='replace')[:200]}") from e
+    except urllib.error.URLError as e:
+        raise EdgerunError(f"cannot reach {url}: {e.reason}") from e
+    if tokens is None or not pieces:
+        raise EdgerunError("a stream ended without text or usage")
+    return StreamTiming(pieces[0], tuple(b - a for a, b in itertools.pairwise(pieces)), tokens,
+                        time.perf_counter() - started)
+
+
+def run_row(url: str, streams: int, body: dict, api_key: str | None) -> tuple[list[StreamTiming], float]:
+    """`streams` clients started together; their timings and the row's wall time. The first failure is raised."""
+    barrier = threading.Barrier(streams + 1)
+    timings: list[StreamTiming | None] = [None] * streams
+    failures: list[BaseException] = []
+
+    def client(i: int) -> None:
+        barrier.wait()
+        try:
+            timings[i] = stream_once(url, body, api_key)
+        except BaseException as e:  # raised in the caller's thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    if failures:
+        raise failures[0] if isinstance(failures[0], EdgerunError) else EdgerunError(f"a stream failed: {failures[0]}")
+    return [t for t in timings if t is not None], wall
+
+
+def summarize(streams: int, timings: Sequence[StreamTiming], wall_s: float) -> ServeRow:
+    tokens = sum(t.tokens for t in timings)
+    firsts = [t.first_s * 1e3 for t in timings]
+    gaps = [g * 1e3 for t in timings for g in t.gaps_s]
+    return ServeRow(streams, tokens, wall_s, tokens / wall_s, percentile(firsts, 50), percentile(firsts, 95),
+                    statistics.median(gaps) if gaps else float("nan"), None)
+
+
+@contextmanager
+def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iterator[str]:
+    """`edgerun serve --no-cluster` on a free port of this machine, its queue as deep as the most streams; its
+    URL while the context is open."""
+    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-cluster",
+            "--no-request-log", "--threads", str(config.threads), "--max-queue", str(max(config.streams))]
+    if config.model is not None:
+        argv += ["--model", str(config.model)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if not found and (m := re.search(r"at (http://[\d.]+:\d+) ", line)):
+                found.append(m.group(1))
+                ready.set()
+        ready.set()  # ended: the server stopped
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        log("starting edgerun serve --no-cluster (the model loads first)...")
+        if not ready.wait(START_TIMEOUT_S) or not found:
+            raise EdgerunError("edgerun serve did not start:\n" + "".join(lines[-20:]))
+        yield found[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _: None) -> list[ServeRow]:
+    """One row per stream count, in the order given, after one unmeasured warm-up request; each row's aggregate
+    against the first one-stream row's where there is one."""
+    body = {"model": "any", "prompt": config.prompt, "max_tokens": config.max_tokens, "temperature": 0.0,
+            "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
+    with started_server(config, log) if config.url is None else nullcontext(config.url) as url:
+        stream_once(url, body, config.api_key)  # warm-up: first-request allocations stay out of the rows
+        rows = []
+        for streams in config.streams:
+            log(f"{streams} stream(s)...")
+            rows.append(summarize(streams, *run_row(url, streams, body, config.api_key)))
+    one = next((r.aggregate_tok_s for r in rows if r.streams == 1), None)
+    return rows if one is None else [replace(r, vs_one=r.aggregate_tok_s / one) for r in rows]
+
+
+def serve_table(rows: Sequence[ServeRow]) -> str:
+    """The rows as a text table; "x one" is the aggregate tokens a second against one stream's."""
+    lines = [f"{'streams':>7} {'tokens':>7} {'wall s':>7} {'aggregate tok/s':>15} {'x one':>6} "
+             f"{'ttft p50 ms':>11} {'ttft p95 ms':>11} {'itl p50 ms':>10}"]
+    for r in rows:
+        ratio = "" if r.vs_one is None else f"{r.vs_one:.2f}x"
+        lines.append(f"{r.streams:>7} {r.tokens:>7} {r.wall_s:>7.2f} {r.aggregate_tok_s:>15.1f} {ratio:>6} "
+                     f"{r.ttft_p50_ms:>11.0f} {r.ttft_p95_ms:>11.0f} {r.itl_p50_ms:>10.1f}")
+    return "\n".join(lines)
