@@ -208,6 +208,28 @@ def test_seeded_concurrent_streams_get_what_they_get_alone(server: Serving) -> N
     assert len(set(alone)) > 1  # the seeds matter
 
 
+def test_a_batching_server_gives_seeded_concurrent_streams_what_they_get_alone() -> None:
+    """`serve --parallel 4`: eight seeded streams at once (four decoded together, the rest joining as slots free,
+    one prompt prefilled in several chunks) get the tokens each gets alone; --parallel with a cluster is refused."""
+    s = Serving("--api-key", API_KEY, "--no-cluster", "--parallel", "4")
+    try:
+        client = s.client()
+        prompts = [f"Write one sentence about the number {i}." for i in range(7)] + ["Tell me about the sea. " * 20]
+
+        def one(i: int) -> str:
+            return stream_chat(client, prompts[i], max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i)
+
+        alone = [one(i) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(one, range(8)))
+        assert together == alone and len(set(alone)) > 1
+    finally:
+        s.close()
+    refused = subprocess.run([sys.executable, "-m", "edgerun.cli", "serve", "--parallel", "2", "--port", "0"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--no-cluster" in refused.stderr
+
+
 def test_bench_serve_measures_concurrent_streams_against_a_running_server(server: Serving) -> None:
     """`bench serve --url` against a running server: every stream's tokens come back (the usage), first tokens and
     gaps are timed, and the aggregate is the row's tokens over its wall time; a wrong key is one line naming 401."""
@@ -229,7 +251,7 @@ def test_bench_serve_measures_concurrent_streams_against_a_running_server(server
 def test_bench_serve_starts_its_own_server(shipped_path: Path) -> None:
     """`edgerun bench serve` as a user runs it: it starts edgerun serve, streams, prints JSON rows, stops it."""
     out = subprocess.run([sys.executable, "-m", "edgerun.cli", "bench", "serve", "--streams", "1,3", "--max-tokens",
-                          "3", "--json"], capture_output=True, text=True, timeout=600, check=True)
+                          "3", "--parallel", "3", "--json"], capture_output=True, text=True, timeout=600, check=True)
     rows = json.loads(out.stdout)
     assert [(r["streams"], r["tokens"]) for r in rows] == [(1, 3), (3, 9)] and rows[0]["vs_one"] == 1.0
     assert all(r["aggregate_tok_s"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)

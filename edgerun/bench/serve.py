@@ -2,10 +2,10 @@
 number of streams: the aggregate tokens a second, the time to each stream's first text (p50, p95), the time between
 its pieces of text (p50), and the aggregate against one stream's.
 
-The server is a process of its own (`edgerun serve --no-cluster` on a free port, started here and stopped after),
-or one already running (--url), so the clients' threads never share an interpreter with it. Every stream of a row
-starts at once (a barrier) with the same greedy request, and streams its answer over HTTP as a user's client does
-(server-sent events, the usage in the last chunk).
+The server is a process of its own (`edgerun serve --no-cluster [--parallel P]` on a free port, started here and
+stopped after), or one already running (--url), so the clients' threads never share an interpreter with it.
+Every stream of a row starts at once (a barrier) with the same greedy request, and streams its answer over HTTP as
+a user's client does (server-sent events, the usage in the last chunk).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ServeBenchConfig:
     api_key: str | None = None
     model: Path | None = None  # the started server's (None: the shipped model)
     threads: int = 1  # the started server's
+    parallel: int = 1  # the started server's --parallel (requests decoded together)
     prompt: str = BENCH_PROMPT
 
     def __post_init__(self) -> None:
@@ -49,6 +50,8 @@ class ServeBenchConfig:
             raise EdgerunError("--streams must be whole numbers of at least 1, comma-separated: 1,4,8,16")
         if self.max_tokens < 1:
             raise EdgerunError("--max-tokens must be at least 1")
+        if self.parallel < 1:
+            raise EdgerunError("--parallel must be at least 1")
         if self.url is not None and not re.match(r"^https?://[^/]+", self.url):
             raise EdgerunError(f"--url must be a server's http:// address, not {self.url!r}")
 
@@ -147,10 +150,11 @@ def summarize(streams: int, timings: Sequence[StreamTiming], wall_s: float) -> S
 
 @contextmanager
 def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iterator[str]:
-    """`edgerun serve --no-cluster` on a free port of this machine, its queue as deep as the most streams; its
-    URL while the context is open."""
+    """`edgerun serve --no-cluster --parallel P` on a free port of this machine, its queue as deep as the most
+    streams; its URL while the context is open."""
     argv = [sys.executable, "-m", "edgerun.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-cluster",
-            "--no-request-log", "--threads", str(config.threads), "--max-queue", str(max(config.streams))]
+            "--no-request-log", "--threads", str(config.threads), "--max-queue", str(max(config.streams)),
+            "--parallel", str(config.parallel)]
     if config.model is not None:
         argv += ["--model", str(config.model)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

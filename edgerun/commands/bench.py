@@ -101,7 +101,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     from edgerun.serve.cli import API_KEY_ENV
 
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
-                              args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads)
+                              args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -327,6 +327,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "of starting one (default: start edgerun serve --no-cluster with --model and --threads)")
     p.add_argument("--api-key", default=None, help="bearer token for --url's server (default: $EDGERUN_API_KEY)")
     p.add_argument("--threads", type=thread_count, default=1, help="the started server's threads (default: 1)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="the started server's --parallel: requests it decodes together (default: 1)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "
                    "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms and vs_one")
     p.set_defaults(func=cmd_bench_serve)

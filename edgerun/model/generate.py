@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -99,16 +99,20 @@ def default_engine(model: Model, activations_f32: bool = False) -> str:
     return "onnx" if unsupported(model) else "ggml"
 
 
-def make_engine(kind: str, model: Model, max_len: int, threads: int | None = None, device: str = "cpu") -> Engine:
-    """An engine of this kind; `device` "cuda" runs ggml's CUDA backend (the ggml engine only)."""
+def make_engine(kind: str, model: Model, max_len: int, threads: int | None = None, device: str = "cpu",
+                slots: int = 1) -> Engine:
+    """An engine of this kind; `device` "cuda" runs ggml's CUDA backend, `slots` > 1 holds that many sequences'
+    caches for batched decoding (the ggml engine only, both)."""
     if device != "cpu" and kind != "ggml":
         raise EdgerunError(f"--device {device} runs the ggml engine, not {kind}")
+    if slots > 1 and kind != "ggml":
+        raise EdgerunError(f"batched decoding (--parallel) runs on the ggml engine, not {kind}")
     if kind == "numpy":
         return ReferenceEngine(model, max_len)
     if kind == "ggml":
         from edgerun.model.ggml_engine import GgmlEngine
 
-        return GgmlEngine(model, max_len, threads=threads, device=device)
+        return GgmlEngine(model, max_len, threads=threads, device=device, slots=slots)
     if kind in ("onnx", "onnx-f32"):
         from edgerun.model.onnx_engine import OnnxEngine
         from edgerun.model.onnx_graph import Activations
@@ -144,20 +148,62 @@ class GenerationResult:
         return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else 0.0
 
 
+@dataclass
+class Generation:
+    """One sequence's answer as the generation loop makes it: the tokens taken so far, and why it ended. Both
+    loops (generate's, one sequence at a time on any engine, and BatchLoop's, several on one engine) take their
+    sampled tokens through `take`, so a sequence ends alike in either."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: frozenset[int] = frozenset()
+    on_token: Callable[[int], None] | None = None
+    cancelled: Callable[[], bool] = lambda: False
+    tokens: list[int] = field(default_factory=list)
+    reason: StopReason | None = None
+
+    def check(self, max_len: int) -> None:
+        """One line for a request the engine cannot run."""
+        if not self.prompt:
+            raise EdgerunError("the prompt is empty")
+        if self.max_tokens < 1:
+            raise EdgerunError("max tokens must be at least 1")
+        if len(self.prompt) + self.max_tokens > max_len:
+            raise EdgerunError(f"prompt ({len(self.prompt)} tokens) plus --max-tokens {self.max_tokens} exceeds the "
+                               f"context of {max_len} tokens")
+
+    def take(self, token: int) -> bool:
+        """The token sampled next: whether the sequence goes on (else `reason` says why it ended)."""
+        if token in self.stop_ids:
+            self.reason = StopReason.STOP_TOKEN
+            return False
+        self.tokens.append(token)
+        if self.on_token:
+            self.on_token(token)
+        if len(self.tokens) >= self.max_tokens:
+            self.reason = StopReason.MAX_TOKENS
+            return False
+        if self.cancelled():
+            self.reason = StopReason.CANCELLED
+            return False
+        return True
+
+    @property
+    def position(self) -> int:
+        """The position of the last token taken: the next step's input."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
 def generate(engine: Stepper | TokenStepper, prompt: Sequence[int], max_tokens: int, sampler: Sampler,
              stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None,
              cancelled: Callable[[], bool] = lambda: False) -> GenerationResult:
     """Prefill the prompt, then sample up to max_tokens tokens; the engine starts fresh. The one generation
     loop of every engine: the single-process ones, a tensor-parallel master, a pipeline (which samples at its
-    last stage) and `edgerun serve`'s switch between them. `cancelled` is asked before every step; an engine
-    that raises EngineLost is recovered and re-prefilled."""
-    if not prompt:
-        raise EdgerunError("the prompt is empty")
-    if max_tokens < 1:
-        raise EdgerunError("max tokens must be at least 1")
-    if len(prompt) + max_tokens > engine.max_len:
-        raise EdgerunError(f"prompt ({len(prompt)} tokens) plus --max-tokens {max_tokens} exceeds the "
-                           f"context of {engine.max_len} tokens")
+    last stage) and `edgerun serve`'s switch between them (BatchLoop runs several sequences on one engine).
+    `cancelled` is asked before every step; an engine that raises EngineLost is recovered and re-prefilled."""
+    gen = Generation(prompt, max_tokens, sampler, stop_ids, on_token, cancelled)
+    gen.check(engine.max_len)
     if isinstance(engine, TokenStepper):
         def next_token(tokens: list[int], start: int) -> int:
             return engine.step_token(tokens, start, sampler)
@@ -165,7 +211,6 @@ def generate(engine: Stepper | TokenStepper, prompt: Sequence[int], max_tokens: 
         def next_token(tokens: list[int], start: int) -> int:
             return sampler(engine.step(tokens), start + len(tokens))
 
-    tokens: list[int] = []
     recoveries = 0
     start = time.perf_counter()
     prefill_s = 0.0
@@ -174,27 +219,15 @@ def generate(engine: Stepper | TokenStepper, prompt: Sequence[int], max_tokens: 
         while True:
             try:
                 engine.reset()
-                context = list(prompt) + tokens
-                token = next_token(context, 0)
-                if not tokens:
+                token = next_token(list(prompt) + gen.tokens, 0)
+                if not gen.tokens:
                     prefill_s = time.perf_counter() - start
                     decode_start = time.perf_counter()
-                while True:
-                    if token in stop_ids:
-                        reason = StopReason.STOP_TOKEN
-                        break
-                    tokens.append(token)
-                    if on_token:
-                        on_token(token)
-                    if len(tokens) >= max_tokens:
-                        reason = StopReason.MAX_TOKENS
-                        break
-                    if cancelled():
-                        reason = StopReason.CANCELLED
-                        break
-                    token = next_token([token], len(prompt) + len(tokens) - 1)
-                return GenerationResult(len(prompt), tokens, reason, prefill_s, time.perf_counter() - decode_start,
-                                        recoveries)
+                while gen.take(token):
+                    token = next_token([token], gen.position)
+                assert gen.reason is not None
+                return GenerationResult(len(prompt), gen.tokens, gen.reason, prefill_s,
+                                        time.perf_counter() - decode_start, recoveries)
             except EngineLost as lost:
                 recoveries += 1
                 engine.recover(lost)  # type: ignore[union-attr]  # only engines that can lose a part raise it

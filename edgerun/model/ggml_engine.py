@@ -34,6 +34,8 @@ KV_STEP = 256
 HEAD_PART_BYTES = 32 << 20
 # Nodes in one step's graph: a Llama layer takes about 30; MoE layers are not built here.
 GRAPH_NODES_PER_LAYER = 48
+# Batched decode graphs kept (one per make-up of slots and cache lengths); past that many they are all let go.
+BATCH_GRAPHS_KEPT = 32
 
 
 @dataclass(frozen=True)
@@ -80,22 +82,25 @@ class StepInputs:
         return cls(gc.input(ggml_lib.I32, n), gc.input(ggml_lib.I64_TYPE, n), gc.input(ggml_lib.F16, n_kv, n), n,
                    n_kv)
 
-    def set(self, gc: GraphContext, start: int, mask: np.ndarray) -> None:
-        """Positions start.., and a mask where token i sees cache rows 0..start+i (written straight into the
-        graph's memory on the CPU; through `mask`, (n, n_kv), elsewhere)."""
+    def set(self, gc: GraphContext, start: int, mask: np.ndarray, base: int = 0) -> None:
+        """Positions start.., written to cache rows base + start.., and a mask where token i sees the rows of
+        positions 0..start+i (written straight into the graph's memory on the CPU; through `mask`, (n, n_kv),
+        elsewhere). `base`: the sequence's first cache row (its slot's, in an engine of several)."""
         pos, rows, view = gc.view(self.pos), gc.view(self.rows), gc.view(self.mask)
         if pos is None or rows is None or view is None:
             positions = np.arange(start, start + self.n, dtype=np.int32)
             gc.set(self.pos, positions)
-            gc.set(self.rows, positions.astype(np.int64))
+            gc.set(self.rows, positions.astype(np.int64) + base)
             self._fill(mask, start)
             gc.set(self.mask, mask)
         elif self.n == 1:  # a decode step: a few scalar writes and one fill
-            pos[0] = rows[0] = start
+            pos[0] = start
+            rows[0] = base + start
             view[:] = -np.inf
             view[:start + 1] = 0
         else:
-            pos[:] = rows[:] = np.arange(start, start + self.n)
+            pos[:] = np.arange(start, start + self.n)
+            rows[:] = np.arange(base + start, base + start + self.n)
             self._fill(view.reshape(self.n, self.n_kv), start)
 
     def _fill(self, mask: np.ndarray, start: int) -> None:
@@ -110,13 +115,27 @@ def linear(ctx: int, w: int, x: int, bias: int | None, t) -> int:
     return y if bias is None else g.ggml_add(ctx, y, t(bias))
 
 
+@dataclass(frozen=True)
+class Span:
+    """One sequence's tokens in a step of several sequences: columns [col, col + n) of the step's hidden states,
+    whose keys and values lie in cache rows from `base` on (its slot's), `n_kv` of them read through its causal
+    `mask` ((n_kv, n) F16)."""
+
+    col: int
+    n: int
+    base: int
+    n_kv: int
+    mask: int
+
+
 def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int, inputs: StepInputs,
-                    rope_mode: int) -> int:
+                    rope_mode: int, spans: Sequence[Span] | None = None) -> int:
     """Attention of normalized hidden states h, (hidden, n), through these heads: wo's product with their output,
     (hidden, n) (llama.cpp's graph for Llama and Qwen2). This step's keys and values go into their cache rows
-    first."""
+    first (inputs.rows). `spans`: the step's sequences, each attending to its own cache rows (a batched decode);
+    by default one sequence of every column from cache row 0."""
     g, ctx = ggml_lib.lib(), gc.ctx
-    n, n_kv, hd, eps = inputs.n, inputs.n_kv, c.head_dim, c.norm_eps
+    n, hd, eps = inputs.n, c.head_dim, c.norm_eps
     q = g.ggml_reshape_3d(ctx, linear(ctx, a.wq, h, a.bq, t), hd, a.n_heads, n)
     k = g.ggml_reshape_3d(ctx, linear(ctx, a.wk, h, a.bk, t), hd, a.n_kv_heads, n)
     v = linear(ctx, a.wv, h, a.bv, t)
@@ -132,12 +151,18 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
     gc.expand(g.ggml_set_rows(ctx, kc, g.ggml_reshape_2d(ctx, k, a.n_kv_heads * hd, n), inputs.rows))
     gc.expand(g.ggml_set_rows(ctx, vc, v, inputs.rows))
     row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
-    keys = g.ggml_permute(ctx, g.ggml_view_3d(ctx, kc, hd, a.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
-    values = g.ggml_permute(ctx, g.ggml_view_3d(ctx, vc, hd, a.n_kv_heads, n_kv, per_head, row, 0), 0, 2, 1, 3)
-    out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q, 0, 2, 1, 3), keys, values, inputs.mask,
-                                1.0 / float(np.sqrt(hd)), 0.0, 0.0)
-    g.ggml_prec_set_acc(out, ggml_lib.PREC_F32)
-    return g.ggml_mul_mat(ctx, t(a.wo), g.ggml_reshape_2d(ctx, out, a.n_heads * hd, n))
+    outs = []
+    for span in spans or (Span(0, n, 0, inputs.n_kv, inputs.mask),):
+        qs = q if span.n == n else \
+            g.ggml_view_3d(ctx, q, hd, a.n_heads, span.n, head(q).nb[1], head(q).nb[2], span.col * head(q).nb[2])
+        keys, values = (g.ggml_permute(ctx, g.ggml_view_3d(ctx, cache, hd, a.n_kv_heads, span.n_kv, per_head, row,
+                                                           span.base * row), 0, 2, 1, 3) for cache in (kc, vc))
+        out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, qs, 0, 2, 1, 3), keys, values, span.mask,
+                                    1.0 / float(np.sqrt(hd)), 0.0, 0.0)
+        g.ggml_prec_set_acc(out, ggml_lib.PREC_F32)
+        outs.append(g.ggml_reshape_2d(ctx, out, a.n_heads * hd, span.n))
+    joined = functools.reduce(lambda x, y: g.ggml_concat(ctx, x, y, 1), outs)
+    return g.ggml_mul_mat(ctx, t(a.wo), joined)
 
 
 def cache_rows(end: int, max_len: int) -> int:
@@ -199,10 +224,14 @@ class GgmlEngine:
     name = "ggml"
 
     def __init__(self, model: Model, max_len: int, threads: int | None = None, device: str = "cpu",
-                 layers: range | None = None, head: bool = True) -> None:
+                 layers: range | None = None, head: bool = True, slots: int = 1) -> None:
         """`head=False`: no LM head even where the layers reach the last, so run() gives the last layer's hidden
-        states (an embedding model's)."""
+        states (an embedding model's). `slots`: sequences whose caches it holds at once (max_len rows each), for
+        batched decoding (prefill, decode); step and run use the first."""
         check_supported(model)
+        if slots < 1:
+            raise EdgerunError("an engine holds at least one sequence")
+        self.slots = slots
         self.model = model
         self.config: ModelConfig = model.config
         self.max_len = max_len
@@ -242,8 +271,8 @@ class GgmlEngine:
                 wq=add(f"blk.{i}.wq", wq), wk=add(f"blk.{i}.wk", wk), wv=add(f"blk.{i}.wv", layer.wv),
                 wo=add(f"blk.{i}.wo", layer.wo), bq=opt("bq", bq), bk=opt("bk", bk), bv=opt("bv", layer.bv),
                 q_norm=opt("q_norm", layer.q_norm), k_norm=opt("k_norm", layer.k_norm),
-                k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len),
-                v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len),
+                k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len * slots),
+                v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len * slots),
                 n_heads=c.n_heads, n_kv_heads=c.n_kv_heads)
             self.layers.append(LayerTensors(
                 attn_norm=add(f"blk.{i}.attn_norm", layer.attn_norm), attn=attn,
@@ -259,7 +288,8 @@ class GgmlEngine:
             sum(t.nbytes for i in self.layer_range for _, t in w.layers[i].matrices()) + \
             (w.output.nbytes if self.has_head else 0)
         self.position = 0
-        self._graphs: dict[tuple[int, int], StepGraph] = {}
+        self._graphs: dict[tuple[int, int, int], StepGraph] = {}
+        self._batches: dict[tuple[tuple[int, int], ...], BatchGraph] = {}
         self._scratch = ScratchAllocator(self.backend)
 
     def reset(self) -> None:
@@ -278,53 +308,91 @@ class GgmlEngine:
         """Run n positions' hidden states (n, hidden) after those already seen through this engine's layers:
         the last position's logits, (vocab,), where it holds the LM head, else every position's hidden state
         after its last layer, (n, hidden)."""
+        out = self._forward(embd, self.position, 0)
+        self.position += embd.shape[0]
+        return out
+
+    def prefill(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
+        """Run tokens at positions start.. of the sequence in `slot` (its cache rows before `start` hold its
+        earlier tokens); the last one's logits, (vocab,)."""
+        if not 0 <= slot < self.slots:
+            raise EdgerunError(f"slot {slot} is not one of this engine's {self.slots}")
+        return self._forward(self.embed(np.asarray(tokens, np.int64)), start, slot)
+
+    def decode(self, batch: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """One token of each of several sequences, (slot, position, token) each, in one step: their logits,
+        (len(batch), vocab). Each reads only its own slot's cache; a sequence's logits are those it gets alone."""
+        if any(not 0 <= slot < self.slots for slot, _, _ in batch) or len({b[0] for b in batch}) != len(batch):
+            raise EdgerunError(f"a batch takes distinct slots of this engine's {self.slots}")
+        if any(position + 1 > self.max_len for _, position, _ in batch):
+            raise EdgerunError(f"the context holds {self.max_len} tokens")
+        key = tuple((slot, cache_rows(position + 1, self.max_len)) for slot, position, _ in batch)
+        graph = self._batches.get(key)
+        if graph is None:
+            if len(self._batches) >= BATCH_GRAPHS_KEPT:  # the batch's make-up changes as sequences come and go
+                self._batches.clear()
+            graph = self._batches[key] = BatchGraph(self, key)
+        return graph.run(self.embed(np.asarray([b[2] for b in batch], np.int64)), [b[1] for b in batch])
+
+    def _forward(self, embd: np.ndarray, start: int, slot: int) -> np.ndarray:
         n = embd.shape[0]
         if n < 1:
             raise EdgerunError("a step needs at least one token")
-        start = self.position
         if start + n > self.max_len:
             raise EdgerunError(f"the context holds {self.max_len} tokens; this step would reach {start + n}")
         n_kv = cache_rows(start + n, self.max_len)
-        key = (n, n_kv)
+        key = (n, n_kv, slot)
         graph = self._graphs.get(key)
         if graph is None:
             # Prompts come in every length: only decode graphs are worth keeping, a prompt's is laid out in the
             # engine's scratch buffer.
-            graph = StepGraph(self, n, n_kv, None if n == 1 else self._scratch)
+            graph = StepGraph(self, n, n_kv, None if n == 1 else self._scratch, base=slot * self.max_len)
             if n == 1:
                 self._graphs[key] = graph
-        out = graph.run(np.ascontiguousarray(embd, np.float32), start)
-        self.position = start + n
-        return out
+        return graph.run(np.ascontiguousarray(embd, np.float32), start)
+
+
+def _layers(gc: GraphContext, engine: GgmlEngine, x: int, inputs: StepInputs, spans: Sequence[Span] | None,
+            last_only: bool) -> int:
+    """The engine's layers over hidden states x, (hidden, n): their output; with `last_only`, the last
+    position's alone (after the last attention, which every position's keys and values fed, the other positions
+    are done and skip the last MLP, as llama.cpp's graph does with its output rows)."""
+    g, c, t, ctx = ggml_lib.lib(), engine.config, engine.weights.tensor, gc.ctx
+    for i, layer in enumerate(engine.layers):
+        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.attn_norm))
+        x = g.ggml_add(ctx, x, attention_block(gc, t, c, layer.attn, h, inputs, engine.rope_mode, spans))
+        if last_only and i == len(engine.layers) - 1 and inputs.n > 1:
+            stride = head(x).nb[1]
+            x = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (inputs.n - 1) * stride)
+        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.ffn_norm))
+        x = g.ggml_add(ctx, x, mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, h))
+    return x
+
+
+def _logits(gc: GraphContext, engine: GgmlEngine, x: int) -> int:
+    """The LM head over the final norm of x: a column of logits per column of x."""
+    g = ggml_lib.lib()
+    h = g.ggml_mul(gc.ctx, g.ggml_rms_norm(gc.ctx, x, engine.config.norm_eps), engine.weights.tensor(
+        engine.output_norm))
+    assert engine.output is not None
+    return lm_head(gc.ctx, engine.weights, engine.output, h)
 
 
 class StepGraph:
-    """One step's graph over n tokens reading n_kv cache rows, allocated once and run with new inputs."""
+    """One step's graph over n tokens of one sequence reading n_kv cache rows from `base` on, allocated once and
+    run with new inputs."""
 
-    def __init__(self, engine: GgmlEngine, n: int, n_kv: int, scratch: ScratchAllocator | None = None) -> None:
+    def __init__(self, engine: GgmlEngine, n: int, n_kv: int, scratch: ScratchAllocator | None = None,
+                 base: int = 0) -> None:
         c = engine.config
+        self.base = base
         self.gc = GraphContext(engine.backend, len(engine.layers) * GRAPH_NODES_PER_LAYER + 64)
-        ctx = self.gc.ctx
-        g = ggml_lib.lib()
-        t = engine.weights.tensor
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, n)
         self.inputs = StepInputs.of(self.gc, n, n_kv)
-        x = self.embd
-        for i, layer in enumerate(engine.layers):
-            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.attn_norm))
-            x = g.ggml_add(ctx, x, attention_block(self.gc, t, c, layer.attn, h, self.inputs, engine.rope_mode))
-            if engine.has_head and i == len(engine.layers) - 1 and n > 1:
-                # Only the last position's logits are returned: after the last attention (which every position's
-                # keys and values fed) the other positions are done, and skip the last MLP (llama.cpp's graph
-                # does the same with its output rows; a 16-layer prefill computes 1/16 fewer MLP rows).
-                stride = head(x).nb[1]
-                x = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (n - 1) * stride)
-            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.ffn_norm))
-            x = g.ggml_add(ctx, x, mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, h))
+        spans = None if base == 0 else (Span(0, n, base, n_kv, self.inputs.mask),)
+        x = _layers(self.gc, engine, self.embd, self.inputs, spans, last_only=engine.has_head)
         if engine.has_head:  # x is the last position's hidden state
-            h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(engine.output_norm))
-            assert engine.output is not None
-            self.out, self.shape = lm_head(ctx, engine.weights, engine.output, h), (c.vocab_size,)
+            self.out, self.shape = _logits(self.gc, engine, x), (c.vocab_size,)
         else:  # a stage's hidden states go on to the next stage
             self.out, self.shape = x, (n, c.hidden)
         self.gc.expand(self.out)
@@ -333,6 +401,39 @@ class StepGraph:
 
     def run(self, embd: np.ndarray, start: int) -> np.ndarray:
         self.gc.set(self.embd, embd)
-        self.inputs.set(self.gc, start, self._mask)
+        self.inputs.set(self.gc, start, self._mask, self.base)
         self.gc.compute()
         return self.gc.get(self.out, np.empty(self.shape, np.float32))
+
+
+class BatchGraph:
+    """A decode step of several sequences, one token each at its own position, each attending to its own slot's
+    cache rows: (slot, cache rows read) per sequence. The matrix products take every sequence's column at once
+    (the weights read once for all of them), attention is each sequence's own."""
+
+    def __init__(self, engine: GgmlEngine, make_up: tuple[tuple[int, int], ...]) -> None:
+        c, b = engine.config, len(make_up)
+        self.gc = GraphContext(engine.backend, len(engine.layers) * (GRAPH_NODES_PER_LAYER + 8 * b) + 64)
+        self.embd = self.gc.input(ggml_lib.F32, c.hidden, b)
+        masks = [self.gc.input(ggml_lib.F16, n_kv, 1) for _, n_kv in make_up]
+        self.inputs = StepInputs(self.gc.input(ggml_lib.I32, b), self.gc.input(ggml_lib.I64_TYPE, b), masks[0], b,
+                                 max(n_kv for _, n_kv in make_up))
+        spans = [Span(i, 1, slot * engine.max_len, n_kv, mask) for i, ((slot, n_kv), mask) in
+                 enumerate(zip(make_up, masks, strict=True))]
+        self.out = _logits(self.gc, engine, _layers(self.gc, engine, self.embd, self.inputs, spans, last_only=False))
+        self.gc.expand(self.out)
+        self.gc.allocate()
+        self.masks, self.bases, self.shape = masks, [slot * engine.max_len for slot, _ in make_up], (b, c.vocab_size)
+        self._kv = [n_kv for _, n_kv in make_up]
+
+    def run(self, embd: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+        gc = self.gc
+        gc.set(self.embd, embd)
+        gc.set(self.inputs.pos, np.asarray(positions, np.int32))
+        gc.set(self.inputs.rows, np.asarray(positions, np.int64) + np.asarray(self.bases, np.int64))
+        for mask, n_kv, position in zip(self.masks, self._kv, positions, strict=True):
+            row = np.full(n_kv, -np.inf, np.float16)
+            row[:position + 1] = 0
+            gc.set(mask, row)
+        gc.compute()
+        return gc.get(self.out, np.empty(self.shape, np.float32))

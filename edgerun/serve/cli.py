@@ -70,6 +70,11 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--api-key", default=None, help=f"bearer token the /v1 endpoints require (default: "
                    f"${API_KEY_ENV}; unset: open)")
     p.add_argument("--max-queue", type=int, default=16, help="requests queued or running before 429 (default: 16)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="requests decoded together on this machine's engine: each joins the running batch between "
+                        "its steps with a cache of its own (N caches of --max-context rows), its prompt prefilled in "
+                        "chunks between the others' tokens; needs --no-cluster and the ggml engine (default: 1, one "
+                        "request at a time)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")
@@ -134,7 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          secret=secret,
                          cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                         max_queue=args.max_queue, max_context=args.max_context, default_max_tokens=args.max_tokens,
+                         max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context,
+                         default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name, sampling=sampling_params(args),
                          max_body=args.max_body, cors_origins=tuple(args.cors_origin),
                          log_requests=args.log_requests, log_format=args.log_format,

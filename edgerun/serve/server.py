@@ -37,6 +37,7 @@ class ServeConfig:
     prefer: Prefer = Prefer.AUTO
     api_key: str | None = None
     max_queue: int = 16
+    parallel: int = 1  # requests decoded together on this machine's engine (continuous batching; 1: one at a time)
     max_context: int = 2048
     default_max_tokens: int = 512
     threads: int = 1
@@ -68,6 +69,10 @@ class ServeConfig:
             raise EdgerunError("--max-queue, --max-tokens and --threads must be at least 1, --max-context 16")
         if not 0 <= self.port < 65536 or (self.cluster_port is not None and not 0 <= self.cluster_port < 65536):
             raise EdgerunError("ports must lie in 0..65535")
+        if self.parallel < 1:
+            raise EdgerunError("--parallel must be at least 1")
+        if self.parallel > 1 and (self.cluster_port is not None or not self.local):
+            raise EdgerunError("--parallel batches this machine's own engine: use it with --no-cluster")
         if self.replicas < 1:
             raise EdgerunError("--replicas must be at least 1")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
@@ -84,6 +89,7 @@ class Server:
     pipeline's or expert hub's own HTTP server with the workers' WebSockets, browser node page and stage files."""
 
     def __init__(self, config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
+        from edgerun.model.batch import BatchLoop
         from edgerun.model.generate import default_engine, make_engine
         from edgerun.model.loader import load_model
         from edgerun.serve.app import Api, ApiConfig, LogFormat, build_app
@@ -108,7 +114,7 @@ class Server:
                 self.model = model = apply_adapter(model, config.adapter)
             max_len = min(config.max_context, model.config.context_length)
             single = make_engine(default_engine(model, config.activations == Activations.F32), model, max_len,
-                                 threads=config.threads) if config.local else None
+                                 threads=config.threads, slots=config.parallel) if config.local else None
             self.cluster = None if config.cluster_port is None else self._cluster(model, max_len)
             self.advertiser = None
             if self.cluster is not None and config.advertise:
@@ -118,8 +124,9 @@ class Server:
                 self.advertiser = Advertiser(mode, config.cluster_host, self.cluster.port, log=log)
             self.switch = EngineSwitch(single, self.cluster, config.prefer, max_len, log)
             self.metrics = Metrics()
+            batch = BatchLoop(single) if config.parallel > 1 else None  # type: ignore[arg-type]  # a GgmlEngine
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
-                                   self.metrics, log)
+                                   self.metrics, log, batch)
             name = config.model_name or model.name
             self.api = Api(model, self.service, self.switch, self.metrics,
                            ApiConfig(name, config.api_key, config.default_max_tokens,

@@ -1,12 +1,14 @@
-"""The requests of `edgerun serve`, one at a time, in the order they came (a bounded FIFO queue), on one
-generation thread that owns the engines. Each request is a Job: its tokens go back to the HTTP handler's
-event loop as they are made, and the handler may cancel it (a client that went away, a stop string seen),
-which the generation loop notices before its next step."""
+"""The requests of `edgerun serve`, in the order they came (a bounded FIFO queue), on one generation thread that
+owns the engines: one at a time through the engine switch, or, with a batch (`--parallel`), several at once on this
+machine's engine, joining and leaving the running batch between its steps (model.batch). Each request is a Job: its
+tokens go back to the HTTP handler's event loop as they are made, and the handler may cancel it (a client that went
+away, a stop string seen), which the generation loop notices before its next step."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 import threading
 import time
@@ -15,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgerun.errors import EdgerunError
-from edgerun.model.generate import GenerationResult, generate
+from edgerun.model.batch import BatchLoop
+from edgerun.model.generate import Generation, GenerationResult, generate
 from edgerun.model.logits import LogitShaper
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.serve.metrics import Metrics
@@ -52,9 +55,10 @@ class Job:
 
 class Service:
     def __init__(self, switch: EngineSwitch, stop_ids: frozenset[int], max_queue: int, wait_s: float,
-                 metrics: Metrics, log: Callable[[str], None] = lambda _: None) -> None:
+                 metrics: Metrics, log: Callable[[str], None] = lambda _: None, batch: BatchLoop | None = None) -> None:
         self.switch, self.stop_ids, self.max_queue, self.wait_s, self.metrics, self.log = \
             switch, stop_ids, max_queue, wait_s, metrics, log
+        self.batch = batch  # several requests at once on this machine's engine (None: one at a time)
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.waiting = 0  # jobs queued or running
         self.count_lock = threading.Lock()
@@ -80,6 +84,9 @@ class Service:
         self.thread.join(timeout=30)
 
     def _run(self) -> None:
+        if self.batch is not None:
+            self._run_batched(self.batch)
+            return
         while True:
             try:
                 job = self.queue.get(timeout=IDLE_CHECK_S)
@@ -99,8 +106,57 @@ class Service:
                 job.put(e)
             finally:
                 self.busy = False
-                with self.count_lock:
-                    self.waiting -= 1
+                self._left()
+
+    def _left(self) -> None:
+        """A job is answered: its place in the queue is free."""
+        with self.count_lock:
+            self.waiting -= 1
+
+    def _run_batched(self, batch: BatchLoop) -> None:
+        """Jobs join the batch while it has free slots (waiting on the queue only while nothing runs); each round
+        is one of the batch's steps."""
+        while True:
+            while batch.free:
+                try:
+                    job = self.queue.get_nowait() if batch.running else self.queue.get(timeout=IDLE_CHECK_S)
+                except queue.Empty:
+                    if not batch.running:
+                        self._update()
+                    break
+                if job is None:
+                    batch.fail_all(EdgerunError("the server is stopping"))
+                    return
+                self._join(batch, job)
+            self.busy = bool(batch.running)
+            if batch.running:
+                try:
+                    batch.step()
+                except Exception as e:  # every running request gets it; the service goes on
+                    batch.fail_all(e)
+
+    def _join(self, batch: BatchLoop, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._left()
+            return
+
+        def done(result: GenerationResult | BaseException) -> None:
+            if isinstance(result, GenerationResult):
+                self._measured(result)
+            job.put(result)
+            self._left()
+
+        gen = Generation(job.prompt, job.max_tokens, Sampler(job.sampling, job.shaper), self.stop_ids,
+                         functools.partial(self._token, job), job.cancelled.is_set)
+        try:
+            batch.add(gen, done)
+        except Exception as e:  # a request the engine cannot run: its handler reports it
+            job.put(e)
+            self._left()
+
+    def _token(self, job: Job, token: int) -> None:
+        job.put(token)
+        self.tokens_log.append(time.time())
 
     def _capacity(self, job: Job) -> bool:
         """Whether something can generate, waiting up to wait_s for nodes to join when nothing can; a 503 for
@@ -124,15 +180,14 @@ class Service:
             self.log(f"replanning failed: {e}")
 
     def _generate(self, job: Job) -> GenerationResult:
-        def on_token(token: int) -> None:
-            job.put(token)
-            self.tokens_log.append(time.time())
-
         sampler = Sampler(job.sampling, job.shaper)
-        result = generate(self.switch, job.prompt, job.max_tokens, sampler, self.stop_ids, on_token,
-                          cancelled=job.cancelled.is_set)
+        result = generate(self.switch, job.prompt, job.max_tokens, sampler, self.stop_ids,
+                          functools.partial(self._token, job), cancelled=job.cancelled.is_set)
+        self._measured(result)
+        return result
+
+    def _measured(self, result: GenerationResult) -> None:
         ms = result.decode_s / (len(result.tokens) - 1) * 1e3 if len(result.tokens) > 1 else None
-        if ms is not None:
+        if ms is not None and self.batch is None:  # the switch compares one request's speed alone
             self.switch.measured(ms)
         self.metrics.generation(result.prompt_tokens, len(result.tokens), ms, result.recoveries)
-        return result

@@ -1,0 +1,105 @@
+"""Continuous batching on the ggml engine: several sequences' caches in one engine (slots), a decode step of all of
+them at once, and the batch loop that lets sequences join and leave between steps. Every sequence gets what it
+gets alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgerun.errors import EdgerunError
+from edgerun.model.batch import BatchLoop
+from edgerun.model.generate import Generation, GenerationResult, StopReason, generate, make_engine
+from edgerun.model.sampling import Sampler, SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time there was a", "1, 2, 3, 4,",
+           "Write a long poem about the sea and the wind. " * 6]
+PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7),
+          SamplingParams(temperature=1.0, top_p=0.9, seed=3), SamplingParams(temperature=0.0)]
+
+
+def test_a_batched_decode_step_gives_each_sequence_the_logits_it_gets_alone(shipped_model) -> None:
+    """Sequences in slots 3, 0 and 2 of one engine, prefilled apart and decoded together: bit for bit the logits of
+    each decoded alone (the products take every column at once; attention reads each slot's own rows)."""
+    tok = shipped_model.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    alone = make_engine("ggml", shipped_model, 512, threads=1)
+    expected = []
+    for p in prompts:
+        alone.reset()
+        tokens, logits = [int(alone.step(p).argmax())], []
+        for _ in range(6):
+            logits.append(alone.step([tokens[-1]]))
+            tokens.append(int(logits[-1].argmax()))
+        expected.append(logits)
+    engine = make_engine("ggml", shipped_model, 512, threads=1, slots=4)
+    slots = [3, 0, 2]
+    last = [int(engine.prefill(s, p, 0).argmax()) for s, p in zip(slots, prompts, strict=True)]
+    for step in range(6):
+        logits = engine.decode([(s, len(p) + step, t) for s, p, t in zip(slots, prompts, last, strict=True)])
+        for i in range(3):
+            assert np.array_equal(logits[i], expected[i][step]), (i, step)
+        last = [int(row.argmax()) for row in logits]
+    with pytest.raises(EdgerunError, match="distinct slots"):
+        engine.decode([(0, 10, 1), (0, 11, 2)])
+    with pytest.raises(EdgerunError, match="slot 4"):
+        engine.prefill(4, [1, 2], 0)
+
+
+def run_batch(shipped_model, requests: list[int], slots: int) -> tuple[dict[int, GenerationResult], int]:
+    """PROMPTS[i] with PARAMS[i] for each i of `requests`, through a batch of `slots` (prefill chunks of 16
+    tokens), each joining as a slot frees: their results, and the most that ran at once."""
+    tok = shipped_model.tokenizer
+    loop = BatchLoop(make_engine("ggml", shipped_model, 512, threads=1, slots=slots), prefill_chunk=16)
+    results: dict[int, GenerationResult] = {}
+    most = 0
+    waiting = list(requests)
+    while waiting or loop.running:
+        while waiting and loop.free:
+            i = waiting.pop(0)
+            loop.add(Generation(tok.encode(PROMPTS[i]), 16, Sampler(PARAMS[i]), tok.stop_ids),
+                     lambda result, i=i: results.__setitem__(i, result))
+        most = max(most, len(loop.running))
+        loop.step()
+    return results, most
+
+
+def test_sequences_join_and_leave_the_batch_with_the_tokens_they_get_alone(shipped_model) -> None:
+    """Four requests (greedy and seeded sampling, one with a prompt of several prefill chunks) through a batch of
+    two slots: each joins when a slot frees, and its tokens are those it gets alone in the batch; a prompt of one
+    chunk gets `generate`'s tokens too. (A prompt prefilled in chunks rounds its attention differently from one
+    prefilled whole, so a longer prompt's tokens may part from `generate`'s at a near tie.)"""
+    tok = shipped_model.tokenizer
+    assert len(tok.encode(PROMPTS[3])) > 16 >= max(len(tok.encode(p)) for p in PROMPTS[:3])
+    together, most = run_batch(shipped_model, [0, 1, 2, 3], 2)
+    alone = {i: run_batch(shipped_model, [i], 2)[0][i] for i in range(4)}
+    assert most == 2 and all(together[i].tokens == alone[i].tokens for i in range(4))
+    engine = make_engine("ggml", shipped_model, 512, threads=1)
+    for i in range(3):
+        assert together[i].tokens == generate(engine, tok.encode(PROMPTS[i]), 16, Sampler(PARAMS[i]),
+                                              tok.stop_ids).tokens
+    assert all(r.stop_reason in (StopReason.MAX_TOKENS, StopReason.STOP_TOKEN) for r in together.values())
+    assert len({tuple(r.tokens) for r in together.values()}) == 4
+
+
+def test_a_cancelled_sequence_leaves_at_the_next_step_and_a_bad_one_is_refused(shipped_model) -> None:
+    tok = shipped_model.tokenizer
+    loop = BatchLoop(make_engine("ggml", shipped_model, 64, threads=1, slots=2))
+    ended: list[GenerationResult] = []
+    cancel = {"now": False}
+    loop.add(Generation(tok.encode(PROMPTS[0]), 40, Sampler(PARAMS[0]), cancelled=lambda: cancel["now"]),
+             ended.append)
+    for _ in range(3):
+        loop.step()
+    cancel["now"] = True
+    loop.step()
+    assert not loop.running and len(ended) == 1 and ended[0].stop_reason == StopReason.CANCELLED
+    assert 1 <= len(ended[0].tokens) < 40
+    with pytest.raises(EdgerunError, match="exceeds the context"):
+        loop.add(Generation(tok.encode(PROMPTS[3]), 40, Sampler(PARAMS[0])), ended.append)
+    for _ in range(2):
+        loop.add(Generation(tok.encode(PROMPTS[0]), 4, Sampler(PARAMS[0])), ended.append)
+    with pytest.raises(EdgerunError, match="all 2 sequences"):
+        loop.add(Generation(tok.encode(PROMPTS[0]), 4, Sampler(PARAMS[0])), ended.append)
+    with pytest.raises(EdgerunError, match="batched decoding"):
+        make_engine("numpy", shipped_model, 64, slots=2)
