@@ -243,6 +243,7 @@ def test_bench_serve_measures_concurrent_streams_against_a_running_server(server
         assert r.aggregate_tok_s == pytest.approx(r.tokens / r.wall_s)
         assert r.ttft_p95_ms < r.wall_s * 1e3
     assert rows[1].vs_one == 1.0 and rows[0].vs_one == pytest.approx(rows[0].aggregate_tok_s / rows[1].aggregate_tok_s)
+    assert all(r.served_by == "the single engine" for r in rows)
     with pytest.raises(EdgerunError, match="401"):
         bench_serve(ServeBenchConfig(streams=(1,), max_tokens=2, url=server.url, api_key="sk-wrong"))
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0 and percentile([1.0, 2.0], 95) == 2.0
@@ -256,6 +257,22 @@ def test_bench_serve_starts_its_own_server(shipped_path: Path) -> None:
     assert [(r["streams"], r["tokens"]) for r in rows] == [(1, 3), (3, 9)] and rows[0]["vs_one"] == 1.0
     assert all(r["aggregate_tok_s"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)
     assert "starting edgerun serve" in out.stderr
+
+
+def test_bench_serve_starts_a_cluster_and_says_which_devices_computed() -> None:
+    """--nodes: a tensor-parallel cluster of the server and its nodes; --workers: a pipeline of workers alone. Each
+    row says the devices of the plan it ran on; bad combinations are one line."""
+    from edgerun.bench.serve import ServeBenchConfig, bench_serve
+    from edgerun.errors import EdgerunError
+
+    rows = bench_serve(ServeBenchConfig(streams=(1, 2), max_tokens=4, nodes=1))
+    assert [r.tokens for r in rows] == [4, 8]
+    assert all(r.served_by == "the cluster, computed on 2 device(s): master, bench-0" for r in rows)
+    rows = bench_serve(ServeBenchConfig(streams=(2,), max_tokens=4, workers=2))
+    assert rows[0].tokens == 8 and rows[0].served_by.startswith("the cluster, computed on 2 device(s): bench-")
+    for bad in (dict(nodes=1, workers=1), dict(nodes=1, parallel=2), dict(url="http://127.0.0.1:1", nodes=1)):
+        with pytest.raises(EdgerunError):
+            ServeBenchConfig(**bad)
 
 
 def test_bad_requests_get_openai_errors(server: Serving) -> None:

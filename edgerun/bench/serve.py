@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import secrets
 import statistics
 import subprocess
 import sys
@@ -41,8 +42,11 @@ class ServeBenchConfig:
     url: str | None = None  # a running server's; None: start `edgerun serve --no-cluster` here
     api_key: str | None = None
     model: Path | None = None  # the started server's (None: the shipped model)
-    threads: int = 1  # the started server's
+    threads: int = 1  # the started server's, and its nodes'
     parallel: int = 1  # the started server's --parallel (requests decoded together)
+    nodes: int = 0  # tensor-parallel node processes the started server serves with (--plan `plan`)
+    workers: int = 0  # pipeline workers the started server serves with (--plan dp, its own engine kept out)
+    plan: str = "even"  # the started tensor-parallel cluster's planner: even shares, every node computing
     prompt: str = BENCH_PROMPT
 
     def __post_init__(self) -> None:
@@ -52,6 +56,12 @@ class ServeBenchConfig:
             raise EdgerunError("--max-tokens must be at least 1")
         if self.parallel < 1:
             raise EdgerunError("--parallel must be at least 1")
+        if self.nodes < 0 or self.workers < 0 or (self.nodes and self.workers):
+            raise EdgerunError("--nodes or --workers: a tensor-parallel cluster or a pipeline, not both")
+        if self.parallel > 1 and (self.nodes or self.workers):
+            raise EdgerunError("--parallel batches the server's own engine: not with --nodes or --workers")
+        if self.url is not None and (self.nodes or self.workers or self.parallel > 1):
+            raise EdgerunError("--url measures a running server as it is: --nodes, --workers and --parallel start one")
         if self.url is not None and not re.match(r"^https?://[^/]+", self.url):
             raise EdgerunError(f"--url must be a server's http:// address, not {self.url!r}")
 
@@ -75,6 +85,7 @@ class ServeRow:
     ttft_p95_ms: float
     itl_p50_ms: float  # between pieces of text, over every stream's
     vs_one: float | None  # aggregate_tok_s over the one-stream row's (None without one)
+    served_by: str = ""  # what the server said it served from after the row (serving())
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -148,43 +159,99 @@ def summarize(streams: int, timings: Sequence[StreamTiming], wall_s: float) -> S
                     statistics.median(gaps) if gaps else float("nan"), None)
 
 
+def _state(url: str, api_key: str | None) -> dict | None:
+    """The server's /api/state (None where it has none or refuses)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/api/state", headers=headers), timeout=30) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, ValueError, OSError):
+        return None
+
+
+def serving(state: dict | None) -> str:
+    """What the server serves from, in words: its engine, and the devices of a cluster's plan."""
+    if state is None:
+        return "a server without /api/state"
+    if state.get("mode") != "cluster" or not state.get("plan"):
+        return f"the {state.get('mode', 'unknown')} engine"
+    plan = state["plan"]
+    memory = plan.get("memory_mb") or [1.0] * len(plan["devices"])
+    used = [str(d) if isinstance(d, str) else str(d.get("name", d)) for d, m in zip(plan["devices"], memory,
+                                                                                      strict=False) if m > 0]
+    return f"the cluster, computed on {len(used)} device(s): {', '.join(used)}"
+
+
+def _cluster_ready(config: ServeBenchConfig, state: dict | None) -> bool:
+    if state is None or state.get("mode") != "cluster":
+        return False
+    if config.workers:
+        return len(state.get("nodes") or []) >= config.workers
+    return len((state.get("plan") or {}).get("devices") or []) == config.nodes + 1
+
+
 @contextmanager
 def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iterator[str]:
-    """`edgerun serve --no-cluster --parallel P` on a free port of this machine, its queue as deep as the most
-    streams; its URL while the context is open."""
-    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-cluster",
-            "--no-request-log", "--threads", str(config.threads), "--max-queue", str(max(config.streams)),
-            "--parallel", str(config.parallel)]
+    """`edgerun serve` on free ports of this machine, its queue as deep as the most streams: alone (`--no-cluster
+    --parallel P`), or with `nodes` tensor-parallel nodes or `workers` pipeline workers it starts beside it (each at
+    `threads`), once its plan takes them all; its URL while the context is open."""
+    argv = [sys.executable, "-m", "edgerun.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-request-log",
+            "--threads", str(config.threads), "--max-queue", str(max(config.streams))]
+    key = secrets.token_hex(16)
+    if config.nodes or config.workers:
+        argv += ["--cluster-port", "0", "--no-advertise", "--prefer", "cluster", "--key", key]
+        argv += ["--plan", "dp", "--no-local"] if config.workers else ["--plan", config.plan]
+    else:
+        argv += ["--no-cluster", "--parallel", str(config.parallel)]
     if config.model is not None:
         argv += ["--model", str(config.model)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})]
     lines: list[str] = []
-    found: list[str] = []
+    found: list[tuple[str, str | None]] = []
     ready = threading.Event()
 
     def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
+        assert procs[0].stderr is not None
+        for line in procs[0].stderr:
             lines.append(line)
             if not found and (m := re.search(r"at (http://[\d.]+:\d+) ", line)):
-                found.append(m.group(1))
+                cluster = re.search(r"--master HOST:(\d+)", line)
+                found.append((m.group(1), cluster.group(1) if cluster else None))
                 ready.set()
         ready.set()  # ended: the server stopped
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        log("starting edgerun serve --no-cluster (the model loads first)...")
+        what = f"{config.nodes} node(s)" if config.nodes else f"{config.workers} worker(s)" if config.workers else \
+            "its own engine"
+        log(f"starting edgerun serve with {what} (the model loads first)...")
         if not ready.wait(START_TIMEOUT_S) or not found:
             raise EdgerunError("edgerun serve did not start:\n" + "".join(lines[-20:]))
-        yield found[0]
+        url, port = found[0]
+        members = config.nodes or config.workers
+        if members:
+            mode = ["--mode", "pp"] if config.workers else []
+            procs += [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", *mode, "--master",
+                                        f"127.0.0.1:{port}", "--key", key, "--name", f"bench-{i}", "--threads",
+                                        str(config.threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      for i in range(members)]
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not _cluster_ready(config, _state(url, None)):
+                if time.monotonic() > deadline or procs[0].poll() is not None:
+                    raise EdgerunError(f"the cluster did not form over {what} within {START_TIMEOUT_S} s:\n" +
+                                       "".join(lines[-10:]))
+                time.sleep(0.5)
+        yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for proc in reversed(procs):  # the members first: a server that goes first leaves them rejoining
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _: None) -> list[ServeRow]:
@@ -192,12 +259,13 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
     against the first one-stream row's where there is one."""
     body = {"model": "any", "prompt": config.prompt, "max_tokens": config.max_tokens, "temperature": 0.0,
             "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
-    with started_server(config, log) if config.url is None else nullcontext(config.url) as url:
+    with started_server(config, log) if config.url is None else nullcontext(config.url.rstrip("/")) as url:
         stream_once(url, body, config.api_key)  # warm-up: first-request allocations stay out of the rows
         rows = []
         for streams in config.streams:
             log(f"{streams} stream(s)...")
-            rows.append(summarize(streams, *run_row(url, streams, body, config.api_key)))
+            row = summarize(streams, *run_row(url, streams, body, config.api_key))
+            rows.append(replace(row, served_by=serving(_state(url, config.api_key))))
     one = next((r.aggregate_tok_s for r in rows if r.streams == 1), None)
     return rows if one is None else [replace(r, vs_one=r.aggregate_tok_s / one) for r in rows]
 
@@ -210,4 +278,5 @@ def serve_table(rows: Sequence[ServeRow]) -> str:
         ratio = "" if r.vs_one is None else f"{r.vs_one:.2f}x"
         lines.append(f"{r.streams:>7} {r.tokens:>7} {r.wall_s:>7.2f} {r.aggregate_tok_s:>15.1f} {ratio:>6} "
                      f"{r.ttft_p50_ms:>11.0f} {r.ttft_p95_ms:>11.0f} {r.itl_p50_ms:>10.1f}")
+    lines += [f"{r.streams} stream(s): served from {r.served_by}" for r in rows]
     return "\n".join(lines)

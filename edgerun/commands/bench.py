@@ -101,7 +101,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     from edgerun.serve.cli import API_KEY_ENV
 
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
-                              args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel)
+                              args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,
+                              args.nodes, args.workers, args.plan)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -329,8 +330,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=thread_count, default=1, help="the started server's threads (default: 1)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="the started server's --parallel: requests it decodes together (default: 1)")
+    p.add_argument("--nodes", type=int, default=0, metavar="N",
+                   help="start N tensor-parallel node processes beside the server and measure once its plan takes "
+                        "them all (--prefer cluster) (default: 0, the server's own engine)")
+    p.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="start N pipeline workers beside a --plan dp --no-local server instead (default: 0)")
+    p.add_argument("--plan", choices=PLANS[:-1], default="even",
+                   help="the started tensor-parallel cluster's planner (default: even, every node computing)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "
-                   "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms and vs_one")
+                   "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms, vs_one and served_by")
     p.set_defaults(func=cmd_bench_serve)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
                          description="Start a master in this process and node processes on loopback, generate "
