@@ -223,6 +223,8 @@ def test_a_batching_server_gives_seeded_concurrent_streams_what_they_get_alone()
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(one, range(8)))
         assert together == alone and len(set(alone)) > 1
+        queue = s.state()["queue"]
+        assert queue["parallel"] == 4 and queue["running"] == 0 and not queue["busy"]
     finally:
         s.close()
     refused = subprocess.run([sys.executable, "-m", "edgerun.cli", "serve", "--parallel", "2", "--port", "0"],
@@ -747,7 +749,8 @@ def test_status_names_the_devices_that_compute() -> None:
     from edgerun.serve.status import status_text
 
     state = {"measured_ms_per_token": {}, "single_ms_per_token": 10.0, "mode": "cluster", "model": "m",
-             "device": "x", "nodes": [], "queue": {"waiting": 0, "busy": False}, "tokens_per_second": [],
+             "device": "x", "nodes": [], "queue": {"waiting": 0, "busy": False, "running": 0, "parallel": 1},
+             "tokens_per_second": [],
              "blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "recoveries": 0, "events": [],
              "plan": {"strategy": "halo", "devices": ["master", "a", "b"], "memory_mb": [100.0, 0.0, 0.0],
                       "predicted_ms_per_token": 9.0}}

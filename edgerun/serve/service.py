@@ -67,6 +67,16 @@ class Service:
         self.thread = threading.Thread(target=self._run, name="generation", daemon=True)
         self.thread.start()
 
+    @property
+    def running(self) -> int:
+        """Requests generating now."""
+        return len(self.batch.running) if self.batch is not None else int(self.busy)
+
+    @property
+    def parallel(self) -> int:
+        """Requests it generates at once at most."""
+        return self.batch.engine.slots if self.batch is not None else 1
+
     def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                shaper: LogitShaper | None = None) -> Job:
         """Queue a generation; 429 when the queue is full."""
@@ -128,12 +138,13 @@ class Service:
                     batch.fail_all(EdgerunError("the server is stopping"))
                     return
                 self._join(batch, job)
-            self.busy = bool(batch.running)
             if batch.running:
+                self.busy = True
                 try:
                     batch.step()
                 except Exception as e:  # every running request gets it; the service goes on
                     batch.fail_all(e)
+            self.busy = bool(batch.running)
 
     def _join(self, batch: BatchLoop, job: Job) -> None:
         if job.cancelled.is_set():
