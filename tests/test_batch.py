@@ -103,3 +103,20 @@ def test_a_cancelled_sequence_leaves_at_the_next_step_and_a_bad_one_is_refused(s
         loop.add(Generation(tok.encode(PROMPTS[0]), 4, Sampler(PARAMS[0])), ended.append)
     with pytest.raises(EdgerunError, match="batched decoding"):
         make_engine("numpy", shipped_model, 64, slots=2)
+
+
+def test_a_sequence_whose_draw_fails_ends_alone(shipped_model) -> None:
+    """A draw that raises (a grammar that allows no token) ends that sequence with its error; the others go on."""
+    tok = shipped_model.tokenizer
+
+    def refuse(logits: np.ndarray, position: int) -> int:
+        raise ValueError("the grammar allows no token here")
+
+    loop = BatchLoop(make_engine("ggml", shipped_model, 128, threads=1, slots=2))
+    ended: dict[str, object] = {}
+    loop.add(Generation(tok.encode(PROMPTS[0]), 6, Sampler(PARAMS[0])), lambda r: ended.__setitem__("good", r))
+    loop.add(Generation(tok.encode(PROMPTS[1]), 6, refuse), lambda r: ended.__setitem__("bad", r))
+    while loop.running:
+        loop.step()
+    assert isinstance(ended["bad"], ValueError) and isinstance(ended["good"], GenerationResult)
+    assert len(ended["good"].tokens) == 6

@@ -205,6 +205,8 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
         argv += ["--no-cluster", "--parallel", str(config.parallel)]
     if config.model is not None:
         argv += ["--model", str(config.model)]
+    if config.api_key:
+        argv += ["--api-key", config.api_key]
     procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})]
     lines: list[str] = []
@@ -228,20 +230,19 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
         log(f"starting edgerun serve with {what} (the model loads first)...")
         if not ready.wait(START_TIMEOUT_S) or not found:
             raise EdgerunError("edgerun serve did not start:\n" + "".join(lines[-20:]))
-        url, port = found[0]
-        members = config.nodes or config.workers
-        if members:
-            mode = ["--mode", "pp"] if config.workers else []
-            procs += [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", *mode, "--master",
-                                        f"127.0.0.1:{port}", "--key", key, "--name", f"bench-{i}", "--threads",
-                                        str(config.threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                      for i in range(members)]
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not _cluster_ready(config, _state(url, None)):
-                if time.monotonic() > deadline or procs[0].poll() is not None:
-                    raise EdgerunError(f"the cluster did not form over {what} within {START_TIMEOUT_S} s:\n" +
-                                       "".join(lines[-10:]))
-                time.sleep(0.5)
+        url, cluster_port = found[0]
+        mode = ["--mode", "pp"] if config.workers else []
+        for i in range(config.nodes or config.workers):
+            procs.append(subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", *mode, "--master",
+                                           f"127.0.0.1:{cluster_port}", "--key", key, "--name", f"bench-{i}",
+                                           "--threads", str(config.threads)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(procs) > 1 and not _cluster_ready(config, _state(url, config.api_key)):
+            if (ended := [i for i, p in enumerate(procs) if p.poll() is not None]) or time.monotonic() > deadline:
+                why = f"process(es) {ended} ended (0: the server)" if ended else f"not within {START_TIMEOUT_S} s"
+                raise EdgerunError(f"the cluster did not form over {what}: {why}\n" + "".join(lines[-10:]))
+            time.sleep(0.5)
         yield url
     finally:
         for proc in reversed(procs):  # the members first: a server that goes first leaves them rejoining

@@ -85,7 +85,7 @@ class BatchLoop:
         if ready:
             logits = self.engine.decode([(s.slot, s.gen.position, s.next_token) for s in ready])
             for s, row in zip(ready, logits, strict=True):
-                self._take(s, s.gen.sampler(row, s.gen.position + 1))
+                self._take(s, lambda s=s, row=row: s.gen.sampler(row, s.gen.position + 1))
 
     def fail_all(self, error: BaseException) -> None:
         """End every running sequence with `error` (the engine failed)."""
@@ -101,10 +101,19 @@ class BatchLoop:
         if s.prefilled == len(prompt):
             s.prefill_s = time.perf_counter() - s.started
             s.decode_start = time.perf_counter()
-            self._take(s, s.gen.sampler(logits, len(prompt)))
+            self._take(s, lambda: s.gen.sampler(logits, len(prompt)))
 
-    def _take(self, s: _Sequence, token: int) -> None:
-        if s.gen.take(token):
+    def _take(self, s: _Sequence, draw: Callable[[], int]) -> None:
+        """The sequence's next token (`draw` samples it): fed at the next step, or the sequence ends. A draw that
+        fails (a grammar that allows no token) ends this sequence alone, with its error."""
+        try:
+            token = draw()
+            going_on = s.gen.take(token)
+        except Exception as e:
+            self.running.remove(s)
+            s.done(e)
+            return
+        if going_on:
             s.next_token = token
         else:
             self._end(s)

@@ -315,6 +315,8 @@ class GgmlEngine:
     def prefill(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
         """Run tokens at positions start.. of the sequence in `slot` (its cache rows before `start` hold its
         earlier tokens); the last one's logits, (vocab,)."""
+        if self.embed is None or not self.has_head:
+            raise EdgerunError("a stage's steps are runs of hidden states (GgmlEngine.run)")
         if not 0 <= slot < self.slots:
             raise EdgerunError(f"slot {slot} is not one of this engine's {self.slots}")
         return self._forward(self.embed(np.asarray(tokens, np.int64)), start, slot)
@@ -322,6 +324,8 @@ class GgmlEngine:
     def decode(self, batch: Sequence[tuple[int, int, int]]) -> np.ndarray:
         """One token of each of several sequences, (slot, position, token) each, in one step: their logits,
         (len(batch), vocab). Each reads only its own slot's cache; a sequence's logits are those it gets alone."""
+        if self.embed is None or not self.has_head:
+            raise EdgerunError("a stage's steps are runs of hidden states (GgmlEngine.run)")
         if any(not 0 <= slot < self.slots for slot, _, _ in batch) or len({b[0] for b in batch}) != len(batch):
             raise EdgerunError(f"a batch takes distinct slots of this engine's {self.slots}")
         if any(position + 1 > self.max_len for _, position, _ in batch):
@@ -413,7 +417,8 @@ class BatchGraph:
 
     def __init__(self, engine: GgmlEngine, make_up: tuple[tuple[int, int], ...]) -> None:
         c, b = engine.config, len(make_up)
-        self.gc = GraphContext(engine.backend, len(engine.layers) * (GRAPH_NODES_PER_LAYER + 8 * b) + 64)
+        # each sequence adds its attention's views, permutes, flash attention, reshape and concat to every layer
+        self.gc = GraphContext(engine.backend, len(engine.layers) * (GRAPH_NODES_PER_LAYER + 12 * b) + 64 + b)
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, b)
         masks = [self.gc.input(ggml_lib.F16, n_kv, 1) for _, n_kv in make_up]
         self.inputs = StepInputs(self.gc.input(ggml_lib.I32, b), self.gc.input(ggml_lib.I64_TYPE, b), masks[0], b,

@@ -21,6 +21,7 @@ from edgerun.sched.moe import hedge_setting
 from edgerun.serve.switch import Prefer
 
 SWITCH_INTERVAL_S = 0.0005
+MAX_PARALLEL = 64  # requests decoded together at most (each a cache of --max-context rows)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class ServeConfig:
             raise EdgerunError("--max-queue, --max-tokens and --threads must be at least 1, --max-context 16")
         if not 0 <= self.port < 65536 or (self.cluster_port is not None and not 0 <= self.cluster_port < 65536):
             raise EdgerunError("ports must lie in 0..65535")
-        if self.parallel < 1:
-            raise EdgerunError("--parallel must be at least 1")
+        if not 1 <= self.parallel <= MAX_PARALLEL:
+            raise EdgerunError(f"--parallel must be from 1 to {MAX_PARALLEL}")
         if self.parallel > 1 and (self.cluster_port is not None or not self.local):
             raise EdgerunError("--parallel batches this machine's own engine: use it with --no-cluster")
         if self.replicas < 1:

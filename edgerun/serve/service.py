@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from edgerun.errors import EdgerunError
 from edgerun.model.batch import BatchLoop
-from edgerun.model.generate import Generation, GenerationResult, generate
+from edgerun.model.generate import Generation, GenerationResult, StopReason, generate
 from edgerun.model.logits import LogitShaper
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.serve.metrics import Metrics
@@ -31,6 +31,11 @@ TOKENS_KEPT = 100_000  # token times kept for the dashboard's chart of the last 
 # A 503's Retry-After: nodes that join or come back are planned over within seconds.
 NO_CAPACITY_RETRY_S = 5
 RETRY_AFTER_S = 1  # a full queue's Retry-After: requests leave it as each one's generation ends, often within a second
+
+
+def _cancelled(job: Job) -> GenerationResult:
+    """The answer of a job cancelled before it ran: no tokens (its handler, whose client left, counts it)."""
+    return GenerationResult(len(job.prompt), [], StopReason.CANCELLED, 0.0, 0.0)
 
 
 @dataclass
@@ -106,7 +111,9 @@ class Service:
             if job is None:
                 return
             try:
-                if not job.cancelled.is_set() and self._capacity(job):
+                if job.cancelled.is_set():
+                    job.put(_cancelled(job))
+                elif self._capacity(job):
                     self.busy = True
                     job.put(self._generate(job))
             except NoCapacity as e:
@@ -142,24 +149,28 @@ class Service:
                 self.busy = True
                 try:
                     batch.step()
-                except Exception as e:  # every running request gets it; the service goes on
+                except Exception as e:  # the engine failed: every running request gets it; the service goes on
+                    self.log(f"a batched step failed: {e}")
                     batch.fail_all(e)
             self.busy = bool(batch.running)
 
     def _join(self, batch: BatchLoop, job: Job) -> None:
         if job.cancelled.is_set():
+            job.put(_cancelled(job))
             self._left()
             return
 
         def done(result: GenerationResult | BaseException) -> None:
-            if isinstance(result, GenerationResult):
-                self._measured(result)
-            job.put(result)
-            self._left()
+            try:  # answered whatever the counting does: a job left unanswered would hold its queue place for ever
+                if isinstance(result, GenerationResult):
+                    self._measured(result)
+            finally:
+                job.put(result)
+                self._left()
 
-        gen = Generation(job.prompt, job.max_tokens, Sampler(job.sampling, job.shaper), self.stop_ids,
-                         functools.partial(self._token, job), job.cancelled.is_set)
         try:
+            gen = Generation(job.prompt, job.max_tokens, Sampler(job.sampling, job.shaper), self.stop_ids,
+                             functools.partial(self._token, job), job.cancelled.is_set)
             batch.add(gen, done)
         except Exception as e:  # a request the engine cannot run: its handler reports it
             job.put(e)

@@ -40,8 +40,8 @@ def status_text(state: dict[str, Any]) -> str:
                      f"loss {_num(loss, 1, '%')}, "
                      f"holds {n['holds'] or 'nothing'}")
     queue = state["queue"]
-    generating = f", {queue['running']} generating" if queue["busy"] else ""
-    at_once = f" ({queue['parallel']} at once)" if queue["parallel"] > 1 else ""
+    generating = f", {queue.get('running', 1)} generating" if queue["busy"] else ""  # (older servers: no count)
+    at_once = f" ({queue['parallel']} at once)" if queue.get("parallel", 1) > 1 else ""
     lines.append(f"queue: {queue['waiting']} request(s){generating}{at_once}; "
                  f"{sum(state['tokens_per_second'][-60:])} tokens in the last minute")
     lines.append(f"blocks {state['blocks']}, incomplete {state['blocks_incomplete']}, late packets "
