@@ -120,3 +120,20 @@ def test_a_sequence_whose_draw_fails_ends_alone(shipped_model) -> None:
         loop.step()
     assert isinstance(ended["bad"], ValueError) and isinstance(ended["good"], GenerationResult)
     assert len(ended["good"].tokens) == 6
+
+
+def test_short_prompts_that_join_together_share_a_round(shipped_model) -> None:
+    """Three short prompts joining an empty batch are prefilled in the first round (their chunks fit in one chunk's
+    tokens) and each has its first token after it; a fourth whose chunk does not fit waits for the next round."""
+    tok = shipped_model.tokenizer
+    loop = BatchLoop(make_engine("ggml", shipped_model, 256, threads=1, slots=4), prefill_chunk=24)
+    gens = [Generation(tok.encode(p), 8, Sampler(PARAMS[0])) for p in PROMPTS[:3]]
+    assert sum(len(g.prompt) for g in gens) <= 24
+    for g in gens:
+        loop.add(g, lambda r: None)
+    long = Generation(tok.encode(PROMPTS[3]), 8, Sampler(PARAMS[0]))
+    loop.add(long, lambda r: None)
+    loop.step()
+    assert [len(g.tokens) for g in gens] == [1, 1, 1] and not long.tokens
+    loop.step()
+    assert [len(g.tokens) for g in gens] == [2, 2, 2] and not long.tokens  # its first chunk ran, alone

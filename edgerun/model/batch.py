@@ -1,11 +1,12 @@
 """Continuous batching on one engine: sequences join and leave a running batch between steps.
 
-Each round runs one chunk of a joining sequence's prompt (at most `prefill_chunk` tokens, so running sequences wait
-at most one chunk for their next token) and then one decode step of every running sequence together: the engine's
-matrix products take all their tokens at once, each sequence attends to its own slot's cache. A sequence's tokens
-go through the same `Generation.take` as `generate`'s one-sequence loop (stop tokens, max tokens, cancellation),
-and its logits are those it gets alone (the engine's batched step computes every sequence's as its own), so a
-seeded request gives the same tokens in a batch as alone.
+Each round runs the next chunks of joining sequences' prompts (at most `prefill_chunk` tokens in all, so running
+sequences wait at most one chunk for their next token) and then one decode step of every running sequence together:
+the engine's matrix products take all their tokens at once, each sequence attends to its own slot's cache. A
+sequence's tokens go through the same `Generation.take` as `generate`'s one-sequence loop (stop tokens, max tokens,
+cancellation), and its logits are those it gets alone (the engine's batched step computes every sequence's as its
+own, on the CPU kernels measured here: the matrix products give the same bits at any column count), so a seeded
+request gives the same tokens in a batch as alone.
 """
 
 from __future__ import annotations
@@ -75,13 +76,21 @@ class BatchLoop:
         self.running.append(_Sequence(gen, slot, done))
 
     def step(self) -> None:
-        """One round: a chunk of the oldest joining sequence's prompt, then a decode step of the others."""
+        """One round: the next prompt chunks of the joining sequences, oldest first, as many as fit in one chunk's
+        tokens (always one), then a decode step of the others."""
         for s in [s for s in self.running if s.gen.cancelled()]:  # a client that went away leaves now
             self._end(s, StopReason.CANCELLED)
-        joining = next((s for s in self.running if s.next_token is None), None)
-        if joining is not None:
-            self._prefill(joining)
-        ready = [s for s in self.running if s.next_token is not None and s is not joining]
+        prefilled, spent = [], 0
+        for s in [s for s in self.running if s.next_token is None]:
+            # A prompt is cut at the same places whatever else runs (multiples of the chunk), so it rounds alike
+            # alone and in a batch; short prompts that join together share a round.
+            size = min(self.prefill_chunk, len(s.gen.prompt) - s.prefilled)
+            if prefilled and spent + size > self.prefill_chunk:
+                break
+            prefilled.append(s)
+            spent += size
+            self._prefill(s)
+        ready = [s for s in self.running if s.next_token is not None and s not in prefilled]
         if ready:
             logits = self.engine.decode([(s.slot, s.gen.position, s.next_token) for s in ready])
             for s, row in zip(ready, logits, strict=True):
