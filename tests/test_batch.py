@@ -67,8 +67,8 @@ def run_batch(shipped_model, requests: list[int], slots: int) -> tuple[dict[int,
 def test_sequences_join_and_leave_the_batch_with_the_tokens_they_get_alone(shipped_model) -> None:
     """Four requests (greedy and seeded sampling, one with a prompt of several prefill chunks) through a batch of
     two slots: each joins when a slot frees, and its tokens are those it gets alone in the batch; a prompt of one
-    chunk gets `generate`'s tokens too. (A prompt prefilled in chunks rounds its attention differently from one
-    prefilled whole, so a longer prompt's tokens may part from `generate`'s at a near tie.)"""
+    chunk gets `generate`'s tokens too. (From 64 tokens a step takes other ggml kernels, so a prompt of 64 or more
+    prefilled whole by `generate` may round unlike its chunks and part from them at a near tie.)"""
     tok = shipped_model.tokenizer
     assert len(tok.encode(PROMPTS[3])) > 16 >= max(len(tok.encode(p)) for p in PROMPTS[:3])
     together, most = run_batch(shipped_model, [0, 1, 2, 3], 2)
