@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
+from edgerun.serve.cli import stream_events
 
 START_TIMEOUT_S = 300  # loading the model and starting the server
-REQUEST_TIMEOUT_S = 600
 BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
@@ -96,29 +96,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def stream_once(url: str, body: dict, api_key: str | None) -> StreamTiming:
     """POST a streamed completion and time its pieces as they arrive."""
-    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {api_key}"} if api_key else {})
-    request = urllib.request.Request(url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), headers,
-                                     method="POST")
     started = time.perf_counter()
     pieces: list[float] = []
     tokens = None
-    try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
-            for raw in reply:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    raise EdgerunError(f"the server failed mid-answer: {data['error']['message']}")
-                if data.get("usage"):
-                    tokens = int(data["usage"]["completion_tokens"])
-                if data.get("choices") and data["choices"][0].get("text"):
-                    pieces.append(time.perf_counter() - started)
-    except urllib.error.HTTPError as e:
-        raise EdgerunError(f"the server answered {e.code}: {e.read().decode(errors='replace')[:200]}") from e
-    except urllib.error.URLError as e:
-        raise EdgerunError(f"cannot reach {url}: {e.reason}") from e
+    for data in stream_events(url.rstrip("/") + "/v1/completions", body, api_key):
+        if data.get("usage"):
+            tokens = int(data["usage"]["completion_tokens"])
+        if data.get("choices") and data["choices"][0].get("text"):
+            pieces.append(time.perf_counter() - started)
     if tokens is None or not pieces:
         raise EdgerunError("a stream ended without text or usage")
     return StreamTiming(pieces[0], tuple(b - a for a, b in itertools.pairwise(pieces)), tokens,

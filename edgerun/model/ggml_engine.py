@@ -393,8 +393,8 @@ class StepGraph:
         self.gc = GraphContext(engine.backend, len(engine.layers) * GRAPH_NODES_PER_LAYER + 64)
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, n)
         self.inputs = StepInputs.of(self.gc, n, n_kv)
-        spans = None if base == 0 else (Span(0, n, base, n_kv, self.inputs.mask),)
-        x = _layers(self.gc, engine, self.embd, self.inputs, spans, last_only=engine.has_head)
+        x = _layers(self.gc, engine, self.embd, self.inputs, (Span(0, n, base, n_kv, self.inputs.mask),),
+                    last_only=engine.has_head)
         if engine.has_head:  # x is the last position's hidden state
             self.out, self.shape = _logits(self.gc, engine, x), (c.vocab_size,)
         else:  # a stage's hidden states go on to the next stage

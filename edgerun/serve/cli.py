@@ -8,6 +8,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from edgerun.commands.common import activations_arg, route_arg, sampling_args, sampling_params, thread_count
@@ -203,8 +204,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": "".join(answer)})
 
 
-def _stream_answer(url: str, body: dict, api_key: str | None, answer: list[str]) -> None:
-    """Print a streamed chat answer as it comes, its pieces appended to `answer`."""
+def stream_events(url: str, body: dict, api_key: str | None) -> Iterator[dict]:
+    """POST a streamed request to the API at `url` and yield its server-sent events' objects as they come; an error
+    the server sends mid-answer, or answers with, is one line (EdgerunError)."""
     with _post_stream(url, body, api_key) as reply:
         for raw in reply:
             text = raw.decode("utf-8").strip()
@@ -213,8 +215,14 @@ def _stream_answer(url: str, body: dict, api_key: str | None, answer: list[str])
             data = json.loads(text[6:])
             if "error" in data:
                 raise EdgerunError(f"the server failed mid-answer: {data['error']['message']}")
-            piece = data["choices"][0]["delta"].get("content") if data.get("choices") else None
-            if piece:
-                answer.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            yield data
+
+
+def _stream_answer(url: str, body: dict, api_key: str | None, answer: list[str]) -> None:
+    """Print a streamed chat answer as it comes, its pieces appended to `answer`."""
+    for data in stream_events(url, body, api_key):
+        piece = data["choices"][0]["delta"].get("content") if data.get("choices") else None
+        if piece:
+            answer.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
