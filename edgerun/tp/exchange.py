@@ -573,8 +573,8 @@ class BlockExchange:
                                blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:
         """Whether mirrored one-token blocks (the first layer's, or the LM head's input: `blocks`) whose participants
         are these nodes can go through the native runner: mirrored over UDP (datagrams first, reliable), each input
-        one float32 datagram. A lossy link's input goes with its parity copies and without the stream copy `run`
-        sends it: what parity does not mend is asked for again (MIRROR_WAIT, then `_wait`)."""
+        one float32 datagram. A lossy link's input goes with its parity copies, as `run` sends it: what parity does
+        not mend is asked for again (MIRROR_WAIT, then `_wait`)."""
         if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
             return False
         return all(n.alive and fits(Codec.F32, self.model.hidden, 0, n.datagram_bytes) for n in nodes)

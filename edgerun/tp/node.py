@@ -756,11 +756,9 @@ class Node:
         """A mirrored partial sent as datagrams, kept for the master's Resend requests; whether its stream copy
         goes too. A one-token partial goes as datagrams alone (with its link's parity): at 8 devices the stream
         copies of the first layer's and the LM head's partials were 21 frames a token for the master to read and
-        drop, and on a lossy link sending one held the node's next input ~200 µs (the master's native runner sends
-        the first layer's inputs without stream copies there). One that is lost is asked for again (Resend), and
-        where its input comes over the stream (a lossy link's copy from the master's Python path, or its last
-        resort) the kept partial answers it there. An input that came on the stream is always answered there (with
-        --parity 0 the master's stream copy is what it relies on)."""
+        drop, and on a lossy link sending one held the node's next input ~200 µs. One that is lost is asked for again
+        (Resend), and where its input comes over the stream after all (the master's last resort) the kept partial
+        answers it there. An input that came on the stream is always answered there."""
         streamed = header.tokens > 1 or self._from_stream
         self.kept_partials[(header.session, header.position, header.layer, header.block)] = (header, out, streamed)
         while len(self.kept_partials) > KEPT_PARTIALS:
