@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,16 @@ GGML_TARGETS = ("ggml-base", "ggml-cpu", "ggml")
 GGML_LIBRARIES = ("libggml-base.so", "libggml-cpu.so", "libggml.so")  # in the order they load
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_CCACHE=OFF")
+# ggml's AMX kernels (Xeon Sapphire Rapids on) set their tile shapes in a struct and load it with
+# _tile_loadconfig, which GCC 12's header (Debian 12's compiler) declares as reading 8 bytes of it: the compiler
+# drops the stores of the shapes, the tiles stay unconfigured and the first AMX product of a prompt dies of SIGILL,
+# in llama.cpp's programs as in edgerun. AMX is a server CPU's feature, not an edge device's: ggml is built
+# without it on x86-64 (the AVX-512 and AVX2 kernels, and their repacked weights, stay).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+ISA_FLAGS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}") \
+    if platform.machine().lower() in ("x86_64", "amd64") else ()
+# The builds' folder; a new name when the build's flags change, so that a machine's older build is not reused.
+BUILD = "build-2"
 
 
 def _log(message: str) -> None:
@@ -103,7 +114,7 @@ def source(log=_log) -> Path:
 
 
 def _build(targets: Sequence[str], what: str, log, build: Path | None = None, flags: Sequence[str] = ()) -> None:
-    build = build or home() / "build"
+    build = build or home() / BUILD
     src = source(log)
     if shutil.which("cmake") is None:
         raise EdgerunError("building llama.cpp's ggml needs cmake and a C++ compiler (apt-get install cmake g++); "
@@ -112,7 +123,7 @@ def _build(targets: Sequence[str], what: str, log, build: Path | None = None, fl
     out = None if os.environ.get("EDGERUN_VERBOSE_BUILD") else subprocess.DEVNULL
     try:
         if not (build / "CMakeCache.txt").is_file():
-            subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS, *flags], check=True,
+            subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS, *ISA_FLAGS, *flags], check=True,
                            stdout=out, stderr=out)
         subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", *targets],
                        check=True, stdout=out, stderr=out)
@@ -141,13 +152,13 @@ def ggml_libraries(cuda: bool = False, log=_log) -> list[Path]:
     `cuda`, a second build beside the first adds ggml's CUDA backend (nvcc; for this machine's GPU, or the
     architectures in $EDGERUN_CUDA_ARCHITECTURES; minutes)."""
     if not cuda:
-        build, targets, names, flags = home() / "build", GGML_TARGETS, GGML_LIBRARIES, ()
+        build, targets, names, flags = home() / BUILD, GGML_TARGETS, GGML_LIBRARIES, ()
     else:
         if not has_nvidia_gpu():
             raise EdgerunError("--device cuda: this machine shows no NVIDIA GPU (no /dev/nvidia0)")
         if shutil.which("nvcc") is None:
             raise EdgerunError("a CUDA device needs ggml's CUDA backend, built with nvcc, which this machine lacks")
-        build, targets = home() / "build-cuda", (*GGML_TARGETS, "ggml-cuda")
+        build, targets = home() / f"{BUILD}-cuda", (*GGML_TARGETS, "ggml-cuda")
         names = ("libggml-base.so", "libggml-cpu.so", "libggml-cuda.so", "libggml.so")
         flags = ("-DGGML_CUDA=ON", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_COMMON=OFF",
                  f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('EDGERUN_CUDA_ARCHITECTURES', 'native')}")
@@ -164,7 +175,7 @@ def binary(name: str, log=_log) -> Path:
     """The path of a llama.cpp program, built the first time it is asked for (about 10 minutes on 2 cores)."""
     if name not in TARGETS:
         raise EdgerunError(f"unknown llama.cpp program {name!r} ({', '.join(TARGETS)})")
-    path = home() / "build" / "bin" / name
+    path = home() / BUILD / "bin" / name
     if not path.is_file():
         with _locked():
             if not path.is_file():
@@ -181,7 +192,7 @@ class LlamaBench:
 
 def _env() -> dict[str, str]:
     # The programs find llama.cpp's shared libraries beside them, wherever the cache folder has moved.
-    bin_dir = str(home() / "build" / "bin")
+    bin_dir = str(home() / BUILD / "bin")
     paths = [bin_dir, os.environ.get("LD_LIBRARY_PATH")]
     return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, paths))}
 
