@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgerun.errors import EdgerunError
-from edgerun.model import ggml_lib
+from edgerun.model import ggml_lib, kernels
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore, head
 from edgerun.model.loader import Model
@@ -111,7 +111,7 @@ class StepInputs:
 
 def linear(ctx: int, w: int, x: int, bias: int | None, t) -> int:
     g = ggml_lib.lib()
-    y = g.ggml_mul_mat(ctx, t(w), x)
+    y = kernels.product(ctx, t(w), x)
     return y if bias is None else g.ggml_add(ctx, y, t(bias))
 
 
@@ -162,7 +162,7 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
         g.ggml_prec_set_acc(out, ggml_lib.PREC_F32)
         outs.append(g.ggml_reshape_2d(ctx, out, a.n_heads * hd, span.n))
     joined = functools.reduce(lambda x, y: g.ggml_concat(ctx, x, y, 1), outs)
-    return g.ggml_mul_mat(ctx, t(a.wo), joined)
+    return kernels.product(ctx, t(a.wo), joined)
 
 
 def cache_rows(end: int, max_len: int) -> int:
@@ -183,8 +183,8 @@ def lm_head(ctx: int, store: WeightStore, output: int, h: int) -> int:
 def mlp_block(ctx: int, t, w_gate: int, w_up: int, w_down: int, h: int) -> int:
     """SwiGLU of normalized hidden states h through these rows of gate and up and columns of down."""
     g = ggml_lib.lib()
-    gate, up = g.ggml_mul_mat(ctx, t(w_gate), h), g.ggml_mul_mat(ctx, t(w_up), h)
-    return g.ggml_mul_mat(ctx, t(w_down), g.ggml_swiglu_split(ctx, gate, up))
+    gate, up = kernels.product(ctx, t(w_gate), h), kernels.product(ctx, t(w_up), h)
+    return kernels.product(ctx, t(w_down), g.ggml_swiglu_split(ctx, gate, up))
 
 
 def file_interleaved(layer: LayerWeights, config: ModelConfig) -> bool:
