@@ -1,6 +1,6 @@
-"""The batched Q4_1 product (edgerun/model/kernels.c), a custom op in ggml graphs: ggml's own product bit for bit,
-on any count of columns and threads, so a batch of sequences and a prompt's chunk give the tokens they gave before
-(and llama.cpp's)."""
+"""The batched products of Q4_1 and Q8_0 weights (edgerun/model/kernels.c), a custom op in ggml graphs: ggml's own
+products bit for bit, on any count of columns and threads, so a batch of sequences and a prompt's chunk give the
+tokens they gave before (and llama.cpp's)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import platform
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from edgerun.model import kernels
 
@@ -22,26 +23,29 @@ def built() -> kernels._Kernels:
     assert path is not None
     if platform.machine() != "x86_64" or not kernels.usable_here():
         pytest.skip("this CPU lacks AVX-512 VNNI: products stay ggml's")
-    assert kernels.available(), "the op runs here but its check against ggml's product failed"
-    return kernels._Kernels(path)
+    for qtype in kernels.WEIGHTS:
+        assert kernels.available(qtype), f"the op runs here but its check against ggml's {qtype} product failed"
+    return kernels._kernels()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("k", "n"), [(576, 200), (1536, 67), (64, 5)])
-def test_the_batched_q4_1_product_is_ggmls_bit_for_bit(built, threads: int, k: int, n: int) -> None:
+def test_the_batched_product_is_ggmls_bit_for_bit(built, qtype: str, threads: int, k: int, n: int) -> None:
     """Shapes of the shipped model's matrices (and odd ones: rows that do not split evenly among threads, a row
     count below the thread count), 2 to 40 columns (more than one pass of 16, odd counts leaving half a pair)."""
+    number = int(GGMLQuantizationType[qtype])
     for cols, (ours, theirs) in zip((2, 3, 8, 15, 16, 17, 40),
-                                    kernels.compare(built, k, n, (2, 3, 8, 15, 16, 17, 40), threads, seed=k + n),
-                                    strict=True):
+                                    kernels.compare(built, number, k, n, (2, 3, 8, 15, 16, 17, 40), threads,
+                                                    seed=k + n), strict=True):
         assert ours.shape == (cols, n)
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
 
 
-def test_a_product_the_op_does_not_take_is_ggmls(built, shipped_model) -> None:
+def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
     """One column (a decode step alone), or weights of another type: ggml's mul_mat, which the engine's graphs
-    then hold (no custom op); several Q4_1 columns take the op."""
+    then hold (no custom op); several Q4_1 or Q8_0 columns take the op."""
     from edgerun.model import ggml_lib
 
     backend = ggml_lib.GgmlBackend(threads=1)
@@ -51,10 +55,11 @@ def test_a_product_the_op_does_not_take_is_ggmls(built, shipped_model) -> None:
 
     q41 = store.add("a", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q4_1"), repack=False)
     q80 = store.add("b", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q8_0"), repack=False)
+    q40 = store.add("c", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q4_0"), repack=False)
     store.upload()
     gc = ggml_lib.GraphContext(backend, 8)
     one, many = gc.input(ggml_lib.F32, 64, 1), gc.input(ggml_lib.F32, 64, 4)
     g = ggml_lib.lib()
     ops = {name: g.ggml_op_desc(kernels.product(gc.ctx, store.tensor(w), x)).decode()
-           for name, w, x in (("one", q41, one), ("q8_0", q80, many), ("many", q41, many))}
-    assert ops == {"one": "MUL_MAT", "q8_0": "MUL_MAT", "many": "CUSTOM"}
+           for name, w, x in (("one", q41, one), ("q4_0", q40, many), ("q4_1", q41, many), ("q8_0", q80, many))}
+    assert ops == {"one": "MUL_MAT", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM"}

@@ -175,8 +175,8 @@ def lm_head(ctx: int, store: WeightStore, output: int, h: int) -> int:
     g = ggml_lib.lib()
     whole = store.joined(output)
     if whole is not None:
-        return g.ggml_mul_mat(ctx, whole, h)
-    products = [g.ggml_mul_mat(ctx, store.tensor(p), h) for p in store.parts(output)]
+        return kernels.product(ctx, whole, h)
+    products = [kernels.product(ctx, store.tensor(p), h) for p in store.parts(output)]
     return functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 0), products)
 
 

@@ -1,10 +1,11 @@
-"""Matrix products ggml lacks a fast kernel for, as custom ops in ggml graphs (kernels.c, compiled by the install into
-`_kernels*.so` beside this file).
+"""Matrix products ggml lacks a fast kernel for, as a custom op in ggml graphs (kernels.c, compiled by the install
+into `_kernels*.so` beside this file).
 
-Today one: Q4_1 weights (the shipped model's) times several columns, for batched decoding and prompt chunks. ggml
-multiplies them one column at a time; kernels.c unpacks each weight block once for every column and gives ggml's
-result bit for bit. `product` uses it only where it is built, the CPU has its instructions (AVX-512 VNNI) and a
-check against ggml's own product on this machine gave the same bits; anywhere else a product is ggml's mul_mat.
+Q4_1 and Q8_0 weights (the shipped model's layers and LM head) times several columns, for batched decoding and
+prompt chunks: ggml multiplies Q4_1 one column at a time and Q8_0 little better; kernels.c loads each weight block
+once for every column and gives ggml's results bit for bit. `product` uses it only where it is built, the CPU has
+its instructions (AVX-512 VNNI) and a check against ggml's own product on this machine gave the same bits, per
+weight type; anywhere else a product is ggml's mul_mat.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from gguf import GGMLQuantizationType
 
 from edgerun.model import ggml_lib
 
-Q4_1, Q8_1 = int(GGMLQuantizationType.Q4_1), int(GGMLQuantizationType.Q8_1)
+Q4_1, Q8_0, Q8_1 = (int(GGMLQuantizationType[t]) for t in ("Q4_1", "Q8_0", "Q8_1"))
+# weight type: (kernels.c's number for it, the type ggml quantizes the activations to for its dot product)
+WEIGHTS = {Q4_1: (0, Q8_1), Q8_0: (1, Q8_0)}
 OP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
 ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the graph's computation
 
 
 class _Params(ctypes.Structure):
-    _fields_ = (("quantize", ctypes.c_void_p),)
+    _fields_ = (("weights", ctypes.c_int32), ("quantize", ctypes.c_void_p))
 
 
 class TypeTraitsCpu(ctypes.Structure):
@@ -42,35 +45,38 @@ def library_path() -> Path | None:
 
 
 class _Kernels:
-    """The library, its op and the parameters the op is given (kept alive for as long as graphs may call it)."""
+    """The library, its op and the parameters the op is given per weight type (kept alive for as long as graphs may
+    call it)."""
 
     def __init__(self, path: Path) -> None:
         self.dll = ctypes.CDLL(str(path))
-        self.dll.er_q4_1_available.restype = ctypes.c_int
+        self.dll.er_product_available.restype = ctypes.c_int
         self.dll.er_tensor_data_offset.restype = ctypes.c_size_t
-        self.op = ctypes.cast(self.dll.er_q4_1_matmul, ctypes.c_void_p).value
+        self.op = ctypes.cast(self.dll.er_product, ctypes.c_void_p).value
         g = ggml_lib.lib()
-        traits = TypeTraitsCpu.from_address(g.ggml_get_type_traits_cpu(Q8_1))
-        self.params = _Params(traits.from_float)
-        self.userdata = ctypes.addressof(self.params)
+        self.params = {qtype: _Params(number, TypeTraitsCpu.from_address(g.ggml_get_type_traits_cpu(acts)).from_float)
+                       for qtype, (number, acts) in WEIGHTS.items()}
+        self.checked: set[int] = set()  # the weight types whose products matched ggml's here
 
-    def q4_1_product(self, ctx: int, w: int, x: int) -> int:
+    def product(self, ctx: int, w: int, x: int) -> int:
         g = ggml_lib.lib()
         n_rows, n_cols = ggml_lib.head(w).ne[1], ggml_lib.head(x).ne[1]
         args = (ctypes.c_void_p * 2)(w, x)
         return g.ggml_custom_4d(ctx, ggml_lib.F32, n_rows, n_cols, 1, 1, args, 2, self.op, ALL_THREADS,
-                                self.userdata)
+                                ctypes.addressof(self.params[ggml_lib.head(w).type]))
 
 
 @functools.cache
 def _kernels() -> _Kernels | None:
-    """The kernels where they are built, this CPU runs them, and they give ggml's bits here; else None."""
+    """The kernels where they are built, this CPU runs them, and for the weight types whose products give ggml's
+    bits here (`checked`); else None."""
     path = library_path()
     if path is None:
         return None
     kernels = _Kernels(path)
-    if not kernels.dll.er_q4_1_available() or not _layout_matches(kernels) or not _same_as_ggml(kernels):
+    if not kernels.dll.er_product_available() or not _layout_matches(kernels):
         return None
+    kernels.checked = {qtype for qtype in WEIGHTS if _same_as_ggml(kernels, qtype)}
     return kernels
 
 
@@ -86,21 +92,21 @@ def _layout_matches(kernels: _Kernels) -> bool:
         ggml_lib.lib().ggml_free(ctx)
 
 
-def _same_as_ggml(kernels: _Kernels) -> bool:
-    """A product of seeded Q4_1 rows with 1-17 columns on 2 threads, by kernels.c and by ggml's mul_mat: the same
-    bits."""
+def _same_as_ggml(kernels: _Kernels, qtype: int) -> bool:
+    """A product of seeded rows of `qtype` with 1-17 columns on 2 threads, by kernels.c and by ggml's mul_mat: the
+    same bits."""
     return all(np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
-               for ours, theirs in compare(kernels, 96, 24, (1, 2, 5, 16, 17), threads=2))
+               for ours, theirs in compare(kernels, qtype, 96, 24, (1, 2, 5, 16, 17), threads=2))
 
 
-def compare(kernels: _Kernels, k: int, n: int, columns: Sequence[int], threads: int,
+def compare(kernels: _Kernels, qtype: int, k: int, n: int, columns: Sequence[int], threads: int,
             seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Seeded Q4_1 rows (n, k) times seeded columns, each count of `columns`: (kernels.c's product, ggml's), each
-    (columns, n)."""
+    """Seeded rows (n, k) of `qtype` times seeded columns, each count of `columns`: (kernels.c's product,
+    ggml's), each (columns, n)."""
     from edgerun.model.quant import quantize
 
     rng = np.random.default_rng(seed)
-    w = quantize(rng.standard_normal((n, k)).astype(np.float32), "Q4_1")
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType(qtype).name)
     backend = ggml_lib.GgmlBackend(threads=threads)
     store = ggml_lib.WeightStore(backend)
     wi = store.add("w", w, repack=False)
@@ -110,7 +116,7 @@ def compare(kernels: _Kernels, k: int, n: int, columns: Sequence[int], threads: 
         x = rng.standard_normal((cols, k)).astype(np.float32)
         gc = ggml_lib.GraphContext(backend, 8)
         xt = gc.input(ggml_lib.F32, k, cols)
-        ours, theirs = kernels.q4_1_product(gc.ctx, store.tensor(wi), xt), \
+        ours, theirs = kernels.product(gc.ctx, store.tensor(wi), xt), \
             ggml_lib.lib().ggml_mul_mat(gc.ctx, store.tensor(wi), xt)
         gc.expand(ours)
         gc.expand(theirs)
@@ -121,25 +127,27 @@ def compare(kernels: _Kernels, k: int, n: int, columns: Sequence[int], threads: 
     return out
 
 
-def available() -> bool:
-    """Whether products of Q4_1 rows with several columns take kernels.c's op in this process."""
-    return _kernels() is not None
+def available(qtype: int) -> bool:
+    """Whether products of `qtype` rows with several columns take kernels.c's op in this process."""
+    kernels = _kernels()
+    return kernels is not None and qtype in kernels.checked
 
 
 def usable_here() -> bool:
-    """Whether this CPU runs kernels.c's op (built or not)."""
+    """Whether this CPU runs kernels.c's op (where the install built it)."""
     path = library_path()
-    return path is not None and bool(_Kernels(path).dll.er_q4_1_available())
+    return path is not None and bool(ctypes.CDLL(str(path)).er_product_available())
 
 
 def product(ctx: int, w: int, x: int) -> int:
-    """w (k, n) times x (k, m): ggml's mul_mat, or kernels.c's op where w is Q4_1, x is several contiguous float
-    columns and the kernels are usable here (the same bits either way)."""
+    """w (k, n) times x (k, m): ggml's mul_mat, or kernels.c's op where w is Q4_1 or Q8_0 in plain host memory (not
+    repacked), x is several contiguous float columns and the kernels are usable here (the same bits either way)."""
     g = ggml_lib.lib()
     hw, hx = ggml_lib.head(w), ggml_lib.head(x)
-    if hw.type == Q4_1 and hx.type == ggml_lib.F32 and hx.ne[1] > 1 and hx.ne[2] == 1 and hx.ne[3] == 1 \
-            and hx.nb[0] == 4 and hx.nb[1] == 4 * hx.ne[0] and hw.buffer and g.ggml_backend_buffer_is_host(hw.buffer):
+    if hw.type in WEIGHTS and hx.type == ggml_lib.F32 and hx.ne[1] > 1 and hx.ne[2] == 1 and hx.ne[3] == 1 \
+            and hx.nb[0] == 4 and hx.nb[1] == 4 * hx.ne[0] \
+            and hw.buffer and g.ggml_backend_buffer_is_host(hw.buffer):  # a repacking buffer is not a host one
         kernels = _kernels()
-        if kernels is not None:
-            return kernels.q4_1_product(ctx, w, x)
+        if kernels is not None and hw.type in kernels.checked:
+            return kernels.product(ctx, w, x)
     return g.ggml_mul_mat(ctx, w, x)
