@@ -137,3 +137,90 @@ def test_short_prompts_that_join_together_share_a_round(shipped_model) -> None:
     assert [len(g.tokens) for g in gens] == [1, 1, 1] and not long.tokens
     loop.step()
     assert [len(g.tokens) for g in gens] == [2, 2, 2] and not long.tokens  # its first chunk ran, alone
+
+
+class Counting:
+    """An engine's prefills and cache copies, counted (the engine itself does the work)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.slots, self.max_len = engine, engine.slots, engine.max_len
+        self.prefilled: list[int] = []  # tokens of each prefill call
+        self.copies: list[tuple[int, int, int]] = []
+
+    def prefill(self, slot, tokens, start):
+        self.prefilled.append(len(tokens))
+        return self.engine.prefill(slot, tokens, start)
+
+    def decode(self, batch):
+        return self.engine.decode(batch)
+
+    def copy_cache(self, source, target, rows):
+        self.copies.append((source, target, rows))
+        self.engine.copy_cache(source, target, rows)
+
+
+def drain(loop: BatchLoop, gens: list[Generation]) -> list[GenerationResult]:
+    results: dict[int, GenerationResult] = {}
+    for i, g in enumerate(gens):
+        loop.add(g, lambda r, i=i: results.__setitem__(i, r))
+    while loop.running:
+        loop.step()
+    return [results[i] for i in range(len(gens))]
+
+
+def test_a_prompt_prefilled_once_serves_every_sequence_that_shares_it(shipped_model) -> None:
+    """Four sequences of one prompt (greedy and seeded) joining together: one prefill, the other three wait for it
+    and take its cache rows and logits, and each gets the tokens it gets alone. A fifth after them takes a slot that
+    still holds the prompt: no prefill, no copy. A prompt that shares 40 tokens with a finished one prefills from
+    the last whole chunk of them (32, chunks of 16) and gets the tokens it gets in an engine that never saw the
+    other."""
+    tok = shipped_model.tokenizer
+    prompt = tok.encode(PROMPTS[1])
+    params = [PARAMS[0], PARAMS[1], PARAMS[2], SamplingParams(temperature=0.9, seed=11)]
+    engine = Counting(make_engine("ggml", shipped_model, 256, threads=1, slots=4))
+    loop = BatchLoop(engine, prefill_chunk=16)
+    results = drain(loop, [Generation(prompt, 10, Sampler(p), tok.stop_ids) for p in params])
+    assert engine.prefilled == [len(prompt)] and loop.reused_tokens == 3 * len(prompt)
+    assert sorted(target for _, target, _ in engine.copies) == [1, 2, 3]
+    alone = make_engine("ggml", shipped_model, 256, threads=1)
+    for p, r in zip(params, results, strict=True):
+        assert r.tokens == generate(alone, prompt, 10, Sampler(p), tok.stop_ids).tokens
+    assert len({tuple(r.tokens) for r in results}) >= 3
+
+    engine.prefilled.clear(), engine.copies.clear()
+    again = drain(loop, [Generation(prompt, 10, Sampler(params[1]), tok.stop_ids)])
+    assert again[0].tokens == results[1].tokens and not engine.prefilled and not engine.copies
+
+    long = tok.encode(PROMPTS[3])
+    drain(loop, [Generation(long, 4, Sampler(PARAMS[0]), tok.stop_ids)])
+    branch = long[:40] + tok.encode(" and then the story ends")
+    engine.prefilled.clear()
+    reused = loop.reused_tokens
+    got = drain(loop, [Generation(branch, 8, Sampler(PARAMS[1]), tok.stop_ids)])
+    assert loop.reused_tokens - reused == 32 and sum(engine.prefilled) == len(branch) - 32
+    fresh = BatchLoop(make_engine("ggml", shipped_model, 256, threads=1, slots=2), prefill_chunk=16)
+    assert got[0].tokens == drain(fresh, [Generation(branch, 8, Sampler(PARAMS[1]), tok.stop_ids)])[0].tokens
+    assert fresh.reused_tokens == 0
+
+
+def test_a_sequence_waiting_for_a_prompt_that_is_cancelled_prefills_its_own(shipped_model) -> None:
+    """The sequence whose prefill another waits for is cancelled before it ends: the waiting one prefills the
+    prompt itself and gets its own tokens."""
+    tok = shipped_model.tokenizer
+    long = tok.encode(PROMPTS[3])
+    engine = Counting(make_engine("ggml", shipped_model, 256, threads=1, slots=2))
+    loop = BatchLoop(engine, prefill_chunk=16)
+    cancel = {"now": False}
+    ended: list[GenerationResult] = []
+    loop.add(Generation(long, 4, Sampler(PARAMS[0]), cancelled=lambda: cancel["now"]), ended.append)
+    loop.add(Generation(long, 4, Sampler(PARAMS[0]), tok.stop_ids), ended.append)
+    loop.step()  # the first chunk of the first; the second waits
+    assert engine.prefilled == [16]
+    cancel["now"] = True
+    while loop.running:
+        loop.step()
+    assert ended[0].stop_reason == StopReason.CANCELLED and len(ended[1].tokens) == 4
+    # the second took the first's one whole chunk and prefilled the rest
+    assert sum(engine.prefilled) == 16 + len(long) - 16 and loop.reused_tokens == 16
+    fresh = BatchLoop(make_engine("ggml", shipped_model, 256, threads=1, slots=1), prefill_chunk=16)
+    assert ended[1].tokens == drain(fresh, [Generation(long, 4, Sampler(PARAMS[0]), tok.stop_ids)])[0].tokens

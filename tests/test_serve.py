@@ -210,7 +210,8 @@ def test_seeded_concurrent_streams_get_what_they_get_alone(server: Serving) -> N
 
 def test_a_batching_server_gives_seeded_concurrent_streams_what_they_get_alone() -> None:
     """`serve --parallel 4`: eight seeded streams at once (four decoded together, the rest joining as slots free,
-    one prompt prefilled in several chunks) get the tokens each gets alone; --parallel with a cluster is refused."""
+    one prompt prefilled in several chunks) get the tokens each gets alone, and so do four of one prompt, which is
+    prefilled once; --parallel with a cluster is refused."""
     s = Serving("--api-key", API_KEY, "--no-cluster", "--parallel", "4")
     try:
         client = s.client()
@@ -225,6 +226,16 @@ def test_a_batching_server_gives_seeded_concurrent_streams_what_they_get_alone()
         assert together == alone and len(set(alone)) > 1
         queue = s.state()["queue"]
         assert queue["parallel"] == 4 and queue["running"] == 0 and not queue["busy"]
+
+        # one prompt, four seeds at once: prefilled once, the others take its cache rows and logits
+        def same(seed: int) -> str:
+            return stream_chat(client, "Name a colour of the sea.", max_tokens=10, temperature=0.9, seed=seed)
+
+        before = queue["reused_prompt_tokens"]
+        with ThreadPoolExecutor(4) as pool:
+            shared = list(pool.map(same, range(4)))
+        assert shared == [same(seed) for seed in range(4)] and len(set(shared)) > 1
+        assert s.state()["queue"]["reused_prompt_tokens"] - before >= 3 * 10
     finally:
         s.close()
     refused = subprocess.run([sys.executable, "-m", "edgerun.cli", "serve", "--parallel", "2", "--port", "0"],

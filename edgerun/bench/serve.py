@@ -33,6 +33,7 @@ from edgerun.serve.cli import stream_events
 
 START_TIMEOUT_S = 300  # loading the model and starting the server
 BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+PROMPT_KINDS = ("distinct", "same")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class ServeBenchConfig:
     workers: int = 0  # pipeline workers the started server serves with (--plan dp, its own engine kept out)
     plan: str = "even"  # the started tensor-parallel cluster's planner: even shares, every node computing
     prompt: str = BENCH_PROMPT
+    # "distinct": stream i's prompt starts with its own number, so no two share a prefix; "same": every stream sends
+    # `prompt` as it is (a server that shares a prompt's prefill between sequences prefills it once)
+    prompts: str = "distinct"
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
@@ -62,6 +66,8 @@ class ServeBenchConfig:
             raise EdgerunError("--parallel batches the server's own engine: not with --nodes or --workers")
         if self.url is not None and (self.nodes or self.workers or self.parallel > 1):
             raise EdgerunError("--url measures a running server as it is: --nodes, --workers and --parallel start one")
+        if self.prompts not in PROMPT_KINDS:
+            raise EdgerunError(f"--prompts is one of {', '.join(PROMPT_KINDS)}, not {self.prompts!r}")
         if self.url is not None and not re.match(r"^https?://[^/]+", self.url):
             raise EdgerunError(f"--url must be a server's http:// address, not {self.url!r}")
 
@@ -110,8 +116,10 @@ def stream_once(url: str, body: dict, api_key: str | None) -> StreamTiming:
                         time.perf_counter() - started)
 
 
-def run_row(url: str, streams: int, body: dict, api_key: str | None) -> tuple[list[StreamTiming], float]:
-    """`streams` clients started together; their timings and the row's wall time. The first failure is raised."""
+def run_row(url: str, bodies: Sequence[dict], api_key: str | None) -> tuple[list[StreamTiming], float]:
+    """A client per request body, started together; their timings and the row's wall time. The first failure is
+    raised."""
+    streams = len(bodies)
     barrier = threading.Barrier(streams + 1)
     timings: list[StreamTiming | None] = [None] * streams
     failures: list[BaseException] = []
@@ -119,7 +127,7 @@ def run_row(url: str, streams: int, body: dict, api_key: str | None) -> tuple[li
     def client(i: int) -> None:
         barrier.wait()
         try:
-            timings[i] = stream_once(url, body, api_key)
+            timings[i] = stream_once(url, bodies[i], api_key)
         except BaseException as e:  # raised in the caller's thread
             failures.append(e)
 
@@ -250,7 +258,9 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
         rows = []
         for streams in config.streams:
             log(f"{streams} stream(s)...")
-            row = summarize(streams, *run_row(url, streams, body, config.api_key))
+            bodies = [body if config.prompts == "same" else {**body, "prompt": f"{i + 1}. {config.prompt}"}
+                      for i in range(streams)]
+            row = summarize(streams, *run_row(url, bodies, config.api_key))
             rows.append(replace(row, served_by=serving(_state(url, config.api_key))))
     one = next((r.aggregate_tok_s for r in rows if r.streams == 1), None)
     return rows if one is None else [replace(r, vs_one=r.aggregate_tok_s / one) for r in rows]

@@ -102,7 +102,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
                               args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,
-                              args.nodes, args.workers, args.plan)
+                              args.nodes, args.workers, args.plan, prompts=args.prompts)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -315,7 +315,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "time to first token and between tokens per number of streams",
                          description="Start `edgerun serve --no-cluster` on a free port (or use the server at --url), "
                                      "then for each count in --streams start that many streaming completions at "
-                                     "once (greedy, the same prompt) over HTTP and report per row: the streams, "
+                                     "once (greedy; prompts that differ from their first token, or with "
+                                     "--prompts same one prompt) over HTTP and report per row: the streams, "
                                      "their completion tokens, the row's wall time, the aggregate tokens a second "
                                      "and its ratio to one stream's, the time to first token (p50, p95) and "
                                      "between pieces of text (p50). One warm-up request runs first, unmeasured.")
@@ -323,6 +324,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--streams", default="1,4,8,16",
                    help="concurrent streams per row, comma-separated (default: 1,4,8,16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each stream asks for (default: 32)")
+    p.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
+                   help="distinct: each stream's prompt begins with its own number, so none shares another's "
+                        "prefill; same: every stream sends one prompt, which a --parallel server prefills once "
+                        "(default: distinct)")
     p.add_argument("--url", default=None,
                    help="measure the server already running here (http://HOST:PORT, any plan it serves) instead "
                         "of starting one (default: start edgerun serve --no-cluster with --model and --threads)")

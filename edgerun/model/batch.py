@@ -7,6 +7,14 @@ sequence's tokens go through the same `Generation.take` as `generate`'s one-sequ
 cancellation), and its logits are those it gets alone (the engine's batched step computes every sequence's as its
 own, on the CPU kernels measured here: the matrix products give the same bits at any column count), so a seeded
 request gives the same tokens in a batch as alone.
+
+Prompts that share a prefix share its prefill: a slot's cache keeps the keys and values of the prompt it last ran
+(and, where it ran all of it, the last token's logits) until another sequence takes the slot over. A joining
+sequence takes the slot that holds most of its prompt, or has the rows copied from the slot that does (the engine's
+copy_cache), and prefills only the rest. What is reused is what its own prefill would have computed: the whole
+prompt (with its logits), or whole prefill chunks from the start, cut where its own prefill cuts them (a chunk's
+keys and values depend on how the prompt is cut into steps); a sequence whose prompt a running one is prefilling
+waits for it rather than prefilling it again.
 """
 
 from __future__ import annotations
@@ -38,6 +46,33 @@ class BatchEngine(Protocol):
 
     def decode(self, batch: Sequence[tuple[int, int, int]]) -> np.ndarray: ...
 
+    def copy_cache(self, source: int, target: int, rows: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a slot's cache holds of a prompt: the keys and values of its first tokens, `tokens`, and where the whole
+    prompt was prefilled, the last token's logits."""
+
+    tokens: tuple[int, ...]
+    logits: np.ndarray | None = None
+
+
+def reusable(held: Held | None, prompt: tuple[int, ...], chunk: int) -> int:
+    """How many of a prompt's first positions a slot holding `held` saves a prefill of: all of them where it holds
+    this whole prompt with its logits, else the whole prefill chunks of their common prefix, short of the prompt's
+    last token (whose logits the prefill must give)."""
+    if held is None:
+        return 0
+    if held.logits is not None and held.tokens == prompt:
+        return len(prompt)
+    common = 0
+    for a, b in zip(held.tokens, prompt, strict=False):
+        if a != b:
+            break
+        common += 1
+    return min(common, len(prompt) - 1) // chunk * chunk
+
 
 @dataclass
 class _Sequence:
@@ -46,6 +81,7 @@ class _Sequence:
     done: Callable[[GenerationResult | BaseException], None]
     prefilled: int = 0  # prompt tokens in its cache
     next_token: int | None = None  # sampled, to be fed by the next decode step
+    waits_for: _Sequence | None = None  # a running sequence prefilling the same prompt, whose cache it will copy
     started: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
     decode_start: float = 0.0
@@ -60,6 +96,8 @@ class BatchLoop:
             raise EdgerunError("a prefill chunk is at least one token")
         self.engine, self.prefill_chunk = engine, prefill_chunk
         self.running: list[_Sequence] = []
+        self.held: dict[int, Held] = {}  # slot: what its cache holds of a prompt
+        self.reused_tokens = 0  # prompt tokens not prefilled, their keys and values taken from a slot that held them
 
     @property
     def free(self) -> int:
@@ -70,18 +108,37 @@ class BatchLoop:
         ended it) when it ends."""
         gen.check(self.engine.max_len)
         taken = {s.slot for s in self.running}
-        slot = next((i for i in range(self.engine.slots) if i not in taken), None)
-        if slot is None:
+        free = [i for i in range(self.engine.slots) if i not in taken]
+        if not free:
             raise EdgerunError(f"all {self.engine.slots} sequences of the batch are running")
-        self.running.append(_Sequence(gen, slot, done))
+        prompt = tuple(gen.prompt)
+        saved = {i: reusable(self.held.get(i), prompt, self.prefill_chunk) for i in range(self.engine.slots)}
+        # the free slot holding most of this prompt; else an empty one, so what others hold stays for them
+        slot = max(free, key=lambda i: (saved[i], i not in self.held, -i))
+        source = max(saved, key=lambda i: (saved[i], i == slot))
+        s = _Sequence(gen, slot, done)
+        self.running.append(s)
+        rows = saved[source]
+        if rows and source != slot:
+            self.engine.copy_cache(source, slot, rows)
+        logits = self.held[source].logits if rows == len(prompt) else None
+        self.held[slot] = Held(prompt[:rows], logits)
+        s.prefilled, self.reused_tokens = rows, self.reused_tokens + rows
+        if logits is not None:
+            self._prefilled(s, logits)
+            return
+        s.waits_for = next((r for r in self.running if r is not s and r.waits_for is None and r.next_token is None
+                            and tuple(r.gen.prompt) == prompt), None)
 
     def step(self) -> None:
         """One round: the next prompt chunks of the joining sequences, oldest first, as many as fit in one chunk's
         tokens (always one), then a decode step of the others."""
         for s in [s for s in self.running if s.gen.cancelled()]:  # a client that went away leaves now
             self._end(s, StopReason.CANCELLED)
+        for s in [s for s in self.running if s.waits_for is not None and s.waits_for.next_token is not None]:
+            self._copy_prompt(s)
         prefilled, spent = [], 0
-        for s in [s for s in self.running if s.next_token is None]:
+        for s in [s for s in self.running if s.next_token is None and s.waits_for is None]:
             # A prompt is cut at the same places whatever else runs (multiples of the chunk), so it rounds alike
             # alone and in a batch; short prompts that join together share a round.
             size = min(self.prefill_chunk, len(s.gen.prompt) - s.prefilled)
@@ -107,10 +164,35 @@ class BatchLoop:
         chunk = prompt[s.prefilled:s.prefilled + self.prefill_chunk]
         logits = self.engine.prefill(s.slot, chunk, s.prefilled)
         s.prefilled += len(chunk)
-        if s.prefilled == len(prompt):
-            s.prefill_s = time.perf_counter() - s.started
-            s.decode_start = time.perf_counter()
-            self._take(s, lambda: s.gen.sampler(logits, len(prompt)))
+        done = s.prefilled == len(prompt)
+        self.held[s.slot] = Held(tuple(prompt[:s.prefilled]), logits if done else None)
+        if done:
+            self._prefilled(s, logits)
+
+    def _copy_prompt(self, s: _Sequence) -> None:
+        """A waiting sequence's prompt from the sequence it waited for: all of it with its logits where that one
+        prefilled it, else the whole chunks it got to (it was cancelled); the rest the sequence prefills itself."""
+        source, s.waits_for = s.waits_for, None
+        assert source is not None
+        prompt = tuple(s.gen.prompt)
+        held = self.held.get(source.slot)
+        rows = reusable(held, prompt, self.prefill_chunk)
+        if held is None or rows <= s.prefilled:
+            return
+        self.engine.copy_cache(source.slot, s.slot, rows)
+        self.reused_tokens += rows - s.prefilled
+        s.prefilled = rows
+        full = rows == len(prompt)
+        self.held[s.slot] = held if full else Held(prompt[:rows])
+        if full:
+            assert held.logits is not None
+            self._prefilled(s, held.logits)
+
+    def _prefilled(self, s: _Sequence, logits: np.ndarray) -> None:
+        """The whole prompt is in the sequence's cache: its first token from the last one's logits."""
+        s.prefill_s = time.perf_counter() - s.started
+        s.decode_start = time.perf_counter()
+        self._take(s, lambda: s.gen.sampler(logits, len(s.gen.prompt)))
 
     def _take(self, s: _Sequence, draw: Callable[[], int]) -> None:
         """The sequence's next token (`draw` samples it): fed at the next step, or the sequence ends. A draw that
@@ -128,8 +210,11 @@ class BatchLoop:
             self._end(s)
 
     def _end(self, s: _Sequence, reason: StopReason | None = None) -> None:
-        """The sequence leaves the batch (its slot free for the next): its result to its caller."""
+        """The sequence leaves the batch (its slot free for the next): its result to its caller. Those that waited
+        for its prompt take it where it was prefilled, else prefill their own."""
         self.running.remove(s)
+        for r in [r for r in self.running if r.waits_for is s]:
+            self._copy_prompt(r)
         if reason is not None:
             s.gen.reason = reason
         assert s.gen.reason is not None

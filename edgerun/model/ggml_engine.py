@@ -338,6 +338,22 @@ class GgmlEngine:
             graph = self._batches[key] = BatchGraph(self, key)
         return graph.run(self.embed(np.asarray([b[2] for b in batch], np.int64)), [b[1] for b in batch])
 
+    def copy_cache(self, source: int, target: int, rows: int) -> None:
+        """The keys and values of the first `rows` positions of the sequence in slot `source` into slot `target`'s
+        rows (a prompt's prefix prefilled once for sequences that share it)."""
+        if not (0 <= source < self.slots and 0 <= target < self.slots) or not 0 <= rows <= self.max_len:
+            raise EdgerunError(f"a cache copy takes slots of this engine's {self.slots}, at most {self.max_len} rows")
+        if source == target or rows == 0:
+            return
+        g = ggml_lib.lib()
+        for layer in self.layers:
+            for cache in (layer.attn.k_cache, layer.attn.v_cache):
+                t = self.weights.tensor(cache)
+                row = head(t).nb[1]
+                data = np.empty(rows * row, np.uint8)
+                g.ggml_backend_tensor_get(t, data.ctypes.data, source * self.max_len * row, data.nbytes)
+                g.ggml_backend_tensor_set(t, data.ctypes.data, target * self.max_len * row, data.nbytes)
+
     def _forward(self, embd: np.ndarray, start: int, slot: int) -> np.ndarray:
         n = embd.shape[0]
         if n < 1:

@@ -486,7 +486,7 @@ class Api:
             "plan": cluster.plan() if cluster is not None and sw.planned_for else None,
             "nodes": [] if cluster is None else cluster.nodes(),
             "queue": {"waiting": self.service.waiting, "busy": self.service.busy, "running": self.service.running,
-                      "parallel": self.service.parallel},
+                      "parallel": self.service.parallel, "reused_prompt_tokens": self.service.reused_prompt_tokens},
             "tokens_per_second": per_second,
             **counters,
             "recoveries": self.metrics.recoveries,

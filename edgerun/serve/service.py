@@ -78,6 +78,11 @@ class Service:
         return len(self.batch.running) if self.batch is not None else int(self.busy)
 
     @property
+    def reused_prompt_tokens(self) -> int:
+        """Prompt tokens not prefilled, their keys and values taken from a sequence that shared them (--parallel)."""
+        return self.batch.reused_tokens if self.batch is not None else 0
+
+    @property
     def parallel(self) -> int:
         """Requests it generates at once at most."""
         return self.batch.engine.slots if self.batch is not None else 1
