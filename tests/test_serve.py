@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 
+from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.sampling import Sampler, SamplingParams
 
@@ -1198,3 +1199,18 @@ def test_a_template_with_its_own_tool_syntax(qwen_path: Path) -> None:
         assert (message.tool_calls is None) != (message.content is None) and (message.content or "x")[0] not in "{<"
     finally:
         s.close()
+
+
+def test_parallel_caches_that_would_not_fit_are_refused() -> None:
+    """--parallel's caches are allocated when the server starts: where they would take more than the memory free,
+    the server refuses with a line that names the size and the options that shrink it."""
+    from edgerun.model.config import ModelConfig
+    from edgerun.serve.server import check_batch_memory
+
+    config = ModelConfig("llama", 30, 576, 1536, 9, 3, 64, 49152, 10000.0, 1e-5, 8192, True, False)
+    assert config.kv_cache_bytes(1) == 192 * 2 * 2 * 30  # K and V rows of 192 F16 values, every layer
+    cache = config.kv_cache_bytes(8 * 8192)
+    check_batch_memory(cache, 8, 8192, available=4 * cache)
+    with pytest.raises(EdgerunError, match=r"--parallel 8 with a context of 8192 tokens keeps 1\.4 GiB.*"
+                                           r"lower --parallel or --max-context"):
+        check_batch_memory(cache, 8, 8192, available=cache)

@@ -70,6 +70,10 @@ class ModelConfig:
     def heads_per_kv(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    def kv_cache_bytes(self, positions: int) -> int:
+        """The ggml engine's keys and values of `positions` positions, every layer (F16, as llama.cpp keeps them)."""
+        return positions * self.kv_dim * 2 * 2 * self.n_layers
+
     def n_params(self) -> int:
         """Parameter count including embeddings (the LM head counted once when tied)."""
         h, f = self.hidden, self.ffn

@@ -73,9 +73,10 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--max-queue", type=int, default=16, help="requests queued or running before 429 (default: 16)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="requests decoded together on this machine's engine: each joins the running batch between "
-                        "its steps with a cache of its own (N caches of --max-context rows), its prompt prefilled in "
-                        "chunks between the others' tokens; at most 64; needs --no-cluster and the ggml engine "
-                        "(default: 1, one request at a time)")
+                        "its steps with a cache of its own (N caches of --max-context rows, refused where they would "
+                        "not fit in free memory), its prompt prefilled in chunks between the others' tokens, a prompt "
+                        "or prefix another sequence prefilled taken from its cache; at most 64; needs --no-cluster "
+                        "and the ggml engine (default: 1, one request at a time)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")

@@ -82,6 +82,18 @@ class ServeConfig:
                                f"--no-cluster, not --plan {self.plan}")
 
 
+def check_batch_memory(cache_bytes: int, parallel: int, max_len: int, available: int | None = None) -> None:
+    """Refuse --parallel's caches where they would not fit in the memory this machine has free (the model is
+    loaded by then): they are allocated at once, one of max_len positions per sequence."""
+    import psutil
+
+    free = psutil.virtual_memory().available if available is None else available
+    if cache_bytes > 0.8 * free:
+        raise EdgerunError(f"--parallel {parallel} with a context of {max_len} tokens keeps {cache_bytes / 2**30:.1f} "
+                           f"GiB of keys and values, and this machine has {free / 2**30:.1f} GiB free: lower "
+                           f"--parallel or --max-context")
+
+
 class Server:
     """Everything `edgerun serve` runs: engines, master, service and the HTTP app. run() serves until
     interrupted. Two doors: the API and the dashboard at host:port (this machine only by default), and the
@@ -114,6 +126,8 @@ class Server:
 
                 self.model = model = apply_adapter(model, config.adapter)
             max_len = min(config.max_context, model.config.context_length)
+            if config.local and config.parallel > 1:
+                check_batch_memory(model.config.kv_cache_bytes(max_len * config.parallel), config.parallel, max_len)
             single = make_engine(default_engine(model, config.activations == Activations.F32), model, max_len,
                                  threads=config.threads, slots=config.parallel) if config.local else None
             self.cluster = None if config.cluster_port is None else self._cluster(model, max_len)
