@@ -237,6 +237,10 @@ def test_a_batching_server_gives_seeded_concurrent_streams_what_they_get_alone()
             shared = list(pool.map(same, range(4)))
         assert shared == [same(seed) for seed in range(4)] and len(set(shared)) > 1
         assert s.state()["queue"]["reused_prompt_tokens"] - before >= 3 * 10
+        many = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Name a colour of "
+                                                                      "the sea."}], max_tokens=10, temperature=0.9,
+                                              seed=0, n=4)  # n: four sequences of one batch, one prefill
+        assert [c.message.content for c in many.choices] == shared
     finally:
         s.close()
     refused = subprocess.run([sys.executable, "-m", "edgerun.cli", "serve", "--parallel", "2", "--port", "0"],
@@ -289,6 +293,36 @@ def test_bench_serve_starts_a_cluster_and_says_which_devices_computed() -> None:
             ServeBenchConfig(**bad)
 
 
+def test_n_choices_are_the_request_alone_with_successive_seeds(server: Serving) -> None:
+    """n = 3 through the official client: three choices, choice i the same request alone with seed + i, the
+    prompt counted once in the usage and every choice's tokens; streamed, each choice's chunks carry its index and
+    add up to the same texts, and the usage chunk comes once."""
+    client = server.client()
+    messages = [{"role": "user", "content": "Name an animal."}]
+    kw = {"model": "any", "messages": messages, "max_tokens": 8, "temperature": 1.0}
+    many = client.chat.completions.create(n=3, seed=40, **kw)
+    alone = [client.chat.completions.create(seed=40 + i, **kw) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in many.choices}) > 1
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts: dict[int, str] = {}
+    usages = []
+    for c in client.chat.completions.create(n=3, seed=40, stream=True, stream_options={"include_usage": True}, **kw):
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if c.usage is not None:
+            usages.append(c.usage)
+    assert [texts[i] for i in range(3)] == [c.message.content for c in many.choices]
+    assert len(usages) == 1 and usages[0].completion_tokens == many.usage.completion_tokens
+    completions = client.completions.create(model="any", prompt="Once upon a time", max_tokens=6, n=2, seed=5,
+                                            temperature=1.0)
+    assert [c.text for c in completions.choices] == [
+        client.completions.create(model="any", prompt="Once upon a time", max_tokens=6, seed=5 + i,
+                                  temperature=1.0).choices[0].text for i in range(2)]
+
+
 def test_bad_requests_get_openai_errors(server: Serving) -> None:
     good = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     cases = [
@@ -296,7 +330,8 @@ def test_bad_requests_get_openai_errors(server: Serving) -> None:
         ({**good, "messages": []}, 400, "messages"),
         ({**good, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
         ({**good, "max_tokens": 0}, 400, "max_tokens"),
-        ({**good, "n": 2}, 400, "n"),
+        ({**good, "n": 17}, 400, "n"),
+        ({**good, "n": 0}, 400, "n"),
         ({**good, "stop": [1]}, 400, "stop"),
         ({**good, "seed": "x"}, 400, "seed"),
         ({**good, "stream": "yes"}, 400, "stream"),

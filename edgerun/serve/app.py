@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from importlib import resources
 from typing import Any
@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
 from edgerun.model.logits import LogitShaper, TokenLogprob
-from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
+from edgerun.model.sampling import MAX_SEED, USER_DEFAULTS, SamplingParams
 from edgerun.profile.device import device_summary
 from edgerun.serve import ollama_api
 from edgerun.serve.metrics import Metrics
@@ -47,6 +47,7 @@ from edgerun.serve.openai_api import (
     logprobs_object,
     parse_request,
     response,
+    response_choice,
     usage_chunk,
 )
 from edgerun.serve.openapi import openapi
@@ -242,45 +243,51 @@ class Api:
         model_name = body.get("model") if isinstance(body, dict) else None
         if model_name is not None and not isinstance(model_name, str):
             raise ApiError(400, "'model' must be a string", param="model")
-        req, job = await self._admit(lambda: parse_request(endpoint, body, self._render_chat, self.config.sampling,
-                                                           self.model.config.vocab_size,
-                                                           self.tool_tags))
+        req, jobs = await self._admit(lambda: parse_request(endpoint, body, self._render_chat, self.config.sampling,
+                                                            self.model.config.vocab_size,
+                                                            self.tool_tags))
         ids = ResponseIds.new(endpoint, self.config.model_name)
         if req.stream:
-            return StreamingResponse(self._counted(request, job, self._sse_lines(job, req, ids, request),
+            return StreamingResponse(self._counted(request, jobs, self._sse_lines(jobs, req, ids, request),
                                                    lambda e: _sse(ApiError(500, f"generation failed: {e}",
                                                                            kind="server_error").body())),
                                      media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        answer = await self._answer(request, job, req)
-        if answer is None:  # its client left: nobody reads this
+        answers = await self._answer(request, jobs, req)
+        if answers is None:  # its client left: nobody reads this
             return Response(status_code=CLIENT_LEFT)
-        text, result, entries = answer
-        call = None if req.tools is None else answer_call(text, req.tools)
-        logprobs = None if req.rules.top_logprobs is None else \
-            logprobs_object(endpoint, entries, self._token_text)
-        return JSONResponse(response(endpoint, ids, text, _finish(result), result.prompt_tokens, len(result.tokens),
-                                     logprobs, call))
+        choices = []
+        for index, (text, result, entries) in enumerate(answers):
+            call = None if req.tools is None else answer_call(text, req.tools)
+            logprobs = None if req.rules.top_logprobs is None else \
+                logprobs_object(endpoint, entries, self._token_text)
+            choices.append(response_choice(endpoint, index, text, _finish(result), logprobs, call))
+        prompt_tokens, completion_tokens = answers[0][1].prompt_tokens, sum(len(r.tokens) for _, r, _ in answers)
+        return JSONResponse(response(endpoint, ids, choices, prompt_tokens, completion_tokens))
 
-    async def _admit(self, parse: Callable[[], GenerationRequest]) -> tuple[GenerationRequest, Job]:
-        """The request parsed and its prompt tokenized, then queued. Rendering the chat template and tokenizing take
-        milliseconds to seconds for a long prompt: off the event loop, which meanwhile serves every other request."""
-        def prepare() -> tuple[GenerationRequest, list[int], LogitShaper | None]:
+    async def _admit(self, parse: Callable[[], GenerationRequest]) -> tuple[GenerationRequest, list[Job]]:
+        """The request parsed and its prompt tokenized, then queued, a job per choice (n). Rendering the chat template
+        and tokenizing take milliseconds to seconds for a long prompt: off the event loop, which meanwhile serves
+        every other request."""
+        def prepare() -> tuple[GenerationRequest, list[int], list[LogitShaper | None]]:
             try:
                 req = parse()
             except ValueError as e:  # the sampler's own checks
                 raise ApiError(400, str(e)) from e
             prompt = self.model.tokenizer.encode(req.prompt)
-            # The grammar is compiled here, off the event loop (milliseconds to a second for a large schema).
-            shaper = LogitShaper(req.rules, self.model.tokenizer, prompt, self.model.config.vocab_size) \
-                if req.rules.active else None
-            return req, prompt, shaper
+            # The grammar is compiled here, off the event loop (milliseconds to a second for a large schema); each
+            # choice draws through its own.
+            shapers = [LogitShaper(req.rules, self.model.tokenizer, prompt, self.model.config.vocab_size)
+                       if req.rules.active else None for _ in range(req.n)]
+            return req, prompt, shapers
 
-        req, prompt, shaper = await asyncio.to_thread(prepare)
-        return req, self._submit(req, prompt, shaper)
+        req, prompt, shapers = await asyncio.to_thread(prepare)
+        return req, self._submit(req, prompt, shapers)
 
-    def _submit(self, req: GenerationRequest, prompt: list[int], shaper: LogitShaper | None = None) -> Job:
-        """The request into the queue, its max tokens checked against the context (413 where they overrun it)."""
+    def _submit(self, req: GenerationRequest, prompt: list[int], shapers: list[LogitShaper | None]) -> list[Job]:
+        """The request into the queue, a job per choice, choice i drawn with the request's seed + i (so each choice
+        is the request alone with that seed); its max tokens checked against the context (413 where they overrun
+        it)."""
         context = self.switch.max_len
         room = context - len(prompt)
         if room < 1:
@@ -290,29 +297,32 @@ class Api:
         if max_tokens > room:
             raise ApiError(413, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                            f"context of {context}", param="max_tokens", code="context_length_exceeded")
-        return self.service.submit(prompt, max_tokens, req.sampling, shaper)
+        seed = req.sampling.seed
+        return self.service.submit_many(prompt, max_tokens, [
+            (req.sampling if i == 0 or seed is None else replace(req.sampling, seed=(seed + i) % MAX_SEED), shaper)
+            for i, shaper in enumerate(shapers)])
 
-    async def _answer(self, request: Request, job: Job,
-                      req: GenerationRequest) -> tuple[str, GenerationResult, list[TokenLogprob]] | None:
-        """A whole answer's text and result, counted in /metrics; None (counted as CLIENT_LEFT) where its client
-        left meanwhile, which stopped the job at its next token."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+    async def _answer(self, request: Request, jobs: list[Job],
+                      req: GenerationRequest) -> list[tuple[str, GenerationResult, list[TokenLogprob]]] | None:
+        """Every choice's whole text and result, counted in /metrics; None (counted as CLIENT_LEFT) where its
+        client left meanwhile, which stopped the jobs at their next token."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs))
         try:
-            text, result, entries = await self._collect(job, req)
+            answers = list(await asyncio.gather(*(self._collect(job, req) for job in jobs)))
         finally:
             watcher.cancel()
         if watcher.done() and not watcher.cancelled() and watcher.result():
             self.metrics.request_done(CLIENT_LEFT)
             return None
         self.metrics.request_done(200)
-        request.state.tokens = (result.prompt_tokens, len(result.tokens))
-        return text, result, entries
+        request.state.tokens = (answers[0][1].prompt_tokens, sum(len(r.tokens) for _, r, _ in answers))
+        return answers
 
-    async def _counted(self, request: Request, job: Job, lines: AsyncIterator[str],
+    async def _counted(self, request: Request, jobs: list[Job], lines: AsyncIterator[str],
                        failure: Callable[[Exception], str]) -> AsyncIterator[str]:
         """A streamed answer's lines, counted in /metrics as it ends: 200, or 500 with the error as the last line
         (`failure`: the headers are sent), or CLIENT_LEFT where its client went away (Starlette cancels the stream);
-        its job stops with it."""
+        its jobs stop with it."""
         try:
             async for line in lines:
                 yield line
@@ -324,29 +334,47 @@ class Api:
             self.metrics.request_done(CLIENT_LEFT)
             raise
         finally:
-            job.cancel()
+            for job in jobs:
+                job.cancel()
 
-    async def _sse_lines(self, job: Job, req: GenerationRequest, ids: ResponseIds,
+    async def _sse_lines(self, jobs: list[Job], req: GenerationRequest, ids: ResponseIds,
                          request: Request) -> AsyncIterator[str]:
-        """Server-sent events: a first chunk with the role, the text as it comes (with its tokens' logprobs where
-        asked), a closing chunk with the finish reason, the usage if asked, [DONE]. An answer that may be a tool call
-        is sent whole at its end: either its text or the call."""
-        yield _sse(chunk(req.endpoint, ids, "", first=True))
+        """Server-sent events: every choice's chunks as they come (_choice_lines), then the usage if asked (the
+        prompt counted once) and [DONE]."""
+        if len(jobs) == 1:  # the common case, without tasks
+            choices = self._choice_lines(jobs[0], req, ids, 0)
+        else:
+            choices = _merged([self._choice_lines(job, req, ids, i) for i, job in enumerate(jobs)])
+        results: list[GenerationResult] = []
+        async for item in choices:
+            if isinstance(item, GenerationResult):
+                results.append(item)
+            else:
+                yield item
+        tokens = (results[0].prompt_tokens, sum(len(r.tokens) for r in results))
+        if req.include_usage:
+            yield _sse(usage_chunk(req.endpoint, ids, *tokens))
+        yield "data: [DONE]\n\n"
+        request.state.tokens = tokens
+
+    async def _choice_lines(self, job: Job, req: GenerationRequest, ids: ResponseIds,
+                            index: int) -> AsyncIterator[str | GenerationResult]:
+        """One choice's server-sent events: a first chunk with the role, the text as it comes (with its tokens'
+        logprobs where asked), a closing chunk with the finish reason; then its result. An answer that may be a
+        tool call is sent whole at its end: either its text or the call."""
+        yield _sse(chunk(req.endpoint, ids, "", first=True, index=index))
         sent = 0  # characters of the answer sent so far (completions' logprobs count text offsets)
         called = False
         async for piece in self._answer_pieces(job, req):
             if isinstance(piece, ToolCall):
                 called = True
-                yield _sse(chunk(req.endpoint, ids, None, call=piece))
+                yield _sse(chunk(req.endpoint, ids, None, call=piece, index=index))
             elif isinstance(piece, Piece):
-                yield self._sse_piece(req, ids, piece, sent)
+                yield self._sse_piece(req, ids, piece, sent, index)
                 sent += len(piece.text)
             else:
-                yield _sse(chunk(req.endpoint, ids, None, _finish(piece), called=called))
-                if req.include_usage:
-                    yield _sse(usage_chunk(req.endpoint, ids, piece.prompt_tokens, len(piece.tokens)))
-                yield "data: [DONE]\n\n"
-                request.state.tokens = (piece.prompt_tokens, len(piece.tokens))
+                yield _sse(chunk(req.endpoint, ids, None, _finish(piece), called=called, index=index))
+                yield piece
 
     async def _answer_pieces(self, job: Job,
                              req: GenerationRequest) -> AsyncIterator[Piece | ToolCall | GenerationResult]:
@@ -369,10 +397,10 @@ class Api:
             else:
                 yield piece
 
-    def _sse_piece(self, req: GenerationRequest, ids: ResponseIds, piece: Piece, sent: int) -> str:
+    def _sse_piece(self, req: GenerationRequest, ids: ResponseIds, piece: Piece, sent: int, index: int) -> str:
         logprobs = None if req.rules.top_logprobs is None else \
             logprobs_object(req.endpoint, piece.logprobs, self._token_text, sent)
-        return _sse(chunk(req.endpoint, ids, piece.text, logprobs=logprobs))
+        return _sse(chunk(req.endpoint, ids, piece.text, logprobs=logprobs, index=index))
 
     # --- Ollama's endpoints (ollama_api) ------------------------------------------------------------
     async def ollama_chat(self, request: Request) -> Response:
@@ -385,16 +413,17 @@ class Api:
         self._authorize(request)
         body = await self._body(request)
         started = time.perf_counter()
-        req, job = await self._admit(lambda: ollama_api.parse(chat, body, self._render_chat, self.config.sampling,
-                                                              self.tool_tags))
+        req, jobs = await self._admit(lambda: ollama_api.parse(chat, body, self._render_chat, self.config.sampling,
+                                                               self.tool_tags))
+        job = jobs[0]  # Ollama's requests have one answer
         if req.stream:
-            return StreamingResponse(self._counted(request, job, self._ndjson_lines(job, req, chat, request, started),
+            return StreamingResponse(self._counted(request, jobs, self._ndjson_lines(job, req, chat, request, started),
                                                    lambda e: json.dumps({"error": f"generation failed: {e}"}) + "\n"),
                                      media_type="application/x-ndjson", headers={"cache-control": "no-cache"})
-        answer = await self._answer(request, job, req)
-        if answer is None:
+        answers = await self._answer(request, jobs, req)
+        if answers is None:
             return Response(status_code=CLIENT_LEFT)
-        text, result, entries = answer
+        text, result, entries = answers[0]
         call = None if req.tools is None else answer_call(text, req.tools)
         shown = None if req.rules.top_logprobs is None else ollama_api.logprobs(entries, self._token_text)
         return JSONResponse(ollama_api.final(self.config.model_name, chat, "" if call else text, _finish(result),
@@ -566,15 +595,46 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _cancel_on_disconnect(request: Request, job: Job) -> bool:
-    """A non-streaming request whose client leaves: its job stops at the next token. True once it has left."""
+async def _cancel_on_disconnect(request: Request, jobs: list[Job]) -> bool:
+    """A non-streaming request whose client leaves: its jobs stop at the next token. True once it has left."""
     with contextlib.suppress(asyncio.CancelledError):
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                job.cancel()
+                for job in jobs:
+                    job.cancel()
                 return True
     return False
+
+
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async iterators as each comes (one task each); the first error is raised, and the
+    others are stopped with it or when the consumer stops."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((0, item))
+            await queue.put((0, done))
+        except Exception as e:
+            await queue.put((1, e))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            failed, item = await queue.get()
+            if failed:
+                raise item
+            if item is done:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -40,6 +40,7 @@ from edgerun.serve.tools import (
 )
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_CHOICES = 16  # n: sequences of one request (each a job of the queue, which --max-queue bounds too)
 
 
 class ApiError(Exception):
@@ -73,6 +74,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     rules: LogitRules = field(default_factory=LogitRules)  # grammar, penalties, biases, log-probabilities
     tools: Tools | None = None  # the functions the model may call, and how (tool_choice)
+    n: int = 1  # choices: sequences of one prompt, choice i sampled with seed + i
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -279,9 +281,7 @@ def parse_request(endpoint: Endpoint, body: Any, render_chat: Any, defaults: Sam
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-    n = _integer(body, "n", 1, 1_000_000)
-    if n not in (None, 1):
-        raise ApiError(400, "only n = 1 is served", param="n")
+    n = _integer(body, "n", 1, MAX_CHOICES)
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
@@ -302,7 +302,7 @@ def parse_request(endpoint: Endpoint, body: Any, render_chat: Any, defaults: Sam
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
     return GenerationRequest(endpoint, prompt, max_tokens, SamplingParams(temperature, top_k, top_p, seed, min_p),
                              _stop(body), stream, bool(options.get("include_usage", False)),
-                             logit_rules(body, endpoint, vocab_size, grammar), tools)
+                             logit_rules(body, endpoint, vocab_size, grammar), tools, 1 if n is None else n)
 
 
 def finish_reason(reason: StopReason, call: ToolCall | None = None) -> str:
@@ -353,35 +353,37 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(endpoint: Endpoint, ids: ResponseIds, text: str, reason: StopReason, prompt_tokens: int,
-             completion_tokens: int, logprobs: dict[str, Any] | None = None,
-             call: ToolCall | None = None) -> dict[str, Any]:
+def response_choice(endpoint: Endpoint, index: int, text: str, reason: StopReason,
+                    logprobs: dict[str, Any] | None = None, call: ToolCall | None = None) -> dict[str, Any]:
     if endpoint == Endpoint.CHAT:
         message: dict[str, Any] = {"role": "assistant", "content": text} if call is None else \
             {"role": "assistant", "content": None, "tool_calls": [call.as_openai()]}
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": logprobs,
-                                  "finish_reason": finish_reason(reason, call)}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(reason, call)}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+
+
+def response(endpoint: Endpoint, ids: ResponseIds, choices: list[dict[str, Any]], prompt_tokens: int,
+             completion_tokens: int) -> dict[str, Any]:
+    """A whole answer: its choices (response_choice), the prompt's tokens counted once and every choice's."""
     return {"id": ids.id, "object": endpoint.value, "created": ids.created, "model": ids.model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk(endpoint: Endpoint, ids: ResponseIds, text: str | None, reason: StopReason | None = None,
           first: bool = False, logprobs: dict[str, Any] | None = None, call: ToolCall | None = None,
-          called: bool = False) -> dict[str, Any]:
-    """One streamed piece: text (with its tokens' logprobs), a tool call (`call`: its whole delta), or (text None)
-    the closing chunk with the finish reason ("tool_calls" where `called`)."""
+          called: bool = False, index: int = 0) -> dict[str, Any]:
+    """One streamed piece of choice `index`: text (with its tokens' logprobs), a tool call (`call`: its whole
+    delta), or (text None) the closing chunk with the finish reason ("tool_calls" where `called`)."""
     if endpoint == Endpoint.CHAT:
         delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else \
             ({} if text is None else {"content": text})
         if call is not None:
             delta = {"tool_calls": [call.as_openai(index=0)]}
         ending = None if reason is None else ("tool_calls" if called else finish_reason(reason))
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": ending}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": ending}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": None if reason is None else finish_reason(reason)}
         kind = "text_completion"
     return {"id": ids.id, "object": kind, "created": ids.created, "model": ids.model, "choices": [choice]}

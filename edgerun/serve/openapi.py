@@ -27,7 +27,7 @@ SAMPLING: dict[str, Any] = {
     "stop": STOP,
     "stream": BOOLEAN,
     "stream_options": {"type": "object", "properties": {"include_usage": BOOLEAN}},
-    "n": {"type": "integer", "const": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10},

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from edgerun.errors import EdgerunError
@@ -90,14 +90,24 @@ class Service:
     def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                shaper: LogitShaper | None = None) -> Job:
         """Queue a generation; 429 when the queue is full."""
+        return self.submit_many(prompt, max_tokens, [(sampling, shaper)])[0]
+
+    def submit_many(self, prompt: list[int], max_tokens: int,
+                    choices: Sequence[tuple[SamplingParams, LogitShaper | None]]) -> list[Job]:
+        """Queue a generation of one prompt per choice (a request's n), all or none: 429 when the queue has no room
+        for all of them (400 when it never could)."""
+        if len(choices) > self.max_queue:
+            raise ApiError(400, f"n = {len(choices)} is more than the server queues ({self.max_queue})", param="n")
         with self.count_lock:
-            if self.waiting >= self.max_queue:
+            if self.waiting + len(choices) > self.max_queue:
                 raise ApiError(429, f"the queue is full ({self.max_queue} requests); try again shortly",
                                kind="rate_limit_error", code="queue_full", retry_after_s=RETRY_AFTER_S)
-            self.waiting += 1
-        job = Job(prompt, max_tokens, sampling, asyncio.get_running_loop(), shaper)
-        self.queue.put(job)
-        return job
+            self.waiting += len(choices)
+        loop = asyncio.get_running_loop()
+        jobs = [Job(prompt, max_tokens, sampling, loop, shaper) for sampling, shaper in choices]
+        for job in jobs:
+            self.queue.put(job)
+        return jobs
 
     def close(self) -> None:
         self.queue.put(None)
