@@ -49,8 +49,8 @@ class ServeBenchConfig:
     workers: int = 0  # pipeline workers the started server serves with (--plan dp, its own engine kept out)
     plan: str = "even"  # the started tensor-parallel cluster's planner: even shares, every node computing
     prompt: str = BENCH_PROMPT
-    # "distinct": stream i's prompt starts with its own number, so no two share a prefix; "same": every stream sends
-    # `prompt` as it is (a server that shares a prompt's prefill between sequences prefills it once)
+    # "distinct": each stream's prompt names the stream and its row, so none is another's; "same": every stream
+    # sends `prompt` as it is (a server that shares a prompt's prefill between sequences prefills it once)
     prompts: str = "distinct"
 
     def __post_init__(self) -> None:
@@ -258,8 +258,10 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
         rows = []
         for streams in config.streams:
             log(f"{streams} stream(s)...")
-            bodies = [body if config.prompts == "same" else {**body, "prompt": f"{i + 1}. {config.prompt}"}
-                      for i in range(streams)]
+            # distinct: no stream's prompt is another's, in this row or an earlier one (a server keeps what it
+            # prefilled for the prompts that come after)
+            bodies = [body if config.prompts == "same" else
+                      {**body, "prompt": f"Stream {i + 1} of {streams}: {config.prompt}"} for i in range(streams)]
             row = summarize(streams, *run_row(url, bodies, config.api_key))
             rows.append(replace(row, served_by=serving(_state(url, config.api_key))))
     one = next((r.aggregate_tok_s for r in rows if r.streams == 1), None)
