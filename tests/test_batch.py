@@ -224,3 +224,30 @@ def test_a_sequence_waiting_for_a_prompt_that_is_cancelled_prefills_its_own(ship
     assert sum(engine.prefilled) == 16 + len(long) - 16 and loop.reused_tokens == 16
     fresh = BatchLoop(make_engine("ggml", shipped_model, 256, threads=1, slots=1), prefill_chunk=16)
     assert ended[1].tokens == drain(fresh, [Generation(long, 4, Sampler(PARAMS[0]), tok.stop_ids)])[0].tokens
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
+def test_batched_decode_is_bit_exact_on_every_weight_type(tiny_spec, synth_gguf, qtype: str) -> None:
+    """Repacked weights (Q4_0, Q4_K: ggml's 8x8 layouts, whose products of one column and of several take
+    different code), the batched product's types (Q4_1, Q8_0): three sequences decoded together get the logits
+    each gets alone, bit for bit."""
+    from edgerun.model.loader import load_model
+
+    model = load_model(synth_gguf(tiny_spec(qtype=qtype, tied=False)))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 200, 300, 400, 500, 60, 70]]
+    alone = make_engine("ggml", model, 128, threads=1)
+    expected = []
+    for p in prompts:
+        alone.reset()
+        tokens, logits = [int(alone.step(p).argmax())], []
+        for _ in range(4):
+            logits.append(alone.step([tokens[-1]]))
+            tokens.append(int(logits[-1].argmax()))
+        expected.append(logits)
+    engine = make_engine("ggml", model, 128, threads=1, slots=3)
+    last = [int(engine.prefill(s, p, 0).argmax()) for s, p in enumerate(prompts)]
+    for step in range(4):
+        logits = engine.decode([(s, len(p) + step, t) for s, (p, t) in enumerate(zip(prompts, last, strict=True))])
+        for i in range(3):
+            assert np.array_equal(logits[i], expected[i][step]), (qtype, i, step)
+        last = [int(row.argmax()) for row in logits]
