@@ -18,28 +18,35 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=
           SamplingParams(temperature=1.0, top_p=0.9, seed=3), SamplingParams(temperature=0.0)]
 
 
-def test_a_batched_decode_step_gives_each_sequence_the_logits_it_gets_alone(shipped_model) -> None:
-    """Sequences in slots 3, 0 and 2 of one engine, prefilled apart and decoded together: bit for bit the logits of
-    each decoded alone (the products take every column at once; attention reads each slot's own rows)."""
-    tok = shipped_model.tokenizer
-    prompts = [tok.encode(p) for p in PROMPTS[:3]]
-    alone = make_engine("ggml", shipped_model, 512, threads=1)
+def assert_decoded_together_as_alone(model, prompts: list[list[int]], slots: list[int], n_slots: int, max_len: int,
+                                     steps: int):
+    """Each prompt prefilled apart into its slot of one engine, then `steps` greedy tokens of all of them decoded
+    together: bit for bit the logits each gets decoded alone. The batched engine, for more checks."""
+    alone = make_engine("ggml", model, max_len, threads=1)
     expected = []
     for p in prompts:
         alone.reset()
         tokens, logits = [int(alone.step(p).argmax())], []
-        for _ in range(6):
+        for _ in range(steps):
             logits.append(alone.step([tokens[-1]]))
             tokens.append(int(logits[-1].argmax()))
         expected.append(logits)
-    engine = make_engine("ggml", shipped_model, 512, threads=1, slots=4)
-    slots = [3, 0, 2]
+    engine = make_engine("ggml", model, max_len, threads=1, slots=n_slots)
     last = [int(engine.prefill(s, p, 0).argmax()) for s, p in zip(slots, prompts, strict=True)]
-    for step in range(6):
+    for step in range(steps):
         logits = engine.decode([(s, len(p) + step, t) for s, p, t in zip(slots, prompts, last, strict=True)])
-        for i in range(3):
+        for i in range(len(prompts)):
             assert np.array_equal(logits[i], expected[i][step]), (i, step)
         last = [int(row.argmax()) for row in logits]
+    return engine
+
+
+def test_a_batched_decode_step_gives_each_sequence_the_logits_it_gets_alone(shipped_model) -> None:
+    """Sequences in slots 3, 0 and 2 of one engine, prefilled apart and decoded together: bit for bit the logits of
+    each decoded alone (the products take every column at once; attention reads each slot's own rows)."""
+    tok = shipped_model.tokenizer
+    engine = assert_decoded_together_as_alone(shipped_model, [tok.encode(p) for p in PROMPTS[:3]], [3, 0, 2], 4,
+                                              512, steps=6)
     with pytest.raises(EdgerunError, match="distinct slots"):
         engine.decode([(0, 10, 1), (0, 11, 2)])
     with pytest.raises(EdgerunError, match="slot 4"):
@@ -235,19 +242,4 @@ def test_batched_decode_is_bit_exact_on_every_weight_type(tiny_spec, synth_gguf,
 
     model = load_model(synth_gguf(tiny_spec(qtype=qtype, tied=False)))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 200, 300, 400, 500, 60, 70]]
-    alone = make_engine("ggml", model, 128, threads=1)
-    expected = []
-    for p in prompts:
-        alone.reset()
-        tokens, logits = [int(alone.step(p).argmax())], []
-        for _ in range(4):
-            logits.append(alone.step([tokens[-1]]))
-            tokens.append(int(logits[-1].argmax()))
-        expected.append(logits)
-    engine = make_engine("ggml", model, 128, threads=1, slots=3)
-    last = [int(engine.prefill(s, p, 0).argmax()) for s, p in enumerate(prompts)]
-    for step in range(4):
-        logits = engine.decode([(s, len(p) + step, t) for s, (p, t) in enumerate(zip(prompts, last, strict=True))])
-        for i in range(3):
-            assert np.array_equal(logits[i], expected[i][step]), (qtype, i, step)
-        last = [int(row.argmax()) for row in logits]
+    assert_decoded_together_as_alone(model, prompts, [0, 1, 2], 3, 128, steps=4)

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgerun.bench.serve import PROMPT_KINDS
 from edgerun.errors import EdgerunError
 
 if TYPE_CHECKING:
@@ -324,7 +325,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--streams", default="1,4,8,16",
                    help="concurrent streams per row, comma-separated (default: 1,4,8,16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each stream asks for (default: 32)")
-    p.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
+    p.add_argument("--prompts", choices=PROMPT_KINDS, default="distinct",
                    help="distinct: each stream's prompt begins with its stream and row (\"Stream 3 of 8: ...\"), so "
                         "none is another's; same: every stream sends one prompt, which a --parallel server "
                         "prefills once (default: distinct)")

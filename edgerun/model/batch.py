@@ -118,17 +118,10 @@ class BatchLoop:
         source = max(saved, key=lambda i: (saved[i], i == slot))
         s = _Sequence(gen, slot, done)
         self.running.append(s)
-        rows = saved[source]
-        if rows and source != slot:
-            self.engine.copy_cache(source, slot, rows)
-        logits = self.held[source].logits if rows == len(prompt) else None
-        self.held[slot] = Held(prompt[:rows], logits)
-        s.prefilled, self.reused_tokens = rows, self.reused_tokens + rows
-        if logits is not None:
-            self._prefilled(s, logits)
-            return
-        s.waits_for = next((r for r in self.running if r is not s and r.waits_for is None and r.next_token is None
-                            and tuple(r.gen.prompt) == prompt), None)
+        self._reuse(s, source, saved[source])
+        if s.next_token is None:
+            s.waits_for = next((r for r in self.running if r is not s and r.waits_for is None
+                                and r.next_token is None and tuple(r.gen.prompt) == prompt), None)
 
     def step(self) -> None:
         """One round: the next prompt chunks of the joining sequences, oldest first, as many as fit in one chunk's
@@ -174,19 +167,22 @@ class BatchLoop:
         prefilled it, else the whole chunks it got to (it was cancelled); the rest the sequence prefills itself."""
         source, s.waits_for = s.waits_for, None
         assert source is not None
+        rows = reusable(self.held.get(source.slot), tuple(s.gen.prompt), self.prefill_chunk)
+        if rows > s.prefilled:
+            self._reuse(s, source.slot, rows)
+
+    def _reuse(self, s: _Sequence, source: int, rows: int) -> None:
+        """The sequence's first `rows` prompt positions from slot `source`'s cache (`reusable` rows of what it
+        holds), with the last one's logits where they are the whole prompt: its first token is then drawn."""
+        if rows and source != s.slot:
+            self.engine.copy_cache(source, s.slot, rows)
         prompt = tuple(s.gen.prompt)
-        held = self.held.get(source.slot)
-        rows = reusable(held, prompt, self.prefill_chunk)
-        if held is None or rows <= s.prefilled:
-            return
-        self.engine.copy_cache(source.slot, s.slot, rows)
+        logits = self.held[source].logits if rows == len(prompt) else None
+        self.held[s.slot] = Held(prompt[:rows], logits)
         self.reused_tokens += rows - s.prefilled
         s.prefilled = rows
-        full = rows == len(prompt)
-        self.held[s.slot] = held if full else Held(prompt[:rows])
-        if full:
-            assert held.logits is not None
-            self._prefilled(s, held.logits)
+        if logits is not None:
+            self._prefilled(s, logits)
 
     def _prefilled(self, s: _Sequence, logits: np.ndarray) -> None:
         """The whole prompt is in the sequence's cache: its first token from the last one's logits."""

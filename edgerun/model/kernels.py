@@ -24,7 +24,6 @@ from edgerun.model import ggml_lib
 Q4_1, Q8_0, Q8_1 = (int(GGMLQuantizationType[t]) for t in ("Q4_1", "Q8_0", "Q8_1"))
 # weight type: (kernels.c's number for it, the type ggml quantizes the activations to for its dot product)
 WEIGHTS = {Q4_1: (0, Q8_1), Q8_0: (1, Q8_0)}
-OP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
 ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the graph's computation
 
 

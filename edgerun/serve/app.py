@@ -262,8 +262,7 @@ class Api:
             logprobs = None if req.rules.top_logprobs is None else \
                 logprobs_object(endpoint, entries, self._token_text)
             choices.append(response_choice(endpoint, index, text, _finish(result), logprobs, call))
-        prompt_tokens, completion_tokens = answers[0][1].prompt_tokens, sum(len(r.tokens) for _, r, _ in answers)
-        return JSONResponse(response(endpoint, ids, choices, prompt_tokens, completion_tokens))
+        return JSONResponse(response(endpoint, ids, choices, *_counts([r for _, r, _ in answers])))
 
     async def _admit(self, parse: Callable[[], GenerationRequest]) -> tuple[GenerationRequest, list[Job]]:
         """The request parsed and its prompt tokenized, then queued, a job per choice (n). Rendering the chat template
@@ -315,7 +314,7 @@ class Api:
             self.metrics.request_done(CLIENT_LEFT)
             return None
         self.metrics.request_done(200)
-        request.state.tokens = (answers[0][1].prompt_tokens, sum(len(r.tokens) for _, r, _ in answers))
+        request.state.tokens = _counts([r for _, r, _ in answers])
         return answers
 
     async def _counted(self, request: Request, jobs: list[Job], lines: AsyncIterator[str],
@@ -351,7 +350,7 @@ class Api:
                 results.append(item)
             else:
                 yield item
-        tokens = (results[0].prompt_tokens, sum(len(r.tokens) for r in results))
+        tokens = _counts(results)
         if req.include_usage:
             yield _sse(usage_chunk(req.endpoint, ids, *tokens))
         yield "data: [DONE]\n\n"
@@ -589,6 +588,11 @@ def _finish(result: GenerationResult) -> StopReason:
     """Why an answer ended, as the client hears it: a job cancelled with its client still there was cut by a
     stop string."""
     return StopReason.STOP_TOKEN if result.stop_reason == StopReason.CANCELLED else result.stop_reason
+
+
+def _counts(results: list[GenerationResult]) -> tuple[int, int]:
+    """A request's usage from its choices' results: the prompt's tokens once, every choice's completion tokens."""
+    return results[0].prompt_tokens, sum(len(r.tokens) for r in results)
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from edgerun.serve.openai_api import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from edgerun.serve.openai_api import MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 NUMBER = {"type": "number"}
 STRING = {"type": "string"}
@@ -27,7 +27,7 @@ SAMPLING: dict[str, Any] = {
     "stop": STOP,
     "stream": BOOLEAN,
     "stream_options": {"type": "object", "properties": {"include_usage": BOOLEAN}},
-    "n": {"type": "integer", "minimum": 1, "maximum": 16},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10},
