@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgerun.net import wire
-from edgerun.net.fastpath import FastPath, Gather, GatherEnd, addresses, fits, library_path
+from edgerun.net.fastpath import (
+    NATIVE_FRAGMENTS,
+    FastPath,
+    Gather,
+    GatherEnd,
+    addresses,
+    fits,
+    library_path,
+    one_datagram_bytes,
+)
 from edgerun.net.group import join_group, new_group, send_to_groups
 from edgerun.net.wire import Codec, Header, MsgType, authenticate, fragment, open_packet
 
@@ -79,11 +88,13 @@ def test_seals_open_both_ways(fast: FastPath) -> None:
     assert fast.seal(body)[-28:-16] != sealed[-28:-16]  # a fresh nonce every time
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(codec=st.sampled_from(list(Codec)), n=st.integers(1, 3000), parity=st.integers(0, 4),
-       prefix=st.binary(max_size=12), position=st.integers(0, 2 ** 32 - 1))
+       prefix=st.binary(max_size=12), position=st.integers(0, 2 ** 32 - 1), mtu=st.sampled_from([0, 1472, 700]))
 def test_send_vector_sends_what_fragment_seals(codec: Codec, n: int, parity: int, prefix: bytes,
-                                               position: int) -> None:
+                                               position: int, mtu: int) -> None:
+    """One datagram (mtu 0) or the fragments of a path's MTU, and the parity fragments of net.erasure's code: the
+    datagrams wire.fragment seals, in its order."""
     fast = FastPath.load(KEY)
     receivers = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -94,10 +105,14 @@ def test_send_vector_sends_what_fragment_seals(codec: Codec, n: int, parity: int
         x = vectors(n, n)
         header = Header(MsgType.ACTIVATION, 9, position, 3, 1, 2, codec=codec, tokens=1)
         sent = fast.send_vector(sender.fileno(), header, x, addresses([r.getsockname() for r in receivers]),
-                                copies=1 + parity, prefix=prefix)
-        assert sent == 2 * (1 + parity)
+                                copies=1 + parity, prefix=prefix, mtu=mtu)
         with np.errstate(over="ignore"):
-            expected = [open_packet(d, KEY) for d in fragment(header, x, KEY, 65507, parity=parity, prefix=prefix)]
+            expected = [open_packet(d, KEY) for d in fragment(header, x, KEY, mtu or 65507, parity=parity,
+                                                               prefix=prefix)]
+        if len(expected) - parity > NATIVE_FRAGMENTS:  # more fragments than the native path cuts
+            assert sent == -1
+            return
+        assert sent == 2 * len(expected)
         for r in receivers:
             got = [open_packet(r.recv(70000), KEY) for _ in expected]
             assert [(h, p) for h, p in got] == expected  # header fields and payload, data before parity
@@ -145,6 +160,15 @@ def test_a_vector_too_long_for_one_datagram_is_refused(fast: FastPath) -> None:
     assert fast.send_vector(sender.fileno(), Header(MsgType.PARTIAL, 1, codec=Codec.F32, tokens=1), x,
                             addresses([("127.0.0.1", 9)])) == -1
     sender.close()
+
+
+def test_only_a_clean_links_one_token_vectors_go_as_datagrams_longer_than_the_path() -> None:
+    """Ethernet's 1472-byte payload: a clean link's one-token vector may take IPv4's longest datagram (the kernel
+    fragments it); a link with parity, and a prompt's vectors, are cut to the path."""
+    assert one_datagram_bytes(1472, 0) == wire.MAX_UDP_PAYLOAD
+    assert fits(Codec.F32, 2048, 0, one_datagram_bytes(1472, 0)) and not fits(Codec.F32, 2048, 0, 1472)
+    assert one_datagram_bytes(1472, 2) == 1472 and one_datagram_bytes(1472, 0, tokens=7) == 1472
+    assert one_datagram_bytes(65507, 1) == 65507
 
 
 def test_sum_adds_in_the_participants_order(fast: FastPath) -> None:
@@ -257,6 +281,46 @@ def test_a_lost_datagram_is_replaced_by_its_parity_copy_and_copies_of_a_partial_
     assert block.gather.g.from_parity == 1
     time.sleep(0.01)
     assert block.gather.g.skipped >= 1
+
+
+@pytest.mark.parametrize(("codec", "lost", "parity"), [(Codec.F32, (), 0), (Codec.F32, (1,), 2),
+                                                      (Codec.F16, (0, 2), 2), (Codec.Q8, (3,), 1),
+                                                      (Codec.F32, (0, "p0"), 2)])
+def test_gather_joins_fragments_and_rebuilds_lost_ones_from_their_parity(block: Block, codec: Codec,
+                                                                         lost: tuple, parity: int) -> None:
+    """Partials cut at a 400-byte path (a lossy link's, as wire.fragment cuts them): joined, what was lost rebuilt
+    from the parity, each decoded as the Python path decodes it."""
+    rng = np.random.default_rng(5)
+    block.parts = {i: rng.standard_normal(Block.HIDDEN * 16).astype(np.float32) for i in (1, 2, 3)}
+    for node in (1, 2, 3):
+        header = Header(MsgType.PARTIAL, *Block.KEY, node, codec=codec, tokens=1)
+        datagrams = fragment(header, block.parts[node], KEY, 400, parity=parity)
+        count = len(datagrams) - parity
+        assert count >= 4
+        gone = {count + int(f[1:]) if isinstance(f, str) else f for f in lost} if node == 2 else set()
+        for i, d in enumerate(datagrams):
+            if i not in gone:
+                block.node.sendto(d, block.master.getsockname())
+    block.gather.start(Block.KEY, [1, 2, 3], Block.HIDDEN * 16, time.perf_counter() + 2, None, 0.0, [], join=True)
+    assert block.gather.run(block.master.fileno()) == GatherEnd.WHOLE
+    assert block.gather.g.from_parity == (1 if lost else 0)
+    for i, node in enumerate((1, 2, 3)):
+        expected = wire.decode_vector(wire.encode_vector(block.parts[node], codec), codec, Block.HIDDEN * 16)
+        assert np.array_equal(block.gather.buffer[i], expected)
+
+
+def test_a_partial_that_lost_more_fragments_than_its_parity_mends_stays_out(block: Block) -> None:
+    block.parts = {i: np.full(Block.HIDDEN * 16, float(i), np.float32) for i in (1, 2, 3)}
+    for node in (1, 2, 3):
+        header = Header(MsgType.PARTIAL, *Block.KEY, node, codec=Codec.F32, tokens=1)
+        datagrams = fragment(header, block.parts[node], KEY, 400, parity=1)
+        for i, d in enumerate(datagrams):
+            if node != 3 or i not in (0, 1):  # node 3 lost two data fragments; one parity fragment mends one
+                block.node.sendto(d, block.master.getsockname())
+    block.gather.start(Block.KEY, [1, 2, 3], Block.HIDDEN * 16, time.perf_counter() + 0.05, None, 0.0, [], join=True)
+    assert block.gather.run(block.master.fileno()) == GatherEnd.TIME
+    assert math.isnan(block.gather.arrived[2]) and block.gather.g.outstanding == 1
+    assert not math.isnan(block.gather.arrived[0]) and not math.isnan(block.gather.arrived[1])
 
 
 @pytest.mark.parametrize("awaited", [False, True], ids=["block-before-whole", "block-before-awaited"])

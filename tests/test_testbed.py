@@ -133,9 +133,12 @@ def test_down_after_a_crash_finds_everything_by_name() -> None:
 
 @needs_root
 def test_tensor_parallel_over_the_testbed(tiny_spec, synth_gguf) -> None:
-    """Lossless: the reference's greedy tokens exactly. At 5 % kernel loss on every link: generation completes,
-    and the kernel really dropped packets of the cluster."""
-    path = synth_gguf(tiny_spec(tied=False))
+    """Lossless: the reference's greedy tokens exactly, the one-token blocks' partials on the native data path
+    though a float32 vector (512 elements, 2 KB) takes two packets of the veth's 1500-byte MTU (the kernel
+    fragments the datagram). At 5 % kernel loss on every link: generation completes, and the kernel really
+    dropped packets of the cluster."""
+    spec = tiny_spec(tied=False)
+    path = synth_gguf(replace(spec, config=replace(spec.config, hidden=512, n_heads=8)))
     model = load_model(path)
     prompt = [1, 5, 9, 3]
     expected = generate(ReferenceEngine(model, 64), prompt, 16, Sampler(SamplingParams())).tokens
@@ -146,7 +149,9 @@ def test_tensor_parallel_over_the_testbed(tiny_spec, synth_gguf) -> None:
     with testbed.running(spec), local_cluster(model, config, 3, "0", spec) as master:
         assert sorted(n.host for n in master.nodes) == [spec.node_address(k) for k in (1, 2, 3)]
         master.replan()
+        assert all(n.datagram_bytes == 1472 for n in master.nodes)  # the veth's MTU
         assert master.generate(prompt, 16, Sampler(SamplingParams())) == expected
+        assert master.stats.native_partials > 0  # partials of one datagram each, taken by the native gather
         testbed.set_loss(spec, 0.05)
         received0, dropped0 = testbed.measured_loss(spec)
         before = master.stats.blocks
@@ -154,6 +159,47 @@ def test_tensor_parallel_over_the_testbed(tiny_spec, synth_gguf) -> None:
         received, dropped = testbed.measured_loss(spec)
         assert master.stats.blocks > before and dropped > dropped0 and received - received0 > 500
     assert _leftovers(spec.name) == []
+
+
+@needs_root
+def test_ggml_shares_run_natively_over_ethernets_mtu(tiny_spec, synth_gguf, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native runner (master) and node servers with ggml shares over the veth's 1500-byte MTU, where a float32
+    vector of 512 elements is two packets: they ran the one-token blocks and give the Python path's tokens
+    (EDGERUN_NATIVE=0, which the node processes inherit). At 5 % kernel loss (the links then carry parity, and
+    their vectors are cut at the MTU: two data fragments and two of parity) they still run there, rebuilding lost
+    fragments from the parity."""
+    spec = tiny_spec(tied=False)
+    path = synth_gguf(replace(spec, config=replace(spec.config, hidden=512, n_heads=8)))
+    model = load_model(path)
+    prompt = [1, 5, 9, 3]
+    bed = Spec(nodes=2, rate_mbit=1000, name="tbnat")
+    testbed.down(bed.name)
+    config = TpBenchConfig(path, plan="minmax", timeout_ms=None, loss_at="testbed")
+    tokens = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("EDGERUN_NATIVE", native)
+        with testbed.running(bed), local_cluster(model, config, 2, "0", bed) as master:
+            master.replan()
+            tokens[native] = master.generate(prompt, 16, Sampler(SamplingParams()))
+            deadline = time.monotonic() + 10  # the nodes' counts come with their heartbeats
+            while native == "1" and not all(n.native_blocks for n in master.nodes) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            runner, servers = master.stats.native_blocks, [n.native_blocks for n in master.nodes]
+            assert (runner > 0 and all(servers)) if native == "1" else (runner == 0 and not any(servers))
+            assert master.stats.blocks_incomplete == 0
+            if native == "1":
+                testbed.set_loss(bed, 0.05)
+                before = master.stats.native_blocks, [n.native_blocks for n in master.nodes]
+                assert len(master.generate(prompt, 40, Sampler(SamplingParams()))) == 40
+                assert all(n.parity == 2 for n in master.nodes)  # they lost packets: lossy links, cut vectors
+                deadline = time.monotonic() + 10
+                while any(n.native_blocks <= b for n, b in zip(master.nodes, before[1], strict=True)) and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert master.stats.native_blocks > before[0] and master.stats.partials_rebuilt > 0
+                assert all(n.native_blocks > b for n, b in zip(master.nodes, before[1], strict=True))
+    assert tokens["1"] == tokens["0"] and len(tokens["1"]) == 16
+    assert _leftovers(bed.name) == []
 
 
 @needs_root

@@ -23,6 +23,7 @@ from edgerun.net.loops import spinning_event_loop
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.wire import (
     FRAME_LENGTH,
+    MAX_UDP_PAYLOAD,
     Added,
     Header,
     Reassembly,
@@ -49,7 +50,6 @@ TCP_INFO_DSACK_BYTES = 220
 TCP_INFO_U32 = struct.Struct("<I")
 TCP_INFO_RESENT_AT, TCP_INFO_DATA_OUT_AT, TCP_INFO_DSACK_AT = 100, 156, 216
 IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux's value; Python's socket module does not export it
-MAX_UDP_PAYLOAD = 65507  # IPv4's largest datagram less its IP and UDP headers
 ETHERNET_UDP_PAYLOAD = 1472  # a 1500-byte Ethernet MTU less IPv4 and UDP headers
 # A control stream holds up to this many bytes of whole frames not yet taken before it stops reading its socket.
 STREAM_LIMIT = 16 << 20

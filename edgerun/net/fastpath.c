@@ -1,5 +1,5 @@
-/* The tensor-parallel block exchange's per-datagram work in C: seal and send a one-datagram vector to every node of
- * a block, and take a block's one-datagram partials off the socket (check, decode, stamp) until the block is whole,
+/* The tensor-parallel block exchange's per-datagram work in C: seal and send a vector to every node of
+ * a block, and take a block's partials off the socket (check, decode, stamp) until the block is whole,
  * its deadline passes or something else arrives, then add them up in the participants' order.
  *
  * The wire format is edgerun.net.wire's (its docstring is the reference): a 30-byte little-endian header, the
@@ -7,9 +7,13 @@
  * The GMAC is OpenSSL's, from the libcrypto the process has loaded already (Python's hashlib and ssl link it),
  * found by path at run time: nothing to link against at build time, and the same instructions as the Python path.
  *
+ * A vector longer than its link's datagrams (a lossy link's at a 1500-byte MTU) is cut as wire.fragment cuts it, with
+ * net.erasure's parity fragments, and joined again (lost fragments rebuilt) on the other side.
+ *
  * No Python API: edgerun.native loads this library with ctypes, which releases the GIL for each call. Anything this
- * code does not handle (a fragment of a longer vector, a stray packet, a datagram that fails its check, which the
- * Python side then counts by its reason) goes back to the caller whole, so the exchange's semantics stay in Python.
+ * code does not handle (a vector of more fragments than it joins, a stray packet, a datagram that fails its check,
+ * which the Python side then counts by its reason) goes back to the caller whole, so the exchange's semantics stay
+ * in Python.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -32,7 +36,15 @@
 #define VERSION 5
 #define Q8_BLOCK 32
 #define Q8_BLOCK_BYTES 34
-#define MAX_COPIES 5 /* a one-datagram vector and at most four parity copies (wire.MAX_PARITY) */
+#define MAX_PARITY 4 /* parity fragments a vector may have (wire.MAX_PARITY) */
+#define MAX_COPIES (1 + MAX_PARITY) /* a one-datagram vector and its parity copies */
+/* A vector longer than one datagram of its link (a lossy link's: wire.fragment cuts it, each fragment decoded on its
+ * own) is cut and joined here too, up to MAX_FRAGS data fragments of at most MAX_FRAG_PAYLOAD bytes each (paths of
+ * up to about 4 KB MTU: Ethernet's 1500 bytes cut a float32 vector of 2048 elements into 6), for up to FRAG_SLOTS
+ * participants of a block at once. */
+#define MAX_FRAGS 16
+#define MAX_FRAG_PAYLOAD 4096
+#define FRAG_SLOTS 32
 
 enum codec { F32 = 0, F16 = 1, Q8 = 2 };
 enum msg_type { ACTIVATION = 1, PARTIAL = 2 };
@@ -80,7 +92,10 @@ void er_free(er_ctx *ctx) {
 }
 
 /* A context for one cluster key; NULL where libcrypto cannot be loaded or keyed. `nonce` is the random start. */
+static void gf_init(void);
+
 er_ctx *er_new(const char *libcrypto, const uint8_t key[32], const uint8_t nonce[NONCE_SIZE]) {
+    gf_init();
     void *lib = dlopen(libcrypto, RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) return NULL;
     er_ctx *ctx = calloc(1, sizeof(er_ctx));
@@ -262,7 +277,8 @@ static uint32_t get32(const uint8_t *p) {
     return v;
 }
 
-static void pack_header(uint8_t *p, const er_head *h, uint16_t index, uint32_t length) {
+static void pack_header(uint8_t *p, const er_head *h, uint16_t index, uint16_t count, uint32_t offset,
+                        uint32_t length) {
     p[0] = 'E';
     p[1] = 'R';
     p[2] = VERSION;
@@ -273,11 +289,186 @@ static void pack_header(uint8_t *p, const er_head *h, uint16_t index, uint32_t l
     p[14] = h->block;
     p[15] = h->node;
     put16(p + 16, index);
-    put16(p + 18, 1); /* fragment count */
+    put16(p + 18, count);
     p[20] = h->codec;
     p[21] = h->tokens;
-    put32(p + 22, 0); /* element offset */
+    put32(p + 22, offset); /* the fragment's first element */
     put32(p + 26, length);
+}
+
+/* ---- fragments: wire.fragment's cut and net.erasure's code ------------------------------------------------------
+ * GF(2^8) with the polynomial x^8 + x^4 + x^3 + x^2 + 1 and generator 2: parity fragment j of data fragments D_i is
+ * the sum over i of g^(j*i) * D_i, each zero-padded to the first (longest) fragment's length. */
+static uint8_t gf_exp[510], gf_log[256];
+
+static void gf_init(void) {
+    int value = 1;
+    for (int power = 0; power < 255; power++) {
+        gf_exp[power] = (uint8_t)value;
+        gf_log[value] = (uint8_t)power;
+        value <<= 1;
+        if (value & 0x100) value ^= 0x11D;
+    }
+    for (int power = 255; power < 510; power++) gf_exp[power] = gf_exp[power - 255];
+}
+
+static uint8_t gf_mul(uint8_t a, uint8_t b) { return a && b ? gf_exp[gf_log[a] + gf_log[b]] : 0; }
+static uint8_t gf_coefficient(int check, int index) { return gf_exp[(check * index) % 255]; }
+
+/* out[i] ^= c * in[i] for n bytes */
+static void gf_mul_add(uint8_t *out, const uint8_t *in, int n, uint8_t c) {
+    if (c == 0) return;
+    if (c == 1) {
+        for (int i = 0; i < n; i++) out[i] ^= in[i];
+        return;
+    }
+    uint8_t row[256];
+    for (int b = 0; b < 256; b++) row[b] = gf_mul(c, (uint8_t)b);
+    for (int i = 0; i < n; i++) out[i] ^= row[in[i]];
+}
+
+static void gf_scale(uint8_t *buf, int n, uint8_t c) {
+    uint8_t row[256];
+    for (int b = 0; b < 256; b++) row[b] = gf_mul(c, (uint8_t)b);
+    for (int i = 0; i < n; i++) buf[i] = row[buf[i]];
+}
+
+/* wire.elements_per_fragment: the most elements one datagram of `mtu` bytes carries after `prefix` bytes, a whole
+ * number of codec blocks. */
+int er_elements_per_fragment(int codec, int mtu, int prefix) {
+    int room = mtu - HEADER_SIZE - TRAILER - prefix;
+    if (codec == Q8) return (room / Q8_BLOCK_BYTES < 1 ? 1 : room / Q8_BLOCK_BYTES) * Q8_BLOCK;
+    int per = room / (codec == F32 ? 4 : 2);
+    return per < 1 ? 1 : per;
+}
+
+/* The elements of a data fragment whose payload is `length` bytes (no prefix), starting `room` elements before its
+ * vector's end; -1 where no count of them encodes to exactly that length. */
+static int fragment_elements(int codec, int length, int room) {
+    int n;
+    if (codec == Q8) {
+        if (length % Q8_BLOCK_BYTES) return -1;
+        n = length / Q8_BLOCK_BYTES * Q8_BLOCK;
+        n = n < room ? n : room;
+    } else {
+        n = length / (codec == F32 ? 4 : 2);
+    }
+    return n >= 1 && n <= room && er_payload_bytes(codec, n) == length ? n : -1;
+}
+
+/* A vector being joined from its fragments: which came (data and parity, a bit each) and their payloads, kept for a
+ * rebuild. One per participant slot of the master's gather, one for the node's input. */
+typedef struct joined {
+    uint32_t session, position;
+    uint16_t layer;
+    uint8_t block, node;
+    int32_t count;
+    uint32_t data, checks;
+    int32_t len[MAX_FRAGS + MAX_PARITY];
+    uint8_t payload[MAX_FRAGS + MAX_PARITY][MAX_FRAG_PAYLOAD];
+} joined;
+
+static int bits(uint32_t v) { return __builtin_popcount(v); }
+
+/* The missing data fragments from the parity that came (net.erasure.solve: Gaussian elimination over GF(2^8), every
+ * parity fragment an equation), into their payload slots, `size` bytes each; 0 where the equations do not
+ * determine them (the vector then stays incomplete, as if more were lost). */
+static int rebuild(joined *j, int size, const int *missing, int m) {
+    static uint8_t side_room[MAX_PARITY][MAX_FRAG_PAYLOAD];
+    uint8_t rows[MAX_PARITY][MAX_PARITY];
+    uint8_t *sides[MAX_PARITY];
+    int n = 0;
+    for (int c = 0; c < MAX_PARITY; c++) {
+        if (!(j->checks >> c & 1)) continue;
+        uint8_t *side = side_room[n];
+        memset(side, 0, (size_t)size);
+        memcpy(side, j->payload[j->count + c], (size_t)j->len[j->count + c]);
+        for (int i = 0; i < j->count; i++)
+            if (j->data >> i & 1) gf_mul_add(side, j->payload[i], j->len[i], gf_coefficient(c, i));
+        for (int t = 0; t < m; t++) rows[n][t] = gf_coefficient(c, missing[t]);
+        sides[n++] = side;
+    }
+    for (int col = 0; col < m; col++) {
+        int pivot = -1;
+        for (int r = col; r < n && pivot < 0; r++)
+            if (rows[r][col]) pivot = r;
+        if (pivot < 0) return 0;
+        for (int t = 0; t < m; t++) {
+            uint8_t v = rows[col][t];
+            rows[col][t] = rows[pivot][t];
+            rows[pivot][t] = v;
+        }
+        uint8_t *side = sides[col];
+        sides[col] = sides[pivot];
+        sides[pivot] = side;
+        uint8_t inverse = gf_exp[255 - gf_log[rows[col][col]]];
+        for (int t = 0; t < m; t++) rows[col][t] = gf_mul(inverse, rows[col][t]);
+        gf_scale(sides[col], size, inverse);
+        for (int r = 0; r < n; r++) {
+            uint8_t factor = rows[r][col];
+            if (r == col || !factor) continue;
+            for (int t = 0; t < m; t++) rows[r][t] ^= gf_mul(factor, rows[col][t]);
+            gf_mul_add(sides[r], sides[col], size, factor);
+        }
+    }
+    for (int t = 0; t < m; t++) memcpy(j->payload[missing[t]], sides[t], (size_t)size);
+    return 1;
+}
+
+/* Take a checked fragment (count > 1; no prefix) of a `total`-element vector into `j` (reset where it belongs to
+ * another vector) and decode a data fragment's elements into `out` at its offset: -1 a misfit, 0 kept (or a
+ * duplicate), 1 the vector is whole now, 2 whole with fragments rebuilt from its parity (decoded into `out` too). */
+static int join(joined *j, const uint8_t *d, int total, float *out) {
+    uint32_t session = get32(d + 4), position = get32(d + 8);
+    int layer = get16(d + 12), block = d[14], node = d[15], index = get16(d + 16), count = get16(d + 18);
+    int codec = d[20], length = (int)get32(d + 26);
+    uint32_t offset = get32(d + 22);
+    if (j->session != session || j->position != position || j->layer != layer || j->block != block ||
+        j->node != node || j->count == 0) {
+        j->session = session, j->position = position, j->layer = (uint16_t)layer, j->block = (uint8_t)block;
+        j->node = (uint8_t)node, j->count = count, j->data = j->checks = 0;
+    }
+    if (count != j->count || count < 2 || count > MAX_FRAGS || index >= count + MAX_PARITY || length < 1 ||
+        length > MAX_FRAG_PAYLOAD)
+        return -1;
+    if (index < count) {
+        if (j->data >> index & 1) return 0;
+        int n = offset < (uint32_t)total ? fragment_elements(codec, length, total - (int)offset) : -1;
+        if (n < 0 || (codec == Q8 && offset % Q8_BLOCK)) return -1;
+        er_decode(codec, d + HEADER_SIZE, n, out + offset);
+        j->data |= 1u << index;
+    } else {
+        if (offset != 0 || j->checks >> (index - count) & 1) return offset != 0 ? -1 : 0;
+        j->checks |= 1u << (index - count);
+    }
+    memcpy(j->payload[index], d + HEADER_SIZE, (size_t)length);
+    j->len[index] = length;
+    uint32_t all = (1u << count) - 1;
+    if (j->data == all) return 1;
+    int m = count - bits(j->data);
+    if (m > bits(j->checks)) return 0;
+    /* the first fragment's length (every parity fragment's): its element count is the cut */
+    int size = 0;
+    for (int c = 0; c < MAX_PARITY && !size; c++)
+        if (j->checks >> c & 1) size = j->len[count + c];
+    int per = fragment_elements(codec, size, total);
+    if (per < 0) return -1;
+    int missing[MAX_PARITY], lengths[MAX_PARITY];
+    for (int i = 0, t = 0; i < count; i++) {
+        if (j->data >> i & 1) continue;
+        int room = total - i * per, n = room < per ? room : per;
+        if (n < 1) return -1;
+        missing[t] = i;
+        lengths[t++] = er_payload_bytes(codec, n);
+    }
+    if (!rebuild(j, size, missing, m)) return 0;
+    for (int t = 0; t < m; t++) {
+        int i = missing[t], room = total - i * per;
+        er_decode(codec, j->payload[i], room < per ? room : per, out + (size_t)i * per);
+        j->len[i] = lengths[t];
+        j->data |= 1u << i;
+    }
+    return 2;
 }
 
 typedef struct er_addr { /* where a datagram goes: IPv4 address and port, both in network order */
@@ -285,34 +476,76 @@ typedef struct er_addr { /* where a datagram goes: IPv4 address and port, both i
     uint16_t port;
 } er_addr;
 
-/* A vector that fits one datagram, sealed as `copies` datagrams (the data, then its parity fragments, which for a
- * one-fragment vector are copies of it with indices 1, 2, ...) and sent to every address: to address a only the first
- * per[a] of them where `per` is given (a link without parity takes the data alone). Where `group` is given, the
- * datagrams go once to that multicast group instead of to each address a with grouped[a]: as many as the most any of
+/* The queued datagrams sent (one that cannot go, to a node gone, is skipped: its loss is seen); the queue emptied. */
+static int send_batch(int fd, struct mmsghdr *msgs, int *queued) {
+    int sent = 0;
+    for (int from = 0; from < *queued;) {
+        int done = sendmmsg(fd, msgs + from, (unsigned)(*queued - from), 0);
+        if (done <= 0) {
+            from++;
+            continue;
+        }
+        sent += done;
+        from += done;
+    }
+    *queued = 0;
+    return sent;
+}
+
+/* A vector sealed as datagrams and sent to every address. Where it fits one datagram of `mtu` bytes (mtu 0: any
+ * length up to IPv4's longest), that datagram and copies - 1 parity fragments, which for a one-fragment vector are
+ * copies of it with indices 1, 2, ...; else its data fragments, cut at `mtu` as wire.fragment cuts them, and copies -
+ * 1 parity fragments of net.erasure's code. To address a only the data and the first per[a] - 1 parity fragments
+ * where `per` is given (a link without parity takes the data alone). Where `group` is given, the datagrams go once to
+ * that multicast group instead of to each address a with grouped[a]: as many parity fragments as the most any of
  * those takes (a member that takes fewer skips the parity it does not need; on the testbed at 8 devices and 5% loss,
  * each node's own two parity copies were 14 more datagrams a block for the master to send, ~8 µs each through veth
- * and nftables). The group's datagram of each round goes first. Every address's data goes before any parity. Each
- * payload starts with `prefix`. The datagrams sent, or -1 (a vector too long for one datagram, a failed seal). */
+ * and nftables). The group's datagrams of each round go first. Every address's data goes before any parity. Each
+ * payload starts with `prefix`. The datagrams sent, or -1 (a vector too long, a failed seal). */
 int er_send_group(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
                   int n, const er_addr *addrs, int naddrs, int copies, const uint8_t *per, const er_addr *group,
-                  const uint8_t *grouped) {
-    int payload = prefix_len + er_payload_bytes(h->codec, n), size = HEADER_SIZE + payload + TRAILER;
-    if (copies < 1 || copies > MAX_COPIES || size > MAX_DATAGRAM) return -1;
-    uint8_t *first = ctx->out[0];
-    if (prefix_len) memcpy(first + HEADER_SIZE, prefix, (size_t)prefix_len);
-    er_encode(h->codec, x, n, first + HEADER_SIZE + prefix_len);
-    for (int i = 0; i < copies; i++) {
-        uint8_t *d = ctx->out[i];
-        if (i) memcpy(d + HEADER_SIZE, first + HEADER_SIZE, (size_t)payload);
-        pack_header(d, h, (uint16_t)i, (uint32_t)payload);
-        if (er_seal(ctx, d, HEADER_SIZE + payload) < 0) return -1;
+                  const uint8_t *grouped, int mtu) {
+    int cut = mtu > 0 ? er_elements_per_fragment(h->codec, mtu, prefix_len) : n;
+    int count = cut >= n ? 1 : (n + cut - 1) / cut;
+    if (count == 1) cut = n;
+    int first = prefix_len + er_payload_bytes(h->codec, cut), stride = (HEADER_SIZE + first + TRAILER + 7) & ~7;
+    int buffers = count + copies - 1; /* data fragments, then parity */
+    if (copies < 1 || copies > MAX_COPIES || HEADER_SIZE + first + TRAILER > MAX_DATAGRAM || count > MAX_FRAGS ||
+        (size_t)buffers * (size_t)stride > sizeof ctx->out)
+        return -1;
+    uint8_t *arena = &ctx->out[0][0];
+    int lengths[MAX_FRAGS + MAX_PARITY];
+    for (int i = 0; i < count; i++) {
+        uint8_t *d = arena + (size_t)i * stride;
+        int elements = n - i * cut < cut ? n - i * cut : cut;
+        if (prefix_len) memcpy(d + HEADER_SIZE, prefix, (size_t)prefix_len);
+        lengths[i] = prefix_len + er_encode(h->codec, x + (size_t)i * cut, elements, d + HEADER_SIZE + prefix_len);
+    }
+    for (int c = 1; c < copies; c++) {
+        uint8_t *d = arena + (size_t)(count - 1 + c) * stride;
+        if (count == 1) {
+            memcpy(d + HEADER_SIZE, arena + HEADER_SIZE, (size_t)first);
+        } else {
+            memset(d + HEADER_SIZE, 0, (size_t)first);
+            for (int i = 0; i < count; i++)
+                gf_mul_add(d + HEADER_SIZE, arena + (size_t)i * stride + HEADER_SIZE, lengths[i],
+                           gf_coefficient(c - 1, i));
+        }
+        lengths[count - 1 + c] = first;
+    }
+    struct iovec iov[MAX_FRAGS + MAX_PARITY];
+    for (int b = 0; b < buffers; b++) {
+        uint8_t *d = arena + (size_t)b * stride;
+        int parity = b >= count;
+        pack_header(d, h, (uint16_t)b, (uint16_t)count,
+                    parity ? 0 : (uint32_t)(b * cut), (uint32_t)lengths[b]);
+        if (er_seal(ctx, d, HEADER_SIZE + lengths[b]) < 0) return -1;
+        iov[b] = (struct iovec){.iov_base = d, .iov_len = (size_t)(HEADER_SIZE + lengths[b] + TRAILER)};
     }
     /* every address's datagrams in as few system calls as the batch allows */
     enum { BATCH = 64 };
     struct mmsghdr msgs[BATCH];
-    struct iovec iov[MAX_COPIES];
     struct sockaddr_in to[BATCH];
-    for (int i = 0; i < copies; i++) iov[i] = (struct iovec){.iov_base = ctx->out[i], .iov_len = (size_t)size};
     int sent = 0, queued = 0, to_group = 0, group_copies = 0;
     if (group != NULL)
         for (int a = 0; a < naddrs; a++)
@@ -321,37 +554,26 @@ int er_send_group(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, 
                 to_group = 1;
                 group_copies = takes > group_copies ? takes : group_copies;
             }
-    for (int c = 0; c < copies; c++) {
-        for (int a = -(to_group && c < group_copies); a < naddrs; a++) { /* a = -1: the group's datagram */
-            int last = c == copies - 1 && a == naddrs - 1;
+    for (int c = 0; c < copies; c++) { /* round 0: the data; round c: parity fragment c - 1 */
+        int from = c == 0 ? 0 : count - 1 + c, until = c == 0 ? count : count + c;
+        for (int a = -(to_group && c < group_copies); a < naddrs; a++) { /* a = -1: the group's datagrams */
+            if (!(a < 0 || ((per == NULL || per[a] > c) && !(to_group && grouped[a])))) continue;
             const er_addr *at = a < 0 ? group : &addrs[a];
-            if (a < 0 || ((per == NULL || per[a] > c) && !(to_group && grouped[a]))) {
+            for (int b = from; b < until; b++) {
                 to[queued] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = at->port,
                                                   .sin_addr.s_addr = at->ip};
                 msgs[queued] = (struct mmsghdr){.msg_hdr = {.msg_name = &to[queued], .msg_namelen = sizeof to[queued],
-                                                            .msg_iov = &iov[c], .msg_iovlen = 1}};
-                queued++;
-            }
-            if (queued == BATCH || (last && queued)) {
-                for (int from = 0; from < queued;) {
-                    int done = sendmmsg(fd, msgs + from, (unsigned)(queued - from), 0);
-                    if (done <= 0) { /* this one cannot go (a node gone: its loss is seen); the rest still go */
-                        from++;
-                        continue;
-                    }
-                    sent += done;
-                    from += done;
-                }
-                queued = 0;
+                                                            .msg_iov = &iov[b], .msg_iovlen = 1}};
+                if (++queued == BATCH) sent += send_batch(fd, msgs, &queued);
             }
         }
     }
-    return sent;
+    return sent + send_batch(fd, msgs, &queued);
 }
 
 int er_send_vector(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, int prefix_len, const float *x,
-                   int n, const er_addr *addrs, int naddrs, int copies) {
-    return er_send_group(ctx, fd, h, prefix, prefix_len, x, n, addrs, naddrs, copies, NULL, NULL, NULL);
+                   int n, const er_addr *addrs, int naddrs, int copies, int mtu) {
+    return er_send_group(ctx, fd, h, prefix, prefix_len, x, n, addrs, naddrs, copies, NULL, NULL, NULL, mtu);
 }
 
 /* ---- a block's partials ---------------------------------------------------------------------------------- */
@@ -394,7 +616,13 @@ typedef struct er_gather {
     /* in: parity copies of other blocks' partials are left unread (the block before is whole: nothing of it is
      * awaited, as needless() judges); 0 hands them back */
     int32_t skip_old_parity;
+    /* in: 1 where partials cut into fragments (a lossy link's at a path's MTU) are joined here (the runner's lossy
+     * blocks); 0 hands every fragment back */
+    int32_t join;
+    int32_t fresh; /* in: 1 for a gather's first run (what was joined for an earlier one is forgotten); then 0 */
 } er_gather;
+
+static joined partials[FRAG_SLOTS]; /* the gather's participants' partials being joined, by participant slot */
 
 typedef struct received {
     int len;
@@ -437,37 +665,46 @@ static int find(const er_gather *g, int node) {
     return -1;
 }
 
-/* Take it if it is a whole partial of the block from a participant still awaited: 1 taken or left as needless,
- * 0 not for this code. */
+/* Take it if it is a partial of the block (whole, or a fragment of one: joined) from a participant still awaited:
+ * 1 taken or left as needless, 0 not for this code. */
 static int take(er_ctx *ctx, er_gather *g, const uint8_t *d, const received *r, int *first) {
-    if (r->len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != PARTIAL ||
-        get16(d + 18) != 1 || get32(d + 22) != 0)
+    if (r->len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != PARTIAL)
         return 0;
+    int index = get16(d + 16), count = get16(d + 18), codec = d[20];
+    if (count < 1 || (count == 1 && get32(d + 22) != 0)) return 0;
     if (get32(d + 4) != g->session || get32(d + 8) != g->position || get16(d + 12) != g->layer ||
         d[14] != g->block) {
-        if (g->skip_old_parity && get16(d + 16) >= 1) { /* a parity copy of an earlier block's partial */
+        if (g->skip_old_parity && index >= count) { /* a parity fragment of an earlier block's partial */
             g->skipped++;
             return 1;
         }
         return 0;
     }
-    int i = find(g, d[15]), index = get16(d + 16), codec = d[20];
+    int i = find(g, d[15]);
     if (i < 0 || codec > Q8) return 0;
     if (!isnan(g->arrived[i])) {
-        if (index >= 1 && index < MAX_COPIES) { /* a parity copy of a partial in already: unread, as needless() */
+        if ((index >= count || (count > 1 && g->join)) && index < count + MAX_PARITY) {
+            /* parity, or a fragment, of a partial in already (joined, or rebuilt): unread, as needless() */
             g->skipped++;
             return 1;
         }
         return 0;
     }
-    uint32_t length = get32(d + 26);
-    if (index >= MAX_COPIES || (int)length != er_payload_bytes(codec, g->sizes[i]) ||
-        HEADER_SIZE + (int)length + TRAILER != r->len || !er_verify(ctx, d, r->len))
-        return 0;
-    er_decode(codec, d + HEADER_SIZE, g->sizes[i], g->parts[i]);
+    int length = (int)get32(d + 26), rebuilt;
+    if (HEADER_SIZE + length + TRAILER != r->len || index >= count + MAX_PARITY) return 0;
+    if (count == 1) {
+        if (length != er_payload_bytes(codec, g->sizes[i]) || !er_verify(ctx, d, r->len)) return 0;
+        er_decode(codec, d + HEADER_SIZE, g->sizes[i], g->parts[i]);
+        rebuilt = index >= 1;
+    } else {
+        if (!g->join || i >= FRAG_SLOTS || !er_verify(ctx, d, r->len)) return 0;
+        int joined_now = join(&partials[i], d, g->sizes[i], g->parts[i]);
+        if (joined_now <= 0) return joined_now == 0;
+        rebuilt = joined_now == 2;
+    }
     g->arrived[i] = r->at;
     g->outstanding--;
-    g->from_parity += index >= 1;
+    g->from_parity += rebuilt;
     if (*first && g->lag_bound >= 0) {
         double bound = monotonic_s() + g->lag_bound;
         g->deadline = bound < g->deadline ? bound : g->deadline;
@@ -503,6 +740,10 @@ static int hand_back(const uint8_t *buf, const received *r, uint8_t *other, int3
  * socket already is read first, deadline or not. */
 int er_gather_run(er_ctx *ctx, int fd, er_gather *g) {
     static uint8_t buf[MAX_DATAGRAM];
+    if (g->fresh) { /* a new block (or the same one of a new request): nothing joined yet */
+        for (int i = 0; i < FRAG_SLOTS; i++) partials[i].count = 0;
+        g->fresh = 0;
+    }
     double clock_offset = monotonic_s() - realtime_s();
     int first = 1;
     for (int i = 0; i < g->n; i++) first &= isnan(g->arrived[i]);
@@ -608,6 +849,7 @@ typedef struct er_runner {
     float *head_input;
     int32_t head_first, head_count;
     double head_sent;                      /* out: when it was sent (perf_counter time) */
+    int32_t mtu;                           /* the participants' path (datagram bytes): a lossy link's inputs' cut */
 } er_runner;
 
 /* The RMS norm of x times w, into out: the sum of squares in double (one rounding), the scale as a float. */
@@ -623,7 +865,7 @@ void er_rms_norm(const float *x, const float *w, float *out, int n, float eps) {
 /* The hidden state's RMS norm by `norm` into `input`, sent as the step's input of (layer, block) to the participant
  * slots [first, first + count): to the group for those that take it there, each with its copies. When it went. */
 static double send_input(er_ctx *ctx, er_runner *r, const float *norm, float *input, int layer, int block, int codec,
-                         int first, int count) {
+                         int first, int count, int mtu) {
     rms_norm(r->x, norm, input, r->hidden, r->eps);
     er_head h = {.session = r->session, .position = r->position, .layer = (uint16_t)layer, .type = ACTIVATION,
                  .block = (uint8_t)block, .node = 0, .codec = (uint8_t)codec, .tokens = 1};
@@ -631,8 +873,9 @@ static double send_input(er_ctx *ctx, er_runner *r, const float *norm, float *in
     if (count) {
         int most = 1;
         for (int i = 0; i < count; i++) most = r->copies[first + i] > most ? r->copies[first + i] : most;
+        /* cut at the path's MTU where a link has parity (wire.fragment's cut); a clean link's goes whole */
         er_send_group(ctx, r->send_fd, &h, NULL, 0, input, r->hidden, r->addrs + first, count, most, r->copies + first,
-                      r->group.port ? &r->group : NULL, r->grouped + first);
+                      r->group.port ? &r->group : NULL, r->grouped + first, most > 1 ? mtu : 0);
     }
     return sent;
 }
@@ -640,7 +883,7 @@ static double send_input(er_ctx *ctx, er_runner *r, const float *norm, float *in
 static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     int n = r->hidden;
     b->sent = send_input(ctx, r, b->norm, b->input, b->layer, b->block, b->mirrored ? F32 : r->codec, b->first,
-                         b->count);
+                         b->count, b->mirrored ? 0 : r->mtu);
     double began = monotonic_s();
     if (b->graph != NULL) {
         memcpy(b->graph_in, b->input, (size_t)n * 4);
@@ -673,6 +916,8 @@ static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     g->deadline = b->sent + b->after_send;
     g->lag_bound = b->lag_bound;
     g->skip_old_parity = r->next == 0 ? r->skip_first : r->blocks[r->next - 1].outstanding == 0;
+    g->join = !b->mirrored;
+    g->fresh = 1;
     return 0;
 }
 
@@ -714,7 +959,8 @@ int er_run_blocks(er_ctx *ctx, er_runner *r) {
         r->phase = 0;
         r->next++;
         if (r->next == r->nblocks && r->head_count > 0)
-            r->head_sent = send_input(ctx, r, r->head_norm, r->head_input, 0, HEAD, F32, r->head_first, r->head_count);
+            r->head_sent = send_input(ctx, r, r->head_norm, r->head_input, 0, HEAD, F32, r->head_first, r->head_count,
+                                      0);
         if (end == TIME) return INCOMPLETE;
     }
     return DONE;
@@ -774,6 +1020,7 @@ typedef struct er_node {
      * layer, block) for the caller to keep its partial (Resend) and send its stream copy where the link wants one */
     const uint8_t *mirrored;
     int32_t served[3];
+    int32_t mtu; /* its path to the master (datagram bytes): where its link has parity, its vectors are cut there */
 } er_node;
 
 static int order_after(const int32_t *a, int p, int l, int b) { /* (p, l, b) > a, lexicographically */
@@ -792,28 +1039,9 @@ static int behind(const er_node *s, int p, int l, int b) {
     return 0;
 }
 
-/* 1: taken (computed and answered, or a parity copy of what was), 2: a mirrored block computed and answered
- * (for the caller to keep), 0: for the caller. */
-static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double at) {
-    if (len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != ACTIVATION ||
-        get32(d + 4) != s->session || get16(d + 18) != 1 || get32(d + 22) != 0 || d[21] != 1)
-        return 0;
-    int p = (int)get32(d + 8), l = get16(d + 12), b = d[14], index = get16(d + 16), codec = d[20];
-    if (l >= s->n_layers || b > 1 || codec > Q8 || index >= MAX_COPIES || !(s->datagram[l] || s->mirrored[l]))
-        return 0;
-    er_share_block *blk = &s->blocks[2 * l + b];
-    if (b == 0 ? p < s->lengths[l] : p == s->mlp_taken[l]) { /* a copy of what is computed (parity, a resend) */
-        s->skipped++;
-        return 1;
-    }
-    if (blk->graph == NULL || (b == 0 && (p != s->lengths[l] || p + 1 > blk->n_kv)) || (b == 1 && p < s->latest[0]))
-        return 0;
-    if ((int)get32(d + 26) != er_payload_bytes(codec, s->hidden) || HEADER_SIZE + (int)get32(d + 26) + TRAILER != len)
-        return 0;
-    if (order_after(s->latest, p, l, b) && behind(s, p, l, b)) return 0; /* the Python path fetches what is missing */
-    if (!er_verify(ctx, d, len)) return 0;
-    double began = monotonic_s();
-    er_decode(codec, d + HEADER_SIZE, s->hidden, blk->graph_in);
+/* The block's input is in its graph: computed (attention: at position p of its layer's cache) and its partial sent
+ * to the master. 1, or 2 for a mirrored block (for the caller to keep), 0 where the graph failed. */
+static int answer(er_ctx *ctx, er_node *s, er_share_block *blk, int p, int l, int b, double at, double began) {
     if (b == 0) {
         *blk->pos = p;
         *blk->rows = p;
@@ -833,7 +1061,9 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double 
     int mirrored = s->mirrored[l];
     er_head h = {.session = s->session, .position = (uint32_t)p, .layer = (uint16_t)l, .type = PARTIAL,
                  .block = (uint8_t)b, .node = s->index, .codec = mirrored ? F32 : s->codec, .tokens = 1};
-    er_send_vector(ctx, s->send_fd, &h, NULL, 0, blk->graph_out, s->hidden, &s->master, 1, s->copies);
+    /* a mirrored partial goes whole (its input came whole); a lossy link's others are cut at its path */
+    er_send_vector(ctx, s->send_fd, &h, NULL, 0, blk->graph_out, s->hidden, &s->master, 1, s->copies,
+                   mirrored || s->copies <= 1 ? 0 : s->mtu);
     if (s->trace != NULL && s->trace_len < s->trace_cap) {
         double *t = s->trace + 7 * s->trace_len++;
         t[0] = p, t[1] = l, t[2] = b, t[3] = at, t[4] = began, t[5] = began + took, t[6] = monotonic_s();
@@ -848,6 +1078,44 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double 
         return 2;
     }
     return 1;
+}
+
+/* 1: taken (computed and answered, a fragment kept for its input, or a parity copy of what was), 2: a mirrored block
+ * computed and answered (for the caller to keep), 0: for the caller. An input of several fragments (a lossy link's
+ * at a path's MTU) is joined, its missing fragments rebuilt from its parity; one that stays incomplete is lost as a
+ * lost datagram is (a newer input's fragment starts over). */
+static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double at) {
+    static joined input;
+    if (len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != ACTIVATION ||
+        get32(d + 4) != s->session || d[21] != 1)
+        return 0;
+    int p = (int)get32(d + 8), l = get16(d + 12), b = d[14], index = get16(d + 16), codec = d[20];
+    int count = get16(d + 18);
+    if (count < 1 || (count == 1 && get32(d + 22) != 0) || l >= s->n_layers || b > 1 || codec > Q8 ||
+        index >= count + MAX_PARITY || !(s->datagram[l] || s->mirrored[l]) || (count > 1 && s->mirrored[l]))
+        return 0;
+    er_share_block *blk = &s->blocks[2 * l + b];
+    if (b == 0 ? p < s->lengths[l] : p == s->mlp_taken[l]) { /* a copy of what is computed (parity, a resend) */
+        s->skipped++;
+        return 1;
+    }
+    if (blk->graph == NULL || (b == 0 && (p != s->lengths[l] || p + 1 > blk->n_kv)) || (b == 1 && p < s->latest[0]))
+        return 0;
+    int length = (int)get32(d + 26);
+    if ((count == 1 && length != er_payload_bytes(codec, s->hidden)) || HEADER_SIZE + length + TRAILER != len)
+        return 0;
+    if (order_after(s->latest, p, l, b) && behind(s, p, l, b)) return 0; /* the Python path fetches what is missing */
+    if (!er_verify(ctx, d, len)) return 0;
+    double began = monotonic_s();
+    if (count == 1) {
+        er_decode(codec, d + HEADER_SIZE, s->hidden, blk->graph_in);
+    } else {
+        int joined_now = join(&input, d, s->hidden, blk->graph_in);
+        if (joined_now <= 0) return joined_now == 0;
+        input.count = 0; /* answered: a later input of the same block (a new request's) starts over */
+        began = monotonic_s();
+    }
+    return answer(ctx, s, blk, p, l, b, at, began);
 }
 
 int er_node_serve(er_ctx *ctx, er_node *s) {

@@ -25,7 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-from edgerun.net.wire import HEADER, NONCE_SIZE, TRAILER, Codec, Header, payload_bytes
+from edgerun.net.wire import (
+    HEADER,
+    MAX_UDP_PAYLOAD,
+    NONCE_SIZE,
+    TRAILER,
+    Codec,
+    Header,
+    elements_per_fragment,
+    payload_bytes,
+)
 
 _f32p = ctypes.POINTER(ctypes.c_float)
 _u8p = ctypes.POINTER(ctypes.c_uint8)
@@ -50,7 +59,8 @@ class _Gather(ctypes.Structure):
                 ("spin_s", ctypes.c_double), ("watch", ctypes.POINTER(ctypes.c_int32)), ("nwatch", ctypes.c_int32),
                 ("skipped", ctypes.c_int32), ("other", _u8p), ("other_cap", ctypes.c_int32),
                 ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
-                ("other_port", ctypes.c_uint16), ("skip_old_parity", ctypes.c_int32)]
+                ("other_port", ctypes.c_uint16), ("skip_old_parity", ctypes.c_int32), ("join", ctypes.c_int32),
+                ("fresh", ctypes.c_int32)]
 
 
 OTHER_BYTES = 65536  # room for a datagram the native path hands back: more than any edgerun sends
@@ -117,7 +127,7 @@ def _library() -> ctypes.CDLL | None:
     lib.er_decode.restype = None
     lib.er_send_group.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Head), ctypes.c_char_p,
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Addr), ctypes.c_int,
-                                  ctypes.c_int, _u8p, ctypes.POINTER(_Addr), _u8p]
+                                  ctypes.c_int, _u8p, ctypes.POINTER(_Addr), _u8p, ctypes.c_int]
     lib.er_gather_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Gather)]
     lib.er_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.er_sum.restype = None
@@ -136,6 +146,34 @@ def fits(codec: Codec, elements: int, prefix: int, datagram_bytes: int) -> bool:
     """Whether a vector of this many elements (after `prefix` bytes) goes as one datagram of at most
     `datagram_bytes`: what send_vector sends."""
     return HEADER.size + prefix + payload_bytes(codec, elements) + TRAILER <= datagram_bytes
+
+
+# What fastpath.c cuts and joins (its MAX_FRAGS, MAX_FRAG_PAYLOAD and FRAG_SLOTS): a lossy link's vector of at most
+# this many data fragments, each of at most this many payload bytes, for at most this many nodes of a block.
+NATIVE_FRAGMENTS = 16
+NATIVE_FRAGMENT_PAYLOAD = 4096
+NATIVE_JOINS = 32
+
+
+def cuts_natively(codec: Codec, elements: int, datagram_bytes: int) -> bool:
+    """Whether the native data path cuts (and joins) a vector of this many elements (no prefix) at `datagram_bytes`,
+    as wire.fragment cuts it."""
+    per = elements_per_fragment(codec, datagram_bytes)
+    return -(-elements // per) <= NATIVE_FRAGMENTS and payload_bytes(codec, per) <= NATIVE_FRAGMENT_PAYLOAD
+
+
+def one_datagram_bytes(path_bytes: int, parity: int, tokens: int = 1) -> int:
+    """The longest datagram a vector of `tokens` tokens may go as, natively, on a link whose path carries UDP
+    payloads of `path_bytes` in one IP packet and whose vectors take `parity` parity fragments. A clean link's
+    one-token vectors (no parity) may take IPv4's longest:
+    IPv4's longest: the kernel cuts a datagram longer than the path MTU into IP fragments and joins them again at
+    the other end, so the native data path (one datagram a vector) runs on Ethernet's 1500-byte MTU too, where
+    a float32 vector of 576 elements already takes two packets. A lossy link's vectors are cut to the path by
+    edgerun itself (wire.fragment), each fragment decoded on its own: an IP-fragmented datagram is lost whole with
+    any one of its packets, and a receiving kernel keeps each half-joined datagram for ipfrag_time (30 s) until
+    its fragment memory is full, after which it drops every fragment. A prompt's vectors are cut to the path
+    too: tens of packets, of which one lost would lose them all."""
+    return MAX_UDP_PAYLOAD if parity == 0 and tokens == 1 else path_bytes
 
 
 def addresses(peers: Sequence[tuple[str, int]]) -> ctypes.Array:
@@ -176,18 +214,19 @@ class FastPath:
         self.close()
 
     def send_vector(self, fd: int, header: Header, x: np.ndarray, to: ctypes.Array, copies: int = 1,
-                    prefix: bytes = b"", group: tuple[str, int] | None = None, grouped: Sequence[bool] = ()) -> int:
-        """x (float32, C order) as one datagram and copies - 1 parity copies to every address of `to`
-        (addresses()): the bytes wire.fragment seals for a vector that fits one datagram. With a multicast `group`,
-        the datagrams go once to the group instead of to each address whose `grouped` is true. The datagrams
-        sent; -1 where x does not fit one datagram."""
+                    prefix: bytes = b"", group: tuple[str, int] | None = None, grouped: Sequence[bool] = (),
+                    mtu: int = 0) -> int:
+        """x (float32, C order) to every address of `to` (addresses()) as the datagrams wire.fragment seals for it at
+        `mtu` (0: one datagram however long) with copies - 1 parity fragments: one datagram and copies of it where
+        it fits one. With a multicast `group`, the datagrams go once to the group instead of to each address whose
+        `grouped` is true. The datagrams sent; -1 where x does not fit one datagram (or, cut, NATIVE_FRAGMENTS)."""
         h = self._head
         h.session, h.position, h.layer, h.type = header.session, header.position, header.layer, header.type
         h.block, h.node, h.codec, h.tokens = header.block, header.node, header.codec, header.tokens
         to_group = (None, None) if group is None else \
             (addresses([group]), (ctypes.c_uint8 * len(to))(*map(int, grouped)))
         return self.lib.er_send_group(self.ctx, fd, self._head_ref, prefix, len(prefix), x.ctypes.data, x.size, to,
-                                      len(to), copies, None, *to_group)
+                                      len(to), copies, None, *to_group, mtu)
 
     def sum(self, own: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
         """own + parts[0] + parts[1] + ..., in that order (float32, a new array of own's shape)."""
@@ -235,12 +274,15 @@ class Gather:
         self._watch = (ctypes.c_int32 * 0)()
 
     def start(self, key: tuple[int, int, int, int], nodes: Sequence[int], size: int | Sequence[int], deadline: float,
-              lag_bound: float | None, spin_s: float, watch: Sequence[int], skip_old_parity: bool = True) -> None:
+              lag_bound: float | None, spin_s: float, watch: Sequence[int], skip_old_parity: bool = True,
+              join: bool = False) -> None:
         """A new block: every participant's partial is `size` elements (or each its own: an LM head's). Each one's
         row of `buffer` is the longest's; its partial is the row's first elements. `skip_old_parity`: parity copies
-        of other blocks' partials are left unread (nothing of the block before is awaited)."""
+        of other blocks' partials are left unread (nothing of the block before is awaited). `join`: partials cut
+        into fragments are joined (and rebuilt from their parity) here, else handed back (as the runner joins its
+        lossy blocks')."""
         g = self.g
-        g.skip_old_parity = skip_old_parity
+        g.skip_old_parity, g.join, g.fresh = skip_old_parity, join, 1
         g.session, g.position, g.layer, g.block = key
         n = g.n = len(nodes)
         sizes = (size,) * n if isinstance(size, int) else tuple(size)
@@ -298,7 +340,7 @@ class _Runner(ctypes.Structure):
                 ("parts", ctypes.c_void_p), ("sum", ctypes.c_void_p), ("skip_first", ctypes.c_int32),
                 ("g", _Gather), ("group", _Addr), ("grouped", _u8p), ("head_norm", ctypes.c_void_p),
                 ("head_input", ctypes.c_void_p), ("head_first", ctypes.c_int32), ("head_count", ctypes.c_int32),
-                ("head_sent", ctypes.c_double)]
+                ("head_sent", ctypes.c_double), ("mtu", ctypes.c_int32)]
 
 
 class RunEnd(IntEnum):
@@ -365,9 +407,10 @@ class Runner:
 
     def prepare(self, blocks: Sequence[NativeBlock], hidden: int, eps: float, codec: int, send_fd: int, recv_fd: int,
                 backend: int, compute: int, spin_s: float, watch: Sequence[int],
-                head: NativeHead | None = None) -> None:
+                head: NativeHead | None = None, mtu: int = 0) -> None:
         """`head`: the LM head's input is sent too, once the last block is merged (`head_input`, `head_sent`);
-        its participants take the slots after the blocks'."""
+        its participants take the slots after the blocks'. `mtu`: the participants' path, where a block's inputs are
+        cut when one of its links has parity (cuts_natively)."""
         r, n = self.r, len(blocks)
         self.blocks = tuple(blocks)
         self.head = head
@@ -405,6 +448,7 @@ class Runner:
         r.codec, r.send_fd, r.recv_fd, r.backend, r.compute = codec, send_fd, recv_fd, backend, compute
         r.parts, r.sum = self.parts.ctypes.data, total.ctypes.data
         r.g.spin_s, r.g.watch, r.g.nwatch = spin_s, watched, len(watch)
+        r.mtu = mtu
 
     def start(self, x: np.ndarray, session: int, position: int, skip_old_parity: bool = True) -> None:
         """A step on the hidden state x (float32, C order, updated in place) at this position. `skip_old_parity`:
@@ -472,7 +516,7 @@ class _Node(ctypes.Structure):
                 ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
                 ("other_port", ctypes.c_uint16), ("trace", ctypes.POINTER(ctypes.c_double)),
                 ("trace_cap", ctypes.c_int32), ("trace_len", ctypes.c_int32), ("mirrored", _u8p),
-                ("served", ctypes.c_int32 * 3)]
+                ("served", ctypes.c_int32 * 3), ("mtu", ctypes.c_int32)]
 
 
 class ServeEnd(IntEnum):
@@ -503,10 +547,11 @@ class NodeServer:
     def prepare(self, graphs: Sequence[NativeGraph | None], weight_bytes: Sequence[float],
                 by_datagram: Sequence[bool], attn_layers: Sequence[int], hidden: int, index: int, codec: int,
                 master: tuple[str, int], send_fd: int, recv_fd: int, backend: int, compute: int, spin_s: float,
-                watch: Sequence[int], group_fd: int = -1, mirrored: Sequence[bool] = ()) -> None:
+                watch: Sequence[int], group_fd: int = -1, mirrored: Sequence[bool] = (), mtu: int = 0) -> None:
         """`graphs` and `weight_bytes`: two per layer (attention, MLP); `group_fd`: the socket of the master's
         multicast group, read beside `recv_fd` (-1: none); `mirrored`: per layer, whether its one-token blocks are
-        mirrored (served too, each returning MIRRORED)."""
+        mirrored (served too, each returning MIRRORED); `mtu`: its path to the master, where its partials are cut
+        while its link has parity (inputs cut there are joined)."""
         s, n_layers = self.s, len(by_datagram)
         blocks = (_ShareBlock * (2 * n_layers))()
         for slot, graph, nbytes in zip(blocks, graphs, weight_bytes, strict=True):
@@ -531,6 +576,7 @@ class NodeServer:
         s.group_fd = group_fd
         s.master = addresses([master])[0]
         s.spin_s, s.watch, s.nwatch = spin_s, watched, len(watch)
+        s.mtu = mtu
 
     TRACE_ROOM = 4096  # blocks a call may record: one call serves at most MAX_S of them
 

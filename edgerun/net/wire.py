@@ -63,6 +63,7 @@ MAC_SIZE = 16
 NONCE_SIZE = 12
 TRAILER = NONCE_SIZE + MAC_SIZE  # after a datagram's or frame's payload: the nonce, then the tag
 HEADER = struct.Struct("<2sBBIIHBBHHBBII")
+MAX_UDP_PAYLOAD = 65507  # IPv4's largest datagram less its IP and UDP headers
 MAX_FRAME = 64 * 1024 * 1024  # stream frames larger than this are refused
 Q8_BLOCK = 32
 Q8_BLOCK_BYTES = 2 + Q8_BLOCK  # f16 scale + 32 int8

@@ -24,6 +24,7 @@ from edgerun.model.generate import EngineLost
 from edgerun.model.reference import rms_norm_fast
 from edgerun.net.channel import Counters, DatagramSocket, LossyUdp, SendThread, add_fragment
 from edgerun.net.fastpath import (
+    NATIVE_JOINS,
     FastPath,
     Gather,
     GatherEnd,
@@ -33,7 +34,9 @@ from edgerun.net.fastpath import (
     RunEnd,
     Runner,
     addresses,
+    cuts_natively,
     fits,
+    one_datagram_bytes,
     rms_norm,
 )
 from edgerun.net.group import PROBE_LAYER, GroupSender
@@ -101,6 +104,10 @@ def _copy_pays(node: NodeConn, nbytes: int) -> bool:
     link = node.link
     return link is None or nbytes * 8 / (min(link.up_mbit, link.down_mbit) * 1e6) <= SPARE_COPY_MAX_S
 
+
+def fits_one(node: NodeConn, codec: Codec, elements: int, prefix: int = 0, tokens: int = 1) -> bool:
+    """Whether a vector of this many elements of `tokens` tokens goes to or from the node as one datagram."""
+    return fits(codec, elements, prefix, one_datagram_bytes(node.datagram_bytes, node.parity, tokens))
 
 class NodeLost(EngineLost):
     """A node died while the master waited on its reply."""
@@ -419,7 +426,7 @@ class BlockExchange:
         """The input as one datagram to every node, sealed once and sent by the native data path: False (nothing
         sent) where it takes more than one datagram on some node's path."""
         prefix = b"" if ranking is None else bytes(ranking)
-        if not fits(codec, x.size, len(prefix), min(n.datagram_bytes for n in nodes)):
+        if not all(fits_one(n, codec, x.size, len(prefix), x.shape[0]) for n in nodes):
             return False
         peers = tuple((n.host, n.udp_port) for n in nodes)
         if self._to[0] != peers:  # the same nodes block after block
@@ -564,10 +571,18 @@ class BlockExchange:
 
     def runs_natively(self, nodes: Iterable[NodeConn]) -> bool:
         """Whether a one-token step's lossy blocks whose participants are these nodes can run on the native runner:
-        inputs it may send (no loss simulated here, one datagram on every path) over UDP with a deadline."""
+        inputs it may send (no loss simulated here) over UDP with a deadline, each one datagram on every path, or
+        cut at the path where a lossy link's is longer (every node's path the same: the runner cuts one input for
+        all of a block's nodes, as each node would cut it; cuts_natively)."""
         if self.runner is None or not self.native_sends or self.routes.of(1, Block.ATTN, 1) != Route.DATAGRAM:
             return False
-        return all(n.alive and fits(self.config.codec, self.model.hidden, 0, n.datagram_bytes) for n in nodes)
+        nodes, codec, hidden = list(nodes), self.config.codec, self.model.hidden
+        if not all(n.alive for n in nodes):
+            return False
+        if all(fits_one(n, codec, hidden) for n in nodes):
+            return True
+        paths = {n.datagram_bytes for n in nodes}
+        return len(paths) == 1 and len(nodes) <= NATIVE_JOINS and cuts_natively(codec, hidden, paths.pop())
 
     def runs_mirrored_natively(self, nodes: Iterable[NodeConn],
                                blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:
@@ -577,7 +592,7 @@ class BlockExchange:
         not mend is asked for again (MIRROR_WAIT, then `_wait`)."""
         if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
             return False
-        return all(n.alive and fits(Codec.F32, self.model.hidden, 0, n.datagram_bytes) for n in nodes)
+        return all(n.alive and fits_one(n, Codec.F32, self.model.hidden) for n in nodes)
 
     def prepare_blocks(self, blocks: list[NativeBlock], participants: list[list[NodeConn]], eps: float, backend: int,
                        compute: int, head: tuple[NativeHead, list[NodeConn]] | None = None) -> None:
@@ -587,7 +602,8 @@ class BlockExchange:
         watch = sorted({fd for nodes in participants for fd in (n.channel.fileno() for n in nodes) if fd >= 0})
         self.runner.prepare(blocks, self.model.hidden, eps, int(self.config.codec), self.udp.sock.fileno(),
                             self.datagrams.sock.fileno(), backend, compute, self.datagrams.spin_s, watch,
-                            None if head is None else head[0])
+                            None if head is None else head[0],
+                            min((n.datagram_bytes for nodes in participants for n in nodes), default=0))
         self._runner_head = [] if head is None else [head[1]]  # the head's participants, in the slots after the blocks'
         groups: dict[tuple[int, ...], tuple[list[NodeConn], list[int]]] = {}
         for i, nodes in enumerate(participants):

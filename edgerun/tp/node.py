@@ -42,7 +42,7 @@ from edgerun.net.channel import (
     connect_channel,
     path_datagram_bytes,
 )
-from edgerun.net.fastpath import FastPath, NodeServer, ServeEnd, addresses, fits
+from edgerun.net.fastpath import FastPath, NodeServer, ServeEnd, addresses, cuts_natively, fits, one_datagram_bytes
 from edgerun.net.group import PROBE_LAYER, join_group
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.model_files import fetch_model, model_sha256
@@ -478,7 +478,8 @@ class Node:
         server.prepare(graphs, weight_bytes, by_datagram, self.attn_layers, c.hidden, self.index, int(self.codec),
                        (self.master[0], self.master_udp_port), self.udp.sock.fileno(), self.datagrams.sock.fileno(),
                        shard.backend.handle, ggml_compute_address(), self.spin_s, [self.channel.fileno()],
-                       -1 if self.group_datagrams is None else self.group_datagrams.sock.fileno(), mirrored)
+                       -1 if self.group_datagrams is None else self.group_datagrams.sock.fileno(), mirrored,
+                       self.datagram_bytes)
         if self.trace is not None:
             server.keep_trace()
         self.server, self._server_n_kv = server, n_kv
@@ -734,12 +735,15 @@ class Node:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
                             codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
             master = (self.master[0], self.master_udp_port)
-            if self.fast is not None and fits(header.codec, out.size, 0, self.datagram_bytes):
+            whole = fits(header.codec, out.size, 0, one_datagram_bytes(self.datagram_bytes, self.parity, seq))
+            if self.fast is not None and (whole or (seq == 1 and route == Route.DATAGRAM and
+                                                    cuts_natively(header.codec, out.size, self.datagram_bytes))):
                 if self._to_master[0] != master:
                     self._to_master = (master, addresses([master]))
-                self.fast.send_vector(self.udp.sock.fileno(), header, as_f32(out), self._to_master[1],
-                                      copies=1 + self.parity)
-                self.udp.sent += 1 + self.parity
+                # a lossy link's partial too long for one datagram is cut at the path, as wire.fragment cuts it
+                sent = self.fast.send_vector(self.udp.sock.fileno(), header, as_f32(out), self._to_master[1],
+                                             copies=1 + self.parity, mtu=0 if whole else self.datagram_bytes)
+                self.udp.sent += max(sent, 0)
             else:
                 self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes, parity=self.parity), master)
             if route == Route.MIRRORED and not self._keep_mirrored(header, out.copy()):
