@@ -254,8 +254,6 @@ class TpBenchConfig:
         if self.every_device and self.rebalance:
             raise EdgerunError("--every-device runs the planner's split at the declared speeds, not --rebalance (a "
                                "rebalance by measured speeds may leave slow devices out)")
-        if self.pin and self.loss_at == "testbed":
-            raise EdgerunError("--pin is for loopback clusters; a testbed's nodes take --cpu-quota")
         check_exchange(self.timeout_ms, self.timeout_deviations, self.rto_min_ms, self.group_size)
 
 
@@ -357,10 +355,9 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
                 if master_config.trace_dir is not None:
                     argv += ["--trace", str(master_config.trace_dir / f"node-{i}.jsonl")]
                 cores = device_cores(i + 1, config.pin)
-                procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL,
-                                              preexec_fn=None if cores is None else
-                                              functools.partial(os.sched_setaffinity, 0, cores)) if bed is None else
-                             testbed.popen(bed, i + 1, argv, stderr=subprocess.DEVNULL))
+                affinity = None if cores is None else functools.partial(os.sched_setaffinity, 0, cores)
+                procs.append(subprocess.Popen(argv, stderr=subprocess.DEVNULL, preexec_fn=affinity) if bed is None
+                             else testbed.popen(bed, i + 1, argv, stderr=subprocess.DEVNULL, preexec_fn=affinity))
             master.wait_for_nodes(nodes, timeout_s=300)
             yield master
         finally:

@@ -408,8 +408,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pin", type=int, default=0, metavar="CORES",
                    help="give each device CORES cores of its own, as separate machines have: the master (and the "
                         "single engine) the first CORES, node i the next, wrapping around the cores this process may "
-                        "use (Linux CPU affinity; loopback only). Give a device more cores than --threads: its "
-                        "network and control threads need one too (default: 0, not pinned)")
+                        "use (Linux CPU affinity; on a testbed beside any --cpu-quota). Give a device more cores "
+                        "than --threads: its network and control threads need one too (default: 0, not pinned)")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="record when each one-token block's input was sent, reached each node, was computed and "
                         "answered, and when its partials reached the master (DIR/nodesN/*.jsonl, one clock for "

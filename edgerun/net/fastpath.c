@@ -333,6 +333,12 @@ static void gf_scale(uint8_t *buf, int n, uint8_t c) {
     for (int i = 0; i < n; i++) buf[i] = row[buf[i]];
 }
 
+/* wire.parity_fragments: the parity fragments after a vector of `count` data fragments on a link of `parity` */
+static int parity_fragments(int parity, int count) {
+    int n = parity + count / 2;
+    return parity <= 0 ? 0 : n < MAX_PARITY ? n : MAX_PARITY;
+}
+
 /* wire.elements_per_fragment: the most elements one datagram of `mtu` bytes carries after `prefix` bytes, a whole
  * number of codec blocks. */
 int er_elements_per_fragment(int codec, int mtu, int prefix) {
@@ -494,9 +500,10 @@ static int send_batch(int fd, struct mmsghdr *msgs, int *queued) {
 
 /* A vector sealed as datagrams and sent to every address. Where it fits one datagram of `mtu` bytes (mtu 0: any
  * length up to IPv4's longest), that datagram and copies - 1 parity fragments, which for a one-fragment vector are
- * copies of it with indices 1, 2, ...; else its data fragments, cut at `mtu` as wire.fragment cuts them, and copies -
- * 1 parity fragments of net.erasure's code. To address a only the data and the first per[a] - 1 parity fragments
- * where `per` is given (a link without parity takes the data alone). Where `group` is given, the datagrams go once to
+ * copies of it with indices 1, 2, ...; else its data fragments, cut at `mtu` as wire.fragment cuts them, and the
+ * parity fragments of net.erasure's code that a link of copies - 1 takes for them (parity_fragments). To address a
+ * only the data and the parity a link of per[a] - 1 takes where `per` is given (a link without parity takes the
+ * data alone). Where `group` is given, the datagrams go once to
  * that multicast group instead of to each address a with grouped[a]: as many parity fragments as the most any of
  * those takes (a member that takes fewer skips the parity it does not need; on the testbed at 8 devices and 5% loss,
  * each node's own two parity copies were 14 more datagrams a block for the master to send, ~8 µs each through veth
@@ -509,7 +516,7 @@ int er_send_group(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, 
     int count = cut >= n ? 1 : (n + cut - 1) / cut;
     if (count == 1) cut = n;
     int first = prefix_len + er_payload_bytes(h->codec, cut), stride = (HEADER_SIZE + first + TRAILER + 7) & ~7;
-    int buffers = count + copies - 1; /* data fragments, then parity */
+    int checks = parity_fragments(copies - 1, count), buffers = count + checks; /* data fragments, then parity */
     if (copies < 1 || copies > MAX_COPIES || HEADER_SIZE + first + TRAILER > MAX_DATAGRAM || count > MAX_FRAGS ||
         (size_t)buffers * (size_t)stride > sizeof ctx->out)
         return -1;
@@ -521,7 +528,7 @@ int er_send_group(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, 
         if (prefix_len) memcpy(d + HEADER_SIZE, prefix, (size_t)prefix_len);
         lengths[i] = prefix_len + er_encode(h->codec, x + (size_t)i * cut, elements, d + HEADER_SIZE + prefix_len);
     }
-    for (int c = 1; c < copies; c++) {
+    for (int c = 1; c <= checks; c++) {
         uint8_t *d = arena + (size_t)(count - 1 + c) * stride;
         if (count == 1) {
             memcpy(d + HEADER_SIZE, arena + HEADER_SIZE, (size_t)first);
@@ -550,14 +557,15 @@ int er_send_group(er_ctx *ctx, int fd, const er_head *h, const uint8_t *prefix, 
     if (group != NULL)
         for (int a = 0; a < naddrs; a++)
             if (grouped[a]) {
-                int takes = per == NULL ? copies : per[a];
+                int takes = 1 + (per == NULL ? checks : parity_fragments(per[a] - 1, count));
                 to_group = 1;
                 group_copies = takes > group_copies ? takes : group_copies;
             }
-    for (int c = 0; c < copies; c++) { /* round 0: the data; round c: parity fragment c - 1 */
+    for (int c = 0; c <= checks; c++) { /* round 0: the data; round c: parity fragment c - 1 */
         int from = c == 0 ? 0 : count - 1 + c, until = c == 0 ? count : count + c;
         for (int a = -(to_group && c < group_copies); a < naddrs; a++) { /* a = -1: the group's datagrams */
-            if (!(a < 0 || ((per == NULL || per[a] > c) && !(to_group && grouped[a])))) continue;
+            if (!(a < 0 || ((per == NULL || c <= parity_fragments(per[a] - 1, count)) && !(to_group && grouped[a]))))
+                continue;
             const er_addr *at = a < 0 ? group : &addrs[a];
             for (int b = from; b < until; b++) {
                 to[queued] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = at->port,
@@ -883,7 +891,7 @@ static double send_input(er_ctx *ctx, er_runner *r, const float *norm, float *in
 static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     int n = r->hidden;
     b->sent = send_input(ctx, r, b->norm, b->input, b->layer, b->block, b->mirrored ? F32 : r->codec, b->first,
-                         b->count, b->mirrored ? 0 : r->mtu);
+                         b->count, r->mtu);
     double began = monotonic_s();
     if (b->graph != NULL) {
         memcpy(b->graph_in, b->input, (size_t)n * 4);
@@ -916,7 +924,7 @@ static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
     g->deadline = b->sent + b->after_send;
     g->lag_bound = b->lag_bound;
     g->skip_old_parity = r->next == 0 ? r->skip_first : r->blocks[r->next - 1].outstanding == 0;
-    g->join = !b->mirrored;
+    g->join = 1;
     g->fresh = 1;
     return 0;
 }
@@ -960,7 +968,7 @@ int er_run_blocks(er_ctx *ctx, er_runner *r) {
         r->next++;
         if (r->next == r->nblocks && r->head_count > 0)
             r->head_sent = send_input(ctx, r, r->head_norm, r->head_input, 0, HEAD, F32, r->head_first, r->head_count,
-                                      0);
+                                      r->mtu);
         if (end == TIME) return INCOMPLETE;
     }
     return DONE;
@@ -1061,9 +1069,9 @@ static int answer(er_ctx *ctx, er_node *s, er_share_block *blk, int p, int l, in
     int mirrored = s->mirrored[l];
     er_head h = {.session = s->session, .position = (uint32_t)p, .layer = (uint16_t)l, .type = PARTIAL,
                  .block = (uint8_t)b, .node = s->index, .codec = mirrored ? F32 : s->codec, .tokens = 1};
-    /* a mirrored partial goes whole (its input came whole); a lossy link's others are cut at its path */
+    /* a lossy link's partials are cut at its path (a clean one's go whole) */
     er_send_vector(ctx, s->send_fd, &h, NULL, 0, blk->graph_out, s->hidden, &s->master, 1, s->copies,
-                   mirrored || s->copies <= 1 ? 0 : s->mtu);
+                   s->copies <= 1 ? 0 : s->mtu);
     if (s->trace != NULL && s->trace_len < s->trace_cap) {
         double *t = s->trace + 7 * s->trace_len++;
         t[0] = p, t[1] = l, t[2] = b, t[3] = at, t[4] = began, t[5] = began + took, t[6] = monotonic_s();
@@ -1092,7 +1100,7 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double 
     int p = (int)get32(d + 8), l = get16(d + 12), b = d[14], index = get16(d + 16), codec = d[20];
     int count = get16(d + 18);
     if (count < 1 || (count == 1 && get32(d + 22) != 0) || l >= s->n_layers || b > 1 || codec > Q8 ||
-        index >= count + MAX_PARITY || !(s->datagram[l] || s->mirrored[l]) || (count > 1 && s->mirrored[l]))
+        index >= count + MAX_PARITY || !(s->datagram[l] || s->mirrored[l]))
         return 0;
     er_share_block *blk = &s->blocks[2 * l + b];
     if (b == 0 ? p < s->lengths[l] : p == s->mlp_taken[l]) { /* a copy of what is computed (parity, a resend) */

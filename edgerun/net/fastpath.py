@@ -217,9 +217,10 @@ class FastPath:
                     prefix: bytes = b"", group: tuple[str, int] | None = None, grouped: Sequence[bool] = (),
                     mtu: int = 0) -> int:
         """x (float32, C order) to every address of `to` (addresses()) as the datagrams wire.fragment seals for it at
-        `mtu` (0: one datagram however long) with copies - 1 parity fragments: one datagram and copies of it where
-        it fits one. With a multicast `group`, the datagrams go once to the group instead of to each address whose
-        `grouped` is true. The datagrams sent; -1 where x does not fit one datagram (or, cut, NATIVE_FRAGMENTS)."""
+        `mtu` (0: one datagram however long) on a link of copies - 1 parity fragments (more for a cut vector:
+        wire.parity_fragments): one datagram and copies of it where it fits one. With a multicast `group`, the
+        datagrams go once to the group instead of to each address whose `grouped` is true. The datagrams sent; -1
+        where x does not fit one datagram (or, cut, NATIVE_FRAGMENTS)."""
         h = self._head
         h.session, h.position, h.layer, h.type = header.session, header.position, header.layer, header.type
         h.block, h.node, h.codec, h.tokens = header.block, header.node, header.codec, header.tokens

@@ -52,7 +52,9 @@ from edgerun.net.wire import (
     WireError,
     as_f32,
     fragment,
+    fragments_of,
     is_parity,
+    parity_fragments,
     peek_parity,
     seal,
     whole_vector,
@@ -399,11 +401,14 @@ class BlockExchange:
         parity = max(n.parity for n in nodes)  # a node of fewer takes the first ones
         if parity == 0 and self.native_sends and self._send_native(nodes, key, x, ranking, codec):
             return
-        datagrams: dict[int, tuple[list[bytes], list[bytes]]] = {}  # datagram size -> (data, parity fragments)
+        # datagram size -> (data, parity fragments, data fragments)
+        datagrams: dict[int, tuple[list[bytes], list[bytes], int]] = {}
         for node in nodes:
             if node.datagram_bytes not in datagrams:
-                sealed = self._input_datagrams(key, x, ranking, codec, node.datagram_bytes, parity=parity)
-                datagrams[node.datagram_bytes] = (sealed[:len(sealed) - parity], sealed[len(sealed) - parity:])
+                count = fragments_of(codec, x.size, node.datagram_bytes, 0 if ranking is None else len(ranking))
+                checks = parity_fragments(parity, count)
+                sealed = self._input_datagrams(key, x, ranking, codec, node.datagram_bytes, parity=checks)
+                datagrams[node.datagram_bytes] = (sealed[:len(sealed) - checks], sealed[len(sealed) - checks:], count)
         # Each node's parity goes from a thread of its own (SendThread), handed over once its data is sent: it
         # crosses while this thread sends the next nodes' data and then computes the master's share. On one host a
         # datagram costs its sender 20-30 µs of kernel work (veth, nftables, the receiver's stack); on the device's
@@ -414,12 +419,12 @@ class BlockExchange:
         # fragment that came first would be decoded (an erasure solve) before the data it stands in for.
         for node in nodes:
             address = (node.host, node.udp_port)
-            data, checks = datagrams[node.datagram_bytes]
+            data, checks, count = datagrams[node.datagram_bytes]
             self.udp.send_all(data, address)
             if node.parity:
                 if self.sender is None:
                     self.sender = SendThread(self.udp)
-                self.sender.send([(checks[:node.parity], address)])
+                self.sender.send([(checks[:parity_fragments(node.parity, count)], address)])
 
     def _send_native(self, nodes: list[NodeConn], key: BlockKey, x: np.ndarray, ranking: tuple[int, ...] | None,
                      codec: Codec) -> bool:
@@ -571,12 +576,16 @@ class BlockExchange:
 
     def runs_natively(self, nodes: Iterable[NodeConn]) -> bool:
         """Whether a one-token step's lossy blocks whose participants are these nodes can run on the native runner:
-        inputs it may send (no loss simulated here) over UDP with a deadline, each one datagram on every path, or
-        cut at the path where a lossy link's is longer (every node's path the same: the runner cuts one input for
-        all of a block's nodes, as each node would cut it; cuts_natively)."""
+        inputs it may send (no loss simulated here) over UDP with a deadline (_sendable)."""
         if self.runner is None or not self.native_sends or self.routes.of(1, Block.ATTN, 1) != Route.DATAGRAM:
             return False
-        nodes, codec, hidden = list(nodes), self.config.codec, self.model.hidden
+        return self._sendable(nodes, self.config.codec)
+
+    def _sendable(self, nodes: Iterable[NodeConn], codec: Codec) -> bool:
+        """Whether the runner sends these nodes a one-token input in this codec (and takes their partials): live
+        nodes, the vector in one datagram on every path, or cut where a lossy link's is longer, every node's path
+        the same (the runner cuts one input for all of a block's nodes, as each node would cut it; cuts_natively)."""
+        nodes, hidden = list(nodes), self.model.hidden
         if not all(n.alive for n in nodes):
             return False
         if all(fits_one(n, codec, hidden) for n in nodes):
@@ -588,11 +597,12 @@ class BlockExchange:
                                blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:
         """Whether mirrored one-token blocks (the first layer's, or the LM head's input: `blocks`) whose participants
         are these nodes can go through the native runner: mirrored over UDP (datagrams first, reliable), each input
-        one float32 datagram. A lossy link's input goes with its parity copies, as `run` sends it: what parity does
-        not mend is asked for again (MIRROR_WAIT, then `_wait`)."""
+        a float32 vector in one datagram or, on a lossy link, cut at its path as runs_natively says. A lossy link's
+        input goes with its parity, as `run` sends it: what parity does not mend is asked for again (MIRROR_WAIT,
+        then `_wait`)."""
         if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
             return False
-        return all(n.alive and fits_one(n, Codec.F32, self.model.hidden) for n in nodes)
+        return self._sendable(nodes, Codec.F32)
 
     def prepare_blocks(self, blocks: list[NativeBlock], participants: list[list[NodeConn]], eps: float, backend: int,
                        compute: int, head: tuple[NativeHead, list[NodeConn]] | None = None) -> None:

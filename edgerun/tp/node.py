@@ -57,7 +57,9 @@ from edgerun.net.wire import (
     WireError,
     as_f32,
     fragment,
+    fragments_of,
     is_parity,
+    parity_fragments,
     peek_parity,
     seal,
     whole_vector,
@@ -745,7 +747,9 @@ class Node:
                                              copies=1 + self.parity, mtu=0 if whole else self.datagram_bytes)
                 self.udp.sent += max(sent, 0)
             else:
-                self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes, parity=self.parity), master)
+                count = fragments_of(header.codec, out.size, self.datagram_bytes)
+                self.udp.send_all(fragment(header, out, self.key, self.datagram_bytes,
+                                           parity=parity_fragments(self.parity, count)), master)
             if route == Route.MIRRORED and not self._keep_mirrored(header, out.copy()):
                 return  # `out` is a buffer its block reuses: kept as a copy
         if route != Route.DATAGRAM:  # the frame is built before send returns: a view of `out` is copied once
