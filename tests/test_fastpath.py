@@ -311,6 +311,23 @@ def test_gather_joins_fragments_and_rebuilds_lost_ones_from_their_parity(block: 
         assert np.array_equal(block.gather.buffer[i], expected)
 
 
+def test_every_fragment_of_a_vector_too_long_to_join_here_comes_back(block: Block) -> None:
+    """A partial cut at a jumbo path (fragments of 8940 bytes, more than the native path keeps for a rebuild): both
+    fragments go to the Python path, the short last one too (taken alone, it left the Python path's reassembly
+    without it)."""
+    header = Header(MsgType.PARTIAL, *Block.KEY, 1, codec=Codec.F32, tokens=1)
+    datagrams = fragment(header, np.ones(2735, np.float32), KEY, 9000, parity=1)
+    assert len(datagrams) == 3 and len(open_packet(datagrams[1], KEY)[1]) == 4 * 500
+    for d in datagrams:
+        block.node.sendto(d, block.master.getsockname())
+    block.gather.start(Block.KEY, [1, 2, 3], 2735, time.perf_counter() + 2, None, 0.0, [], join=True)
+    handed = []
+    for _ in datagrams:
+        assert block.gather.run(block.master.fileno()) == GatherEnd.OTHER
+        handed.append(open_packet(block.gather.handed_back()[0], KEY)[0].frag_index)
+    assert handed == [0, 1, 2] and block.gather.g.outstanding == 3
+
+
 def test_a_partial_that_lost_more_fragments_than_its_parity_mends_stays_out(block: Block) -> None:
     block.parts = {i: np.full(Block.HIDDEN * 16, float(i), np.float32) for i in (1, 2, 3)}
     for node in (1, 2, 3):

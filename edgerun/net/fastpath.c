@@ -368,7 +368,7 @@ typedef struct joined {
     uint32_t session, position;
     uint16_t layer;
     uint8_t block, node;
-    int32_t count;
+    int32_t count, per; /* its data fragments, and the elements of each but the last (0: not known yet) */
     uint32_t data, checks;
     int32_t len[MAX_FRAGS + MAX_PARITY];
     uint8_t payload[MAX_FRAGS + MAX_PARITY][MAX_FRAG_PAYLOAD];
@@ -432,19 +432,30 @@ static int join(joined *j, const uint8_t *d, int total, float *out) {
     if (j->session != session || j->position != position || j->layer != layer || j->block != block ||
         j->node != node || j->count == 0) {
         j->session = session, j->position = position, j->layer = (uint16_t)layer, j->block = (uint8_t)block;
-        j->node = (uint8_t)node, j->count = count, j->data = j->checks = 0;
+        j->node = (uint8_t)node, j->count = count, j->per = 0, j->data = j->checks = 0;
     }
     if (count != j->count || count < 2 || count > MAX_FRAGS || index >= count + MAX_PARITY || length < 1 ||
         length > MAX_FRAG_PAYLOAD)
         return -1;
+    /* The cut (the elements of every data fragment but the shorter last) as this fragment tells it: the first data
+     * fragment and the parity by their length, the others by their offset. Every fragment of a vector that
+     * wire.fragment cut tells the same, and gets the same verdict: joined here, or all handed back. */
+    int per = index == 0 || index >= count ? (offset == 0 ? fragment_elements(codec, length, total) : -1)
+                                           : (offset % (uint32_t)index ? -1 : (int)(offset / (uint32_t)index));
+    if (per < 1 || (codec == Q8 && per % Q8_BLOCK) || er_payload_bytes(codec, per) > MAX_FRAG_PAYLOAD ||
+        (count - 1) * per >= total || count * per < total || (j->per && j->per != per))
+        return -1;
+    j->per = per;
+    int first = er_payload_bytes(codec, per); /* the first (longest) data fragment's payload, and each parity's */
     if (index < count) {
+        int room = total - index * per, n = room < per ? room : per;
+        if (er_payload_bytes(codec, n) != length) return -1;
         if (j->data >> index & 1) return 0;
-        int n = offset < (uint32_t)total ? fragment_elements(codec, length, total - (int)offset) : -1;
-        if (n < 0 || (codec == Q8 && offset % Q8_BLOCK)) return -1;
-        er_decode(codec, d + HEADER_SIZE, n, out + offset);
+        er_decode(codec, d + HEADER_SIZE, n, out + (size_t)index * per);
         j->data |= 1u << index;
     } else {
-        if (offset != 0 || j->checks >> (index - count) & 1) return offset != 0 ? -1 : 0;
+        if (length != first) return -1;
+        if (j->checks >> (index - count) & 1) return 0;
         j->checks |= 1u << (index - count);
     }
     memcpy(j->payload[index], d + HEADER_SIZE, (size_t)length);
@@ -453,21 +464,14 @@ static int join(joined *j, const uint8_t *d, int total, float *out) {
     if (j->data == all) return 1;
     int m = count - bits(j->data);
     if (m > bits(j->checks)) return 0;
-    /* the first fragment's length (every parity fragment's): its element count is the cut */
-    int size = 0;
-    for (int c = 0; c < MAX_PARITY && !size; c++)
-        if (j->checks >> c & 1) size = j->len[count + c];
-    int per = fragment_elements(codec, size, total);
-    if (per < 0) return -1;
     int missing[MAX_PARITY], lengths[MAX_PARITY];
     for (int i = 0, t = 0; i < count; i++) {
         if (j->data >> i & 1) continue;
-        int room = total - i * per, n = room < per ? room : per;
-        if (n < 1) return -1;
+        int room = total - i * per;
         missing[t] = i;
-        lengths[t++] = er_payload_bytes(codec, n);
+        lengths[t++] = er_payload_bytes(codec, room < per ? room : per);
     }
-    if (!rebuild(j, size, missing, m)) return 0;
+    if (!rebuild(j, first, missing, m)) return 0;
     for (int t = 0; t < m; t++) {
         int i = missing[t], room = total - i * per;
         er_decode(codec, j->payload[i], room < per ? room : per, out + (size_t)i * per);
@@ -628,9 +632,11 @@ typedef struct er_gather {
      * blocks); 0 hands every fragment back */
     int32_t join;
     int32_t fresh; /* in: 1 for a gather's first run (what was joined for an earlier one is forgotten); then 0 */
+    joined *joins; /* room for FRAG_SLOTS participants' partials being joined (er_joined_bytes each; NULL: none) */
 } er_gather;
 
-static joined partials[FRAG_SLOTS]; /* the gather's participants' partials being joined, by participant slot */
+/* The bytes of one vector's joining state, for the caller to give each gather and node server room for. */
+int er_joined_bytes(void) { return (int)sizeof(joined); }
 
 typedef struct received {
     int len;
@@ -705,8 +711,8 @@ static int take(er_ctx *ctx, er_gather *g, const uint8_t *d, const received *r, 
         er_decode(codec, d + HEADER_SIZE, g->sizes[i], g->parts[i]);
         rebuilt = index >= 1;
     } else {
-        if (!g->join || i >= FRAG_SLOTS || !er_verify(ctx, d, r->len)) return 0;
-        int joined_now = join(&partials[i], d, g->sizes[i], g->parts[i]);
+        if (!g->join || g->joins == NULL || i >= FRAG_SLOTS || !er_verify(ctx, d, r->len)) return 0;
+        int joined_now = join(&g->joins[i], d, g->sizes[i], g->parts[i]);
         if (joined_now <= 0) return joined_now == 0;
         rebuilt = joined_now == 2;
     }
@@ -749,7 +755,7 @@ static int hand_back(const uint8_t *buf, const received *r, uint8_t *other, int3
 int er_gather_run(er_ctx *ctx, int fd, er_gather *g) {
     static uint8_t buf[MAX_DATAGRAM];
     if (g->fresh) { /* a new block (or the same one of a new request): nothing joined yet */
-        for (int i = 0; i < FRAG_SLOTS; i++) partials[i].count = 0;
+        for (int i = 0; i < FRAG_SLOTS && g->joins != NULL; i++) g->joins[i].count = 0;
         g->fresh = 0;
     }
     double clock_offset = monotonic_s() - realtime_s();
@@ -1028,7 +1034,9 @@ typedef struct er_node {
      * layer, block) for the caller to keep its partial (Resend) and send its stream copy where the link wants one */
     const uint8_t *mirrored;
     int32_t served[3];
-    int32_t mtu; /* its path to the master (datagram bytes): where its link has parity, its vectors are cut there */
+    int32_t mtu; /* its path to the master (datagram bytes): where its link has parity, its vectors are cut there
+                  * (-1: they are longer than this code cuts, and such a link's blocks go to the caller) */
+    struct joined *input; /* room for an input being joined from its fragments (er_joined_bytes; NULL: none) */
 } er_node;
 
 static int order_after(const int32_t *a, int p, int l, int b) { /* (p, l, b) > a, lexicographically */
@@ -1093,7 +1101,6 @@ static int answer(er_ctx *ctx, er_node *s, er_share_block *blk, int p, int l, in
  * at a path's MTU) is joined, its missing fragments rebuilt from its parity; one that stays incomplete is lost as a
  * lost datagram is (a newer input's fragment starts over). */
 static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double at) {
-    static joined input;
     if (len < HEADER_SIZE + TRAILER || d[0] != 'E' || d[1] != 'R' || d[2] != VERSION || d[3] != ACTIVATION ||
         get32(d + 4) != s->session || d[21] != 1)
         return 0;
@@ -1107,7 +1114,8 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double 
         s->skipped++;
         return 1;
     }
-    if (blk->graph == NULL || (b == 0 && (p != s->lengths[l] || p + 1 > blk->n_kv)) || (b == 1 && p < s->latest[0]))
+    if (blk->graph == NULL || (b == 0 && (p != s->lengths[l] || p + 1 > blk->n_kv)) || (b == 1 && p < s->latest[0]) ||
+        (s->copies > 1 && s->mtu < 0)) /* a lossy link whose partials this code cannot cut: the Python path's */
         return 0;
     int length = (int)get32(d + 26);
     if ((count == 1 && length != er_payload_bytes(codec, s->hidden)) || HEADER_SIZE + length + TRAILER != len)
@@ -1118,9 +1126,10 @@ static int serve_one(er_ctx *ctx, er_node *s, const uint8_t *d, int len, double 
     if (count == 1) {
         er_decode(codec, d + HEADER_SIZE, s->hidden, blk->graph_in);
     } else {
-        int joined_now = join(&input, d, s->hidden, blk->graph_in);
+        if (s->input == NULL) return 0;
+        int joined_now = join(s->input, d, s->hidden, blk->graph_in);
         if (joined_now <= 0) return joined_now == 0;
-        input.count = 0; /* answered: a later input of the same block (a new request's) starts over */
+        s->input->count = 0; /* answered: a later input of the same block (a new request's) starts over */
         began = monotonic_s();
     }
     return answer(ctx, s, blk, p, l, b, at, began);

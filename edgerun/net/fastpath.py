@@ -60,7 +60,7 @@ class _Gather(ctypes.Structure):
                 ("skipped", ctypes.c_int32), ("other", _u8p), ("other_cap", ctypes.c_int32),
                 ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
                 ("other_port", ctypes.c_uint16), ("skip_old_parity", ctypes.c_int32), ("join", ctypes.c_int32),
-                ("fresh", ctypes.c_int32)]
+                ("fresh", ctypes.c_int32), ("joins", ctypes.c_void_p)]
 
 
 OTHER_BYTES = 65536  # room for a datagram the native path hands back: more than any edgerun sends
@@ -71,6 +71,11 @@ def _room_for_other(native: _Gather | _Node) -> ctypes.Array:
     buffer = ctypes.create_string_buffer(OTHER_BYTES)
     native.other, native.other_cap = ctypes.cast(buffer, _u8p), OTHER_BYTES
     return buffer
+
+
+def _room_for_joins(path: FastPath, vectors: int) -> ctypes.Array:
+    """Room for the joining state of this many vectors cut into fragments (fastpath.c's `joined`), zeroed."""
+    return ctypes.create_string_buffer(path.lib.er_joined_bytes() * vectors)
 
 
 def _handed_back(buffer: ctypes.Array, native: _Gather | _Node) -> tuple[bytes, float, tuple[str, int]]:
@@ -129,6 +134,7 @@ def _library() -> ctypes.CDLL | None:
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Addr), ctypes.c_int,
                                   ctypes.c_int, _u8p, ctypes.POINTER(_Addr), _u8p, ctypes.c_int]
     lib.er_gather_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Gather)]
+    lib.er_joined_bytes.argtypes = []
     lib.er_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.er_sum.restype = None
     lib.er_run_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -270,6 +276,8 @@ class Gather:
         self.path = path
         self.g = _Gather()
         self.other = _room_for_other(self.g)
+        self.joins = _room_for_joins(path, NATIVE_JOINS)
+        self.g.joins = ctypes.addressof(self.joins)
         self._shape: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._shapes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple] = {}  # each shape's buffers, by shape
         self._watch = (ctypes.c_int32 * 0)()
@@ -403,6 +411,8 @@ class Runner:
         self.path = path
         self.r = _Runner()
         self.other = _room_for_other(self.r.g)
+        self.joins = _room_for_joins(path, NATIVE_JOINS)
+        self.r.g.joins = ctypes.addressof(self.joins)
         self.blocks: tuple[NativeBlock, ...] = ()
         self._keep: list = []  # what the C structures point into, alive while they do
 
@@ -517,7 +527,7 @@ class _Node(ctypes.Structure):
                 ("other_len", ctypes.c_int32), ("other_at", ctypes.c_double), ("other_ip", ctypes.c_uint32),
                 ("other_port", ctypes.c_uint16), ("trace", ctypes.POINTER(ctypes.c_double)),
                 ("trace_cap", ctypes.c_int32), ("trace_len", ctypes.c_int32), ("mirrored", _u8p),
-                ("served", ctypes.c_int32 * 3), ("mtu", ctypes.c_int32)]
+                ("served", ctypes.c_int32 * 3), ("mtu", ctypes.c_int32), ("input", ctypes.c_void_p)]
 
 
 class ServeEnd(IntEnum):
@@ -542,6 +552,8 @@ class NodeServer:
         self.s = _Node()
         self.s.group_fd = -1
         self.other = _room_for_other(self.s)
+        self.joining = _room_for_joins(path, 1)
+        self.s.input = ctypes.addressof(self.joining)
         self.s.max_s = self.MAX_S
         self._keep: list = []
 
@@ -552,7 +564,8 @@ class NodeServer:
         """`graphs` and `weight_bytes`: two per layer (attention, MLP); `group_fd`: the socket of the master's
         multicast group, read beside `recv_fd` (-1: none); `mirrored`: per layer, whether its one-token blocks are
         mirrored (served too, each returning MIRRORED); `mtu`: its path to the master, where its partials are cut
-        while its link has parity (inputs cut there are joined)."""
+        while its link has parity (inputs cut there are joined), or -1 where they would take more fragments than
+        this path cuts (cuts_natively): a lossy link's blocks then go to the Python path."""
         s, n_layers = self.s, len(by_datagram)
         blocks = (_ShareBlock * (2 * n_layers))()
         for slot, graph, nbytes in zip(blocks, graphs, weight_bytes, strict=True):

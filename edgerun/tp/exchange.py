@@ -111,6 +111,7 @@ def fits_one(node: NodeConn, codec: Codec, elements: int, prefix: int = 0, token
     """Whether a vector of this many elements of `tokens` tokens goes to or from the node as one datagram."""
     return fits(codec, elements, prefix, one_datagram_bytes(node.datagram_bytes, node.parity, tokens))
 
+
 class NodeLost(EngineLost):
     """A node died while the master waited on its reply."""
 
@@ -612,8 +613,7 @@ class BlockExchange:
         watch = sorted({fd for nodes in participants for fd in (n.channel.fileno() for n in nodes) if fd >= 0})
         self.runner.prepare(blocks, self.model.hidden, eps, int(self.config.codec), self.udp.sock.fileno(),
                             self.datagrams.sock.fileno(), backend, compute, self.datagrams.spin_s, watch,
-                            None if head is None else head[0],
-                            min((n.datagram_bytes for nodes in participants for n in nodes), default=0))
+                            None if head is None else head[0], self._common_path(participants, head))
         self._runner_head = [] if head is None else [head[1]]  # the head's participants, in the slots after the blocks'
         groups: dict[tuple[int, ...], tuple[list[NodeConn], list[int]]] = {}
         for i, nodes in enumerate(participants):
@@ -622,6 +622,14 @@ class BlockExchange:
         self._runner_timing: list[tuple[float, float | None]] | None = None
         self._runner_links: tuple[tuple[int, bool], ...] | None = None  # its nodes' parity and group, as set
         self._step_nodes = list({n.index: n for nodes in [*participants, *self._runner_head] for n in nodes}.values())
+
+    @staticmethod
+    def _common_path(participants: list[list[NodeConn]], head: tuple[NativeHead, list[NodeConn]] | None) -> int:
+        """Where the runner cuts a block's input when one of its links has parity: the path every node shares (what
+        _sendable asks of vectors that need cutting); 0, never cut, where their paths differ (every vector then goes
+        whole on every path: _sendable's other case)."""
+        paths = {n.datagram_bytes for nodes in [*participants, *([] if head is None else [head[1]])] for n in nodes}
+        return paths.pop() if len(paths) == 1 else 0
 
     async def run_blocks(self, x: np.ndarray, position: int, participants: list[list[NodeConn]]) -> None:
         """A one-token step's lossy blocks on the native runner as prepare_blocks set it up (see runs_natively), on

@@ -476,12 +476,17 @@ class Node:
                 weight_bytes.append(shard.block_bytes(layer, block))
         by_datagram, mirrored = ([all(self.routes.of(layer, block, 1) == route for block in (Block.ATTN, Block.MLP))
                                   for layer in range(c.n_layers)] for route in (Route.DATAGRAM, Route.MIRRORED))
+        # A lossy link's partials are cut at its path natively where they fit none of its datagrams, if they can be
+        # (cuts_natively; else that link's blocks go to the Python path, which cuts any)
+        path = self.datagram_bytes
+        cut = all(fits(codec, c.hidden, 0, path) or cuts_natively(codec, c.hidden, path)
+                  for codec in (self.codec, Codec.F32))
         server = self.server or NodeServer(self.fast)
         server.prepare(graphs, weight_bytes, by_datagram, self.attn_layers, c.hidden, self.index, int(self.codec),
                        (self.master[0], self.master_udp_port), self.udp.sock.fileno(), self.datagrams.sock.fileno(),
                        shard.backend.handle, ggml_compute_address(), self.spin_s, [self.channel.fileno()],
                        -1 if self.group_datagrams is None else self.group_datagrams.sock.fileno(), mirrored,
-                       self.datagram_bytes)
+                       path if cut else -1)
         if self.trace is not None:
             server.keep_trace()
         self.server, self._server_n_kv = server, n_kv
