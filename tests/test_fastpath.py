@@ -173,6 +173,22 @@ def test_only_a_clean_links_one_token_vectors_go_as_datagrams_longer_than_the_pa
     assert one_datagram_bytes(65507, 1) == 65507
 
 
+@pytest.mark.parametrize("simd", [False, True], ids=["bytes", "cpu"])
+def test_gf_products_are_net_erasures(fast: FastPath, simd: bool) -> None:
+    """The parity's multiply-add over GF(2^8), byte at a time and 32 at a time (AVX2 where the CPU has it), against
+    net.erasure's table, for every coefficient and lengths around the 32-byte step."""
+    from edgerun.net import erasure
+
+    rng = np.random.default_rng(11)
+    for c in range(256):
+        n = int(rng.integers(1, 100))
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        start = rng.integers(0, 256, n, dtype=np.uint8)
+        out = start.copy()
+        fast.gf_mul_add(out, data, c, simd)
+        assert np.array_equal(out, start ^ erasure.MUL[c][data])
+
+
 def test_sum_adds_in_the_participants_order(fast: FastPath) -> None:
     rng = np.random.default_rng(3)
     own = rng.standard_normal((1, 4096)).astype(np.float32)

@@ -135,6 +135,8 @@ def _library() -> ctypes.CDLL | None:
                                   ctypes.c_int, _u8p, ctypes.POINTER(_Addr), _u8p, ctypes.c_int]
     lib.er_gather_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Gather)]
     lib.er_joined_bytes.argtypes = []
+    lib.er_gf_mul_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.er_gf_mul_add.restype = None
     lib.er_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.er_sum.restype = None
     lib.er_run_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -261,6 +263,10 @@ class FastPath:
         buf = ctypes.create_string_buffer(4 * x.size + 64)
         n = self.lib.er_encode(int(codec), _floats(x), x.size, buf)
         return buf.raw[:n]
+
+    def gf_mul_add(self, out: np.ndarray, data: np.ndarray, c: int, simd: bool) -> None:
+        """out ^= c * data over GF(2^8) (uint8 arrays of one length), byte at a time or as this CPU runs it."""
+        self.lib.er_gf_mul_add(out.ctypes.data, data.ctypes.data, data.size, c, int(simd))
 
     def decode(self, codec: Codec, payload: bytes, n: int) -> np.ndarray:
         out = np.empty(n, np.float32)
