@@ -315,6 +315,7 @@ static void gf_init(void) {
     }
     for (int power = 255; power < 510; power++) gf_exp[power] = gf_exp[power - 255];
 #if defined(__x86_64__)
+    __builtin_cpu_init();
     gf_avx2 = __builtin_cpu_supports("avx2");
 #endif
 }
