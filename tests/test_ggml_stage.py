@@ -43,6 +43,42 @@ def test_a_chain_of_stages_is_the_whole_engine(tiny_spec, synth_gguf, arch: str)
     assert all(s.position == len(prompt) + 8 for s in stages)
 
 
+def test_stages_run_a_batch_of_sequences_each_as_alone(tiny_spec, synth_gguf) -> None:
+    """Two stages holding three sequences (slots), their prompts run slot by slot, then batched steps of all three
+    (and of two, in another order): each sequence's logits are bit for bit those of a chain that runs it alone, and
+    those of the whole engine's batched decode."""
+    spec = tiny_spec("llama", "Q4_0", tied=False)
+    model = load_model(synth_gguf(replace(spec, config=replace(spec.config, n_layers=4))))
+    stages = [GgmlStage(model, 0, 2, 64, threads=1, slots=3), GgmlStage(model, 2, 4, 64, threads=1, slots=3)]
+    whole = make_engine("ggml", model, 64, threads=1, slots=3)
+    prompts = [list(range(10, 27)), list(range(40, 45)), list(range(7, 40, 3))]
+    alone = []
+    for slot, prompt in enumerate(prompts):
+        x: np.ndarray = np.array([prompt], np.int64)
+        for stage in stages:
+            x = stage.run_slot(slot, x, 0)
+        np.testing.assert_array_equal(x[0, -1], whole.prefill(slot, prompt, 0))
+        chain = [GgmlStage(model, 0, 2, 64, threads=1), GgmlStage(model, 2, 4, 64, threads=1)]
+        alone.append((chain, chain_step(chain, np.array([prompt], np.int64))[0, -1]))
+    positions = [len(p) for p in prompts]
+    for step in range(4):
+        slots = [0, 1, 2] if step % 2 == 0 else [2, 0]
+        tokens = [int(alone[s][1].argmax()) for s in slots]
+        batch = [(s, positions[s]) for s in slots]
+        x = np.array(tokens, np.int64)
+        for stage in stages:
+            x = stage.run_batch(batch, x)
+        assert x.shape == (len(slots), model.config.vocab_size)
+        batched = whole.decode([(s, positions[s], t) for s, t in zip(slots, tokens, strict=True)])
+        np.testing.assert_array_equal(x, batched)
+        for row, s, token in zip(x, slots, tokens, strict=True):
+            chain, _ = alone[s]
+            logits = chain_step(chain, np.array([[token]], np.int64))[0, -1]
+            np.testing.assert_array_equal(row, logits)
+            alone[s] = (chain, logits)
+            positions[s] += 1
+
+
 def test_kv_rows_are_onnxruntimes_form_and_move_between_stages(tiny_spec, synth_gguf) -> None:
     """A ggml stage's keys and values of a prompt are an onnxruntime stage's to F16 rounding (Hugging Face row
     order, (1, kv heads, positions, head dim)); loaded into a fresh ggml stage (as a recovery or a swap moves

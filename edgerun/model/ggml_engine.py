@@ -326,17 +326,35 @@ class GgmlEngine:
         (len(batch), vocab). Each reads only its own slot's cache; a sequence's logits are those it gets alone."""
         if self.embed is None or not self.has_head:
             raise EdgerunError("a stage's steps are runs of hidden states (GgmlEngine.run)")
-        if any(not 0 <= slot < self.slots for slot, _, _ in batch) or len({b[0] for b in batch}) != len(batch):
+        return self.decode_rows([(slot, position) for slot, position, _ in batch],
+                                self.embed(np.asarray([b[2] for b in batch], np.int64)))
+
+    def decode_rows(self, batch: Sequence[tuple[int, int]], embd: np.ndarray) -> np.ndarray:
+        """One position of each of several sequences, (slot, position) each, from their hidden states before this
+        engine's layers (len(batch), hidden), in one step: their logits (len(batch), vocab) where the engine holds
+        the LM head, else their hidden states after its last layer (a pipeline stage's). Each reads only its own
+        slot's cache; a sequence's rows are those it gets alone."""
+        if any(not 0 <= slot < self.slots for slot, _ in batch) or len({b[0] for b in batch}) != len(batch):
             raise EdgerunError(f"a batch takes distinct slots of this engine's {self.slots}")
-        if any(position + 1 > self.max_len for _, position, _ in batch):
+        if any(position + 1 > self.max_len for _, position in batch):
             raise EdgerunError(f"the context holds {self.max_len} tokens")
-        key = tuple((slot, cache_rows(position + 1, self.max_len)) for slot, position, _ in batch)
+        if embd.shape != (len(batch), self.config.hidden):
+            raise EdgerunError(f"a batch of {len(batch)} takes hidden states ({len(batch)}, {self.config.hidden}), "
+                               f"not {embd.shape}")
+        key = tuple((slot, cache_rows(position + 1, self.max_len)) for slot, position in batch)
         graph = self._batches.get(key)
         if graph is None:
             if len(self._batches) >= BATCH_GRAPHS_KEPT:  # the batch's make-up changes as sequences come and go
                 self._batches.clear()
             graph = self._batches[key] = BatchGraph(self, key)
-        return graph.run(self.embed(np.asarray([b[2] for b in batch], np.int64)), [b[1] for b in batch])
+        return graph.run(np.ascontiguousarray(embd, np.float32), [b[1] for b in batch])
+
+    def run_slot(self, slot: int, embd: np.ndarray, start: int) -> np.ndarray:
+        """Run n positions' hidden states (n, hidden) of the sequence in `slot` from position `start` (a prompt's
+        chunk on a pipeline stage): as run does for the first slot."""
+        if not 0 <= slot < self.slots:
+            raise EdgerunError(f"slot {slot} is not one of this engine's {self.slots}")
+        return self._forward(embd, start, slot)
 
     def copy_cache(self, source: int, target: int, rows: int) -> None:
         """The keys and values of the first `rows` positions of the sequence in slot `source` into slot `target`'s
@@ -441,10 +459,13 @@ class BatchGraph:
                                  max(n_kv for _, n_kv in make_up))
         spans = [Span(i, 1, slot * engine.max_len, n_kv, mask) for i, ((slot, n_kv), mask) in
                  enumerate(zip(make_up, masks, strict=True))]
-        self.out = _logits(self.gc, engine, _layers(self.gc, engine, self.embd, self.inputs, spans, last_only=False))
+        x = _layers(self.gc, engine, self.embd, self.inputs, spans, last_only=False)
+        # logits where the engine holds the LM head, else the hidden states go on to the next stage
+        self.out = _logits(self.gc, engine, x) if engine.has_head else x
         self.gc.expand(self.out)
         self.gc.allocate()
-        self.masks, self.bases, self.shape = masks, [slot * engine.max_len for slot, _ in make_up], (b, c.vocab_size)
+        self.masks, self.bases = masks, [slot * engine.max_len for slot, _ in make_up]
+        self.shape = (b, c.vocab_size if engine.has_head else c.hidden)
         self._kv = [n_kv for _, n_kv in make_up]
 
     def run(self, embd: np.ndarray, positions: Sequence[int]) -> np.ndarray:

@@ -9,6 +9,8 @@ ggml stage and an onnxruntime one as between two of a kind.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from edgerun.model import ggml_lib
@@ -24,8 +26,10 @@ class GgmlStage:
     """Layers [first_layer, end_layer) of a model on a ggml backend (the CPU's, or a CUDA GPU's)."""
 
     def __init__(self, model: Model, first_layer: int, end_layer: int, max_len: int, threads: int | None = None,
-                 device: str = "cpu") -> None:
-        self.engine = GgmlEngine(model, max_len, threads, device, range(first_layer, end_layer))
+                 device: str = "cpu", slots: int = 1) -> None:
+        """`slots`: sequences whose caches it holds at once, for batched steps (run_slot, run_batch); run and the
+        KV moves take the first."""
+        self.engine = GgmlEngine(model, max_len, threads, device, range(first_layer, end_layer), slots=slots)
         self.config = model.config
         self.layers = self.engine.layer_range
         self.max_len = max_len
@@ -60,15 +64,32 @@ class GgmlStage:
         (1, seq, hidden), or, on the last stage, the last position's logits (1, 1, vocab)."""
         if x.shape[1] + self.position > self.max_len:
             raise ValueError(f"context of {self.max_len} tokens exceeded")
-        if self.engine.embeds:
-            ids = np.asarray(x[0], np.int64)
-            if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-                raise ValueError(f"token ids outside the vocabulary of {self.config.vocab_size}")
-            embd = self.engine.embed(ids)
-        else:
-            embd = x[0]
-        out = self.engine.run(embd)
+        out = self.engine.run(self._embedded(x[0]))
         return out.reshape(1, 1, -1) if self.engine.has_head else out[None]
+
+    def run_slot(self, slot: int, x: np.ndarray, start: int) -> np.ndarray:
+        """A prompt's positions start.. of the sequence in `slot` (token ids (1, seq) or hidden states (1, seq,
+        hidden)), as run runs them for the first slot."""
+        if x.shape[1] + start > self.max_len:
+            raise ValueError(f"context of {self.max_len} tokens exceeded")
+        out = self.engine.run_slot(slot, self._embedded(x[0]), start)
+        return out.reshape(1, 1, -1) if self.engine.has_head else out[None]
+
+    def run_batch(self, batch: Sequence[tuple[int, int]], x: np.ndarray) -> np.ndarray:
+        """One position of each of several sequences, (slot, position) each, in one step: token ids (B,) or hidden
+        states (B, hidden) in, the hidden states (B, hidden) out, or on the last stage each one's logits (B, vocab).
+        Each sequence's rows are those it gets alone (GgmlEngine.decode_rows)."""
+        return self.engine.decode_rows(batch, self._embedded(x))
+
+    def _embedded(self, x: np.ndarray) -> np.ndarray:
+        """The first stage's token ids (n,) as their embedding rows (n, hidden); a later stage's hidden states as
+        they are. ValueError for ids outside the vocabulary."""
+        if not self.engine.embeds:
+            return x
+        ids = np.asarray(x, np.int64)
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids outside the vocabulary of {self.config.vocab_size}")
+        return self.engine.embed(ids)
 
     def _cache(self, layer: int) -> tuple[int, int]:
         if layer not in self.layers:
