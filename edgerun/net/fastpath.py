@@ -33,6 +33,7 @@ from edgerun.net.wire import (
     Codec,
     Header,
     elements_per_fragment,
+    fragments_of,
     payload_bytes,
 )
 
@@ -167,21 +168,31 @@ def cuts_natively(codec: Codec, elements: int, datagram_bytes: int) -> bool:
     """Whether the native data path cuts (and joins) a vector of this many elements (no prefix) at `datagram_bytes`,
     as wire.fragment cuts it."""
     per = elements_per_fragment(codec, datagram_bytes)
-    return -(-elements // per) <= NATIVE_FRAGMENTS and payload_bytes(codec, per) <= NATIVE_FRAGMENT_PAYLOAD
+    return (fragments_of(codec, elements, datagram_bytes) <= NATIVE_FRAGMENTS
+            and payload_bytes(codec, per) <= NATIVE_FRAGMENT_PAYLOAD)
 
 
 def one_datagram_bytes(path_bytes: int, parity: int, tokens: int = 1) -> int:
     """The longest datagram a vector of `tokens` tokens may go as, natively, on a link whose path carries UDP
     payloads of `path_bytes` in one IP packet and whose vectors take `parity` parity fragments. A clean link's
-    one-token vectors (no parity) may take IPv4's longest:
-    IPv4's longest: the kernel cuts a datagram longer than the path MTU into IP fragments and joins them again at
-    the other end, so the native data path (one datagram a vector) runs on Ethernet's 1500-byte MTU too, where
-    a float32 vector of 576 elements already takes two packets. A lossy link's vectors are cut to the path by
-    edgerun itself (wire.fragment), each fragment decoded on its own: an IP-fragmented datagram is lost whole with
-    any one of its packets, and a receiving kernel keeps each half-joined datagram for ipfrag_time (30 s) until
-    its fragment memory is full, after which it drops every fragment. A prompt's vectors are cut to the path
-    too: tens of packets, of which one lost would lose them all."""
+    one-token vectors (no parity) may take IPv4's longest: the kernel cuts a datagram longer than the path MTU
+    into IP fragments and joins them again at the other end, so the native data path (one datagram a vector) runs
+    on Ethernet's 1500-byte MTU too, where a float32 vector of 576 elements already takes two packets. A lossy
+    link's vectors are cut to the path by edgerun itself (wire.fragment), each fragment decoded on its own: an
+    IP-fragmented datagram is lost whole with any one of its packets, and a receiving kernel keeps each
+    half-joined datagram for ipfrag_time (30 s) until its fragment memory is full, after which it drops every
+    fragment. A prompt's vectors are cut to the path too: tens of packets, of which one lost would lose them
+    all."""
     return MAX_UDP_PAYLOAD if parity == 0 and tokens == 1 else path_bytes
+
+
+def native_mtu(codec: Codec, elements: int, path_bytes: int, parity: int, tokens: int = 1) -> int | None:
+    """How the native data path sends a vector of this many elements (no prefix) on a link of this path and
+    parity: 0, whole in one datagram (one_datagram_bytes); `path_bytes`, cut at the path as wire.fragment cuts it
+    (a one-token vector that cuts_natively); None, not at all (the Python path cuts any)."""
+    if fits(codec, elements, 0, one_datagram_bytes(path_bytes, parity, tokens)):
+        return 0
+    return path_bytes if tokens == 1 and cuts_natively(codec, elements, path_bytes) else None
 
 
 def addresses(peers: Sequence[tuple[str, int]]) -> ctypes.Array:

@@ -34,8 +34,8 @@ from edgerun.net.fastpath import (
     RunEnd,
     Runner,
     addresses,
-    cuts_natively,
     fits,
+    native_mtu,
     one_datagram_bytes,
     rms_norm,
 )
@@ -589,10 +589,10 @@ class BlockExchange:
         nodes, hidden = list(nodes), self.model.hidden
         if not all(n.alive for n in nodes):
             return False
-        if all(fits_one(n, codec, hidden) for n in nodes):
+        mtus = {native_mtu(codec, hidden, n.datagram_bytes, n.parity) for n in nodes}
+        if mtus <= {0}:
             return True
-        paths = {n.datagram_bytes for n in nodes}
-        return len(paths) == 1 and len(nodes) <= NATIVE_JOINS and cuts_natively(codec, hidden, paths.pop())
+        return None not in mtus and len({n.datagram_bytes for n in nodes}) == 1 and len(nodes) <= NATIVE_JOINS
 
     def runs_mirrored_natively(self, nodes: Iterable[NodeConn],
                                blocks: Sequence[Block] = (Block.ATTN, Block.MLP)) -> bool:

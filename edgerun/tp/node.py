@@ -42,7 +42,7 @@ from edgerun.net.channel import (
     connect_channel,
     path_datagram_bytes,
 )
-from edgerun.net.fastpath import FastPath, NodeServer, ServeEnd, addresses, cuts_natively, fits, one_datagram_bytes
+from edgerun.net.fastpath import FastPath, NodeServer, ServeEnd, addresses, native_mtu
 from edgerun.net.group import PROBE_LAYER, join_group
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.model_files import fetch_model, model_sha256
@@ -479,8 +479,7 @@ class Node:
         # A lossy link's partials are cut at its path natively where they fit none of its datagrams, if they can be
         # (cuts_natively; else that link's blocks go to the Python path, which cuts any)
         path = self.datagram_bytes
-        cut = all(fits(codec, c.hidden, 0, path) or cuts_natively(codec, c.hidden, path)
-                  for codec in (self.codec, Codec.F32))
+        cut = all(native_mtu(codec, c.hidden, path, parity=1) is not None for codec in (self.codec, Codec.F32))
         server = self.server or NodeServer(self.fast)
         server.prepare(graphs, weight_bytes, by_datagram, self.attn_layers, c.hidden, self.index, int(self.codec),
                        (self.master[0], self.master_udp_port), self.udp.sock.fileno(), self.datagrams.sock.fileno(),
@@ -742,14 +741,13 @@ class Node:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
                             codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
             master = (self.master[0], self.master_udp_port)
-            whole = fits(header.codec, out.size, 0, one_datagram_bytes(self.datagram_bytes, self.parity, seq))
-            if self.fast is not None and (whole or (seq == 1 and route == Route.DATAGRAM and
-                                                    cuts_natively(header.codec, out.size, self.datagram_bytes))):
+            mtu = native_mtu(header.codec, out.size, self.datagram_bytes, self.parity, seq)
+            if self.fast is not None and (mtu == 0 or (mtu is not None and route == Route.DATAGRAM)):
                 if self._to_master[0] != master:
                     self._to_master = (master, addresses([master]))
                 # a lossy link's partial too long for one datagram is cut at the path, as wire.fragment cuts it
                 sent = self.fast.send_vector(self.udp.sock.fileno(), header, as_f32(out), self._to_master[1],
-                                             copies=1 + self.parity, mtu=0 if whole else self.datagram_bytes)
+                                             copies=1 + self.parity, mtu=mtu)
                 self.udp.sent += max(sent, 0)
             else:
                 count = fragments_of(header.codec, out.size, self.datagram_bytes)
