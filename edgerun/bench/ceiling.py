@@ -80,15 +80,17 @@ def _device(model_path: Path | None, devices: int, index: int, parties: int, thr
         from edgerun.model.loader import load_model
         from edgerun.model.onnx_graph import Activations
         from edgerun.net.wire import Block
-        from edgerun.tp.shard import QuantShard, split_spec
+        from edgerun.tp.ggml_shard import build_share
+        from edgerun.tp.shard import split_spec
 
         if cores is not None:
             os.sched_setaffinity(0, cores)
         model = load_model(model_path)
         c = model.config
         with threadpool_limits(threads):
-            share = QuantShard(c, model.weights, split_spec(c, devices)[index], context, threads,
-                               Activations(activations), mapped_files=[model.path])
+            # the share a static cluster's node builds: ggml's with int8 activations, onnxruntime's with float32
+            share = build_share(c, model.weights, split_spec(c, devices)[index], context, threads,
+                                Activations(activations), mapped_files=[model.path])
             rows = np.random.default_rng(index).standard_normal((max(prompt, 1), c.hidden)).astype(np.float32)
             barrier = _Barrier(parties, arrived, lock)
             blocks = [(layer, block) for layer in range(c.n_layers) for block in (Block.ATTN, Block.MLP)]
