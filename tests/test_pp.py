@@ -560,3 +560,53 @@ def test_a_worker_refuses_stage_files_named_outside_their_directory(tmp_path) ->
         with pytest.raises(ValueError, match="outside its directory"):
             asyncio.run(worker._fetch_files(0, [{"name": name, "sha256": "0" * 64}], tmp_path / "stage"))
     assert not (tmp_path / "stage").exists()
+
+
+def test_a_batch_on_the_pipeline_gives_each_request_its_tokens_alone(model: Model) -> None:
+    """`PipelineConfig.slots` stages hold several sequences; a BatchLoop over the pipeline (pp.batch) runs them
+    together, each one-token step cut into micro-batches that go through the stages at once, and every request gets
+    the tokens it gets alone on the same pipeline: greedy and seeded sampling (drawn by the last stage), a penalized
+    draw (its logits sent to the master), prompts of different lengths, a prompt in several chunks, one that shares
+    another's prompt (its cache rows copied between slots on every stage), and one that joins late."""
+    from edgerun.model.batch import BatchLoop
+    from edgerun.model.generate import Generation
+    from edgerun.model.logits import LogitRules, LogitShaper
+    from edgerun.pp.batch import PipelineBatch
+
+    def penalized(prompt: list[int]) -> LogitShaper:  # a draw that needs the whole vocabulary's logits here
+        return LogitShaper(LogitRules(frequency_penalty=0.5), model.tokenizer, prompt, model.config.vocab_size)
+
+    prompts = [model.tokenizer.encode(p) for p in ("The capital of France is", "Once upon a time, in a land far "
+                                                   "away, there lived a", "1, 2, 3,")]
+    settings = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=7), SamplingParams(),
+                SamplingParams(temperature=0.7, seed=3)]
+    requests = [(prompts[0], settings[0], None), (prompts[1], settings[1], None), (prompts[2], settings[2], None),
+                (prompts[1], settings[3], None),
+                (prompts[2], SamplingParams(), penalized)]
+    with pipeline(model, [50, 50, 50], route=Route.STAR, slots=4) as (master, _):
+        master.start()
+        assert master.deployment.batched
+        alone = []
+        for prompt, params, shaper in requests:
+            sampler = Sampler(params, shaper(prompt) if shaper else None)
+            alone.append(generate(master, prompt, 12, sampler).tokens)
+        loop = BatchLoop(PipelineBatch(master), prefill_chunk=8, draws=True)
+        results: dict[int, object] = {}
+
+        def add(i: int) -> None:
+            prompt, params, shaper = requests[i]
+            gen = Generation(prompt, 12, Sampler(params, shaper(prompt) if shaper else None), frozenset(),
+                             lambda _: None, lambda: False)
+            loop.add(gen, lambda r, i=i: results.__setitem__(i, r))
+
+        for i in range(4):
+            add(i)
+        assert loop.free == 0
+        late = False
+        while loop.running:
+            loop.step()
+            if results and not late:  # a slot is free: the last request joins the running batch
+                add(4)
+                late = True
+        assert loop.reused_tokens == 8  # the fourth request's first chunk came from the second one's slot
+        assert [results[i].tokens for i in range(len(requests))] == alone

@@ -666,6 +666,40 @@ def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Pat
         s.close()
 
 
+def test_a_pipeline_batches_parallel_requests(shipped_path: Path, shipped_model, shipped_ggml) -> None:
+    """--plan dp --no-local --parallel 4: two 100 MB workers' ggml stages hold four sequences each; four streams at
+    once run as one batch, each answering as it does alone (greedy: the single engine's tokens; seeded: its own
+    answer when run by itself)."""
+    tok = shipped_model.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
+    reference = tok.decode(generate(shipped_ggml, prompt, 16, Sampler(SamplingParams()), tok.stop_ids).tokens)
+    s = Serving("--plan", "dp", "--no-local", "--parallel", "4", "--cluster-port", "0", "--no-advertise",
+                "--max-context", "256")
+    workers = [start_worker(s.cluster, name, 100) for name in ("w1", "w2")]  # 80 MB hold no four caches
+    try:
+        wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 2, 180,
+                   "a pipeline over the workers")
+        client = s.client()
+        prompts = [QUESTION] + [f"Name a city that starts with the letter {c}." for c in "ABC"]
+
+        def one(i: int) -> str:
+            return stream_chat(client, prompts[i], max_tokens=16, **({"temperature": 0} if i == 0 else
+                                                                       {"temperature": 0.7, "seed": i}))
+
+        alone = [one(i) for i in range(4)]
+        assert alone[0] == reference
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(one, range(4)))
+        assert together == alone
+        state = s.state()
+        assert state["queue"]["parallel"] == 4 and all(n["state"] == "serving" for n in state["nodes"]), state
+    finally:
+        for proc in workers:
+            proc.kill()
+            proc.wait()
+        s.close()
+
+
 def test_a_browser_tab_serves_under_serve_at_the_cluster_port(shipped_path: Path, shipped_model,
                                                          shipped_onnx_f32) -> None:
     """--plan dp: the API at its port, the node page and the workers' WebSockets at the cluster port. A native

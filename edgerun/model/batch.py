@@ -15,6 +15,10 @@ copy_cache), and prefills only the rest. What is reused is what its own prefill 
 prompt (with its logits), or whole prefill chunks from the start, cut where its own prefill cuts them (a chunk's
 keys and values depend on how the prompt is cut into steps); a sequence whose prompt a running one is prefilling
 waits for it rather than prefilling it again.
+
+A drawing engine (a pipeline: pp.batch) draws each sequence's token where its last stage holds the logits, with the
+sequence's sampler's settings, and gives the logits only where the draw needs them here; its drawn prompts keep no
+logits, so a sequence with the same prompt prefills its last chunk itself.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import Generation, GenerationResult, StopReason
+from edgerun.model.sampling import Sampler
 
 # Prompt tokens a round runs of one joining sequence: a long prompt is prefilled over several rounds, each followed
 # by a decode step of the running sequences (a 2,000-token prompt in one step held every stream for seconds).
@@ -45,6 +50,23 @@ class BatchEngine(Protocol):
     def prefill(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray: ...
 
     def decode(self, batch: Sequence[tuple[int, int, int]]) -> np.ndarray: ...
+
+    def copy_cache(self, source: int, target: int, rows: int) -> None: ...
+
+
+class DrawingEngine(Protocol):
+    """An engine that draws each sequence's next token itself, with the sequence's sampler's settings (a pipeline's
+    last stage: pp.batch), and gives the logits instead where the draw needs them here (Sampler.needs_logits)."""
+
+    slots: int
+
+    @property
+    def max_len(self) -> int: ...
+
+    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampler: Sampler) -> int | np.ndarray: ...
+
+    def decode(self, batch: Sequence[tuple[int, int, int]], samplers: Sequence[Sampler]
+               ) -> Sequence[int | np.ndarray]: ...
 
     def copy_cache(self, source: int, target: int, rows: int) -> None: ...
 
@@ -91,10 +113,13 @@ class BatchLoop:
     """The sequences running on one engine, a slot each; `step` runs one round. Not thread-safe: one thread
     adds sequences and steps."""
 
-    def __init__(self, engine: BatchEngine, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(self, engine: BatchEngine | DrawingEngine, prefill_chunk: int = PREFILL_CHUNK,
+                 draws: bool = False, on_idle: Callable[[], None] | None = None) -> None:
+        """`draws`: the engine is a DrawingEngine; `on_idle`: called when the last running sequence has left (a
+        pipeline's deployment repartitions only then)."""
         if prefill_chunk < 1:
             raise EdgerunError("a prefill chunk is at least one token")
-        self.engine, self.prefill_chunk = engine, prefill_chunk
+        self.engine, self.prefill_chunk, self.draws, self.on_idle = engine, prefill_chunk, draws, on_idle
         self.running: list[_Sequence] = []
         self.held: dict[int, Held] = {}  # slot: what its cache holds of a prompt
         self.reused_tokens = 0  # prompt tokens not prefilled, their keys and values taken from a slot that held them
@@ -142,23 +167,29 @@ class BatchLoop:
             self._prefill(s)
         ready = [s for s in self.running if s.next_token is not None and s not in prefilled]
         if ready:
-            logits = self.engine.decode([(s.slot, s.gen.position, s.next_token) for s in ready])
-            for s, row in zip(ready, logits, strict=True):
-                self._take(s, lambda s=s, row=row: s.gen.sampler(row, s.gen.position + 1))
+            batch = [(s.slot, s.gen.position, s.next_token) for s in ready]
+            rows = self.engine.decode(batch, [s.gen.sampler for s in ready]) if self.draws else \
+                self.engine.decode(batch)
+            for s, row in zip(ready, rows, strict=True):
+                self._take(s, lambda s=s, row=row: _drawn(row, s.gen.sampler, s.gen.position + 1))
 
     def fail_all(self, error: BaseException) -> None:
         """End every running sequence with `error` (the engine failed)."""
         for s in list(self.running):
             self.running.remove(s)
             s.done(error)
+        self._idle()
 
     def _prefill(self, s: _Sequence) -> None:
         prompt = s.gen.prompt
         chunk = prompt[s.prefilled:s.prefilled + self.prefill_chunk]
-        logits = self.engine.prefill(s.slot, chunk, s.prefilled)
+        logits = self.engine.prefill(s.slot, chunk, s.prefilled, s.gen.sampler) if self.draws else \
+            self.engine.prefill(s.slot, chunk, s.prefilled)
         s.prefilled += len(chunk)
         done = s.prefilled == len(prompt)
-        self.held[s.slot] = Held(tuple(prompt[:s.prefilled]), logits if done else None)
+        # a token drawn by the engine is this sequence's alone: another with the same prompt prefills its last chunk
+        kept = logits if done and isinstance(logits, np.ndarray) else None
+        self.held[s.slot] = Held(tuple(prompt[:s.prefilled]), kept)
         if done:
             self._prefilled(s, logits)
 
@@ -184,11 +215,12 @@ class BatchLoop:
         if logits is not None:
             self._prefilled(s, logits)
 
-    def _prefilled(self, s: _Sequence, logits: np.ndarray) -> None:
-        """The whole prompt is in the sequence's cache: its first token from the last one's logits."""
+    def _prefilled(self, s: _Sequence, logits: int | np.ndarray) -> None:
+        """The whole prompt is in the sequence's cache: its first token from the last one's logits (or the token
+        a drawing engine drew)."""
         s.prefill_s = time.perf_counter() - s.started
         s.decode_start = time.perf_counter()
-        self._take(s, lambda: s.gen.sampler(logits, len(s.gen.prompt)))
+        self._take(s, lambda: _drawn(logits, s.gen.sampler, len(s.gen.prompt)))
 
     def _take(self, s: _Sequence, draw: Callable[[], int]) -> None:
         """The sequence's next token (`draw` samples it): fed at the next step, or the sequence ends. A draw that
@@ -199,6 +231,7 @@ class BatchLoop:
         except Exception as e:
             self.running.remove(s)
             s.done(e)
+            self._idle()
             return
         if going_on:
             s.next_token = token
@@ -216,3 +249,13 @@ class BatchLoop:
         assert s.gen.reason is not None
         decode_s = time.perf_counter() - s.decode_start if s.decode_start else 0.0
         s.done(GenerationResult(len(s.gen.prompt), s.gen.tokens, s.gen.reason, s.prefill_s, decode_s))
+        self._idle()
+
+    def _idle(self) -> None:
+        if not self.running and self.on_idle is not None:
+            self.on_idle()
+
+
+def _drawn(row: int | np.ndarray, sampler: Sampler, position: int) -> int:
+    """The token at `position`: drawn already by a drawing engine, or drawn here from its logits."""
+    return row if isinstance(row, int) else sampler(row, position)

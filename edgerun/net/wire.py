@@ -617,6 +617,9 @@ class PpMsg(IntEnum):
     TUNE_EVAL = 30  # master -> worker: a forward pass without dropout or gradient; answered by TUNE_OUTPUT
     # Chained passes (pp.passes) go over a worker's pass port, plain TCP, as pp_stream packets.
     PASS_HELLO = 31  # master -> worker, first on its link to the pass port, and the answer: results go back on it
+    # A batch (pp.batch): a sequence's slot takes another's cached prompt rows; answered by SLOT_COPIED.
+    SLOT_COPY = 32
+    SLOT_COPIED = 33
 
 
 def pp_frame(kind: PpMsg, request: int, message: dict[str, Any], key: bytes,

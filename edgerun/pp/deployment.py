@@ -102,13 +102,16 @@ class Deployment:
 
     def __init__(self, model: Model, workers: Workers, max_len: int, objective: str, replicas: int,
                  activations: Activations, route: Route, log: Callable[[str], None],
-                 warm: Callable[[], Awaitable[None]]) -> None:
+                 warm: Callable[[], Awaitable[None]], slots: int = 1) -> None:
         self.model, self.workers, self.max_len, self.objective, self.replicas, self.activations = \
             model, workers, max_len, objective, replicas, activations
+        self.slots = slots  # sequences each ggml stage holds caches for (pp.batch), one on onnxruntime's
+        self.batched = False  # whether the running plan's stages are all ggml's (they run a batch's passes)
         self.route = route  # the configured route; `chained` says whether the running plan takes it
         self.chained = False
         self.log, self.warm = log, warm
-        self.profile = model_profile(model.name, model.config, model.weights, context=max_len)
+        # a stage's memory holds the KV cache of every sequence its slots keep
+        self.profile = model_profile(model.name, model.config, model.weights, context=max_len * slots)
         self.expansion = dequantized_expansion(model)
         # Why tabs that ask for the WebAssembly kernels get float32 ONNX stages instead (None: they get kernels).
         # The kernels compute with int8 activations: a deployment asked for float32 ones gets them everywhere.
@@ -589,7 +592,10 @@ class Deployment:
         self.precopied = {key: rows for key, rows in precopied.items() if key[0] in took}
         self.state = PipelineState.COMMITTING
         chained = self._chainable(stage_workers)
-        commits = [{"max_len": self.max_len} for _ in stage_workers]
+        # A batch runs where every stage is ggml's (pp.batch); its stages hold `slots` sequences' caches.
+        self.batched = all(self.ggml_stages(name) for names in stage_workers for name in names)
+        commits = [{"max_len": self.max_len, **({"slots": self.slots} if self.slots > 1 and self.batched else {})}
+                   for _ in stage_workers]
         if chained:  # each stage but the last connects to the next one's listener
             for commit, names in zip(commits[:-1], stage_workers[1:], strict=True):
                 following = self.workers[names[0]]

@@ -95,8 +95,13 @@ class PipelineConfig:
     # a chained route's links): a sleeping process wakes late for a packet, once per token on the pipeline's
     # path. Holds a core while generating.
     spin_us: float = 0.0
+    # Sequences every ggml stage holds caches for, so that a batch of them runs together (pp.batch; serve
+    # --parallel); 1: one request at a time.
+    slots: int = 1
 
     def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise EdgerunError(f"a pipeline holds at least one sequence, not {self.slots}")
         if self.spin_us < 0:
             raise EdgerunError(f"--spin-us must not be negative, not {self.spin_us}")
         if self.replicas < 1:
@@ -153,7 +158,7 @@ class PipelineMaster:
                                                                                                           joined))
         self.deployment = Deployment(self.model, self.workers, self.max_len, self.config.objective,
                                      self.config.replicas, self.config.activations, self.config.route, self.log,
-                                     self._warm)
+                                     self._warm, self.config.slots)
         self.repartitioner = asyncio.get_running_loop().create_task(self.deployment.repartition_loop())
 
     def routes(self) -> list[BaseRoute]:
@@ -340,7 +345,7 @@ class PipelineMaster:
         d = self.deployment
         if start > 0 and d.chained and not d.ready(d.staged) and not sampler.needs_logits:
             try:  # a decode step: on this thread (module docstring)
-                return self._chained_pass(tokens, start, _sampling(sampler))
+                return self._chained_pass(tokens, start, sampling_message(sampler))
             except (Breach, PortClosed) as e:
                 self.net.run(self._settle(e))
                 raise
@@ -350,7 +355,7 @@ class PipelineMaster:
 
     async def _step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int | np.ndarray:
         d = self.deployment
-        sampling = _sampling(sampler)
+        sampling = sampling_message(sampler)
         if start > 0:
             if d.ready(d.staged):
                 self.cached_length = start  # every stage's KV cache holds the positions before this one
@@ -449,7 +454,7 @@ class PipelineMaster:
             self.net.stop()
 
 
-def _sampling(sampler: Sampler) -> dict[str, Any]:
+def sampling_message(sampler: Sampler) -> dict[str, Any]:
     """A sampler's settings as a pass's message carries them to the last stage."""
     return {"temperature": sampler.params.temperature, "top_p": sampler.params.top_p, "top_k": sampler.params.top_k,
             "min_p": sampler.params.min_p, "seed": sampler.seed, **({"logits": True} if sampler.needs_logits else {})}

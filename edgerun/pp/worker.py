@@ -98,12 +98,15 @@ class _Stage:
             (other.first_layer, other.end_layer, other.lm_head, other.directory, other.bounds)
 
     def load(self, config: ModelConfig, max_len: int, threads: int | None, providers: list[str],
-             ggml_device: str = "cpu") -> StageSession | GgmlStage:
+             ggml_device: str = "cpu", slots: int = 1) -> StageSession | GgmlStage:
         """Its session: on ggml where the master sent the model's GGUF file, else onnxruntime's, its parts
-        created at once."""
+        created at once. `slots`: sequences whose caches it holds for batched passes (ggml's stages only)."""
         gguf = self.directory / GGML_STAGE_FILE
         if gguf.exists():
-            return GgmlStage(load_model(gguf), self.first_layer, self.end_layer, max_len, threads, ggml_device)
+            return GgmlStage(load_model(gguf), self.first_layer, self.end_layer, max_len, threads, ggml_device,
+                             slots)
+        if slots > 1:
+            raise ValueError("batched passes run on ggml's stages only (the master sends this one ONNX files)")
         return StageSession(self.directory, config, self.first_layer, self.end_layer, max_len, threads, providers,
                             self.bounds)
 
@@ -301,10 +304,11 @@ class PipelineWorker:
                 raise ValueError("commit before prepare")
             start = time.perf_counter()
             self.max_len = int(message["max_len"])
+            slots = int(message.get("slots", 1))
             s = self.stage
-            if s.session is None or s.session.max_len != self.max_len:  # else preloaded: nothing to load
+            if s.session is None or s.session.max_len != self.max_len or _slots(s.session) != slots:
                 s.session = await loop.run_in_executor(None, s.load, self.config, self.max_len, self.threads,
-                                                       self.providers, self.ggml_device)
+                                                       self.providers, self.ggml_device, slots)
             following = message.get("next")  # a chained route: where this stage's output goes
             if following is None:
                 self._port().drop_next()
@@ -316,6 +320,13 @@ class PipelineWorker:
                      f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
         elif kind == PpMsg.COMPUTATION:
             await self._compute(request, message, tensors)
+        elif kind == PpMsg.SLOT_COPY:  # a batch's sequence takes another's cached prompt rows
+            with self.lock:
+                session = self._session()
+                if not isinstance(session, GgmlStage):
+                    raise ValueError("slots are ggml's stages'")
+                session.engine.copy_cache(int(message["source"]), int(message["target"]), int(message["rows"]))
+            await self._send(PpMsg.SLOT_COPIED, request, {})
         elif kind == PpMsg.KV_FETCH:  # rows from position `since` on (0: all)
             # Under the pass lock: a hot swap's pre-copy fetches while the request runs, and a pass on the pass
             # port's thread moving the position between the keys' read and the values' gave them different
@@ -398,6 +409,11 @@ class PipelineWorker:
 
     async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
         """A pass from the master (the star route): its answer goes back on the WebSocket."""
+        if "slots" in message:  # a batch's pass (pp.batch): seconds for several sequences, off the loop
+            kind, reply, out = await asyncio.get_running_loop().run_in_executor(None, self._batch_pass, message,
+                                                                                tensors)
+            await self._send(kind, request, reply, out)
+            return
         if _is_step(tensors):
             # A one-token step runs on this thread: it takes milliseconds, and handing it to a pool thread and
             # back costs two thread wake-ups per stage per token, on the critical path of every token.
@@ -445,16 +461,80 @@ class PipelineWorker:
             return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, \
                 {"logits": np.ascontiguousarray(out[0, -1], np.float32)}, False
         if s.lm_head:
-            p = message.get("sampling", {})
-            params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
-                                    top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)),
-                                    min_p=float(p.get("min_p", 0.0)))
-            token = Sampler(params)(out[0, -1], position + x.shape[1])
+            token = _sampler(message.get("sampling", {}))(out[0, -1], position + x.shape[1])
             return PpMsg.COMPUTATION_RESULT, {"token": token, "seconds": seconds if chain is None else chain}, None, \
                 False
         if chain is not None:  # straight on to the next stage
             return PpMsg.COMPUTATION, {**message, "chain": chain}, {"hidden": out}, True
         return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, {"hidden": out}, False
+
+
+    def _batch_pass(self, message: dict, tensors: dict[str, np.ndarray]
+                    ) -> tuple[PpMsg, dict[str, Any], dict[str, np.ndarray] | None]:
+        """A batch's pass (pp.batch): one position of each of several sequences ("slots", "positions"), or with
+        "prompt" a chunk of one sequence's prompt from its position on. A middle stage answers the hidden states;
+        the last draws each sequence's next token with that sequence's "sampling" (as a one-sequence pass does),
+        or, where it asks for "logits", sends its logits for the master to draw."""
+        with self.lock:
+            session, s = self._session(), self.stage
+            if not isinstance(session, GgmlStage):
+                raise ValueError("batched passes run on ggml's stages only")
+            slots, positions = [int(v) for v in message["slots"]], [int(v) for v in message["positions"]]
+            prompt = bool(message.get("prompt"))
+            if len(slots) != len(positions) or not slots or (prompt and len(slots) != 1):
+                raise MalformedInput(f"a batch's pass names a slot and a position per sequence (a prompt's: one), "
+                                     f"not {slots} and {positions}")
+            x = self._batch_input(s, tensors, None if prompt else len(slots))
+            start = time.perf_counter()
+            if prompt:
+                out = session.run_slot(slots[0], x[None], positions[0])[0]
+                ends = [positions[0] + x.shape[0]]
+            else:
+                out = session.run_batch(list(zip(slots, positions, strict=True)), x)
+                ends = [p + 1 for p in positions]
+            seconds = time.perf_counter() - start
+            self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
+        if not s.lm_head:
+            return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, {"hidden": out}
+        sampling = message.get("sampling")
+        if not isinstance(sampling, list) or len(sampling) != len(ends):
+            raise MalformedInput(f"the last stage takes a sampling per sequence, not {sampling!r}")
+        tokens: list[int | None] = []
+        kept: list[np.ndarray] = []
+        for row, p, end in zip(out, sampling, ends, strict=True):
+            if p.get("logits"):  # the master draws (model/logits.py)
+                tokens.append(None)
+                kept.append(row)
+            else:
+                tokens.append(_sampler(p)(row, end))
+        logits = {"logits": np.ascontiguousarray(np.stack(kept), np.float32)} if kept else None
+        return PpMsg.COMPUTATION_RESULT, {"seconds": seconds, "tokens": tokens}, logits
+
+    def _batch_input(self, s: _Stage, tensors: dict[str, np.ndarray], rows: int | None) -> np.ndarray:
+        """A batch pass's input: token ids (n,) for the first stage, else float32 hidden states (n, hidden); n
+        `rows` (a decode step's sequences) or any (a prompt's chunk). MalformedInput for anything else."""
+        if s.first_layer == 0:
+            x = tensors.get("input_ids")
+            if x is None or x.dtype != np.int64 or x.ndim != 1 or len(x) < 1 or rows not in (None, len(x)):
+                raise MalformedInput(f"the first stage takes int64 token ids ({rows or 'n'},), not {_described(x)}")
+            return x
+        x = tensors.get("hidden")
+        if x is None or x.dtype != np.float32 or x.ndim != 2 or len(x) < 1 or rows not in (None, len(x)) or \
+                x.shape[1] != self.config.hidden:
+            raise MalformedInput(f"a stage from layer {s.first_layer} takes float32 hidden states "
+                                 f"({rows or 'n'}, {self.config.hidden}), not {_described(x)}")
+        return x
+
+
+def _sampler(p: dict[str, Any]) -> Sampler:
+    """A sampler of the settings a pass's message carries (pp.master._sampling)."""
+    return Sampler(SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
+                                  top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)),
+                                  min_p=float(p.get("min_p", 0.0))))
+
+
+def _slots(session: StageSession | GgmlStage) -> int:
+    return session.engine.slots if isinstance(session, GgmlStage) else 1
 
 
 def _is_step(tensors: dict[str, np.ndarray]) -> bool:

@@ -72,8 +72,10 @@ class ServeConfig:
             raise EdgerunError("ports must lie in 0..65535")
         if not 1 <= self.parallel <= MAX_PARALLEL:
             raise EdgerunError(f"--parallel must be from 1 to {MAX_PARALLEL}")
-        if self.parallel > 1 and (self.cluster_port is not None or not self.local):
-            raise EdgerunError("--parallel batches this machine's own engine: use it with --no-cluster")
+        if self.parallel > 1 and not ((self.local and self.cluster_port is None) or
+                                      (self.plan == "dp" and self.cluster_port is not None and not self.local)):
+            raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster) or a pipeline's "
+                               "stages (with --plan dp --no-local)")
         if self.replicas < 1:
             raise EdgerunError("--replicas must be at least 1")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
@@ -139,7 +141,14 @@ class Server:
                 self.advertiser = Advertiser(mode, config.cluster_host, self.cluster.port, log=log)
             self.switch = EngineSwitch(single, self.cluster, config.prefer, max_len, log)
             self.metrics = Metrics()
-            batch = BatchLoop(single) if config.parallel > 1 else None  # type: ignore[arg-type]  # a GgmlEngine
+            batch = None
+            if config.parallel > 1 and single is not None:
+                batch = BatchLoop(single)  # type: ignore[arg-type]  # a GgmlEngine
+            elif config.parallel > 1:  # a pipeline's stages (pp.batch), whose deployment waits while a batch runs
+                from edgerun.pp.batch import PipelineBatch
+
+                pipeline = self.cluster.engine
+                batch = BatchLoop(PipelineBatch(pipeline), draws=True, on_idle=pipeline.release)
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
                                    self.metrics, log, batch)
             name = config.model_name or model.name
@@ -176,7 +185,8 @@ class Server:
                 # Workers and tabs come to the cluster port, served by the pipeline master's own HTTP server.
                 return Pipeline(PipelineMaster(model, config.key, PipelineConfig(
                     host=config.cluster_host, port=config.cluster_port, max_len=max_len,
-                    activations=config.activations, route=config.route, prefix=tuple(prefix)),
+                    activations=config.activations, route=config.route, prefix=tuple(prefix),
+                    slots=config.parallel),
                     log=lambda m: log(f"pipeline: {m}")))
             from edgerun.tp.config import MasterConfig
             from edgerun.tp.master import Master

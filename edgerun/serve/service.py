@@ -174,6 +174,11 @@ class Service:
             job.put(_cancelled(job))
             self._left()
             return
+        if not batch.running and not self._capacity(job):  # a pipeline's batch: its workers may not be there yet
+            if job.cancelled.is_set():
+                job.put(_cancelled(job))
+            self._left()
+            return
 
         def done(result: GenerationResult | BaseException) -> None:
             try:  # answered whatever the counting does: a job left unanswered would hold its queue place for ever

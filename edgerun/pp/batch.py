@@ -1,0 +1,129 @@
+"""A pipeline as the engine of a running batch (model.batch.BatchLoop; `edgerun serve --plan dp --parallel N`).
+
+Every ggml stage holds the caches of `PipelineConfig.slots` sequences. A batch's one-token step is cut into
+micro-batches, one per stage at most, sent through the stages together: while the second stage computes the first
+micro-batch, the first computes the second, so the stages work at once instead of taking turns, and each
+micro-batch's products still read a stage's weights once for all of its sequences. Each sequence's hidden states
+are those it gets alone (GgmlEngine.decode_rows), and the last stage draws its token with its own sampler's
+settings, as a one-sequence pass does (seeded draws depend on the position alone): a request gives the same tokens in
+a batch as alone. Where a draw needs the whole vocabulary here (a grammar, penalties: model/logits.py) the last
+stage sends that sequence's logits instead.
+
+The passes go through the master (the star route); a worker lost mid-step raises WorkerLost, which ends the batch's
+running sequences with that error (BatchLoop.fail_all): they are not prefilled again on a new plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from edgerun.errors import EdgerunError
+from edgerun.model.sampling import Sampler
+from edgerun.net.wire import PpMsg
+from edgerun.pp.deployment import PipelineState
+from edgerun.pp.master import COMPUTE_TIMEOUT_S, PipelineMaster, sampling_message
+from edgerun.pp.pass_links import Breach
+from edgerun.pp.workers import WorkerConn
+
+Drawn = int | np.ndarray  # a sequence's next token, or its logits where the master draws
+
+
+class PipelineBatch:
+    """The pipeline master's stages as a BatchLoop engine that draws (model.batch.DrawingEngine)."""
+
+    def __init__(self, master: PipelineMaster) -> None:
+        self.master = master
+        self.slots = master.config.slots
+
+    @property
+    def max_len(self) -> int:
+        return self.master.max_len
+
+    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampler: Sampler) -> Drawn:
+        """A chunk of the prompt of the sequence in `slot`, at positions start..: the token after it (or its
+        logits)."""
+        return self.master.net.run(self._pass([slot], [start], np.asarray(tokens, np.int64), [sampler],
+                                              prompt=True))[0]
+
+    def decode(self, batch: Sequence[tuple[int, int, int]], samplers: Sequence[Sampler]) -> list[Drawn]:
+        """One token of each sequence, (slot, position, token) each: each one's next token (or logits)."""
+        return self.master.net.run(self._decode(list(batch), list(samplers)))
+
+    def copy_cache(self, source: int, target: int, rows: int) -> None:
+        """The first `rows` cached positions of slot `source` into slot `target`, on every stage."""
+        async def copy() -> None:
+            d = self.master.deployment
+            await asyncio.gather(*(self.master.workers.call(self.master.workers[name], PpMsg.SLOT_COPY,
+                                                            {"source": source, "target": target, "rows": rows},
+                                                            PpMsg.SLOT_COPIED, COMPUTE_TIMEOUT_S)
+                                   for names in d.stage_workers for name in names if self.master.workers[name].alive))
+
+        self._check()
+        self.master.net.run(copy())
+
+    def _check(self) -> None:
+        d = self.master.deployment
+        if d.state != PipelineState.UP or d.plan is None:
+            raise EdgerunError("the pipeline is not up: start it before batching on it")
+        if not d.batched:
+            raise EdgerunError("a batch runs on ggml's stages only: a worker of this plan computes on onnxruntime "
+                               "(a browser tab, float32 activations or a model ggml does not build)")
+
+    async def _decode(self, batch: list[tuple[int, int, int]], samplers: list[Sampler]) -> list[Drawn]:
+        """The step's micro-batches through the stages at once (module docstring), in order."""
+        parts = min(len(batch), len(self.master.deployment.stage_workers))
+        cuts = np.linspace(0, len(batch), parts + 1).round().astype(int)
+        drawn = await asyncio.gather(*(
+            self._pass([b[0] for b in batch[i:j]], [b[1] for b in batch[i:j]],
+                       np.asarray([b[2] for b in batch[i:j]], np.int64), samplers[i:j])
+            for i, j in itertools.pairwise(cuts)))
+        return [d for part in drawn for d in part]
+
+    async def _pass(self, slots: list[int], positions: list[int], ids: np.ndarray, samplers: list[Sampler],
+                    prompt: bool = False) -> list[Drawn]:
+        """One pass of these sequences through every stage (a prompt's chunk: one sequence, several ids)."""
+        self._check()
+        master, stages = self.master, self.master.deployment.stage_workers
+        master.deployment.busy = True  # no repartition while sequences run: BatchLoop's on_idle releases it
+        message: dict[str, Any] = {"slots": slots, "positions": positions, **({"prompt": True} if prompt else {})}
+        tensors = {"input_ids": ids}
+        rows = len(ids)
+        for i, names in enumerate(stages):
+            last = i == len(stages) - 1
+            if last:
+                message["sampling"] = [sampling_message(s) for s in samplers]
+            worker, reply, out = await master._hedged(names, message, tensors)
+            worker.served += 1
+            if last:
+                try:
+                    return self._drawn(worker, reply, out, samplers)
+                except Breach as e:
+                    await master._settle(e)
+                    raise
+            hidden = out.get("hidden")
+            if hidden is None or hidden.shape != (rows, master.model.config.hidden) or hidden.dtype != np.float32:
+                await master.workers.expel(worker, f"returned {({k: v.shape for k, v in out.items()})} where "
+                                                   f"float32 hidden states ({rows}, {master.model.config.hidden}) "
+                                                   "were due")
+            tensors = {"hidden": hidden}
+        raise AssertionError("a plan has at least one stage")
+
+    def _drawn(self, worker: WorkerConn, reply: dict[str, Any], out: dict[str, np.ndarray], samplers: list[Sampler]
+               ) -> list[Drawn]:
+        """The last stage's answer: a token per sequence, and the logits of those whose draw is the master's."""
+        tokens, vocab = reply.get("tokens"), self.master.model.config.vocab_size
+        wanted = [s.needs_logits for s in samplers]
+        logits = out.get("logits")
+        if not isinstance(tokens, list) or len(tokens) != len(samplers) or \
+                any((t is None) != w or (t is not None and not (isinstance(t, int) and 0 <= t < vocab))
+                    for t, w in zip(tokens, wanted, strict=True)) or \
+                (any(wanted) and (logits is None or logits.shape != (sum(wanted), vocab)
+                                  or logits.dtype != np.float32)):
+            raise Breach(worker, f"returned tokens {tokens!r} for {len(samplers)} sequences")
+        rows = iter([] if logits is None else logits)
+        return [next(rows) if t is None else t for t in tokens]
