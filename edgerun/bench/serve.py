@@ -34,6 +34,7 @@ from edgerun.serve.cli import stream_events
 START_TIMEOUT_S = 300  # loading the model and starting the server
 BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 PROMPT_KINDS = ("distinct", "same")
+PIPELINE_CONTEXT = 512  # a started pipeline's --max-context: its workers' budgets count that many rows a sequence
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ class ServeBenchConfig:
             raise EdgerunError("--parallel must be at least 1")
         if self.nodes < 0 or self.workers < 0 or (self.nodes and self.workers):
             raise EdgerunError("--nodes or --workers: a tensor-parallel cluster or a pipeline, not both")
-        if self.parallel > 1 and (self.nodes or self.workers):
-            raise EdgerunError("--parallel batches the server's own engine: not with --nodes or --workers")
+        if self.parallel > 1 and self.nodes:
+            raise EdgerunError("--parallel batches the server's own engine or a pipeline's stages: not with --nodes")
         if self.url is not None and (self.nodes or self.workers or self.parallel > 1):
             raise EdgerunError("--url measures a running server as it is: --nodes, --workers and --parallel start one")
         if self.prompts not in PROMPT_KINDS:
@@ -183,6 +184,19 @@ def _cluster_ready(config: ServeBenchConfig, state: dict | None) -> bool:
     return len((state.get("plan") or {}).get("devices") or []) == config.nodes + 1
 
 
+def _stage_budget_mb(config: ServeBenchConfig) -> float:
+    """A memory budget for each of the pipeline's workers with which the plan must use every one of them (the
+    model's layers and their caches, --parallel sequences' of PIPELINE_CONTEXT tokens each, cut in as many stages)."""
+    from edgerun.bench.pp import stage_budgets_mb
+    from edgerun.model.loader import load_model
+    from edgerun.sched.profiles import model_profile
+
+    model = load_model(config.model)
+    profile = model_profile(model.name, model.config, model.weights, context=PIPELINE_CONTEXT * config.parallel)
+    return stage_budgets_mb(profile.layer_memory_bytes, config.workers) if config.workers > 1 else \
+        sum(profile.layer_memory_bytes) * 1.1 / 1e6
+
+
 @contextmanager
 def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iterator[str]:
     """`edgerun serve` on free ports of this machine, its queue as deep as the most streams: alone (`--no-cluster
@@ -191,9 +205,13 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
     argv = [sys.executable, "-m", "edgerun.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-request-log",
             "--threads", str(config.threads), "--max-queue", str(max(config.streams))]
     key = secrets.token_hex(16)
+    budget_mb = None
     if config.nodes or config.workers:
         argv += ["--cluster-port", "0", "--no-advertise", "--prefer", "cluster", "--key", key]
         argv += ["--plan", "dp", "--no-local"] if config.workers else ["--plan", config.plan]
+        if config.workers:
+            argv += ["--parallel", str(config.parallel), "--max-context", str(PIPELINE_CONTEXT)]
+            budget_mb = _stage_budget_mb(config)
     else:
         argv += ["--no-cluster", "--parallel", str(config.parallel)]
     if config.model is not None:
@@ -224,7 +242,7 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
         if not ready.wait(START_TIMEOUT_S) or not found:
             raise EdgerunError("edgerun serve did not start:\n" + "".join(lines[-20:]))
         url, cluster_port = found[0]
-        mode = ["--mode", "pp"] if config.workers else []
+        mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}"] if config.workers else []
         for i in range(config.nodes or config.workers):
             procs.append(subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", *mode, "--master",
                                            f"127.0.0.1:{cluster_port}", "--key", key, "--name", f"bench-{i}",

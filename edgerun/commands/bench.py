@@ -335,12 +335,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="bearer token for --url's server (default: $EDGERUN_API_KEY)")
     p.add_argument("--threads", type=thread_count, default=1, help="the started server's threads (default: 1)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="the started server's --parallel: requests it decodes together (default: 1)")
+                   help="the started server's --parallel: requests it decodes together, on its own engine or, "
+                        "with --workers, on the pipeline's stages (default: 1)")
     p.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="start N tensor-parallel node processes beside the server and measure once its plan takes "
                         "them all (--prefer cluster) (default: 0, the server's own engine)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="start N pipeline workers beside a --plan dp --no-local server instead (default: 0)")
+                   help="start N pipeline workers beside a --plan dp --no-local server instead, each with a "
+                        "memory budget that makes the plan use all N, the server's --max-context 512 (default: 0)")
     p.add_argument("--plan", choices=PLANS[:-1], default="even",
                    help="the started tensor-parallel cluster's planner (default: even, every node computing)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "
