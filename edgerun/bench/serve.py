@@ -242,7 +242,8 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
         if not ready.wait(START_TIMEOUT_S) or not found:
             raise EdgerunError("edgerun serve did not start:\n" + "".join(lines[-20:]))
         url, cluster_port = found[0]
-        mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}"] if config.workers else []
+        # members compute on the CPU, as the server's own engine does (a pipeline worker's default takes a GPU)
+        mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}", "--device", "cpu"] if config.workers else []
         for i in range(config.nodes or config.workers):
             procs.append(subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", *mode, "--master",
                                            f"127.0.0.1:{cluster_port}", "--key", key, "--name", f"bench-{i}",
