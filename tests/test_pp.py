@@ -583,7 +583,7 @@ def test_a_batch_on_the_pipeline_gives_each_request_its_tokens_alone(model: Mode
     requests = [(prompts[0], settings[0], None), (prompts[1], settings[1], None), (prompts[2], settings[2], None),
                 (prompts[1], settings[3], None),
                 (prompts[2], SamplingParams(), penalized)]
-    with pipeline(model, [50, 50, 50], route=Route.STAR, slots=4) as (master, _):
+    with pipeline(model, [70, 70, 70], route=Route.STAR, slots=4) as (master, _):  # 50 MB hold no 4 caches
         master.start()
         assert master.deployment.batched
         alone = []

@@ -55,18 +55,21 @@ class BatchEngine(Protocol):
 
 
 class DrawingEngine(Protocol):
-    """An engine that draws each sequence's next token itself, with the sequence's sampler's settings (a pipeline's
-    last stage: pp.batch), and gives the logits instead where the draw needs them here (Sampler.needs_logits)."""
+    """An engine that runs a round's prompt chunks and decode step at once (a pipeline: pp.batch, its stages each
+    working on a different part of the round) and draws each sequence's next token itself, with the sequence's
+    sampler's settings, giving the logits instead where the draw needs them here (Sampler.needs_logits)."""
 
     slots: int
+    lanes: int  # prompt chunks a round runs at once (a pipeline's stages)
 
     @property
     def max_len(self) -> int: ...
 
-    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampler: Sampler) -> int | np.ndarray: ...
-
-    def decode(self, batch: Sequence[tuple[int, int, int]], samplers: Sequence[Sampler]
-               ) -> Sequence[int | np.ndarray]: ...
+    def round(self, chunks: Sequence[tuple[int, Sequence[int], int, Sampler]], batch: Sequence[tuple[int, int, int]],
+              samplers: Sequence[Sampler]) -> tuple[list[int | np.ndarray], list[int | np.ndarray]]:
+        """Prompt chunks, (slot, tokens, start, sampler) each, and one token of each sequence of `batch`, (slot,
+        position, token) each: the token (or logits) after each chunk, and each sequence's next one."""
+        ...
 
     def copy_cache(self, source: int, target: int, rows: int) -> None: ...
 
@@ -155,23 +158,32 @@ class BatchLoop:
             self._end(s, StopReason.CANCELLED)
         for s in [s for s in self.running if s.waits_for is not None and s.waits_for.next_token is not None]:
             self._copy_prompt(s)
+        # A prompt is cut at the same places whatever else runs (multiples of the chunk), so it rounds alike alone
+        # and in a batch; short prompts that join together share a round, and a drawing engine runs a chunk in
+        # each of its lanes.
+        budget = self.prefill_chunk * (self.engine.lanes if self.draws else 1)
         prefilled, spent = [], 0
         for s in [s for s in self.running if s.next_token is None and s.waits_for is None]:
-            # A prompt is cut at the same places whatever else runs (multiples of the chunk), so it rounds alike
-            # alone and in a batch; short prompts that join together share a round.
             size = min(self.prefill_chunk, len(s.gen.prompt) - s.prefilled)
-            if prefilled and spent + size > self.prefill_chunk:
+            if prefilled and spent + size > budget:
                 break
             prefilled.append(s)
             spent += size
-            self._prefill(s)
         ready = [s for s in self.running if s.next_token is not None and s not in prefilled]
-        if ready:
-            batch = [(s.slot, s.gen.position, s.next_token) for s in ready]
-            rows = self.engine.decode(batch, [s.gen.sampler for s in ready]) if self.draws else \
-                self.engine.decode(batch)
-            for s, row in zip(ready, rows, strict=True):
-                self._take(s, lambda s=s, row=row: _drawn(row, s.gen.sampler, s.gen.position + 1))
+        batch = [(s.slot, s.gen.position, s.next_token) for s in ready]
+        chunks = [self._chunk(s) for s in prefilled]
+        if self.draws:
+            outs, rows = self.engine.round([(s.slot, chunk, s.prefilled, s.gen.sampler)
+                                            for s, chunk in zip(prefilled, chunks, strict=True)],
+                                           batch, [s.gen.sampler for s in ready])
+            for s, chunk, out in zip(prefilled, chunks, outs, strict=True):
+                self._prefilled_chunk(s, len(chunk), out)
+        else:
+            for s, chunk in zip(prefilled, chunks, strict=True):
+                self._prefilled_chunk(s, len(chunk), self.engine.prefill(s.slot, chunk, s.prefilled))
+            rows = self.engine.decode(batch) if batch else []
+        for s, row in zip(ready, rows, strict=True):
+            self._take(s, lambda s=s, row=row: _drawn(row, s.gen.sampler, s.gen.position + 1))
 
     def fail_all(self, error: BaseException) -> None:
         """End every running sequence with `error` (the engine failed)."""
@@ -180,12 +192,15 @@ class BatchLoop:
             s.done(error)
         self._idle()
 
-    def _prefill(self, s: _Sequence) -> None:
+    def _chunk(self, s: _Sequence) -> Sequence[int]:
+        """The sequence's next prompt chunk."""
+        return s.gen.prompt[s.prefilled:s.prefilled + self.prefill_chunk]
+
+    def _prefilled_chunk(self, s: _Sequence, size: int, logits: int | np.ndarray) -> None:
+        """The engine ran the sequence's next `size` prompt tokens: `logits` are the last one's (or the token a
+        drawing engine drew after it)."""
         prompt = s.gen.prompt
-        chunk = prompt[s.prefilled:s.prefilled + self.prefill_chunk]
-        logits = self.engine.prefill(s.slot, chunk, s.prefilled, s.gen.sampler) if self.draws else \
-            self.engine.prefill(s.slot, chunk, s.prefilled)
-        s.prefilled += len(chunk)
+        s.prefilled += size
         done = s.prefilled == len(prompt)
         # a token drawn by the engine is this sequence's alone: another with the same prompt prefills its last chunk
         kept = logits if done and isinstance(logits, np.ndarray) else None

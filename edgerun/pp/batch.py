@@ -3,7 +3,9 @@
 Every ggml stage holds the caches of `PipelineConfig.slots` sequences. A batch's one-token step is cut into
 micro-batches, one per stage at most, sent through the stages together: while the second stage computes the first
 micro-batch, the first computes the second, so the stages work at once instead of taking turns, and each
-micro-batch's products still read a stage's weights once for all of its sequences. Each sequence's hidden states
+micro-batch's products still read a stage's weights once for all of its sequences. Joining sequences' prompt
+chunks go in the same round, one a stage (`lanes`), behind the step's micro-batches: four stages prefill four
+prompts in about the time of one. Each sequence's hidden states
 are those it gets alone (GgmlEngine.decode_rows), and the last stage draws its token with its own sampler's
 settings, as a one-sequence pass does (seeded draws depend on the position alone): a request gives the same tokens in
 a batch as alone. Where a draw needs the whole vocabulary here (a grammar, penalties: model/logits.py) the last
@@ -44,15 +46,17 @@ class PipelineBatch:
     def max_len(self) -> int:
         return self.master.max_len
 
-    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampler: Sampler) -> Drawn:
-        """A chunk of the prompt of the sequence in `slot`, at positions start..: the token after it (or its
-        logits)."""
-        return self.master.net.run(self._pass([slot], [start], np.asarray(tokens, np.int64), [sampler],
-                                              prompt=True))[0]
+    @property
+    def lanes(self) -> int:
+        """Prompt chunks a round runs at once: one in each stage."""
+        return max(1, len(self.master.deployment.stage_workers))
 
-    def decode(self, batch: Sequence[tuple[int, int, int]], samplers: Sequence[Sampler]) -> list[Drawn]:
-        """One token of each sequence, (slot, position, token) each: each one's next token (or logits)."""
-        return self.master.net.run(self._decode(list(batch), list(samplers)))
+    def round(self, chunks: Sequence[tuple[int, Sequence[int], int, Sampler]], batch: Sequence[tuple[int, int, int]],
+              samplers: Sequence[Sampler]) -> tuple[list[Drawn], list[Drawn]]:
+        """A round's prompt chunks, (slot, tokens, start, sampler) each, and one step of `batch`'s sequences, (slot,
+        position, token) each, through the stages at once: the token after each chunk and each sequence's next
+        token (or logits where the master draws)."""
+        return self.master.net.run(self._round(list(chunks), list(batch), list(samplers)))
 
     def copy_cache(self, source: int, target: int, rows: int) -> None:
         """The first `rows` cached positions of slot `source` into slot `target`, on every stage."""
@@ -74,15 +78,20 @@ class PipelineBatch:
             raise EdgerunError("a batch runs on ggml's stages only: a worker of this plan computes on onnxruntime "
                                "(a browser tab, float32 activations or a model ggml does not build)")
 
-    async def _decode(self, batch: list[tuple[int, int, int]], samplers: list[Sampler]) -> list[Drawn]:
-        """The step's micro-batches through the stages at once (module docstring), in order."""
-        parts = min(len(batch), len(self.master.deployment.stage_workers))
+    async def _round(self, chunks: list[tuple[int, Sequence[int], int, Sampler]], batch: list[tuple[int, int, int]],
+                     samplers: list[Sampler]) -> tuple[list[Drawn], list[Drawn]]:
+        """The step's micro-batches (module docstring) and the prompt chunks through the stages at once; the
+        micro-batches first, so that a stage takes the running sequences' step before a prompt's chunk."""
+        parts = min(len(batch), self.lanes)
         cuts = np.linspace(0, len(batch), parts + 1).round().astype(int)
-        drawn = await asyncio.gather(*(
-            self._pass([b[0] for b in batch[i:j]], [b[1] for b in batch[i:j]],
-                       np.asarray([b[2] for b in batch[i:j]], np.int64), samplers[i:j])
-            for i, j in itertools.pairwise(cuts)))
-        return [d for part in drawn for d in part]
+        passes = [self._pass([b[0] for b in batch[i:j]], [b[1] for b in batch[i:j]],
+                             np.asarray([b[2] for b in batch[i:j]], np.int64), samplers[i:j])
+                  for i, j in itertools.pairwise(cuts)]
+        passes += [self._pass([slot], [start], np.asarray(tokens, np.int64), [sampler], prompt=True)
+                   for slot, tokens, start, sampler in chunks]
+        drawn = await asyncio.gather(*passes)
+        steps = [d for part in drawn[:parts] for d in part]
+        return [part[0] for part in drawn[parts:]], steps
 
     async def _pass(self, slots: list[int], positions: list[int], ids: np.ndarray, samplers: list[Sampler],
                     prompt: bool = False) -> list[Drawn]:
