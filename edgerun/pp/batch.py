@@ -36,11 +36,19 @@ Drawn = int | np.ndarray  # a sequence's next token, or its logits where the mas
 
 
 class PipelineBatch:
-    """The pipeline master's stages as a BatchLoop engine that draws (model.batch.DrawingEngine)."""
+    """The pipeline master's stages, or `slots` of their slots from `first` on (a lane: pipeline_lanes), as a
+    BatchLoop engine that draws (model.batch.DrawingEngine). Several may step at once, from threads of their own."""
 
-    def __init__(self, master: PipelineMaster) -> None:
-        self.master = master
-        self.slots = master.config.slots
+    def __init__(self, master: PipelineMaster, first: int = 0, slots: int | None = None,
+                 lanes: int | None = None) -> None:
+        """`lanes`: prompt chunks a round runs, and micro-batches its step is cut into, at most (None: one a
+        stage)."""
+        self.master, self.first = master, first
+        self.slots = master.config.slots - first if slots is None else slots
+        if first < 0 or self.slots < 1 or first + self.slots > master.config.slots:
+            raise EdgerunError(f"slots {first}..{first + self.slots - 1} are not the pipeline's "
+                               f"{master.config.slots}")
+        self._lanes = lanes
 
     @property
     def max_len(self) -> int:
@@ -48,8 +56,8 @@ class PipelineBatch:
 
     @property
     def lanes(self) -> int:
-        """Prompt chunks a round runs at once: one in each stage."""
-        return max(1, len(self.master.deployment.stage_workers))
+        """Prompt chunks a round runs at once: one in each stage (or as configured)."""
+        return self._lanes or max(1, len(self.master.deployment.stage_workers))
 
     def round(self, chunks: Sequence[tuple[int, Sequence[int], int, Sampler]], batch: Sequence[tuple[int, int, int]],
               samplers: Sequence[Sampler]) -> tuple[list[Drawn], list[Drawn]]:
@@ -60,12 +68,14 @@ class PipelineBatch:
 
     def copy_cache(self, source: int, target: int, rows: int) -> None:
         """The first `rows` cached positions of slot `source` into slot `target`, on every stage."""
+        message = {"source": self.first + source, "target": self.first + target, "rows": rows}
+
         async def copy() -> None:
-            d = self.master.deployment
-            await asyncio.gather(*(self.master.workers.call(self.master.workers[name], PpMsg.SLOT_COPY,
-                                                            {"source": source, "target": target, "rows": rows},
-                                                            PpMsg.SLOT_COPIED, COMPUTE_TIMEOUT_S)
-                                   for names in d.stage_workers for name in names if self.master.workers[name].alive))
+            workers = self.master.workers
+            await asyncio.gather(*(workers.call(workers[name], PpMsg.SLOT_COPY, message, PpMsg.SLOT_COPIED,
+                                                COMPUTE_TIMEOUT_S)
+                                   for names in self.master.deployment.stage_workers for name in names
+                                   if workers[name].alive))
 
         self._check()
         self.master.net.run(copy())
@@ -99,7 +109,8 @@ class PipelineBatch:
         self._check()
         master, stages = self.master, self.master.deployment.stage_workers
         master.deployment.busy = True  # no repartition while sequences run: BatchLoop's on_idle releases it
-        message: dict[str, Any] = {"slots": slots, "positions": positions, **({"prompt": True} if prompt else {})}
+        message: dict[str, Any] = {"slots": [self.first + slot for slot in slots], "positions": positions,
+                                   **({"prompt": True} if prompt else {})}
         tensors = {"input_ids": ids}
         rows = len(ids)
         for i, names in enumerate(stages):
@@ -136,3 +147,15 @@ class PipelineBatch:
             raise Breach(worker, f"returned tokens {tokens!r} for {len(samplers)} sequences")
         rows = iter([] if logits is None else logits)
         return [next(rows) if t is None else t for t in tokens]
+
+
+def pipeline_lanes(master: PipelineMaster, lanes: int) -> list[PipelineBatch]:
+    """The pipeline's slots in `lanes` engines of their own, each with as many slots (the first ones one more where
+    they do not divide), each round one chunk and one pass of its step: BatchLoops over them, stepping in threads of
+    their own, keep `lanes` passes in flight, so that every stage works while a lane's tokens are drawn and sent
+    back; with one lane per stage each stage takes one pass after another."""
+    total = master.config.slots
+    lanes = max(1, min(lanes, total))
+    sizes = [total // lanes + (i < total % lanes) for i in range(lanes)]
+    starts = np.cumsum([0, *sizes[:-1]])
+    return [PipelineBatch(master, int(first), size, lanes=1) for first, size in zip(starts, sizes, strict=True)]

@@ -22,6 +22,10 @@ from edgerun.serve.switch import Prefer
 
 SWITCH_INTERVAL_S = 0.0005
 MAX_PARALLEL = 64  # requests decoded together at most (each a cache of --max-context rows)
+# A pipeline's --parallel sequences step in this many lanes, each a batch of its own with one pass in flight: as many
+# as the stages of a plan of four keeps each stage busy, and a plan of fewer stages queues the passes it does not take
+# at once (the plan is made as workers come, after the lanes).
+PIPELINE_LANES = 4
 
 
 @dataclass(frozen=True)
@@ -144,11 +148,8 @@ class Server:
             batch = None
             if config.parallel > 1 and single is not None:
                 batch = BatchLoop(single)  # type: ignore[arg-type]  # a GgmlEngine
-            elif config.parallel > 1:  # a pipeline's stages (pp.batch), whose deployment waits while a batch runs
-                from edgerun.pp.batch import PipelineBatch
-
-                pipeline = self.cluster.engine
-                batch = BatchLoop(PipelineBatch(pipeline), draws=True, on_idle=pipeline.release)
+            elif config.parallel > 1:  # a pipeline's stages in lanes (pp.batch), each stepping in a thread
+                batch = self._pipeline_lanes(self.cluster.engine, config.parallel)
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
                                    self.metrics, log, batch)
             name = config.model_name or model.name
@@ -161,6 +162,22 @@ class Server:
             self.sock.close()
             self.net.stop()
             raise
+
+    @staticmethod
+    def _pipeline_lanes(pipeline, parallel: int) -> list:
+        """Batches over a pipeline's slots, PIPELINE_LANES of them (pp.batch.pipeline_lanes); the deployment may
+        repartition once none runs."""
+        from edgerun.model.batch import BatchLoop
+        from edgerun.pp.batch import pipeline_lanes
+
+        lanes: list[BatchLoop] = []
+
+        def idle() -> None:
+            if not any(lane.running for lane in lanes):
+                pipeline.release()
+
+        lanes += [BatchLoop(engine, draws=True, on_idle=idle) for engine in pipeline_lanes(pipeline, PIPELINE_LANES)]
+        return lanes
 
     def _cluster(self, model, max_len: int):
         """The cluster nodes join: a pipeline master for --plan dp, else a tensor-parallel master."""

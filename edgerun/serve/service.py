@@ -60,10 +60,14 @@ class Job:
 
 class Service:
     def __init__(self, switch: EngineSwitch, stop_ids: frozenset[int], max_queue: int, wait_s: float,
-                 metrics: Metrics, log: Callable[[str], None] = lambda _: None, batch: BatchLoop | None = None) -> None:
+                 metrics: Metrics, log: Callable[[str], None] = lambda _: None,
+                 batch: BatchLoop | Sequence[BatchLoop] | None = None) -> None:
+        """`batch`: several requests at once on one engine (None: one at a time); several batches (a pipeline's
+        lanes, pp.batch) step each in a thread of its own."""
         self.switch, self.stop_ids, self.max_queue, self.wait_s, self.metrics, self.log = \
             switch, stop_ids, max_queue, wait_s, metrics, log
-        self.batch = batch  # several requests at once on this machine's engine (None: one at a time)
+        self.lanes: list[BatchLoop] = [] if batch is None else [batch] if isinstance(batch, BatchLoop) else list(batch)
+        self.lane_lock = threading.Lock()  # the lanes' joins: a lane that starts the first batch checks capacity
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.waiting = 0  # jobs queued or running
         self.count_lock = threading.Lock()
@@ -75,17 +79,17 @@ class Service:
     @property
     def running(self) -> int:
         """Requests generating now."""
-        return len(self.batch.running) if self.batch is not None else int(self.busy)
+        return sum(len(b.running) for b in self.lanes) if self.lanes else int(self.busy)
 
     @property
     def reused_prompt_tokens(self) -> int:
         """Prompt tokens not prefilled, their keys and values taken from a sequence that shared them (--parallel)."""
-        return self.batch.reused_tokens if self.batch is not None else 0
+        return sum(b.reused_tokens for b in self.lanes)
 
     @property
     def parallel(self) -> int:
         """Requests it generates at once at most."""
-        return self.batch.engine.slots if self.batch is not None else 1
+        return sum(b.engine.slots for b in self.lanes) if self.lanes else 1
 
     def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                shaper: LogitShaper | None = None) -> Job:
@@ -110,12 +114,15 @@ class Service:
         return jobs
 
     def close(self) -> None:
-        self.queue.put(None)
+        for _ in range(max(1, len(self.lanes))):  # one each for the lanes' threads
+            self.queue.put(None)
         self.thread.join(timeout=30)
 
     def _run(self) -> None:
-        if self.batch is not None:
-            self._run_batched(self.batch)
+        if self.lanes:
+            for lane in self.lanes[1:]:
+                threading.Thread(target=self._run_batched, args=(lane,), name="generation-lane", daemon=True).start()
+            self._run_batched(self.lanes[0])
             return
         while True:
             try:
@@ -153,8 +160,10 @@ class Service:
                 try:
                     job = self.queue.get_nowait() if batch.running else self.queue.get(timeout=IDLE_CHECK_S)
                 except queue.Empty:
-                    if not batch.running:
-                        self._update()
+                    if batch is self.lanes[0]:
+                        with self.lane_lock:
+                            if not self.running:  # no lane runs a batch: nodes may be replanned
+                                self._update()
                     break
                 if job is None:
                     batch.fail_all(EdgerunError("the server is stopping"))
@@ -167,14 +176,18 @@ class Service:
                 except Exception as e:  # the engine failed: every running request gets it; the service goes on
                     self.log(f"a batched step failed: {e}")
                     batch.fail_all(e)
-            self.busy = bool(batch.running)
+            self.busy = self.running > 0
 
     def _join(self, batch: BatchLoop, job: Job) -> None:
         if job.cancelled.is_set():
             job.put(_cancelled(job))
             self._left()
             return
-        if not batch.running and not self._capacity(job):  # a pipeline's batch: its workers may not be there yet
+        with self.lane_lock:  # one lane at a time: the first to run checks capacity, no replan while any runs
+            self._join_locked(batch, job)
+
+    def _join_locked(self, batch: BatchLoop, job: Job) -> None:
+        if not self.running and not self._capacity(job):  # a pipeline's batch: its workers may not be there yet
             if job.cancelled.is_set():
                 job.put(_cancelled(job))
             self._left()
@@ -230,6 +243,6 @@ class Service:
 
     def _measured(self, result: GenerationResult) -> None:
         ms = result.decode_s / (len(result.tokens) - 1) * 1e3 if len(result.tokens) > 1 else None
-        if ms is not None and self.batch is None:  # the switch compares one request's speed alone
+        if ms is not None and not self.lanes:  # the switch compares one request's speed alone
             self.switch.measured(ms)
         self.metrics.generation(result.prompt_tokens, len(result.tokens), ms, result.recoveries)
