@@ -104,12 +104,23 @@ class _Sequence:
     gen: Generation
     slot: int
     done: Callable[[GenerationResult | BaseException], None]
-    prefilled: int = 0  # prompt tokens in its cache
+    prefilled: int = 0  # prompt tokens in its cache (of `feed`)
     next_token: int | None = None  # sampled, to be fed by the next decode step
+    # After the engine lost its cache (recover): the prompt and the tokens fed since, to prefill again
+    context: list[int] | None = None
     waits_for: _Sequence | None = None  # a running sequence prefilling the same prompt, whose cache it will copy
     started: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
     decode_start: float = 0.0
+
+    @property
+    def feed(self) -> Sequence[int]:
+        """What its prefill runs: the prompt, or after a recovery the context to run again."""
+        return self.gen.prompt if self.context is None else self.context
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.feed)
 
 
 class BatchLoop:
@@ -146,7 +157,11 @@ class BatchLoop:
         source = max(saved, key=lambda i: (saved[i], i == slot))
         s = _Sequence(gen, slot, done)
         self.running.append(s)
-        self._reuse(s, source, saved[source])
+        try:
+            self._reuse(s, source, saved[source])
+        except BaseException:  # it never joined (the engine failed copying a cache): the caller has the error
+            self.running.remove(s)
+            raise
         if s.next_token is None:
             s.waits_for = next((r for r in self.running if r is not s and r.waits_for is None
                                 and r.next_token is None and tuple(r.gen.prompt) == prompt), None)
@@ -163,13 +178,13 @@ class BatchLoop:
         # each of its lanes.
         budget = self.prefill_chunk * (self.engine.lanes if self.draws else 1)
         prefilled, spent = [], 0
-        for s in [s for s in self.running if s.next_token is None and s.waits_for is None]:
-            size = min(self.prefill_chunk, len(s.gen.prompt) - s.prefilled)
+        for s in [s for s in self.running if s.prefilling and s.waits_for is None]:
+            size = min(self.prefill_chunk, len(s.feed) - s.prefilled)
             if prefilled and spent + size > budget:
                 break
             prefilled.append(s)
             spent += size
-        ready = [s for s in self.running if s.next_token is not None and s not in prefilled]
+        ready = [s for s in self.running if s.next_token is not None and not s.prefilling]
         batch = [(s.slot, s.gen.position, s.next_token) for s in ready]
         chunks = [self._chunk(s) for s in prefilled]
         if self.draws:
@@ -194,19 +209,31 @@ class BatchLoop:
 
     def _chunk(self, s: _Sequence) -> Sequence[int]:
         """The sequence's next prompt chunk."""
-        return s.gen.prompt[s.prefilled:s.prefilled + self.prefill_chunk]
+        return s.feed[s.prefilled:s.prefilled + self.prefill_chunk]
 
     def _prefilled_chunk(self, s: _Sequence, size: int, logits: int | np.ndarray) -> None:
         """The engine ran the sequence's next `size` prompt tokens: `logits` are the last one's (or the token a
-        drawing engine drew after it)."""
-        prompt = s.gen.prompt
+        drawing engine drew after it). A context prefilled again ends with its next token already drawn."""
+        feed = s.feed
         s.prefilled += size
-        done = s.prefilled == len(prompt)
+        done = s.prefilled == len(feed)
         # a token drawn by the engine is this sequence's alone: another with the same prompt prefills its last chunk
-        kept = logits if done and isinstance(logits, np.ndarray) else None
-        self.held[s.slot] = Held(tuple(prompt[:s.prefilled]), kept)
-        if done:
+        kept = logits if done and isinstance(logits, np.ndarray) and s.context is None else None
+        self.held[s.slot] = Held(tuple(feed[:s.prefilled]), kept)
+        if done and s.context is None:
             self._prefilled(s, logits)
+
+    def recover(self) -> None:
+        """The engine lost every cache (a pipeline replanned after losing a worker): each running sequence
+        prefills again what its cache held, its prompt and the tokens fed since, and goes on with the token it
+        drew last. With int8 activations a prefill rounds unlike the one-token steps it replaces, so tokens after
+        it may part from an undisturbed run's at a near-tie."""
+        self.held.clear()
+        for s in self.running:
+            s.waits_for = None
+            if s.next_token is not None:
+                s.context = [*s.gen.prompt, *s.gen.tokens[:-1]]
+            s.prefilled = 0
 
     def _copy_prompt(self, s: _Sequence) -> None:
         """A waiting sequence's prompt from the sequence it waited for: all of it with its logits where that one

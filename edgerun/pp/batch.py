@@ -25,14 +25,27 @@ from typing import Any
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.model.generate import EngineLost
 from edgerun.model.sampling import Sampler
 from edgerun.net.wire import PpMsg
 from edgerun.pp.deployment import PipelineState
 from edgerun.pp.master import COMPUTE_TIMEOUT_S, PipelineMaster, sampling_message
 from edgerun.pp.pass_links import Breach
 from edgerun.pp.workers import WorkerConn
+from edgerun.sched.pp_plan import PPPlan
 
 Drawn = int | np.ndarray  # a sequence's next token, or its logits where the master draws
+
+
+class PlanChanged(EngineLost):
+    """The pipeline runs on another plan than the one a lane's caches were made on."""
+
+
+class Lanes:
+    """What the lanes over one pipeline share: one of them replans at a time."""
+
+    def __init__(self) -> None:
+        self.replanning = asyncio.Lock()
 
 
 class PipelineBatch:
@@ -40,10 +53,12 @@ class PipelineBatch:
     BatchLoop engine that draws (model.batch.DrawingEngine). Several may step at once, from threads of their own."""
 
     def __init__(self, master: PipelineMaster, first: int = 0, slots: int | None = None,
-                 lanes: int | None = None) -> None:
+                 lanes: int | None = None, shared: Lanes | None = None) -> None:
         """`lanes`: prompt chunks a round runs, and micro-batches its step is cut into, at most (None: one a
         stage)."""
         self.master, self.first = master, first
+        self.shared = shared or Lanes()
+        self.plan: PPPlan | None = None  # the plan this lane's caches were made on
         self.slots = master.config.slots - first if slots is None else slots
         if first < 0 or self.slots < 1 or first + self.slots > master.config.slots:
             raise EdgerunError(f"slots {first}..{first + self.slots - 1} are not the pipeline's "
@@ -77,6 +92,7 @@ class PipelineBatch:
                                    for names in self.master.deployment.stage_workers for name in names
                                    if workers[name].alive))
 
+        self.master.net.run(self._on_plan())  # rows of a cache made on another plan are not there to copy
         self._check()
         self.master.net.run(copy())
 
@@ -92,6 +108,7 @@ class PipelineBatch:
                      samplers: list[Sampler]) -> tuple[list[Drawn], list[Drawn]]:
         """The step's micro-batches (module docstring) and the prompt chunks through the stages at once; the
         micro-batches first, so that a stage takes the running sequences' step before a prompt's chunk."""
+        await self._on_plan()
         parts = min(len(batch), self.lanes)
         cuts = np.linspace(0, len(batch), parts + 1).round().astype(int)
         passes = [self._pass([b[0] for b in batch[i:j]], [b[1] for b in batch[i:j]],
@@ -99,9 +116,26 @@ class PipelineBatch:
                   for i, j in itertools.pairwise(cuts)]
         passes += [self._pass([slot], [start], np.asarray(tokens, np.int64), [sampler], prompt=True)
                    for slot, tokens, start, sampler in chunks]
-        drawn = await asyncio.gather(*passes)
+        try:
+            drawn = await asyncio.gather(*passes)
+        except EngineLost as e:
+            self.master.recover(e)  # the pipeline is down: the next round replans
+            raise
         steps = [d for part in drawn[:parts] for d in part]
         return [part[0] for part in drawn[parts:]], steps
+
+    async def _on_plan(self) -> None:
+        """Replan a pipeline that lost a worker (one lane at a time); PlanChanged where the plan is not the one
+        this lane's caches were made on (its BatchLoop then prefills them again: recover)."""
+        d = self.master.deployment
+        async with self.shared.replanning:
+            if d.state != PipelineState.UP or not d.stages_alive():
+                self.master.log("a batch's pipeline lost a worker: replanning")
+                await d.replan(d.fallback())
+        if d.plan is not self.plan:
+            known, self.plan = self.plan, d.plan
+            if known is not None:
+                raise PlanChanged("the pipeline was replanned: its sequences prefill their context again")
 
     async def _pass(self, slots: list[int], positions: list[int], ids: np.ndarray, samplers: list[Sampler],
                     prompt: bool = False) -> list[Drawn]:
@@ -158,4 +192,6 @@ def pipeline_lanes(master: PipelineMaster, lanes: int) -> list[PipelineBatch]:
     lanes = max(1, min(lanes, total))
     sizes = [total // lanes + (i < total % lanes) for i in range(lanes)]
     starts = np.cumsum([0, *sizes[:-1]])
-    return [PipelineBatch(master, int(first), size, lanes=1) for first, size in zip(starts, sizes, strict=True)]
+    shared = Lanes()
+    return [PipelineBatch(master, int(first), size, lanes=1, shared=shared)
+            for first, size in zip(starts, sizes, strict=True)]

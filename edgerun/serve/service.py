@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from edgerun.errors import EdgerunError
 from edgerun.model.batch import BatchLoop
-from edgerun.model.generate import Generation, GenerationResult, StopReason, generate
+from edgerun.model.generate import EngineLost, Generation, GenerationResult, StopReason, generate
 from edgerun.model.logits import LogitShaper
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.serve.metrics import Metrics
@@ -173,6 +173,9 @@ class Service:
                 self.busy = True
                 try:
                     batch.step()
+                except EngineLost as e:  # a pipeline replanned after losing a worker: its caches are gone
+                    self.log(f"a batch's engine lost its caches ({e}): its sequences prefill their context again")
+                    batch.recover()
                 except Exception as e:  # the engine failed: every running request gets it; the service goes on
                     self.log(f"a batched step failed: {e}")
                     batch.fail_all(e)
@@ -204,7 +207,11 @@ class Service:
         try:
             gen = Generation(job.prompt, job.max_tokens, Sampler(job.sampling, job.shaper), self.stop_ids,
                              functools.partial(self._token, job), job.cancelled.is_set)
-            batch.add(gen, done)
+            try:
+                batch.add(gen, done)
+            except EngineLost:  # the caches it would copy from are gone: the batch's sequences prefill again
+                batch.recover()
+                batch.add(gen, done)
         except Exception as e:  # a request the engine cannot run: its handler reports it
             job.put(e)
             self._left()
