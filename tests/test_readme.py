@@ -58,6 +58,7 @@ RUN_AS_WRITTEN = [
     'edgerun generate "The capital of France is" --greedy',
     "edgerun model info",
     "edgerun bench serve --parallel 4 --streams 1,4 --max-tokens 16",
+    "edgerun bench serve --workers 2 --parallel 4 --streams 1,4 --max-tokens 16",
     "edgerun plan --devices profiles/rpi4-8gb.json profiles/rpi5-8gb.json --plan halo --out plan.json",
     "edgerun plan --devices profiles/*.json --plan dp",
 ]
