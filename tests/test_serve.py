@@ -278,17 +278,22 @@ def test_bench_serve_starts_its_own_server(shipped_path: Path) -> None:
 
 
 def test_bench_serve_starts_a_cluster_and_says_which_devices_computed() -> None:
-    """--nodes: a tensor-parallel cluster of the server and its nodes; --workers: a pipeline of workers alone. Each
-    row says the devices of the plan it ran on; bad combinations are one line."""
-    from edgerun.bench.serve import ServeBenchConfig, bench_serve
+    """--nodes: a tensor-parallel cluster of the server and its nodes; --workers: a pipeline of workers alone (with
+    --parallel, batched on its stages). Each row says the devices of the plan it ran on; bad combinations are one
+    line."""
+    from edgerun.bench.serve import ServeBenchConfig, bench_serve, serve_table
     from edgerun.errors import EdgerunError
 
     rows = bench_serve(ServeBenchConfig(streams=(1, 2), max_tokens=4, nodes=1))
     assert [r.tokens for r in rows] == [4, 8]
     assert all(r.served_by == "the cluster, computed on 2 device(s): master, bench-0" for r in rows)
-    rows = bench_serve(ServeBenchConfig(streams=(2,), max_tokens=4, workers=2))
+    # a batched pipeline, against the single engine's one stream timed first (--baseline)
+    rows = bench_serve(ServeBenchConfig(streams=(2,), max_tokens=4, workers=2, parallel=2, baseline=True))
     assert rows[0].tokens == 8 and rows[0].served_by.startswith("the cluster, computed on 2 device(s): bench-")
-    for bad in (dict(nodes=1, workers=1), dict(nodes=1, parallel=2), dict(url="http://127.0.0.1:1", nodes=1)):
+    assert rows[0].vs_single is not None and rows[0].vs_single > 0
+    assert "x single" in serve_table(rows)
+    for bad in (dict(nodes=1, workers=1), dict(nodes=1, parallel=2), dict(url="http://127.0.0.1:1", nodes=1),
+                dict(url="http://127.0.0.1:1", baseline=True)):
         with pytest.raises(EdgerunError):
             ServeBenchConfig(**bad)
 

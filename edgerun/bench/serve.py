@@ -53,6 +53,9 @@ class ServeBenchConfig:
     # "distinct": each stream's prompt names the stream and its row, so none is another's; "same": every stream
     # sends `prompt` as it is (a server that shares a prompt's prefill between sequences prefills it once)
     prompts: str = "distinct"
+    # Also time one stream on the single engine alone (a server of its own, --no-cluster, one request at a time)
+    # before the rows, and give each row's aggregate against it
+    baseline: bool = False
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
@@ -65,8 +68,9 @@ class ServeBenchConfig:
             raise EdgerunError("--nodes or --workers: a tensor-parallel cluster or a pipeline, not both")
         if self.parallel > 1 and self.nodes:
             raise EdgerunError("--parallel batches the server's own engine or a pipeline's stages: not with --nodes")
-        if self.url is not None and (self.nodes or self.workers or self.parallel > 1):
-            raise EdgerunError("--url measures a running server as it is: --nodes, --workers and --parallel start one")
+        if self.url is not None and (self.nodes or self.workers or self.parallel > 1 or self.baseline):
+            raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --parallel and "
+                               "--baseline start one")
         if self.prompts not in PROMPT_KINDS:
             raise EdgerunError(f"--prompts is one of {', '.join(PROMPT_KINDS)}, not {self.prompts!r}")
         if self.url is not None and not re.match(r"^https?://[^/]+", self.url):
@@ -93,6 +97,7 @@ class ServeRow:
     itl_p50_ms: float  # between pieces of text, over every stream's
     vs_one: float | None  # aggregate_tok_s over the one-stream row's (None without one)
     served_by: str = ""  # what the server said it served from after the row (serving())
+    vs_single: float | None = None  # aggregate_tok_s over the single engine's one stream (--baseline)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -272,6 +277,11 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
     against the first one-stream row's where there is one."""
     body = {"model": "any", "prompt": config.prompt, "max_tokens": config.max_tokens, "temperature": 0.0,
             "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
+    single = None
+    if config.baseline:
+        alone = replace(config, streams=(1,), parallel=1, nodes=0, workers=0, baseline=False)
+        log("the single engine's one stream (--baseline)...")
+        single = bench_serve(alone, log)[0].aggregate_tok_s
     with started_server(config, log) if config.url is None else nullcontext(config.url.rstrip("/")) as url:
         stream_once(url, body, config.api_key)  # warm-up: first-request allocations stay out of the rows
         rows = []
@@ -284,16 +294,24 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
             row = summarize(streams, *run_row(url, bodies, config.api_key))
             rows.append(replace(row, served_by=serving(_state(url, config.api_key))))
     one = next((r.aggregate_tok_s for r in rows if r.streams == 1), None)
-    return rows if one is None else [replace(r, vs_one=r.aggregate_tok_s / one) for r in rows]
+    return [replace(r, vs_one=None if one is None else r.aggregate_tok_s / one,
+                    vs_single=None if single is None else r.aggregate_tok_s / single) for r in rows]
 
 
 def serve_table(rows: Sequence[ServeRow]) -> str:
-    """The rows as a text table; "x one" is the aggregate tokens a second against one stream's."""
+    """The rows as a text table; "x one" is the aggregate tokens a second against one stream's, "x single" (with
+    --baseline) against the single engine's one stream alone."""
+    single = any(r.vs_single is not None for r in rows)
     lines = [f"{'streams':>7} {'tokens':>7} {'wall s':>7} {'aggregate tok/s':>15} {'x one':>6} "
-             f"{'ttft p50 ms':>11} {'ttft p95 ms':>11} {'itl p50 ms':>10}"]
+             + (f"{'x single':>8} " if single else "") + f"{'ttft p50 ms':>11} {'ttft p95 ms':>11} {'itl p50 ms':>10}"]
     for r in rows:
         ratio = "" if r.vs_one is None else f"{r.vs_one:.2f}x"
+        against = (f"{r.vs_single:.2f}x" if r.vs_single is not None else "") if single else None
         lines.append(f"{r.streams:>7} {r.tokens:>7} {r.wall_s:>7.2f} {r.aggregate_tok_s:>15.1f} {ratio:>6} "
-                     f"{r.ttft_p50_ms:>11.0f} {r.ttft_p95_ms:>11.0f} {r.itl_p50_ms:>10.1f}")
+                     + ("" if against is None else f"{against:>8} ")
+                     + f"{r.ttft_p50_ms:>11.0f} {r.ttft_p95_ms:>11.0f} {r.itl_p50_ms:>10.1f}")
     lines += [f"{r.streams} stream(s): served from {r.served_by}" for r in rows]
+    if single:
+        lines.append(f"x single: against one stream on the single engine alone (--baseline), "
+                     f"{rows[0].aggregate_tok_s / rows[0].vs_single:.1f} tok/s")
     return "\n".join(lines)

@@ -103,7 +103,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
                               args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,
-                              args.nodes, args.workers, args.plan, prompts=args.prompts)
+                              args.nodes, args.workers, args.plan, prompts=args.prompts, baseline=args.baseline)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -340,6 +340,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="start N tensor-parallel node processes beside the server and measure once its plan takes "
                         "them all (--prefer cluster) (default: 0, the server's own engine)")
+    p.add_argument("--baseline", action="store_true",
+                   help="first time one stream on the single engine alone (a server of its own, one request at a "
+                        "time) and give every row's aggregate against it (default: off)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="start N pipeline workers beside a --plan dp --no-local server instead, each with a "
                         "memory budget that makes the plan use all N, the server's --max-context 512 (default: 0)")
