@@ -1,18 +1,18 @@
 """A pipeline as the engine of a running batch (model.batch.BatchLoop; `edgerun serve --plan dp --parallel N`).
 
-Every ggml stage holds the caches of `PipelineConfig.slots` sequences. A batch's one-token step is cut into
-micro-batches, one per stage at most, sent through the stages together: while the second stage computes the first
-micro-batch, the first computes the second, so the stages work at once instead of taking turns, and each
-micro-batch's products still read a stage's weights once for all of its sequences. Joining sequences' prompt
-chunks go in the same round, one a stage (`lanes`), behind the step's micro-batches: four stages prefill four
-prompts in about the time of one. Each sequence's hidden states
-are those it gets alone (GgmlEngine.decode_rows), and the last stage draws its token with its own sampler's
-settings, as a one-sequence pass does (seeded draws depend on the position alone): a request gives the same tokens in
-a batch as alone. Where a draw needs the whole vocabulary here (a grammar, penalties: model/logits.py) the last
-stage sends that sequence's logits instead.
+Every ggml stage holds the caches of `PipelineConfig.slots` sequences. A round's one-token step is cut into
+micro-batches, one per stage at most, and joining sequences' prompt chunks go beside them, one a stage (`lanes`),
+all sent through the stages together: while the second stage computes the first pass, the first computes the
+second. `edgerun serve` steps the slots in lanes instead (pipeline_lanes: several engines of a few slots, each
+stepping in a thread of its own, one pass each in flight), so that the stages go on with the other lanes' passes
+while a lane's tokens are drawn. Each sequence's hidden states are those it gets alone (GgmlEngine.decode_rows), and
+the last stage draws its token with its own sampler's settings, as a one-sequence pass does (seeded draws depend
+on the position alone): a request gives the same tokens in a batch as alone. Where a draw needs the whole
+vocabulary here (a grammar, penalties: model/logits.py) the last stage sends that sequence's logits instead.
 
-The passes go through the master (the star route); a worker lost mid-step raises WorkerLost, which ends the batch's
-running sequences with that error (BatchLoop.fail_all): they are not prefilled again on a new plan.
+The passes go through the master (the star route). A pass that loses a worker marks the pipeline down; the next
+round replans over the workers left (one lane at a time), and every lane whose caches were made on another plan
+raises PlanChanged, on which its BatchLoop prefills its sequences' context again (BatchLoop.recover).
 """
 
 from __future__ import annotations
