@@ -243,3 +243,63 @@ def test_batched_decode_is_bit_exact_on_every_weight_type(tiny_spec, synth_gguf,
     model = load_model(synth_gguf(tiny_spec(qtype=qtype, tied=False)))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 200, 300, 400, 500, 60, 70]]
     assert_decoded_together_as_alone(model, prompts, [0, 1, 2], 3, 128, steps=4)
+
+
+class ChainEngine:
+    """A drawing engine in-process, for the loop's bookkeeping alone: each slot's cache is the list of tokens fed
+    to it, and the token drawn after a position is a pure function of the tokens before it, so a sequence goes on
+    as it would undisturbed exactly when its cache holds what it held. `lose()` empties every cache (a pipeline
+    replanned); a step on a cache that is not what its position says fails."""
+
+    lanes = 2
+    max_len = 256
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.caches: list[list[int]] = [[] for _ in range(slots)]
+
+    def _feed(self, slot: int, tokens, start: int) -> int:
+        cache = self.caches[slot]
+        assert len(cache) >= start, (slot, len(cache), start)
+        del cache[start:]
+        cache += list(tokens)
+        return hash(tuple(cache)) % 1000
+
+    def round(self, chunks, batch, samplers):
+        return ([self._feed(slot, tokens, start) for slot, tokens, start, _ in chunks],
+                [self._feed(slot, [token], position) for slot, position, token in batch])
+
+    def copy_cache(self, source: int, target: int, rows: int) -> None:
+        assert len(self.caches[source]) >= rows
+        self.caches[target] = self.caches[source][:rows]
+
+    def lose(self) -> None:
+        self.caches = [[] for _ in range(self.slots)]
+
+
+def test_a_batch_that_lost_its_caches_prefills_them_again_and_goes_on_undisturbed() -> None:
+    """BatchLoop.recover after the engine lost every cache mid-batch: each running sequence prefills its prompt and
+    the tokens fed since (in chunks, the one still prefilling its prompt from the start) and goes on with the token it
+    drew last, so every sequence ends with the tokens of a run that lost nothing."""
+    prompts = [list(range(1, 12)), list(range(50, 53)), list(range(7, 40))]
+
+    def run(lose_at: int | None) -> list[list[int]]:
+        engine = ChainEngine(3)
+        loop = BatchLoop(engine, prefill_chunk=8, draws=True)
+        results: dict[int, GenerationResult] = {}
+        for i, p in enumerate(prompts):
+            loop.add(Generation(p, 10, Sampler(SamplingParams())), lambda r, i=i: results.__setitem__(i, r))
+        steps = 0
+        while loop.running:
+            loop.step()
+            steps += 1
+            if steps == lose_at:
+                assert any(s.prefilling for s in loop.running) and any(not s.prefilling for s in loop.running)
+                engine.lose()
+                loop.recover()
+        return [results[i].tokens for i in range(len(prompts))]
+
+    undisturbed = run(None)
+    assert all(len(t) == 10 for t in undisturbed)
+    for lose_at in (2, 3):
+        assert run(lose_at) == undisturbed
