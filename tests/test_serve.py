@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -128,6 +128,22 @@ def stream_chat(client: openai.OpenAI, content: str, on_text=None, **kw) -> str:
             if on_text:
                 on_text()
     return "".join(text)
+
+
+def four_streams_killing(one: Callable[..., str], victim: subprocess.Popen) -> list[str]:
+    """Four streams at once, `one(i, on_text)` each; kill -9 `victim` at the first piece of text of the first
+    stream. Their texts (failing where the victim was never killed)."""
+    killed: list[bool] = []
+
+    def kill_once() -> None:
+        if not killed:
+            victim.send_signal(signal.SIGKILL)
+            killed.append(True)
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda i: one(i, kill_once if i == 0 else None), range(4)))
+    assert killed, "the victim was never killed"
+    return texts
 
 
 def test_chat_gives_the_engines_tokens(server: Serving, shipped_model, shipped_ggml) -> None:
@@ -545,20 +561,7 @@ def test_kill_a_node_during_four_streams(cluster) -> None:
         return stream_chat(client, prompts[i], on_text, max_tokens=16, temperature=0.7, seed=i)
 
     undisturbed = [one(i) for i in range(4)]
-    killed: list[float] = []
-
-    def kill_once() -> None:  # at the first piece of text of the first stream
-        if not killed:
-            nodes["n2"].send_signal(signal.SIGKILL)
-            killed.append(time.monotonic())
-
-    def first_stream(i: int) -> str:
-        return one(i, kill_once if i == 0 else None)
-
-    with ThreadPoolExecutor(4) as pool:
-        disturbed = list(pool.map(first_stream, range(4)))
-    assert killed, "the node was never killed"
-    assert disturbed == undisturbed
+    assert four_streams_killing(one, nodes["n2"]) == undisturbed
     state = s.state()
     assert state["recoveries"] >= 1
     assert [n["state"] for n in state["nodes"] if n["name"] == "n2"] == ["lost"]
@@ -638,19 +641,10 @@ def test_pipeline_serves_survives_a_kill_and_waits_for_workers(shipped_path: Pat
         undisturbed = [one(i) for i in range(4)]
         # The last stage hands its logits back for a shaped draw (a grammar, logprobs): the same answer twice.
         assert structured(client) == structured(client)
-        serving = [n["name"] for n in s.state()["nodes"] if n["state"] == "serving"]
-        killed: list[str] = []
-
-        def kill_once() -> None:
-            if not killed:
-                workers[serving[0]].send_signal(signal.SIGKILL)
-                killed.append(serving[0])
-
-        with ThreadPoolExecutor(4) as pool:
-            disturbed = list(pool.map(lambda i: one(i, kill_once if i == 0 else None), range(4)))
-        assert killed and disturbed == undisturbed
+        victim = next(n["name"] for n in s.state()["nodes"] if n["state"] == "serving")
+        assert four_streams_killing(one, workers[victim]) == undisturbed
         state = s.state()
-        assert killed[0] not in [n["name"] for n in state["nodes"]]  # it left the list
+        assert victim not in [n["name"] for n in state["nodes"]]  # it left the list
         assert state["recoveries"] >= 1 and state["mode"] == "cluster"
         for proc in workers.values():
             proc.kill()
@@ -700,17 +694,9 @@ def test_a_pipeline_batches_parallel_requests(shipped_path: Path, shipped_model,
         assert together == alone
         state = s.state()
         assert state["queue"]["parallel"] == 4, state
-        serving = [n["name"] for n in state["nodes"] if n["state"] == "serving"]
-        killed: list[str] = []
-
-        def kill_once() -> None:
-            if not killed:
-                workers[serving[0]].send_signal(signal.SIGKILL)
-                killed.append(serving[0])
-
-        with ThreadPoolExecutor(4) as pool:
-            disturbed = list(pool.map(lambda i: one(i, kill_once if i == 0 else None), range(4)))
-        assert killed and all(disturbed), disturbed
+        victim = next(n["name"] for n in state["nodes"] if n["state"] == "serving")
+        disturbed = four_streams_killing(one, workers[victim])
+        assert all(disturbed), disturbed
         assert any("prefill their context again" in line for line in s.lines), "".join(s.lines[-20:])
         assert one(0) == reference  # served on the new plan
     finally:

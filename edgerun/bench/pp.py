@@ -270,6 +270,12 @@ def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
     return high * 1.05 / 1e6
 
 
+def worker_budget_mb(layer_bytes: Sequence[float], workers: int) -> float:
+    """Each of `workers` benchmark workers' memory budget: one that makes the plan use all of them (stage_budgets_mb),
+    or for one worker the whole model with 10% spare."""
+    return stage_budgets_mb(layer_bytes, workers) if workers > 1 else sum(layer_bytes) * 1.1 / 1e6
+
+
 SETTLE_S = 60.0  # the longest a row waits for the pipeline to settle before it is timed
 SWAP_TOKENS = 128  # a swap benchmark's request: long enough for the staged plan to load while it runs
 WARMUP_TOKENS = 8  # a request before the timed one: sessions, caches, the workers' speed samples
@@ -307,7 +313,7 @@ def bench_pp(model: Model, worker_counts: Sequence[int], tokens: int = 32, threa
         rows.append(_compared(row, singles[-2:]))
 
     for n in worker_counts:
-        budget = stage_budgets_mb(layers, n) if n > 1 else sum(layers) * 1.1 / 1e6
+        budget = worker_budget_mb(layers, n)
         spin = auto_spin_us(n + 1, threads) if spin_us is None else spin_us
         for route in routes:
             progress(f"{n} worker(s), route {route}")

@@ -192,14 +192,13 @@ def _cluster_ready(config: ServeBenchConfig, state: dict | None) -> bool:
 def _stage_budget_mb(config: ServeBenchConfig) -> float:
     """A memory budget for each of the pipeline's workers with which the plan must use every one of them (the
     model's layers and their caches, --parallel sequences' of PIPELINE_CONTEXT tokens each, cut in as many stages)."""
-    from edgerun.bench.pp import stage_budgets_mb
+    from edgerun.bench.pp import worker_budget_mb
     from edgerun.model.loader import load_model
     from edgerun.sched.profiles import model_profile
 
     model = load_model(config.model)
     profile = model_profile(model.name, model.config, model.weights, context=PIPELINE_CONTEXT * config.parallel)
-    return stage_budgets_mb(profile.layer_memory_bytes, config.workers) if config.workers > 1 else \
-        sum(profile.layer_memory_bytes) * 1.1 / 1e6
+    return worker_budget_mb(profile.layer_memory_bytes, config.workers)
 
 
 @contextmanager

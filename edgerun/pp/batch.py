@@ -159,12 +159,7 @@ class PipelineBatch:
                 except Breach as e:
                     await master._settle(e)
                     raise
-            hidden = out.get("hidden")
-            if hidden is None or hidden.shape != (rows, master.model.config.hidden) or hidden.dtype != np.float32:
-                await master.workers.expel(worker, f"returned {({k: v.shape for k, v in out.items()})} where "
-                                                   f"float32 hidden states ({rows}, {master.model.config.hidden}) "
-                                                   "were due")
-            tensors = {"hidden": hidden}
+            tensors = {"hidden": await master.hidden_of(worker, out, (rows, master.model.config.hidden))}
         raise AssertionError("a plan has at least one stage")
 
     def _drawn(self, worker: WorkerConn, reply: dict[str, Any], out: dict[str, np.ndarray], samplers: list[Sampler]

@@ -241,13 +241,19 @@ class PipelineMaster:
                 self._observe(worker, s, seconds, wall - worker.rtt_ms / 1e3)
             if last:
                 return await self._token(worker, reply, out if sampling.get("logits") else None)
-            expected = (1, len(tokens), self.model.config.hidden)
-            if "hidden" not in out or out["hidden"].shape != expected or out["hidden"].dtype != np.float32:
-                got = {k: v.shape for k, v in out.items()}
-                await self.workers.expel(worker, f"returned {got} where a float32 hidden state of shape {expected} "
-                                         "was due")
-            tensors = {"hidden": out["hidden"]}
+            tensors = {"hidden": await self.hidden_of(worker, out, (1, len(tokens), self.model.config.hidden))}
         raise AssertionError("a plan has at least one stage")
+
+    async def hidden_of(self, worker: WorkerConn, out: dict[str, np.ndarray], expected: tuple[int, ...]
+                        ) -> np.ndarray:
+        """A middle stage's answer: float32 hidden states of the shape expected; a worker that answered anything
+        else is expelled (WorkerLost)."""
+        hidden = out.get("hidden")
+        if hidden is None or hidden.shape != expected or hidden.dtype != np.float32:
+            got = {k: v.shape for k, v in out.items()}
+            await self.workers.expel(worker, f"returned {got} where a float32 hidden state of shape {expected} "
+                                     "was due")
+        return hidden
 
     def _chained_pass(self, tokens: Sequence[int], position: int, sampling: dict[str, Any],
                       prefix: str | None = None) -> int:

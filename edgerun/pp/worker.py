@@ -527,7 +527,7 @@ class PipelineWorker:
 
 
 def _sampler(p: dict[str, Any]) -> Sampler:
-    """A sampler of the settings a pass's message carries (pp.master._sampling)."""
+    """A sampler of the settings a pass's message carries (pp.master.sampling_message)."""
     return Sampler(SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
                                   top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)),
                                   min_p=float(p.get("min_p", 0.0))))
