@@ -216,3 +216,65 @@ def test_bad_moe_settings_are_one_line_each(model: Model, shipped_path: Path, ca
         hub.close()
         tiny.kill()
         tiny.wait()
+
+
+def batch_requests(model: Model) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy and seeded requests for a batch: a prompt of several 16-token chunks, and two sharing a prompt."""
+    tok = model.tokenizer
+    shared = tok.encode("Many sequences at once, one dispatch per expert")
+    return [(tok.encode(PROMPT), SamplingParams()),
+            (shared, SamplingParams(temperature=0.8, seed=7)),
+            (tok.encode("A prompt long enough to take several prefill chunks of the batch loop, " * 3),
+             SamplingParams()),
+            (shared, SamplingParams(temperature=1.0, top_p=0.9, seed=3)),
+            (tok.encode("The last to join"), SamplingParams(temperature=0.7, seed=1))]
+
+
+def test_a_hub_batches_sequences_each_with_its_tokens_alone_through_a_lost_worker(model: Model) -> None:
+    """`serve --plan moe --parallel N`: a hub holding three sequences' caches (int8, on ggml) steps them together,
+    each expert getting one dispatch of every token of the step that chose it, and each sequence gets the tokens it
+    gets alone: greedy and seeded, a chunked prompt, a prompt shared with a running sequence (its rows copied), one
+    joining late. A worker killed mid-batch (one replica each): the experts are placed again over the one left and
+    the step runs again on the hub's caches: every sequence completes with the same tokens."""
+    from edgerun.model.batch import BatchLoop
+    from edgerun.model.generate import Generation
+    from edgerun.model.onnx_graph import Activations
+
+    requests = batch_requests(model)
+    config = HubConfig(max_len=256, replicas=1, activations=Activations.INT8, threads=1, slots=3)
+    with cluster(model, 2, config) as (hub, procs, logs):
+        alone, dispatched = [], []
+        for prompt, params in requests:
+            before = hub.stats.dispatches
+            got: list = []
+            loop = BatchLoop(hub, prefill_chunk=16)
+            loop.add(Generation(prompt, 12, Sampler(params)), got.append)
+            while loop.running:
+                loop.step()
+            alone.append(got[0].tokens)
+            dispatched.append(hub.stats.dispatches - before)
+        assert len({tuple(t) for t in alone}) == len(alone) and all(len(t) == 12 for t in alone)
+
+        results: dict[int, list[int]] = {}
+        seen: list[int] = []
+
+        def kill_at_eight(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 8:
+                procs[1].send_signal(signal.SIGKILL)
+
+        loop = BatchLoop(hub, prefill_chunk=16)
+        before, waiting, steps = hub.stats.dispatches, list(enumerate(requests)), 0
+        while waiting or loop.running:
+            while waiting and loop.free and (waiting[0][0] < 4 or steps >= 6):  # the last joins late
+                i, (prompt, params) = waiting.pop(0)
+                loop.add(Generation(prompt, 12, Sampler(params), on_token=kill_at_eight),
+                         lambda r, i=i: results.__setitem__(i, r.tokens))
+            loop.step()
+            steps += 1
+        assert [results[i] for i in range(len(requests))] == alone
+        assert loop.reused_tokens >= len(requests[1][0])  # the shared prompt was prefilled once
+        # fewer dispatches than the sequences alone: an expert that several tokens chose got them in one
+        assert hub.stats.dispatches - before < sum(dispatched)
+        assert procs[1].poll() is not None and hub.placement is not None
+        assert len(hub.placement.experts_of("e0")) == 32 and not hub.placement.experts_of("e1")

@@ -789,6 +789,52 @@ def test_serve_moves_a_mixture_of_experts_to_its_expert_workers(tmp_path: Path) 
         s.close()
 
 
+def test_an_expert_hub_batches_parallel_requests_through_a_killed_worker(tmp_path: Path) -> None:
+    """--plan moe --no-local --parallel 4: the hub holds four sequences' caches and steps them together (each
+    expert one dispatch of the step's tokens that chose it); four streams at once each answer as alone (greedy and
+    seeded). Kill -9 an expert worker (one replica each) during four streams: its experts are placed on the workers
+    left and the step runs again on the hub's caches, so every stream still gives its undisturbed answer."""
+    from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
+
+    path = tmp_path / "moe-tiny.gguf"
+    write_synthetic(SynthSpec(SHAPES["moe-tiny"], "Q4_0", seed=5), path, "gguf")
+    s = Serving("--model", str(path), "--plan", "moe", "--replicas", "1", "--no-local", "--no-advertise",
+                "--max-context", "256", "--parallel", "4")
+    workers = [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--mode", "moe", "--master", s.cluster,
+                                 "--name", name, "--key", CLUSTER_KEY, "--threads", "1", "--memory-budget", "50"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name in ("x1", "x2", "x3")]
+    try:
+        wait_until(lambda: s.state()["mode"] == "cluster" and len(s.state()["nodes"]) == 3, 180,
+                   "the hub to place its experts")
+        client = s.client()
+        prompts = ["Experts of a mixture", "Many sequences at once", "One dispatch per expert", "A batch of four"]
+
+        def one(i: int, on_text=None) -> str:
+            text = ""
+            for chunk in client.completions.create(model="m", prompt=prompts[i], max_tokens=16, stream=True,
+                                                   **({"temperature": 0} if i == 0 else
+                                                      {"temperature": 0.8, "seed": i})):
+                if chunk.choices and chunk.choices[0].text:
+                    text += chunk.choices[0].text
+                    if on_text is not None:
+                        on_text()
+            return text
+
+        alone = [one(i) for i in range(4)]
+        assert len(set(alone)) == 4 and all(alone), alone
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(4))) == alone
+        assert s.state()["queue"]["parallel"] == 4
+        assert four_streams_killing(one, workers[0]) == alone
+        wait_until(lambda: len([n for n in s.state()["nodes"] if n["alive"]]) == 2, 30, "the hub to see x1 go")
+        assert one(1) == alone[1]
+    finally:
+        for proc in workers:
+            proc.kill()
+            proc.wait()
+        s.close()
+
+
 def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(shipped_path: Path) -> None:
     """At a terminal, Ctrl-C while an answer streams ends that answer (marked " [stopped]"), and the chat takes the
     next question; an empty line then ends it with status 0."""

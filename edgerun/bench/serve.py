@@ -48,6 +48,7 @@ class ServeBenchConfig:
     parallel: int = 1  # the started server's --parallel (requests decoded together)
     nodes: int = 0  # tensor-parallel node processes the started server serves with (--plan `plan`)
     workers: int = 0  # pipeline workers the started server serves with (--plan dp, its own engine kept out)
+    experts: int = 0  # expert workers the started server's hub serves a MoE model with (--plan moe, one replica)
     plan: str = "even"  # the started tensor-parallel cluster's planner: even shares, every node computing
     prompt: str = BENCH_PROMPT
     # "distinct": each stream's prompt names the stream and its row, so none is another's; "same": every stream
@@ -64,13 +65,17 @@ class ServeBenchConfig:
             raise EdgerunError("--max-tokens must be at least 1")
         if self.parallel < 1:
             raise EdgerunError("--parallel must be at least 1")
-        if self.nodes < 0 or self.workers < 0 or (self.nodes and self.workers):
-            raise EdgerunError("--nodes or --workers: a tensor-parallel cluster or a pipeline, not both")
+        if min(self.nodes, self.workers, self.experts) < 0 or \
+                sum(bool(n) for n in (self.nodes, self.workers, self.experts)) > 1:
+            raise EdgerunError("--nodes, --workers or --experts: a tensor-parallel cluster, a pipeline or an expert "
+                               "hub, one of them")
         if self.parallel > 1 and self.nodes:
-            raise EdgerunError("--parallel batches the server's own engine or a pipeline's stages: not with --nodes")
-        if self.url is not None and (self.nodes or self.workers or self.parallel > 1 or self.baseline):
-            raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --parallel and "
-                               "--baseline start one")
+            raise EdgerunError("--parallel batches the server's own engine, a pipeline's stages or an expert hub: "
+                               "not with --nodes")
+        if self.url is not None and (self.nodes or self.workers or self.experts or self.parallel > 1
+                                     or self.baseline):
+            raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --experts, "
+                               "--parallel and --baseline start one")
         if self.prompts not in PROMPT_KINDS:
             raise EdgerunError(f"--prompts is one of {', '.join(PROMPT_KINDS)}, not {self.prompts!r}")
         if self.url is not None and not re.match(r"^https?://[^/]+", self.url):
@@ -184,8 +189,8 @@ def serving(state: dict | None) -> str:
 def _cluster_ready(config: ServeBenchConfig, state: dict | None) -> bool:
     if state is None or state.get("mode") != "cluster":
         return False
-    if config.workers:
-        return len(state.get("nodes") or []) >= config.workers
+    if config.workers or config.experts:
+        return len(state.get("nodes") or []) >= config.workers + config.experts and bool(state.get("plan"))
     return len((state.get("plan") or {}).get("devices") or []) == config.nodes + 1
 
 
@@ -204,18 +209,24 @@ def _stage_budget_mb(config: ServeBenchConfig) -> float:
 @contextmanager
 def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iterator[str]:
     """`edgerun serve` on free ports of this machine, its queue as deep as the most streams: alone (`--no-cluster
-    --parallel P`), or with `nodes` tensor-parallel nodes or `workers` pipeline workers it starts beside it (each at
-    `threads`), once its plan takes them all; its URL while the context is open."""
+    --parallel P`), or with `nodes` tensor-parallel nodes, `workers` pipeline workers or `experts` expert workers it
+    starts beside it (each at `threads`), once its plan takes them all; its URL while the context is open."""
     argv = [sys.executable, "-m", "edgerun.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-request-log",
             "--threads", str(config.threads), "--max-queue", str(max(config.streams))]
     key = secrets.token_hex(16)
     budget_mb = None
-    if config.nodes or config.workers:
+    members = config.nodes or config.workers or config.experts
+    if members:
         argv += ["--cluster-port", "0", "--no-advertise", "--prefer", "cluster", "--key", key]
-        argv += ["--plan", "dp", "--no-local"] if config.workers else ["--plan", config.plan]
         if config.workers:
-            argv += ["--parallel", str(config.parallel), "--max-context", str(PIPELINE_CONTEXT)]
+            argv += ["--plan", "dp", "--no-local", "--parallel", str(config.parallel), "--max-context",
+                     str(PIPELINE_CONTEXT)]
             budget_mb = _stage_budget_mb(config)
+        elif config.experts:
+            argv += ["--plan", "moe", "--no-local", "--replicas", "1", "--parallel", str(config.parallel),
+                     "--max-context", str(PIPELINE_CONTEXT)]
+        else:
+            argv += ["--plan", config.plan]
     else:
         argv += ["--no-cluster", "--parallel", str(config.parallel)]
     if config.model is not None:
@@ -241,14 +252,15 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
     threading.Thread(target=read, daemon=True).start()
     try:
         what = f"{config.nodes} node(s)" if config.nodes else f"{config.workers} worker(s)" if config.workers else \
-            "its own engine"
+            f"{config.experts} expert worker(s)" if config.experts else "its own engine"
         log(f"starting edgerun serve with {what} (the model loads first)...")
         if not ready.wait(START_TIMEOUT_S) or not found:
             raise EdgerunError("edgerun serve did not start:\n" + "".join(lines[-20:]))
         url, cluster_port = found[0]
         # members compute on the CPU, as the server's own engine does (a pipeline worker's default takes a GPU)
-        mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}", "--device", "cpu"] if config.workers else []
-        for i in range(config.nodes or config.workers):
+        mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}", "--device", "cpu"] if config.workers else \
+            ["--mode", "moe"] if config.experts else []
+        for i in range(members):
             procs.append(subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", *mode, "--master",
                                            f"127.0.0.1:{cluster_port}", "--key", key, "--name", f"bench-{i}",
                                            "--threads", str(config.threads)],
@@ -278,7 +290,7 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
             "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
     single = None
     if config.baseline:
-        alone = replace(config, streams=(1,), parallel=1, nodes=0, workers=0, baseline=False)
+        alone = replace(config, streams=(1,), parallel=1, nodes=0, workers=0, experts=0, baseline=False)
         log("the single engine's one stream (--baseline)...")
         single = bench_serve(alone, log)[0].aggregate_tok_s
     with started_server(config, log) if config.url is None else nullcontext(config.url.rstrip("/")) as url:

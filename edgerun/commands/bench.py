@@ -103,7 +103,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
                               args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,
-                              args.nodes, args.workers, args.plan, prompts=args.prompts, baseline=args.baseline)
+                              args.nodes, args.workers, experts=args.experts, plan=args.plan, prompts=args.prompts,
+                              baseline=args.baseline)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -336,7 +337,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=thread_count, default=1, help="the started server's threads (default: 1)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="the started server's --parallel: requests it decodes together, on its own engine or, "
-                        "with --workers, on the pipeline's stages (default: 1)")
+                        "with --workers, on the pipeline's stages, with --experts, on the expert hub (default: 1)")
     p.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="start N tensor-parallel node processes beside the server and measure once its plan takes "
                         "them all (--prefer cluster) (default: 0, the server's own engine)")
@@ -346,6 +347,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="start N pipeline workers beside a --plan dp --no-local server instead, each with a "
                         "memory budget that makes the plan use all N, the server's --max-context 512 (default: 0)")
+    p.add_argument("--experts", type=int, default=0, metavar="N",
+                   help="start N expert workers beside a --plan moe --no-local server instead (a mixture-of-experts "
+                        "--model; one replica of each expert, the server's --max-context 512) (default: 0)")
     p.add_argument("--plan", choices=PLANS[:-1], default="even",
                    help="the started tensor-parallel cluster's planner (default: even, every node computing)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "

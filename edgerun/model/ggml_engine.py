@@ -128,6 +128,50 @@ class Span:
     mask: int
 
 
+@dataclass(frozen=True)
+class BatchInputs:
+    """A decode step's inputs for several sequences, one token each, (slot, cache rows read) each: their positions
+    and cache rows (`inputs`; its mask is the first sequence's), each one's causal mask over its own slot's rows."""
+
+    inputs: StepInputs
+    masks: tuple[int, ...]
+    spans: tuple[Span, ...]
+    bases: tuple[int, ...]  # each sequence's first cache row
+
+    @classmethod
+    def of(cls, gc: GraphContext, make_up: Sequence[tuple[int, int]], max_len: int) -> BatchInputs:
+        b = len(make_up)
+        masks = tuple(gc.input(ggml_lib.F16, n_kv, 1) for _, n_kv in make_up)
+        inputs = StepInputs(gc.input(ggml_lib.I32, b), gc.input(ggml_lib.I64_TYPE, b), masks[0], b,
+                            max(n_kv for _, n_kv in make_up))
+        bases = tuple(slot * max_len for slot, _ in make_up)
+        spans = tuple(Span(i, 1, base, n_kv, mask)
+                      for i, (base, (_, n_kv), mask) in enumerate(zip(bases, make_up, masks, strict=True)))
+        return cls(inputs, masks, spans, bases)
+
+    def set(self, gc: GraphContext, positions: Sequence[int]) -> None:
+        """Each sequence's position, the cache row it writes and its mask (the rows of positions 0..its own)."""
+        gc.set(self.inputs.pos, np.asarray(positions, np.int32))
+        gc.set(self.inputs.rows, np.asarray(positions, np.int64) + np.asarray(self.bases, np.int64))
+        for span, position in zip(self.spans, positions, strict=True):
+            row = np.full(span.n_kv, -np.inf, np.float16)
+            row[:position + 1] = 0
+            gc.set(span.mask, row)
+
+
+def copy_rows(store: WeightStore, caches: Sequence[int], source: int, target: int, rows: int) -> None:
+    """Rows source..source+rows of each of these cache matrices into rows target.. of the same matrix."""
+    if rows == 0 or source == target:
+        return
+    g = ggml_lib.lib()
+    for cache in caches:
+        t = store.tensor(cache)
+        row = head(t).nb[1]
+        data = np.empty(rows * row, np.uint8)
+        g.ggml_backend_tensor_get(t, data.ctypes.data, source * row, data.nbytes)
+        g.ggml_backend_tensor_set(t, data.ctypes.data, target * row, data.nbytes)
+
+
 def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int, inputs: StepInputs,
                     rope_mode: int, spans: Sequence[Span] | None = None) -> int:
     """Attention of normalized hidden states h, (hidden, n), through these heads: wo's product with their output,
@@ -361,16 +405,9 @@ class GgmlEngine:
         rows (a prompt's prefix prefilled once for sequences that share it)."""
         if not (0 <= source < self.slots and 0 <= target < self.slots) or not 0 <= rows <= self.max_len:
             raise EdgerunError(f"a cache copy takes slots of this engine's {self.slots}, at most {self.max_len} rows")
-        if source == target or rows == 0:
-            return
-        g = ggml_lib.lib()
         for layer in self.layers:
-            for cache in (layer.attn.k_cache, layer.attn.v_cache):
-                t = self.weights.tensor(cache)
-                row = head(t).nb[1]
-                data = np.empty(rows * row, np.uint8)
-                g.ggml_backend_tensor_get(t, data.ctypes.data, source * self.max_len * row, data.nbytes)
-                g.ggml_backend_tensor_set(t, data.ctypes.data, target * self.max_len * row, data.nbytes)
+            copy_rows(self.weights, (layer.attn.k_cache, layer.attn.v_cache), source * self.max_len,
+                      target * self.max_len, rows)
 
     def _forward(self, embd: np.ndarray, start: int, slot: int) -> np.ndarray:
         n = embd.shape[0]
@@ -454,28 +491,17 @@ class BatchGraph:
         # each sequence adds its attention's views, permutes, flash attention, reshape and concat to every layer
         self.gc = GraphContext(engine.backend, len(engine.layers) * (GRAPH_NODES_PER_LAYER + 12 * b) + 64 + b)
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, b)
-        masks = [self.gc.input(ggml_lib.F16, n_kv, 1) for _, n_kv in make_up]
-        self.inputs = StepInputs(self.gc.input(ggml_lib.I32, b), self.gc.input(ggml_lib.I64_TYPE, b), masks[0], b,
-                                 max(n_kv for _, n_kv in make_up))
-        spans = [Span(i, 1, slot * engine.max_len, n_kv, mask) for i, ((slot, n_kv), mask) in
-                 enumerate(zip(make_up, masks, strict=True))]
-        x = _layers(self.gc, engine, self.embd, self.inputs, spans, last_only=False)
+        self.batch = BatchInputs.of(self.gc, make_up, engine.max_len)
+        x = _layers(self.gc, engine, self.embd, self.batch.inputs, self.batch.spans, last_only=False)
         # logits where the engine holds the LM head, else the hidden states go on to the next stage
         self.out = _logits(self.gc, engine, x) if engine.has_head else x
         self.gc.expand(self.out)
         self.gc.allocate()
-        self.masks, self.bases = masks, [slot * engine.max_len for slot, _ in make_up]
         self.shape = (b, c.vocab_size if engine.has_head else c.hidden)
-        self._kv = [n_kv for _, n_kv in make_up]
 
     def run(self, embd: np.ndarray, positions: Sequence[int]) -> np.ndarray:
         gc = self.gc
         gc.set(self.embd, embd)
-        gc.set(self.inputs.pos, np.asarray(positions, np.int32))
-        gc.set(self.inputs.rows, np.asarray(positions, np.int64) + np.asarray(self.bases, np.int64))
-        for mask, n_kv, position in zip(self.masks, self._kv, positions, strict=True):
-            row = np.full(n_kv, -np.inf, np.float16)
-            row[:position + 1] = 0
-            gc.set(mask, row)
+        self.batch.set(gc, positions)
         gc.compute()
         return gc.get(self.out, np.empty(self.shape, np.float32))

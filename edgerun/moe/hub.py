@@ -60,6 +60,7 @@ from edgerun.sched.moe import ExpertPlacement, ExpertWorker, place_experts
 
 STRIKES = 3  # consecutive timeouts after which a worker is left out of dispatch
 RECENT = 32  # round trips per worker that adaptive hedging takes the median of
+RECOVERIES = 3  # placements anew a batch's step tries after losing every replica of an expert, before failing
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,17 @@ class HubConfig:
     # numbers; int8 computes on ggml as the single engine does, 2-4x faster on CPUs, and rounds differently.
     activations: Activations = Activations.F32
     threads: int | None = None  # the hub's own ggml threads (int8 activations); None: the physical cores
+    # A batch's sequences (serve --parallel), each in a cache of its own beside the one-request steps' (which
+    # probes and `generate` use, so they never disturb what a batch's slot holds); 0: no batch.
+    slots: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or not 1 <= self.hedge <= self.replicas:
             raise EdgerunError(f"--hedge {self.hedge} must be between 1 and --replicas {self.replicas}")
         if self.expert_timeout_s <= 0 or (self.expert_deadline_s is not None and self.expert_deadline_s <= 0):
             raise EdgerunError("the expert timeout and deadline must be positive")
+        if self.slots < 0:
+            raise EdgerunError(f"a hub's batch holds 0 or more sequences, not {self.slots}")
 
 
 class ExpertsLost(EngineLost):
@@ -146,7 +152,7 @@ class MoeHub:
         self.model, self.key, self.config, self.log = model, key, config or HubConfig(), log
         say_if_tabs_cannot_join(log)
         self.layers: HubLayers = hub_layers(model, self.config.max_len, self.config.activations,
-                                            self.config.threads)
+                                            self.config.threads, 1 + self.config.slots)
 
         self.blobs = expert_blobs(model.weights)
         self.by_sha = {sha: blob for sha, blob in self.blobs.values()}
@@ -374,34 +380,101 @@ class MoeHub:
                  stop_ids: frozenset[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
         return generate(self, prompt, max_tokens, sampler, stop_ids, on_token).tokens
 
+    # --- a batch (model.batch.BatchEngine): several sequences' steps, each in its slot ----------------------
+    @property
+    def slots(self) -> int:
+        return self.config.slots
+
+    def prefill(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
+        """Tokens at positions start.. of the sequence in `slot`: the last one's logits."""
+        self._check_slot(slot)
+        self._check_room(start + len(tokens))
+        return self._recovering(lambda: self._run(tokens,
+                                                  lambda i, h: self.layers.attention(i, h, start, 1 + slot)))
+
+    def decode(self, batch: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """One token of each of several sequences, (slot, position, token) each, in one step: their logits, (len(batch),
+        vocab). Each expert gets one dispatch of all the batch's tokens that chose it; a sequence's logits are those
+        it gets alone."""
+        for slot, position, _ in batch:
+            self._check_slot(slot)
+            self._check_room(position + 1)
+        rows = [(1 + slot, position) for slot, position, _ in batch]  # the layers' first cache is generate's
+        tokens = [token for _, _, token in batch]
+        return self._recovering(lambda: self._run(tokens, lambda i, h: self.layers.attention_rows(i, h, rows),
+                                                  each_row=True))
+
+    def copy_cache(self, source: int, target: int, rows: int) -> None:
+        for slot in (source, target):
+            self._check_slot(slot)
+        self.layers.copy_cache(1 + source, 1 + target, rows)
+
+    def _recovering(self, run: Callable[[], object]) -> np.ndarray:
+        """A batch's step, run again after the experts are placed anew when every replica of one was lost: the hub
+        keeps every sequence's cache, and a step run again writes the same rows, so nothing is prefilled again."""
+        for attempt in itertools.count():
+            try:
+                return self.net.run(run())
+            except ExpertsLost as e:
+                if attempt >= RECOVERIES:
+                    raise
+                self.recover(e)
+        raise AssertionError("unreachable")
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise EdgerunError(f"slot {slot} is not one of the {self.slots} of the hub's batch")
+
+    def _check_room(self, end: int) -> None:
+        if end > self.layers.max_len:
+            raise EdgerunError(f"context of {self.layers.max_len} tokens exceeded")
+
     async def _step(self, tokens: Sequence[int]) -> np.ndarray:
         own = self.layers
         start = own.length
-        if start + len(tokens) > own.max_len:
-            raise EdgerunError(f"context of {own.max_len} tokens exceeded")
+        self._check_room(start + len(tokens))
+        return await self._run(tokens, lambda i, h: own.attention(i, h, start))
+
+    async def _run(self, tokens: Sequence[int], attend: Callable[[int, np.ndarray], np.ndarray],
+                   each_row: bool = False) -> np.ndarray:
+        """The logits of the tokens' last row, or with `each_row` (a batch's step: one token of each sequence) of
+        every row, each as it is alone. `attend`: a layer's attention of its normalized rows."""
+        own = self.layers
         x = own.embed(tokens)
         for i in range(self.model.config.n_layers):
-            x = x + own.attention(i, own.attention_norm(i, x), start)
-            x = x + await self._mixture(i, own.moe[i], own.ffn_norm(i, x))
-        return own.logits(x)
+            x = x + attend(i, own.attention_norm(i, x))
+            x = x + await self._mixture(i, own.moe[i], own.ffn_norm(i, x), each_row)
+        return own.logits_rows(x) if each_row else own.logits(x)
 
-    async def _mixture(self, layer: int, moe, x: np.ndarray) -> np.ndarray:
-        """The layer's experts on x (tokens, hidden), computed on the workers, weighted and summed."""
+    async def _mixture(self, layer: int, moe, x: np.ndarray, each_row: bool = False) -> np.ndarray:
+        """The layer's experts on x (tokens, hidden), computed on the workers, weighted and summed. `each_row`:
+        the hub's own products (router, shared expert) one row at a time, as each row's are alone (numpy's
+        products round a row differently beside other rows; the workers' ggml products do not)."""
         c = self.model.config
-        chosen, weights = route(x @ moe.router.T, c.n_experts_used, c.norm_gates)
+
+        def by_row(f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+            return np.concatenate([f(x[i:i + 1]) for i in range(len(x))]) if each_row and len(x) > 1 else f(x)
+
+        chosen, weights = route(by_row(lambda r: r @ moe.router.T), c.n_experts_used, c.norm_gates)
         started = time.perf_counter()
         jobs = []
         for e in np.unique(chosen):
             rows, slot = np.nonzero(chosen == e)
             jobs.append((rows, slot, asyncio.ensure_future(self._expert(layer, int(e), x[rows], weights[rows, slot]))))
         tasks = [task for _, _, task in jobs]
-        if self.config.expert_deadline_s is None:
-            await asyncio.gather(*tasks)
-        else:
-            _, late = await asyncio.wait(tasks, timeout=self.config.expert_deadline_s)
-            for task in late:
+        try:
+            if self.config.expert_deadline_s is None:
+                await asyncio.gather(*tasks)
+            else:
+                _, late = await asyncio.wait(tasks, timeout=self.config.expert_deadline_s)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
+        except BaseException:  # an expert lost for good: the step's other dispatches stop too (it runs again)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         took = time.perf_counter() - started
         if len(x) == 1:
             self.stats.phase_ms.append(took * 1e3)
@@ -417,7 +490,8 @@ class MoeHub:
         self.stats.dropped += dropped
         if dropped:  # the experts that answered stand in for the token's whole mixture (outputs already weighted)
             out *= kept_gate_scale(weights, answered)[:, None]
-        return out + moe.shared_output(x)  # the shared expert every token takes stays on the hub
+        # the shared expert every token takes stays on the hub
+        return out if moe.shared is None else out + by_row(moe.shared_output)
 
     async def _expert(self, layer: int, expert: int, x: np.ndarray, gates: np.ndarray) -> np.ndarray:
         """One (expert, tokens) dispatch, hedged, retried on other replicas until one answers."""

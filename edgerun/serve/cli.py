@@ -77,8 +77,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                         "not fit in free memory), its prompt prefilled in chunks between the others' tokens, a prompt "
                         "or prefix another sequence prefilled taken from its cache; at most 64; needs --no-cluster "
                         "and the ggml engine, or --plan dp --no-local: a pipeline whose ggml stages each hold N "
-                        "sequences, a step's sequences going through the stages in micro-batches at once "
-                        "(default: 1, one request at a time)")
+                        "sequences, a step's sequences going through the stages in micro-batches at once, or "
+                        "--plan moe --no-local: the expert hub holds N sequences' caches and sends each expert one "
+                        "dispatch of every token of a step that chose it (default: 1, one request at a time)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")

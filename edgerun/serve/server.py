@@ -77,9 +77,10 @@ class ServeConfig:
         if not 1 <= self.parallel <= MAX_PARALLEL:
             raise EdgerunError(f"--parallel must be from 1 to {MAX_PARALLEL}")
         if self.parallel > 1 and not ((self.local and self.cluster_port is None) or
-                                      (self.plan == "dp" and self.cluster_port is not None and not self.local)):
-            raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster) or a pipeline's "
-                               "stages (with --plan dp --no-local)")
+                                      (self.plan in ("dp", "moe") and self.cluster_port is not None
+                                       and not self.local)):
+            raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster), a pipeline's "
+                               "stages (with --plan dp --no-local) or an expert hub (with --plan moe --no-local)")
         if self.replicas < 1:
             raise EdgerunError("--replicas must be at least 1")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
@@ -132,7 +133,7 @@ class Server:
 
                 self.model = model = apply_adapter(model, config.adapter)
             max_len = min(config.max_context, model.config.context_length)
-            if config.local and config.parallel > 1:
+            if config.parallel > 1 and (config.local or config.plan == "moe"):  # the caches held here
                 check_batch_memory(model.config.kv_cache_bytes(max_len * config.parallel), config.parallel, max_len)
             single = make_engine(default_engine(model, config.activations == Activations.F32), model, max_len,
                                  threads=config.threads, slots=config.parallel) if config.local else None
@@ -148,6 +149,8 @@ class Server:
             batch = None
             if config.parallel > 1 and single is not None:
                 batch = BatchLoop(single)  # type: ignore[arg-type]  # a GgmlEngine
+            elif config.parallel > 1 and config.plan == "moe":  # the hub's sequences, one dispatch per expert a step
+                batch = BatchLoop(self.cluster.engine)
             elif config.parallel > 1:  # a pipeline's stages in lanes (pp.batch), each stepping in a thread
                 batch = self._pipeline_lanes(self.cluster.engine, config.parallel)
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
@@ -193,7 +196,8 @@ class Server:
                 hedge, adaptive = hedge_setting(config.hedge, config.replicas)
                 return Experts(MoeHub(model, config.key, HubConfig(
                     host=config.cluster_host, port=config.cluster_port, max_len=max_len, replicas=config.replicas,
-                    hedge=hedge, adaptive_hedge=adaptive, activations=config.activations, threads=config.threads),
+                    hedge=hedge, adaptive_hedge=adaptive, activations=config.activations, threads=config.threads,
+                    slots=config.parallel if config.parallel > 1 else 0),
                     log=lambda m: log(f"experts: {m}")))
             if config.plan == "dp":
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix

@@ -23,9 +23,12 @@ from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_engine import (
     HEAD_PART_BYTES,
     AttnTensors,
+    BatchInputs,
+    Span,
     StepInputs,
     attention_block,
     cache_rows,
+    copy_rows,
     lm_head,
     mlp_block,
 )
@@ -39,6 +42,11 @@ from edgerun.profile.memory import huge_pages, release_mapped_files
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, _rows, _ShareBase
 
 BLOCK_GRAPH_NODES = 64
+# Batched attention graphs kept (one per make-up of slots and cache lengths); past that many they are all let go.
+BATCH_GRAPHS_KEPT = 32
+# The graph key's first field of a batched attention block (beside Block's members)
+ROWS = "rows"
+SHARE_ROPE = ggml_lib.ROPE_NEOX  # a share's rows are in Hugging Face order (each head's halves rotate)
 
 
 def column_ranges(t: QuantTensor, ranges: Sequence[tuple[int, int]]) -> QuantTensor:
@@ -62,8 +70,15 @@ class GgmlShard(_ShareBase):
     """One device's units on a ggml backend, the CPU's or a CUDA GPU's (QuantShard's interface, static shares)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int,
-                 threads: int | None = 1, mapped_files: Sequence[Path] = (), device: str = "cpu") -> None:
+                 threads: int | None = 1, mapped_files: Sequence[Path] = (), device: str = "cpu",
+                 slots: int = 1) -> None:
+        """`slots`: sequences whose caches it holds at once (max_len rows each), for batched steps
+        (attention_rows); the one-sequence calls take the first unless told another."""
         super().__init__(config, spec, max_len)
+        if slots < 1:
+            raise ValueError(f"a share holds at least one sequence's cache, not {slots}")
+        self.slots = slots
+        self.slot_lengths += [[0] * config.n_layers for _ in range(slots - 1)]
         c = config
         self.backend = GgmlBackend(threads, device)
         store = self.store = WeightStore(self.backend)
@@ -87,8 +102,8 @@ class GgmlShard(_ShareBase):
                     bv=None if w.bv is None else add(f"{layer}.bv", w.bv[kv_rows]),
                     q_norm=None if w.q_norm is None else add(f"{layer}.q_norm", w.q_norm),
                     k_norm=None if w.k_norm is None else add(f"{layer}.k_norm", w.k_norm),
-                    k_cache=store.cache(f"{layer}.k_cache", len(units) * hd, max_len),
-                    v_cache=store.cache(f"{layer}.v_cache", len(units) * hd, max_len),
+                    k_cache=store.cache(f"{layer}.k_cache", len(units) * hd, max_len * slots),
+                    v_cache=store.cache(f"{layer}.v_cache", len(units) * hd, max_len * slots),
                     n_heads=len(units) * per_kv, n_kv_heads=len(units)))
                 self._bytes[layer, Block.ATTN] = wq.nbytes + wk.nbytes + wv.nbytes + wo.nbytes
             else:
@@ -123,7 +138,8 @@ class GgmlShard(_ShareBase):
     @property
     def cache_bytes(self) -> int:
         c = self.config
-        return sum(2 * len(units) * c.head_dim * self.max_len * 2 for units in self.spec.attn_units if units)
+        return sum(2 * len(units) * c.head_dim * self.max_len * self.slots * 2
+                   for units in self.spec.attn_units if units)
 
     def block_bytes(self, layer: int, block: Block, units: int | None = None) -> int:
         return self._bytes.get((0 if block == Block.HEAD else layer, block), 0)
@@ -131,28 +147,74 @@ class GgmlShard(_ShareBase):
     def _graph(self, key: tuple, build) -> _BlockGraph:
         graph = self._graphs.get(key)
         if graph is None:
-            # One-token graphs are kept; prompts come in every length and are laid out in the scratch buffer.
-            keep = key[2] == 1
+            # One-token graphs and batched steps' are kept (the batches' up to BATCH_GRAPHS_KEPT make-ups); prompts
+            # come in every length and are laid out in the scratch buffer.
+            keep = key[2] == 1 or key[0] == ROWS
+            if key[0] == ROWS and sum(k[0] == ROWS for k in self._graphs) >= BATCH_GRAPHS_KEPT:
+                self._graphs = {k: g for k, g in self._graphs.items() if k[0] != ROWS}
             graph = build(None if keep else self._scratch)
             if keep:
                 self._graphs[key] = graph
         return graph
 
     def attention(self, layer: int, x_norm: np.ndarray, start: int, *, output: bool = True,
-                  units: Sequence[int] | None = None) -> np.ndarray | None:
+                  units: Sequence[int] | None = None, slot: int = 0) -> np.ndarray | None:
+        """The attention partial of tokens at positions start.. of the sequence in `slot`."""
         began = time.perf_counter()
-        x, end = self._static_attention_input(layer, x_norm, start, units)
+        if units is not None:
+            raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
+        self._check_slot(slot)
+        x = _rows(x_norm, self.config.hidden)
+        end = self._advance(layer, start, x.shape[0], slot)
         seq = x.shape[0]
         tensors = self.attn[layer]
         if tensors is None:
             return np.zeros((seq, self.config.hidden), np.float32) if output else None
-        n_kv = cache_rows(end, self.max_len)
-        graph = self._graph((Block.ATTN, layer, seq, n_kv),
-                            lambda scratch: _BlockGraph.attention(self, tensors, seq, n_kv, scratch))
-        graph.inputs.set(graph.gc, start, graph.mask)
+        n_kv, base = cache_rows(end, self.max_len), slot * self.max_len
+        graph = self._graph((Block.ATTN, layer, seq, n_kv, slot),
+                            lambda scratch: _BlockGraph.attention(self, tensors, seq, n_kv, scratch, base))
+        graph.inputs.set(graph.gc, start, graph.mask, base)
         out = graph.run(x)
         self.calls.add(graph, began)
         return out if output else None
+
+    def attention_rows(self, layer: int, x_norm: np.ndarray, rows: Sequence[tuple[int, int]]) -> np.ndarray:
+        """One position of each of several sequences, (slot, position) each, in one graph: row i of x_norm (and
+        of the partial returned) is the sequence in rows[i]'s slot at its position; each attends to its own cache,
+        and its row is the one it gets alone."""
+        x = _rows(x_norm, self.config.hidden)
+        if len(rows) != x.shape[0] or len({slot for slot, _ in rows}) != len(rows):
+            raise ValueError(f"{x.shape[0]} rows for a batch of {len(rows)} distinct slots")
+        for slot, position in rows:
+            self._check_slot(slot)
+            self._advance(layer, position, 1, slot)
+        tensors = self.attn[layer]
+        if tensors is None:
+            return np.zeros((x.shape[0], self.config.hidden), np.float32)
+        make_up = tuple((slot, cache_rows(position + 1, self.max_len)) for slot, position in rows)
+        graph = self._graph((ROWS, layer, make_up),
+                            lambda _: _BlockGraph.attention_rows(self, tensors, make_up))
+        graph.batch.set(graph.gc, [position for _, position in rows])
+        return graph.run(x)
+
+    def copy_cache(self, source: int, target: int, rows: int) -> None:
+        """The keys and values of the first `rows` positions of the sequence in slot `source` into slot
+        `target`'s (a prompt's prefix computed once for sequences that share it)."""
+        self._check_slot(source)
+        self._check_slot(target)
+        if source == target:
+            return
+        if not 0 <= rows <= self.max_len:
+            raise ValueError(f"a cache copy takes at most {self.max_len} rows, not {rows}")
+        for tensors in self.attn:
+            if tensors is not None:
+                copy_rows(self.store, (tensors.k_cache, tensors.v_cache), source * self.max_len,
+                          target * self.max_len, rows)
+        self.slot_lengths[target][:] = [rows] * self.config.n_layers
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not one of this share's {self.slots}")
 
     def mlp(self, layer: int, x_norm: np.ndarray, groups: Sequence[int] | None = None) -> np.ndarray:
         if groups is not None:
@@ -176,7 +238,7 @@ class GgmlShard(_ShareBase):
             tensors = self.attn[layer]
             if tensors is None:
                 return None
-            graph = self._graph((Block.ATTN, layer, 1, n_kv),
+            graph = self._graph((Block.ATTN, layer, 1, n_kv, 0),
                                 lambda scratch: _BlockGraph.attention(self, tensors, 1, n_kv, scratch))
         else:
             tensors = self.mlp_tensors[layer]
@@ -256,12 +318,14 @@ class CallCost:
 class _BlockGraph:
     """One block's graph: hidden states in (hidden, seq), its partial out (width, seq)."""
 
-    def __init__(self, shard: GgmlShard, seq: int) -> None:
+    def __init__(self, shard: GgmlShard, seq: int, sequences: int = 1) -> None:
         parts = 0 if shard.head is None else len(shard.store.parts(shard.head))
-        self.gc = GraphContext(shard.backend, BLOCK_GRAPH_NODES + 8 * parts)
+        # each sequence of a batched step adds its attention's views, permutes, flash attention, reshape, concat
+        self.gc = GraphContext(shard.backend, BLOCK_GRAPH_NODES + 8 * parts + 12 * sequences)
         self.x = self.gc.input(ggml_lib.F32, shard.config.hidden, seq)
         self.seq = seq
         self.inputs: StepInputs | None = None  # an attention block's positions, cache rows and mask
+        self.batch: BatchInputs | None = None  # a batched step's, each sequence's own
         self.mask = np.zeros(0, np.float16)
         self.out = 0
         self.width = 0
@@ -270,13 +334,24 @@ class _BlockGraph:
 
     @classmethod
     def attention(cls, shard: GgmlShard, tensors: AttnTensors, seq: int, n_kv: int,
-                  scratch: ScratchAllocator | None) -> _BlockGraph:
+                  scratch: ScratchAllocator | None, base: int = 0) -> _BlockGraph:
+        """Tokens of one sequence, whose cache rows start at `base` (its slot's)."""
         graph = cls(shard, seq)
-        graph.inputs = StepInputs.of(graph.gc, seq, n_kv)
+        inputs = graph.inputs = StepInputs.of(graph.gc, seq, n_kv)
         graph.mask = np.zeros((seq, n_kv), np.float16)
-        rope = ggml_lib.ROPE_NEOX  # a share's rows are in Hugging Face order (each head's halves rotate)
-        graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x, graph.inputs,
-                                      rope), shard.config.hidden, scratch)
+        spans = [Span(0, seq, base, n_kv, inputs.mask)] if base else None
+        graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x, inputs,
+                                      SHARE_ROPE, spans), shard.config.hidden, scratch)
+        return graph
+
+    @classmethod
+    def attention_rows(cls, shard: GgmlShard, tensors: AttnTensors, make_up: tuple[tuple[int, int], ...]
+                       ) -> _BlockGraph:
+        """One token of each of several sequences, (slot, cache rows read) each."""
+        graph = cls(shard, len(make_up), len(make_up))
+        graph.batch = BatchInputs.of(graph.gc, make_up, shard.max_len)
+        graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x,
+                                      graph.batch.inputs, SHARE_ROPE, graph.batch.spans), shard.config.hidden, None)
         return graph
 
     @classmethod

@@ -188,16 +188,19 @@ class _ShareBase:
         self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
                                       for b in spec.vocab_blocks]).astype(np.int64)
         self.lengths = [0] * c.n_layers
+        # per sequence a share holds (GgmlShard's slots), each layer's cached positions; the first is `lengths`
+        self.slot_lengths = [self.lengths]
 
-    def _advance(self, layer: int, start: int, seq: int) -> int:
-        """A layer's cache takes positions start..start+seq-1 (forgetting any after them): check that it can, note
-        its new length and return it."""
+    def _advance(self, layer: int, start: int, seq: int, slot: int = 0) -> int:
+        """A layer's cache (of the sequence in `slot`) takes positions start..start+seq-1 (forgetting any after
+        them): check that it can, note its new length and return it."""
         end = start + seq
-        if not 0 <= start <= self.lengths[layer]:
-            raise ValueError(f"layer {layer} holds {self.lengths[layer]} positions; cannot continue at {start}")
+        lengths = self.slot_lengths[slot]
+        if not 0 <= start <= lengths[layer]:
+            raise ValueError(f"layer {layer} holds {lengths[layer]} positions; cannot continue at {start}")
         if end > self.max_len:
             raise ValueError(f"context of {self.max_len} tokens exceeded")
-        self.lengths[layer] = end
+        lengths[layer] = end
         return end
 
     def _static_attention_input(self, layer: int, x_norm: np.ndarray, start: int,
@@ -218,7 +221,7 @@ class _ShareBase:
         """Forget cached positions >= length in every layer."""
         if length < 0:
             raise ValueError(f"length must not be negative, not {length}")
-        self.lengths = [min(n, length) for n in self.lengths]
+        self.lengths[:] = [min(n, length) for n in self.lengths]  # in place: the native server reads this list
 
 
 def _rows(x: np.ndarray, hidden: int) -> np.ndarray:
