@@ -28,11 +28,14 @@ SAMPLES: list[m.Message] = [
     m.Welcome("ab" * 32, 8080, 40_001),
     m.Assign(3, 1, SPEC, 64, Codec.Q8, m.Routes.for_transport("udp", 2), 40_001, 5.0, 2, 65_507,
              (((0,), (1,)), ((0,), ()))),
-    m.Assign(4, 2, SPEC, 1024, Codec.F32, m.Routes.for_transport("tcp", 2), 40_001, None, 0, 1472),
+    m.Assign(4, 2, SPEC, 1024, Codec.F32, m.Routes.for_transport("tcp", 2), 40_001, None, 0, 1472, slots=8),
     m.Input(3, 0, 1, Block.HEAD, None, b"\x00" * 8),
     m.Input(3, 9, 1, Block.ATTN, (2, 0, 1), b"\x01" * 8),
     m.Reset(5),
     m.Reset(6, 40),
+    m.Reset(7, None, batch=True),
+    m.BatchStep(7, 0, (2,), (0,)),
+    m.BatchStep(7, 3, (0, 3, 1), (40, 17, 9), copy=(0, 3, 16, 0, 2, 16)),
     m.ParityOn(2),
     m.Ping(1),
     m.BandwidthProbe(1 << 20, bytes(64)),
@@ -93,6 +96,10 @@ def test_routes_are_data() -> None:
     b'{"message": "Heartbeat", "rejected": 0, "compute_s": null, "peak_rss_mb": 1}',  # null for a number
     b'{"message": "Assign", "session": 1}',
     b'{"message": "Reset", "session": 1, "top": 0}',  # out of its range: a sampler draws from one logit at least
+    b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [0, 0], "starts": [1, 2]}',  # a slot twice
+    b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [0], "starts": []}',  # a slot without its start
+    b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [64], "starts": [1]}',  # past the most slots
+    b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1], "starts": [1], "copy": [0, 1]}',  # no rows
     b'{"message": "ParityOn", "fragments": 5}',  # more parity fragments than a vector may have (wire.MAX_PARITY)
     b'{"message": "ParityOn", "fragments": -1}',
     b'{"message": "Ping", "seq": 1',  # truncated

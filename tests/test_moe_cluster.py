@@ -242,7 +242,7 @@ def test_a_hub_batches_sequences_each_with_its_tokens_alone_through_a_lost_worke
 
     requests = batch_requests(model)
     config = HubConfig(max_len=256, replicas=1, activations=Activations.INT8, threads=1, slots=3)
-    with cluster(model, 2, config) as (hub, procs, logs):
+    with cluster(model, 2, config) as (hub, procs, _):
         alone, dispatched = [], []
         for prompt, params in requests:
             before = hub.stats.dispatches

@@ -1004,3 +1004,62 @@ def test_bench_table_gives_no_speed_up_for_a_row_whose_nodes_computed_nothing() 
     ratios = tp_ratios(rows)
     assert "tcp 50.0 ms/token;" in ratios and "= " not in ratios.split("tcp")[1]
     assert "rows whose nodes computed nothing are left out of the ratios" in ratios
+
+
+BATCH_PROMPTS = ["The capital of France is", "Once upon a time there was a", "1, 2, 3, 4,",
+                 "Write a long poem about the sea and the wind. " * 4, "Once upon a time there was a"]
+BATCH_PARAMS = [SamplingParams(), SamplingParams(temperature=0.8, seed=7), SamplingParams(),
+                SamplingParams(temperature=1.0, top_p=0.9, seed=3), SamplingParams(temperature=0.7, seed=1)]
+
+
+def drain_batch(loop, model: Model, requests: list[int], max_tokens: int = 12, late: int | None = None,
+                on_token: Callable[[int], None] | None = None) -> dict[int, list[int]]:
+    """BATCH_PROMPTS[i] with BATCH_PARAMS[i] for each of `requests` through `loop`, each joining as a slot frees
+    (`late`: that one only after six rounds); a round whose engine lost its caches recovers as the server does.
+    Each one's tokens."""
+    from edgerun.model.generate import EngineLost, Generation
+
+    tok, results, waiting, rounds = model.tokenizer, {}, list(requests), 0
+    while waiting or loop.running:
+        while waiting and loop.free and (waiting[0] != late or rounds >= 6):
+            i = waiting.pop(0)
+            gen = Generation(tok.encode(BATCH_PROMPTS[i]), max_tokens, Sampler(BATCH_PARAMS[i]), on_token=on_token)
+            try:
+                loop.add(gen, lambda r, i=i: results.__setitem__(i, r.tokens))
+            except EngineLost:  # the caches it would copy from are gone
+                loop.recover()
+                loop.add(gen, lambda r, i=i: results.__setitem__(i, r.tokens))
+        try:
+            loop.step()
+        except EngineLost:
+            loop.recover()
+        rounds += 1
+    return results
+
+
+def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) -> None:
+    """`serve --parallel` on a tensor-parallel cluster: every device's share holds three sequences' caches, and a
+    batch session's step carries a prompt chunk or one token of each running sequence through every block at once.
+    Each sequence gets the tokens it gets alone: greedy and seeded, a prompt of several chunks, a prompt shared with a
+    running sequence (its rows copied on every device, layer by layer), one joining late. A request alone in between
+    makes a new session: the batch's next step finds its caches gone and its sequences prefill again. A node killed
+    mid-batch: the master plans over the one left, and every sequence completes."""
+    from edgerun.model.batch import BatchLoop
+    from edgerun.tp.batch import TpBatch
+
+    for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8, slots=3):
+        engine = TpBatch(master)
+        alone = {}
+        for i in range(len(BATCH_PROMPTS)):
+            alone.update(drain_batch(BatchLoop(engine, prefill_chunk=16), model, [i]))
+        assert len({tuple(t) for t in alone.values()}) == len(alone) and all(len(t) == 12 for t in alone.values())
+        loop = BatchLoop(engine, prefill_chunk=16)
+        assert drain_batch(loop, model, [0, 1, 2, 3, 4], late=4) == alone
+        assert loop.reused_tokens > 0  # prompt 4 is prompt 1: its rows came from slot to slot
+        blocks = master.stats.blocks
+        assert master.generate(model.tokenizer.encode(PROMPT), 4, GREEDY)  # a new session
+        assert drain_batch(loop, model, [1, 4, 0]) == {i: alone[i] for i in (1, 4, 0)}
+        assert master.stats.blocks > blocks
+        ended = drain_batch(loop, model, [0, 1, 2], max_tokens=24, on_token=kill_at(nodes[0].pid, 10))
+        assert sorted(ended) == [0, 1, 2] and all(len(t) == 24 for t in ended.values())
+        assert master.lost_nodes() == ["n0"]

@@ -8,6 +8,7 @@ from pathlib import Path
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import MAX_PARITY, Codec
+from edgerun.tp.messages import MAX_SLOTS
 
 MAPPINGS = ("index", "static", "dynamic")
 OVERLAPS = ("pred",)
@@ -57,6 +58,7 @@ class MasterConfig:
     parity: int = 2  # parity fragments after every vector on a lossy link, both ways (net.erasure)
     parity_always: bool = False  # parity on clean links too
     max_len: int = 1024  # context length: KV cache per device
+    slots: int = 1  # sequences each device's share holds caches of at once, for a batch (tp.batch)
     budget_mb: float = 4096.0  # the master's own memory budget for its share
     speed: float = 1e9  # the master's own speed for the planner, weight bytes per second
     group_size: int = 256  # MLP neuron-group size
@@ -93,6 +95,10 @@ class MasterConfig:
         if not 0 <= self.budget_mb < float("inf") or not 0 < self.speed < float("inf"):
             raise EdgerunError(f"the master's memory budget must be 0 MB or more and its speed above 0, not "
                                f"{self.budget_mb} MB and {self.speed} bytes/s")
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise EdgerunError(f"a batch holds 1 to {MAX_SLOTS} sequences, not {self.slots}")
+        if self.slots > 1 and (self.mapping == "dynamic" or self.activations is Activations.F32):
+            raise EdgerunError("a tensor-parallel batch runs on ggml shares: static mapping and int8 activations")
         if self.vocab_block < 1:
             raise EdgerunError(f"vocabulary blocks must hold at least 1 row, not {self.vocab_block}")
         check_exchange(self.timeout_ms, self.timeout_deviations, self.rto_min_ms, self.group_size)

@@ -141,7 +141,7 @@ def deploy(model: ModelConfig, plan: TPPlan, config: MasterConfig, order: UnitOr
         Assign(session, i, spec_for_device(plan, i, config.group_size, config.vocab_block, order), config.max_len,
                config.codec, routes, udp_port, rto_min,
                config.parity if config.parity_always or link.lossy else 0, link.datagram_bytes, priorities(i),
-               config.activations, spare_stream=config.transport == "udp")
+               config.activations, spare_stream=config.transport == "udp", slots=config.slots)
         for i, link in enumerate(links, start=1))
     return Deployment(plan, routes, own, priorities(0), assignments)
 

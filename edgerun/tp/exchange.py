@@ -568,11 +568,14 @@ class BlockExchange:
         if w.deadline is not None:  # a mirrored block has none
             g.deadline = w.deadline = min(g.deadline, w.deadline)
 
-    def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    def norm(self, x: np.ndarray, weight: np.ndarray, eps: float, each_row: bool = False) -> np.ndarray:
         """The master's RMS norm of a block's input: the native runner's for one token where it runs (so a step's
-        blocks round alike whichever path runs them), else numpy's."""
+        blocks round alike whichever path runs them), else numpy's. `each_row`: every row as it is alone (a batch's
+        rows, each a sequence of its own: numpy's norm of several rows rounds unlike the one-row norms)."""
         if self.fast is not None and x.shape[0] == 1:
             return rms_norm(self.fast, x, weight, eps)
+        if each_row and x.shape[0] > 1:
+            return np.concatenate([self.norm(x[i:i + 1], weight, eps) for i in range(x.shape[0])])
         return rms_norm_fast(x, weight, eps)
 
     def runs_natively(self, nodes: Iterable[NodeConn]) -> bool:
@@ -850,10 +853,11 @@ class BlockExchange:
         add(Event.MERGED, w.key, merged)
 
     def _reply_size(self, node: NodeConn, block: Block, seq: int) -> int:
-        """Elements of a node's partial: its vocabulary rows of the last token for the LM head."""
+        """Elements of a node's partial: for the LM head, its vocabulary rows of each token sent (a request's last,
+        a batch's each one)."""
         if block == Block.HEAD:
             rows = len(vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size))
-            return rows if self.head_top is None else head_top_size(rows, self.head_top)
+            return seq * rows if self.head_top is None else head_top_size(rows, self.head_top)
         return seq * self.model.hidden
 
     def _assemble_logits(self, logits: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:
@@ -865,7 +869,10 @@ class BlockExchange:
             if self.head_top is not None:
                 place_head_top(logits, node_rows, vector.reshape(-1))
                 continue
-            logits[row_span(node_rows)] = vector.reshape(-1)[-len(node_rows):]
+            if logits.ndim == 2:  # a batch's rows
+                logits[:, row_span(node_rows)] = vector.reshape(logits.shape[0], -1)
+            else:
+                logits[row_span(node_rows)] = vector.reshape(-1)[-len(node_rows):]
         return logits
 
     # --- what the nodes send ------------------------------------------------------------------------

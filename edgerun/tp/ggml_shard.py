@@ -197,20 +197,32 @@ class GgmlShard(_ShareBase):
         graph.batch.set(graph.gc, [position for _, position in rows])
         return graph.run(x)
 
-    def copy_cache(self, source: int, target: int, rows: int) -> None:
+    def copy_cache(self, source: int, target: int, rows: int, layers: Sequence[int] | None = None) -> None:
         """The keys and values of the first `rows` positions of the sequence in slot `source` into slot
-        `target`'s (a prompt's prefix computed once for sequences that share it)."""
+        `target`'s (a prompt's prefix computed once for sequences that share it), in every layer or in `layers`."""
         self._check_slot(source)
         self._check_slot(target)
         if source == target:
             return
         if not 0 <= rows <= self.max_len:
             raise ValueError(f"a cache copy takes at most {self.max_len} rows, not {rows}")
-        for tensors in self.attn:
-            if tensors is not None:
+        for layer in range(self.config.n_layers) if layers is None else layers:
+            if (tensors := self.attn[layer]) is not None:
                 copy_rows(self.store, (tensors.k_cache, tensors.v_cache), source * self.max_len,
                           target * self.max_len, rows)
-        self.slot_lengths[target][:] = [rows] * self.config.n_layers
+            self.slot_lengths[target][layer] = rows
+
+    def step_attention(self, layer: int, x_norm: np.ndarray, slots: Sequence[int], starts: Sequence[int],
+                       copy: Sequence[int] = ()) -> np.ndarray:
+        """A batched step's attention partial (tp.messages.BatchStep): one sequence's tokens from starts[0] of the
+        sequence in slots[0], or one token of each of several; `copy`'s (source, target, rows) first, at this layer."""
+        for i in range(0, len(copy), 3):
+            self.copy_cache(*copy[i:i + 3], layers=(layer,))
+        if len(slots) == 1:
+            out = self.attention(layer, x_norm, starts[0], slot=slots[0])
+            assert out is not None
+            return out
+        return self.attention_rows(layer, x_norm, list(zip(slots, starts, strict=True)))
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -280,19 +292,21 @@ def ggml_compute_address() -> int:
 
 def build_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max_len: int, threads: int | None,
                 activations: Activations, *, dynamic: bool = False, mapped_files: Sequence[Path] = (),
-                device: str = "cpu") -> GgmlShard | QuantShard:
+                device: str = "cpu", slots: int = 1) -> GgmlShard | QuantShard:
     """The share a device computes: on ggml, llama.cpp's kernels and numerics, for a static share with int8
     activations (the default); on onnxruntime where ggml has no graph for it yet: dynamic mapping, whose blocks
     take per-token unit flags, and float32 activations, which compute what the numpy reference does. A dynamic
     share's `spec` holds every unit (every_unit_spec). `device` "cuda" computes on ggml's CUDA backend, which
-    only the ggml share has."""
+    only the ggml share has; `slots` sequences' caches (batch sessions) only the ggml share holds."""
     if device != "cpu" and (dynamic or activations is Activations.F32):
         raise EdgerunError(f"a share on {device} runs on ggml: static mapping and int8 activations only")
+    if slots > 1 and (dynamic or activations is Activations.F32):
+        raise EdgerunError("a batch of sequences runs on ggml shares: static mapping and int8 activations only")
     if dynamic:
         return DynamicQuantShard(config, weights, spec, max_len, threads, activations, mapped_files)
     if activations is Activations.F32:
         return QuantShard(config, weights, spec, max_len, threads, activations, mapped_files)
-    return GgmlShard(config, weights, spec, max_len, threads, mapped_files, device)
+    return GgmlShard(config, weights, spec, max_len, threads, mapped_files, device, slots)
 
 
 def _index(ranges: Sequence[tuple[int, int]]) -> np.ndarray:

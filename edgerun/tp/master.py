@@ -49,7 +49,7 @@ from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepSta
 from edgerun.tp.ggml_shard import GgmlShard, build_share, ggml_compute_address
 from edgerun.tp.kernel_fit import KernelFit, Measured, pooled, pooled_measurements
 from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
-from edgerun.tp.messages import Fetch, Message, Partial, Priorities, Reset, Shutdown, Welcome
+from edgerun.tp.messages import BatchStep, Fetch, Message, Partial, Priorities, Reset, Routes, Shutdown, Welcome
 from edgerun.tp.node import settle_heap
 from edgerun.tp.shard import QuantShard
 from edgerun.tp.trace import Trace
@@ -180,6 +180,11 @@ class Master:
         self.whole: Engine | None = None
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
+        self.routes: Routes | None = None  # the deployment's, which a batch session sets aside
+        # A batch session (tp.batch): its session number, and its steps so far (an input's position is its step's)
+        self.batch_session: int | None = None
+        self.batch_steps = 0
+        self.batch_copies: list[tuple[int, int, int]] = []  # cache copies the batch's next step makes on the nodes
         # The native runner's setup (_native_step): the plan, cache rows and session it was prepared for.
         self._native_key: tuple[TPPlan | None, int, int, int, bool] = (None, 0, -1, 0, False)
         self._native_participants: list[list[NodeConn]] = []
@@ -314,7 +319,9 @@ class Master:
         return Link(sync_s * 1e3, UNLIMITED_MBIT, UNLIMITED_MBIT, node.link.loss_rate)
 
     def profile(self) -> ModelProfile:
-        return model_profile(self.model.name, self.model.config, self.model.weights, context=self.config.max_len,
+        # a batch's every sequence has a cache of max_len rows on every device
+        return model_profile(self.model.name, self.model.config, self.model.weights,
+                             context=self.config.max_len * self.config.slots,
                              group_size=self.config.group_size, vocab_block=self.config.vocab_block)
 
     def take_measurements(self) -> None:
@@ -440,6 +447,7 @@ class Master:
                    [NodeLink(n.datagram_bytes, n.lossy or (n.link is not None and n.link.loss_rate > 0))
                     for n in alive])
         self.plan, self.own_priorities, self.deployed = plan, d.own_priorities, alive
+        self.routes = d.routes
         self.own_decode = KernelFit()
         self.clock, self.trial = StepClock(), None
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
@@ -461,12 +469,14 @@ class Master:
         # The master builds its own share while the nodes build theirs.
         if self._alone(plan):
             engine = default_engine(self.model, self.config.activations is Activations.F32)
-            self.whole = make_engine(engine, self.model, self.config.max_len, self.config.threads)
+            self.whole = make_engine(engine, self.model, self.config.max_len, self.config.threads,
+                                     slots=self.config.slots)
             self.whole_step_bytes = int(self.profile().total_tp_weight_bytes())
         else:
             self.shard = build_share(self.model.config, self.model.weights, d.own_spec, self.config.max_len,
                                      self.config.threads, self.config.activations,
-                                     dynamic=self.config.mapping == "dynamic", mapped_files=[self.model.path])
+                                     dynamic=self.config.mapping == "dynamic", mapped_files=[self.model.path],
+                                     slots=self.config.slots)
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):
@@ -498,7 +508,7 @@ class Master:
     def _reset(self) -> None:
         if self.trace is not None:  # the last request's blocks, between requests
             self.trace.flush()
-        self.exchange.new_session(self.exchange.session + 1)
+        self.exchange.new_session(self.exchange.session + 1, self.routes)
         if self.whole is not None:
             self.whole.reset()
         else:
@@ -539,9 +549,11 @@ class Master:
 
     async def _block(self, layer: int, block: Block, x: np.ndarray, start: int,
                      ranking: tuple[int, ...] | None = None,
-                     while_waiting: Callable[[], None] | None = None, sent_at: float | None = None) -> np.ndarray:
+                     while_waiting: Callable[[], None] | None = None, sent_at: float | None = None,
+                     rows: BatchStep | None = None) -> np.ndarray:
         """This block's output: the master's share plus every node's partial that arrived in time (`sent_at`: its
-        input went to the nodes then, from the native runner)."""
+        input went to the nodes then, from the native runner). `rows`: a batch session's step (`start` is its
+        number); its LM head's logits are every row's, (rows, vocab)."""
         nodes = self._participants(layer, block)
         own_units = None
         if ranking is not None:
@@ -553,15 +565,18 @@ class Master:
 
         def own_share() -> np.ndarray:
             started = time.perf_counter()
-            if block == Block.ATTN:
+            if block == Block.ATTN and rows is not None:
+                out = self.shard.step_attention(layer, x, rows.slots, rows.starts, rows.copy)
+            elif block == Block.ATTN:
                 out = self.shard.attention(layer, x, start, units=own_units)
             elif block == Block.MLP:
                 out = self.shard.mlp(layer, x, groups=own_units)
             else:  # the LM head: this device's vocabulary rows, computed while the nodes compute theirs
-                out = np.zeros(self.model.config.vocab_size, np.float32)
-                rows, own = self.shard.logits(x[-1:])
-                out[row_span(rows)] = own[-1]
-            if x.shape[0] == 1 and block != Block.HEAD:  # the layers' one-token blocks measure its kernels
+                vocab, own = self.shard.logits(x)  # the rows sent: a request's last token, a batch's each one
+                out = np.zeros((x.shape[0], self.model.config.vocab_size), np.float32)
+                out[:, row_span(vocab)] = own
+                out = out if rows is not None else out[-1]
+            if x.shape[0] == 1 and block != Block.HEAD and rows is None:  # one-token blocks measure its kernels
                 self.own_decode = self.own_decode.add(
                     self.shard.block_bytes(layer, block, None if own_units is None else len(own_units)),
                     time.perf_counter() - started)
@@ -591,10 +606,13 @@ class Master:
             self.clock = self.clock.add(time.perf_counter() - started)
         return logits
 
-    async def _compute_step(self, tokens: Sequence[int], top: int | None) -> np.ndarray:
-        if self.reset_pending:
+    async def _compute_step(self, tokens: Sequence[int], top: int | None, rows: BatchStep | None = None
+                            ) -> np.ndarray:
+        """The step's logits: of its last token, or in a batch session (`rows`, told to the nodes) of each
+        sequence's where the step is one token of each of several."""
+        if rows is None and self.reset_pending:
             self._announce(top)
-        elif self.exchange.head_top is not None and (top is None or top > self.exchange.head_top):
+        elif rows is None and self.exchange.head_top is not None and (top is None or top > self.exchange.head_top):
             raise RuntimeError(f"this request's steps gather {self.exchange.head_top} logits a node, not {top}")
         # Blocks drained on the spot never yield: let the loop read the nodes' streams (heartbeats) once a step.
         await asyncio.sleep(0)
@@ -602,7 +620,7 @@ class Master:
             return self._whole_step(tokens)
         c = self.model.config
         x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
-        start = self.position
+        start = self.position if rows is None else rows.step
         weights = self.model.weights
         # Dynamic mapping ranks each block's units. Predictors that read one layer ahead rank a layer from the
         # previous layer's attention input: with the pred overlap while that layer's MLP partials travel,
@@ -612,12 +630,14 @@ class Master:
         overlap_pred = ahead and "pred" in self.config.overlap
         previous_input = None
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
-        norm = self.exchange.norm
+        # a batch's rows each normalized as alone (one sequence's prompt chunk too: as alone, whatever runs beside it)
+        norm = self.exchange.norm if rows is None else functools.partial(self.exchange.norm, each_row=True)
         head_sent: float | None = None  # when the native runner sent the LM head's input, where it did
         for layer in range(c.n_layers):
             # A one-token step's layers natively: every one where the first layer's links are clean, else those
             # after the first (the first then runs here: its stream copies, parity)
-            if layer <= 1 and len(tokens) == 1 and (participants := self._native_step(start, layer)) is not None:
+            if layer <= 1 and len(tokens) == 1 and rows is None and \
+                    (participants := self._native_step(start, layer)) is not None:
                 x = await self._run_native(x, start, participants, layer)
                 if (runner := self.exchange.runner).head is not None:  # it sent the LM head's input too: that one
                     head_sent, x = runner.r.head_sent, runner.head_input.copy()
@@ -627,7 +647,7 @@ class Master:
             attn_input = norm(x, lw.attn_norm, c.norm_eps)
             features = previous_input if ahead else attn_input
             attn_ranking = ranked[Block.ATTN] if ranked else self._rank(layer, Block.ATTN, features)
-            x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking)
+            x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking, rows=rows)
             mlp_input = norm(x, lw.ffn_norm, c.norm_eps)
             features = previous_input if ahead else mlp_input
             mlp_ranking = ranked[Block.MLP] if ranked else self._rank(layer, Block.MLP, features)
@@ -637,12 +657,70 @@ class Master:
                 into.update({b: self._rank(layer, b, features) for b in (Block.ATTN, Block.MLP)})
 
             x = x + await self._block(layer, Block.MLP, mlp_input, start, mlp_ranking,
-                                      while_waiting=predict_next if overlap_pred and layer + 1 < c.n_layers else None)
+                                      while_waiting=predict_next if overlap_pred and layer + 1 < c.n_layers else None,
+                                      rows=rows)
             previous_input = attn_input
-        self.position = start + len(tokens)
-        self.exchange.defer(functools.partial(self._forget_before, self.position - KEPT_POSITIONS))
-        head_input = x if head_sent is not None else norm(x[-1:], weights.output_norm, c.norm_eps)
-        return await self._block(0, Block.HEAD, head_input, start, sent_at=head_sent)
+        if rows is None:
+            self.position = end = start + len(tokens)
+        else:
+            end = start + 1
+        self.exchange.defer(functools.partial(self._forget_before, end - KEPT_POSITIONS))
+        # the LM head's rows: the last token's, or each sequence's of a batched step of several
+        last = x if rows is not None and len(rows.slots) > 1 else x[-1:]
+        head_input = x if head_sent is not None else norm(last, weights.output_norm, c.norm_eps)
+        return await self._block(0, Block.HEAD, head_input, start, sent_at=head_sent, rows=rows)
+
+    # --- a batch session (tp.batch) -------------------------------------------------------------------
+    def start_batch(self) -> bool:
+        """A batch session from here on: whether one had to start (a request, a replan or a rebalance since the last
+        made a new session: what the batch's caches held is gone)."""
+        def start() -> bool:
+            if self.batch_session == self.exchange.session:
+                return False
+            session = self.exchange.session + 1
+            # every block over the stream, as a prompt's: a step's rows are the batch's sequences'
+            self.exchange.new_session(session, Routes.for_transport("tcp", self.model.config.n_layers))
+            self.exchange.head_top = None
+            self.reset_pending = False
+            for node in self.membership.alive():
+                with contextlib.suppress(OSError, ConnectionError):
+                    node.channel.send(Reset(session, None, batch=True))
+            self.batch_session, self.batch_steps, self.batch_copies = session, 0, []
+            return True
+
+        return self.net.call(start)
+
+    async def batch_step(self, tokens: Sequence[int], slots: Sequence[int], starts: Sequence[int]) -> np.ndarray:
+        """One step of the batch session (start_batch): one sequence's tokens from starts[0] of slot slots[0] (its
+        last token's logits), or one token of each of several sequences (each one's logits, (rows, vocab)). Its rows
+        go to the nodes first (BatchStep), with the cache copies asked for since the last step."""
+        rows = BatchStep(self.exchange.session, self.batch_steps, tuple(slots), tuple(starts),
+                         tuple(n for copy in self.batch_copies for n in copy))
+        self.batch_steps += 1
+        self.batch_copies = []
+        if self.whole is not None:  # a plan that leaves every node out: the whole-model engine's slots
+            await asyncio.sleep(0)
+            if len(slots) == 1:
+                return self.whole.prefill(slots[0], tokens, starts[0])
+            return self.whole.decode(list(zip(slots, starts, tokens, strict=True)))
+        for node in self.deployed:
+            try:
+                node.channel.send(rows)
+            except (OSError, ConnectionError) as e:  # its units would be missing from every block
+                raise NodeLost(node.name) from e
+        return await self._compute_step(tokens, None, rows)
+
+    def copy_batch_cache(self, source: int, target: int, rows: int) -> None:
+        """The first `rows` cached positions of a batch's slot `source` into slot `target`: the master's own share
+        now, the nodes' before their next step's attention, layer by layer (BatchStep.copy)."""
+        def copy() -> None:
+            if self.whole is not None:
+                self.whole.copy_cache(source, target, rows)
+                return
+            self.shard.copy_cache(source, target, rows)
+            self.batch_copies.append((source, target, rows))
+
+        self.net.call(copy)
 
     def _forget_before(self, oldest: int) -> None:
         """Let go of what was kept for positions before `oldest` (the nodes' fetches, dynamic mapping's rankings)."""

@@ -73,6 +73,9 @@ class Routes:
         return (self.attn if block == Block.ATTN else self.mlp)[layer]
 
 
+# The most sequences a share holds at once (Assign.slots; serve --parallel's most)
+MAX_SLOTS = 64
+
 # Per layer, a node's priority indices under dynamic mapping: (attention, MLP).
 Priorities = tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
 
@@ -198,9 +201,12 @@ class Assign:
     # 250 Hz); both copies are seldom held at once. Device testbed, 5% loss, 7 nodes: a prompt block's 573 KB to
     # every node and back took 17-21 ms on average on one stream and 11-12 on two (5-9 at 0%: the copies' cost).
     spare_stream: bool = False
+    slots: int = 1  # sequences whose caches the share holds at once, for batch sessions (Reset.batch)
 
     def __post_init__(self) -> None:
         check_parity(self.parity)
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"a share holds 1 to {MAX_SLOTS} sequences, not {self.slots}")
 
 
 @dataclass(frozen=True)
@@ -224,10 +230,37 @@ class Reset:
 
     session: int
     top: int | None = None
+    # A batch session (tp.batch): its steps are numbered (an input's `position` is its step's number), each told by
+    # a BatchStep first, and every block goes over the stream.
+    batch: bool = False
 
     def __post_init__(self) -> None:
         if self.top is not None and self.top < 1:
             raise ValueError(f"top must be at least 1, not {self.top}")
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """What the rows of a batch session's step are, sent before its inputs. One sequence (one slot): its tokens
+    from position starts[0] of the sequence in slots[0] (a prompt's chunk); several: one token each, of the sequence
+    in slots[i] at position starts[i]. `copy`: (source, target, rows) after each other, where any: before the step's
+    attention at each layer, the keys and values of the first `rows` positions of slot `source` go to slot `target`
+    (a prompt that sequences share), in this order."""
+
+    session: int
+    step: int
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    copy: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.slots or len(self.slots) != len(self.starts) or len(set(self.slots)) != len(self.slots):
+            raise ValueError("a step's rows are distinct slots, each with its start")
+        if min(self.slots) < 0 or max(self.slots) >= MAX_SLOTS or min(self.starts) < 0 or self.step < 0:
+            raise ValueError("a step's slots, starts and number lie in range")
+        if len(self.copy) % 3 or any(not 0 <= slot < MAX_SLOTS for i, slot in enumerate(self.copy) if i % 3 < 2) \
+                or any(rows < 0 for rows in self.copy[2::3]):
+            raise ValueError("a step's copies are (source slot, target slot, rows) each")
 
 
 @dataclass(frozen=True)
@@ -259,7 +292,7 @@ class Shutdown:
 
 
 Message = (Register | Spare | Ready | Heartbeat | Fetch | Partial | Pong | BandwidthReply | Welcome | Assign | Input
-           | Reset | ParityOn | Ping | BandwidthProbe | Shutdown)
+           | Reset | BatchStep | ParityOn | Ping | BandwidthProbe | Shutdown)
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 MAX_PROBE_BYTES = 64 << 20  # the largest bandwidth reply a node sends
 

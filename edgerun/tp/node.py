@@ -73,6 +73,7 @@ from edgerun.tp.messages import (
     Assign,
     BandwidthProbe,
     BandwidthReply,
+    BatchStep,
     Fetch,
     Heartbeat,
     Input,
@@ -186,6 +187,12 @@ class Node:
         self.index = 0  # this node's index in the master's plan
         self.codec = Codec.F32
         self.routes: Routes | None = None  # each block's channel to the master (the master says)
+        self.assigned_routes: Routes | None = None  # the deployment's, which a batch session sets aside
+        # A batch session (Reset.batch): an input's position is its step's number, the steps' rows as the master
+        # told them (BatchStep), and per layer the steps whose attention is in the cache.
+        self.batch = False
+        self.steps: dict[int, BatchStep] = {}
+        self.step_done: list[int] = []
         self.parity = 0  # parity fragments after every partial (the master says; net.erasure)
         self.datagram_bytes = ETHERNET_UDP_PAYLOAD  # the largest UDP payload to and from the master (the master says)
         # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
@@ -290,7 +297,8 @@ class Node:
                     spec = every_unit_spec(self.model.config, spec)
                 build = functools.partial(build_share, self.model.config, self.model.weights, spec, message.max_len,
                                           self.threads, message.activations, dynamic=dynamic,
-                                          mapped_files=[self.model.path], device=self.device)
+                                          mapped_files=[self.model.path], device=self.device,
+                                          slots=message.slots)
                 self._assign(message, spec, await loop.run_in_executor(None, build))
                 settle_heap()
             else:
@@ -359,6 +367,7 @@ class Node:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
         self.index, self.codec, self.routes = message.index, message.codec, message.routes
+        self.assigned_routes = message.routes
         self.parity, self.datagram_bytes = message.parity, message.datagram_bytes
         self.priorities = message.priorities
         self.master_udp_port = message.udp_port
@@ -411,8 +420,10 @@ class Node:
 
     def _control(self, message: Message) -> None:
         match message:
-            case Reset(session, top):
-                self._new_session(session, top)
+            case Reset(session, top, batch):
+                self._new_session(session, top, batch)
+            case BatchStep(session) if session == self.session and self.batch:
+                self.steps[message.step] = message
             case Input(session, position, layer, block, ranking, vector):
                 if len(vector) % 4:
                     self.counters.reject("message")
@@ -445,8 +456,14 @@ class Node:
             case _:
                 self.counters.reject("unexpected")
 
-    def _new_session(self, session: int, top: int | None = None) -> None:
+    def _new_session(self, session: int, top: int | None = None, batch: bool = False) -> None:
         self.session, self.session_compute_s, self.session_decode_s, self.top = session, 0.0, 0.0, top
+        self.batch, self.steps = batch, {}
+        if self.model is not None:
+            self.step_done = [0] * self.model.config.n_layers
+            if self.assigned_routes is not None:  # a batch's every block goes over the stream, as a prompt's
+                self.routes = Routes.for_transport("tcp", self.model.config.n_layers) if batch else \
+                    self.assigned_routes
         if self.server is not None:
             self.server.new_session()
         self.inputs.clear()
@@ -570,7 +587,7 @@ class Node:
         if entry is not None:
             return entry.done or entry.value() is not None
         _, position, layer, block = key
-        lengths = self.shard.lengths
+        lengths = self._done()
         return block == Block.ATTN and 0 <= layer < len(lengths) and position < lengths[layer]
 
     def _on_datagram(self, header: Header, payload: bytes, _: tuple[str, int]) -> None:
@@ -649,14 +666,14 @@ class Node:
                 entry.done = True
                 self._compute_and_send(position, layer, block, entry.value(), ranking=self._ranking(entry, block))
             return
-        lengths = self.shard.lengths
+        lengths = self._done()
         if position < lengths[layer]:  # already cached (a copy that came both ways)
             self.inputs.pop(key, None)
         while position == lengths[layer]:
             entry = self.inputs.get(key)
             x = None if entry is None else entry.value()
-            if x is None:
-                return
+            if x is None or (self.batch and position not in self.steps):  # its rows are told on the stream first:
+                return  # a copy on the spare stream that came before them waits for the first stream's
             del self.inputs[key]
             self._compute_and_send(position, layer, block, x, output=not entry.fetched,
                                    ranking=self._ranking(entry, block))
@@ -666,7 +683,7 @@ class Node:
     def _fetch_missing(self) -> None:
         """Fetch each layer's next attention input once the master has clearly moved past it."""
         now_position, now_layer, now_block = self.latest_seen
-        lengths = self.shard.lengths
+        lengths = self._done()
         for layer in self.attn_layers:  # runs for every input: plain comparisons, no tuples
             position = lengths[layer]
             if position > now_position or (position == now_position and (
@@ -684,9 +701,16 @@ class Node:
     def _drop_stale_inputs(self) -> None:
         """Forget incomplete stateless inputs of finished steps and stray fragments of cached
         attention inputs: they will never be computed. Once a step, not on every block."""
-        now, lengths = self.latest_seen[0], self.shard.lengths
+        now, lengths = self.latest_seen[0], self._done()
         self.inputs = {k: v for k, v in self.inputs.items()
                        if (k[1] >= lengths[k[2]] if k[3] == Block.ATTN else k[1] >= now)}
+        if self.steps:  # the rows of steps every layer's attention has taken
+            done = min((lengths[layer] for layer in self.attn_layers), default=now)
+            self.steps = {step: rows for step, rows in self.steps.items() if step >= done}
+
+    def _done(self) -> list[int]:
+        """Per layer, the next attention input the cache takes: a position, or in a batch session a step."""
+        return self.step_done if self.batch else self.shard.lengths
 
     def _ranking(self, entry: _Input, block: Block) -> tuple[int, ...] | None:
         if self.priorities is None or block == Block.HEAD:
@@ -706,14 +730,19 @@ class Node:
             else:
                 units = [ranking[p] for p in self.priorities[0 if block == Block.ATTN else 1][layer]]
         started = time.perf_counter()
-        if block == Block.ATTN:
+        if block == Block.ATTN and self.batch:
+            rows = self.steps[position]
+            out = self.shard.step_attention(layer, x, rows.slots, rows.starts, rows.copy)
+            self.step_done[layer] = position + 1
+            out = out if output else None
+        elif block == Block.ATTN:
             out = self.shard.attention(layer, x, position, output=output, units=units)
         elif block == Block.MLP:
             out = self.shard.mlp(layer, x, groups=units) if output else None
             if self.server is not None and x.shape[0] == 1:  # its datagram's copies then find it computed natively
                 self.server.mlp_taken[layer] = position
         else:
-            _, out = self.shard.logits(x[-1:])
+            _, out = self.shard.logits(x)  # the rows the master sent: a request's last token, a batch's each one
             if self.top is not None:  # the session's sampler picks from no more: the rest stays here
                 out = head_top(out, self.top)
         took = time.perf_counter() - started
