@@ -294,13 +294,13 @@ def test_bench_serve_starts_its_own_server(shipped_path: Path) -> None:
 
 
 def test_bench_serve_starts_a_cluster_and_says_which_devices_computed() -> None:
-    """--nodes: a tensor-parallel cluster of the server and its nodes; --workers: a pipeline of workers alone (with
-    --parallel, batched on its stages). Each row says the devices of the plan it ran on; bad combinations are one
-    line."""
+    """--nodes: a tensor-parallel cluster of the server and its nodes (with --parallel, batched on its shares);
+    --workers: a pipeline of workers alone (with --parallel, batched on its stages). Each row says the devices of the
+    plan it ran on; bad combinations are one line."""
     from edgerun.bench.serve import ServeBenchConfig, bench_serve, serve_table
     from edgerun.errors import EdgerunError
 
-    rows = bench_serve(ServeBenchConfig(streams=(1, 2), max_tokens=4, nodes=1))
+    rows = bench_serve(ServeBenchConfig(streams=(1, 2), max_tokens=4, nodes=1, parallel=2))
     assert [r.tokens for r in rows] == [4, 8]
     assert all(r.served_by == "the cluster, computed on 2 device(s): master, bench-0" for r in rows)
     # a batched pipeline, against the single engine's one stream timed first (--baseline)
@@ -308,7 +308,7 @@ def test_bench_serve_starts_a_cluster_and_says_which_devices_computed() -> None:
     assert rows[0].tokens == 8 and rows[0].served_by.startswith("the cluster, computed on 2 device(s): bench-")
     assert rows[0].vs_single is not None and rows[0].vs_single > 0
     assert "x single" in serve_table(rows)
-    for bad in (dict(nodes=1, workers=1), dict(nodes=1, parallel=2), dict(url="http://127.0.0.1:1", nodes=1),
+    for bad in (dict(nodes=1, workers=1), dict(workers=1, experts=1), dict(url="http://127.0.0.1:1", nodes=1),
                 dict(url="http://127.0.0.1:1", baseline=True)):
         with pytest.raises(EdgerunError):
             ServeBenchConfig(**bad)
@@ -701,6 +701,42 @@ def test_a_pipeline_batches_parallel_requests(shipped_path: Path, shipped_model,
         assert one(0) == reference  # served on the new plan
     finally:
         for proc in workers.values():
+            proc.kill()
+            proc.wait()
+        s.close()
+
+
+def test_a_tensor_parallel_cluster_batches_parallel_requests(shipped_path: Path) -> None:
+    """--plan even --no-local --parallel 4: the master's and both nodes' shares hold four sequences' caches; four
+    streams at once step together (every block carries the batch's rows) and each answers as it does alone
+    (greedy and seeded). Kill -9 a node during four streams: the master plans over the one left, the batch's
+    sequences prefill their context again and every stream completes (int8 shares may then part from the
+    undisturbed answer at a near-tie, so the text is not compared); then served on the new plan."""
+    s = Serving("--plan", "even", "--no-local", "--parallel", "4", "--cluster-port", "0", "--no-advertise",
+                "--max-context", "256")
+    nodes = {name: start_node(s.cluster, name) for name in ("n1", "n2")}
+    try:
+        wait_until(lambda: s.state()["mode"] == "cluster" and len((s.state()["plan"] or {}).get("devices", ())) == 3,
+                   180, "a plan over both nodes")
+        client = s.client()
+        prompts = [QUESTION] + [f"Name a city that starts with the letter {c}." for c in "ABC"]
+
+        def one(i: int, on_text=None) -> str:
+            return stream_chat(client, prompts[i], on_text, max_tokens=16,
+                               **({"temperature": 0} if i == 0 else {"temperature": 0.7, "seed": i}))
+
+        alone = [one(i) for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(one, range(4)))
+        assert together == alone
+        assert s.state()["queue"]["parallel"] == 4
+        disturbed = four_streams_killing(one, nodes["n1"])
+        assert all(disturbed), disturbed
+        assert any("prefill their context again" in line for line in s.lines), "".join(s.lines[-20:])
+        wait_until(lambda: len(s.state()["plan"]["devices"]) == 2, 30, "a plan without n1")
+        assert one(1)
+    finally:
+        for proc in nodes.values():
             proc.kill()
             proc.wait()
         s.close()

@@ -69,9 +69,6 @@ class ServeBenchConfig:
                 sum(bool(n) for n in (self.nodes, self.workers, self.experts)) > 1:
             raise EdgerunError("--nodes, --workers or --experts: a tensor-parallel cluster, a pipeline or an expert "
                                "hub, one of them")
-        if self.parallel > 1 and self.nodes:
-            raise EdgerunError("--parallel batches the server's own engine, a pipeline's stages or an expert hub: "
-                               "not with --nodes")
         if self.url is not None and (self.nodes or self.workers or self.experts or self.parallel > 1
                                      or self.baseline):
             raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --experts, "
@@ -227,6 +224,8 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
                      "--max-context", str(PIPELINE_CONTEXT)]
         else:
             argv += ["--plan", config.plan]
+            if config.parallel > 1:  # the batch on the cluster's shares (the master's own among them)
+                argv += ["--no-local", "--parallel", str(config.parallel), "--max-context", str(PIPELINE_CONTEXT)]
     else:
         argv += ["--no-cluster", "--parallel", str(config.parallel)]
     if config.model is not None:

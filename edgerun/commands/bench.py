@@ -337,7 +337,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=thread_count, default=1, help="the started server's threads (default: 1)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="the started server's --parallel: requests it decodes together, on its own engine or, "
-                        "with --workers, on the pipeline's stages, with --experts, on the expert hub (default: 1)")
+                        "with --nodes, on the tensor-parallel shares (the server's own engine then left out, "
+                        "--max-context 512), with --workers, on the pipeline's stages, with --experts, on the "
+                        "expert hub (default: 1)")
     p.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="start N tensor-parallel node processes beside the server and measure once its plan takes "
                         "them all (--prefer cluster) (default: 0, the server's own engine)")

@@ -76,10 +76,12 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                         "its steps with a cache of its own (N caches of --max-context rows, refused where they would "
                         "not fit in free memory), its prompt prefilled in chunks between the others' tokens, a prompt "
                         "or prefix another sequence prefilled taken from its cache; at most 64; needs --no-cluster "
-                        "and the ggml engine, or --plan dp --no-local: a pipeline whose ggml stages each hold N "
-                        "sequences, a step's sequences going through the stages in micro-batches at once, or "
-                        "--plan moe --no-local: the expert hub holds N sequences' caches and sends each expert one "
-                        "dispatch of every token of a step that chose it (default: 1, one request at a time)")
+                        "and the ggml engine, or --no-local and a cluster: tensor-parallel (int8 activations), whose "
+                        "every share holds N sequences and every block carries a step's rows at once; --plan dp, a "
+                        "pipeline whose ggml stages each hold N sequences, a step's sequences going through the "
+                        "stages in micro-batches at once; --plan moe, the expert hub holds N sequences' caches and "
+                        "sends each expert one dispatch of every token of a step that chose it (default: 1, one "
+                        "request at a time)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")

@@ -77,10 +77,13 @@ class ServeConfig:
         if not 1 <= self.parallel <= MAX_PARALLEL:
             raise EdgerunError(f"--parallel must be from 1 to {MAX_PARALLEL}")
         if self.parallel > 1 and not ((self.local and self.cluster_port is None) or
-                                      (self.plan in ("dp", "moe") and self.cluster_port is not None
-                                       and not self.local)):
-            raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster), a pipeline's "
-                               "stages (with --plan dp --no-local) or an expert hub (with --plan moe --no-local)")
+                                      (self.cluster_port is not None and not self.local)):
+            raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster) or a cluster's "
+                               "(with --no-local): a tensor-parallel cluster's shares, a pipeline's stages (--plan "
+                               "dp) or an expert hub (--plan moe)")
+        if self.parallel > 1 and self.plan not in ("dp", "moe") and self.activations is Activations.F32:
+            raise EdgerunError("--parallel on a tensor-parallel cluster runs on ggml shares: int8 activations, not "
+                               "--activations f32")
         if self.replicas < 1:
             raise EdgerunError("--replicas must be at least 1")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
@@ -151,6 +154,10 @@ class Server:
                 batch = BatchLoop(single)  # type: ignore[arg-type]  # a GgmlEngine
             elif config.parallel > 1 and config.plan == "moe":  # the hub's sequences, one dispatch per expert a step
                 batch = BatchLoop(self.cluster.engine)
+            elif config.parallel > 1 and config.plan != "dp":  # every share's slots, one exchange a block for all
+                from edgerun.tp.batch import TpBatch
+
+                batch = BatchLoop(TpBatch(self.cluster.engine))
             elif config.parallel > 1:  # a pipeline's stages in lanes (pp.batch), each stepping in a thread
                 batch = self._pipeline_lanes(self.cluster.engine, config.parallel)
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
@@ -222,7 +229,8 @@ class Server:
                                                              port=config.cluster_port,
                                                              max_len=max_len, threads=config.threads,
                                                              transport=config.transport,
-                                                             activations=config.activations),
+                                                             activations=config.activations,
+                                                             slots=config.parallel),
                             log=lambda m: log(f"cluster: {m}"))
             return TensorParallel(master, plan_file, lambda m: log(f"cluster: {m}"))
         except OSError as e:
