@@ -522,6 +522,17 @@ def rms_norm(path: FastPath, x: np.ndarray, weight: np.ndarray, eps: float) -> n
     return out
 
 
+def rms_norm_rows(path: FastPath, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """The runner's RMS norm of each row of x (float32 (rows, hidden)), each as rms_norm gives it alone."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    hidden = x.shape[-1]
+    row, source, target, w = hidden * 4, x.ctypes.data, out.ctypes.data, weight.ctypes.data
+    for i in range(x.shape[0]):
+        path.lib.er_rms_norm(source + i * row, w, target + i * row, hidden, eps)
+    return out
+
+
 class _ShareBlock(ctypes.Structure):
     _fields_ = [("graph", ctypes.c_void_p), ("graph_in", ctypes.c_void_p), ("graph_out", ctypes.c_void_p),
                 ("pos", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("mask", ctypes.c_void_p),

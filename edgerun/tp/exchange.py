@@ -38,6 +38,7 @@ from edgerun.net.fastpath import (
     native_mtu,
     one_datagram_bytes,
     rms_norm,
+    rms_norm_rows,
 )
 from edgerun.net.group import PROBE_LAYER, GroupSender
 from edgerun.net.loss import NoLoss
@@ -575,7 +576,9 @@ class BlockExchange:
         if self.fast is not None and x.shape[0] == 1:
             return rms_norm(self.fast, x, weight, eps)
         if each_row and x.shape[0] > 1:
-            return np.concatenate([self.norm(x[i:i + 1], weight, eps) for i in range(x.shape[0])])
+            if self.fast is not None:
+                return rms_norm_rows(self.fast, x, weight, eps)
+            return np.concatenate([rms_norm_fast(x[i:i + 1], weight, eps) for i in range(x.shape[0])])
         return rms_norm_fast(x, weight, eps)
 
     def runs_natively(self, nodes: Iterable[NodeConn]) -> bool:

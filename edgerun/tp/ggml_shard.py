@@ -42,7 +42,8 @@ from edgerun.profile.memory import huge_pages, release_mapped_files
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, _rows, _ShareBase
 
 BLOCK_GRAPH_NODES = 64
-# Batched attention graphs kept (one per make-up of slots and cache lengths); past that many they are all let go.
+# Batched attention graphs kept (a layer's one per make-up of slots and cache lengths), this many make-ups' worth for
+# every layer; past that they are all let go.
 BATCH_GRAPHS_KEPT = 32
 # The graph key's first field of a batched attention block (beside Block's members)
 ROWS = "rows"
@@ -150,7 +151,8 @@ class GgmlShard(_ShareBase):
             # One-token graphs and batched steps' are kept (the batches' up to BATCH_GRAPHS_KEPT make-ups); prompts
             # come in every length and are laid out in the scratch buffer.
             keep = key[2] == 1 or key[0] == ROWS
-            if key[0] == ROWS and sum(k[0] == ROWS for k in self._graphs) >= BATCH_GRAPHS_KEPT:
+            if key[0] == ROWS and \
+                    sum(k[0] == ROWS for k in self._graphs) >= BATCH_GRAPHS_KEPT * self.config.n_layers:
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != ROWS}
             graph = build(None if keep else self._scratch)
             if keep:
