@@ -630,8 +630,9 @@ class Master:
         overlap_pred = ahead and "pred" in self.config.overlap
         previous_input = None
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
-        # a batch's rows each normalized as alone (one sequence's prompt chunk too: as alone, whatever runs beside it)
-        norm = self.exchange.norm if rows is None else functools.partial(self.exchange.norm, each_row=True)
+        # a batched step's rows (several sequences, one token each) each normalized as that sequence's token alone
+        norm = self.exchange.norm if rows is None or len(rows.slots) == 1 else \
+            functools.partial(self.exchange.norm, each_row=True)
         head_sent: float | None = None  # when the native runner sent the LM head's input, where it did
         for layer in range(c.n_layers):
             # A one-token step's layers natively: every one where the first layer's links are clean, else those
