@@ -1056,6 +1056,8 @@ def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) ->
         loop = BatchLoop(engine, prefill_chunk=16)
         assert drain_batch(loop, model, [0, 1, 2, 3, 4], late=4) == alone
         assert loop.reused_tokens > 0  # prompt 4 is prompt 1: its rows came from slot to slot
+        with pytest.raises(RuntimeError, match="batch session"):  # its nodes take positions as its step numbers
+            master.step([1])
         blocks = master.stats.blocks
         assert master.generate(model.tokenizer.encode(PROMPT), 4, GREEDY)  # a new session
         assert drain_batch(loop, model, [1, 4, 0]) == {i: alone[i] for i in (1, 4, 0)}

@@ -612,6 +612,8 @@ class Master:
         sequence's where the step is one token of each of several."""
         if rows is None and self.reset_pending:
             self._announce(top)
+        elif rows is None and self.exchange.session == self.batch_session:  # the nodes number a batch's steps
+            raise RuntimeError("a batch session runs: a request's steps begin with reset()")
         elif rows is None and self.exchange.head_top is not None and (top is None or top > self.exchange.head_top):
             raise RuntimeError(f"this request's steps gather {self.exchange.head_top} logits a node, not {top}")
         # Blocks drained on the spot never yield: let the loop read the nodes' streams (heartbeats) once a step.
