@@ -163,11 +163,8 @@ class GgmlShard(_ShareBase):
                   units: Sequence[int] | None = None, slot: int = 0) -> np.ndarray | None:
         """The attention partial of tokens at positions start.. of the sequence in `slot`."""
         began = time.perf_counter()
-        if units is not None:
-            raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
         self._check_slot(slot)
-        x = _rows(x_norm, self.config.hidden)
-        end = self._advance(layer, start, x.shape[0], slot)
+        x, end = self._static_attention_input(layer, x_norm, start, units, slot)
         seq = x.shape[0]
         tensors = self.attn[layer]
         if tensors is None:

@@ -516,13 +516,14 @@ class Master:
         self.reset_pending = True
         self.position = 0
 
-    def _announce(self, top: int | None) -> None:
+    def _announce(self, top: int | None, batch: bool = False) -> None:
         """The request's Reset to every node: its session, and how many of the largest logits its sampler draws
-        from (each node's LM-head partial is then that many, not its whole vocabulary share)."""
+        from (each node's LM-head partial is then that many, not its whole vocabulary share); or a batch
+        session's (start_batch)."""
         self.exchange.head_top = top
         for node in self.membership.alive():
             with contextlib.suppress(OSError, ConnectionError):
-                node.channel.send(Reset(self.exchange.session, top))
+                node.channel.send(Reset(self.exchange.session, top, batch=batch))
         self.reset_pending = False
 
     def _participants(self, layer: int, block: Block) -> list[NodeConn]:
@@ -683,11 +684,7 @@ class Master:
             session = self.exchange.session + 1
             # every block over the stream, as a prompt's: a step's rows are the batch's sequences'
             self.exchange.new_session(session, Routes.for_transport("tcp", self.model.config.n_layers))
-            self.exchange.head_top = None
-            self.reset_pending = False
-            for node in self.membership.alive():
-                with contextlib.suppress(OSError, ConnectionError):
-                    node.channel.send(Reset(session, None, batch=True))
+            self._announce(None, batch=True)
             self.batch_session, self.batch_steps, self.batch_copies = session, 0, []
             return True
 

@@ -204,13 +204,13 @@ class _ShareBase:
         return end
 
     def _static_attention_input(self, layer: int, x_norm: np.ndarray, start: int,
-                                units: Sequence[int] | None) -> tuple[np.ndarray, int]:
-        """A static share's attention input as rows (seq, hidden), its layer's cache advanced to take them, and the
-        cache's new length."""
+                                units: Sequence[int] | None, slot: int = 0) -> tuple[np.ndarray, int]:
+        """A static share's attention input as rows (seq, hidden), its layer's cache (of the sequence in `slot`)
+        advanced to take them, and the cache's new length."""
         if units is not None:
             raise ValueError("a static share computes its own units; dynamic mapping runs on DynamicQuantShard")
         x = _rows(x_norm, self.config.hidden)
-        return x, self._advance(layer, start, x.shape[0])
+        return x, self._advance(layer, start, x.shape[0], slot)
 
     def _group_ranges(self, groups: Sequence[int]) -> list[tuple[int, int]]:
         """The intermediate rows [start, stop) of each MLP group."""
