@@ -18,7 +18,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model import ggml_lib, kernels
-from edgerun.model.config import ModelConfig
+from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore, head
 from edgerun.model.loader import Model
 from edgerun.model.quant import QuantTensor
@@ -55,6 +55,8 @@ class AttnTensors:
     v_cache: int
     n_heads: int  # query heads, and KV heads, these weights hold
     n_kv_heads: int
+    layer: int = 0  # the model's layer (its sliding window and RoPE base)
+    rope_freqs: int | None = None  # Llama 3's RoPE frequency factors
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class LayerTensors:
     w_gate: int
     w_up: int
     w_down: int
+    attn_post_norm: int | None = None
+    ffn_post_norm: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,24 +80,30 @@ class StepInputs:
     mask: int
     n: int  # tokens
     n_kv: int  # cache rows read
+    window: int = 0  # a model with windowed layers: how far they reach back, their mask `window_mask`
+    window_mask: int | None = None
 
     @classmethod
-    def of(cls, gc: GraphContext, n: int, n_kv: int) -> StepInputs:
+    def of(cls, gc: GraphContext, n: int, n_kv: int, window: int = 0) -> StepInputs:
         return cls(gc.input(ggml_lib.I32, n), gc.input(ggml_lib.I64_TYPE, n), gc.input(ggml_lib.F16, n_kv, n), n,
-                   n_kv)
+                   n_kv, window, gc.input(ggml_lib.F16, n_kv, n) if window else None)
 
     def set(self, gc: GraphContext, start: int, mask: np.ndarray, base: int = 0) -> None:
         """Positions start.., written to cache rows base + start.., and a mask where token i sees the rows of
         positions 0..start+i (written straight into the graph's memory on the CPU; through `mask`, (n, n_kv),
-        elsewhere). `base`: the sequence's first cache row (its slot's, in an engine of several)."""
+        elsewhere), and the windowed layers' mask. `base`: the sequence's first cache row (its slot's, in an
+        engine of several)."""
         pos, rows, view = gc.view(self.pos), gc.view(self.rows), gc.view(self.mask)
         if pos is None or rows is None or view is None:
             positions = np.arange(start, start + self.n, dtype=np.int32)
             gc.set(self.pos, positions)
             gc.set(self.rows, positions.astype(np.int64) + base)
-            self._fill(mask, start)
+            fill_mask(mask, start, 0)
             gc.set(self.mask, mask)
-        elif self.n == 1:  # a decode step: a few scalar writes and one fill
+            if self.window_mask is not None:
+                gc.set(self.window_mask, fill_mask(mask, start, self.window))
+            return
+        if self.n == 1:  # a decode step: a few scalar writes and one fill
             pos[0] = start
             rows[0] = base + start
             view[:] = -np.inf
@@ -101,12 +111,18 @@ class StepInputs:
         else:
             pos[:] = np.arange(start, start + self.n)
             rows[:] = np.arange(base + start, base + start + self.n)
-            self._fill(view.reshape(self.n, self.n_kv), start)
+            fill_mask(view.reshape(self.n, self.n_kv), start, 0)
+        if self.window_mask is not None:
+            fill_mask(gc.view(self.window_mask).reshape(self.n, self.n_kv), start, self.window)
 
-    def _fill(self, mask: np.ndarray, start: int) -> None:
-        mask[:] = -np.inf
-        for i in range(self.n):
-            mask[i, : start + i + 1] = 0
+
+def fill_mask(mask: np.ndarray, start: int, window: int) -> np.ndarray:
+    """Token i (at position start + i) sees the rows of positions 0..start+i, or with a window the last `window`
+    of them (its own included), as llama.cpp's standard sliding window masks."""
+    mask[:] = -np.inf
+    for i in range(mask.shape[0]):
+        mask[i, max(0, start + i - window + 1) if window else 0: start + i + 1] = 0
+    return mask
 
 
 def linear(ctx: int, w: int, x: int, bias: int | None, t) -> int:
@@ -126,6 +142,7 @@ class Span:
     base: int
     n_kv: int
     mask: int
+    window_mask: int | None = None  # the windowed layers' (a model with any)
 
 
 @dataclass(frozen=True)
@@ -139,24 +156,27 @@ class BatchInputs:
     bases: tuple[int, ...]  # each sequence's first cache row
 
     @classmethod
-    def of(cls, gc: GraphContext, make_up: Sequence[tuple[int, int]], max_len: int) -> BatchInputs:
+    def of(cls, gc: GraphContext, make_up: Sequence[tuple[int, int]], max_len: int, window: int = 0) -> BatchInputs:
         b = len(make_up)
         masks = tuple(gc.input(ggml_lib.F16, n_kv, 1) for _, n_kv in make_up)
+        windows = tuple(gc.input(ggml_lib.F16, n_kv, 1) if window else None for _, n_kv in make_up)
         inputs = StepInputs(gc.input(ggml_lib.I32, b), gc.input(ggml_lib.I64_TYPE, b), masks[0], b,
-                            max(n_kv for _, n_kv in make_up))
+                            max(n_kv for _, n_kv in make_up), window, windows[0])
         bases = tuple(slot * max_len for slot, _ in make_up)
-        spans = tuple(Span(i, 1, base, n_kv, mask)
-                      for i, (base, (_, n_kv), mask) in enumerate(zip(bases, make_up, masks, strict=True)))
+        spans = tuple(Span(i, 1, base, n_kv, mask, window_mask) for i, (base, (_, n_kv), mask, window_mask)
+                      in enumerate(zip(bases, make_up, masks, windows, strict=True)))
         return cls(inputs, masks, spans, bases)
 
     def set(self, gc: GraphContext, positions: Sequence[int]) -> None:
-        """Each sequence's position, the cache row it writes and its mask (the rows of positions 0..its own)."""
+        """Each sequence's position, the cache row it writes and its masks (the rows of positions 0..its own; the
+        windowed layers' the last `window` of them)."""
         gc.set(self.inputs.pos, np.asarray(positions, np.int32))
         gc.set(self.inputs.rows, np.asarray(positions, np.int64) + np.asarray(self.bases, np.int64))
         for span, position in zip(self.spans, positions, strict=True):
-            row = np.full(span.n_kv, -np.inf, np.float16)
-            row[:position + 1] = 0
-            gc.set(span.mask, row)
+            row = np.empty((1, span.n_kv), np.float16)
+            gc.set(span.mask, fill_mask(row, position, 0))
+            if span.window_mask is not None:
+                gc.set(span.window_mask, fill_mask(row, position, self.inputs.window))
 
 
 def copy_rows(store: WeightStore, caches: Sequence[int], source: int, target: int, rows: int) -> None:
@@ -186,23 +206,25 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
     if a.q_norm is not None:
         q = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, q, eps), t(a.q_norm))
         k = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, k, eps), t(a.k_norm))
-    q = g.ggml_rope_ext(ctx, q, inputs.pos, None, hd, rope_mode, c.context_length, c.rope_base, 1.0, 0.0, 1.0, 0.0,
-                        0.0)
-    k = g.ggml_rope_ext(ctx, k, inputs.pos, None, hd, rope_mode, c.context_length, c.rope_base, 1.0, 0.0, 1.0, 0.0,
-                        0.0)
+    factors, base = None if a.rope_freqs is None else t(a.rope_freqs), c.rope_base_of(a.layer)
+    q = g.ggml_rope_ext(ctx, q, inputs.pos, factors, hd, rope_mode, c.context_length, base, 1.0, 0.0, 1.0, 0.0, 0.0)
+    k = g.ggml_rope_ext(ctx, k, inputs.pos, factors, hd, rope_mode, c.context_length, base, 1.0, 0.0, 1.0, 0.0, 0.0)
+    if c.query_scale:  # as llama.cpp's Gemma graph: the queries scaled, the scores not
+        q = g.ggml_scale(ctx, q, c.query_scale)
+    windowed = c.window(a.layer) > 0
     # into the cache before the attention that reads it (graph order)
     kc, vc = t(a.k_cache), t(a.v_cache)
     gc.expand(g.ggml_set_rows(ctx, kc, g.ggml_reshape_2d(ctx, k, a.n_kv_heads * hd, n), inputs.rows))
     gc.expand(g.ggml_set_rows(ctx, vc, v, inputs.rows))
     row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
     outs = []
-    for span in spans or (Span(0, n, 0, inputs.n_kv, inputs.mask),):
+    for span in spans or (Span(0, n, 0, inputs.n_kv, inputs.mask, inputs.window_mask),):
         qs = q if span.n == n else \
             g.ggml_view_3d(ctx, q, hd, a.n_heads, span.n, head(q).nb[1], head(q).nb[2], span.col * head(q).nb[2])
         keys, values = (g.ggml_permute(ctx, g.ggml_view_3d(ctx, cache, hd, a.n_kv_heads, span.n_kv, per_head, row,
                                                            span.base * row), 0, 2, 1, 3) for cache in (kc, vc))
-        out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, qs, 0, 2, 1, 3), keys, values, span.mask,
-                                    1.0 / float(np.sqrt(hd)), 0.0, 0.0)
+        out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, qs, 0, 2, 1, 3), keys, values,
+                                    span.window_mask if windowed else span.mask, c.score_scale, 0.0, 0.0)
         g.ggml_prec_set_acc(out, ggml_lib.PREC_F32)
         outs.append(g.ggml_reshape_2d(ctx, out, a.n_heads * hd, span.n))
     joined = functools.reduce(lambda x, y: g.ggml_concat(ctx, x, y, 1), outs)
@@ -224,11 +246,13 @@ def lm_head(ctx: int, store: WeightStore, output: int, h: int) -> int:
     return functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 0), products)
 
 
-def mlp_block(ctx: int, t, w_gate: int, w_up: int, w_down: int, h: int) -> int:
-    """SwiGLU of normalized hidden states h through these rows of gate and up and columns of down."""
+def mlp_block(ctx: int, t, w_gate: int, w_up: int, w_down: int, h: int,
+              activation: Activation = Activation.SILU) -> int:
+    """SwiGLU (or GeGLU) of normalized hidden states h through these rows of gate and up and columns of down."""
     g = ggml_lib.lib()
     gate, up = kernels.product(ctx, t(w_gate), h), kernels.product(ctx, t(w_up), h)
-    return kernels.product(ctx, t(w_down), g.ggml_swiglu_split(ctx, gate, up))
+    glu = g.ggml_geglu_split if activation == Activation.GELU_TANH else g.ggml_swiglu_split
+    return kernels.product(ctx, t(w_down), glu(ctx, gate, up))
 
 
 def file_interleaved(layer: LayerWeights, config: ModelConfig) -> bool:
@@ -301,6 +325,7 @@ class GgmlEngine:
         # Decided on every layer, so every stage of one model rotates alike.
         interleaved = all(file_interleaved(layer, c) for layer in w.layers)
         self.rope_mode = ggml_lib.ROPE_NORM if interleaved else ggml_lib.ROPE_NEOX
+        rope_freqs = None if w.rope_freqs is None else add("rope_freqs", w.rope_freqs)
         for i in self.layer_range:
             layer = w.layers[i]
             def opt(name: str, value: np.ndarray | None, i: int = i) -> int | None:
@@ -317,14 +342,16 @@ class GgmlEngine:
                 q_norm=opt("q_norm", layer.q_norm), k_norm=opt("k_norm", layer.k_norm),
                 k_cache=self.weights.cache(f"blk.{i}.k_cache", c.kv_dim, max_len * slots),
                 v_cache=self.weights.cache(f"blk.{i}.v_cache", c.kv_dim, max_len * slots),
-                n_heads=c.n_heads, n_kv_heads=c.n_kv_heads)
+                n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, layer=i, rope_freqs=rope_freqs)
             self.layers.append(LayerTensors(
                 attn_norm=add(f"blk.{i}.attn_norm", layer.attn_norm), attn=attn,
                 ffn_norm=add(f"blk.{i}.ffn_norm", layer.ffn_norm),
                 w_gate=add(f"blk.{i}.w_gate", layer.w_gate), w_up=add(f"blk.{i}.w_up", layer.w_up),
-                w_down=add(f"blk.{i}.w_down", layer.w_down)))
+                w_down=add(f"blk.{i}.w_down", layer.w_down), attn_post_norm=opt("attn_post_norm",
+                                                                                layer.attn_post_norm),
+                ffn_post_norm=opt("ffn_post_norm", layer.ffn_post_norm)))
         self.weights.upload(release=lambda: release_mapped_files([model.path]))
-        self.embed = ggml_lib.rows_to_float(w.token_embd) if self.embeds else None
+        self.embed = embedding(model) if self.embeds else None
         if device == "cpu":  # in huge pages, as the onnx engine's repacked weights: streamed every token, 4 KB
             # pages miss the TLB once a page and stop the prefetchers at every page's end
             huge_pages()
@@ -433,15 +460,27 @@ def _layers(gc: GraphContext, engine: GgmlEngine, x: int, inputs: StepInputs, sp
     position's alone (after the last attention, which every position's keys and values fed, the other positions
     are done and skip the last MLP, as llama.cpp's graph does with its output rows)."""
     g, c, t, ctx = ggml_lib.lib(), engine.config, engine.weights.tensor, gc.ctx
+    def normed(y: int, weight: int | None) -> int:
+        return y if weight is None else g.ggml_mul(ctx, g.ggml_rms_norm(ctx, y, c.norm_eps), t(weight))
+
     for i, layer in enumerate(engine.layers):
-        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.attn_norm))
-        x = g.ggml_add(ctx, x, attention_block(gc, t, c, layer.attn, h, inputs, engine.rope_mode, spans))
+        out = attention_block(gc, t, c, layer.attn, normed(x, layer.attn_norm), inputs, engine.rope_mode, spans)
         if last_only and i == len(engine.layers) - 1 and inputs.n > 1:
             stride = head(x).nb[1]
             x = g.ggml_view_2d(ctx, x, c.hidden, 1, stride, (inputs.n - 1) * stride)
-        h = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, c.norm_eps), t(layer.ffn_norm))
-        x = g.ggml_add(ctx, x, mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, h))
+            out = g.ggml_view_2d(ctx, out, c.hidden, 1, head(out).nb[1], (inputs.n - 1) * head(out).nb[1])
+        x = g.ggml_add(ctx, x, normed(out, layer.attn_post_norm))
+        out = mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, normed(x, layer.ffn_norm), c.activation)
+        x = g.ggml_add(ctx, x, normed(out, layer.ffn_post_norm))
     return x
+
+
+def embedding(model: Model):
+    """Token ids -> their rows of the embedding, float32 (times the model's embedding scale: Gemma's sqrt(hidden),
+    as llama.cpp scales them in float32)."""
+    rows = ggml_lib.rows_to_float(model.weights.token_embd)
+    scale = np.float32(model.config.embed_scale)
+    return rows if scale == 1.0 else lambda ids: rows(ids) * scale
 
 
 def _logits(gc: GraphContext, engine: GgmlEngine, x: int) -> int:
@@ -463,9 +502,9 @@ class StepGraph:
         self.base = base
         self.gc = GraphContext(engine.backend, len(engine.layers) * GRAPH_NODES_PER_LAYER + 64)
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, n)
-        self.inputs = StepInputs.of(self.gc, n, n_kv)
-        x = _layers(self.gc, engine, self.embd, self.inputs, (Span(0, n, base, n_kv, self.inputs.mask),),
-                    last_only=engine.has_head)
+        self.inputs = StepInputs.of(self.gc, n, n_kv, c.sliding_window)
+        x = _layers(self.gc, engine, self.embd, self.inputs,
+                    (Span(0, n, base, n_kv, self.inputs.mask, self.inputs.window_mask),), last_only=engine.has_head)
         if engine.has_head:  # x is the last position's hidden state
             self.out, self.shape = _logits(self.gc, engine, x), (c.vocab_size,)
         else:  # a stage's hidden states go on to the next stage
@@ -491,7 +530,7 @@ class BatchGraph:
         # each sequence adds its attention's views, permutes, flash attention, reshape and concat to every layer
         self.gc = GraphContext(engine.backend, len(engine.layers) * (GRAPH_NODES_PER_LAYER + 12 * b) + 64 + b)
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, b)
-        self.batch = BatchInputs.of(self.gc, make_up, engine.max_len)
+        self.batch = BatchInputs.of(self.gc, make_up, engine.max_len, c.sliding_window)
         x = _layers(self.gc, engine, self.embd, self.batch.inputs, self.batch.spans, last_only=False)
         # logits where the engine holds the LM head, else the hidden states go on to the next stage
         self.out = _logits(self.gc, engine, x) if engine.has_head else x

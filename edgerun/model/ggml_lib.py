@@ -82,6 +82,8 @@ SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_flash_attn_ext": (P, (P, P, P, P, P, FLT, FLT, FLT)),
     "ggml_prec_set_acc": (BOOL, (P, INT)),
     "ggml_swiglu_split": (P, (P, P, P)),
+    "ggml_geglu_split": (P, (P, P, P)),
+    "ggml_scale": (P, (P, P, FLT)),
     "ggml_concat": (P, (P, P, P, INT)),
     "ggml_new_graph_custom": (P, (P, SZ, BOOL)),
     "ggml_build_forward_expand": (None, (P, P)),

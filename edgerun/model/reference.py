@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgerun.model.config import ModelConfig
+from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
 
 
@@ -34,9 +34,13 @@ def rms_norm_fast(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (weight * np.float32(1.0 / math.sqrt(float(np.vdot(x, x)) / x.shape[1] + eps)))
 
 
-def rope_tables(head_dim: int, base: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, (len(positions), head_dim/2), for rotate-half RoPE."""
+def rope_tables(head_dim: int, base: float, positions: np.ndarray,
+                factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin, (len(positions), head_dim/2), for rotate-half RoPE; `factors` divide each pair's frequency
+    (Llama 3's rope_freqs)."""
     inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors is not None:
+        inv_freq = inv_freq / factors.astype(np.float64)
     angles = positions[:, None].astype(np.float64) * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
@@ -51,6 +55,23 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (Gemma's gelu_pytorch_tanh), in float32."""
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+ACTIVATIONS = {Activation.SILU: silu, Activation.GELU_TANH: gelu_tanh}
+
+
+def causal_mask(positions: np.ndarray, end: int, window: int) -> np.ndarray:
+    """(len(positions), end) booleans, True where a query at that position must not see that key: a later one, or
+    (a windowed layer's) one `window` or more positions back."""
+    keys = np.arange(end)[None, :]
+    masked = keys > positions[:, None]
+    return masked | (positions[:, None] - keys >= window) if window else masked
 
 
 def n_groups(ffn: int, group_size: int) -> int:
@@ -157,6 +178,8 @@ class DenseLayer:
     moe: DenseMoe | None = None
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    attn_post_norm: np.ndarray | None = None
+    ffn_post_norm: np.ndarray | None = None
 
     @classmethod
     def from_weights(cls, w: LayerWeights, experts: bool = True) -> DenseLayer:
@@ -167,6 +190,7 @@ class DenseLayer:
             w_gate=w.w_gate.dequantize() if dense else None, w_up=w.w_up.dequantize() if dense else None,
             w_down=w.w_down.dequantize() if dense else None,
             moe=None if dense else DenseMoe.from_weights(w.moe, experts), q_norm=w.q_norm, k_norm=w.k_norm,
+            attn_post_norm=w.attn_post_norm, ffn_post_norm=w.ffn_post_norm,
         )
         for name, a, b in w.lora:  # the reference folds a LoRA adapter in: W + B @ A (B carries alpha/rank)
             setattr(layer, name, getattr(layer, name) + b @ a)
@@ -199,6 +223,8 @@ class ReferenceModel:
         self.token_embd = weights.token_embd
         self.output_norm = weights.output_norm
         self.output = weights.output.dequantize()
+        self.rope_freqs = weights.rope_freqs
+        self.act = ACTIVATIONS[config.activation]
 
     @property
     def weight_bytes(self) -> int:
@@ -220,7 +246,8 @@ class ReferenceModel:
         return KVCache(self.config, max_len)
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
-        return self.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+        rows = self.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+        return rows * np.float32(self.config.embed_scale) if self.config.embed_scale != 1.0 else rows
 
     def forward(self, tokens: Sequence[int], cache: KVCache, hooks: BlockHooks | None = None,
                 all_logits: bool = False) -> np.ndarray:
@@ -230,11 +257,16 @@ class ReferenceModel:
         if start + len(tokens) > cache.max_len:
             raise ValueError(f"context of {cache.max_len} tokens exceeded")
         x = self.embed(tokens)
+        c = self.config
         positions = np.arange(start, start + len(tokens))
-        cos, sin = rope_tables(self.config.head_dim, self.config.rope_base, positions)
+        tables = {base: rope_tables(c.head_dim, base, positions, self.rope_freqs)
+                  for base in {c.rope_base_of(i) for i in range(len(self.layers))}}
         for i, layer in enumerate(self.layers):
-            x = x + self.attention(i, layer, rms_norm(x, layer.attn_norm, self.config.norm_eps), cache, cos, sin, hooks)
-            x = x + self.mlp(i, layer, rms_norm(x, layer.ffn_norm, self.config.norm_eps), hooks)
+            cos, sin = tables[c.rope_base_of(i)]
+            out = self.attention(i, layer, rms_norm(x, layer.attn_norm, c.norm_eps), cache, cos, sin, hooks)
+            x = x + (out if layer.attn_post_norm is None else rms_norm(out, layer.attn_post_norm, c.norm_eps))
+            out = self.mlp(i, layer, rms_norm(x, layer.ffn_norm, c.norm_eps), hooks)
+            x = x + (out if layer.ffn_post_norm is None else rms_norm(out, layer.ffn_post_norm, c.norm_eps))
         cache.length = start + len(tokens)
         if not all_logits:
             x = x[-1:]
@@ -254,6 +286,8 @@ class ReferenceModel:
         if layer.q_norm is not None:  # Qwen3: each head's query and key RMS-normalized before RoPE
             q, k = rms_norm(q, layer.q_norm, c.norm_eps), rms_norm(k, layer.k_norm, c.norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if c.query_scale:
+            q = q * np.float32(c.query_scale)
         start = cache.length
         end = start + seq
         cache.k[index, :, start:end] = k.transpose(1, 0, 2)
@@ -262,9 +296,8 @@ class ReferenceModel:
         # Heads h = kv * heads_per_kv + g share KV head kv.
         qg = q.reshape(seq, c.n_kv_heads, c.heads_per_kv, c.head_dim).transpose(1, 2, 0, 3)
         # A float32 scale: a numpy float64 scalar would turn everything after it into float64.
-        scores = qg @ keys[:, None].transpose(0, 1, 3, 2) / np.float32(np.sqrt(c.head_dim))
-        causal = np.arange(end)[None, :] > (start + np.arange(seq))[:, None]
-        scores = np.where(causal, -np.inf, scores)
+        scores = qg @ keys[:, None].transpose(0, 1, 3, 2) * np.float32(c.score_scale)
+        scores = np.where(causal_mask(start + np.arange(seq), end, c.window(index)), -np.inf, scores)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
         heads = (probs @ values[:, None]).reshape(c.n_heads, seq, c.head_dim)  # (head, seq, dim)
@@ -281,7 +314,7 @@ class ReferenceModel:
             hooks.mlp_input(index, x)
         if layer.moe is not None:
             return self.experts(layer.moe, x, index, hooks)
-        act = silu(x @ layer.w_gate.T) * (x @ layer.w_up.T)
+        act = self.act(x @ layer.w_gate.T) * (x @ layer.w_up.T)
         out = act @ layer.w_down.T
         if hooks and hooks.wants_partials:
             g = self.group_size

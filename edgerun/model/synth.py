@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edgerun.model import gguf_file, hf_dir
-from edgerun.model.config import ModelConfig
+from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.quant import quantize
 from edgerun.model.tokenizer import Tokenizer, Vocabulary
 from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
@@ -36,7 +36,24 @@ SHAPES: dict[str, ModelConfig] = {
                             n_experts=16, n_experts_used=4, expert_ffn=256, qk_norm=True),
     "qwen3-30b-a3b": ModelConfig("qwen3moe", 48, 2048, 6144, 32, 4, 128, 151936, 1000000.0, 1e-6, 40960, False,
                                  False, n_experts=128, n_experts_used=8, expert_ffn=768, qk_norm=True),
+    # The dense families of small devices, at their real shapes (cut them with --layers).
+    "qwen3-0.6b": ModelConfig("qwen3", 28, 1024, 3072, 16, 8, 128, 151936, 1000000.0, 1e-6, 40960, True, False,
+                              qk_norm=True),
+    "qwen3-4b": ModelConfig("qwen3", 36, 2560, 9728, 32, 8, 128, 151936, 1000000.0, 1e-6, 40960, True, False,
+                            qk_norm=True),
+    "gemma3-270m": ModelConfig("gemma3", 18, 640, 2048, 4, 1, 256, 262144, 1000000.0, 1e-6, 32768, True, False,
+                               qk_norm=True, activation=Activation.GELU_TANH, post_norms=True, sliding_window=512,
+                               window_pattern=6),
+    "gemma3-1b": ModelConfig("gemma3", 26, 1152, 6912, 4, 1, 256, 262144, 1000000.0, 1e-6, 32768, True, False,
+                             qk_norm=True, activation=Activation.GELU_TANH, post_norms=True, sliding_window=512,
+                             window_pattern=6),
+    "llama3.2-1b": ModelConfig("llama", 16, 2048, 8192, 32, 8, 64, 128256, 500000.0, 1e-5, 131072, True, False),
+    "llama3.1-8b": ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0, 1e-5, 131072, False, False),
+    "phi3-mini": ModelConfig("phi3", 32, 3072, 8192, 32, 32, 96, 32064, 10000.0, 1e-5, 4096, False, False),
 }
+# Llama 3's RoPE frequency factors (Meta's rule, as converters write rope_freqs): the shape's scaling factor, with
+# low/high frequency factors 1 and 4 over an original context of 8192.
+LLAMA3_ROPE_SCALING = {"llama3.2-1b": 32.0, "llama3.1-8b": 8.0}
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -52,6 +69,7 @@ class SynthSpec:
     seed: int = 0
     std: float = 0.02  # weight scale, as in common initializations
     embedding_qtype: str | None = None  # None: as llama.cpp's quantizer picks for `qtype` (Q8_0 for 4-bit ones)
+    rope_scaling: float = 0.0  # Llama 3's RoPE scaling factor, written as rope_freqs (0: none)
 
     @property
     def embedding(self) -> str:
@@ -92,6 +110,21 @@ def synth_vocabulary(vocab_size: int) -> Vocabulary:
 # Mixes of types, as llama.cpp's quantizer writes them: the base type for most matrices, more bits for the LM head
 # and, in some layers, attn_v and ffn_down (the first and last eighth of the layers and every third between).
 MIXES = {"Q4_K_M": ("Q4_K", "Q6_K")}
+# A K-quant's 256-wide blocks need rows of a multiple of 256: llama.cpp's quantizer falls back to these.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+
+
+def llama3_rope_freqs(head_dim: int, base: float, factor: float, low: float = 1.0, high: float = 4.0,
+                      original_context: int = 8192) -> np.ndarray:
+    """Llama 3's per-pair RoPE frequency divisors: 1 for short wavelengths, `factor` for long ones, a smooth blend
+    between."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_context / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen < original_context / high, 1.0,
+                       np.where(wavelen > original_context / low, factor, blended))
+    return factors.astype(np.float32)
 
 
 def more_bits(layer: int, n_layers: int) -> bool:
@@ -105,6 +138,8 @@ def synth_weights(spec: SynthSpec) -> ModelWeights:
     base, more = MIXES.get(spec.qtype, (spec.qtype, spec.qtype))
 
     def matrix(rows: int, cols: int, qtype: str = base):
+        if cols % 256 and spec.qtype in MIXES:  # a mix, as llama.cpp's quantizer; one named type is taken as asked
+            qtype = K_FALLBACK.get(qtype, qtype)
         return quantize(rng.standard_normal((rows, cols), dtype=np.float32) * spec.std, qtype)
 
     def norm(n: int) -> np.ndarray:
@@ -127,21 +162,30 @@ def synth_weights(spec: SynthSpec) -> ModelWeights:
 
     def layer(i: int) -> LayerWeights:
         wide = more if more_bits(i, c.n_layers) else base
+        fused = c.architecture == "phi3"  # Q, K and V in one matrix: one type
         attn = dict(attn_norm=norm(c.hidden), wq=matrix(c.q_dim, c.hidden), wk=matrix(c.kv_dim, c.hidden),
-                    wv=matrix(c.kv_dim, c.hidden, wide), wo=matrix(c.hidden, c.q_dim), bq=bias(c.q_dim),
-                    bk=bias(c.kv_dim), bv=bias(c.kv_dim), ffn_norm=norm(c.hidden))
+                    wv=matrix(c.kv_dim, c.hidden, base if fused else wide), wo=matrix(c.hidden, c.q_dim),
+                    bq=bias(c.q_dim), bk=bias(c.kv_dim), bv=bias(c.kv_dim), ffn_norm=norm(c.hidden))
         if c.qk_norm:
             attn |= dict(q_norm=norm(c.head_dim), k_norm=norm(c.head_dim))
+        if c.post_norms:
+            attn |= dict(attn_post_norm=norm(c.hidden), ffn_post_norm=norm(c.hidden))
         if c.is_moe:
             return LayerWeights(**attn, w_gate=None, w_up=None, w_down=None, moe=moe())
         return LayerWeights(**attn, w_gate=matrix(c.ffn, c.hidden), w_up=matrix(c.ffn, c.hidden),
                             w_down=matrix(c.hidden, c.ffn, wide))
 
     layers = tuple(layer(i) for i in range(c.n_layers))
-    # Embeddings scaled up so that random logits are not flat.
-    embd = quantize(rng.standard_normal((c.vocab_size, c.hidden), dtype=np.float32), spec.embedding)
+    embedding = K_FALLBACK.get(spec.embedding, spec.embedding) if c.hidden % 256 and spec.qtype in MIXES \
+        else spec.embedding
+    # Scaled up so that random logits are not flat.
+    embd = quantize(rng.standard_normal((c.vocab_size, c.hidden), dtype=np.float32), embedding)
     output = embd if c.tied_embeddings else matrix(c.vocab_size, c.hidden, more)
-    return ModelWeights(token_embd=embd, layers=layers, output_norm=norm(c.hidden), output=output)
+    rope_freqs = None
+    if spec.rope_scaling:
+        rope_freqs = llama3_rope_freqs(c.head_dim, c.rope_base, spec.rope_scaling)
+    return ModelWeights(token_embd=embd, layers=layers, output_norm=norm(c.hidden), output=output,
+                        rope_freqs=rope_freqs)
 
 
 def shape_only_weights(config: ModelConfig, qtype: str) -> ModelWeights:
@@ -176,7 +220,9 @@ def write_synthetic(spec: SynthSpec, out: Path, fmt: str) -> None:
     """Write a synthetic model as "gguf" (one file) or "hf" (a directory, float types only)."""
     vocab = synth_vocabulary(spec.config.vocab_size)
     weights = synth_weights(spec)
-    name = f"synthetic-{spec.config.architecture}-{spec.config.n_layers}L-{spec.config.hidden}-{spec.qtype}"
+    # The architecture is in the file's metadata, not in its name: llama.cpp gives a Phi-3 by name ("phi3") token
+    # attributes that a byte-level vocabulary's missing "</s>" fails.
+    name = f"synthetic-{spec.config.n_layers}L-{spec.config.hidden}-{spec.qtype}"
     if fmt == "gguf":
         out.parent.mkdir(parents=True, exist_ok=True)
         gguf_file.write_gguf(out, spec.config, weights, vocab, name)
@@ -192,7 +238,12 @@ def write_synthetic(spec: SynthSpec, out: Path, fmt: str) -> None:
 
 
 def custom_shape(base: str, **overrides: object) -> ModelConfig:
-    """A named shape with some dimensions replaced (None values are ignored)."""
+    """A named shape with some dimensions replaced (None values are ignored); Gemma's scales follow its hidden
+    size and head size."""
     if base not in SHAPES:
         raise ValueError(f"unknown shape {base!r} (choose from {', '.join(SHAPES)})")
-    return replace(SHAPES[base], **{k: v for k, v in overrides.items() if v is not None})
+    config = replace(SHAPES[base], **{k: v for k, v in overrides.items() if v is not None})
+    if config.architecture == "gemma3":
+        config = replace(config, embed_scale=float(np.sqrt(np.float32(config.hidden))),
+                         query_scale=1.0 / float(np.sqrt(config.head_dim)))
+    return config

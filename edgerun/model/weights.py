@@ -57,6 +57,8 @@ class LayerWeights:
     moe: MoeWeights | None = None
     q_norm: np.ndarray | None = None  # float32 (head_dim,), qwen3moe: each head's query and key normalized
     k_norm: np.ndarray | None = None
+    attn_post_norm: np.ndarray | None = None  # float32 (hidden,), gemma3: attention's output normalized again
+    ffn_post_norm: np.ndarray | None = None  # float32 (hidden,), gemma3: the MLP's output normalized again
     # LoRA additions (edgerun tune): field name ("wq", ...) -> (A (rank, in), B (out, rank) times alpha/rank).
     # Engines add ((x @ A.T) @ B.T) beside the quantized product; nothing folds them into the matrix.
     lora: tuple[tuple[str, np.ndarray, np.ndarray], ...] = ()
@@ -83,6 +85,8 @@ class ModelWeights:
     output: QuantTensor  # (vocab, hidden); the same object as token_embd when tied
     # The LoRA adapter on the layers (LayerWeights.lora), if any: part of a built graph's identity.
     adapter_sha256: str = ""
+    # Llama 3.1/3.2: each rotary pair's frequency divided by its factor (head_dim/2 floats, the file's rope_freqs)
+    rope_freqs: np.ndarray | None = None
 
     def matrix_bytes(self) -> int:
         """Bytes of every matrix a decode step reads (the embedding table is only indexed)."""
