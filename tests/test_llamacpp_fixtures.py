@@ -20,7 +20,8 @@ AGREEMENT = 0.97
 def agreeing_tokens(tokenizer, tokens: list[int], answer: str) -> int:
     """How many of the engine's tokens, read in order, spell the start of llama.cpp's answer (the answer's ids
     are not compared: llama.cpp printed text, and one text can be spelled by more than one sequence of ids)."""
-    answer = answer.split("<|im_end|>")[0]  # where it chose the end token (the engine stops there, unprinted)
+    for stop in tokenizer.stop_ids:  # where it chose an end token (the engine stops there, unprinted)
+        answer = answer.split(tokenizer.decode([stop]) or "\0")[0]
     for k in range(1, len(tokens) + 1):
         if not answer.startswith(tokenizer.decode(tokens[:k])):
             return k - 1

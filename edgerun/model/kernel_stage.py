@@ -56,6 +56,8 @@ def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
     """Why the kernels cannot run this model (None when they can): they implement the plain Llama block."""
     if config.architecture != "llama":
         return f"architecture {config.architecture} (the kernels run llama)"
+    if weights.rope_freqs is not None:
+        return "Llama 3's RoPE frequency factors"
     if config.qkv_bias or config.qk_norm or config.n_experts:
         return "attention biases, query/key norms or experts"
     if weights.adapter_sha256:

@@ -33,7 +33,10 @@ from edgerun.model.config import ModelConfig, kv_names
 from edgerun.model.kernel_stage import build_kernel_stage
 from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
-from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
+from edgerun.model.weights import QK_NORM, ExpertWeights, LayerWeights, ModelWeights, MoeWeights, lacking
+
+# What the graphs compute beyond the Llama/Qwen2 block (Qwen3-MoE's query/key norms).
+ONNX_FEATURES = frozenset({QK_NORM})
 
 # Bump when the graph layout changes, so cached graphs are rebuilt.
 # 3: large tensors page-aligned (mapped, not copied, by onnxruntime); 4: a mid-model stage normalizes its input
@@ -247,6 +250,9 @@ def _fusable(forms: list[AffineBlocks | np.ndarray]) -> bool:
 def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out_dir: Path) -> dict[str, object]:
     """Write model.onnx and its weights into out_dir; return the stage's metadata."""
     spec.check(config)
+    reason = lacking(config, weights, "the onnx engine", ONNX_FEATURES)
+    if reason is not None:
+        raise EdgerunError(f"{reason}: the ggml engine does (--engine ggml, int8 activations)")
     out_dir.mkdir(parents=True, exist_ok=True)
     g = _GraphWriter(out_dir / WEIGHTS_FILE)
     f32 = TensorProto.FLOAT

@@ -247,3 +247,26 @@ def custom_shape(base: str, **overrides: object) -> ModelConfig:
         config = replace(config, embed_scale=float(np.sqrt(np.float32(config.hidden))),
                          query_scale=1.0 / float(np.sqrt(config.head_dim)))
     return config
+
+
+# Small files of each model family beside Llama/Qwen2, for the quality checks against llama.cpp (its greedy ids
+# after FAMILY_PROMPTS are fixtures, scripts/llamacpp_fixtures.py --synthetic): 4 layers of hidden 256, an untied
+# head (a tied one of random weights mostly repeats the last token), Q4_K_M; Gemma's window is 6 positions on every
+# other layer, so that short prompts cross it.
+_SMALL = dict(n_layers=4, hidden=256, ffn=512, n_heads=4, head_dim=64, vocab_size=1024, tied_embeddings=False)
+FAMILIES: dict[str, SynthSpec] = {
+    "qwen3": SynthSpec(custom_shape("qwen3-0.6b", n_kv_heads=2, **_SMALL), "Q4_K_M", seed=1),
+    "gemma3": SynthSpec(custom_shape("gemma3-270m", n_kv_heads=1, sliding_window=6, window_pattern=2, **_SMALL),
+                        "Q4_K_M", seed=1),
+    "llama3": SynthSpec(custom_shape("llama3.2-1b", n_kv_heads=2, **_SMALL), "Q4_K_M", seed=1,
+                        rope_scaling=LLAMA3_ROPE_SCALING["llama3.2-1b"]),
+    "phi3": SynthSpec(custom_shape("phi3-mini", n_kv_heads=4, **_SMALL), "Q4_K_M", seed=1),
+}
+FAMILY_PROMPTS = (tuple(range(40, 60)), (72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33))
+
+
+def write_family(family: str, out: Path) -> Path:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (choose from {', '.join(FAMILIES)})")
+    write_synthetic(FAMILIES[family], out, "gguf")
+    return out

@@ -17,7 +17,30 @@ if TYPE_CHECKING:  # the libraries load with the first tokenizer: a node, which 
 
 # Tokens that end a turn in the chat formats of common model families; whichever exist as special
 # tokens in a vocabulary stop generation along with the declared eos token.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<|end_of_text|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<|end_of_text|>",
+                      "<end_of_turn>")
+
+# The tokenizer models GGUF files name (tokenizer.ggml.model): byte-level BPE (GPT-2's, Llama 3's, Qwen's) and
+# SentencePiece's BPE with byte fallback ("llama": Gemma's, Phi-3's, Llama 2's, Mistral's).
+BYTE_LEVEL, SENTENCEPIECE = "gpt2", "llama"
+TOKENIZER_MODELS = (BYTE_LEVEL, SENTENCEPIECE)
+_TOKEN_TYPE_NORMAL = 1
+# SentencePiece's word boundary: a space is written as this in the vocabulary's pieces.
+_SPIECE_SPACE = "\u2581"
+# A chat format for files that carry no template, by a token only that family's vocabulary holds: Gemma's turns
+# (llama.cpp's built-in "gemma" format: a system message joins the first user turn, the assistant is "model", each
+# message trimmed).
+BUILTIN_TEMPLATES = {
+    "<start_of_turn>": (
+        "{% set ns = namespace(system='') %}{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{% set ns.system = ns.system + message['content'] | trim %}"
+        "{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\n' }}"
+        "{% if ns.system and role != 'model' %}{{ ns.system + '\n\n' }}{% set ns.system = '' %}{% endif %}"
+        "{{ message['content'] | trim + '<end_of_turn>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+}
 
 # The replacement character the byte-level decoder emits for bytes that do not (yet) form a
 # complete UTF-8 character.
@@ -99,7 +122,7 @@ def _raise_exception(message: str) -> NoReturn:
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """A byte-level BPE vocabulary as GGUF stores it."""
+    """A BPE vocabulary as GGUF stores it: byte-level, or SentencePiece's."""
 
     tokens: list[str]
     token_types: list[int]  # gguf.TokenType values
@@ -110,24 +133,36 @@ class Vocabulary:
     chat_template: str | None
     unk_id: int | None = None
     add_bos: bool = False  # llama.cpp's default for gpt2-style vocabularies
+    model: str = BYTE_LEVEL  # tokenizer.ggml.model
+    scores: list[float] | None = None  # SentencePiece: each piece's score, the higher merged first
+    add_space_prefix: bool = False  # SentencePiece: a space before the text (and after each special token)
 
 
 def check_vocabulary(reader: gguf.GGUFReader) -> None:
     """Refuse what read_vocabulary would, without decoding the vocabulary."""
     model_name = _field(reader, "tokenizer.ggml.model")
-    if model_name != "gpt2":
+    if model_name not in TOKENIZER_MODELS:
         raise ValueError(
-            f"unsupported tokenizer model {model_name!r} in GGUF file: "
-            "only byte-level BPE ('gpt2') tokenizers are supported"
+            f"unsupported tokenizer model {model_name!r} in GGUF file: byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') tokenizers are supported"
         )
     if "tokenizer.ggml.tokens" not in reader.fields or "tokenizer.ggml.token_type" not in reader.fields:
         raise ValueError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens/token_type)")
+    if model_name == SENTENCEPIECE and "tokenizer.ggml.scores" not in reader.fields:
+        raise ValueError("GGUF file's SentencePiece vocabulary has no scores (tokenizer.ggml.scores)")
 
 
 def read_vocabulary(reader: gguf.GGUFReader) -> Vocabulary:
     check_vocabulary(reader)
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type")
+    model = _field(reader, "tokenizer.ggml.model")
+    spm = model == SENTENCEPIECE
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    space_prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+    template = _field(reader, "tokenizer.chat_template")
+    if template is None:
+        template = next((t for token, t in BUILTIN_TEMPLATES.items() if token in tokens), None)
     return Vocabulary(
         tokens=tokens,
         token_types=token_types,
@@ -135,9 +170,13 @@ def read_vocabulary(reader: gguf.GGUFReader) -> Vocabulary:
         pre=_field(reader, "tokenizer.ggml.pre") or "default",
         bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        chat_template=template,
         unk_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token")),
+        # llama.cpp's defaults where the file is silent: SentencePiece vocabularies add bos and a space prefix
+        add_bos=bool(spm if add_bos is None else add_bos),
+        model=model,
+        scores=_field(reader, "tokenizer.ggml.scores") if spm else None,
+        add_space_prefix=bool(spm if space_prefix is None else space_prefix),
     )
 
 
@@ -181,7 +220,10 @@ class Tokenizer:
         add_bos: bool,
         stop_ids: frozenset[int],
         chat_template: str | None,
+        sentencepiece: bool = False,
     ) -> None:
+        """`sentencepiece`: the vocabulary's pieces write a space as U+2581 and bytes as <0xXX> (else byte-level
+        BPE's printable stand-ins for bytes)."""
         if add_bos and bos_id is None:
             raise ValueError("tokenizer adds a bos token but has no bos token id")
         self._backend = backend
@@ -190,6 +232,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.stop_ids = stop_ids
         self.chat_template = chat_template
+        self.sentencepiece = sentencepiece
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
@@ -198,22 +241,9 @@ class Tokenizer:
 
     @classmethod
     def from_vocabulary(cls, vocab: Vocabulary) -> Tokenizer:
-        import tokenizers
-        from tokenizers import AddedToken, decoders, models
+        from tokenizers import AddedToken
 
-        token_ids = {token: token_id for token_id, token in enumerate(vocab.tokens)}
-        merges = [tuple(line.split(" ", 1)) for line in vocab.merges]
-        pre_spec = _PRE_TOKENIZERS.get(vocab.pre, _GPT2_PRE)
-        bpe = models.BPE(
-            token_ids,
-            merges,
-            unk_token=vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None,
-            byte_fallback=False,
-            ignore_merges=pre_spec.ignore_merges,
-        )
-        backend = tokenizers.Tokenizer(bpe)
-        backend.pre_tokenizer = _build_pre_tokenizer(pre_spec)
-        backend.decoder = decoders.ByteLevel()
+        backend = _sentencepiece(vocab) if vocab.model == SENTENCEPIECE else _byte_level(vocab)
         special_types = (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
         backend.add_special_tokens(
             [
@@ -229,6 +259,7 @@ class Tokenizer:
             add_bos=vocab.add_bos,
             stop_ids=_stop_ids(backend, [] if vocab.eos_id is None else [vocab.eos_id]),
             chat_template=vocab.chat_template,
+            sentencepiece=vocab.model == SENTENCEPIECE,
         )
 
     @classmethod
@@ -331,6 +362,10 @@ class Tokenizer:
         """A token's own bytes (a byte-level vocabulary's piece of a character included), as OpenAI's logprobs give
         them; an added token's text as UTF-8."""
         text = self.token_text(token_id)
+        if self.sentencepiece:
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                return bytes([int(text[3:5], 16)])
+            return text.replace(_SPIECE_SPACE, " ").encode("utf-8")
         table = _unicode_to_byte()
         if all(c in table for c in text):
             return bytes(table[c] for c in text)
@@ -344,6 +379,62 @@ class Tokenizer:
         if "tools" in template and "<tool_call>" in template and "</tool_call>" in template:
             return "<tool_call>", "</tool_call>"
         return None
+
+
+def _byte_level(vocab: Vocabulary) -> tokenizers.Tokenizer:
+    """Byte-level BPE: the file's merges, its pre-tokenizer family's splits, bytes as printable stand-ins."""
+    from tokenizers import decoders, models
+
+    token_ids = {token: token_id for token_id, token in enumerate(vocab.tokens)}
+    merges = [tuple(line.split(" ", 1)) for line in vocab.merges]
+    pre_spec = _PRE_TOKENIZERS.get(vocab.pre, _GPT2_PRE)
+    bpe = models.BPE(
+        token_ids,
+        merges,
+        unk_token=vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None,
+        byte_fallback=False,
+        ignore_merges=pre_spec.ignore_merges,
+    )
+    return _with(bpe, pre_tokenizer=_build_pre_tokenizer(pre_spec), decoder=decoders.ByteLevel())
+
+
+def _sentencepiece(vocab: Vocabulary) -> tokenizers.Tokenizer:
+    """SentencePiece's BPE as llama.cpp runs it: the whole text (spaces written as U+2581) from its characters up,
+    always merging the adjacent pair whose merged piece scores highest (the leftmost among equals), and characters
+    outside the vocabulary as their bytes' <0xXX> pieces. As a BPE model: every split of every normal piece into two
+    normal pieces is a merge, ranked by the piece's score (then by the parts' ids)."""
+    from tokenizers import decoders, models, normalizers
+
+    assert vocab.scores is not None
+    ids = {token: token_id for token_id, token in enumerate(vocab.tokens)}
+    normal = [t == _TOKEN_TYPE_NORMAL for t in vocab.token_types]
+    ranked = []
+    for i, piece in enumerate(vocab.tokens):
+        if not normal[i] or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            left, right = ids.get(piece[:k]), ids.get(piece[k:])
+            if left is not None and right is not None and normal[left] and normal[right]:
+                ranked.append((-vocab.scores[i], i, left, right))
+    ranked.sort()
+    merges = [(vocab.tokens[left], vocab.tokens[right]) for _, _, left, right in ranked]
+    bpe = models.BPE(ids, merges, unk_token=vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None,
+                     byte_fallback=True, fuse_unk=True)
+    steps = [normalizers.Replace(" ", _SPIECE_SPACE)]
+    if vocab.add_space_prefix:  # each run of text between special tokens, as llama.cpp prefixes them
+        steps.insert(0, normalizers.Prepend(" "))
+    return _with(bpe, normalizer=normalizers.Sequence(steps), decoder=decoders.Sequence(
+        [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]))
+
+
+def _with(model: tokenizers.models.Model, **parts: object) -> tokenizers.Tokenizer:
+    """A tokenizers.Tokenizer of this model with these parts (normalizer, pre_tokenizer, decoder) set."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(model)
+    for name, part in parts.items():
+        setattr(backend, name, part)
+    return backend
 
 
 @functools.cache

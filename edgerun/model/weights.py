@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.quant import QuantTensor
+
+# What a model's block may hold beyond Llama's and Qwen2's (the names an engine that lacks one refuses it by).
+QK_NORM, GELU_GATE, EMBED_SCALE, POST_NORMS, SLIDING_WINDOW, ROPE_FACTORS = (
+    "query/key norms", "a GELU gate", "a scaled embedding", "post-attention/MLP norms", "sliding-window layers",
+    "RoPE frequency factors")
 
 
 @dataclass(frozen=True)
@@ -106,3 +112,21 @@ def rope_rows_from_interleaved(n_heads: int, rows: int) -> np.ndarray:
 def rope_rows_to_interleaved(n_heads: int, rows: int) -> np.ndarray:
     """The inverse of `rope_rows_from_interleaved`."""
     return np.argsort(rope_rows_from_interleaved(n_heads, rows))
+
+
+def features(config: ModelConfig, weights: ModelWeights) -> list[str]:
+    """What this model's blocks hold beyond Llama's and Qwen2's (Qwen3's query/key norms, Gemma's GELU gate, scaled
+    embedding, post norms and windowed layers, Llama 3's RoPE factors)."""
+    present = {QK_NORM: config.qk_norm, GELU_GATE: config.activation != Activation.SILU,
+               EMBED_SCALE: config.embed_scale != 1.0 or config.query_scale != 0.0, POST_NORMS: config.post_norms,
+               SLIDING_WINDOW: config.sliding_window > 0, ROPE_FACTORS: weights.rope_freqs is not None}
+    return [name for name, held in present.items() if held]
+
+
+def lacking(config: ModelConfig, weights: ModelWeights, what: str, has: frozenset[str] = frozenset()) -> str | None:
+    """One line saying why `what` does not run this model (the features it lacks of those the model holds), or
+    None where it lacks none."""
+    missing = [f for f in features(config, weights) if f not in has]
+    if not missing:
+        return None
+    return f"{what} does not compute {', '.join(missing)} ({config.architecture})"

@@ -35,7 +35,7 @@ from edgerun.model.ggml_engine import (
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
-from edgerun.model.weights import ModelWeights
+from edgerun.model.weights import ModelWeights, lacking
 from edgerun.net.fastpath import NativeGraph
 from edgerun.net.wire import Block
 from edgerun.profile.memory import huge_pages, release_mapped_files
@@ -88,6 +88,7 @@ class GgmlShard(_ShareBase):
         self.attn: list[AttnTensors | None] = []
         self.mlp_tensors: list[tuple[int, int, int] | None] = []
         self._bytes: dict[tuple[int, Block], int] = {}
+        rope_freqs = None if weights.rope_freqs is None else add("rope_freqs", weights.rope_freqs)
         for layer, w in enumerate(weights.layers):
             units, groups = spec.attn_units[layer], spec.mlp_groups[layer]
             if units:
@@ -105,7 +106,7 @@ class GgmlShard(_ShareBase):
                     k_norm=None if w.k_norm is None else add(f"{layer}.k_norm", w.k_norm),
                     k_cache=store.cache(f"{layer}.k_cache", len(units) * hd, max_len * slots),
                     v_cache=store.cache(f"{layer}.v_cache", len(units) * hd, max_len * slots),
-                    n_heads=len(units) * per_kv, n_kv_heads=len(units)))
+                    n_heads=len(units) * per_kv, n_kv_heads=len(units), layer=layer, rope_freqs=rope_freqs))
                 self._bytes[layer, Block.ATTN] = wq.nbytes + wk.nbytes + wv.nbytes + wo.nbytes
             else:
                 self.attn.append(None)
@@ -241,6 +242,12 @@ class GgmlShard(_ShareBase):
         self.calls.add(graph, began)
         return out
 
+    @property
+    def native(self) -> bool:
+        """Whether the native data path can compute this share's blocks: it writes one causal mask a step, which a
+        model with windowed layers (Gemma's) does not take."""
+        return self.config.sliding_window == 0
+
     def native_graph(self, layer: int, block: Block, n_kv: int) -> NativeGraph | None:
         """This block's one-token graph for a step that reads n_kv cache rows, as the native runner computes it
         (net.fastpath.Runner, which writes the attention's position and mask itself); None where this share holds
@@ -301,6 +308,8 @@ def build_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max
         raise EdgerunError(f"a share on {device} runs on ggml: static mapping and int8 activations only")
     if slots > 1 and (dynamic or activations is Activations.F32):
         raise EdgerunError("a batch of sequences runs on ggml shares: static mapping and int8 activations only")
+    if (dynamic or activations is Activations.F32) and (reason := lacking(config, weights, "onnxruntime's shares")):
+        raise EdgerunError(f"{reason}: ggml's shares do (static mapping, int8 activations)")
     if dynamic:
         return DynamicQuantShard(config, weights, spec, max_len, threads, activations, mapped_files)
     if activations is Activations.F32:
@@ -350,9 +359,9 @@ class _BlockGraph:
                   scratch: ScratchAllocator | None, base: int = 0) -> _BlockGraph:
         """Tokens of one sequence, whose cache rows start at `base` (its slot's)."""
         graph = cls(shard, seq)
-        inputs = graph.inputs = StepInputs.of(graph.gc, seq, n_kv)
+        inputs = graph.inputs = StepInputs.of(graph.gc, seq, n_kv, shard.config.sliding_window)
         graph.mask = np.zeros((seq, n_kv), np.float16)
-        spans = [Span(0, seq, base, n_kv, inputs.mask)] if base else None
+        spans = [Span(0, seq, base, n_kv, inputs.mask, inputs.window_mask)] if base else None
         graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x, inputs,
                                       SHARE_ROPE, spans), shard.config.hidden, scratch)
         return graph
@@ -362,7 +371,7 @@ class _BlockGraph:
                        ) -> _BlockGraph:
         """One token of each of several sequences, (slot, cache rows read) each."""
         graph = cls(shard, len(make_up), len(make_up))
-        graph.batch = BatchInputs.of(graph.gc, make_up, shard.max_len)
+        graph.batch = BatchInputs.of(graph.gc, make_up, shard.max_len, shard.config.sliding_window)
         graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x,
                                       graph.batch.inputs, SHARE_ROPE, graph.batch.spans), shard.config.hidden, None)
         return graph
@@ -371,7 +380,8 @@ class _BlockGraph:
     def mlp(cls, shard: GgmlShard, tensors: tuple[int, int, int], seq: int,
             scratch: ScratchAllocator | None) -> _BlockGraph:
         graph = cls(shard, seq)
-        graph._finish(mlp_block(graph.gc.ctx, shard.store.tensor, *tensors, graph.x), shard.config.hidden, scratch)
+        graph._finish(mlp_block(graph.gc.ctx, shard.store.tensor, *tensors, graph.x, shard.config.activation),
+                      shard.config.hidden, scratch)
         return graph
 
     @classmethod

@@ -623,6 +623,8 @@ class Master:
             return self._whole_step(tokens)
         c = self.model.config
         x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+        if c.embed_scale != 1.0:  # Gemma's, in float32 as llama.cpp scales it
+            x = x * np.float32(c.embed_scale)
         start = self.position if rows is None else rows.step
         weights = self.model.weights
         # Dynamic mapping ranks each block's units. Predictors that read one layer ahead rank a layer from the
@@ -651,7 +653,8 @@ class Master:
             attn_input = norm(x, lw.attn_norm, c.norm_eps)
             features = previous_input if ahead else attn_input
             attn_ranking = ranked[Block.ATTN] if ranked else self._rank(layer, Block.ATTN, features)
-            x = x + await self._block(layer, Block.ATTN, attn_input, start, attn_ranking, rows=rows)
+            out = await self._block(layer, Block.ATTN, attn_input, start, attn_ranking, rows=rows)
+            x = x + (out if lw.attn_post_norm is None else norm(out, lw.attn_post_norm, c.norm_eps))
             mlp_input = norm(x, lw.ffn_norm, c.norm_eps)
             features = previous_input if ahead else mlp_input
             mlp_ranking = ranked[Block.MLP] if ranked else self._rank(layer, Block.MLP, features)
@@ -660,9 +663,10 @@ class Master:
                              into: dict[Block, tuple[int, ...] | None] = predicted) -> None:
                 into.update({b: self._rank(layer, b, features) for b in (Block.ATTN, Block.MLP)})
 
-            x = x + await self._block(layer, Block.MLP, mlp_input, start, mlp_ranking,
-                                      while_waiting=predict_next if overlap_pred and layer + 1 < c.n_layers else None,
-                                      rows=rows)
+            out = await self._block(layer, Block.MLP, mlp_input, start, mlp_ranking,
+                                    while_waiting=predict_next if overlap_pred and layer + 1 < c.n_layers else None,
+                                    rows=rows)
+            x = x + (out if lw.ffn_post_norm is None else norm(out, lw.ffn_post_norm, c.norm_eps))
             previous_input = attn_input
         if rows is None:
             self.position = end = start + len(tokens)
@@ -733,7 +737,8 @@ class Master:
         not on ggml, dynamic mapping, nodes it cannot send to (BlockExchange.runs_natively), and from the first layer,
         one of its nodes on a lossy link (BlockExchange.runs_mirrored_natively)."""
         shard, c = self.shard, self.model.config
-        if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic":
+        if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic" or \
+                not shard.native or c.post_norms:  # the runner adds partials straight into the residual
             return None
         n_kv = cache_rows(start + 1, shard.max_len)
         key: tuple = (self.plan, n_kv, self.exchange.session, first)

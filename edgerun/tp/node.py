@@ -478,7 +478,8 @@ class Node:
         loss is simulated here; otherwise (and with `on` False) the Python path reads every datagram."""
         shard = self.shard
         if not on or self.fast is None or self.priorities is not None or \
-                not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.datagrams is None:
+                not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or not shard.native or \
+                self.datagrams is None:
             self.server = None
             for socket_ in (self.datagrams, self.group_datagrams):
                 if socket_ is not None:

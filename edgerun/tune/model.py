@@ -28,7 +28,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model import reference
 from edgerun.model.config import ModelConfig
 from edgerun.model.quant import AffineBlocks, QuantTensor, to_affine_blocks
-from edgerun.model.weights import LayerWeights, ModelWeights
+from edgerun.model.weights import LayerWeights, ModelWeights, lacking
 from edgerun.tune.lora import Adapter, LoraConfig, Target, tensor_name
 
 CHUNK_VALUES = 1 << 22  # a frozen matrix is dequantized this many values at a time (16 MB of float32)
@@ -215,6 +215,9 @@ class StageModel(torch.nn.Module):
         super().__init__()
         if config.is_moe:
             raise EdgerunError("tuning a mixture-of-experts model is not supported")
+        reason = lacking(config, weights, "tuning")
+        if reason is not None:
+            raise EdgerunError(reason)
         if not 0 <= first < end <= config.n_layers:
             raise ValueError(f"layers [{first}, {end}) are not a range of this {config.n_layers}-layer model")
         self.config, self.first, self.end, self.lora, self.recompute = config, first, end, lora, recompute
