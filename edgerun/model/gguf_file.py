@@ -61,6 +61,8 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     tensor_names = {t.name for t in reader.tensors}
+    for t in reader.tensors:  # before any shape: the type is what a newer file most often has that this lacks
+        check_qtype(t.tensor_type.name)
 
     def meta(key: str, default: object = None) -> object:
         value = _field(reader, f"{arch}.{key}", default)
