@@ -206,9 +206,9 @@ def _write_sentencepiece_gguf(path: pathlib.Path, *, space_prefix: bool) -> list
 
 def test_sentencepiece_merges_by_score_and_falls_back_to_bytes(tmp_path: pathlib.Path) -> None:
     """SentencePiece's BPE as llama.cpp runs it: spaces as "▁", the adjacent pair whose merged piece scores highest
-    first ("▁a" before "ab" before "bc": " abc" is "▁ab" "c", there being no "▁abc"), characters outside the vocabulary as
-    their UTF-8 bytes' pieces, bos added, control tokens whole, and decoding back to the text; Gemma's chat format
-    where the file has no template (the end of a turn stops generation)."""
+    first ("▁a" before "ab" before "bc": " abc" is "▁ab" "c", there being no "▁abc"), characters outside the
+    vocabulary as their UTF-8 bytes' pieces, bos added, control tokens whole, and decoding back to the text; Gemma's
+    chat format where the file has no template (the end of a turn stops generation)."""
     path = tmp_path / "spm.gguf"
     tokens = _write_sentencepiece_gguf(path, space_prefix=False)
     tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
