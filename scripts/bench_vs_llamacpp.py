@@ -48,7 +48,8 @@ def _edgerun_run(engine: str, model: str, threads: int, cores: list[int], prompt
     e = make_engine(engine, m, max(prompt, decode) + 8, threads=threads)
     ids = [(1000 + t) % m.config.vocab_size for t in range(prompt)]
     e.reset()
-    e.step(ids)  # warm-up: graphs built, pages faulted in
+    e.step(ids)  # warm-up: the prompt's and a decode step's graphs built, pages faulted in (as llama-bench's)
+    e.step(ids[:1])
     prefill, decode_rates = [], []
     for _ in range(repetitions):
         e.reset()

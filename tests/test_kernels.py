@@ -44,8 +44,8 @@ def test_the_batched_product_is_ggmls_bit_for_bit(built, qtype: str, threads: in
 
 
 def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
-    """One column (a decode step alone), or weights of another type: ggml's mul_mat, which the engine's graphs
-    then hold (no custom op); several Q4_1 or Q8_0 columns take the op."""
+    """Weights of another type, or columns that are not contiguous floats: ggml's mul_mat, which the engine's graphs
+    then hold (no custom op); one or several Q4_1 or Q8_0 columns take the op."""
     from edgerun.model import ggml_lib
 
     backend = ggml_lib.GgmlBackend(threads=1)
@@ -60,6 +60,9 @@ def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
     gc = ggml_lib.GraphContext(backend, 8)
     one, many = gc.input(ggml_lib.F32, 64, 1), gc.input(ggml_lib.F32, 64, 4)
     g = ggml_lib.lib()
+    wide = gc.input(ggml_lib.F32, 128, 4)
+    strided = g.ggml_view_2d(gc.ctx, wide, 64, 4, 128 * 4, 0)  # half of each column: columns 512 bytes apart
     ops = {name: g.ggml_op_desc(kernels.product(gc.ctx, store.tensor(w), x)).decode()
-           for name, w, x in (("one", q41, one), ("q4_0", q40, many), ("q4_1", q41, many), ("q8_0", q80, many))}
-    assert ops == {"one": "MUL_MAT", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM"}
+           for name, w, x in (("one", q41, one), ("q4_0", q40, many), ("q4_1", q41, many), ("q8_0", q80, many),
+                              ("strided", q41, strided))}
+    assert ops == {"one": "CUSTOM", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM", "strided": "MUL_MAT"}

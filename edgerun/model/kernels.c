@@ -1,5 +1,5 @@
-/* Matrix products of quantized weights with several columns of activations, for ggml graphs (a custom op), giving
- * ggml's own products bit for bit. Weights: Q4_1 (the shipped model's layers) and Q8_0 (its LM head, and many
+/* Matrix products of quantized weights with one or several columns of activations, for ggml graphs (a custom op),
+ * giving ggml's own products bit for bit. Weights: Q4_1 (the shipped model's layers) and Q8_0 (its LM head, and many
  * models' tied embeddings).
  *
  * ggml multiplies Q4_1 with B columns by calling its one-row dot product B times per row, unpacking every weight
