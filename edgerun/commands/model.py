@@ -21,12 +21,13 @@ def arch_traits(arch: str | None) -> dict[str, object]:
     gates."""
     if arch is None:
         return {}
-    return {"qkv_bias": arch in ("qwen2", "qwen2moe"), "qk_norm": arch == "qwen3moe", "norm_gates": arch != "qwen2moe"}
+    return {"qkv_bias": arch in ("qwen2", "qwen2moe"), "qk_norm": arch in ("qwen3", "qwen3moe"),
+            "norm_gates": arch != "qwen2moe"}
 
 
 def cmd_model_synth(args: argparse.Namespace) -> None:
     from edgerun.model.quant import WRITABLE_QTYPES
-    from edgerun.model.synth import MIXES, SynthSpec, custom_shape, write_synthetic
+    from edgerun.model.synth import LLAMA3_ROPE_SCALING, MIXES, SynthSpec, custom_shape, write_synthetic
 
     if args.quant not in (*WRITABLE_QTYPES, *MIXES):
         raise EdgerunError(f"unknown quant type {args.quant} (choose from {', '.join((*WRITABLE_QTYPES, *MIXES))})")
@@ -43,7 +44,8 @@ def cmd_model_synth(args: argparse.Namespace) -> None:
                               shared_expert_ffn=args.shared_expert_ffn, **arch_traits(args.arch))
         if config.architecture == "qwen2moe" and not config.shared_expert_ffn:  # its shared expert: twice an expert
             config = replace(config, shared_expert_ffn=2 * config.expert_ffn)
-        spec = SynthSpec(config, args.quant, args.seed, embedding_qtype=args.embedding_quant)
+        scaling = LLAMA3_ROPE_SCALING.get(args.shape, 0.0) if config.architecture == "llama" else 0.0
+        spec = SynthSpec(config, args.quant, args.seed, embedding_qtype=args.embedding_quant, rope_scaling=scaling)
         print(f"writing {config.n_params() / 1e9:.2f}B-parameter {config.architecture} model ({args.quant}) "
               f"to {args.out}", file=sys.stderr)
         write_synthetic(spec, args.out, args.format)
@@ -88,14 +90,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model_arg(p)
     p.set_defaults(func=cmd_model_info)
     p = model.add_parser("synth", help="write a model with seeded random weights",
-                         description="Write a valid model of any Llama, Qwen2 or mixture-of-experts shape with "
-                                     "seeded random weights. Named shapes: tiny (tests), 1b, 3b (Llama 3.2), 8b "
-                                     "(Llama 3.1), smollm2 (the shipped model's), moe-tiny (Qwen3-MoE layout, 16 "
-                                     "experts, 4 per token, for tests) and qwen3-30b-a3b (the real Qwen3-30B-A3B "
-                                     "shape: cut it with --layers); the dimension options override the named shape.")
-    p.add_argument("--shape", default="tiny", help="tiny, smollm2, 1b, 3b, 8b, moe-tiny or qwen3-30b-a3b "
-                   "(default: tiny)")
-    p.add_argument("--arch", choices=("llama", "qwen2", "qwen2moe", "qwen3moe"), default=None,
+                         description="Write a valid model of any Llama, Qwen2/3, Gemma 3, Phi-3 or mixture-of-experts "
+                                     "shape with seeded random weights. Named shapes: tiny (tests), 1b, 3b (Llama "
+                                     "3.2's dimensions), 8b (Llama 3.1's), smollm2 (the shipped model's), moe-tiny "
+                                     "(Qwen3-MoE layout, 16 experts, 4 per token, for tests), qwen3-30b-a3b (the real "
+                                     "Qwen3-30B-A3B shape); the families at their real shapes: qwen3-0.6b, qwen3-4b, "
+                                     "gemma3-270m, gemma3-1b (sliding-window layers, GeGLU, post norms), llama3.2-1b, "
+                                     "llama3.1-8b (with Llama 3's RoPE frequency factors), phi3-mini (fused QKV and "
+                                     "gate/up matrices). Cut any with --layers; the dimension options override the "
+                                     "named shape.")
+    p.add_argument("--shape", default="tiny", help="one of the named shapes above (default: tiny)")
+    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"), default=None,
                    help="architecture; llama with --experts is Mixtral's layout (default: the --shape's)")
     for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"),
                        ("--ffn", "MLP intermediate size"), ("--heads", "attention heads"),
