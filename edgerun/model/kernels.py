@@ -5,9 +5,9 @@ Q4_1 and Q8_0 weights (the shipped model's layers and LM head, Gemma's head) tim
 multiplies Q4_1 one column at a time and Q8_0 little better, and on x86 repacks neither; kernels.c loads each
 weight block once for every column, dots with AVX-512 VNNI, and gives ggml's results bit for bit. A decode
 step's one column gains too: the shipped model's step 16-19 ms against 20-25 on ggml's dot products, Gemma 3
-270M's (its 262144-row Q8_0 head) 31 against 41 ms, one thread on a 2-core Xeon. `product` uses it only where it is built, the CPU has
-its instructions (AVX-512 VNNI) and a check against ggml's own product on this machine gave the same bits, per
-weight type; anywhere else a product is ggml's mul_mat.
+270M's (its 262144-row Q8_0 head) 31 against 41 ms, one thread on a 2-core Xeon. `product` uses it only where it
+is built, the CPU has its instructions (AVX-512 VNNI) and a check against ggml's own product on this machine gave
+the same bits, per weight type; anywhere else a product is ggml's mul_mat.
 """
 
 from __future__ import annotations
