@@ -154,3 +154,24 @@ def test_engines_without_a_familys_blocks_refuse_it_in_one_line(files: dict[str,
         assert main(["generate", "--model", str(files[family]), "--engine", "onnx", "--max-tokens", "2", "hi"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and refused in err and "ggml" in err, err
+
+
+def test_a_pipeline_leaves_out_workers_without_an_engine_for_the_model(files: dict[str, Path]) -> None:
+    """A browser tab runs edgerun's kernels (plain Llama blocks) or onnxruntime-web's graphs (no Gemma blocks, no
+    RoPE factors): for a Gemma 3 or Llama 3 model it is left out of every plan, said once in the log; a native
+    worker with ggml computes it; for Qwen3 (query/key norms: onnxruntime's graphs have them) the tab takes part."""
+    from edgerun.pp.deployment import Deployment
+    from edgerun.pp.master import Route
+    from edgerun.pp.workers import WorkerConn, Workers
+
+    for family, tab_computes in (("gemma3", False), ("llama3", False), ("qwen3", True)):
+        logs: list[str] = []
+        workers = Workers(b"k", {}, logs.append, lambda *_: None)
+        for name, capabilities in (("native", {"kind": "native", "ggml": True}),
+                                   ("tab", {"kind": "browser", "weights": "kernels"})):
+            workers.by_name[name] = WorkerConn(name, None, 4096, 1e9, capabilities, set())
+        deployment = Deployment(load_model(files[family]), workers, 256, "latency", 1, Activations.INT8, Route.STAR,
+                                logs.append, None)
+        for _ in range(2):
+            assert [d.name for d in deployment.devices()] == (["native", "tab"] if tab_computes else ["native"])
+        assert len([line for line in logs if "tab is left out" in line]) == (0 if tab_computes else 1), logs

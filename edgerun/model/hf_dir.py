@@ -37,6 +37,9 @@ LAYER_TENSORS = {
 }
 
 
+# Architectures read from a Hugging Face directory (config.json and safetensors).
+HF_ARCHITECTURES = ("llama", "qwen2")
+
 def read_safetensors(path: Path) -> dict[str, QuantTensor]:
     return read_safetensors_with_metadata(path)[0]
 
@@ -91,6 +94,9 @@ def write_safetensors(path: Path, tensors: dict[str, QuantTensor], metadata: dic
 def read_config(directory: Path) -> ModelConfig:
     cfg = json.loads((directory / "config.json").read_text())
     arch = cfg.get("model_type", "")
+    if arch not in HF_ARCHITECTURES:  # the others' blocks are read from their GGUF files' metadata only
+        raise ValueError(f"a Hugging Face directory of {arch!r} is not supported (supported: "
+                         f"{', '.join(HF_ARCHITECTURES)}); convert it to GGUF with llama.cpp's converter")
     n_heads = cfg["num_attention_heads"]
     if cfg.get("rope_scaling"):
         raise ValueError(f"RoPE scaling {cfg['rope_scaling']} is not supported")
@@ -147,7 +153,7 @@ def read_weights(directory: Path, config: ModelConfig) -> ModelWeights:
 
 def write_hf_dir(directory: Path, config: ModelConfig, weights: ModelWeights) -> None:
     """Write config.json and model.safetensors (the caller writes the tokenizer files)."""
-    if config.is_moe or config.qk_norm:
+    if config.is_moe or config.architecture not in HF_ARCHITECTURES:
         raise ValueError(f"{config.architecture} models are written as GGUF only (--format gguf)")
     directory.mkdir(parents=True, exist_ok=True)
     cfg = {
