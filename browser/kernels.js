@@ -128,7 +128,9 @@ export class KernelStage {
     this.vectors = Object.fromEntries(Object.entries(vectors).map(([name, v]) =>
       [name, this.f32.subarray(v.address / 4, (v.address + v.bytes) / 4)]));
     const half = h.head_dim / 2;
-    this.invFreq = Float64Array.from({length: half}, (_, i) => 1 / h.rope_base ** ((2 * i) / h.head_dim));
+    // Llama 3's files divide each rotary pair's frequency by a factor (rope_freqs)
+    this.invFreq = Float64Array.from({length: half},
+      (_, i) => 1 / h.rope_base ** ((2 * i) / h.head_dim) / (h.rope_freqs ? h.rope_freqs[i] : 1));
     this.reset();
   }
 

@@ -5,6 +5,7 @@ reference tokens. Also: the page's JavaScript frames and HMAC agree with edgerun
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -332,20 +333,35 @@ def test_the_wasm_kernels_compute_the_numpy_products() -> None:
         master.close()
 
 
-def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["shipped", "llama3"])
+def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  family: str) -> None:
     """Two tabs on edgerun's WebAssembly kernels (the default without WebGPU), neither holding the model alone, run
     it as a two-stage pipeline: the tokens of the numpy replica of the kernels' arithmetic, for a plain request and
-    a chat request through the saved prefix's KV."""
+    a chat request through the saved prefix's KV; the shipped model, and a synthetic Llama 3.2 in Q4_0 whose RoPE
+    frequency factors (the stage's header carries them) change its tokens."""
     require_browser()
     from playwright.sync_api import sync_playwright
 
     from edgerun.bench.pp import stage_budgets_mb
+    from edgerun.model.gguf_file import write_gguf
     from edgerun.model.kernel_reference import KernelReference
     from edgerun.model.kernel_stage import expansion
+    from edgerun.model.synth import FAMILIES, synth_vocabulary, synth_weights
     from edgerun.sched.profiles import model_profile
 
-    model = load_model()
+    if family == "shipped":
+        model = load_model()
+    else:  # factors far from 1 and weights large enough that a short request's tokens depend on them
+        spec = dataclasses.replace(FAMILIES[family], qtype="Q4_0", std=0.1)
+        weights = dataclasses.replace(synth_weights(spec), rope_freqs=np.geomspace(
+            1, 40, spec.config.head_dim // 2).astype(np.float32))
+        write_gguf(tmp_path / "llama3.gguf", spec.config, weights, synth_vocabulary(spec.config.vocab_size), "llama3")
+        model = load_model(tmp_path / "llama3.gguf")
+        plain = KernelReference(model.config, dataclasses.replace(model.weights, rope_freqs=None), 256)
+        assert generate(plain, model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens != \
+            generate(KernelReference(model.config, model.weights, 256), model.tokenizer.encode(PROMPT), N_TOKENS,
+                     Sampler(SamplingParams())).tokens
     kernels = KernelReference(model.config, model.weights, 256)
     reference = generate(kernels, model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
     chat = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."}]))

@@ -82,7 +82,7 @@ class KernelReference:
         self.embedding = weights.token_embd
         self.head = _Matrix.of(to_affine_blocks(weights.output))
         self.output_norm = weights.output_norm.astype(np.float64)
-        cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(max_len))
+        cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(max_len), weights.rope_freqs)
         self.cos, self.sin = cos.astype(np.float64), sin.astype(np.float64)
         shape = (config.n_layers, config.n_kv_heads, max_len, config.head_dim)
         self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)

@@ -35,6 +35,9 @@ ALIGN = 64
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+# Llama's block (Llama 3's RoPE factors included) and Phi-3's, which is Llama's once its fused matrices are split.
+KERNEL_ARCHITECTURES = ("llama", "phi3")
+
 def _matrices(weights: ModelWeights) -> list[QuantTensor]:
     """Every matrix a stage holds: the layers', the LM head and the embedding."""
     return [t for layer in weights.layers for _, t in layer.matrices()] + [weights.output, weights.token_embd]
@@ -54,10 +57,8 @@ def _forms(weights: ModelWeights) -> dict[str, AffineBlocks | None]:
 
 def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
     """Why the kernels cannot run this model (None when they can): they implement the plain Llama block."""
-    if config.architecture != "llama":
-        return f"architecture {config.architecture} (the kernels run llama)"
-    if weights.rope_freqs is not None:
-        return "Llama 3's RoPE frequency factors"
+    if config.architecture not in KERNEL_ARCHITECTURES:
+        return f"architecture {config.architecture} (the kernels run {', '.join(KERNEL_ARCHITECTURES)})"
     if config.qkv_bias or config.qk_norm or config.n_experts:
         return "attention biases, query/key norms or experts"
     if weights.adapter_sha256:
@@ -149,6 +150,8 @@ def build_kernel_stage(config: ModelConfig, weights: ModelWeights, first_layer: 
         "format": 1, "first_layer": first_layer, "end_layer": end_layer, "embed": embed, "lm_head": lm_head,
         "hidden": config.hidden, "ffn": config.ffn, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
         "head_dim": config.head_dim, "vocab": config.vocab_size, "rope_base": config.rope_base,
+        # Llama 3's: each rotary pair's frequency divided by its factor (none: 1)
+        "rope_freqs": None if weights.rope_freqs is None else [float(f) for f in weights.rope_freqs],
         "norm_eps": config.norm_eps, "tensors": w.tensors, "matrices": w.matrices}).encode()
     start = 8 + len(header)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -33,10 +33,19 @@ from edgerun.model.config import ModelConfig, kv_names
 from edgerun.model.kernel_stage import build_kernel_stage
 from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
-from edgerun.model.weights import QK_NORM, ExpertWeights, LayerWeights, ModelWeights, MoeWeights, lacking
+from edgerun.model.weights import (
+    QK_NORM,
+    ROPE_FACTORS,
+    ExpertWeights,
+    LayerWeights,
+    ModelWeights,
+    MoeWeights,
+    lacking,
+)
 
-# What the graphs compute beyond the Llama/Qwen2 block (Qwen3-MoE's query/key norms).
-ONNX_FEATURES = frozenset({QK_NORM})
+# What a stage's graph computes beyond the Llama/Qwen2 block: Qwen3's query/key norms, Llama 3's RoPE factors (in
+# its cos/sin tables). A tensor-parallel share's graphs have neither (tp.ggml_shard.build_share refuses them).
+ONNX_FEATURES = frozenset({QK_NORM, ROPE_FACTORS})
 
 # Bump when the graph layout changes, so cached graphs are rebuilt.
 # 3: large tensors page-aligned (mapped, not copied, by onnxruntime); 4: a mid-model stage normalizes its input
@@ -263,7 +272,7 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
         helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
     ]
     outputs = []
-    cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(config.context_length))
+    cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(config.context_length), weights.rope_freqs)
     cos_name, sin_name = g.constant("rope_cos", cos), g.constant("rope_sin", sin)
     kv_shape = [1, config.n_kv_heads, "max_len", config.head_dim]
     eps = config.norm_eps
