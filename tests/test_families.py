@@ -18,6 +18,7 @@ import pytest
 
 from edgerun.bench.pp import local_pipeline, worker_budget_mb
 from edgerun.cli import main
+from edgerun.errors import EdgerunError
 from edgerun.model.generate import ReferenceEngine, generate, make_engine
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_graph import Activations
@@ -149,22 +150,31 @@ def test_an_unsupported_architecture_or_quant_type_is_one_line_naming_the_suppor
 
 def test_engines_without_a_familys_blocks_refuse_it_in_one_line(files: dict[str, Path],
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """onnxruntime's graphs have Qwen3's query/key norms but not Gemma's blocks nor Llama 3's RoPE factors."""
-    for family, refused in (("gemma3", "a GELU gate"), ("llama3", "RoPE frequency factors")):
-        assert main(["generate", "--model", str(files[family]), "--engine", "onnx", "--max-tokens", "2", "hi"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and refused in err and "ggml" in err, err
+    """onnxruntime's stage graphs have Qwen3's query/key norms and Llama 3's RoPE factors (in their cos/sin tables),
+    not Gemma's blocks; onnxruntime's tensor-parallel shares (float32 activations) have none of them."""
+    from edgerun.tp.ggml_shard import build_share
+    from edgerun.tp.shard import full_spec
+
+    assert main(["generate", "--model", str(files["gemma3"]), "--engine", "onnx", "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a GELU gate" in err and "ggml" in err, err
+    for family in ("llama3", "qwen3"):
+        assert main(["generate", "--model", str(files[family]), "--engine", "onnx", "--max-tokens", "2", "hi"]) == 0
+        model = load_model(files[family])
+        with pytest.raises(EdgerunError, match="an onnxruntime share does not compute"):
+            build_share(model.config, model.weights, full_spec(model.config), 64, 1, Activations.F32)
 
 
 def test_a_pipeline_leaves_out_workers_without_an_engine_for_the_model(files: dict[str, Path]) -> None:
-    """A browser tab runs edgerun's kernels (plain Llama blocks) or onnxruntime-web's graphs (no Gemma blocks, no
-    RoPE factors): for a Gemma 3 or Llama 3 model it is left out of every plan, said once in the log; a native
-    worker with ggml computes it; for Qwen3 (query/key norms: onnxruntime's graphs have them) the tab takes part."""
+    """A browser tab runs edgerun's kernels (Llama's and Phi-3's blocks, 4- and 8-bit codes) or onnxruntime-web's
+    graphs (Qwen3's query/key norms and Llama 3's RoPE factors, no Gemma blocks): for a Gemma 3 model it is left out
+    of every plan, said once in the log, where a native worker with ggml computes it; for the other families (their
+    Q4_K_M files on onnxruntime-web) the tab takes part."""
     from edgerun.pp.deployment import Deployment
     from edgerun.pp.master import Route
     from edgerun.pp.workers import WorkerConn, Workers
 
-    for family, tab_computes in (("gemma3", False), ("llama3", False), ("qwen3", True)):
+    for family, tab_computes in (("gemma3", False), ("llama3", True), ("qwen3", True), ("phi3", True)):
         logs: list[str] = []
         workers = Workers(b"k", {}, logs.append, lambda *_: None)
         for name, capabilities in (("native", {"kind": "native", "ggml": True}),

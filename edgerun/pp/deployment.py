@@ -126,7 +126,7 @@ class Deployment:
         self.ggml_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
             else ggml_engine.unsupported(model)
         # Why onnxruntime's stages (a native worker's without ggml, a tab's without the kernels) cannot run it
-        self.onnx_unsupported = lacking(model.config, model.weights, "onnxruntime's stages", ONNX_FEATURES)
+        self.onnx_unsupported = lacking(model.config, model.weights, "an onnxruntime stage", ONNX_FEATURES)
         self.left_out: set[str] = set()  # workers without an engine for this model, said once
         self._model_file: dict[str, str] | None = None  # the GGUF file ggml stages are built from, once hashed
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP

@@ -308,7 +308,7 @@ def build_share(config: ModelConfig, weights: ModelWeights, spec: ShardSpec, max
         raise EdgerunError(f"a share on {device} runs on ggml: static mapping and int8 activations only")
     if slots > 1 and (dynamic or activations is Activations.F32):
         raise EdgerunError("a batch of sequences runs on ggml shares: static mapping and int8 activations only")
-    if (dynamic or activations is Activations.F32) and (reason := lacking(config, weights, "onnxruntime's shares")):
+    if (dynamic or activations is Activations.F32) and (reason := lacking(config, weights, "an onnxruntime share")):
         raise EdgerunError(f"{reason}: ggml's shares do (static mapping, int8 activations)")
     if dynamic:
         return DynamicQuantShard(config, weights, spec, max_len, threads, activations, mapped_files)
