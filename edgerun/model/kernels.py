@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,10 +68,20 @@ class _Kernels:
                                 ctypes.addressof(self.params[ggml_lib.head(w).type]))
 
 
-@functools.cache
+_LOADING = threading.Lock()
+
+
 def _kernels() -> _Kernels | None:
     """The kernels where they are built, this CPU runs them, and for the weight types whose products give ggml's
-    bits here (`checked`); else None."""
+    bits here (`checked`); else None. Made once, under a lock: graphs hold the address of its parameters, so an
+    instance made by a second thread at the same time and then dropped would leave them pointing at freed memory
+    (a worker warming a stage up while a pass builds another stage's graph)."""
+    with _LOADING:
+        return _load()
+
+
+@functools.cache
+def _load() -> _Kernels | None:
     path = library_path()
     if path is None:
         return None
