@@ -95,7 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "3.2's dimensions), 8b (Llama 3.1's), smollm2 (the shipped model's), moe-tiny "
                                      "(Qwen3-MoE layout, 16 experts, 4 per token, for tests), qwen3-30b-a3b (the real "
                                      "Qwen3-30B-A3B shape); the families at their real shapes: qwen3-0.6b, qwen3-4b, "
-                                     "gemma3-270m, gemma3-1b (sliding-window layers, GeGLU, post norms), llama3.2-1b, "
+                                     "gemma3-270m, gemma3-1b, gemma3-4b (sliding-window layers, GeGLU, post norms; "
+                                     "the 4B's linear RoPE scaling), llama3.2-1b, "
                                      "llama3.1-8b (with Llama 3's RoPE frequency factors), phi3-mini (fused QKV and "
                                      "gate/up matrices). Cut any with --layers; the dimension options override the "
                                      "named shape.")

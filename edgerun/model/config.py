@@ -57,6 +57,8 @@ class ModelConfig:
     sliding_window: int = 0
     window_pattern: int = 0
     rope_base_window: float = 10000.0  # the windowed layers' RoPE base
+    # Linear RoPE scaling (Gemma 3 4B and larger: 1/8): the other layers rotate by position times this
+    rope_scale: float = 1.0
     # Queries multiplied by this before attention instead of scores by 1/sqrt(head_dim) inside it (0: the latter),
     # as llama.cpp's Gemma graph does.
     query_scale: float = 0.0
@@ -96,6 +98,10 @@ class ModelConfig:
 
     def rope_base_of(self, layer: int) -> float:
         return self.rope_base_window if self.window(layer) else self.rope_base
+
+    def rope_scale_of(self, layer: int) -> float:
+        """The factor of positions in this layer's rotation (llama.cpp's freq_scale; windowed layers take none)."""
+        return 1.0 if self.window(layer) else self.rope_scale
 
     @property
     def score_scale(self) -> float:

@@ -203,9 +203,10 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
     if a.q_norm is not None:
         q = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, q, eps), t(a.q_norm))
         k = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, k, eps), t(a.k_norm))
-    factors, base = None if a.rope_freqs is None else t(a.rope_freqs), c.rope_base_of(a.layer)
-    q = g.ggml_rope_ext(ctx, q, inputs.pos, factors, hd, rope_mode, c.context_length, base, 1.0, 0.0, 1.0, 0.0, 0.0)
-    k = g.ggml_rope_ext(ctx, k, inputs.pos, factors, hd, rope_mode, c.context_length, base, 1.0, 0.0, 1.0, 0.0, 0.0)
+    factors, base, scale = None if a.rope_freqs is None else t(a.rope_freqs), c.rope_base_of(a.layer), \
+        c.rope_scale_of(a.layer)
+    q = g.ggml_rope_ext(ctx, q, inputs.pos, factors, hd, rope_mode, c.context_length, base, scale, 0.0, 1.0, 0.0, 0.0)
+    k = g.ggml_rope_ext(ctx, k, inputs.pos, factors, hd, rope_mode, c.context_length, base, scale, 0.0, 1.0, 0.0, 0.0)
     if c.query_scale:  # as llama.cpp's Gemma graph: the queries scaled, the scores not
         q = g.ggml_scale(ctx, q, c.query_scale)
     windowed = c.window(a.layer) > 0

@@ -77,8 +77,9 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         raise ValueError("experts stored one tensor per expert (older Mixtral files) are not supported: "
                          "convert the file with a current llama.cpp (experts stacked in ffn_*_exps)")
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"RoPE scaling {scaling!r} is not supported")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0)
+    if scaling not in ("none", "linear", None):
+        raise ValueError(f"RoPE scaling {scaling!r} is not supported (none or linear)")
     if "rope_factors_long.weight" in tensor_names:
         raise ValueError("Phi-3's long-context RoPE factors (128k files) are not supported: take a 4k file")
     n_heads = int(meta("attention.head_count"))
@@ -122,6 +123,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         sliding_window=window,
         window_pattern=int(pattern) if window else 0,
         rope_base_window=float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+        rope_scale=1.0 / factor if scaling == "linear" and factor else 1.0,
         # llama.cpp's rule (after Gemma's own): queries times 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 27B
         query_scale=(1.0 / float(np.sqrt(hidden / n_heads if layers == 62 else head_dim))) if gemma else 0.0,
     )
@@ -264,6 +266,9 @@ def write_gguf(path: Path, config: ModelConfig, weights: ModelWeights, vocab: Vo
     writer.add_rope_freq_base(config.rope_base)
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.rope_scale != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(1.0 / config.rope_scale)
     if config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
         writer.add_uint32(f"{arch}.attention.sliding_window_pattern", config.window_pattern)

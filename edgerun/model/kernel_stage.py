@@ -59,6 +59,8 @@ def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
     """Why the kernels cannot run this model (None when they can): they implement the plain Llama block."""
     if config.architecture not in KERNEL_ARCHITECTURES:
         return f"architecture {config.architecture} (the kernels run {', '.join(KERNEL_ARCHITECTURES)})"
+    if config.rope_scale != 1.0:
+        return "linear RoPE scaling"
     if config.qkv_bias or config.qk_norm or config.n_experts:
         return "attention biases, query/key norms or experts"
     if weights.adapter_sha256:

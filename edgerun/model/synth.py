@@ -47,6 +47,10 @@ SHAPES: dict[str, ModelConfig] = {
     "gemma3-1b": ModelConfig("gemma3", 26, 1152, 6912, 4, 1, 256, 262144, 1000000.0, 1e-6, 32768, True, False,
                              qk_norm=True, activation=Activation.GELU_TANH, post_norms=True, sliding_window=512,
                              window_pattern=6),
+    # Gemma 3 4B: a 1024-position window, and linear RoPE scaling (factor 8) on its global layers
+    "gemma3-4b": ModelConfig("gemma3", 34, 2560, 10240, 8, 4, 256, 262208, 1000000.0, 1e-6, 131072, True, False,
+                             qk_norm=True, activation=Activation.GELU_TANH, post_norms=True, sliding_window=1024,
+                             window_pattern=6, rope_scale=0.125),
     "llama3.2-1b": ModelConfig("llama", 16, 2048, 8192, 32, 8, 64, 128256, 500000.0, 1e-5, 131072, True, False),
     "llama3.1-8b": ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0, 1e-5, 131072, False, False),
     "phi3-mini": ModelConfig("phi3", 32, 3072, 8192, 32, 32, 96, 32064, 10000.0, 1e-5, 4096, False, False),
@@ -249,15 +253,18 @@ def custom_shape(base: str, **overrides: object) -> ModelConfig:
     return config
 
 
-# Small files of each model family beside Llama/Qwen2, for the quality checks against llama.cpp (its greedy ids
-# after FAMILY_PROMPTS are fixtures, scripts/llamacpp_fixtures.py --synthetic): 4 layers of hidden 256, an untied
-# head (a tied one of random weights mostly repeats the last token), Q4_K_M; Gemma's window is 6 positions on every
-# other layer, so that short prompts cross it.
+# Small files of each model family beside Llama/Qwen2 (and Gemma 3 4B's linear RoPE scaling), for the quality
+# checks against llama.cpp (its greedy ids after FAMILY_PROMPTS are fixtures, scripts/llamacpp_fixtures.py
+# --synthetic): 4 layers of hidden 256, an untied head (a tied one of random weights mostly repeats the last token),
+# Q4_K_M; Gemma's window is 6 positions on every other layer, so that short prompts cross it.
 _SMALL = dict(n_layers=4, hidden=256, ffn=512, n_heads=4, head_dim=64, vocab_size=1024, tied_embeddings=False)
 FAMILIES: dict[str, SynthSpec] = {
     "qwen3": SynthSpec(custom_shape("qwen3-0.6b", n_kv_heads=2, **_SMALL), "Q4_K_M", seed=1),
     "gemma3": SynthSpec(custom_shape("gemma3-270m", n_kv_heads=1, sliding_window=6, window_pattern=2, **_SMALL),
                         "Q4_K_M", seed=1),
+    # weights large enough that attention, and so its rotation's scale, sways the tokens
+    "gemma3-4b": SynthSpec(custom_shape("gemma3-4b", n_kv_heads=2, sliding_window=6, window_pattern=2, **_SMALL),
+                           "Q4_K_M", seed=1, std=0.1),
     "llama3": SynthSpec(custom_shape("llama3.2-1b", n_kv_heads=2, **_SMALL), "Q4_K_M", seed=1,
                         rope_scaling=LLAMA3_ROPE_SCALING["llama3.2-1b"]),
     "phi3": SynthSpec(custom_shape("phi3-mini", n_kv_heads=4, **_SMALL), "Q4_K_M", seed=1),

@@ -15,9 +15,9 @@ from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.quant import QuantTensor
 
 # What a model's block may hold beyond Llama's and Qwen2's (the names an engine that lacks one refuses it by).
-QK_NORM, GELU_GATE, EMBED_SCALE, POST_NORMS, SLIDING_WINDOW, ROPE_FACTORS = (
+QK_NORM, GELU_GATE, EMBED_SCALE, POST_NORMS, SLIDING_WINDOW, ROPE_FACTORS, ROPE_SCALING = (
     "query/key norms", "a GELU gate", "a scaled embedding", "post-attention/MLP norms", "sliding-window layers",
-    "RoPE frequency factors")
+    "RoPE frequency factors", "linear RoPE scaling")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def features(config: ModelConfig, weights: ModelWeights) -> list[str]:
     embedding, post norms and windowed layers, Llama 3's RoPE factors)."""
     present = {QK_NORM: config.qk_norm, GELU_GATE: config.activation != Activation.SILU,
                EMBED_SCALE: config.embed_scale != 1.0 or config.query_scale != 0.0, POST_NORMS: config.post_norms,
-               SLIDING_WINDOW: config.sliding_window > 0, ROPE_FACTORS: weights.rope_freqs is not None}
+               SLIDING_WINDOW: config.sliding_window > 0, ROPE_FACTORS: weights.rope_freqs is not None,
+               ROPE_SCALING: config.rope_scale != 1.0}
     return [name for name, held in present.items() if held]
 
 
