@@ -182,7 +182,11 @@ class Deployment:
     def devices(self) -> list[DeviceProfile]:
         """The live workers that can compute this model's stages, as the planner sees them: measured speed, memory
         budget, latency, bandwidth."""
-        return [w.device(self.budget_mb(w)) for w in self.workers.alive() if self.computes(w)]
+        return [w.device(self.budget_mb(w)) for w in self._able()]
+
+    def _able(self) -> list[WorkerConn]:
+        """The live workers that have an engine for this model (computes)."""
+        return [w for w in self.workers.alive() if self.computes(w)]
 
     def computes(self, worker: WorkerConn) -> bool:
         """Whether a worker has an engine for this model's blocks: ggml's (a native worker), edgerun's kernels (a
@@ -315,8 +319,7 @@ class Deployment:
     def _spares(self) -> list[str]:
         """Live workers that serve no stage of the running plan, fastest first."""
         serving = {name for names in self.stage_workers for name in names}
-        return [w.name for w in sorted(self.workers.alive(), key=lambda w: -w.measured_speed)
-                if w.name not in serving and self.computes(w)]
+        return [w.name for w in sorted(self._able(), key=lambda w: -w.measured_speed) if w.name not in serving]
 
     def _fits(self, worker: str, stage: Stage) -> bool:
         return self._stage_mb(stage.first_layer, stage.end_layer) <= self.budget_mb(self.workers[worker])
@@ -650,8 +653,8 @@ class Deployment:
     def _with_replicas(self, plan: PPPlan) -> list[list[str]]:
         """Each stage's worker, then up to replicas - 1 spare workers that can hold it (the fastest
         first): hedged replicas (MoEx) compute the same stage and the first answer is taken."""
-        spare = sorted((w for w in self.workers.alive() if w.name not in {s.worker for s in plan.stages}
-                        and self.computes(w)), key=lambda w: -w.measured_speed)
+        spare = sorted((w for w in self._able() if w.name not in {s.worker for s in plan.stages}),
+                       key=lambda w: -w.measured_speed)
         out = []
         for s in plan.stages:
             need = self._stage_mb(s.first_layer, s.end_layer)
