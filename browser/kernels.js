@@ -2,7 +2,8 @@
 // the master's stage.bin holds them (edgerun/model/kernel_stage.py says the layout), and each product takes int8
 // activations quantized per block of 32, as onnxruntime's MatMulNBits does natively. The products, the
 // activations' quantization and attention's two loops over the KV cache (scores, weighted values) are kernels;
-// norms, rotary embedding, softmax and SwiGLU are plain JavaScript: a few thousand operations a layer, against
+// norms, biases, rotary embedding, softmax and the MLP's gate (SwiGLU, Gemma's GeGLU) are plain JavaScript: a few
+// thousand operations a layer, against
 // millions in the products. A prefill runs token by token: the products are bound by the kernels' arithmetic,
 // not by reading the matrices (16 tokens to one reading of each matrix measured no faster). The numpy replica
 // of all of it is edgerun/model/kernel_reference.py.
@@ -50,7 +51,7 @@ export class KernelStage {
   async load(files) {
     const {header, data} = parseStage(files["stage.bin"]);
     const h = this.h = header;
-    if (h.format !== 1) throw new Error(`stage.bin format ${h.format}; this page reads format 1`);
+    if (h.format !== 2) throw new Error(`stage.bin format ${h.format}; this page reads format 2`);
     if (h.first_layer !== this.spec.first_layer || h.end_layer !== this.spec.end_layer) {
       throw new Error(`stage.bin holds layers ${h.first_layer}-${h.end_layer - 1}, not the stage's`);
     }
@@ -128,9 +129,12 @@ export class KernelStage {
     this.vectors = Object.fromEntries(Object.entries(vectors).map(([name, v]) =>
       [name, this.f32.subarray(v.address / 4, (v.address + v.bytes) / 4)]));
     const half = h.head_dim / 2;
-    // Llama 3's files divide each rotary pair's frequency by a factor (rope_freqs)
-    this.invFreq = Float64Array.from({length: half},
-      (_, i) => 1 / h.rope_base ** ((2 * i) / h.head_dim) / (h.rope_freqs ? h.rope_freqs[i] : 1));
+    // Each layer's rotation: its base (Gemma's windowed layers have their own) and position scale (linear RoPE
+    // scaling); Llama 3's files divide each rotary pair's frequency by a factor (rope_freqs).
+    this.rotations = h.rope_bases.map((base, k) => ({scale: h.rope_scales[k], invFreq: Float64Array.from({length: half},
+      (_, i) => 1 / base ** ((2 * i) / h.head_dim) / (h.rope_freqs ? h.rope_freqs[i] : 1))}));
+    this.embedScale = Math.fround(h.embed_scale);
+    this.queryScale = Math.fround(h.query_scale);
     this.reset();
   }
 
@@ -189,6 +193,7 @@ export class KernelStage {
         row[b * BLOCK + j] = Math.fround(Math.fround(s * code) + o);
       }
     }
+    if (this.embedScale !== 1) for (let j = 0; j < m.cols; j++) row[j] *= this.embedScale; // Gemma: sqrt(hidden)
     return row;
   }
 
@@ -215,18 +220,25 @@ export class KernelStage {
     return this.f32.subarray(this.act.x / 4, this.act.x / 4 + length);
   }
 
-  // x normalized into the products' input buffer.
-  rmsNorm(x, weight) {
+  // x normalized into `out` (by default the products' input buffer, which it returns).
+  rmsNorm(x, weight, out = this.input(x.length)) {
     let sum = 0;
     for (let i = 0; i < x.length; i++) sum += x[i] * x[i];
-    const inverse = 1 / Math.sqrt(sum / x.length + this.h.norm_eps), out = this.input(x.length);
+    const inverse = 1 / Math.sqrt(sum / x.length + this.h.norm_eps);
     for (let i = 0; i < x.length; i++) out[i] = x[i] * inverse * weight[i];
+    return out;
   }
 
-  rope(x, heads, position) {
-    const d = this.h.head_dim, half = d / 2;
+  // Qwen3: each head's query or key normalized in place.
+  headNorms(x, heads, weight) {
+    const d = this.h.head_dim;
+    for (let hd = 0; hd < heads; hd++) this.rmsNorm(x.subarray(hd * d, (hd + 1) * d), weight, x.subarray(hd * d));
+  }
+
+  rope(x, heads, position, rotation) {
+    const d = this.h.head_dim, half = d / 2, at = position * rotation.scale;
     for (let i = 0; i < half; i++) {
-      const angle = position * this.invFreq[i], c = Math.fround(Math.cos(angle)), s = Math.fround(Math.sin(angle));
+      const angle = at * rotation.invFreq[i], c = Math.fround(Math.cos(angle)), s = Math.fround(Math.sin(angle));
       for (let hd = 0; hd < heads; hd++) {
         const a = x[hd * d + i], b = x[hd * d + i + half];
         x[hd * d + i] = a * c - b * s;
@@ -236,24 +248,36 @@ export class KernelStage {
   }
 
   layer(i, hidden, position) {
-    const h = this.h, d = h.head_dim, k = i - h.first_layer;
-    this.rmsNorm(hidden, this.vectors[`${i}.attn_norm`]);
+    const h = this.h, d = h.head_dim, k = i - h.first_layer, vector = (name) => this.vectors[`${i}.${name}`];
+    this.rmsNorm(hidden, vector("attn_norm"));
     const [q, key, value] = this.products(`${i}.qkv`, h.hidden);
-    this.rope(q, h.n_heads, position);
-    this.rope(key, h.n_kv_heads, position);
+    if (vector("bq")) { // Qwen2
+      for (const [x, bias] of [[q, vector("bq")], [key, vector("bk")], [value, vector("bv")]]) {
+        for (let j = 0; j < x.length; j++) x[j] += bias[j];
+      }
+    }
+    if (vector("q_norm")) { // Qwen3
+      this.headNorms(q, h.n_heads, vector("q_norm"));
+      this.headNorms(key, h.n_kv_heads, vector("k_norm"));
+    }
+    this.rope(q, h.n_heads, position, this.rotations[k]);
+    this.rope(key, h.n_kv_heads, position, this.rotations[k]);
+    if (h.query_scale) for (let j = 0; j < q.length; j++) q[j] *= this.queryScale; // Gemma, after the rotation
     const keys = this.keys[k], values = this.values[k];
     for (let kv = 0; kv < h.n_kv_heads; kv++) {
       this.f32.set(key.subarray(kv * d, (kv + 1) * d), keys / 4 + (kv * this.maxLen + position) * d);
       this.f32.set(value.subarray(kv * d, (kv + 1) * d), values / 4 + (kv * this.maxLen + position) * d);
     }
     // Per head: the scores over the positions (kernels.wat), their softmax here, the weighted values (kernels.wat)
-    // straight into the products' input buffer.
-    const att = this.att, positions = position + 1, group = h.n_heads / h.n_kv_heads;
+    // straight into the products' input buffer. A windowed layer (Gemma's) sees its last `window` positions.
+    const first = h.windows[k] ? Math.max(0, position + 1 - h.windows[k]) : 0;
+    const att = this.att, positions = position + 1 - first, group = h.n_heads / h.n_kv_heads;
     const scores = this.f32.subarray(att.scores / 4, att.scores / 4 + positions);
+    const scale = h.query_scale ? 1 : 1 / Math.sqrt(d);
     this.f32.set(q, att.q / 4);
     for (let head = 0; head < h.n_heads; head++) {
-      const kv = Math.floor(head / group) * this.maxLen * d * 4;
-      this.kernels.scores(att.q + head * d * 4, keys + kv, att.scores, positions, d, 1 / Math.sqrt(d));
+      const kv = (Math.floor(head / group) * this.maxLen + first) * d * 4;
+      this.kernels.scores(att.q + head * d * 4, keys + kv, att.scores, positions, d, scale);
       let top = -Infinity, total = 0;
       for (let t = 0; t < positions; t++) top = Math.max(top, scores[t]);
       for (let t = 0; t < positions; t++) total += (scores[t] = Math.exp(scores[t] - top));
@@ -261,12 +285,26 @@ export class KernelStage {
       this.kernels.mix(att.scores, values + kv, this.act.x + head * d * 4, positions, d);
     }
     const [projected] = this.products(`${i}.wo`, h.n_heads * d);
-    for (let j = 0; j < h.hidden; j++) hidden[j] += projected[j];
-    this.rmsNorm(hidden, this.vectors[`${i}.ffn_norm`]);
+    this.addInto(hidden, projected, vector("attn_post_norm"));
+    this.rmsNorm(hidden, vector("ffn_norm"));
     const [gate, up] = this.products(`${i}.gate_up`, h.hidden), act = this.input(h.ffn);
-    for (let j = 0; j < h.ffn; j++) act[j] = (gate[j] / (1 + Math.exp(-gate[j]))) * up[j];
+    if (h.activation === "gelu_tanh") { // Gemma: GELU's tanh approximation
+      const c = Math.sqrt(2 / Math.PI);
+      for (let j = 0; j < h.ffn; j++) {
+        const g = gate[j];
+        act[j] = 0.5 * g * (1 + Math.tanh(c * (g + 0.044715 * g * g * g))) * up[j];
+      }
+    } else {
+      for (let j = 0; j < h.ffn; j++) act[j] = (gate[j] / (1 + Math.exp(-gate[j]))) * up[j];
+    }
     const [down] = this.products(`${i}.w_down`, h.ffn);
-    for (let j = 0; j < h.hidden; j++) hidden[j] += down[j];
+    this.addInto(hidden, down, vector("ffn_post_norm"));
+  }
+
+  // hidden += out, normalized first where the layer has a norm after it (Gemma).
+  addInto(hidden, out, norm) {
+    const add = norm ? this.rmsNorm(out, norm) : out;
+    for (let j = 0; j < hidden.length; j++) hidden[j] += add[j];
   }
 
   head(hidden) {

@@ -333,13 +333,15 @@ def test_the_wasm_kernels_compute_the_numpy_products() -> None:
         master.close()
 
 
-@pytest.mark.parametrize("family", ["shipped", "llama3"])
+@pytest.mark.parametrize("family", ["shipped", "llama3", "qwen3", "gemma3"])
 def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   family: str) -> None:
     """Two tabs on edgerun's WebAssembly kernels (the default without WebGPU), neither holding the model alone, run
     it as a two-stage pipeline: the tokens of the numpy replica of the kernels' arithmetic, for a plain request and
-    a chat request through the saved prefix's KV; the shipped model, and a synthetic Llama 3.2 in Q4_0 whose RoPE
-    frequency factors (the stage's header carries them) change its tokens."""
+    a chat request through the saved prefix's KV; the shipped model, a synthetic Llama 3.2 in Q4_0 whose RoPE
+    frequency factors (the stage's header carries them) change its tokens, a Qwen3 (query/key norms) and a Gemma 3
+    (GeGLU, post norms, scaled embedding and queries, windowed layers on their own RoPE base: the chat request
+    reaches past the window)."""
     require_browser()
     from playwright.sync_api import sync_playwright
 
@@ -347,11 +349,14 @@ def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path
     from edgerun.model.gguf_file import write_gguf
     from edgerun.model.kernel_reference import KernelReference
     from edgerun.model.kernel_stage import expansion
-    from edgerun.model.synth import FAMILIES, synth_vocabulary, synth_weights
+    from edgerun.model.synth import FAMILIES, synth_vocabulary, synth_weights, write_synthetic
     from edgerun.sched.profiles import model_profile
 
     if family == "shipped":
         model = load_model()
+    elif family != "llama3":
+        write_synthetic(dataclasses.replace(FAMILIES[family], qtype="Q4_0"), tmp_path / "model.gguf", "gguf")
+        model = load_model(tmp_path / "model.gguf")
     else:  # factors far from 1 and weights large enough that a short request's tokens depend on them
         spec = dataclasses.replace(FAMILIES[family], qtype="Q4_0", std=0.1)
         weights = dataclasses.replace(synth_weights(spec), rope_freqs=np.geomspace(
@@ -366,6 +371,9 @@ def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path
     reference = generate(kernels, model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
     chat = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."}]))
     chat_reference = generate(kernels, chat, 16, Sampler(SamplingParams())).tokens
+    if family == "gemma3":  # the chat request reaches past the window, and the window changes its tokens
+        whole = KernelReference(dataclasses.replace(model.config, sliding_window=0), model.weights, 256)
+        assert generate(whole, chat, 16, Sampler(SamplingParams())).tokens != chat_reference
     monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
     logs: list[str] = []
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(
@@ -379,7 +387,7 @@ def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path
             pages = [page, browser.new_page()]
             pages[1].on("pageerror", lambda e: errors.append(str(e)))
             for i, tab in enumerate(pages):
-                tab.goto(f"http://127.0.0.1:{master.port}/node?name=tab{i}&memory={memory:.0f}#key={SECRET}")
+                tab.goto(f"http://127.0.0.1:{master.port}/node?name=tab{i}&memory={memory:.3f}#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
             for name in ("tab0", "tab1"):
                 assert master.workers[name].capabilities["weights"] == "kernels"

@@ -164,10 +164,10 @@ def test_engines_without_a_familys_blocks_refuse_it_in_one_line(files: dict[str,
 
 
 def test_a_pipeline_leaves_out_workers_without_an_engine_for_the_model(files: dict[str, Path]) -> None:
-    """A browser tab runs edgerun's kernels (Llama's and Phi-3's blocks, 4- and 8-bit codes) or onnxruntime-web's
-    graphs (Qwen3's query/key norms and Llama 3's RoPE factors, no Gemma blocks): for a Gemma 3 model it is left out
-    of every plan, said once in the log, where a native worker with ggml computes it; for the other families (their
-    Q4_K_M files on onnxruntime-web) the tab takes part."""
+    """A browser tab runs edgerun's kernels (every dense family's blocks, 4- and 8-bit codes in blocks of 32: not a
+    Q4_K_M file's Q6_K) or onnxruntime-web's graphs (Qwen3's query/key norms and Llama 3's RoPE factors, no Gemma
+    blocks): for a Gemma 3 Q4_K_M model it is left out of every plan, said once in the log, where a native worker
+    with ggml computes it; for the other families (their Q4_K_M files on onnxruntime-web) the tab takes part."""
     from edgerun.pp.deployment import Deployment
     from edgerun.pp.master import Route
     from edgerun.pp.workers import WorkerConn, Workers

@@ -4,6 +4,8 @@ Chromium in test_browser_node.py."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -80,10 +82,12 @@ def test_the_kernels_products_are_the_float_products_to_int8_rounding(shipped_mo
     assert sums[0] == pytest.approx(128.5)
 
 
-def test_the_kernel_replica_predicts_the_float_references_tokens_to_int8_rounding(tiny_spec, synth_gguf) -> None:
-    """On a small untied Q4_0 model (the kernels' 4-bit codes without offsets): the replica's logits of a prompt
-    and its next token are the numpy reference's to int8 rounding."""
-    model = load_model(synth_gguf(tiny_spec("llama", "Q4_0", tied=False)))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_kernel_replica_predicts_the_float_references_tokens_to_int8_rounding(tiny_spec, synth_gguf,
+                                                                                   arch: str) -> None:
+    """On a small untied Q4_0 model (the kernels' 4-bit codes without offsets), Llama's and Qwen2's (attention
+    biases): the replica's logits of a prompt and its next token are the numpy reference's to int8 rounding."""
+    model = load_model(synth_gguf(tiny_spec(arch, "Q4_0", tied=False)))
     assert unsupported(model.config, model.weights) is None
     prompt = [1, 5, 9, 2, 7, 3]
     replica = KernelReference(model.config, model.weights, 32)
@@ -95,11 +99,41 @@ def test_the_kernel_replica_predicts_the_float_references_tokens_to_int8_roundin
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma3-4b", "llama3", "phi3"])
+def test_the_kernel_replica_runs_each_family_as_the_reference(tmp_path: Path, family: str) -> None:
+    """Each family's blocks on the kernels' arithmetic (Qwen3's query/key norms; Gemma 3's GeGLU, post norms, scaled
+    embedding and queries, windowed layers on their own RoPE base and linear RoPE scaling; Llama 3's RoPE factors;
+    Phi-3's split matrices), its Q4_0 file: the reference's logits to int8 rounding at every step of two prompts and
+    the reference's next token but at int8 near-ties (random weights have some)."""
+    from edgerun.model.synth import FAMILIES, FAMILY_PROMPTS, write_synthetic
+
+    write_synthetic(dataclasses.replace(FAMILIES[family], qtype="Q4_0"), tmp_path / "model.gguf", "gguf")
+    model = load_model(tmp_path / "model.gguf")
+    assert unsupported(model.config, model.weights) is None
+    replica, reference = KernelReference(model.config, model.weights, 64), ReferenceEngine(model, 64)
+    agree = steps = 0
+    for prompt in FAMILY_PROMPTS:  # the reference's tokens fed to both: a near-tie does not carry on
+        replica.reset()
+        reference.reset()
+        tokens = list(prompt)
+        for _ in range(16):
+            got, want = replica.step(tokens), reference.step(tokens)
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+            agree += int(np.argmax(got)) == int(np.argmax(want))
+            steps += 1
+            tokens = [int(np.argmax(want))]
+    assert agree >= steps - 2, (agree, steps)
+
+
 def test_models_the_kernels_do_not_run_are_named_with_the_reason(tiny_spec, synth_gguf) -> None:
-    qwen = load_model(synth_gguf(tiny_spec("qwen2", "Q4_0")))
-    assert "qwen2" in unsupported(qwen.config, qwen.weights)
+    from edgerun.model.synth import SHAPES, SynthSpec
+
+    moe = load_model(synth_gguf(SynthSpec(SHAPES["moe-tiny"], "Q4_0", seed=5)))
+    assert "qwen3moe" in unsupported(moe.config, moe.weights)
+    q6 = load_model(synth_gguf(tiny_spec("llama", "Q6_K")))
+    assert "Q6_K" in unsupported(q6.config, q6.weights)
     with pytest.raises(ValueError, match="cannot run this model"):
-        KernelReference(qwen.config, qwen.weights, 16)
+        KernelReference(moe.config, moe.weights, 16)
 
 
 def _tab(name: str, weights: str) -> WorkerConn:
@@ -132,10 +166,10 @@ def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model
     assert not d.spec(stage, "n").kernels
     assert [f["name"] for f in d._stage_files(spec)] == [KERNEL_STAGE_FILE]
     assert d.state == PipelineState.DOWN
-    qwen = _deployment(load_model(synth_gguf(tiny_spec("qwen2", "Q4_0"))))
-    qwen.workers.by_name[tab.name] = tab
-    assert not qwen.kernel_tab(tab) and qwen.dequantized(tab) and qwen.budget_mb(tab) < 600.0
-    assert not qwen.spec(stage, "k").kernels and qwen.spec(stage, "k").dequantized
+    q6 = _deployment(load_model(synth_gguf(tiny_spec("llama", "Q6_K"))))  # 16-column blocks: not the kernels'
+    q6.workers.by_name[tab.name] = tab
+    assert not q6.kernel_tab(tab) and q6.dequantized(tab) and q6.budget_mb(tab) < 600.0
+    assert not q6.spec(stage, "k").kernels and q6.spec(stage, "k").dequantized
     exact = _deployment(shipped_model, Activations.F32)
     exact.workers.by_name[tab.name] = tab
     assert not exact.kernel_tab(tab) and exact.dequantized(tab) and exact.spec(stage, "k").dequantized

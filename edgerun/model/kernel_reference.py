@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgerun.model.config import ModelConfig
-from edgerun.model.kernel_stage import LAYER_MATRICES, unsupported
+from edgerun.model.config import Activation, ModelConfig
+from edgerun.model.kernel_stage import LAYER_MATRICES, LAYER_VECTORS, unsupported
 from edgerun.model.quant import AffineBlocks, to_affine_blocks
 from edgerun.model.reference import rope_tables
 from edgerun.model.weights import ModelWeights
@@ -77,13 +77,21 @@ class KernelReference:
             raise ValueError(f"the browser kernels cannot run this model: {reason}")
         self.config, self.max_len = config, max_len
         self.layers = [{name: _Matrix.of(to_affine_blocks(getattr(layer, name))) for name in LAYER_MATRICES}
+                       | {name: getattr(layer, name) for name in LAYER_VECTORS}
                        | {"attn_norm": layer.attn_norm.astype(np.float64),
                           "ffn_norm": layer.ffn_norm.astype(np.float64)} for layer in weights.layers]
         self.embedding = weights.token_embd
         self.head = _Matrix.of(to_affine_blocks(weights.output))
         self.output_norm = weights.output_norm.astype(np.float64)
-        cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(max_len), weights.rope_freqs)
-        self.cos, self.sin = cos.astype(np.float64), sin.astype(np.float64)
+        # Per layer, its rotation's (cos, sin) over every position (Gemma's layers have two rotations)
+        tables = {}
+        self.rotations = []
+        for i in range(config.n_layers):
+            key = (config.rope_base_of(i), config.rope_scale_of(i))
+            if key not in tables:
+                cos, sin = rope_tables(config.head_dim, key[0], np.arange(max_len) * key[1], weights.rope_freqs)
+                tables[key] = (cos.astype(np.float64), sin.astype(np.float64))
+            self.rotations.append(tables[key])
         shape = (config.n_layers, config.n_kv_heads, max_len, config.head_dim)
         self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         self.position = 0
@@ -99,37 +107,60 @@ class KernelReference:
             raise ValueError(f"context of {self.max_len} tokens exceeded")
         for token in tokens:
             hidden = self.embedding.dequantize_rows(np.array([token]))[0]
+            if self.config.embed_scale != 1.0:
+                hidden = hidden * np.float32(self.config.embed_scale)
             for i in range(self.config.n_layers):
                 hidden = self._layer(i, hidden)
             self.position += 1
         return product(self.head, self._norm(hidden, self.output_norm))
 
     def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """x's last axis RMS-normalized (a vector, or Qwen3's heads one by one)."""
         x64 = x.astype(np.float64)
-        return (x64 * (1 / np.sqrt(np.dot(x64, x64) / len(x) + self.config.norm_eps)) * weight).astype(np.float32)
+        mean = (x64 * x64).sum(axis=-1, keepdims=True) / x.shape[-1]
+        return (x64 * (1 / np.sqrt(mean + self.config.norm_eps)) * weight).astype(np.float32)
 
-    def _rope(self, x: np.ndarray) -> np.ndarray:
-        """x (heads, head_dim) float32, pairs (i, i + head_dim/2), in float64 and back to float32."""
+    def _rope(self, i: int, x: np.ndarray) -> np.ndarray:
+        """x (heads, head_dim) float32 rotated by layer i's rotation, pairs (i, i + head_dim/2), in float64 and
+        back to float32."""
         half = x.shape[1] // 2
         a, b = x[:, :half].astype(np.float64), x[:, half:].astype(np.float64)
-        c, s = self.cos[self.position], self.sin[self.position]
+        cos, sin = self.rotations[i]
+        c, s = cos[self.position], sin[self.position]
         return np.concatenate([a * c - b * s, b * c + a * s], axis=1).astype(np.float32)
+
+    def _added(self, hidden: np.ndarray, out: np.ndarray, norm: np.ndarray | None) -> np.ndarray:
+        """hidden + out, normalized first where the layer has a norm after it (Gemma)."""
+        return hidden + (out if norm is None else self._norm(out, norm))
 
     def _layer(self, i: int, hidden: np.ndarray) -> np.ndarray:
         c, layer, p = self.config, self.layers[i], self.position
         x = self._norm(hidden, layer["attn_norm"])
-        q = self._rope(product(layer["wq"], x).reshape(c.n_heads, c.head_dim))
-        self.keys[i, :, p] = self._rope(product(layer["wk"], x).reshape(c.n_kv_heads, c.head_dim))
-        self.values[i, :, p] = product(layer["wv"], x).reshape(c.n_kv_heads, c.head_dim)
+        q, k, v = (product(layer[name], x) for name in ("wq", "wk", "wv"))
+        if layer["bq"] is not None:  # Qwen2
+            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+        q, k = q.reshape(c.n_heads, c.head_dim), k.reshape(c.n_kv_heads, c.head_dim)
+        if layer["q_norm"] is not None:  # Qwen3
+            q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
+        q = self._rope(i, q)
+        if c.query_scale:  # Gemma, after the rotation
+            q = q * np.float32(c.query_scale)
+        self.keys[i, :, p] = self._rope(i, k)
+        self.values[i, :, p] = v.reshape(c.n_kv_heads, c.head_dim)
+        first = max(0, p + 1 - c.window(i)) if c.window(i) else 0
         group = c.n_heads // c.n_kv_heads
-        keys = np.repeat(self.keys[i, :, :p + 1], group, axis=0).astype(np.float64)  # (heads, positions, head_dim)
-        values = np.repeat(self.values[i, :, :p + 1], group, axis=0).astype(np.float64)
-        scores = np.einsum("hd,htd->ht", q.astype(np.float64), keys) / np.sqrt(c.head_dim)
+        # (heads, positions, head_dim)
+        keys = np.repeat(self.keys[i, :, first:p + 1], group, axis=0).astype(np.float64)
+        values = np.repeat(self.values[i, :, first:p + 1], group, axis=0).astype(np.float64)
+        scores = np.einsum("hd,htd->ht", q.astype(np.float64), keys) * c.score_scale
         weights = np.exp(scores - scores.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
         attention = np.einsum("ht,htd->hd", weights, values).astype(np.float32).reshape(-1)
-        hidden = hidden + product(layer["wo"], attention)
+        hidden = self._added(hidden, product(layer["wo"], attention), layer["attn_post_norm"])
         x = self._norm(hidden, layer["ffn_norm"])
         gate, up = product(layer["w_gate"], x).astype(np.float64), product(layer["w_up"], x)
-        act = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
-        return hidden + product(layer["w_down"], act)
+        if c.activation == Activation.GELU_TANH:
+            act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate * gate * gate))) * up
+        else:
+            act = gate / (1 + np.exp(-gate)) * up
+        return self._added(hidden, product(layer["w_down"], act.astype(np.float32)), layer["ffn_post_norm"])

@@ -8,12 +8,16 @@ columns), which the tab multiplies with int8 activations as onnxruntime's MatMul
 One file, `stage.bin`:
     b"ERK1", u32 little-endian header length, the header (JSON), zeros up to a multiple of 64, then the tensors,
     each starting at a multiple of 64 bytes from the data's start.
-The header holds the model's shape, the stage's layers and, per tensor name, its offset, byte length and type:
-    "f32" vectors (norm weights);
+The header holds the model's shape and block (activation, embedding scale, query scale), the stage's layers with
+each one's attention window and rotation (RoPE base and position scale), and, per tensor name, its offset, byte
+length and type:
+    "f32" vectors (norm weights, Qwen2's attention biases);
     a matrix "<name>" as "<name>.codes" (4-bit: 16 bytes a block, byte j = column j | column j + 16 << 4, the
     GGUF order; 8-bit: 32 signed bytes a block, code - 128), "<name>.scales" and, where it has offsets,
     "<name>.offsets" (f32, rows x blocks), with "matrices"[name] = {bits, rows, cols, offsets}.
-Layer i's tensors are named "<i>.attn_norm", "<i>.wq", ... as LayerWeights' fields; the embedding (first stage)
+Layer i's tensors are named "<i>.attn_norm", "<i>.wq", ... as LayerWeights' fields (the optional vectors "<i>.bq",
+"<i>.bk", "<i>.bv", "<i>.q_norm", "<i>.k_norm", "<i>.attn_post_norm", "<i>.ffn_post_norm" only where the model
+has them); the embedding (first stage)
 and LM head (last) are "token_embd" and "output" (the same tensor when tied), with "output_norm".
 """
 
@@ -32,11 +36,16 @@ from edgerun.model.weights import ModelWeights
 KERNEL_STAGE_FILE = "stage.bin"
 MAGIC = b"ERK1"
 ALIGN = 64
+FORMAT = 2
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# The layer vectors beside the two norms, each present only where the model has it: Qwen2's attention biases,
+# Qwen3's query/key norms, Gemma 3's norms after attention and after the MLP.
+LAYER_VECTORS = ("bq", "bk", "bv", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm")
 
-
-# Llama's block (Llama 3's RoPE factors included) and Phi-3's, which is Llama's once its fused matrices are split.
-KERNEL_ARCHITECTURES = ("llama", "phi3")
+# The dense blocks: Llama's (Llama 3's RoPE factors included), Phi-3's (Llama's once its fused matrices are split),
+# Qwen2's (attention biases), Qwen3's (query/key norms) and Gemma 3's (GeGLU, windowed layers on their own RoPE
+# base, scaled embedding and queries, post norms, linear RoPE scaling).
+KERNEL_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3", "gemma3")
 
 def _matrices(weights: ModelWeights) -> list[QuantTensor]:
     """Every matrix a stage holds: the layers', the LM head and the embedding."""
@@ -56,13 +65,10 @@ def _forms(weights: ModelWeights) -> dict[str, AffineBlocks | None]:
 
 
 def unsupported(config: ModelConfig, weights: ModelWeights) -> str | None:
-    """Why the kernels cannot run this model (None when they can): they implement the plain Llama block."""
+    """Why the kernels cannot run this model (None when they can): they implement the dense blocks of
+    KERNEL_ARCHITECTURES."""
     if config.architecture not in KERNEL_ARCHITECTURES:
         return f"architecture {config.architecture} (the kernels run {', '.join(KERNEL_ARCHITECTURES)})"
-    if config.rope_scale != 1.0:
-        return "linear RoPE scaling"
-    if config.qkv_bias or config.qk_norm or config.n_experts:
-        return "attention biases, query/key norms or experts"
     if weights.adapter_sha256:
         return "a LoRA adapter"
     for qtype, form in _forms(weights).items():
@@ -140,6 +146,9 @@ def build_kernel_stage(config: ModelConfig, weights: ModelWeights, first_layer: 
         layer = weights.layers[i]
         w.tensor(f"{i}.attn_norm", layer.attn_norm.astype("<f4"), "f32")
         w.tensor(f"{i}.ffn_norm", layer.ffn_norm.astype("<f4"), "f32")
+        for name in LAYER_VECTORS:
+            if getattr(layer, name) is not None:
+                w.tensor(f"{i}.{name}", getattr(layer, name).astype("<f4"), "f32")
         for name in LAYER_MATRICES:
             w.matrix(f"{i}.{name}", getattr(layer, name))
     if lm_head:
@@ -149,12 +158,19 @@ def build_kernel_stage(config: ModelConfig, weights: ModelWeights, first_layer: 
         else:
             w.matrix("output", weights.output)
     header = json.dumps({
-        "format": 1, "first_layer": first_layer, "end_layer": end_layer, "embed": embed, "lm_head": lm_head,
+        "format": FORMAT, "first_layer": first_layer, "end_layer": end_layer, "embed": embed, "lm_head": lm_head,
         "hidden": config.hidden, "ffn": config.ffn, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
         "head_dim": config.head_dim, "vocab": config.vocab_size, "rope_base": config.rope_base,
         # Llama 3's: each rotary pair's frequency divided by its factor (none: 1)
         "rope_freqs": None if weights.rope_freqs is None else [float(f) for f in weights.rope_freqs],
-        "norm_eps": config.norm_eps, "tensors": w.tensors, "matrices": w.matrices}).encode()
+        "norm_eps": config.norm_eps, "activation": str(config.activation), "embed_scale": config.embed_scale,
+        # 0: the scores scaled by 1/sqrt(head_dim); else the queries by this, after their rotation
+        "query_scale": config.query_scale,
+        # per layer of the stage: how far back it attends (0: the whole context), its RoPE base and position scale
+        "windows": [config.window(i) for i in range(first_layer, end_layer)],
+        "rope_bases": [config.rope_base_of(i) for i in range(first_layer, end_layer)],
+        "rope_scales": [config.rope_scale_of(i) for i in range(first_layer, end_layer)],
+        "tensors": w.tensors, "matrices": w.matrices}).encode()
     start = 8 + len(header)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / KERNEL_STAGE_FILE
