@@ -333,15 +333,17 @@ def test_the_wasm_kernels_compute_the_numpy_products() -> None:
         master.close()
 
 
-@pytest.mark.parametrize("family", ["shipped", "llama3", "qwen3", "gemma3"])
-def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  family: str) -> None:
-    """Two tabs on edgerun's WebAssembly kernels (the default without WebGPU), neither holding the model alone, run
-    it as a two-stage pipeline: the tokens of the numpy replica of the kernels' arithmetic, for a plain request and
-    a chat request through the saved prefix's KV; the shipped model, a synthetic Llama 3.2 in Q4_0 whose RoPE
-    frequency factors (the stage's header carries them) change its tokens, a Qwen3 (query/key norms) and a Gemma 3
-    (GeGLU, post norms, scaled embedding and queries, windowed layers on their own RoPE base: the chat request
-    reaches past the window)."""
+@pytest.mark.parametrize(("family", "weights"), [("shipped", "kernels"), ("llama3", "kernels"), ("qwen3", "kernels"),
+                                                 ("gemma3", "kernels"), ("gemma3", "f32")])
+def test_two_tabs_give_their_reference_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str,
+                                              weights: str) -> None:
+    """Two tabs, neither holding the model alone, run it as a two-stage pipeline: on edgerun's WebAssembly kernels
+    (the default without WebGPU) the tokens of the numpy replica of the kernels' arithmetic, on onnxruntime-web's
+    float32 graphs (weights=f32, a float32 deployment) the numpy reference's, for a plain request and a chat request
+    through the saved prefix's KV; the shipped model, a synthetic Llama 3.2 in Q4_0 whose RoPE frequency factors
+    (the stage's header carries them) change its tokens, a Qwen3 (query/key norms) and a Gemma 3 (GeGLU, post
+    norms, scaled embedding and queries, windowed layers on their own RoPE base: the chat request reaches past the
+    window)."""
     require_browser()
     from playwright.sync_api import sync_playwright
 
@@ -350,6 +352,7 @@ def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path
     from edgerun.model.kernel_reference import KernelReference
     from edgerun.model.kernel_stage import expansion
     from edgerun.model.synth import FAMILIES, synth_vocabulary, synth_weights, write_synthetic
+    from edgerun.pp.deployment import dequantized_expansion
     from edgerun.sched.profiles import model_profile
 
     if family == "shipped":
@@ -359,39 +362,45 @@ def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path
         model = load_model(tmp_path / "model.gguf")
     else:  # factors far from 1 and weights large enough that a short request's tokens depend on them
         spec = dataclasses.replace(FAMILIES[family], qtype="Q4_0", std=0.1)
-        weights = dataclasses.replace(synth_weights(spec), rope_freqs=np.geomspace(
+        factored = dataclasses.replace(synth_weights(spec), rope_freqs=np.geomspace(
             1, 40, spec.config.head_dim // 2).astype(np.float32))
-        write_gguf(tmp_path / "llama3.gguf", spec.config, weights, synth_vocabulary(spec.config.vocab_size), "llama3")
+        write_gguf(tmp_path / "llama3.gguf", spec.config, factored, synth_vocabulary(spec.config.vocab_size),
+                   "llama3")
         model = load_model(tmp_path / "llama3.gguf")
         plain = KernelReference(model.config, dataclasses.replace(model.weights, rope_freqs=None), 256)
         assert generate(plain, model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens != \
             generate(KernelReference(model.config, model.weights, 256), model.tokenizer.encode(PROMPT), N_TOKENS,
                      Sampler(SamplingParams())).tokens
-    kernels = KernelReference(model.config, model.weights, 256)
-    reference = generate(kernels, model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
+    kernels = weights == "kernels"
+    oracle = KernelReference(model.config, model.weights, 256) if kernels else ReferenceEngine(model, 256)
+    reference = generate(oracle, model.tokenizer.encode(PROMPT), N_TOKENS, Sampler(SamplingParams())).tokens
     chat = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."}]))
-    chat_reference = generate(kernels, chat, 16, Sampler(SamplingParams())).tokens
+    chat_reference = generate(oracle, chat, 16, Sampler(SamplingParams())).tokens
     if family == "gemma3":  # the chat request reaches past the window, and the window changes its tokens
-        whole = KernelReference(dataclasses.replace(model.config, sliding_window=0), model.weights, 256)
-        assert generate(whole, chat, 16, Sampler(SamplingParams())).tokens != chat_reference
+        whole = dataclasses.replace(model, config=dataclasses.replace(model.config, sliding_window=0))
+        assert generate(KernelReference(whole.config, whole.weights, 256) if kernels else ReferenceEngine(whole, 256),
+                        chat, 16, Sampler(SamplingParams())).tokens != chat_reference
     monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
     logs: list[str] = []
     master = PipelineMaster(model, derive_key(SECRET), PipelineConfig(
-        host="127.0.0.1", max_len=256, prefix=tuple(chat_template_prefix(model.tokenizer))), log=logs.append)
-    # Budgets with which two tabs must share the model: its layers in two ranges, in stage.bin's bytes.
+        host="127.0.0.1", max_len=256, prefix=tuple(chat_template_prefix(model.tokenizer)),
+        activations=Activations.INT8 if kernels else Activations.F32), log=logs.append)
+    # Budgets with which two tabs must share the model: its layers in two ranges, in the stage files' bytes.
     layers = model_profile(model.name, model.config, model.weights, context=256).layer_memory_bytes
-    memory = stage_budgets_mb(layers, 2) * expansion(model.weights) * 1.02
+    grown = expansion(model.weights) if kernels else dequantized_expansion(model)
+    memory = stage_budgets_mb(layers, 2) * grown * 1.02
     try:
         with sync_playwright() as p:
             browser, page, errors = open_page(p, console_errors=True)
             pages = [page, browser.new_page()]
             pages[1].on("pageerror", lambda e: errors.append(str(e)))
             for i, tab in enumerate(pages):
-                tab.goto(f"http://127.0.0.1:{master.port}/node?name=tab{i}&memory={memory:.3f}#key={SECRET}")
+                tab.goto(f"http://127.0.0.1:{master.port}/node?name=tab{i}&memory={memory:.3f}&weights={weights}"
+                         f"#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
             for name in ("tab0", "tab1"):
-                assert master.workers[name].capabilities["weights"] == "kernels"
-                assert master.deployment.kernel_tab(master.workers[name])
+                assert master.workers[name].capabilities["weights"] == weights
+                assert master.deployment.kernel_tab(master.workers[name]) == kernels
             plan = master.start()
             assert {s.worker for s in plan.stages} == {"tab0", "tab1"}, logs
             tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS)
@@ -401,7 +410,7 @@ def test_two_tabs_on_the_wasm_kernels_give_their_reference_tokens(tmp_path: Path
         assert tokens == reference
         assert chat_tokens == chat_reference
         assert not [e for e in errors if "404" not in e], errors  # (the page asks for a favicon it has none of)
-        assert all("kernels weights" in s for s in status), status
+        assert all(f"{weights} weights" in s for s in status), status
     finally:
         master.close()
 

@@ -63,15 +63,21 @@ def test_the_default_engine_gives_llamacpps_ids(files: dict[str, Path], family: 
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_reference_and_the_ggml_engine_agree_on_float32_weights(tmp_path: Path, family: str) -> None:
-    """Float32 weights (ggml's products then take float32 activations too): the numpy reference's greedy tokens
-    are the ggml engine's, for each family's blocks (Gemma's window crossed by the 20-token prompt)."""
+def test_the_reference_ggml_and_onnxruntime_agree_on_float32_weights(tmp_path: Path, family: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 weights (ggml's products then take float32 activations too) and onnxruntime's graph with float32
+    activations: the numpy reference's greedy tokens, for each family's blocks (Gemma's window crossed by the
+    20-token prompt and by the decode after the 13-token one)."""
+    from edgerun.model.onnx_engine import OnnxEngine
+
+    monkeypatch.setenv("EDGERUN_CACHE", str(tmp_path / "cache"))
     path = tmp_path / f"{family}-f32.gguf"
     write_synthetic(replace(FAMILIES[family], qtype="F32"), path, "gguf")
     model = load_model(path)
     for prompt in FAMILY_PROMPTS:
-        assert greedy(make_engine("ggml", model, 256, threads=1), prompt) == \
-            greedy(ReferenceEngine(model, 256), prompt)
+        reference = greedy(ReferenceEngine(model, 256), prompt)
+        assert greedy(make_engine("ggml", model, 256, threads=1), prompt) == reference
+        assert greedy(OnnxEngine(model, 256, activations=Activations.F32), prompt) == reference
 
 
 @pytest.mark.slow
@@ -146,40 +152,41 @@ def test_an_unsupported_architecture_or_quant_type_is_one_line_naming_the_suppor
     assert "IQ2_XXS" in err and "Q4_K" in err, err
 
 
-def test_engines_without_a_familys_blocks_refuse_it_in_one_line(files: dict[str, Path],
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """onnxruntime's stage graphs have Qwen3's query/key norms and Llama 3's RoPE factors (in their cos/sin tables),
-    not Gemma's blocks; onnxruntime's tensor-parallel shares (float32 activations) have none of them."""
+def test_onnxruntime_stages_run_every_family_and_its_shares_refuse_them_in_one_line(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """onnxruntime's stage graphs (the onnx engine, pipeline stages, tabs on onnxruntime-web) have every family's
+    blocks; its tensor-parallel shares (float32 activations) and LoRA tuning have none of those beyond Llama's and
+    Qwen2's: one line each."""
+    from edgerun.model.weights import features
     from edgerun.tp.ggml_shard import build_share
     from edgerun.tp.shard import full_spec
+    from edgerun.tune.model import StageModel
 
-    assert main(["generate", "--model", str(files["gemma3"]), "--engine", "onnx", "--max-tokens", "2", "hi"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "a GELU gate" in err and "ggml" in err, err
-    for family in ("llama3", "qwen3"):
+    for family in FAMILIES:
         assert main(["generate", "--model", str(files[family]), "--engine", "onnx", "--max-tokens", "2", "hi"]) == 0
         model = load_model(files[family])
+        if not features(model.config, model.weights):  # Phi-3: Llama's block once its matrices are split
+            continue
         with pytest.raises(EdgerunError, match="an onnxruntime share does not compute"):
             build_share(model.config, model.weights, full_spec(model.config), 64, 1, Activations.F32)
+        with pytest.raises(EdgerunError, match="tuning does not compute"):
+            StageModel(model.config, model.weights, 0, model.config.n_layers, None)
 
 
-def test_a_pipeline_leaves_out_workers_without_an_engine_for_the_model(files: dict[str, Path]) -> None:
-    """A browser tab runs edgerun's kernels (every dense family's blocks, 4- and 8-bit codes in blocks of 32: not a
-    Q4_K_M file's Q6_K) or onnxruntime-web's graphs (Qwen3's query/key norms and Llama 3's RoPE factors, no Gemma
-    blocks): for a Gemma 3 Q4_K_M model it is left out of every plan, said once in the log, where a native worker
-    with ggml computes it; for the other families (their Q4_K_M files on onnxruntime-web) the tab takes part."""
+def test_a_browser_tab_computes_every_family(files: dict[str, Path]) -> None:
+    """A browser tab runs edgerun's kernels (every dense family's blocks, 4- and 8-bit codes in blocks of 32) or,
+    for a Q4_K_M file's Q6_K matrices, onnxruntime-web's graphs with float32 matrices: for each family's Q4_K_M
+    file the tab takes part in the plans beside a native worker."""
     from edgerun.pp.deployment import Deployment
     from edgerun.pp.master import Route
     from edgerun.pp.workers import WorkerConn, Workers
 
-    for family, tab_computes in (("gemma3", False), ("llama3", True), ("qwen3", True), ("phi3", True)):
-        logs: list[str] = []
-        workers = Workers(b"k", {}, logs.append, lambda *_: None)
+    for family in FAMILIES:
+        workers = Workers(b"k", {}, lambda _: None, lambda *_: None)
         for name, capabilities in (("native", {"kind": "native", "ggml": True}),
                                    ("tab", {"kind": "browser", "weights": "kernels"})):
             workers.by_name[name] = WorkerConn(name, None, 4096, 1e9, capabilities, set())
         deployment = Deployment(load_model(files[family]), workers, 256, "latency", 1, Activations.INT8, Route.STAR,
-                                logs.append, None)
-        for _ in range(2):
-            assert [d.name for d in deployment.devices()] == (["native", "tab"] if tab_computes else ["native"])
-        assert len([line for line in logs if "tab is left out" in line]) == (0 if tab_computes else 1), logs
+                                lambda _: None, None)
+        assert [d.name for d in deployment.devices()] == ["native", "tab"]
+        assert deployment.dequantized(workers.by_name["tab"])  # the Q6_K head

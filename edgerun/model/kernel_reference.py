@@ -21,7 +21,7 @@ from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.kernel_stage import LAYER_MATRICES, LAYER_VECTORS, unsupported
 from edgerun.model.quant import AffineBlocks, to_affine_blocks
 from edgerun.model.reference import rope_tables
-from edgerun.model.weights import ModelWeights
+from edgerun.model.weights import ModelWeights, embed_rows
 
 BLOCK = 32
 
@@ -80,7 +80,7 @@ class KernelReference:
                        | {name: getattr(layer, name) for name in LAYER_VECTORS}
                        | {"attn_norm": layer.attn_norm.astype(np.float64),
                           "ffn_norm": layer.ffn_norm.astype(np.float64)} for layer in weights.layers]
-        self.embedding = weights.token_embd
+        self.weights = weights
         self.head = _Matrix.of(to_affine_blocks(weights.output))
         self.output_norm = weights.output_norm.astype(np.float64)
         # Per layer, its rotation's (cos, sin) over every position (Gemma's layers have two rotations)
@@ -106,9 +106,7 @@ class KernelReference:
         if self.position + len(tokens) > self.max_len:
             raise ValueError(f"context of {self.max_len} tokens exceeded")
         for token in tokens:
-            hidden = self.embedding.dequantize_rows(np.array([token]))[0]
-            if self.config.embed_scale != 1.0:
-                hidden = hidden * np.float32(self.config.embed_scale)
+            hidden = embed_rows(self.config, self.weights, [token])[0]
             for i in range(self.config.n_layers):
                 hidden = self._layer(i, hidden)
             self.position += 1

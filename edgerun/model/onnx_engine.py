@@ -10,6 +10,7 @@ import numpy as np
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.model.session import StageSession
+from edgerun.model.weights import embed_rows
 
 
 class OnnxEngine:
@@ -40,5 +41,5 @@ class OnnxEngine:
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens after those already seen; return the last token's logits, (vocab,)."""
-        hidden = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))[None]
+        hidden = embed_rows(self.config, self.model.weights, tokens)[None]
         return self.stage.run(hidden)[0, 0]

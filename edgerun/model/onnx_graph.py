@@ -29,13 +29,18 @@ from onnx import TensorProto, helper
 
 from edgerun.cache import cache_root
 from edgerun.errors import EdgerunError
-from edgerun.model.config import ModelConfig, kv_names
+from edgerun.model.config import Activation, ModelConfig, kv_names
 from edgerun.model.kernel_stage import build_kernel_stage
 from edgerun.model.quant import AffineBlocks, QuantTensor, concat_affine, slice_affine, to_affine_blocks
 from edgerun.model.reference import rope_tables
 from edgerun.model.weights import (
+    EMBED_SCALE,
+    GELU_GATE,
+    POST_NORMS,
     QK_NORM,
     ROPE_FACTORS,
+    ROPE_SCALING,
+    SLIDING_WINDOW,
     ExpertWeights,
     LayerWeights,
     ModelWeights,
@@ -44,13 +49,16 @@ from edgerun.model.weights import (
 )
 
 # What a stage's graph computes beyond the Llama/Qwen2 block: Qwen3's query/key norms, Llama 3's RoPE factors (in
-# its cos/sin tables). A tensor-parallel share's graphs have neither (tp.ggml_shard.build_share refuses them).
-ONNX_FEATURES = frozenset({QK_NORM, ROPE_FACTORS})
+# its cos/sin tables), Gemma 3's GeGLU (FastGelu, the tanh approximation), scaled embedding and queries (the
+# attention's own scale), post norms, windowed layers (the attention's local window) on their own RoPE base and
+# linear RoPE scaling (each layer's cos/sin tables). A tensor-parallel share's graphs have none of them
+# (tp.ggml_shard.build_share refuses them).
+ONNX_FEATURES = frozenset({QK_NORM, ROPE_FACTORS, GELU_GATE, EMBED_SCALE, POST_NORMS, SLIDING_WINDOW, ROPE_SCALING})
 
 # Bump when the graph layout changes, so cached graphs are rebuilt.
 # 3: large tensors page-aligned (mapped, not copied, by onnxruntime); 4: a mid-model stage normalizes its input
-# as the whole graph does
-GRAPH_VERSION = 4
+# as the whole graph does; 5: Gemma 3's blocks
+GRAPH_VERSION = 5
 OPSET = 17
 IR_VERSION = 10
 WEIGHTS_FILE = "weights.bin"
@@ -272,8 +280,16 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
         helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
     ]
     outputs = []
-    cos, sin = rope_tables(config.head_dim, config.rope_base, np.arange(config.context_length), weights.rope_freqs)
-    cos_name, sin_name = g.constant("rope_cos", cos), g.constant("rope_sin", sin)
+    rotations: dict[tuple[float, float], tuple[str, str]] = {}  # (base, position scale) -> its cos/sin tables
+
+    def rotation(i: int) -> tuple[str, str]:
+        key = (config.rope_base_of(i), config.rope_scale_of(i))
+        if key not in rotations:
+            cos, sin = rope_tables(config.head_dim, key[0], np.arange(config.context_length) * key[1],
+                                   weights.rope_freqs)
+            rotations[key] = (g.constant("rope_cos", cos), g.constant("rope_sin", sin))
+        return rotations[key]
+
     kv_shape = [1, config.n_kv_heads, "max_len", config.head_dim]
     eps = config.norm_eps
 
@@ -292,6 +308,9 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
     if spec.embed:  # float32 rows, exactly the reference's dequantized embedding
         table = g.constant("token_embd", weights.token_embd.dequantize(), weight=True)
         (residual,) = g.node("Gather", [table, "input_ids"], axis=0)
+        if config.embed_scale != 1.0:  # Gemma: sqrt(hidden), in float32 as the reference
+            (residual,) = g.node("Mul", [residual, g.constant("embed_scale", np.array(config.embed_scale,
+                                                                                      np.float32))])
     pending = None  # layer 0 normalizes the embedding alone
     if spec.first_layer > 0:
         # A stage that starts mid-model normalizes its input with the kernel the whole model's graph uses there
@@ -314,18 +333,24 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
         if layer.q_norm is not None:  # Qwen3: each head's query and key RMS-normalized before RoPE
             q, k = (_head_norm(g, t, norm, heads, config) for t, norm, heads in
                     ((q, layer.q_norm, config.n_heads), (k, layer.k_norm, config.n_kv_heads)))
+        # Gemma: the scores scaled by its query scale instead of 1/sqrt(head_dim); its windowed layers see their
+        # own position and the window - 1 before it (onnxruntime's local window is that many positions in all).
+        window = {"local_window_size": config.window(i)} if config.window(i) else {}
+        scale = {"scale": config.query_scale} if config.query_scale else {}
         g.nodes.append(helper.make_node(
-            "GroupQueryAttention", [q, k, v, past_k, past_v, "seqlens_k", "total_seq_len", cos_name, sin_name],
+            "GroupQueryAttention", [q, k, v, past_k, past_v, "seqlens_k", "total_seq_len", *rotation(i)],
             [f"attn_{i}", present_k, present_v], name=f"attention_{i}", domain="com.microsoft",
             num_heads=config.n_heads, kv_num_heads=config.n_kv_heads, do_rotary=1, rotary_interleaved=0,
-        ))
+            **window, **scale))
         (pending,) = linear(f"attn_{i}", [layer.wo])
+        pending = _post_norm(g, pending, layer.attn_post_norm, eps)
 
         xn, residual = _norm(g, residual, pending, layer.ffn_norm, eps)
         if layer.moe is None:
-            pending = _swiglu(g, xn, layer.w_gate, layer.w_up, layer.w_down, linear)
+            pending = _gated_mlp(g, xn, layer.w_gate, layer.w_up, layer.w_down, linear, config.activation)
         else:
             pending = _experts(g, xn, layer.moe, config, linear)
+        pending = _post_norm(g, pending, layer.ffn_post_norm, eps)
 
     if spec.lm_head:
         # Only the last position's logits are needed: slice before the final norm and the head.
@@ -355,12 +380,24 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
 Linear = Callable[[str, list[QuantTensor]], list[str]]
 
 
-def _swiglu(g: _GraphWriter, x: str, w_gate: QuantTensor, w_up: QuantTensor, w_down: QuantTensor,
-            linear: Linear) -> str:
+def _gated_mlp(g: _GraphWriter, x: str, w_gate: QuantTensor, w_up: QuantTensor, w_down: QuantTensor,
+               linear: Linear, activation: Activation = Activation.SILU) -> str:
+    """down(act(gate x) * up x): SwiGLU, or Gemma's GeGLU (onnxruntime's FastGelu is GELU's tanh approximation)."""
     gate, up = linear(x, [w_gate, w_up])
-    (sig,) = g.node("Sigmoid", [gate])
-    (act,) = g.node("Mul", [g.node("Mul", [gate, sig])[0], up])
+    if activation == Activation.GELU_TANH:
+        (acted,) = g.node("FastGelu", [gate], domain="com.microsoft")
+    else:
+        (acted,) = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])
+    (act,) = g.node("Mul", [acted, up])
     return linear(act, [w_down])[0]
+
+
+def _post_norm(g: _GraphWriter, x: str, weight: np.ndarray | None, eps: float) -> str:
+    """Gemma's norm of a block's output before it joins the residual (x itself where the layer has none)."""
+    if weight is None:
+        return x
+    return g.node("SimplifiedLayerNormalization", [x, g.constant("norm", np.asarray(weight, np.float32))], axis=-1,
+                  epsilon=eps)[0]
 
 
 def _head_norm(g: _GraphWriter, x: str, weight: np.ndarray, heads: int, config: ModelConfig) -> str:
@@ -397,13 +434,13 @@ def _experts(g: _GraphWriter, x: str, moe: MoeWeights, config: ModelConfig, line
         (chosen,) = g.node("Greater", [g.node("ReduceMax", [column], keepdims=0)[0], zero])
 
         def weighted(expert: ExpertWeights = expert, column: str = column) -> str:
-            return g.node("Mul", [_swiglu(g, x, *expert.matrices(), linear), column])[0]
+            return g.node("Mul", [_gated_mlp(g, x, *expert.matrices(), linear), column])[0]
 
         outputs.append(g.gated(chosen, weighted, out_shape, config.hidden))
     if moe.shared is not None:
         (score,) = g.node("MatMul", [x, g.constant("shared_gate", moe.shared_gate.reshape(-1, 1), weight=True)])
         (scale,) = g.node("Sigmoid", [score])
-        outputs += g.node("Mul", [_swiglu(g, x, *moe.shared.matrices(), linear), scale])
+        outputs += g.node("Mul", [_gated_mlp(g, x, *moe.shared.matrices(), linear), scale])
     return g.node("Sum", outputs)[0]
 
 
@@ -648,6 +685,6 @@ def expert_graph(config: ModelConfig, expert: ExpertWeights, out: Path, accuracy
             return g.linear_forms(x, [t.dequantize() for t in tensors], accuracy_level)
         return g.linear(x, tensors, accuracy_level)
 
-    y = _swiglu(g, "hidden", *expert.matrices(), linear)
+    y = _gated_mlp(g, "hidden", *expert.matrices(), linear)
     g.nodes.append(helper.make_node("Mul", [y, "gates"], ["weighted"], name="weighted"))
     return _save(g, inputs, outputs, "edgerun_expert", out)

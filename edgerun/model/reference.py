@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgerun.model.config import Activation, ModelConfig
-from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights
+from edgerun.model.weights import ExpertWeights, LayerWeights, ModelWeights, MoeWeights, embed_rows
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -220,7 +220,7 @@ class ReferenceModel:
         self.config = config
         self.group_size = group_size
         self.layers = [DenseLayer.from_weights(layer, experts) for layer in weights.layers]
-        self.token_embd = weights.token_embd
+        self.weights = weights
         self.output_norm = weights.output_norm
         self.output = weights.output.dequantize()
         self.rope_freqs = weights.rope_freqs
@@ -246,8 +246,7 @@ class ReferenceModel:
         return KVCache(self.config, max_len)
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
-        rows = self.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
-        return rows * np.float32(self.config.embed_scale) if self.config.embed_scale != 1.0 else rows
+        return embed_rows(self.config, self.weights, tokens)
 
     def forward(self, tokens: Sequence[int], cache: KVCache, hooks: BlockHooks | None = None,
                 all_logits: bool = False) -> np.ndarray:

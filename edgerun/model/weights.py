@@ -6,7 +6,7 @@ GGUF's interleaved Llama rows are put into this order on load and back on save.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,6 +122,13 @@ def features(config: ModelConfig, weights: ModelWeights) -> list[str]:
                SLIDING_WINDOW: config.sliding_window > 0, ROPE_FACTORS: weights.rope_freqs is not None,
                ROPE_SCALING: config.rope_scale != 1.0}
     return [name for name, held in present.items() if held]
+
+
+def embed_rows(config: ModelConfig, weights: ModelWeights, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids -> their rows of the embedding, float32, times the model's embedding scale (Gemma's sqrt(hidden),
+    in float32 as llama.cpp scales them)."""
+    rows = weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+    return rows * np.float32(config.embed_scale) if config.embed_scale != 1.0 else rows
 
 
 def lacking(config: ModelConfig, weights: ModelWeights, what: str, has: frozenset[str] = frozenset()) -> str | None:

@@ -32,8 +32,7 @@ from edgerun.model import ggml_engine, kernel_stage
 from edgerun.model.ggml_stage import GGML_STAGE_FILE
 from edgerun.model.kernel_stage import KERNEL_STAGE_FILE
 from edgerun.model.loader import Model
-from edgerun.model.onnx_graph import ONNX_FEATURES, Activations, StageSpec, cached_stage
-from edgerun.model.weights import lacking
+from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import PpMsg
 from edgerun.pp.workers import SPEED_SAMPLES, TabWeights, WorkerConn, WorkerLost, Workers
@@ -125,9 +124,6 @@ class Deployment:
         # adapters.
         self.ggml_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
             else ggml_engine.unsupported(model)
-        # Why onnxruntime's stages (a native worker's without ggml, a tab's without the kernels) cannot run it
-        self.onnx_unsupported = lacking(model.config, model.weights, "an onnxruntime stage", ONNX_FEATURES)
-        self.left_out: set[str] = set()  # workers without an engine for this model, said once
         self._model_file: dict[str, str] | None = None  # the GGUF file ggml stages are built from, once hashed
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
@@ -182,22 +178,7 @@ class Deployment:
     def devices(self) -> list[DeviceProfile]:
         """The live workers that can compute this model's stages, as the planner sees them: measured speed, memory
         budget, latency, bandwidth."""
-        return [w.device(self.budget_mb(w)) for w in self._able()]
-
-    def _able(self) -> list[WorkerConn]:
-        """The live workers that have an engine for this model (computes)."""
-        return [w for w in self.workers.alive() if self.computes(w)]
-
-    def computes(self, worker: WorkerConn) -> bool:
-        """Whether a worker has an engine for this model's blocks: ggml's (a native worker), edgerun's kernels (a
-        tab that asked for them), or onnxruntime's graphs where they hold the model's blocks (Gemma's do not).
-        One that has none is left out of every plan, said once."""
-        if self.ggml_stages(worker.name) or self.kernel_tab(worker) or self.onnx_unsupported is None:
-            return True
-        if worker.name not in self.left_out:
-            self.left_out.add(worker.name)
-            self.log(f"{worker.name} is left out: {self.onnx_unsupported}, and it has no other engine for them")
-        return False
+        return [w.device(self.budget_mb(w)) for w in self.workers.alive()]
 
     def spec(self, stage: Stage, worker: str) -> StageSpec:
         """The stage this worker runs. Native workers compute with the configured activations. A tab on edgerun's
@@ -319,7 +300,7 @@ class Deployment:
     def _spares(self) -> list[str]:
         """Live workers that serve no stage of the running plan, fastest first."""
         serving = {name for names in self.stage_workers for name in names}
-        return [w.name for w in sorted(self._able(), key=lambda w: -w.measured_speed) if w.name not in serving]
+        return [w.name for w in sorted(self.workers.alive(), key=lambda w: -w.measured_speed) if w.name not in serving]
 
     def _fits(self, worker: str, stage: Stage) -> bool:
         return self._stage_mb(stage.first_layer, stage.end_layer) <= self.budget_mb(self.workers[worker])
@@ -653,7 +634,7 @@ class Deployment:
     def _with_replicas(self, plan: PPPlan) -> list[list[str]]:
         """Each stage's worker, then up to replicas - 1 spare workers that can hold it (the fastest
         first): hedged replicas (MoEx) compute the same stage and the first answer is taken."""
-        spare = sorted((w for w in self._able() if w.name not in {s.worker for s in plan.stages}),
+        spare = sorted((w for w in self.workers.alive() if w.name not in {s.worker for s in plan.stages}),
                        key=lambda w: -w.measured_speed)
         out = []
         for s in plan.stages:

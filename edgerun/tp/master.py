@@ -33,6 +33,7 @@ from edgerun.model.ggml_engine import cache_rows
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler
+from edgerun.model.weights import embed_rows
 from edgerun.net.channel import Counters, DatagramSocket, EventLoopThread, LossyUdp
 from edgerun.net.fastpath import NativeBlock, NativeHead
 from edgerun.net.group import PROBE_LAYER, GroupSender, new_group
@@ -622,9 +623,7 @@ class Master:
         if self.whole is not None:
             return self._whole_step(tokens)
         c = self.model.config
-        x = self.model.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
-        if c.embed_scale != 1.0:  # Gemma's, in float32 as llama.cpp scales it
-            x = x * np.float32(c.embed_scale)
+        x = embed_rows(c, self.model.weights, tokens)
         start = self.position if rows is None else rows.step
         weights = self.model.weights
         # Dynamic mapping ranks each block's units. Predictors that read one layer ahead rank a layer from the
