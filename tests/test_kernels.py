@@ -1,6 +1,6 @@
-"""The batched products of Q4_1 and Q8_0 weights (edgerun/model/kernels.c), a custom op in ggml graphs: ggml's own
-products bit for bit, on any count of columns and threads, so a batch of sequences and a prompt's chunk give the
-tokens they gave before (and llama.cpp's)."""
+"""The batched products of Q4_1, Q8_0 and Q6_K weights (edgerun/model/kernels.c), a custom op in ggml graphs: ggml's
+own products bit for bit, on any count of columns (Q6_K: up to 7) and threads, so a batch of sequences and a
+prompt's chunk give the tokens they gave before (and llama.cpp's)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,22 @@ def test_the_batched_product_is_ggmls_bit_for_bit(built, qtype: str, threads: in
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("k", "n"), [(2048, 200), (256, 67), (768, 5)])
+def test_the_q6_k_product_is_ggmls_bit_for_bit(built, threads: int, k: int, n: int) -> None:
+    """Q6_K rows (a Q4_K_M file's LM head, some attn_v and ffn_down) times 1 to 7 columns, the decode steps and
+    small batches ggml computes with its one-row dot product: its bits; 8 columns stay ggml's own product."""
+    columns = (1, 2, 3, 7)
+    for cols, (ours, theirs) in zip(columns, kernels.compare(built, kernels.Q6_K, k, n, columns, threads,
+                                                             seed=k + n), strict=True):
+        assert ours.shape == (cols, n)
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
+        assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+
+
 def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
     """Weights of another type, or columns that are not contiguous floats: ggml's mul_mat, which the engine's graphs
-    then hold (no custom op); one or several Q4_1 or Q8_0 columns take the op."""
+    then hold (no custom op); one or several Q4_1 or Q8_0 columns take the op, Q6_K up to 7 columns."""
     from edgerun.model import ggml_lib
 
     backend = ggml_lib.GgmlBackend(threads=1)
@@ -56,13 +69,16 @@ def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
     q41 = store.add("a", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q4_1"), repack=False)
     q80 = store.add("b", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q8_0"), repack=False)
     q40 = store.add("c", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q4_0"), repack=False)
+    q6k = store.add("d", quantize(rng.standard_normal((32, 256)).astype(np.float32), "Q6_K"), repack=False)
     store.upload()
     gc = ggml_lib.GraphContext(backend, 8)
     one, many = gc.input(ggml_lib.F32, 64, 1), gc.input(ggml_lib.F32, 64, 4)
+    seven, eight = gc.input(ggml_lib.F32, 256, 7), gc.input(ggml_lib.F32, 256, 8)
     g = ggml_lib.lib()
     wide = gc.input(ggml_lib.F32, 128, 4)
     strided = g.ggml_view_2d(gc.ctx, wide, 64, 4, 128 * 4, 0)  # half of each column: columns 512 bytes apart
     ops = {name: g.ggml_op_desc(kernels.product(gc.ctx, store.tensor(w), x)).decode()
            for name, w, x in (("one", q41, one), ("q4_0", q40, many), ("q4_1", q41, many), ("q8_0", q80, many),
-                              ("strided", q41, strided))}
-    assert ops == {"one": "CUSTOM", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM", "strided": "MUL_MAT"}
+                              ("strided", q41, strided), ("q6_k 7", q6k, seven), ("q6_k 8", q6k, eight))}
+    assert ops == {"one": "CUSTOM", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM", "strided": "MUL_MAT",
+                   "q6_k 7": "CUSTOM", "q6_k 8": "MUL_MAT"}

@@ -1,6 +1,6 @@
 /* Matrix products of quantized weights with one or several columns of activations, for ggml graphs (a custom op),
- * giving ggml's own products bit for bit. Weights: Q4_1 (the shipped model's layers) and Q8_0 (its LM head, and many
- * models' tied embeddings).
+ * giving ggml's own products bit for bit. Weights: Q4_1 (the shipped model's layers), Q8_0 (its LM head, and many
+ * models' tied embeddings) and Q6_K (a Q4_K_M file's LM head and some of its attn_v and ffn_down).
  *
  * ggml multiplies Q4_1 with B columns by calling its one-row dot product B times per row, unpacking every weight
  * block again for each column (llamafile's tinyBLAS and the repacked layouts take Q4_0, Q8_0, Q4_K and IQ4_NL,
@@ -30,10 +30,12 @@
 #endif
 
 #define QK 32
+#define QK_K 256
 #define MAX_COLS 16 /* columns in one pass over the weights: 8 pairs, each pair one 512-bit register */
 #define PREFETCH_ROWS 4
+#define Q6_K_COLS 7 /* Q6_K columns in one pass (kernels.py gives the op no more: ggml computes 8 another way) */
 
-enum { W_Q4_1 = 0, W_Q8_0 = 1 };
+enum { W_Q4_1 = 0, W_Q8_0 = 1, W_Q6_K = 2 };
 
 typedef struct {
     uint16_t d, m;
@@ -49,6 +51,19 @@ typedef struct {
     uint16_t d, s;
     int8_t qs[QK];
 } block_q8_1;
+
+typedef struct {
+    uint8_t ql[QK_K / 2]; /* the low 4 bits of each 6-bit code */
+    uint8_t qh[QK_K / 4]; /* the high 2 bits */
+    int8_t scales[QK_K / 16];
+    uint16_t d;
+} block_q6_K;
+
+typedef struct {
+    float d;
+    int8_t qs[QK_K];
+    int16_t bsums[QK_K / 16];
+} block_q8_K;
 
 /* The leading fields of ggml's struct ggml_tensor (ggml.h, llama.cpp 11434), up to its data pointer; the engine
  * checks the data pointer's offset against ggml_get_data before it uses this op. */
@@ -248,7 +263,91 @@ TARGET static void lay_out(int weights, const float *x, size_t x_stride, int c0,
     }
 }
 
-/* The custom op (ggml_custom_op_t): dst (n_rows, n_cols) F32 = src[0] (k, n_rows) Q4_1 or Q8_0 times src[1]
+/* Rows [r0, r1) of Q6_K weights (n_super blocks of 256 each) times `cols` columns quantized to Q8_K (row_size bytes
+ * apart in q): out[c * out_stride + r]. ggml's ggml_vec_dot_q6_K_q8_K (AVX2) sums, per block of 256, 8 integer
+ * lanes: lane l takes values 4l..4l+3 of each of the block's eight 32-value chunks, each product times its 16
+ * values' scale, less 32 times the scaled sums of values 32l..32l+31 (the codes' offset, from the column's bsums);
+ * then lane = fma(d(w) * d(x), lane, lane's float). Here two chunks go in one 512-bit register, so one VNNI dot
+ * gives 16 lanes (chunk 2m's in 0-7, 2m+1's in 8-15), each times its scale (integer products: exact), and lane l
+ * of the block is lanes l and l + 8 added: the same integers, then the same float operations in the same order.
+ * The codes are unpacked once per block for every column. */
+TARGET static inline __attribute__((always_inline)) void q6_k_rows_times(
+    const int COLS, const void *w, int n_super, int r0, int r1, const char *q, size_t row_size, float *out,
+    size_t out_stride) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    /* per 32-byte half of a register: chunks 0 and 1 take bits 0-1 and 2-3 of the high bits, shifted to 4-5;
+     * chunks 2 and 3 bits 4-5 and 6-7 */
+    const __m512i high01 = _mm512_inserti64x4(_mm512_set1_epi8(3), _mm256_set1_epi8(12), 1);
+    const __m512i high23 = _mm512_inserti64x4(_mm512_set1_epi8(48), _mm256_set1_epi8((char)192), 1);
+    const __m512i left01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    __m512i spread[4]; /* 16-bit lane i of register m takes scale 4m + i/8 */
+    for (int m = 0; m < 4; m++)
+        spread[m] = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * m)), _mm512_srli_epi16(_mm512_set_epi16(
+            31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+    const size_t row_bytes = (size_t)n_super * sizeof(block_q6_K);
+    for (int r = r0; r < r1; r++) {
+        if (r + PREFETCH_ROWS < r1) {
+            const char *ahead = (const char *)w + (size_t)(r + PREFETCH_ROWS) * row_bytes;
+            for (size_t at = 0; at < row_bytes; at += 64)
+                _mm_prefetch(ahead + at, _MM_HINT_T0);
+        }
+        __m256 acc[MAX_COLS];
+#pragma GCC unroll 8
+        for (int c = 0; c < COLS; c++)
+            acc[c] = _mm256_setzero_ps();
+        for (int i = 0; i < n_super; i++) {
+            const block_q6_K *b = (const block_q6_K *)w + (size_t)r * n_super + i;
+            __m512i codes[4]; /* chunks (0,1), (2,3) of the first 128 values, then of the second */
+            for (int j = 0; j < 2; j++) {
+                const __m512i lo = _mm512_loadu_si512(b->ql + 64 * j);
+                const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b->qh + 32 * j)));
+                codes[2 * j] = _mm512_or_si512(_mm512_and_si512(lo, low),
+                                               _mm512_sllv_epi16(_mm512_and_si512(hi, high01), left01));
+                codes[2 * j + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), low),
+                                                   _mm512_srlv_epi16(_mm512_and_si512(hi, high23), right23));
+            }
+            const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+            __m512i scale[4];
+            for (int m = 0; m < 4; m++)
+                scale[m] = _mm512_permutexvar_epi16(spread[m], _mm512_castsi256_si512(scales16));
+            const float dw = half_to_float(b->d);
+#pragma GCC unroll 8
+            for (int c = 0; c < COLS; c++) {
+                const block_q8_K *y = (const block_q8_K *)(q + (size_t)c * row_size) + i;
+                __m512i sum = _mm512_setzero_si512();
+                for (int m = 0; m < 4; m++) {
+                    /* pairs of products (at most 2 * 63 * 128: no saturation), then pairs of pairs, each times
+                     * its 16 values' scale: per 32-bit lane, its 4 products times their scale */
+                    const __m512i pairs = _mm512_maddubs_epi16(codes[m], _mm512_loadu_si512(y->qs + 64 * m));
+                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, scale[m]));
+                }
+                const __m256i offset = _mm256_slli_epi32(
+                    _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), scales16), 5);
+                const __m256i lanes = _mm256_sub_epi32(
+                    _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1)), offset);
+                const float d = y->d * dw;
+                acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[c]);
+            }
+        }
+        for (int c = 0; c < COLS; c++)
+            out[(size_t)c * out_stride + r] = hsum8(acc[c]);
+    }
+}
+
+#define Q6_K_TIMES(n) case n: q6_k_rows_times(n, w, n_super, r0, r1, q, row_size, out, out_stride); break;
+
+/* Up to Q6_K_COLS columns at a time. */
+TARGET static void q6_k_rows(const void *w, int n_super, int r0, int r1, int cols, const char *q, size_t row_size,
+                             float *out, size_t out_stride) {
+    switch (cols) {
+        Q6_K_TIMES(1) Q6_K_TIMES(2) Q6_K_TIMES(3) Q6_K_TIMES(4) Q6_K_TIMES(5) Q6_K_TIMES(6) Q6_K_TIMES(7)
+        default: abort();
+    }
+}
+
+/* The custom op (ggml_custom_op_t): dst (n_rows, n_cols) F32 = src[0] (k, n_rows) Q4_1, Q8_0 or Q6_K times src[1]
  * (k, n_cols) F32, rows split among ggml's threads. Each thread quantizes the columns itself (a few thousand
  * values, less than one row block's work) rather than waiting for one to. */
 void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {
@@ -258,13 +357,28 @@ void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) 
     const int r0 = (int)((int64_t)n_rows * ith / nth), r1 = (int)((int64_t)n_rows * (ith + 1) / nth);
     if (r0 >= r1)
         return;
+    const size_t out_stride = dst->nb[1] / sizeof(float);
+    if (params->weights == W_Q6_K) {
+        const int n_super = k / QK_K;
+        const size_t q8k_row = (size_t)n_super * sizeof(block_q8_K);
+        char *q = work_space((size_t)Q6_K_COLS * q8k_row);
+        if (!q)
+            abort();
+        for (int c0 = 0; c0 < n_cols; c0 += Q6_K_COLS) {
+            const int cols = n_cols - c0 < Q6_K_COLS ? n_cols - c0 : Q6_K_COLS;
+            for (int c = 0; c < cols; c++)
+                params->quantize((const float *)x->data + (size_t)(c0 + c) * (x->nb[1] / sizeof(float)),
+                                 q + (size_t)c * q8k_row, k);
+            q6_k_rows(w->data, n_super, r0, r1, cols, q, q8k_row, (float *)dst->data + c0 * out_stride, out_stride);
+        }
+        return;
+    }
     const size_t row_size = (size_t)n_blocks * (params->weights == W_Q4_1 ? sizeof(block_q8_1) : sizeof(block_q8_0));
     const size_t per_pair = (size_t)n_blocks * (MAX_COLS / 2);
     const size_t lay_size = per_pair * (2 * sizeof(__m512i) + sizeof(__m512)) + (size_t)n_blocks * sizeof(__m512);
     char *ws = work_space(lay_size + (size_t)MAX_COLS * row_size);
     if (!ws)
         abort();
-    const size_t out_stride = dst->nb[1] / sizeof(float);
     for (int c0 = 0; c0 < n_cols; c0 += MAX_COLS) {
         const int cols = n_cols - c0 < MAX_COLS ? n_cols - c0 : MAX_COLS;
         layout in;

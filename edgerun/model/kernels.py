@@ -5,7 +5,10 @@ Q4_1 and Q8_0 weights (the shipped model's layers and LM head, Gemma's head) tim
 multiplies Q4_1 one column at a time and Q8_0 little better, and on x86 repacks neither; kernels.c loads each
 weight block once for every column, dots with AVX-512 VNNI, and gives ggml's results bit for bit. A decode
 step's one column gains too: the shipped model's step 16-19 ms against 20-25 on ggml's dot products, Gemma 3
-270M's (its 262144-row Q8_0 head) 31 against 41 ms, one thread on a 2-core Xeon. `product` uses it only where it
+270M's (its 262144-row Q8_0 head) 31 against 41 ms, one thread on a 2-core Xeon. Q6_K weights (a Q4_K_M file's
+LM head, some attn_v and ffn_down) times up to 7 columns, in 512-bit registers with the next rows prefetched:
+32768 x 2048 rows times one column 6.7-6.9 ms against ggml's 9.4-9.6, times four 8.5-9.4 against 17-18 (one
+thread, this machine). `product` uses it only where it
 is built, the CPU has its instructions (AVX-512 VNNI) and a check against ggml's own product on this machine gave
 the same bits, per weight type; anywhere else a product is ggml's mul_mat.
 """
@@ -24,9 +27,12 @@ from gguf import GGMLQuantizationType
 
 from edgerun.model import ggml_lib
 
-Q4_1, Q8_0, Q8_1 = (int(GGMLQuantizationType[t]) for t in ("Q4_1", "Q8_0", "Q8_1"))
+Q4_1, Q8_0, Q8_1, Q6_K, Q8_K = (int(GGMLQuantizationType[t]) for t in ("Q4_1", "Q8_0", "Q8_1", "Q6_K", "Q8_K"))
 # weight type: (kernels.c's number for it, the type ggml quantizes the activations to for its dot product)
-WEIGHTS = {Q4_1: (0, Q8_1), Q8_0: (1, Q8_0)}
+WEIGHTS = {Q4_1: (0, Q8_1), Q8_0: (1, Q8_0), Q6_K: (2, Q8_K)}
+# Columns up to which ggml takes its one-row dot products, per weight type: it computes Q6_K times 8 or more columns
+# another way (other bits), so there the op would not give its bits and its product is ggml's own.
+MOST_COLUMNS = {Q6_K: 7}
 ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the graph's computation
 
 
@@ -107,8 +113,10 @@ def _layout_matches(kernels: _Kernels) -> bool:
 def _same_as_ggml(kernels: _Kernels, qtype: int) -> bool:
     """A product of seeded rows of `qtype` with 1-17 columns on 2 threads, by kernels.c and by ggml's mul_mat: the
     same bits."""
+    k = 512 if qtype == Q6_K else 96  # whole blocks: 256 values a Q6_K block, 32 the others'
+    columns = [c for c in (1, 2, 5, 7, 16, 17) if c <= MOST_COLUMNS.get(qtype, c)]
     return all(np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
-               for ours, theirs in compare(kernels, qtype, 96, 24, (1, 2, 5, 16, 17), threads=2))
+               for ours, theirs in compare(kernels, qtype, k, 24, columns, threads=2))
 
 
 def compare(kernels: _Kernels, qtype: int, k: int, n: int, columns: Sequence[int], threads: int,
@@ -152,11 +160,13 @@ def usable_here() -> bool:
 
 
 def product(ctx: int, w: int, x: int) -> int:
-    """w (k, n) times x (k, m): ggml's mul_mat, or kernels.c's op where w is Q4_1 or Q8_0 in plain host memory (not
-    repacked), x is contiguous float columns and the kernels are usable here (the same bits either way)."""
+    """w (k, n) times x (k, m): ggml's mul_mat, or kernels.c's op where w is Q4_1, Q8_0 or Q6_K (up to
+    MOST_COLUMNS) in plain host memory (not repacked), x is contiguous float columns and the kernels are usable here
+    (the same bits either way)."""
     g = ggml_lib.lib()
     hw, hx = ggml_lib.head(w), ggml_lib.head(x)
     if hw.type in WEIGHTS and hx.type == ggml_lib.F32 and hx.ne[2] == 1 and hx.ne[3] == 1 \
+            and hx.ne[1] <= MOST_COLUMNS.get(hw.type, hx.ne[1]) \
             and hx.nb[0] == 4 and hx.nb[1] == 4 * hx.ne[0] \
             and hw.buffer and g.ggml_backend_buffer_is_host(hw.buffer):  # a repacking buffer is not a host one
         kernels = _kernels()
