@@ -1,5 +1,4 @@
-"""The `edgerun` command line: the parser of every subcommand (edgerun.commands, one module each, and
-edgerun.serve.cli), and main."""
+"""The `edgerun` command line: the parser of every subcommand (edgerun.commands, one module each), and main."""
 
 from __future__ import annotations
 
@@ -22,12 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
         plan,
         profile,
         sap,
+        serve,
         status,
         testbed,
         tune,
     )
     from edgerun.commands.common import DEFAULT_THREADS
-    from edgerun.serve import cli as serve
 
     parser = argparse.ArgumentParser(
         prog="edgerun",

@@ -40,9 +40,9 @@ def _edgerun_run(engine: str, model: str, threads: int, cores: list[int], prompt
                  repetitions: int) -> dict[str, float]:
     """In a fresh process pinned to `cores`: prefill and decode tokens/s as llama-bench measures them."""
     os.sched_setaffinity(0, cores)
+    from edgerun.memory import peak_rss_mb
     from edgerun.model.generate import make_engine
     from edgerun.model.loader import load_model
-    from edgerun.profile.memory import peak_rss_mb
 
     m = load_model(model)
     e = make_engine(engine, m, max(prompt, decode) + 8, threads=threads)

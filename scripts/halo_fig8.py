@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_csv
+from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress
 from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate
+from edgerun.tables import write_csv
 
 
 def main() -> None:

@@ -15,8 +15,9 @@ from dataclasses import asdict
 
 import numpy as np
 
-from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_csv
+from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress
 from edgerun.bench.tp import TpBenchConfig, bench_tp
+from edgerun.tables import write_csv
 
 FASTEST_GHZ = 1.8
 BASE_SPEED = 1e9  # the master's speed as the planner sees it; a node reports its share of it

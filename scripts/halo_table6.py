@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress, write_csv
+from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress
 from edgerun.bench.tp import TpBenchConfig, bench_tp
 from edgerun.model.loader import load_model
 from edgerun.sap.report import predictors_for
+from edgerun.tables import write_csv
 
 ROWS = (("baseline (no overlap)", "dynamic", ()), ("pred-comm overlap", "dynamic", ("pred",)),
         ("upper bound (no pred)", "index", ()))

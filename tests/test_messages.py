@@ -159,8 +159,9 @@ def test_a_control_stream_reads_whole_frames_however_its_bytes_arrive() -> None:
     import asyncio
     import socket
 
-    from edgerun.net.channel import AsyncChannel, FrameReader, connect_channel
+    from edgerun.net.channel import FrameReader
     from edgerun.net.wire import KEY_REJECTED, KeyRejected, WireError
+    from edgerun.tp.channel import AsyncChannel, connect_channel
 
     sent = [SAMPLES[0], m.Input(3, 0, 1, Block.MLP, None, bytes(range(256)) * 2400), m.Ping(2), m.Ping(3)]
     frames = [bytes(control_frame(0, *m.encode(message), KEY)) for message in sent]

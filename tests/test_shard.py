@@ -442,7 +442,7 @@ def test_slices_stay_quantized_and_exact(qtype: str) -> None:
 def test_release_mapped_file_lets_go_of_its_pages(tmp_path) -> None:
     """A share copies what it needs out of the memory-mapped model; the file's pages it read leave the
     process's resident memory, and the mapping still reads the same bytes afterwards."""
-    from edgerun.profile.memory import release_mapped_files
+    from edgerun.memory import release_mapped_files
 
     def file_rss_kb() -> int:
         with open("/proc/self/status") as status:
@@ -468,7 +468,7 @@ def test_huge_pages_back_the_resident_heap_and_leave_untouched_buffers_alone() -
         pytest.skip("no transparent huge pages on this system")
     script = """
 import ctypes, sys
-from edgerun.profile.memory import huge_pages
+from edgerun.memory import huge_pages
 def region(address):
     fields = {}
     inside = False
@@ -505,7 +505,7 @@ def test_a_node_gives_back_what_it_frees_and_reports_the_peak_of_its_current_sha
     share. In a child process: the thresholds are the whole process's."""
     script = """
 import numpy as np, re, sys
-from edgerun.profile.memory import reset_peak_rss, return_freed_memory
+from edgerun.memory import reset_peak_rss, return_freed_memory
 def status(key):
     return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) // 1024
 if sys.argv[1] == "fixed":

@@ -4,22 +4,13 @@ loss comes from."""
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 from edgerun.bench.tp import LOSS_AT, TpResult
-
-
-def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
-    """Rows of one shape as CSV, the first row's keys as the header; the folder is made if missing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+from edgerun.tables import write_csv
 
 
 def write_tp_results(results: Sequence[TpResult], path: Path) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
-from edgerun.serve.cli import stream_events
+from edgerun.serve.client import stream_events
 
 START_TIMEOUT_S = 300  # loading the model and starting the server
 BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"

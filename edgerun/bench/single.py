@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edgerun.memory import memory_read_bandwidth, peak_rss_mb
 from edgerun.model.generate import GenerationResult, default_engine, generate, make_engine
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
-from edgerun.profile.memory import memory_read_bandwidth, peak_rss_mb
 
 BENCH_TEXT = (
     "Distributed inference splits one model across several machines. Each machine holds part of the "

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from edgerun.bench.pp import SECRET, start_worker
+from edgerun.memory import peak_rss_mb
 from edgerun.model.loader import Model
 from edgerun.net.model_files import model_sha256
 from edgerun.net.wire import derive_key
-from edgerun.profile.memory import peak_rss_mb
 from edgerun.tune.cluster import LocalStage, TuneMaster, local_restart, training_layers
 from edgerun.tune.data import Example
 from edgerun.tune.tuner import Checkpoint, StageClient, StepRecord, TuneConfig, Tuner

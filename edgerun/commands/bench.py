@@ -99,7 +99,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     import os
 
     from edgerun.bench.serve import ServeBenchConfig, bench_serve, serve_table
-    from edgerun.serve.cli import API_KEY_ENV
+    from edgerun.serve.client import API_KEY_ENV
 
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
                               args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,

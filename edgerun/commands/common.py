@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -208,20 +207,6 @@ def loss_arg(args: argparse.Namespace):
         return parse_loss(args.loss, seed=args.loss_seed)
     except ValueError as e:
         raise EdgerunError(f"--loss: {e}") from e
-
-
-def load_plan_file(path: Path):
-    """A tensor-parallel plan written by `edgerun plan --out`."""
-    from edgerun.sched.tp_plan import tp_plan_from_json
-
-    try:
-        return tp_plan_from_json(json.loads(path.read_text()))
-    except FileNotFoundError as e:
-        raise EdgerunError(f"plan file not found: {path}") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EdgerunError(f"{path}: not a JSON file ({e})") from e
-    except ValueError as e:
-        raise EdgerunError(f"{path}: not a tensor-parallel plan ({e}; pipeline plans cannot be loaded)") from e
 
 
 def shares(text: str, name: str) -> list[float]:

@@ -16,7 +16,6 @@ from edgerun.commands.common import (
     cluster_args,
     cluster_key,
     limit_blas_threads,
-    load_plan_file,
     loss_arg,
     model_arg,
     overlap_arg,
@@ -30,6 +29,7 @@ from edgerun.commands.common import (
     udp_args,
 )
 from edgerun.errors import EdgerunError
+from edgerun.sched.tp_plan import load_plan_file
 
 
 def _plan_for_cluster(plan, master):

@@ -69,6 +69,7 @@ def cmd_node(args: argparse.Namespace) -> None:
 
         from edgerun.net.loops import spinning_event_loop
         from edgerun.pp.worker import PeerPortInUse, PipelineWorker
+        from edgerun.tune.worker import TuneRole
 
         if args.load_threads < 1:
             raise EdgerunError(f"--load-threads must be at least 1, not {args.load_threads}")
@@ -78,7 +79,7 @@ def cmd_node(args: argparse.Namespace) -> None:
         for wait_s in _joins():
             worker = PipelineWorker(url, cluster_key(args), name, args.memory_budget, args.speed, args.threads,
                                     log=_log, device=args.device, verbose=args.verbose, peer_port=args.peer_port,
-                                    spin_s=args.spin_us / 1e6, load_threads=args.load_threads)
+                                    spin_s=args.spin_us / 1e6, load_threads=args.load_threads, tune_role=TuneRole)
             try:
                 with asyncio.Runner(loop_factory=lambda: spinning_event_loop(args.spin_us / 1e6)) as runner:
                     runner.run(worker.run(wait_s))

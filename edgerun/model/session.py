@@ -14,8 +14,8 @@ import numpy as np
 import onnxruntime as ort
 
 from edgerun.errors import EdgerunError
+from edgerun.memory import huge_pages
 from edgerun.model.config import ModelConfig, kv_names
-from edgerun.profile.memory import huge_pages
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -122,7 +122,7 @@ class StageSession:
         self.prefix: tuple[int, dict[str, np.ndarray]] | None = None  # a saved prefix's length and KV rows
         self.bound = False  # KV buffers of its own are bound (reset makes them when not)
         self.reset()
-        huge_pages()  # the weights the kernels repacked, streamed every token (profile.memory.huge_pages)
+        huge_pages()  # the weights the kernels repacked, streamed every token (edgerun.memory.huge_pages)
 
     def reset(self) -> None:
         """Forget every cached position. The KV buffers stay bound as they are: attention reads only the positions

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import websockets
 
+from edgerun.memory import peak_rss_mb
 from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_graph import Activations
 from edgerun.moe.experts import ExpertRunner, GgmlExperts, blob_dir, expert_runner, read_expert_blob
@@ -38,7 +39,6 @@ from edgerun.net.wire import (
     open_moex_frame,
     wrong_key,
 )
-from edgerun.profile.memory import peak_rss_mb
 from edgerun.sched.moe import LogNormal
 
 CONNECT_TIMEOUT_S = 10.0

@@ -20,15 +20,17 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import websockets
 
 from edgerun.cache import cache_root
 from edgerun.llamacpp import cuda_buildable
+from edgerun.memory import peak_rss_mb
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_stage import GGML_STAGE_FILE, GgmlStage
 from edgerun.model.loader import load_model
@@ -39,11 +41,20 @@ from edgerun.net.model_files import fetch_checked
 from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, not_admitted, open_pp_frame, pp_frame, wrong_key
 from edgerun.pp.passes import PassPort
 from edgerun.profile.device import device_summary
-from edgerun.profile.memory import peak_rss_mb
-from edgerun.tune.worker import TuneRole
 
 TUNE_REQUESTS = frozenset({PpMsg.TUNE_LOAD, PpMsg.TUNE_FORWARD, PpMsg.TUNE_BACKWARD, PpMsg.TUNE_STEP,
                            PpMsg.TUNE_STATE, PpMsg.TUNE_EVAL})
+Reply = tuple[PpMsg, dict[str, Any], dict[str, np.ndarray]]
+
+
+class Role(Protocol):
+    """What answers a kind of request beside the pipeline's own (training stages: tune.worker.TuneRole)."""
+
+    async def answer(self, kind: PpMsg, message: dict[str, Any], tensors: dict[str, np.ndarray]) -> Reply: ...
+
+
+# (the master's HTTP base URL for files, compute threads, log) -> the role
+TuneRoleFactory = Callable[[str, int | None, Callable[[str], None]], Role]
 
 
 def files_dir() -> Path:
@@ -131,7 +142,10 @@ CONNECT_TIMEOUT_S = 3.0  # a master that accepts but does not answer the handsha
 class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
                  log=print, device: str = "cpu", verbose: bool = False, peer_host: str = "0.0.0.0",
-                 peer_port: int = 0, spin_s: float = 0.0, load_threads: int = 1) -> None:
+                 peer_port: int = 0, spin_s: float = 0.0, load_threads: int = 1,
+                 tune_role: TuneRoleFactory | None = None) -> None:
+        """`tune_role` makes the role that answers training requests (edgerun tune's tune.worker.TuneRole, given
+        by `edgerun node`); without one this worker refuses them."""
         self.url, self.key, self.name, self.peer_host, self.spin_s = url, key, name, peer_host, spin_s
         self.load_threads = load_threads  # sessions of a stage created at once (StageSession in parts)
         self.verbose = verbose  # a timing summary every SUMMARY_S
@@ -154,7 +168,8 @@ class PipelineWorker:
         self.peer_port = peer_port  # the pass port, where chained passes come (0: any, then the one taken)
         self.pass_port: PassPort | None = None
         self.lock = threading.Lock()  # a pass (the pass port's thread or the loop's) and the stage it runs on
-        self.tune: TuneRole | None = None  # a training stage's role, made when the first TUNE_LOAD comes
+        self.tune_role = tune_role
+        self.tune: Role | None = None  # a training stage's role, made when the first TUNE_LOAD comes
         self.heard = False  # a frame from the master passed this worker's check
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
@@ -246,7 +261,9 @@ class PipelineWorker:
         loop = asyncio.get_running_loop()
         if kind in TUNE_REQUESTS:  # a training stage (edgerun tune): its own role, PyTorch only when asked
             if self.tune is None:
-                self.tune = TuneRole(self.base_url, self.threads, self.log)
+                if self.tune_role is None:
+                    raise ValueError("this worker takes no training stages")
+                self.tune = self.tune_role(self.base_url, self.threads, self.log)
             answer, reply, out = await self.tune.answer(kind, message, tensors)
             await self._send(answer, request, reply, out)
         elif kind == PpMsg.INIT:

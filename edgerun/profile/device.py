@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from edgerun.profile.memory import memory_read_bandwidth
+from edgerun.memory import memory_read_bandwidth
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory
 
 Progress = Callable[[str], None]

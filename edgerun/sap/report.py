@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from edgerun.bench.report import write_csv
 from edgerun.model.loader import Model
 from edgerun.net.model_files import model_sha256
 from edgerun.sap.calibrate import calibrate
 from edgerun.sap.evaluate import EvalResult, eval_json, eval_table
 from edgerun.sap.predictor import PredictorSet, train
 from edgerun.sap.text import calibration_text
+from edgerun.tables import write_csv
 
 
 def predictors_for(model: Model, out: Path, group_size: int, tokens: int, kind: str, reads: str,

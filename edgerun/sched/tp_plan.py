@@ -19,16 +19,19 @@ cost of running its block's session, a node its own round trip and the master it
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import pulp
 
+from edgerun.errors import EdgerunError
 from edgerun.sched.profiles import ACTIVATION_BYTES, DeviceProfile, ModelProfile
 
 TP_PLAN_SCHEMA = "edgerun.tp-plan/1"
@@ -185,6 +188,18 @@ def tp_plan_from_json(data: Any) -> TPPlan:
                           for o in oom),
         solve_seconds=_json_number(data, "solve_seconds"), ilp_status=status, sync=SyncModel(sync),
     )
+
+
+def load_plan_file(path: Path) -> TPPlan:
+    """A tensor-parallel plan written by `edgerun plan --out`; a file that is missing or holds none is one line."""
+    try:
+        return tp_plan_from_json(json.loads(path.read_text()))
+    except FileNotFoundError as e:
+        raise EdgerunError(f"plan file not found: {path}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EdgerunError(f"{path}: not a JSON file ({e})") from e
+    except ValueError as e:
+        raise EdgerunError(f"{path}: not a tensor-parallel plan ({e}; pipeline plans cannot be loaded)") from e
 
 
 def plan_for_members(plan: TPPlan, master: str, nodes: list[str]) -> TPPlan:

@@ -221,7 +221,7 @@ class Server:
 
             plan_file = None
             if config.plan_file is not None:
-                from edgerun.commands.common import load_plan_file
+                from edgerun.sched.tp_plan import load_plan_file
 
                 plan_file = load_plan_file(config.plan_file)
             # Nodes download the model from the master's own file server beside the cluster port.

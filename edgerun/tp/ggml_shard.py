@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.memory import huge_pages, release_mapped_files
 from edgerun.model import ggml_lib
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_engine import (
@@ -38,7 +39,6 @@ from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, qu
 from edgerun.model.weights import ModelWeights, lacking
 from edgerun.net.fastpath import NativeGraph
 from edgerun.net.wire import Block
-from edgerun.profile.memory import huge_pages, release_mapped_files
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, _rows, _ShareBase
 
 BLOCK_GRAPH_NODES = 64

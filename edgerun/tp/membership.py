@@ -15,7 +15,6 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.net.channel import (
-    AsyncChannel,
     Counters,
     EventLoopThread,
     FrameReader,
@@ -25,6 +24,7 @@ from edgerun.net.channel import (
 from edgerun.net.group import PROBE_LAYER
 from edgerun.net.wire import KEY_REJECTED, BadMac, Header, MsgType, WireError, seal
 from edgerun.sched.profiles import Link
+from edgerun.tp.channel import AsyncChannel
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
     BandwidthProbe,

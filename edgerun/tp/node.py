@@ -28,18 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
 from edgerun.model.ggml_engine import cache_rows
 from edgerun.model.loader import Model, load_model
 from edgerun.net.backoff import Backoff
 from edgerun.net.channel import (
     ETHERNET_UDP_PAYLOAD,
-    AsyncChannel,
     Counters,
     DatagramSocket,
     EventLoopThread,
     LossyUdp,
     add_fragment,
-    connect_channel,
     path_datagram_bytes,
 )
 from edgerun.net.fastpath import FastPath, NodeServer, ServeEnd, addresses, native_mtu
@@ -65,7 +64,7 @@ from edgerun.net.wire import (
     whole_vector,
 )
 from edgerun.profile.device import device_summary
-from edgerun.profile.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
+from edgerun.tp.channel import AsyncChannel, connect_channel
 from edgerun.tp.ggml_shard import GgmlShard, build_share, ggml_compute_address
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (

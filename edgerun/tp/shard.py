@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edgerun.memory import huge_pages, release_mapped_files
 from edgerun.model.config import ModelConfig
 from edgerun.model.onnx_graph import (
     Activations,
@@ -48,7 +49,6 @@ from edgerun.model.sampling import largest
 from edgerun.model.session import session_options, share_cpu_arena
 from edgerun.model.weights import LayerWeights, ModelWeights
 from edgerun.net.wire import Block
-from edgerun.profile.memory import huge_pages, release_mapped_files
 
 
 @dataclass(frozen=True)
@@ -333,7 +333,7 @@ class QuantShard(_ShareBase):
             self._build(weights, build_dir, threads, activations.accuracy_level, mapped_files)
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
-        huge_pages()  # the weights the kernels repacked, streamed every token (profile.memory.huge_pages)
+        huge_pages()  # the weights the kernels repacked, streamed every token (edgerun.memory.huge_pages)
 
     def _build(self, weights: ModelWeights, build_dir: Path, threads: int | None, accuracy_level: int,
                mapped_files: Sequence[Path]) -> None:

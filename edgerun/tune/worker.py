@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 
 from edgerun.errors import EdgerunError
+from edgerun.memory import peak_rss_mb, release_mapped_files, reset_peak_rss
 from edgerun.net.model_files import fetch_model
 from edgerun.net.wire import PpMsg
-from edgerun.profile.memory import peak_rss_mb, release_mapped_files, reset_peak_rss
-
-Reply = tuple[PpMsg, dict[str, Any], dict[str, np.ndarray]]
+from edgerun.pp.worker import Reply
 
 
 def require_torch() -> None:

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from edgerun.commands.common import activations_arg, route_arg, sampling_args, sampling_params, thread_count
 from edgerun.errors import EdgerunError
+from edgerun.serve.client import API_KEY_ENV, stream_events
 
 TP_PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
-API_KEY_ENV = "EDGERUN_API_KEY"
 
 
 def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
@@ -159,23 +155,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server.run()
 
 
-def _post_stream(url: str, body: dict, api_key: str | None):
-    headers = {"content-type": "application/json"}
-    if api_key:
-        headers["authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
-    try:
-        return urllib.request.urlopen(request, timeout=600)
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = e.reason
-        raise EdgerunError(f"the server answered {e.code}: {message}") from e
-    except urllib.error.URLError as e:
-        raise EdgerunError(f"cannot reach {url}: {e.reason}") from e
-
-
 def cmd_chat(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise EdgerunError("--max-tokens must be at least 1")
@@ -208,20 +187,6 @@ def cmd_chat(args: argparse.Namespace) -> None:
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": "".join(answer)})
-
-
-def stream_events(url: str, body: dict, api_key: str | None) -> Iterator[dict]:
-    """POST a streamed request to the API at `url` and yield its server-sent events' objects as they come; an error
-    the server sends mid-answer, or answers with, is one line (EdgerunError)."""
-    with _post_stream(url, body, api_key) as reply:
-        for raw in reply:
-            text = raw.decode("utf-8").strip()
-            if not text.startswith("data: ") or text == "data: [DONE]":
-                continue
-            data = json.loads(text[6:])
-            if "error" in data:
-                raise EdgerunError(f"the server failed mid-answer: {data['error']['message']}")
-            yield data
 
 
 def _stream_answer(url: str, body: dict, api_key: str | None, answer: list[str]) -> None:
