@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edgerun.cli import main
+from edgerun.cli import build_parser, main
 from edgerun.net.probe import ProbeResponder, measure_link
 from edgerun.sched.pp_plan import pp_plan_from_json
 from edgerun.sched.profiles import DEVICE_SCHEMA, device_from_json
@@ -234,3 +234,23 @@ def test_master_runs_a_plan_file_over_nodes_named_by_their_profiles(tmp_path: Pa
         for node in nodes:
             node.kill()
             node.wait()
+
+
+def test_one_list_of_plan_names_for_every_command() -> None:
+    """--plan's values come from sched.plans: tensor-parallel's planners, dp and moe; each names one cluster kind and
+    planner, and back."""
+    from edgerun.net.discovery import ClusterMode
+    from edgerun.sched.plans import cluster_plan, plan_name, plan_names
+    from edgerun.sched.tp_plan import TPStrategy
+
+    assert plan_names(*ClusterMode) == ("halo", "minmax", "greedy", "ilp", "galaxy", "even", "dp", "moe")
+    assert plan_names(ClusterMode.TP, ClusterMode.PP)[-1] == "dp" and "moe" not in plan_names(ClusterMode.TP)
+    assert cluster_plan("dp") == (ClusterMode.PP, TPStrategy.HALO)
+    assert cluster_plan("ilp") == (ClusterMode.TP, TPStrategy.ILP)
+    for name in plan_names(*ClusterMode):
+        assert plan_name(*cluster_plan(name)) == name
+    with pytest.raises(ValueError, match=r"unknown plan 'fast'.*halo.*moe"):
+        cluster_plan("fast")
+    for argv in (["serve"], ["master"], ["plan"], ["bench", "tp"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*argv, "--plan", "fast"])

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from edgerun.errors import EdgerunError
 
-PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even", "dp")
 NODE_SPEED = 1e9  # a node's declared speed without --speed or --profile, weight bytes/s
 NODE_BUDGET_MB = 2048.0  # a node's memory budget without --memory-budget or --profile
 DEFAULT_THREADS = os.cpu_count() or 1

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from edgerun.commands.common import (
     DEFAULT_THREADS,
-    PLANS,
     activations_arg,
     cluster_args,
     cluster_key,
@@ -29,6 +28,8 @@ from edgerun.commands.common import (
     udp_args,
 )
 from edgerun.errors import EdgerunError
+from edgerun.net.discovery import ClusterMode
+from edgerun.sched.plans import cluster_plan, plan_names
 from edgerun.sched.tp_plan import load_plan_file
 
 
@@ -181,18 +182,19 @@ def cmd_master(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise EdgerunError("--max-tokens must be at least 1")
     model = load_model(args.model)
+    kind, strategy = cluster_plan(args.plan)
     if args.adapter is not None:
-        if args.plan != "dp":
+        if kind is not ClusterMode.PP:
             raise EdgerunError(f"--adapter runs on pipeline stages: use --plan dp, not --plan {args.plan}")
         from edgerun.tune.lora import apply_adapter
 
         model = apply_adapter(model, args.adapter)
     params = sampling_params(args)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    if args.plan == "moe":
+    if kind is ClusterMode.MOE:
         _run_hub(args, model, params, log)
         return
-    if args.plan == "dp":
+    if kind is ClusterMode.PP:
         from edgerun.model.onnx_graph import Activations
         from edgerun.pp.master import PipelineConfig, PipelineMaster, Route, chat_template_prefix
 
@@ -229,7 +231,7 @@ def cmd_master(args: argparse.Namespace) -> None:
             raise EdgerunError(f"--mapping {args.mapping} needs predictors at {path}: run `edgerun sap calibrate` "
                                "and `edgerun sap train`, or give --sap FILE")
         predictors = PredictorSet.load(path)
-    config = MasterConfig(strategy=args.plan, host=args.host, port=args.port, transport=args.transport,
+    config = MasterConfig(strategy=strategy, host=args.host, port=args.port, transport=args.transport,
                           codec=Codec[args.codec.upper()],
                           timeout_ms=None if args.adaptive_timeout else args.timeout_ms,
                           max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
@@ -278,9 +280,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "predicted at least 5% faster, and keeps the new shares only if their first "
                                    "dozen one-token steps run faster than the old ones' did.")
     model_arg(p)
-    p.add_argument("--plan", choices=(*PLANS, "moe"), default="halo", help="tensor-parallel planner; dp: pipeline "
-                   "layer ranges over WebSocket workers and browser pages; moe: a mixture-of-experts model's experts "
-                   "on expert workers (edgerun node --mode moe), the rest here (default: halo)")
+    p.add_argument("--plan", choices=plan_names(*ClusterMode), default="halo",
+                   help="tensor-parallel planner; dp: pipeline layer ranges over WebSocket workers and browser "
+                        "pages; moe: a mixture-of-experts model's experts on expert workers (edgerun node --mode "
+                        "moe), the rest here (default: halo)")
     p.add_argument("--adapter", type=Path, default=None,
                    help="with --plan dp: a LoRA adapter directory from `edgerun tune`, applied by every stage "
                         "(default: none)")

@@ -12,7 +12,9 @@ from edgerun.errors import EdgerunError
 
 if TYPE_CHECKING:
     pass
-from edgerun.commands.common import PLANS, model_arg
+from edgerun.commands.common import model_arg
+from edgerun.net.discovery import ClusterMode
+from edgerun.sched.plans import plan_names
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -91,7 +93,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "tokens up; default: the first --devices file's)")
     p.add_argument("--devices", type=Path, nargs="+", required=True, help="device profile JSON files, from `edgerun "
                    "profile --out` (required)")
-    p.add_argument("--plan", choices=PLANS, default="halo", help="planner (default: halo)")
+    p.add_argument("--plan", choices=plan_names(ClusterMode.TP, ClusterMode.PP), default="halo",
+                   help="planner (default: halo)")
     p.add_argument("--plr", default=None, help="override the devices' packet-loss rates, "
                    "comma-separated (default: the profiles' measured rates)")
     p.add_argument("--context", type=int, default=1024, help="tokens of KV cache to reserve (default: 1024)")

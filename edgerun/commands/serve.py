@@ -9,9 +9,9 @@ from pathlib import Path
 
 from edgerun.commands.common import activations_arg, route_arg, sampling_args, sampling_params, thread_count
 from edgerun.errors import EdgerunError
+from edgerun.net.discovery import ClusterMode
+from edgerun.sched.plans import cluster_plan, plan_names
 from edgerun.serve.client import API_KEY_ENV, stream_events
-
-TP_PLANS = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
 
 
 def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
@@ -38,7 +38,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
-    p.add_argument("--plan", choices=(*TP_PLANS, "dp", "moe"), default="halo",
+    p.add_argument("--plan", choices=plan_names(*ClusterMode), default="halo",
                    help="tensor-parallel planner; dp: a pipeline of workers (`edgerun node --mode pp`) and browser "
                         "tabs (http://HOST:PORT/node) holding ranges of layers; moe: a mixture-of-experts model's "
                         "experts on expert workers (`edgerun node --mode moe --master HOST:PORT`) and tabs "
@@ -138,9 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         key = derive_key(secret)
         if args.key or os.environ.get("EDGERUN_KEY"):
             secret = None  # a key the user gave is not echoed into the log
+    kind, strategy = cluster_plan(args.plan)
     config = ServeConfig(model=args.model, host=args.host, port=args.port, cluster_host=args.cluster_host,
-                         secret=secret,
-                         cluster_port=None if args.no_cluster else args.cluster_port, key=key, plan=args.plan,
+                         secret=secret, cluster_port=None if args.no_cluster else args.cluster_port, key=key,
+                         kind=kind, strategy=strategy,
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context,
                          default_max_tokens=args.max_tokens,

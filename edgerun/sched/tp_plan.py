@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import Enum, StrEnum
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,20 @@ from edgerun.errors import EdgerunError
 from edgerun.sched.profiles import ACTIVATION_BYTES, DeviceProfile, ModelProfile
 
 TP_PLAN_SCHEMA = "edgerun.tp-plan/1"
-STRATEGIES = ("halo", "minmax", "greedy", "ilp", "galaxy", "even")
+
+
+class TPStrategy(StrEnum):
+    """The tensor-parallel planners."""
+
+    HALO = "halo"  # minmax_ratios within memory, then refined for the synchronizations (refine_counts)
+    MINMAX = "minmax"  # minmax_ratios within memory
+    GREEDY = "greedy"  # greedy_ratios within memory
+    ILP = "ilp"  # an integer program (pulp)
+    GALAXY = "galaxy"  # galaxy_ratios within memory
+    EVEN = "even"  # equal shares, memory ignored (vanilla tensor parallelism)
+
+
+STRATEGIES = tuple(TPStrategy)
 LAYER_KINDS = ("attn", "mlp")  # unit types repeated in every layer; "vocab" (the LM head) comes once
 MINMAX_EPSILON = 1e-3
 ILP_TIME_LIMIT_S = 60.0

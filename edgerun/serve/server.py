@@ -15,9 +15,12 @@ from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.net.channel import EventLoopThread
+from edgerun.net.discovery import ClusterMode
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.pp.deployment import Route
 from edgerun.sched.moe import hedge_setting
+from edgerun.sched.plans import plan_name
+from edgerun.sched.tp_plan import TPStrategy
 from edgerun.serve.switch import Prefer
 
 SWITCH_INTERVAL_S = 0.0005
@@ -37,7 +40,8 @@ class ServeConfig:
     cluster_port: int | None = 7000  # nodes, workers and tabs join here; None: no cluster
     key: bytes = b""  # the cluster's derived key
     secret: str | None = None  # the kept cluster secret, shown in the join line (None: the user gave it)
-    plan: str = "halo"  # tensor-parallel planner, "dp": a pipeline, or "moe": a MoEx hub and expert workers
+    kind: ClusterMode = ClusterMode.TP  # the cluster it starts: tensor-parallel, a pipeline, or a MoEx hub
+    strategy: TPStrategy = TPStrategy.HALO  # a tensor-parallel cluster's planner
     transport: str = "udp"  # tensor-parallel: lossy layers over UDP with a timeout, or "tcp": wait for every node
     prefer: Prefer = Prefer.AUTO
     api_key: str | None = None
@@ -81,15 +85,15 @@ class ServeConfig:
             raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster) or a cluster's "
                                "(with --no-local): a tensor-parallel cluster's shares, a pipeline's stages (--plan "
                                "dp) or an expert hub (--plan moe)")
-        if self.parallel > 1 and self.plan not in ("dp", "moe") and self.activations is Activations.F32:
+        if self.parallel > 1 and self.kind is ClusterMode.TP and self.activations is Activations.F32:
             raise EdgerunError("--parallel on a tensor-parallel cluster runs on ggml shares: int8 activations, not "
                                "--activations f32")
         if self.replicas < 1:
             raise EdgerunError("--replicas must be at least 1")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
-        if self.adapter is not None and self.cluster_port is not None and self.plan != "dp":
+        if self.adapter is not None and self.cluster_port is not None and self.kind is not ClusterMode.PP:
             raise EdgerunError(f"--adapter runs on this machine's engine and pipeline stages: use --plan dp or "
-                               f"--no-cluster, not --plan {self.plan}")
+                               f"--no-cluster, not --plan {plan_name(self.kind, self.strategy)}")
 
 
 def check_batch_memory(cache_bytes: int, parallel: int, max_len: int, available: int | None = None) -> None:
@@ -136,25 +140,27 @@ class Server:
 
                 self.model = model = apply_adapter(model, config.adapter)
             max_len = min(config.max_context, model.config.context_length)
-            if config.parallel > 1 and (config.local or config.plan == "moe"):  # the caches held here
+            if config.parallel > 1 and (config.local or config.kind is ClusterMode.MOE):  # the caches held here
                 check_batch_memory(model.config.kv_cache_bytes(max_len * config.parallel), config.parallel, max_len)
             single = make_engine(default_engine(model, config.activations == Activations.F32), model, max_len,
                                  threads=config.threads, slots=config.parallel) if config.local else None
             self.cluster = None if config.cluster_port is None else self._cluster(model, max_len)
             self.advertiser = None
             if self.cluster is not None and config.advertise:
-                from edgerun.net.discovery import Advertiser, ClusterMode
+                from edgerun.net.discovery import Advertiser
 
-                mode = {"dp": ClusterMode.PP, "moe": ClusterMode.MOE}.get(config.plan, ClusterMode.TP)
+                mode = config.kind
                 self.advertiser = Advertiser(mode, config.cluster_host, self.cluster.port, log=log)
             self.switch = EngineSwitch(single, self.cluster, config.prefer, max_len, log)
             self.metrics = Metrics()
             batch = None
             if config.parallel > 1 and single is not None:
                 batch = BatchLoop(single)  # type: ignore[arg-type]  # a GgmlEngine
-            elif config.parallel > 1 and config.plan == "moe":  # the hub's sequences, one dispatch per expert a step
+            elif config.parallel > 1 and config.kind is ClusterMode.MOE:
+                # the hub's sequences, one dispatch an expert a step
                 batch = BatchLoop(self.cluster.engine)
-            elif config.parallel > 1 and config.plan != "dp":  # every share's slots, one exchange a block for all
+            elif config.parallel > 1 and config.kind is ClusterMode.TP:
+                # every share's slots, one exchange a block for all
                 from edgerun.tp.batch import TpBatch
 
                 batch = BatchLoop(TpBatch(self.cluster.engine))
@@ -195,7 +201,7 @@ class Server:
 
         config, log = self.config, self.log
         try:
-            if config.plan == "moe":
+            if config.kind is ClusterMode.MOE:
                 from edgerun.moe.hub import HubConfig, MoeHub
                 from edgerun.serve.clusters import Experts
 
@@ -206,7 +212,7 @@ class Server:
                     hedge=hedge, adaptive_hedge=adaptive, activations=config.activations, threads=config.threads,
                     slots=config.parallel if config.parallel > 1 else 0),
                     log=lambda m: log(f"experts: {m}")))
-            if config.plan == "dp":
+            if config.kind is ClusterMode.PP:
                 from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
 
                 prefix = chat_template_prefix(model.tokenizer) if model.tokenizer.chat_template else []
@@ -225,7 +231,7 @@ class Server:
 
                 plan_file = load_plan_file(config.plan_file)
             # Nodes download the model from the master's own file server beside the cluster port.
-            master = Master(model, config.key, MasterConfig(strategy=config.plan, host=config.cluster_host,
+            master = Master(model, config.key, MasterConfig(strategy=config.strategy, host=config.cluster_host,
                                                              port=config.cluster_port,
                                                              max_len=max_len, threads=config.threads,
                                                              transport=config.transport,
@@ -239,14 +245,14 @@ class Server:
 
     def run(self) -> None:
         where = f"http://{'localhost' if self.config.host in ('0.0.0.0', '::') else self.config.host}:{self.port}"
-        mode = {"dp": "--mode pp ", "moe": "--mode moe "}.get(self.config.plan, "")
+        mode = {ClusterMode.PP: "--mode pp ", ClusterMode.MOE: "--mode moe "}.get(self.config.kind, "")
         key = f" --key {self.config.secret}" if self.config.secret else \
             (" --key <the key given to serve>" if self.cluster is not None else "")
         nodes = "" if self.cluster is None else \
             f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}{key}`"
-        if self.config.plan in ("dp", "moe") and self.cluster is not None:
+        if self.config.kind is not ClusterMode.TP and self.cluster is not None:
             nodes += f", browser tabs at http://HOST:{self.cluster.port}/node" + \
-                ("?mode=moe" if self.config.plan == "moe" else "") + \
+                ("?mode=moe" if self.config.kind is ClusterMode.MOE else "") + \
                 f"#key={self.config.secret or '<the key>'}"
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -8,6 +8,7 @@ from pathlib import Path
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import MAX_PARITY, Codec
+from edgerun.sched.tp_plan import TPStrategy
 from edgerun.tp.messages import MAX_SLOTS
 
 MAPPINGS = ("index", "static", "dynamic")
@@ -44,7 +45,7 @@ def check_exchange(timeout_ms: float | None, timeout_deviations: float, rto_min_
 class MasterConfig:
     """How a tensor-parallel master runs. Change it with dataclasses.replace and Master.reconfigure."""
 
-    strategy: str = "halo"  # tensor-parallel planner (sched.tp_plan.STRATEGIES)
+    strategy: TPStrategy = TPStrategy.HALO  # tensor-parallel planner
     host: str = "0.0.0.0"
     port: int = 0  # 0: any free port
     # Where nodes download the model file: None, a server of the master's own; a port, an HTTP server there

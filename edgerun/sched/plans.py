@@ -1,0 +1,32 @@
+"""What `--plan` names: a tensor-parallel planner (a TPStrategy), "dp" (a pipeline: layer ranges on pipeline
+workers, the DP planner) or "moe" (a mixture of experts' experts on expert workers). One list for every command."""
+
+from __future__ import annotations
+
+from edgerun.net.discovery import ClusterMode
+from edgerun.sched.tp_plan import TPStrategy
+
+PIPELINE = "dp"
+EXPERTS = "moe"
+KIND_OF = {PIPELINE: ClusterMode.PP, EXPERTS: ClusterMode.MOE}
+
+
+def plan_names(*kinds: ClusterMode) -> tuple[str, ...]:
+    """The --plan values of a command that starts clusters of these kinds (tensor-parallel's planners first)."""
+    names: tuple[str, ...] = tuple(TPStrategy) if ClusterMode.TP in kinds else ()
+    return names + tuple(name for name, kind in KIND_OF.items() if kind in kinds)
+
+
+def cluster_plan(name: str) -> tuple[ClusterMode, TPStrategy]:
+    """A --plan value as the cluster kind it starts and its tensor-parallel planner (halo where it starts none)."""
+    if name in KIND_OF:
+        return KIND_OF[name], TPStrategy.HALO
+    try:
+        return ClusterMode.TP, TPStrategy(name)
+    except ValueError:
+        raise ValueError(f"unknown plan {name!r} (choose from {', '.join(plan_names(*ClusterMode))})") from None
+
+
+def plan_name(kind: ClusterMode, strategy: TPStrategy) -> str:
+    """The --plan value that starts this cluster (cluster_plan's inverse)."""
+    return next((name for name, k in KIND_OF.items() if k is kind), str(strategy))
