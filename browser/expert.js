@@ -1,6 +1,6 @@
 // edgerun browser node in expert mode (node?mode=moe): an expert worker of a MoEx hub.
 //
-// It speaks the MoEx frames of edgerun/net/wire.py (seed 001's 28-byte header, HMAC-SHA256 like every frame)
+// It speaks the MoEx frames of edgerun/net/wire.py (the MoEx paper's 28-byte header, HMAC-SHA256 like every frame)
 // over the hub's /moe WebSocket: it says who it is (HEARTBEAT), holds the experts a WEIGHT_SYNC lists (each an
 // ONNX graph with float32 weights, fetched by sha256 from /files and run by onnxruntime-web), answers each
 // DISPATCH with the gate-weighted output (RESULT) and skips a dispatch the hub CANCELs before it starts.

@@ -1,4 +1,4 @@
-"""Serving under churn (seed 000 Table 6.8's analogue): pipeline workers leave after exponential
+"""Serving under churn (the web-inference thesis's Table 6.8): pipeline workers leave after exponential
 lifetimes (mean --mttf seconds) and rejoin, while requests run back to back for --seconds; reports
 the share of time the master is Up, tokens served and recoveries. Writes churn.md.
 

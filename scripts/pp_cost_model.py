@@ -1,4 +1,4 @@
-"""The pipeline cost model's accuracy (seed 003 §7.3): predicted against measured time per output token
+"""The pipeline cost model's accuracy (the partitioning thesis §7.3): predicted against measured time per output token
 over several worker configurations on a local cluster, as MAPE, for the initial estimate (speeds from
 before the plan ran) and the running one (re-priced before each request with what was measured so
 far). Writes cost_model.csv and .md.
@@ -28,7 +28,7 @@ def main() -> None:
                    f"(default: {CONFIGS})")
     p.add_argument("--tokens", type=int, default=32, help="tokens per request (default: 32)")
     p.add_argument("--requests", type=int, default=5, help="requests per configuration, each priced by the "
-                   "running estimate beforehand (default: 5, as seed 003)")
+                   "running estimate beforehand (default: 5, as the partitioning thesis)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     configs = [[float(b) for b in c.split(",")] for c in args.configs.split(";")]

@@ -1,4 +1,4 @@
-"""MoEx's pure parts: expert placement by consistent hashing, the latency model of hedged dispatch (seed 001
+"""MoEx's pure parts: expert placement by consistent hashing, the latency model of hedged dispatch (the MoEx paper
 Eqs. 3, 8, 10-12, 18), and the MoEx frame, fuzzed."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`edgerun bench moe`: a local MoEx cluster (a hub in this process, expert workers as processes on loopback),
-its expert phase per layer measured at each hedging factor beside what the latency model predicts (seed 001
+its expert phase per layer measured at each hedging factor beside what the latency model predicts (the MoEx paper
 Eqs. 8 and 18), and the single-process onnx engine's speed on the same model in the same run.
 
 With `--latency lognormal:MEDIAN:SIGMA` every worker holds each reply back by a delay drawn from that
@@ -52,7 +52,7 @@ class MoeRow:
     frames_per_dispatch: float  # hedged copies sent per (expert, tokens)
     redispatched: int
     worker_held_mb: float  # the most expert weights (MiB) the placement gave one worker
-    eq3_mb: float  # seed 001 Eq. 3's per-worker figure: r * E / N experts per layer, all layers
+    eq3_mb: float  # the MoEx paper's Eq. 3 per-worker figure: r * E / N experts per layer, all layers
     worker_rss_mb: float  # the largest peak RSS (MiB) a worker reported
 
 

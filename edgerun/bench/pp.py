@@ -160,7 +160,7 @@ def churn(model: Model, budgets: Sequence[float], mttf_s: float, duration_s: flo
           tokens_per_request: int = 32, seed: int = 0, progress: Callable[[str], None] = lambda _: None,
           log: Callable[[str], None] = lambda _: None, load_threads: int = 1) -> ChurnResult:
     """Workers leave (SIGKILL) after exponential lifetimes of mean `mttf_s` and rejoin `rejoin_s` later,
-    while requests run back to back for `duration_s` (seed 000 Table 6.8's analogue). `log` gets the master's
+    while requests run back to back for `duration_s` (the web-inference thesis's Table 6.8). `log` gets the master's
     log (plans, recoveries). Workers create a stage's sessions on up to `load_threads` threads."""
     rng = np.random.default_rng(seed)
     prompt = model.tokenizer.encode(PROMPT)

@@ -297,7 +297,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "expert phase, the model's base), then, with --latency, at each --hedge with "
                                      "every worker holding its replies back by a delay drawn from that "
                                      "distribution. Prints the expert phase of a decode step's layer (mean, p50, "
-                                     "p99) beside the latency model's mean and p99 (seed 001 Eqs. 8, 18), decode "
+                                     "p99) beside the latency model's mean and p99 (MoEx's Eqs. 8, 18), decode "
                                      "tok/s, hedged frames per dispatch, and the single-process onnx engine in "
                                      "the same run.")
     p.add_argument("--model", default=None, help="a mixture-of-experts GGUF file (default: moe-tiny, written "

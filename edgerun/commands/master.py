@@ -302,7 +302,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hedge", default="1", help="with --plan moe: replicas each expert dispatch goes to at once, the "
                    "first answer taken and the others cancelled (at most --replicas); auto: one replica while the "
                    "fastest-looking one's recent median round trip is within 1.5 times the workers' median, else "
-                   "--replicas of them (seed 001's adaptive hedging) (default: 1)")
+                   "--replicas of them (the MoEx paper's adaptive hedging) (default: 1)")
     p.add_argument("--expert-deadline-ms", type=float, default=None, help="with --plan moe: an expert none of whose "
                    "replicas answered this long after its layer was dispatched is dropped, and the token's other "
                    "gates are scaled up to their full sum (default: none, wait for every expert)")

@@ -30,7 +30,7 @@ SHAPES: dict[str, ModelConfig] = {
     "3b": ModelConfig("llama", 28, 3072, 8192, 24, 8, 128, 128256, 500000.0, 1e-5, 8192, True, False),
     "8b": ModelConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0, 1e-5, 8192, False, False),
     # Mixtures of experts. moe-tiny is for tests: Qwen3-MoE's layout (per-head query/key norms, top-k routing
-    # with renormalized gates) at 16 experts, 4 per token. qwen3-30b-a3b is the real shape of seed 001's model
+    # with renormalized gates) at 16 experts, 4 per token. qwen3-30b-a3b is the real shape of the MoEx paper's model
     # family (48 layers, hidden 2048, 128 experts of width 768, 8 per token): cut it with --layers to benchmark.
     "moe-tiny": ModelConfig("qwen3moe", 2, 256, 512, 4, 2, 64, 512, 10000.0, 1e-6, 512, False, False,
                             n_experts=16, n_experts_used=4, expert_ffn=256, qk_norm=True),

@@ -75,7 +75,7 @@ class HubConfig:
     # and the token's other gates scaled up to their full sum (HALO's idea applied to experts). None: wait.
     expert_deadline_s: float | None = None
     sync_timeout_s: float = 300.0  # for workers to fetch and load their experts
-    # Adaptive hedging (seed 001 §4.1): a dispatch goes to one replica when the fastest-looking one's recent median
+    # Adaptive hedging (MoEx §4.1): a dispatch goes to one replica when the fastest-looking one's recent median
     # round trip is within the threshold, else to `hedge` of them. The threshold: hedge_threshold_ms, or (None)
     # 1.5 times the median over the workers' recent medians.
     adaptive_hedge: bool = False

@@ -582,7 +582,7 @@ PP_DTYPES = {"float32": "<f4", "int64": "<i8", "int32": "<i4"}
 
 
 class PpMsg(IntEnum):
-    """The messages of seed 000 §4.4.2, plus ERROR (a worker's report of a failed request)."""
+    """The messages of the web-inference thesis §4.4.2, plus ERROR (a worker's report of a failed request)."""
 
     INIT = 1  # master -> worker: shared state; answered by CONNECT
     CONNECT = 2  # worker -> master: name, memory, speed, capabilities, cached files
@@ -722,7 +722,7 @@ class PpStream:
         return frames
 
 
-# --- MoEx frames (seed 001 §4.2): a hub and its expert workers over WebSocket binary frames ----------------------
+# --- MoEx frames (the MoEx paper §4.2): a hub and its expert workers over WebSocket binary frames --------------
 #
 #     magic "MoEx" | version u16 | type u16 | payload length u32 | sequence id u32 |
 #     layer u16 | expert u16 | tokens u32 | hidden u16 | dtype u8 | flags u8        (28 bytes, little-endian)

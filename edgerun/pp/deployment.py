@@ -1,5 +1,5 @@
-"""The pipeline's deployment state machine (seed 003): plan contiguous layer ranges over the workers present
-with the DP planner (memory budgets are hard limits), hand each stage to its workers (PREPARE_MODEL, then
+"""The pipeline's deployment state machine (the partitioning thesis): plan contiguous layer ranges over the workers
+present with the DP planner (memory budgets are hard limits), hand each stage to its workers (PREPARE_MODEL, then
 COMMIT_MODEL), and keep two plans beside the running one, their files already on their workers:
 
 - the staged plan: a better plan found while a request runs. Its workers download their stages in the
@@ -9,8 +9,8 @@ COMMIT_MODEL), and keep two plans beside the running one, their files already on
   layers they do not hold). When a worker of the running plan is lost, the master falls back to it and only
   loads sessions, instead of planning and downloading anew.
 
-States (seed 000 §5.3): Down (no complete plan), Preparing (workers fetching files), Committing (workers loading
-sessions), Up (serving). Everything here runs on the master's event loop."""
+States (the web-inference thesis §5.3): Down (no complete plan), Preparing (workers fetching files), Committing
+(workers loading sessions), Up (serving). Everything here runs on the master's event loop."""
 
 from __future__ import annotations
 
@@ -308,7 +308,7 @@ class Deployment:
     # --- looking for better plans ----------------------------------------------------------------------
     async def repartition_loop(self) -> None:
         """On a join, a leave, or every REPARTITION_PERIOD_S: deploy (or stage, while a request runs) a
-        better plan if the acceptance rule (seed 003 §5.2.4: C_total(new) < τ·C_exec(current)) takes it, or
+        better plan if the acceptance rule (partitioning thesis §5.2.4: C_total(new) < τ·C_exec(current)) takes it, or
         else make sure a shadow plan stands by."""
         while True:
             with contextlib.suppress(TimeoutError):
@@ -350,7 +350,7 @@ class Deployment:
         """Stand by for a loss. Where the spare workers can hold every running stage, they load those stages ahead
         (covers): a loss is recovered by handing the lost stage over as it is loaded, the other stages keep
         serving where they are, and the other covers stay loaded for the next loss (a standby plan of other
-        boundaries would serve only while all its workers live, and its stages cover nothing). Else seed 003
+        boundaries would serve only while all its workers live, and its stages cover nothing). Else the thesis'
         §5.2.5: a plan on workers outside the running one (strict), else the running stages the spares can hold
         (covers, the slowest to load first), else a plan where workers take only layers they do not run
         (redundancy): its workers serve already and rarely have room to load anything ahead, and a worker holds

@@ -88,8 +88,8 @@ class PipelineConfig:
     replicas: int = 1  # workers per stage where spare ones can hold it (hedged: the first answer counts)
     activations: Activations = Activations.INT8  # of native workers' quantized products (browser tabs: float32)
     route: Route = Route.CHAIN  # stage to stage where every stage can take it, else through the master
-    # Prefix cache (seed 000): every deployment runs these tokens once and the workers keep their KV rows; a
-    # request that starts with them sends only the rest.
+    # Prefix cache (the web-inference thesis): every deployment runs these tokens once and the workers keep their KV
+    # rows; a request that starts with them sends only the rest.
     prefix: tuple[int, ...] = ()
     # Poll this long for a reply before sleeping (its event loop when the master serves its routes itself, and
     # a chained route's links): a sleeping process wakes late for a packet, once per token on the pipeline's

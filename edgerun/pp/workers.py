@@ -22,8 +22,8 @@ from edgerun.net.wire import PpMsg, WireError, open_pp_frame, pp_frame
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory
 
 CONNECT_TIMEOUT_S = 10.0
-SPEED_SAMPLES = 15  # live compute speed: the median of this many recent decode passes (seed 003)
-PINGS = 7  # latency: the median of this many PING/PONG round trips at join (seed 003)
+SPEED_SAMPLES = 15  # live compute speed: the median of this many recent decode passes (the partitioning thesis)
+PINGS = 7  # latency: the median of this many PING/PONG round trips at join (the partitioning thesis)
 DEFAULT_MBIT = 1000.0  # until a download says otherwise
 POLICY_VIOLATION = 1008  # WebSocket close code for a worker that broke the protocol
 

@@ -1,6 +1,6 @@
 """Pipeline-parallel planner: which worker runs which contiguous range of layers.
 
-The planner follows the dynamic-partitioning chapter of the thesis this project builds on (seed 003, §4.3-§5.5):
+The planner follows the dynamic-partitioning chapter of the partitioning thesis (§4.3-§5.5):
 a cost model (§5.2), a dynamic programme over a fixed worker order (§5.4, Algorithm 5.1) and a search over worker
 orders (§5.5), plus the acceptance rule (§5.2.4) and shadow plans (§5.2.5).
 

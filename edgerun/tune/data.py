@@ -1,7 +1,7 @@
 """Tuning data: JSONL records, their prompt formats, the offline default dataset, and token batches.
 
 Records are either Alpaca's (instruction, input, output) or the seed's multiple-choice form (instruction,
-question, options, answer, explanation; seed 004 §5.5.3). A record becomes a prompt and an answer; only the
+question, options, answer, explanation; the DE-LLMIT report §5.5.3). A record becomes a prompt and an answer; only the
 answer's tokens (and the end-of-sequence token after them) are trained, the prompt's are masked.
 
 The default dataset needs no download: multiple-choice questions about which standard-library module defines
