@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from edgerun.bench.serve import PROMPT_KINDS
 from edgerun.errors import EdgerunError
 from edgerun.net.discovery import ClusterMode
+from edgerun.net.wire import Transport
 from edgerun.sched.plans import plan_names
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
     node_counts = counts(args.nodes, "--nodes", 0)
     transports = split(args.transport)
     for transport in transports:
-        if transport not in ("udp", "tcp"):
+        if transport not in tuple(Transport):
             raise EdgerunError(f"unknown transport {transport!r} (udp or tcp)")
     config = TpBenchConfig(args.model, args.plan, args.tokens, args.codec,
                            None if args.adaptive_timeout else args.timeout_ms, args.timeout_deviations,

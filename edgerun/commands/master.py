@@ -29,8 +29,10 @@ from edgerun.commands.common import (
 )
 from edgerun.errors import EdgerunError
 from edgerun.net.discovery import ClusterMode
+from edgerun.net.wire import Transport
 from edgerun.sched.plans import cluster_plan, plan_names
 from edgerun.sched.tp_plan import load_plan_file
+from edgerun.tp.config import Mapping
 
 
 def _plan_for_cluster(plan, master):
@@ -223,7 +225,7 @@ def cmd_master(args: argparse.Namespace) -> None:
     from edgerun.tp.master import Master
 
     predictors = None
-    if args.mapping != "index":
+    if args.mapping != Mapping.INDEX:
         from edgerun.sap.predictor import PredictorSet, default_path
 
         path = args.sap or default_path(model.path)
@@ -310,7 +312,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "dispatch goes to another replica; three timeouts in a row leave a worker out (default: 5000)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, every interface)")
     p.add_argument("--port", type=int, default=7000, help="TCP port nodes connect to (default: 7000)")
-    p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
+    p.add_argument("--transport", choices=tuple(Transport), default="udp",
                    help="udp: partial results over UDP with a timeout (default); tcp: wait for every node")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32", help="activation encoding on the wire: "
                    "f32 exact, f16 and q8 fewer datagrams per vector (default: f32)")
@@ -324,7 +326,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-budget", type=float, default=4096.0, help="MB the master's own share may use "
                    "(default: 4096)")
     p.add_argument("--group-size", type=int, default=256, help="MLP neuron-group size (default: 256)")
-    p.add_argument("--mapping", choices=("index", "static", "dynamic"), default="index",
+    p.add_argument("--mapping", choices=tuple(Mapping), default="index",
                    help="which units the most reliable devices compute: index (unit order), static (the "
                         "calibration's most important ones) or dynamic (re-ranked by the predictors every token; "
                         "every device then holds the whole model; default: index)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from edgerun.commands.common import activations_arg, route_arg, sampling_args, sampling_params, thread_count
 from edgerun.errors import EdgerunError
 from edgerun.net.discovery import ClusterMode
+from edgerun.net.wire import Transport
 from edgerun.sched.plans import cluster_plan, plan_names
 from edgerun.serve.client import API_KEY_ENV, stream_events
 
@@ -49,7 +50,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--replicas", type=int, default=1, help="--plan moe: workers holding each expert (default: 1)")
     p.add_argument("--hedge", default="1", help="--plan moe: replicas each expert dispatch goes to at once, or auto "
                    "(one while the fastest-looking replica is quick, else --replicas) (default: 1)")
-    p.add_argument("--transport", choices=("udp", "tcp"), default="udp",
+    p.add_argument("--transport", choices=tuple(Transport), default="udp",
                    help="tensor-parallel: udp sends partial results over UDP with a timeout (a late or lost one costs "
                         "a little accuracy, not a stall); tcp waits for every node, exact (default: udp)")
     p.add_argument("--no-local", dest="local", action="store_false",

@@ -51,6 +51,7 @@ from edgerun.net.wire import (
     ExpertResult,
     WeightSync,
     WireError,
+    WorkerKind,
     moex_frame,
     open_moex_frame,
 )
@@ -106,7 +107,7 @@ class HubWorker:
     name: str
     budget_mb: float
     link: WorkerLink
-    kind: str = "native"  # or "browser": a tab, which takes each expert as an ONNX graph with float32 weights
+    kind: WorkerKind = WorkerKind.NATIVE  # a tab takes each expert as an ONNX graph with float32 weights
     alive: bool = True
     strikes: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # its last answers' round trips (s)
@@ -228,7 +229,7 @@ class MoeHub:
             name, budget = hello.info["name"], float(hello.info.get("budget_mb", 0))
             if name in self.workers and self.workers[name].alive:
                 raise WireError(f"a worker named {name} is already connected")
-            kind = "browser" if hello.info.get("kind") == "browser" else "native"
+            kind = WorkerKind.BROWSER if hello.info.get("kind") == WorkerKind.BROWSER else WorkerKind.NATIVE
             worker = self.workers[name] = HubWorker(name, budget, link, kind)
             self.log(f"expert worker {name} joined ({kind}, {budget:.0f} MB)")
             self.joined.set()
@@ -338,7 +339,7 @@ class MoeHub:
             experts = []
             for layer, e in placement.experts_of(w.name):
                 entry = [layer, e, self.blobs[(layer, e)][0]]
-                if w.kind == "browser":  # the graph and its float32 weights, built here once
+                if w.kind is WorkerKind.BROWSER:  # the graph and its float32 weights, built here once
                     entry += await loop.run_in_executor(None, self._browser_graph, layer, e)
                 experts.append(entry)
             self._send(w, WeightSync(w.sync_seq, {"config": c.to_dict(), "experts": experts,

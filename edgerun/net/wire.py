@@ -47,7 +47,7 @@ import os
 import struct
 from collections.abc import Collection
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import Enum, IntEnum, StrEnum
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -579,6 +579,20 @@ PP_VERSION = 1
 PP_HEADER = struct.Struct("<2sBBIII")
 PP_MAX_FRAME = 256 * 1024 * 1024  # the largest message a master or worker accepts
 PP_DTYPES = {"float32": "<f4", "int64": "<i8", "int32": "<i4"}
+
+
+class Transport(StrEnum):
+    """How a tensor-parallel cluster's layers travel."""
+
+    UDP = "udp"  # lossy blocks over UDP with a timeout (HALO), the first layer and the LM head reliable
+    TCP = "tcp"  # everything reliable: the strict baseline
+
+
+class WorkerKind(StrEnum):
+    """What a pipeline or expert worker is (its CONNECT's capabilities say)."""
+
+    NATIVE = "native"  # `edgerun node`: ggml or onnxruntime, any stage or expert
+    BROWSER = "browser"  # a web page: edgerun's WebAssembly kernels or onnxruntime-web
 
 
 class PpMsg(IntEnum):

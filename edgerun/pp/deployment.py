@@ -34,7 +34,7 @@ from edgerun.model.kernel_stage import KERNEL_STAGE_FILE
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.model_files import file_sha256
-from edgerun.net.wire import PpMsg
+from edgerun.net.wire import PpMsg, WorkerKind
 from edgerun.pp.workers import SPEED_SAMPLES, TabWeights, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import (
     MAX_STAGE_PARTS,
@@ -191,15 +191,15 @@ class Deployment:
         if self.kernel_tab(conn):  # int8 activations, as the native kernels compute them
             return dataclasses.replace(StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer,
                                                             Activations.INT8), kernels=True)
-        activations = self.activations if conn.kind == "native" else Activations.F32
+        activations = self.activations if conn.kind is WorkerKind.NATIVE else Activations.F32
         return StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer, activations,
                                     dequantized=self.dequantized(conn))
 
     def ggml_stages(self, worker: str) -> bool:
         """Whether `worker` runs its stages on ggml: a native worker that offers it, for a model ggml builds."""
         conn = self.workers[worker]
-        return conn.kind == "native" and bool(conn.capabilities.get("ggml")) and self.ggml_unsupported is None \
-            and self.model.path.suffix == ".gguf"
+        return conn.kind is WorkerKind.NATIVE and bool(conn.capabilities.get("ggml")) \
+            and self.ggml_unsupported is None and self.model.path.suffix == ".gguf"
 
     def model_file(self) -> dict[str, str]:
         """The model's GGUF file as a stage file (hashed once): a ggml stage reads its layers from it."""
@@ -216,7 +216,7 @@ class Deployment:
         fewest; anything else one graph."""
         conn = self.workers[worker]
         threads = int(conn.capabilities.get("load_threads") or 1)
-        if conn.kind != "native" or self.ggml_stages(worker):
+        if conn.kind is not WorkerKind.NATIVE or self.ggml_stages(worker):
             return []
         return stage_parts(self.profile.layer_read_bytes, stage.first_layer, stage.end_layer,
                            min(threads, MAX_STAGE_PARTS))
@@ -378,7 +378,7 @@ class Deployment:
     async def _prepare_covers(self, whole: bool = False) -> bool:
         """Spare workers load running stages ahead (cover_stages), those that hold one already keeping it; True if
         any holds one then. `whole`: only where they can cover every running stage (nothing loads otherwise)."""
-        native = [name for name in self._spares() if self.workers[name].kind == "native"
+        native = [name for name in self._spares() if self.workers[name].kind is WorkerKind.NATIVE
                   and not self.dequantized(self.workers[name])]
         # A stage's load is mostly onnxruntime repacking the weights its products read (the LM head's 8-bit rows
         # among them, the embedding table, only indexed, not): the shipped model's first half loads in 100-180 ms
@@ -448,7 +448,7 @@ class Deployment:
         due = []
         for s in plan.stages:
             worker = self.workers[s.worker]
-            if worker.kind != "native" or self.dequantized(worker) or \
+            if worker.kind is not WorkerKind.NATIVE or self.dequantized(worker) or \
                     serving.get(s.worker, 0.0) + self._stage_mb(s.first_layer, s.end_layer) > self.budget_mb(worker):
                 continue
             due.append((worker, await self._prepare_message(s, s.worker) | {"preload": {"max_len": self.max_len}}))
@@ -479,7 +479,7 @@ class Deployment:
         """Every worker of the running plan and of `plan` is native (the browser page does not take part in KV
         moves)."""
         names = [name for names in self.stage_workers for name in names] + [s.worker for s in plan.stages]
-        return all(self.workers[name].kind == "native" for name in names)
+        return all(self.workers[name].kind is WorkerKind.NATIVE for name in names)
 
     async def fetch_kv(self, layers: Iterable[int], since: dict[int, int],
                        length: int | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -628,7 +628,7 @@ class Deployment:
         """Whether passes go stage to stage (Route): configured so, one worker per stage, every one native with
         a port for its predecessor."""
         return self.route == Route.CHAIN and all(
-            len(names) == 1 and self.workers[names[0]].kind == "native" and self.workers[names[0]].peer_port
+            len(names) == 1 and self.workers[names[0]].kind is WorkerKind.NATIVE and self.workers[names[0]].peer_port
             is not None for names in stage_workers)
 
     def _with_replicas(self, plan: PPPlan) -> list[list[str]]:

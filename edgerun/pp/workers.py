@@ -18,7 +18,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from edgerun.model.generate import EngineLost
-from edgerun.net.wire import PpMsg, WireError, open_pp_frame, pp_frame
+from edgerun.net.wire import PpMsg, WireError, WorkerKind, open_pp_frame, pp_frame
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory
 
 CONNECT_TIMEOUT_S = 10.0
@@ -121,14 +121,15 @@ class WorkerConn:
         return float(np.median(self.speeds)) if len(self.speeds) >= 3 else self.speed
 
     @property
-    def kind(self) -> str:
-        return str(self.capabilities.get("kind", "native"))
+    def kind(self) -> WorkerKind:
+        """A browser tab, or a native worker (what else a worker says it is)."""
+        return WorkerKind.BROWSER if self.capabilities.get("kind") == WorkerKind.BROWSER else WorkerKind.NATIVE
 
     @property
     def tab_weights(self) -> TabWeights | None:
         """How a browser tab asked for its stages' matrices (None for native workers and unknown answers)."""
         try:
-            return TabWeights(self.capabilities.get("weights")) if self.kind == "browser" else None
+            return TabWeights(self.capabilities.get("weights")) if self.kind is WorkerKind.BROWSER else None
         except ValueError:
             return None
 

@@ -9,13 +9,25 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from enum import StrEnum
 from typing import Any, Protocol
 
 from edgerun.model.generate import EngineLost, Stepper, TokenStepper
 from edgerun.moe.hub import MoeHub
+from edgerun.net.wire import WorkerKind
 from edgerun.pp.master import PipelineMaster
 from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
 from edgerun.tp.master import Master, Rebalance
+
+
+class MemberState(StrEnum):
+    """A cluster's member as the dashboard and /api/state show it, in every mode."""
+
+    LOADING = "loading"  # joined, its share still loading (a tensor-parallel node)
+    SERVING = "serving"  # computing the running plan
+    STANDBY = "standby"  # alive, in no stage of the running plan (a pipeline's spare)
+    LEFT_OUT = "left out"  # alive, not given work: failed its health checks (an expert worker)
+    LOST = "lost"  # gone
 
 
 class Cluster(Protocol):
@@ -100,7 +112,8 @@ class TensorParallel:
             spec = n.spec
             out.append({
                 "name": n.name, "kind": "native", "device": n.device, "alive": n.alive,
-                "state": ("ready" if n.ready.is_set() else "loading") if n.alive else "lost",
+                "state": (MemberState.SERVING if n.ready.is_set() else MemberState.LOADING) if n.alive
+                else MemberState.LOST,
                 "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
                 "speed_gb_s": (n.speed if (m := n.decode.measured()) is None else m.speed) / 1e9,
                 "rtt_ms": None if n.link is None else n.link.rtt_ms,
@@ -160,7 +173,7 @@ class Experts:
     def nodes(self) -> list[dict[str, Any]]:
         placement = self.hub.placement
         return [{"name": w.name, "kind": w.kind, "device": w.kind, "alive": w.alive,
-                 "state": "serving" if w.healthy else ("lost" if not w.alive else "left out"),
+                 "state": MemberState.SERVING if w.healthy else MemberState.LEFT_OUT if w.alive else MemberState.LOST,
                  "memory_mb": w.peak_rss_mb or None, "budget_mb": w.budget_mb, "speed_gb_s": None,
                  "rtt_ms": w.p50_s * 1e3 if w.recent else None, "loss": None,
                  "holds": f"{len(placement.experts_of(w.name))} experts" if placement else "nothing"}
@@ -219,13 +232,13 @@ class Pipeline:
         out = []
         for w in self.pipeline.workers.alive():  # a tab that closed leaves the list
             s = stages.get(w.name)
-            browser = w.kind == "browser"
+            browser = w.kind is WorkerKind.BROWSER
             # A native worker: its machine and onnxruntime's device; a tab: its backend (wasm or webgpu).
             device = w.capabilities.get("backend") if browser else \
                 ", ".join(str(w.capabilities[k]) for k in ("host", "device") if w.capabilities.get(k))
             out.append({
                 "name": w.name, "kind": "browser" if browser else "native", "device": device, "alive": True,
-                "state": "serving" if s else "standby", "memory_mb": None, "budget_mb": w.memory_mb,
+                "state": MemberState.SERVING if s else MemberState.STANDBY, "memory_mb": None, "budget_mb": w.memory_mb,
                 "speed_gb_s": w.measured_speed / 1e9, "rtt_ms": w.rtt_ms, "loss": None,
                 "holds": f"layers {s.first_layer}-{s.end_layer - 1}" if s else "nothing",
             })

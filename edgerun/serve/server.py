@@ -17,6 +17,7 @@ from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.discovery import ClusterMode
 from edgerun.net.http_server import HttpServer, bind
+from edgerun.net.wire import Transport
 from edgerun.pp.deployment import Route
 from edgerun.sched.moe import hedge_setting
 from edgerun.sched.plans import plan_name
@@ -42,7 +43,7 @@ class ServeConfig:
     secret: str | None = None  # the kept cluster secret, shown in the join line (None: the user gave it)
     kind: ClusterMode = ClusterMode.TP  # the cluster it starts: tensor-parallel, a pipeline, or a MoEx hub
     strategy: TPStrategy = TPStrategy.HALO  # a tensor-parallel cluster's planner
-    transport: str = "udp"  # tensor-parallel: lossy layers over UDP with a timeout, or "tcp": wait for every node
+    transport: Transport = Transport.UDP  # a tensor-parallel cluster's
     prefer: Prefer = Prefer.AUTO
     api_key: str | None = None
     max_queue: int = 16

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
-from edgerun.net.wire import MAX_PARITY, Codec
+from edgerun.net.wire import MAX_PARITY, Codec, Transport
 from edgerun.sched.tp_plan import TPStrategy
 from edgerun.tp.messages import MAX_SLOTS
 
-MAPPINGS = ("index", "static", "dynamic")
+
+class Mapping(StrEnum):
+    """Which units of a layer go to which device."""
+
+    INDEX = "index"  # in index order
+    STATIC = "static"  # by the calibration's average importance, the most important on the most reliable devices
+    DYNAMIC = "dynamic"  # ranked every block by the semantic-aware predictors
+
+
+MAPPINGS = tuple(Mapping)
 OVERLAPS = ("pred",)
 # With --transport udp the reliable channel carries only the first layer, the LM head and fetches,
 # all on the per-token path: a lost segment there should cost milliseconds, not the kernel's 200 ms
@@ -24,7 +34,7 @@ def tcp_rto_min_ms(transport: str, override: float | None) -> float | None:
     FAST_RTO_MIN_MS for udp and the kernel's for tcp. None means the kernel's."""
     if override is not None:
         return override or None
-    return FAST_RTO_MIN_MS if transport == "udp" else None
+    return FAST_RTO_MIN_MS if transport == Transport.UDP else None
 
 
 def check_exchange(timeout_ms: float | None, timeout_deviations: float, rto_min_ms: float | None,
@@ -51,7 +61,7 @@ class MasterConfig:
     # Where nodes download the model file: None, a server of the master's own; a port, an HTTP server there
     # serves the master's routes() (`edgerun serve`: its one port).
     files_port: int | None = None
-    transport: str = "udp"  # "udp": lossy layers over UDP with a timeout; "tcp": everything reliable
+    transport: Transport = Transport.UDP
     codec: Codec = Codec.F32  # activations on the wire
     timeout_ms: float | None = 10.0  # a lossy block's fixed wait; None: adaptive
     timeout_deviations: float = 4.0  # the adaptive timeout's k
@@ -64,7 +74,7 @@ class MasterConfig:
     speed: float = 1e9  # the master's own speed for the planner, weight bytes per second
     group_size: int = 256  # MLP neuron-group size
     vocab_block: int = 4096  # LM-head rows per unit
-    mapping: str = "index"  # which units go where: "index", "static" or "dynamic" (MAPPINGS)
+    mapping: Mapping = Mapping.INDEX
     # Dynamic mapping's overlap (HALO Fig. 5): pred ranks the next layer while this one's partials travel. HALO's
     # other, Load with Comp, has nothing to hide here: a dynamic share holds every unit's weights in its kernels'
     # packed form and a step selects its units inside the graph, so nothing is gathered.
@@ -84,10 +94,11 @@ class MasterConfig:
             raise EdgerunError(f"unknown overlap {sorted(unknown)} (choose from {', '.join(OVERLAPS)})")
         if not 0 <= self.parity <= MAX_PARITY:
             raise EdgerunError(f"parity fragments must be 0 to {MAX_PARITY}, not {self.parity}")
-        if self.transport not in ("udp", "tcp"):
-            raise EdgerunError(f"unknown transport {self.transport!r} (udp or tcp)")
-        if self.mapping not in MAPPINGS:
-            raise EdgerunError(f"unknown mapping {self.mapping!r} ({', '.join(MAPPINGS)})")
+        for name, kind in (("strategy", TPStrategy), ("transport", Transport), ("mapping", Mapping)):
+            try:  # the enum's member for a name given as a string
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise EdgerunError(f"unknown {name} {getattr(self, name)!r} (choose from {', '.join(kind)})") from None
         if self.spin_us < 0:
             raise EdgerunError(f"spin must be 0 or more microseconds, not {self.spin_us}")
         if self.threads < 1 or self.max_len < 1:
@@ -98,7 +109,7 @@ class MasterConfig:
                                f"{self.budget_mb} MB and {self.speed} bytes/s")
         if not 1 <= self.slots <= MAX_SLOTS:
             raise EdgerunError(f"a batch holds 1 to {MAX_SLOTS} sequences, not {self.slots}")
-        if self.slots > 1 and (self.mapping == "dynamic" or self.activations is Activations.F32):
+        if self.slots > 1 and (self.mapping == Mapping.DYNAMIC or self.activations is Activations.F32):
             raise EdgerunError("a tensor-parallel batch runs on ggml shares: static mapping and int8 activations")
         if self.vocab_block < 1:
             raise EdgerunError(f"vocabulary blocks must hold at least 1 row, not {self.vocab_block}")

@@ -12,10 +12,10 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.model.config import ModelConfig
 from edgerun.model.loader import Model
-from edgerun.net.wire import Block
+from edgerun.net.wire import Block, Transport
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.tp_plan import TPPlan
-from edgerun.tp.config import MAPPINGS, MasterConfig, tcp_rto_min_ms
+from edgerun.tp.config import MAPPINGS, Mapping, MasterConfig, tcp_rto_min_ms
 from edgerun.tp.messages import Assign, Priorities, Routes
 from edgerun.tp.shard import ShardSpec, every_unit_spec
 
@@ -49,7 +49,7 @@ def unit_order_for(model: Model, sha256: str, mapping: str, predictors: Predicto
     groups = -(-c.ffn // group_size)
     if mapping not in MAPPINGS:
         raise EdgerunError(f"unknown mapping {mapping!r} ({', '.join(MAPPINGS)})")
-    if mapping == "index":
+    if mapping == Mapping.INDEX:
         return UnitOrder.index(c.n_layers, c.n_kv_heads, groups)
     if predictors is None:
         raise EdgerunError(f"mapping {mapping} needs predictors: run `edgerun sap calibrate` and `edgerun sap train`")
@@ -58,7 +58,7 @@ def unit_order_for(model: Model, sha256: str, mapping: str, predictors: Predicto
                            f"{sha256[:12]}): calibrate and train on this one")
     if predictors.group_size != group_size:
         raise EdgerunError(f"the predictors rank groups of {predictors.group_size}, not {group_size}")
-    if mapping == "dynamic" and max(groups, c.n_kv_heads) > 256:  # a ranking travels as one byte per unit
+    if mapping == Mapping.DYNAMIC and max(groups, c.n_kv_heads) > 256:  # a ranking travels as one byte per unit
         raise EdgerunError(f"dynamic mapping ranks at most 256 units per block; groups of {group_size} make "
                            f"{groups}: choose a larger --group-size")
     return UnitOrder(predictors.static_order(Block.ATTN, c.n_layers, c.n_kv_heads),
@@ -127,7 +127,7 @@ def deploy(model: ModelConfig, plan: TPPlan, config: MasterConfig, order: UnitOr
            links: Sequence[NodeLink]) -> Deployment:
     """The shares of `plan` (device 0 the master, device i the i-th of `links`) for a new session. Nodes on lossy
     links (or every node with parity_always) send and get parity fragments."""
-    dynamic = config.mapping == "dynamic"
+    dynamic = config.mapping == Mapping.DYNAMIC
 
     def priorities(i: int) -> Priorities | None:
         return (tuple(layer[i] for layer in plan.attn), tuple(layer[i] for layer in plan.mlp)) if dynamic else None
@@ -141,7 +141,7 @@ def deploy(model: ModelConfig, plan: TPPlan, config: MasterConfig, order: UnitOr
         Assign(session, i, spec_for_device(plan, i, config.group_size, config.vocab_block, order), config.max_len,
                config.codec, routes, udp_port, rto_min,
                config.parity if config.parity_always or link.lossy else 0, link.datagram_bytes, priorities(i),
-               config.activations, spare_stream=config.transport == "udp", slots=config.slots)
+               config.activations, spare_stream=config.transport == Transport.UDP, slots=config.slots)
         for i, link in enumerate(links, start=1))
     return Deployment(plan, routes, own, priorities(0), assignments)
 

@@ -50,6 +50,7 @@ from edgerun.net.wire import (
     MsgType,
     Reassembly,
     Resend,
+    Transport,
     WireError,
     as_f32,
     fragment,
@@ -300,14 +301,14 @@ class BlockExchange:
         # strict tcp baseline, whose nodes close their spares; one opened while a switch to it was under way may
         # still be up.)
         spare = [n for n in nodes if n.lossy and n.spare is not None and _copy_pays(n, x.nbytes)] \
-            if seq > 1 and reliable and self.config.transport == "udp" else []
+            if seq > 1 and reliable and self.config.transport == Transport.UDP else []
         # A one-token mirrored block goes as datagrams alone (with a lossy link's parity), as the native runner
         # sends the first layer's: stream copies (a frame written to every stream, ~25 µs a node on loopback: 7
         # nodes' were most of the LM head's 309 µs of sends at 8 devices, and each node read and dropped its copy
         # as the next block's input came, or answered it on its stream) cost every block for the few datagrams
         # parity does not mend. What is lost is asked for again (_ask_again), and the input goes over the stream
         # once the drain ends (_wait).
-        datagrams_alone = mirror and seq == 1 and self.config.transport == "udp"
+        datagrams_alone = mirror and seq == 1 and self.config.transport == Transport.UDP
         if reliable and nodes and not datagrams_alone:
             self._send_inputs(nodes, key, x, ranking, spare)
         if nodes and seq == 1 and sent_at is None:
@@ -607,7 +608,7 @@ class BlockExchange:
         a float32 vector in one datagram or, on a lossy link, cut at its path as runs_natively says. A lossy link's
         input goes with its parity, as `run` sends it: what parity does not mend is asked for again (MIRROR_WAIT,
         then `_wait`)."""
-        if self.config.transport != "udp" or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
+        if self.config.transport != Transport.UDP or any(self.routes.of(0, b, 1) != Route.MIRRORED for b in blocks):
             return False
         return self._sendable(nodes, Codec.F32)
 

@@ -40,11 +40,11 @@ from edgerun.net.group import PROBE_LAYER, GroupSender, new_group
 from edgerun.net.http_server import bind
 from edgerun.net.loss import LossModel
 from edgerun.net.model_files import ModelServer, model_routes, model_sha256
-from edgerun.net.wire import Block, Header, MsgType, Resend, WireError
+from edgerun.net.wire import Block, Header, MsgType, Resend, Transport, WireError
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import SEND_S_PER_NODE, Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
 from edgerun.sched.tp_plan import SyncModel, TPPlan, UnitCounts, objective, plan_tp
-from edgerun.tp.config import MasterConfig
+from edgerun.tp.config import Mapping, MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
 from edgerun.tp.ggml_shard import GgmlShard, build_share, ggml_compute_address
@@ -409,7 +409,7 @@ class Master:
         still had none after `timeout_s`. A benchmark starts its loss after this: a stream opened under loss waits
         out the lost handshake's retransmission timer (a second), and until then the node's prompts cross on one
         stream."""
-        if self.config.transport != "udp":
+        if self.config.transport != Transport.UDP:
             return True
         deadline = time.monotonic() + timeout_s
         while any(n.alive and n.spare is None for n in self.deployed):
@@ -476,7 +476,7 @@ class Master:
         else:
             self.shard = build_share(self.model.config, self.model.weights, d.own_spec, self.config.max_len,
                                      self.config.threads, self.config.activations,
-                                     dynamic=self.config.mapping == "dynamic", mapped_files=[self.model.path],
+                                     dynamic=self.config.mapping == Mapping.DYNAMIC, mapped_files=[self.model.path],
                                      slots=self.config.slots)
         settle_heap()
         for node in alive:
@@ -487,7 +487,7 @@ class Master:
         if self.whole is not None:
             self.log(f"the plan leaves every node out: the master runs the whole model as one graph "
                      f"({self.whole.weight_bytes / 1e6:.1f} MB of quantized weights)")
-        elif self.config.mapping == "dynamic":
+        elif self.config.mapping == Mapping.DYNAMIC:
             self.log(f"dynamic mapping: every device holds every unit ({self.shard.weight_bytes / 1e6:.0f} MB of "
                      f"quantized weights, {self.shard.cache_bytes / 1e6:.1f} MB of KV cache) and computes the share "
                      "above of the units ranked for each token")
@@ -539,7 +539,7 @@ class Master:
         """Dynamic mapping: the block's units from the most to the least important, predicted from
         what the predictors read (HALO's Pred); the static order where there is nothing to read.
         A multi-token step takes one ranking, from the predictions' mean over its tokens."""
-        if self.config.mapping != "dynamic":
+        if self.config.mapping != Mapping.DYNAMIC:
             return None
         order = self.unit_order.attn[layer] if block == Block.ATTN else self.unit_order.mlp[layer]
         if layer == 0 or features is None:
@@ -630,7 +630,7 @@ class Master:
         # previous layer's attention input: with the pred overlap while that layer's MLP partials travel,
         # without it on the path. Predictors that read the block's own input rank on the path, from the input
         # about to be sent.
-        ahead = self.config.mapping == "dynamic" and self.predictors.ahead
+        ahead = self.config.mapping == Mapping.DYNAMIC and self.predictors.ahead
         overlap_pred = ahead and "pred" in self.config.overlap
         previous_input = None
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
@@ -736,8 +736,9 @@ class Master:
         not on ggml, dynamic mapping, nodes it cannot send to (BlockExchange.runs_natively), and from the first layer,
         one of its nodes on a lossy link (BlockExchange.runs_mirrored_natively)."""
         shard, c = self.shard, self.model.config
-        if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or self.config.mapping == "dynamic" or \
-                not shard.native or c.post_norms:  # the runner adds partials straight into the residual
+        # (post norms: the runner adds partials straight into the residual)
+        if not isinstance(shard, GgmlShard) or shard.backend.name != "cpu" or \
+                self.config.mapping == Mapping.DYNAMIC or not shard.native or c.post_norms:
             return None
         n_kv = cache_rows(start + 1, shard.max_len)
         key: tuple = (self.plan, n_kv, self.exchange.session, first)

@@ -21,7 +21,7 @@ from enum import Enum, IntEnum
 from typing import Any, Union
 
 from edgerun.model.onnx_graph import Activations
-from edgerun.net.wire import Block, Codec, WireError, check_parity
+from edgerun.net.wire import Block, Codec, Transport, WireError, check_parity
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.shard import ShardSpec
 
@@ -58,9 +58,9 @@ class Routes:
         """HALO's routes. "tcp": everything reliable (the strict baseline). "udp": lossy blocks over UDP, except
         the first layer and the LM head, whose loss would cost most: they go both ways, so a TCP segment lost on
         the way costs nothing unless its UDP copy is lost as well, instead of a retransmission timeout."""
-        if transport == "tcp":
+        if transport == Transport.TCP:
             return cls((Route.RELIABLE,) * n_layers, (Route.RELIABLE,) * n_layers, Route.RELIABLE)
-        if transport != "udp":
+        if transport != Transport.UDP:
             raise ValueError(f"unknown transport {transport!r} (udp or tcp)")
         layers = tuple(Route.MIRRORED if layer == 0 else Route.DATAGRAM for layer in range(n_layers))
         return cls(layers, layers, Route.MIRRORED)

@@ -24,7 +24,7 @@ from edgerun.model.loader import Model
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.model_files import model_routes, model_sha256
-from edgerun.net.wire import PpMsg
+from edgerun.net.wire import PpMsg, WorkerKind
 from edgerun.pp.http import pipeline_routes
 from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import Layers, PPPlan, plan_layers, workers_from_devices
@@ -217,7 +217,8 @@ class TuneMaster:
                                        "or lower --workers (or raise --wait-s)") from None
                 self.log(f"waiting for workers: {len(names)} of {need} joined"
                          f"{' (' + ', '.join(names) + ')' if names else ''}; giving up in {left:.0f} s (--wait-s)")
-        alive = [w for w in self.workers.alive() if w.kind == "native"]  # a tab's onnxruntime-web has no autograd
+        # a tab's onnxruntime-web has no autograd
+        alive = [w for w in self.workers.alive() if w.kind is WorkerKind.NATIVE]
         if not alive:
             raise EdgerunError("no native worker to train on (browser tabs cannot take a training stage)")
         tokens = self.config.micro_size * self.max_len * self.config.in_flight
