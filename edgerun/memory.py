@@ -1,4 +1,5 @@
-"""Memory-read bandwidth: what a bandwidth-bound decode step can hope for on this machine; peak RSS."""
+"""This process's memory: peak RSS, huge pages for streamed weights, freed memory handed back, mapped model files let
+go; and the memory-read bandwidth a bandwidth-bound decode step can hope for on this machine."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ dispatch time (its base row, without injected latency), which the model column a
 
 Table 3: per-token latency of Qwen3-30B-A3B (L = 48, hub attention 1.5 ms per layer, expert FFN 0.7 ms) by
 Eqs. 10-12 with a one-way latency of RTT/2, and with each expert's round trip log-normal (sigma 0.5) around it,
-hedged (Eq. 18), beside the seed's figures.
+hedged (Eq. 18), beside the MoEx paper's figures.
 
     python scripts/moe_hedging.py --out out/moe_hedging            # measured and modelled (about 2 minutes)
     python scripts/moe_hedging.py --out out/moe_hedging --model-only
@@ -85,7 +85,8 @@ def main() -> None:
             writer.writerow(cells)
             lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     lines += ["", f"Measured base (h = 1, no injected latency): {base:.2f} ms per layer." if measured else "",
-              "The seed's h = 1 value (51.2) disagrees with its own Eq. 18, which integrates to the model column.",
+              "The MoEx paper's h = 1 value (51.2) disagrees with its own Eq. 18, which integrates to the model "
+              "column.",
               "", "# MoEx Table 3: Qwen3-30B-A3B per-token latency (ms), L = 48, attention 1.5 ms, FFN 0.7 ms", "",
               "| scenario | RTT | Eq. 12 | h=1 | h=2 | h=3 | seed h=1 | seed h=2 | seed h=3 |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -97,8 +98,8 @@ def main() -> None:
     for r in table3:
         lines.append(f"| {r['scenario']} | {r['rtt_ms']} | {r['eq12_ms']:.0f} | {r['h1_ms']:.0f} | {r['h2_ms']:.0f} | "
                      f"{r['h3_ms']:.0f} | {r['seed_h1_ms']} | {r['seed_h2_ms']} | {r['seed_h3_ms']} |")
-    lines += ["", "The seed's h = 1 column matches 48 x (1.5 + 2 x RTT + 0.7 + 0.2): a one-way latency of a whole "
-              "RTT, counted twice per layer; Eq. 12 here takes RTT/2 each way."]
+    lines += ["", "The MoEx paper's h = 1 column matches 48 x (1.5 + 2 x RTT + 0.7 + 0.2): a one-way latency of a "
+              "whole RTT, counted twice per layer; Eq. 12 here takes RTT/2 each way."]
     (args.out / "tables.md").write_text("\n".join(lines) + "\n")
     _plot(args.out / "table1.png", model, by_hedge, base)
     print("\n".join(lines))

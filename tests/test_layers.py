@@ -36,8 +36,12 @@ def imported_parts(path: Path) -> set[str]:
     """The top-level parts of edgerun (edgerun.X) a source file imports, anywhere in it."""
     parts = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-            else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module == "edgerun" and node.level == 0:  # from edgerun import X
+            names = [f"edgerun.{a.name}" for a in node.names if a.name != "__version__"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        else:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         parts |= {name.split(".")[1] for name in names if name.startswith("edgerun.")}
     return parts
 
@@ -63,6 +67,6 @@ def test_each_layer_imports_only_those_below_it() -> None:
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     """A function's own import counts as the module's."""
     source = tmp_path / "m.py"
-    source.write_text("import os\nfrom edgerun.model import loader\n\ndef f():\n    from edgerun.serve.app import Api\n"
-                      "    import edgerun.tp.master\n")
-    assert imported_parts(source) == {"model", "serve", "tp"}
+    source.write_text("import os\nfrom edgerun.model import loader\nfrom edgerun import __version__, llamacpp\n\n"
+                      "def f():\n    from edgerun.serve.app import Api\n    import edgerun.tp.master\n")
+    assert imported_parts(source) == {"model", "llamacpp", "serve", "tp"}

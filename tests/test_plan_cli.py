@@ -240,8 +240,7 @@ def test_one_list_of_plan_names_for_every_command() -> None:
     """--plan's values come from sched.plans: tensor-parallel's planners, dp and moe; each names one cluster kind and
     planner, and back."""
     from edgerun.net.discovery import ClusterMode
-    from edgerun.sched.plans import cluster_plan, plan_name, plan_names
-    from edgerun.sched.tp_plan import TPStrategy
+    from edgerun.sched.plans import TPStrategy, cluster_plan, plan_name, plan_names
 
     assert plan_names(*ClusterMode) == ("halo", "minmax", "greedy", "ilp", "galaxy", "even", "dp", "moe")
     assert plan_names(ClusterMode.TP, ClusterMode.PP)[-1] == "dp" and "moe" not in plan_names(ClusterMode.TP)

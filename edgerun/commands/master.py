@@ -30,9 +30,7 @@ from edgerun.commands.common import (
 from edgerun.errors import EdgerunError
 from edgerun.net.discovery import ClusterMode
 from edgerun.net.wire import Transport
-from edgerun.sched.plans import cluster_plan, plan_names
-from edgerun.sched.tp_plan import load_plan_file
-from edgerun.tp.config import Mapping
+from edgerun.sched.plans import Mapping, cluster_plan, plan_names
 
 
 def _plan_for_cluster(plan, master):
@@ -241,6 +239,8 @@ def cmd_master(args: argparse.Namespace) -> None:
                           parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
                           spin_us=args.spin_us, activations=Activations(args.activations),
                           overlap=overlaps(args.overlap), threads=args.threads, multicast=args.multicast)
+    from edgerun.sched.tp_plan import load_plan_file
+
     fixed = None if args.plan_file is None else load_plan_file(args.plan_file)
     try:
         master = Master(model, cluster_key(args), config, loss=loss_arg(args), predictors=predictors, log=log)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     pass
 from edgerun.commands.common import model_arg
 from edgerun.net.discovery import ClusterMode
-from edgerun.sched.plans import plan_names
+from edgerun.sched.plans import cluster_plan, plan_names
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -41,7 +41,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     model = load_model(args.model)
     profile = model_profile(model.name, model.config, model.weights, context=args.context,
                             group_size=args.group_size)
-    if args.plan == "dp":
+    kind, strategy = cluster_plan(args.plan)
+    if kind is ClusterMode.PP:
         plan = plan_pp(profile, devices, objective=args.objective, params=CostParams(include_init=args.init_cost))
         if not plan.complete:  # no table: a partial plan's prediction would read as a plan's
             budget = sum(d.memory.budget_mb for d in devices)
@@ -61,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(f"master: {devices[0].name}" + (" (the first --devices file; --master-device picks another)"
                                                if args.master_device is None else ""), file=sys.stderr)
         try:
-            plan = plan_tp(profile, devices, args.plan, sync=SyncModel(args.sync))
+            plan = plan_tp(profile, devices, strategy, sync=SyncModel(args.sync))
         except (InsufficientMemory, RuntimeError) as e:  # RuntimeError: the ILP found nothing in its time limit
             raise EdgerunError(str(e)) from e
         print(tp_table(plan, profile))

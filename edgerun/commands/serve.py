@@ -151,7 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          log_requests=args.log_requests, log_format=args.log_format,
                          metrics_public=args.metrics_public,
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
-                         transport=args.transport, activations=Activations(args.activations),
+                         transport=Transport(args.transport), activations=Activations(args.activations),
                          route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()

@@ -191,8 +191,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep only each layer's input for the backward pass and compute the layer again there: "
                         "about a third more compute for a fraction of the activations' memory, which is most of a "
                         "training stage's (default: off)")
-    p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default: 5e-5, the seed's)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: 0.1, the seed's)")
+    p.add_argument("--lr", type=float, default=5e-5,
+                   help="AdamW learning rate (default: 5e-5, the DE-LLMIT report's)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay (default: 0.1, the DE-LLMIT report's)")
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default: 8)")
     p.add_argument("--alpha", type=float, default=None, help="LoRA alpha; the update is scaled by alpha/rank "
                    "(default: 16)")

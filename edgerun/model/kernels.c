@@ -83,8 +83,8 @@ struct ggml_tensor_head {
 
 typedef void (*from_float_t)(const float *x, void *y, int64_t k);
 
-/* What the op is given: the weights' type (W_Q4_1, W_Q8_0) and ggml's quantizer of the activations for it
- * (ggml_get_type_traits_cpu(Q8_1 or Q8_0)->from_float). */
+/* What the op is given: the weights' type (W_Q4_1, W_Q8_0, W_Q6_K) and ggml's quantizer of the activations for it
+ * (ggml_get_type_traits_cpu(Q8_1, Q8_0 or Q8_K)->from_float). */
 struct er_product_params {
     int32_t weights;
     from_float_t quantize;
@@ -267,8 +267,9 @@ TARGET static void lay_out(int weights, const float *x, size_t x_stride, int c0,
  * apart in q): out[c * out_stride + r]. ggml's ggml_vec_dot_q6_K_q8_K (AVX2) sums, per block of 256, 8 integer
  * lanes: lane l takes values 4l..4l+3 of each of the block's eight 32-value chunks, each product times its 16
  * values' scale, less 32 times the scaled sums of values 32l..32l+31 (the codes' offset, from the column's bsums);
- * then lane = fma(d(w) * d(x), lane, lane's float). Here two chunks go in one 512-bit register, so one VNNI dot
- * gives 16 lanes (chunk 2m's in 0-7, 2m+1's in 8-15), each times its scale (integer products: exact), and lane l
+ * then lane = fma(d(w) * d(x), lane, lane's float). Here two chunks go in one 512-bit register, so one pair of
+ * multiply-adds (bytes to 16-bit pairs, pairs times their scale to 32 bits) gives 16 lanes (chunk 2m's in 0-7, 2m+1's
+ * in 8-15), each its 4 products times their scale (integer products: exact), and lane l
  * of the block is lanes l and l + 8 added: the same integers, then the same float operations in the same order.
  * The codes are unpacked once per block for every column. */
 TARGET static inline __attribute__((always_inline)) void q6_k_rows_times(

@@ -111,8 +111,8 @@ def _layout_matches(kernels: _Kernels) -> bool:
 
 
 def _same_as_ggml(kernels: _Kernels, qtype: int) -> bool:
-    """A product of seeded rows of `qtype` with 1-17 columns on 2 threads, by kernels.c and by ggml's mul_mat: the
-    same bits."""
+    """A product of seeded rows of `qtype` with 1-17 columns (Q6_K: up to MOST_COLUMNS) on 2 threads, by kernels.c
+    and by ggml's mul_mat: the same bits."""
     k = 512 if qtype == Q6_K else 96  # whole blocks: 256 values a Q6_K block, 32 the others'
     columns = [c for c in (1, 2, 5, 7, 16, 17) if c <= MOST_COLUMNS.get(qtype, c)]
     return all(np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))

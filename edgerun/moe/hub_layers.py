@@ -21,6 +21,7 @@ import numpy as np
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.reference import DenseMoe, ReferenceModel, rms_norm, rope_tables
+from edgerun.model.weights import embed_rows
 from edgerun.tp.ggml_shard import GgmlShard
 from edgerun.tp.shard import ShardSpec, n_groups
 
@@ -35,7 +36,7 @@ class HubLayers:
         self.length = 0
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
-        return self.weights.token_embd.dequantize_rows(np.asarray(tokens, np.int64))
+        return embed_rows(self.config, self.weights, tokens)
 
     def attention_norm(self, layer: int, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.weights.layers[layer].attn_norm, self.config.norm_eps)

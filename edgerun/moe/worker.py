@@ -129,7 +129,7 @@ class ExpertWorkerNode:
         self.heard = True
         match message:
             case ExpertDispatch():
-                # The seed's preemption: the hub sends a layer's dispatches only once the last layer's are done,
+                # The MoEx paper's preemption: the hub sends a layer's dispatches only once the last layer's are done,
                 # so what still waits here from another layer (a hedged copy whose cancel has not come, a dispatch
                 # given up on) is stale: dropped, so a slow worker does not fall further behind.
                 for seq in [s for s, d in self.queue.items() if d.layer != message.layer]:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts planning (the MoEx paper, MoEx), as pure functions: where each expert's replicas live (consistent
+"""Mixture-of-experts planning (the MoEx paper), as pure functions: where each expert's replicas live (consistent
 hashing weighted by memory), what a worker holds (Eq. 3), and the latency model of hedged dispatch (Eqs. 5-12,
 18) with which a benchmark's measurements are compared.
 

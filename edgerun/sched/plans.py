@@ -1,10 +1,32 @@
 """What `--plan` names: a tensor-parallel planner (a TPStrategy), "dp" (a pipeline: layer ranges on pipeline
-workers, the DP planner) or "moe" (a mixture of experts' experts on expert workers). One list for every command."""
+workers, the DP planner) or "moe" (a mixture of experts' experts on expert workers). One list for every command.
+Beside it, a tensor-parallel plan's unit mapping. Nothing heavy is imported here: every command's parser reads it."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from edgerun.net.discovery import ClusterMode
-from edgerun.sched.tp_plan import TPStrategy
+
+
+class TPStrategy(StrEnum):
+    """The tensor-parallel planners."""
+
+    HALO = "halo"  # minmax_ratios within memory, then refined for the synchronizations (refine_counts)
+    MINMAX = "minmax"  # minmax_ratios within memory
+    GREEDY = "greedy"  # greedy_ratios within memory
+    ILP = "ilp"  # an integer program (pulp)
+    GALAXY = "galaxy"  # galaxy_ratios within memory
+    EVEN = "even"  # equal shares, memory ignored (vanilla tensor parallelism)
+
+
+class Mapping(StrEnum):
+    """Which units of a layer go to which device."""
+
+    INDEX = "index"  # in index order
+    STATIC = "static"  # by the calibration's average importance, the most important on the most reliable devices
+    DYNAMIC = "dynamic"  # ranked every block by the semantic-aware predictors
+
 
 PIPELINE = "dp"
 EXPERTS = "moe"

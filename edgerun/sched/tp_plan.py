@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum, StrEnum
+from enum import Enum
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -32,20 +32,10 @@ from typing import Any
 import pulp
 
 from edgerun.errors import EdgerunError
+from edgerun.sched.plans import TPStrategy
 from edgerun.sched.profiles import ACTIVATION_BYTES, DeviceProfile, ModelProfile
 
 TP_PLAN_SCHEMA = "edgerun.tp-plan/1"
-
-
-class TPStrategy(StrEnum):
-    """The tensor-parallel planners."""
-
-    HALO = "halo"  # minmax_ratios within memory, then refined for the synchronizations (refine_counts)
-    MINMAX = "minmax"  # minmax_ratios within memory
-    GREEDY = "greedy"  # greedy_ratios within memory
-    ILP = "ilp"  # an integer program (pulp)
-    GALAXY = "galaxy"  # galaxy_ratios within memory
-    EVEN = "even"  # equal shares, memory ignored (vanilla tensor parallelism)
 
 
 STRATEGIES = tuple(TPStrategy)

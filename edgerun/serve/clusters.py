@@ -110,10 +110,13 @@ class TensorParallel:
         out = []
         for n in self.master.nodes:
             spec = n.spec
+            # a node the plan gives nothing (every member is assigned, some an empty share) stands by
+            holds = spec is not None and bool(sum(map(len, spec.attn_units)) + sum(map(len, spec.mlp_groups))
+                                              + len(spec.vocab_blocks))
+            state = MemberState.LOST if not n.alive else MemberState.LOADING if not n.ready.is_set() \
+                else MemberState.SERVING if holds else MemberState.STANDBY
             out.append({
-                "name": n.name, "kind": "native", "device": n.device, "alive": n.alive,
-                "state": (MemberState.SERVING if n.ready.is_set() else MemberState.LOADING) if n.alive
-                else MemberState.LOST,
+                "name": n.name, "kind": WorkerKind.NATIVE, "device": n.device, "alive": n.alive, "state": state,
                 "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
                 "speed_gb_s": (n.speed if (m := n.decode.measured()) is None else m.speed) / 1e9,
                 "rtt_ms": None if n.link is None else n.link.rtt_ms,
@@ -237,7 +240,7 @@ class Pipeline:
             device = w.capabilities.get("backend") if browser else \
                 ", ".join(str(w.capabilities[k]) for k in ("host", "device") if w.capabilities.get(k))
             out.append({
-                "name": w.name, "kind": "browser" if browser else "native", "device": device, "alive": True,
+                "name": w.name, "kind": w.kind, "device": device, "alive": True,
                 "state": MemberState.SERVING if s else MemberState.STANDBY, "memory_mb": None, "budget_mb": w.memory_mb,
                 "speed_gb_s": w.measured_speed / 1e9, "rtt_ms": w.rtt_ms, "loss": None,
                 "holds": f"layers {s.first_layer}-{s.end_layer - 1}" if s else "nothing",

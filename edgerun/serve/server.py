@@ -20,8 +20,7 @@ from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.wire import Transport
 from edgerun.pp.deployment import Route
 from edgerun.sched.moe import hedge_setting
-from edgerun.sched.plans import plan_name
-from edgerun.sched.tp_plan import TPStrategy
+from edgerun.sched.plans import TPStrategy, plan_name
 from edgerun.serve.switch import Prefer
 
 SWITCH_INTERVAL_S = 0.0005

@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import MAX_PARITY, Codec, Transport
-from edgerun.sched.tp_plan import TPStrategy
+from edgerun.sched.plans import Mapping, TPStrategy
 from edgerun.tp.messages import MAX_SLOTS
-
-
-class Mapping(StrEnum):
-    """Which units of a layer go to which device."""
-
-    INDEX = "index"  # in index order
-    STATIC = "static"  # by the calibration's average importance, the most important on the most reliable devices
-    DYNAMIC = "dynamic"  # ranked every block by the semantic-aware predictors
-
 
 MAPPINGS = tuple(Mapping)
 OVERLAPS = ("pred",)

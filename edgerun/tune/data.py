@@ -1,6 +1,6 @@
 """Tuning data: JSONL records, their prompt formats, the offline default dataset, and token batches.
 
-Records are either Alpaca's (instruction, input, output) or the seed's multiple-choice form (instruction,
+Records are either Alpaca's (instruction, input, output) or the DE-LLMIT report's multiple-choice form (instruction,
 question, options, answer, explanation; the DE-LLMIT report §5.5.3). A record becomes a prompt and an answer; only the
 answer's tokens (and the end-of-sequence token after them) are trained, the prompt's are masked.
 
@@ -34,7 +34,7 @@ MC_INSTRUCTION = "Answer the following multiple-choice question:"
 
 
 class PromptFormat(Enum):
-    ALPACA = "alpaca"  # the "### Instruction:" sections (the seed's form for its multiple-choice records)
+    ALPACA = "alpaca"  # the "### Instruction:" sections (the DE-LLMIT report's form for its multiple-choice records)
     CHAT = "chat"  # the model's chat template: the prompt as the user's turn, the answer as the assistant's
 
 

@@ -4,7 +4,7 @@ backward passes that accumulate into the LoRA matrices, and AdamW steps (PyTorch
 A micro-batch goes forward through every stage; the last stage computes its loss and at once its gradient
 with respect to its input; each earlier stage, handed the gradient of its output, returns the gradient of its
 input. Several micro-batches may be in flight (GPipe): each keeps its graph here, by id, until its backward
-pass. A step then applies the accumulated gradients. The seed's StepTune (004 §3.2.4) creates its AdamW in
+pass. A step then applies the accumulated gradients. The DE-LLMIT report's StepTune (§3.2.4) creates its AdamW in
 every step, which throws its moments away; here the optimizer lives with the stage and its state is part of
 every checkpoint.
 """
@@ -25,8 +25,8 @@ from edgerun.tune.model import StageModel
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 5e-5  # the seed's
-    weight_decay: float = 0.1  # the seed's
+    lr: float = 5e-5  # the DE-LLMIT report's
+    weight_decay: float = 0.1  # the DE-LLMIT report's
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 

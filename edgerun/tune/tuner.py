@@ -40,8 +40,8 @@ class TuneConfig:
     micro_size: int = 2  # sequences per micro-batch
     micro_batches: int = 2  # micro-batches per optimizer step (gradient accumulation): two keep two stages busy
     in_flight: int = 2  # micro-batches in the pipeline at once
-    lr: float = 5e-5  # AdamW, the seed's
-    weight_decay: float = 0.1  # the seed's
+    lr: float = 5e-5  # AdamW, the DE-LLMIT report's
+    weight_decay: float = 0.1  # the DE-LLMIT report's
     seed: int = 0  # data order (dropout and A's initial values: the LoRA config's seed)
     checkpoint_every: int = 10  # steps; 0: never
     eval_examples: int = 48  # held-out examples scored before and after (0: none)
@@ -260,7 +260,7 @@ class Tuner:
         return StepRecord(step + 1, sum(loss_sums) / denominator, tokens, time.perf_counter() - start)
 
     def lr(self, step: int) -> float:
-        """The learning rate of step `step`: constant (the seed's schedule)."""
+        """The learning rate of step `step`: constant (the DE-LLMIT report's schedule)."""
         return self.config.lr
 
     async def _micro_batch(self, stages: list[StageClient], step: int, m: int, batch: Batch,
