@@ -71,6 +71,7 @@ def run_batch(shipped_model, requests: list[int], slots: int) -> tuple[dict[int,
     return results, most
 
 
+@pytest.mark.slow
 def test_sequences_join_and_leave_the_batch_with_the_tokens_they_get_alone(shipped_model) -> None:
     """Four requests (greedy and seeded sampling, one with a prompt of several prefill chunks) through a batch of
     two slots: each joins when a slot frees, and its tokens are those it gets alone in the batch; a prompt of one

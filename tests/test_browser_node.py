@@ -27,6 +27,8 @@ from edgerun.model.sampling import Sampler, SamplingParams, uniform
 from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, browser_dir, chat_template_prefix
 
+pytestmark = pytest.mark.slow  # a headless Chromium
+
 SECRET = "browser-test"
 PROMPT = "The capital of France is"
 N_TOKENS = 64

@@ -13,6 +13,8 @@ from edgerun.model.generate import default_engine, generate, make_engine
 from edgerun.model.loader import load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 
+pytestmark = pytest.mark.slow  # real models' answers, 16 prompts each
+
 FIXTURES = Path(__file__).parent / "fixtures"
 AGREEMENT = 0.97
 

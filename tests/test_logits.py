@@ -83,6 +83,7 @@ def shaped(model, engine, prompt_text: str, rules: LogitRules, max_tokens: int =
     return tok.decode(result.tokens), shaper, result.stop_reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
 def test_every_schema_gives_text_that_validates(shipped_model, shipped_ggml, index: int) -> None:
     schema = SCHEMAS[index]

@@ -23,6 +23,8 @@ from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
 from edgerun.moe.hub import HubConfig, MoeHub
 from edgerun.net.wire import ExpertHeartbeat, derive_key, moex_frame
 
+pytestmark = pytest.mark.slow  # hubs and expert workers in processes
+
 SECRET = "moe-tests"
 GREEDY = Sampler(SamplingParams())
 PROMPT = "Experts of a mixture, each on a worker of its own"

@@ -29,6 +29,7 @@ def api_schema(small_server: Serving):
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
+@pytest.mark.slow
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 def test_no_request_gets_a_5xx(case) -> None:

@@ -17,6 +17,8 @@ from edgerun.net.wire import derive_key
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.master import Master
 
+pytestmark = pytest.mark.slow  # masters and nodes in processes, joining, dying and coming back
+
 Capsys = pytest.CaptureFixture[str]
 
 

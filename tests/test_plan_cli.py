@@ -43,6 +43,7 @@ def test_reference_profiles_are_valid_and_cite_sources() -> None:
             assert profile.sources.get(key), f"{path.name} lacks a source for {key}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["halo", "minmax", "greedy", "ilp", "galaxy", "dp"])
 def test_plan_prints_table_and_writes_versioned_json(strategy: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

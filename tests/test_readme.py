@@ -111,6 +111,7 @@ def test_quick_readme_commands_run_as_written(command: str, tmp_path: Path, ship
     assert done.stdout.strip()
 
 
+@pytest.mark.slow
 def test_the_serving_walkthrough(shipped_path: Path, tmp_path: Path) -> None:
     """`edgerun serve`, the README's Python snippet with the openai client, `edgerun chat` and `edgerun status`,
     as written (port 8000)."""

@@ -26,6 +26,8 @@ from edgerun.errors import EdgerunError
 from edgerun.model.generate import generate
 from edgerun.model.sampling import Sampler, SamplingParams
 
+pytestmark = pytest.mark.slow  # real servers, nodes and clients in processes
+
 API_KEY = "sk-serve-test"
 CLUSTER_KEY = "serve-test"
 QUESTION = "What is the capital of France?"
@@ -520,7 +522,7 @@ def test_dashboard_shows_the_cluster_and_chats(cluster, tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert "from the cluster engine" in shown.stdout and "plan even over master, " in shown.stdout
     for name in ("n1", "n2"):
-        shown_node = rf"^  {name}: native \(\w+, \d+ cores\), ready, .* holds \d+ attention units"
+        shown_node = rf"^  {name}: native \(\w+, \d+ cores\), serving, .* holds \d+ attention units"
         assert re.search(shown_node, shown.stdout, re.M), shown.stdout
 
 

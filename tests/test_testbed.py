@@ -25,6 +25,8 @@ from edgerun.net import netns, shaping, testbed
 from edgerun.net.netns import entered
 from edgerun.net.testbed import TestbedSpec as Spec
 
+pytestmark = pytest.mark.slow  # network namespaces and kernel packet loss
+
 REASON = testbed.missing_support()
 needs_root = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 

@@ -218,6 +218,7 @@ class FullLogits:
         self.master.release()
 
 
+@pytest.mark.slow
 def test_nodes_send_only_the_logits_the_sampler_can_draw(model: Model) -> None:
     """A top-k draw over the cluster, whose nodes send their k largest logits and their rows, picks the tokens the
     same draw picks from every row; greedy steps gather one logit a node; a step that wants more than its request
@@ -657,6 +658,7 @@ def test_node_without_the_masters_model_fetches_it(tiny_spec, synth_gguf) -> Non
     assert "fetching it" in err and "downloading model: 100%" in err
 
 
+@pytest.mark.slow
 def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     import json
 
@@ -954,6 +956,7 @@ def test_bench_table_gives_the_median_speed_up_of_a_node_count_run_several_times
     assert not any(" runs: " in line for line in tp_table([row(7, 3.0)]).splitlines())
 
 
+@pytest.mark.slow
 def test_bench_rows_run_on_every_device_and_say_which(tiny_spec, synth_gguf, capsys) -> None:
     """--every-device: udp and tcp rows on one split that every device computes, each row naming its devices; a
     planner that leaves a device out at the declared speeds is an error naming it."""
@@ -1037,6 +1040,7 @@ def drain_batch(loop, model: Model, requests: list[int], max_tokens: int = 12, l
     return results
 
 
+@pytest.mark.slow
 def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) -> None:
     """`serve --parallel` on a tensor-parallel cluster: every device's share holds three sequences' caches, and a
     batch session's step carries a prompt chunk or one token of each running sequence through every block at once.

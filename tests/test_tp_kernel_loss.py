@@ -8,6 +8,8 @@ from edgerun.bench import tp as bench
 from edgerun.bench.tp import TpBenchConfig, bench_tp
 from edgerun.net.kernel_loss import loss_supported
 
+pytestmark = pytest.mark.slow  # kernel packet loss
+
 
 def test_kernel_loss_reaches_udp_and_tcp(tiny_spec, synth_gguf, monkeypatch: pytest.MonkeyPatch) -> None:
     reason = loss_supported()

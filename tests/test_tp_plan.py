@@ -299,6 +299,7 @@ def test_plan_json_is_validated(tiny: ModelProfile) -> None:
         tp_plan_from_json({**document, "mlp": [twice, *document["mlp"][1:]]})
 
 
+@pytest.mark.slow
 def test_the_star_prices_one_synchronization_per_block_whatever_the_device_count() -> None:
     """edgerun's master sends a block's input to all nodes at once: a block lasts as long as its slowest device,
     a node counting its own round trip and the master its work per node, where Eq. (1) charges every device's
@@ -359,6 +360,7 @@ def test_ilp_leaves_out_devices_when_synchronizing_costs_more_than_they_save() -
 # Properties against heuristics and brute force
 
 
+@pytest.mark.slow
 @given(instances(), st.sampled_from(SyncModel))
 @settings(max_examples=60, deadline=None)
 def test_ilp_is_never_worse_than_a_heuristic(instance: tuple[ModelProfile, list[DeviceProfile]],
@@ -466,6 +468,7 @@ def test_halo_refines_minmax_without_breaking_memory(instance: tuple[ModelProfil
     assert halo.time_per_token_s <= minmax.time_per_token_s * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_halo_lands_within_five_percent_of_the_ilp_on_the_reference_cluster() -> None:
     """The 8 heterogeneous devices of scripts/bench_planners.py on a Llama-3.1-8B shape: minmax's ratios
     alone predict 466 ms/token where the exact ILP finds 386."""

@@ -65,6 +65,7 @@ def random_adapter(model: Model, lora: LoraConfig, seed: int = 1) -> Adapter:
     return Adapter(lora, model_sha256(model.path), matrices)
 
 
+@pytest.mark.slow
 def test_training_forward_equals_the_reference(shipped_model: Model) -> None:
     """Adapters at zero (B = 0): the PyTorch stage's logits are the numpy reference's, from quantized weights."""
     tokens = shipped_model.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
@@ -79,6 +80,7 @@ def test_training_forward_equals_the_reference(shipped_model: Model) -> None:
     assert stage.frozen_bytes() < 0.3 * 4 * shipped_model.config.n_params()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cuts, recompute", [((15,), False), ((7, 20), True)])
 def test_pipeline_gradients_equal_a_single_process(shipped_model: Model, examples, cuts: tuple[int, ...],
                                                    recompute: bool) -> None:
@@ -118,6 +120,7 @@ def test_pipeline_gradients_equal_a_single_process(shipped_model: Model, example
         assert np.linalg.norm(got[name] - g) <= 1e-4 * np.linalg.norm(g), name
 
 
+@pytest.mark.slow
 def test_steps_lower_the_loss_and_a_resumed_run_repeats_the_losses(shipped_model: Model, examples,
                                                                    tmp_path: Path) -> None:
     """Six steps lower the loss; a run stopped after a checkpoint at step 4 and resumed reports the losses of the
@@ -147,6 +150,7 @@ def test_steps_lower_the_loss_and_a_resumed_run_repeats_the_losses(shipped_model
         load_checkpoint(tmp_path / "b", config, "0" * 64)
 
 
+@pytest.mark.slow
 def test_adapter_file_applies_in_onnx_and_reference_and_refuses_another_model(shipped_model: Model,
                                                                               tmp_path: Path) -> None:
     """Saved as PEFT names, loaded back exactly; the ONNX engine with the adapter computes what the reference with
@@ -206,6 +210,7 @@ def test_an_earlier_run_is_not_overwritten_unasked(tmp_path: Path, capsys: pytes
     assert "--resume to continue it, --overwrite to start over" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_takes_the_runs_own_data_and_settings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`tune --resume --out DIR`, as the README writes it, continues with the run's data, format and LoRA settings
     (it failed with "other LoRA settings", or took the built-in data); an option that differs is refused."""
