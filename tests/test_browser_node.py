@@ -107,6 +107,16 @@ console.log(JSON.stringify({{type: input.type, request: input.request, ids: Arra
     assert parsed == '{"type":9,"request":77,"ids":[11,12,13]}'
 
 
+def test_the_pages_message_numbers_are_pythons(tmp_path: Path) -> None:
+    """browser/frames.js's table of pipeline messages is net.wire.PpMsg's: every message a tab takes part in (the
+    inference ones, INIT to KV_LOADED), each with Python's number; tuning and chained passes go to native workers
+    only."""
+    script = tmp_path / "messages.mjs"
+    script.write_text(f'import {{Msg}} from "{(browser_dir() / "frames.js").as_posix()}";\n'
+                      "console.log(JSON.stringify(Msg));\n")
+    assert json.loads(run_node(script)) == {m.name: m.value for m in PpMsg if m <= PpMsg.KV_LOADED}
+
+
 def wait_for(condition: Callable[[], bool], logs: list[str], timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
