@@ -104,7 +104,7 @@ export function startExperts({ort, key, params, status, show}) {
       const info = JSON.parse(new TextDecoder().decode(frame.payload));
       const wanted = new Set();
       try {
-        for (const [layer, expert, , graph, weights] of info.experts) {
+        for (const {layer, expert, graph, weights} of info.experts) {
           const id = `${layer}:${expert}`;
           wanted.add(id);
           if (sessions.has(id)) continue;

@@ -74,7 +74,7 @@ def main() -> None:
     with local_pipeline(model, budgets, CONTEXT, threads=args.threads, gpu_workers=1) as (master, _):
         plan = master.start()
         tokens, ms = timed(lambda: master.generate(prompt, args.tokens))
-        devices = {name: master.workers[name].capabilities.get("device") for name in master.workers}
+        devices = {name: master.workers[name].capabilities.device for name in master.workers}
         stages = ", ".join(f"{s.worker} ({devices.get(s.worker)}) layers {s.first_layer}-{s.end_layer - 1}"
                            for s in plan.stages)
         print(f"pipeline, {args.workers} worker(s), the first on the GPU: {ms:.1f} ms/token; "

@@ -24,8 +24,9 @@ from edgerun.model.generate import ReferenceEngine, generate
 from edgerun.model.loader import load_model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams, uniform
-from edgerun.net.wire import PpMsg, derive_key, open_pp_frame, pp_frame
+from edgerun.net.wire import PpMsg, derive_key
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, browser_dir, chat_template_prefix
+from edgerun.pp.messages import Computation, ComputationResult, open_frame, seal
 
 pytestmark = pytest.mark.slow  # a headless Chromium
 
@@ -97,13 +98,12 @@ const input = openFrame(key, Buffer.from(process.argv[2], "base64"));
 console.log(JSON.stringify({{type: input.type, request: input.request, ids: Array.from(input.tensors.input_ids.data,
                                                                                     Number)}}));
 """)
-    python_frame = pp_frame(PpMsg.COMPUTATION, 77, {"position": 3}, derive_key(SECRET),
-                            {"input_ids": np.array([[11, 12, 13]], np.int64)})
+    python_frame = seal(77, Computation(3, np.array([[11, 12, 13]], np.int64)), derive_key(SECRET))
     digest, frame, parsed = run_node(script, base64.b64encode(python_frame).decode()).split()
     assert digest == hashlib.sha256(bytes([7]) * 1000).hexdigest()
-    kind, request, message, tensors = open_pp_frame(base64.b64decode(frame), derive_key(SECRET))
-    assert (kind, request, message["seconds"]) == (PpMsg.COMPUTATION_RESULT, 9, 0.25)
-    assert np.array_equal(tensors["hidden"], np.array([[1, -2.5, 3]], np.float32))
+    request, message = open_frame(base64.b64decode(frame), derive_key(SECRET))
+    assert (request, type(message), message.seconds) == (9, ComputationResult, 0.25)
+    assert np.array_equal(message.hidden, np.array([[1, -2.5, 3]], np.float32))
     assert parsed == '{"type":9,"request":77,"ids":[11,12,13]}'
 
 
@@ -176,7 +176,7 @@ def test_a_webgpu_stage_equals_the_reference(tmp_path: Path, monkeypatch: pytest
             browser, page, errors = open_page(p, webgpu=True)
             page.goto(f"http://127.0.0.1:{master.port}/node?name=gpu&memory=80#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
-            assert master.workers["gpu"].capabilities["backend"] == "webgpu", "no WebGPU adapter in Chromium"
+            assert master.workers["gpu"].capabilities.backend == "webgpu", "no WebGPU adapter in Chromium"
             assert {s.worker for s in master.start().stages} == {"native", "gpu"}
             assert master.generate(model.tokenizer.encode(PROMPT), tokens) == reference
             browser.close()
@@ -217,10 +217,10 @@ def test_native_and_browser_pipeline_equals_the_reference(tmp_path: Path, monkey
             # hold about 107 MB of the shipped model's 126, and neither the tab nor the native worker (80) holds it.
             page.goto(f"http://127.0.0.1:{master.port}/node?name=browser&memory=600&weights=f32#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
-            assert master.workers["browser"].capabilities["kind"] == "browser"
+            assert master.workers["browser"].capabilities.kind == "browser"
             # Served cross-origin isolated, the page computes with as many WebAssembly threads as it has cores.
             assert page.evaluate("crossOriginIsolated") is True
-            assert master.workers["browser"].capabilities["threads"] == page.evaluate("navigator.hardwareConcurrency")
+            assert master.workers["browser"].capabilities.threads == page.evaluate("navigator.hardwareConcurrency")
             plan = master.start()
             assert {s.worker for s in plan.stages} == {"native", "browser"}  # neither holds the model alone
             tokens = master.generate(model.tokenizer.encode(PROMPT), N_TOKENS)
@@ -411,7 +411,7 @@ def test_two_tabs_give_their_reference_tokens(tmp_path: Path, monkeypatch: pytes
                          f"#key={SECRET}")
             master.wait_for_workers(2, timeout_s=120)
             for name in ("tab0", "tab1"):
-                assert master.workers[name].capabilities["weights"] == weights
+                assert master.workers[name].capabilities.weights.value == weights
                 assert master.deployment.kernel_tab(master.workers[name]) == kernels
             plan = master.start()
             assert {s.worker for s in plan.stages} == {"tab0", "tab1"}, logs

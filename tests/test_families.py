@@ -179,16 +179,19 @@ def test_a_browser_tab_computes_every_family(files: dict[str, Path]) -> None:
     """A browser tab runs edgerun's kernels (every dense family's blocks, 4- and 8-bit codes in blocks of 32) or,
     for a Q4_K_M file's Q6_K matrices, onnxruntime-web's graphs with float32 matrices: for each family's Q4_K_M
     file the tab takes part in the plans beside a native worker."""
+    from edgerun.net.wire import WorkerKind
     from edgerun.pp.deployment import Deployment
     from edgerun.pp.master import Route
+    from edgerun.pp.messages import Capabilities, Init, TabWeights
     from edgerun.pp.workers import WorkerConn, Workers
 
     for family in FAMILIES:
-        workers = Workers(b"k", {}, lambda _: None, lambda *_: None)
-        for name, capabilities in (("native", {"kind": "native", "ggml": True}),
-                                   ("tab", {"kind": "browser", "weights": "kernels"})):
+        model = load_model(files[family])
+        workers = Workers(b"k", Init(model.config, 256), lambda _: None, lambda *_: None)
+        for name, capabilities in (("native", Capabilities(WorkerKind.NATIVE, ggml=True)),
+                                   ("tab", Capabilities(WorkerKind.BROWSER, weights=TabWeights.KERNELS))):
             workers.by_name[name] = WorkerConn(name, None, 4096, 1e9, capabilities, set())
-        deployment = Deployment(load_model(files[family]), workers, 256, "latency", 1, Activations.INT8, Route.STAR,
+        deployment = Deployment(model, workers, 256, "latency", 1, Activations.INT8, Route.STAR,
                                 lambda _: None, None)
         assert [d.name for d in deployment.devices()] == ["native", "tab"]
         assert deployment.dequantized(workers.by_name["tab"])  # the Q6_K head

@@ -17,9 +17,11 @@ from edgerun.model.kernel_stage import KERNEL_STAGE_FILE, expansion, read_kernel
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.model.quant import to_affine_blocks
+from edgerun.net.wire import WorkerKind
 from edgerun.pp.deployment import Deployment, Route
 from edgerun.pp.master import PipelineState
-from edgerun.pp.workers import TabWeights, WorkerConn, Workers
+from edgerun.pp.messages import Capabilities, Init, TabWeights
+from edgerun.pp.workers import WorkerConn, Workers
 
 
 def _matrix(header: dict, data: memoryview, name: str) -> np.ndarray:
@@ -137,12 +139,12 @@ def test_models_the_kernels_do_not_run_are_named_with_the_reason(tiny_spec, synt
 
 
 def _tab(name: str, weights: str) -> WorkerConn:
-    return WorkerConn(name, SimpleNamespace(host="127.0.0.1"), 600.0, 1e8, {"kind": "browser", "weights": weights},
-                      set())
+    return WorkerConn(name, SimpleNamespace(host="127.0.0.1"), 600.0, 1e8,
+                      Capabilities(WorkerKind.BROWSER, weights=TabWeights(weights)), set())
 
 
 def _deployment(model: Model, activations: Activations = Activations.INT8) -> Deployment:
-    workers = Workers(b"k" * 32, {}, lambda _: None, lambda *_: None)
+    workers = Workers(b"k" * 32, Init(model.config, 64), lambda _: None, lambda *_: None)
     return Deployment(model, workers, 64, "latency", 1, activations, Route.CHAIN, lambda _: None, lambda: None)
 
 
@@ -153,7 +155,7 @@ def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model
     asked for float32 activations: a float32 ONNX stage, its budget shrunk to match."""
     d = _deployment(shipped_model)
     tab, f32, native = _tab("k", "kernels"), _tab("f", "f32"), WorkerConn(
-        "n", SimpleNamespace(host="127.0.0.1"), 80.0, 1e8, {"kind": "native"}, set())
+        "n", SimpleNamespace(host="127.0.0.1"), 80.0, 1e8, Capabilities(WorkerKind.NATIVE), set())
     assert tab.tab_weights == TabWeights.KERNELS and native.tab_weights is None
     d.workers.by_name.update({w.name: w for w in (tab, f32, native)})
     stage = SimpleNamespace(first_layer=0, end_layer=3)
@@ -164,7 +166,7 @@ def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model
     assert d.budget_mb(f32) < d.budget_mb(tab) < 600.0 and d.budget_mb(native) == 80.0
     assert d.spec(stage, "f").dequantized and not d.spec(stage, "f").kernels
     assert not d.spec(stage, "n").kernels
-    assert [f["name"] for f in d._stage_files(spec)] == [KERNEL_STAGE_FILE]
+    assert [f.name for f in d._stage_files(spec)] == [KERNEL_STAGE_FILE]
     assert d.state == PipelineState.DOWN
     q6 = _deployment(load_model(synth_gguf(tiny_spec("llama", "Q6_K"))))  # 16-column blocks: not the kernels'
     q6.workers.by_name[tab.name] = tab

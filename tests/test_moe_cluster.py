@@ -21,7 +21,8 @@ from edgerun.model.loader import Model, load_model
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.model.synth import SHAPES, SynthSpec, write_synthetic
 from edgerun.moe.hub import HubConfig, MoeHub
-from edgerun.net.wire import ExpertHeartbeat, derive_key, moex_frame
+from edgerun.net.moex import ExpertHeartbeat, ExpertHello, ExpertStatus, moex_frame
+from edgerun.net.wire import derive_key
 
 pytestmark = pytest.mark.slow  # hubs and expert workers in processes
 
@@ -123,9 +124,9 @@ def test_the_hub_survives_garbage_and_impostors(model: Model, expected: list[int
 
     async def pester(port: int) -> None:
         url = f"ws://127.0.0.1:{port}/moe"
-        for first in (b"\x00" * 40, moex_frame(ExpertHeartbeat(0, {"name": "x"}), derive_key("other")), "text",
-                      moex_frame(ExpertHeartbeat(0, {"name": "e0", "budget_mb": 1}), derive_key(SECRET)),
-                      moex_frame(ExpertHeartbeat(0, {"budget_mb": 1}), derive_key(SECRET))):
+        for first in (b"\x00" * 40, moex_frame(ExpertHeartbeat(0, ExpertHello("x")), derive_key("other")), "text",
+                      moex_frame(ExpertHeartbeat(0, ExpertHello("e0", 1)), derive_key(SECRET)),
+                      moex_frame(ExpertHeartbeat(0, ExpertStatus()), derive_key(SECRET))):
             with contextlib.suppress(websockets.ConnectionClosed):
                 async with websockets.connect(url) as ws:
                     await ws.send(first)

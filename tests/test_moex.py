@@ -9,20 +9,24 @@ import numpy as np
 import pytest
 
 from edgerun.errors import EdgerunError
-from edgerun.net.wire import (
+from edgerun.model.config import ModelConfig
+from edgerun.net.moex import (
     MOEX_HEADER,
     ExpertCancel,
     ExpertDispatch,
     ExpertHeartbeat,
+    ExpertHello,
     ExpertResult,
+    ExpertSet,
+    ExpertStatus,
+    HeldExpert,
     MoexDtype,
+    SyncDone,
     WeightSync,
-    WireError,
-    cluster_mac,
-    derive_key,
     moex_frame,
     open_moex_frame,
 )
+from edgerun.net.wire import WireError, WorkerKind, cluster_mac, derive_key
 from edgerun.sched.moe import (
     ExpertWorker,
     LayerTimes,
@@ -113,10 +117,19 @@ def test_every_moex_message_round_trips() -> None:
     half = open_moex_frame(moex_frame(ExpertResult(8, 3, 11, x, MoexDtype.F16), KEY), KEY)
     assert isinstance(half, ExpertResult) and half.dtype == MoexDtype.F16 and np.array_equal(half.y, x)
     assert open_moex_frame(moex_frame(ExpertCancel(9), KEY), KEY) == ExpertCancel(9)
-    beat = ExpertHeartbeat(1, {"kind": "native", "experts": 4})
-    assert open_moex_frame(moex_frame(beat, KEY), KEY) == beat
-    sync = WeightSync(2, {"experts": [[0, 1, "ab" * 32]]})
+    for info in (ExpertHello("e0", 512.0, WorkerKind.BROWSER, "wasm"), ExpertStatus(3, 1, 2, 80.5),
+                 SyncDone(True, 4, 0.25), SyncDone(False, error="no file")):
+        beat = ExpertHeartbeat(1, info)
+        assert open_moex_frame(moex_frame(beat, KEY), KEY) == beat
+    config = ModelConfig("qwen2moe", 2, 16, 32, 4, 2, 4, 100, 1e4, 1e-6, 64, False, True, n_experts=4,
+                         n_experts_used=2, expert_ffn=8)
+    sync = WeightSync(2, ExpertSet(config, (HeldExpert(0, 1, "ab" * 32), HeldExpert(1, 3, "cd" * 32, "ef", "01"))))
     assert open_moex_frame(moex_frame(sync, KEY), KEY) == sync
+    # A heartbeat or a sync whose object does not fit its type: refused like any frame that lies.
+    for kind, text in ((4, b'{"name": 3}'), (4, b'{"ready": "yes"}'), (5, b'{"experts": []}'), (4, b"[]")):
+        header = MOEX_HEADER.pack(b"MoEx", 1, kind, len(text), 1, 0, 0, 0, 0, 5, 0)
+        with pytest.raises(WireError):
+            open_moex_frame(header + text + cluster_mac(KEY, header + text), KEY)
     frame = moex_frame(ExpertDispatch(7, 3, 11, x, gates), KEY)
     assert frame[:4] == b"MoEx" and MOEX_HEADER.size == 28  # the seed's layout
     assert len(frame) == 28 + x.nbytes + gates.nbytes + 16

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ from edgerun.model.generate import ReferenceEngine, default_engine, generate, ma
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
-from edgerun.net.wire import PP_HEADER, PpMsg, cluster_mac, derive_key, open_pp_frame, pp_frame, pp_packet
+from edgerun.net.wire import PP_HEADER, PpMsg, WorkerKind, cluster_mac, derive_key, open_pp_frame, pp_frame, pp_packet
 from edgerun.pp.master import (
     PipelineConfig,
     PipelineMaster,
@@ -35,6 +37,7 @@ from edgerun.pp.master import (
     chat_template_prefix,
     describe,
 )
+from edgerun.pp.messages import Capabilities, Computation, ComputationResult, Connect, ReleaseSession, StageFile, seal
 from edgerun.pp.worker import PipelineWorker, load_threads
 from edgerun.sched.pp_plan import Stage
 
@@ -175,21 +178,19 @@ def test_a_spare_worker_that_loaded_a_running_stage_ahead_takes_it_over(model: M
 class WrongShapeWorker(PipelineWorker):
     """Loads its stage like any worker, then answers every computation to the master with garbage."""
 
-    def _pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
-              ) -> tuple[PpMsg, dict, dict[str, np.ndarray] | None, bool]:
-        return PpMsg.COMPUTATION_RESULT, {"token": 10**9, "seconds": 0.0}, \
-            {"hidden": np.zeros((1, 3, 7), np.float32)}, False
+    def _pass(self, message: Computation) -> tuple[Any, bool]:
+        return ComputationResult(0.0, 10**9, hidden=np.zeros((1, 3, 7), np.float32)), False
 
 
 class GarbageForwarder(PipelineWorker):
     """On a chained route, hands the next stage a hidden state of the wrong shape (as the last stage: a token
     that does not exist)."""
 
-    def _pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
-              ) -> tuple[PpMsg, dict, dict[str, np.ndarray] | None, bool]:
+    def _pass(self, message: Computation) -> tuple[Any, bool]:
         if self.stage is not None and self.stage.lm_head:
-            return PpMsg.COMPUTATION_RESULT, {"token": -1, "seconds": [0.1] * 2}, None, False
-        return PpMsg.COMPUTATION, {**message, "chain": [0.1]}, {"hidden": np.zeros((1, 3, 7), np.float32)}, True
+            return ComputationResult(token=-1, stage_seconds=(0.1, 0.1)), False
+        return dataclasses.replace(message, input_ids=None, hidden=np.zeros((1, 3, 7), np.float32), chain=(0.1,)), \
+            True
 
 
 def test_bad_input_is_rejected_while_the_master_keeps_serving(model: Model, reference_tokens: list[int]) -> None:
@@ -198,13 +199,13 @@ def test_bad_input_is_rejected_while_the_master_keeps_serving(model: Model, refe
         # An unauthenticated worker, a wrong protocol version, an oversized frame: refused with a reason.
         with connect(url, max_size=None) as ws:
             ws.recv()
-            ws.send(pp_frame(PpMsg.CONNECT, 0, {"name": "intruder", "memory_mb": 1e6, "speed": 1e12},
-                             derive_key("wrong secret")))
+            ws.send(seal(0, Connect("intruder", 1e6, 1e12, Capabilities(WorkerKind.NATIVE)),
+                         derive_key("wrong secret")))
             with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=10)
         with connect(url, max_size=None) as ws:
             ws.recv()
-            frame = bytearray(pp_frame(PpMsg.CONNECT, 0, {"name": "future", "memory_mb": 1e6, "speed": 1e12}, KEY))
+            frame = bytearray(seal(0, Connect("future", 1e6, 1e12, Capabilities(WorkerKind.NATIVE)), KEY))
             frame[2] = 9  # version
             body = bytes(frame[:-16])
             ws.send(body + cluster_mac(KEY, body))
@@ -244,10 +245,10 @@ def test_a_stage_that_hands_on_garbage_is_expelled(model: Model, reference_token
         master.start()
         assert master.deployment.chained and "liar" in {s.worker for s in master.plan.stages}
         honest = next(w for w in master.workers.alive() if w.name != "liar")
-        with socket.create_connection(("127.0.0.1", honest.capabilities["peer_port"])) as sock:
-            sock.sendall(pp_packet(pp_frame(PpMsg.COMPUTATION, 1, {"position": 0}, derive_key("wrong secret"),
-                                            {"hidden": np.zeros((1, 1, model.config.hidden), np.float32)})))
-            sock.sendall(pp_packet(pp_frame(PpMsg.RELEASE_SESSION, 2, {}, KEY)))
+        with socket.create_connection(("127.0.0.1", honest.capabilities.peer_port)) as sock:
+            sock.sendall(pp_packet(seal(1, Computation(0, hidden=np.zeros((1, 1, model.config.hidden), np.float32)),
+                                        derive_key("wrong secret"))))
+            sock.sendall(pp_packet(seal(2, ReleaseSession(), KEY)))
             sock.sendall(b"\xff" * 8)  # a length no frame has: the port drops this connection
             assert sock.recv(1) == b""
         assert master.generate(model.tokenizer.encode(PROMPT), N_TOKENS) == reference_tokens
@@ -301,10 +302,9 @@ def test_a_better_worker_joining_is_taken_by_a_repartition(model: Model, referen
 class SlowWorker(PipelineWorker):
     """A worker on a slow device: every pass takes 150 ms longer."""
 
-    def _pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
-              ) -> tuple[PpMsg, dict, dict[str, np.ndarray] | None, bool]:
+    def _pass(self, message: Computation) -> tuple[Any, bool]:
         time.sleep(0.15)
-        return super()._pass(request, message, tensors)
+        return super()._pass(message)
 
 
 def test_a_better_plan_is_hot_swapped_in_mid_request(model: Model, reference_tokens: list[int]) -> None:
@@ -558,7 +558,7 @@ def test_a_worker_refuses_stage_files_named_outside_their_directory(tmp_path) ->
     worker = PipelineWorker("ws://127.0.0.1:1/ws", KEY, "w", 80, 1e9, 1)
     for name in ("../model.onnx", "0/../../x", "/etc/passwd"):
         with pytest.raises(ValueError, match="outside its directory"):
-            asyncio.run(worker._fetch_files(0, [{"name": name, "sha256": "0" * 64}], tmp_path / "stage"))
+            asyncio.run(worker._fetch_files(0, (StageFile(name, "0" * 64),), tmp_path / "stage"))
     assert not (tmp_path / "stage").exists()
 
 

@@ -554,9 +554,11 @@ def test_measured_speeds_price_a_stage_at_the_time_it_took():
     finite speed."""
     from types import SimpleNamespace
 
+    from edgerun.net.wire import WorkerKind
+    from edgerun.pp.messages import Capabilities
     from edgerun.pp.workers import WorkerConn
 
-    conn = WorkerConn("w", SimpleNamespace(host="127.0.0.1"), 80.0, 1e8, {}, set())
+    conn = WorkerConn("w", SimpleNamespace(host="127.0.0.1"), 80.0, 1e8, Capabilities(WorkerKind.NATIVE), set())
     for seconds in (0.0031, 0.0030, 0.0029):
         conn.observe_decode(6e6, seconds)
     worker = workers_from_devices([conn.device(80.0)])[0]

@@ -27,7 +27,7 @@ from edgerun.net.loops import auto_spin_us
 from edgerun.net.wire import derive_key
 from edgerun.pp.deployment import dequantized_expansion
 from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Route
-from edgerun.pp.workers import TabWeights
+from edgerun.pp.messages import TabWeights
 from edgerun.sched.pp_plan import PPPlan, Stage, plan_exec_us
 from edgerun.sched.profiles import model_profile
 
@@ -384,7 +384,7 @@ def _browser_row(model: Model, workers: int, browsers: int, prompt: list[int], t
                                      threads)
     return dataclasses.replace(row, tab_layers=f"{stage.first_layer}-{stage.end_layer - 1}", tab_pass_ms=tab_ms,
                                native_pass_ms=native[activations], native_f32_pass_ms=native[Activations.F32],
-                               tab_weights=tab_weights.value, tab_threads=tab.capabilities.get("threads"))
+                               tab_weights=tab_weights.value, tab_threads=tab.capabilities.threads)
 
 
 # --- bench pp --swap-context: the pause of a hot swap mid-request ------------------------------------------------

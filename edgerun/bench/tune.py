@@ -88,8 +88,8 @@ def bench_tune(model: Model, counts: Sequence[int], examples: Sequence[Example],
         records = []
         try:
             master.run(Tuner(config, examples, [], sha, None, on_step=records.append).run(master.restart))
-            memory = [WorkerMemory(s.worker.name, f"{s.first}-{s.end - 1}", float(s.loaded["frozen_bytes"]) / 1e6,
-                                   float(s.stats.get("peak_rss_mb", 0.0)), float(s.loaded["load_peak_rss_mb"]))
+            memory = [WorkerMemory(s.worker.name, f"{s.first}-{s.end - 1}", s.loaded.frozen_bytes / 1e6,
+                                   s.stats.peak_rss_mb if s.stats else 0.0, s.loaded.load_peak_rss_mb)
                       for s in master.stages]
         finally:
             with contextlib.suppress(Exception):

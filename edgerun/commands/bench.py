@@ -116,7 +116,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     from edgerun.model.loader import load_model
     from edgerun.model.onnx_graph import Activations
     from edgerun.pp.deployment import Route
-    from edgerun.pp.workers import TabWeights
+    from edgerun.pp.messages import TabWeights
 
     worker_counts = counts(args.workers, "--workers", 1)
     if args.tokens < 1 or args.threads < 1:

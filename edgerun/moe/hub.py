@@ -43,18 +43,22 @@ from edgerun.moe.experts import expert_blobs
 from edgerun.moe.hub_layers import HubLayers, hub_layers
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
-from edgerun.net.wire import (
+from edgerun.net.moex import (
     MOEX_MAX_FRAME,
     ExpertCancel,
     ExpertDispatch,
     ExpertHeartbeat,
+    ExpertHello,
     ExpertResult,
+    ExpertSet,
+    ExpertStatus,
+    HeldExpert,
+    SyncDone,
     WeightSync,
-    WireError,
-    WorkerKind,
     moex_frame,
     open_moex_frame,
 )
+from edgerun.net.wire import WireError, WorkerKind
 from edgerun.pp.http import ISOLATED, page_routes, say_if_tabs_cannot_join
 from edgerun.pp.workers import LinkClosed, WorkerLink
 from edgerun.sched.moe import ExpertPlacement, ExpertWorker, place_experts
@@ -167,7 +171,7 @@ class MoeHub:
         self.stats = HubStats()
         self.joined = asyncio.Event()
         self.files: dict[str, Path] = {}  # browser workers' expert graphs and weights, by sha256
-        self.graph_hashes: dict[tuple[int, int], list[str]] = {}  # (layer, expert) -> those files' sha256
+        self.graph_hashes: dict[tuple[int, int], tuple[str, str]] = {}  # (layer, expert) -> those files' sha256
         self.own_net = net is None
         self.net = net or EventLoopThread()
         self.server = None
@@ -186,7 +190,7 @@ class MoeHub:
         the host and port stay those it listens on."""
         self.config = config
 
-    def _browser_graph(self, layer: int, expert: int) -> list[str]:
+    def _browser_graph(self, layer: int, expert: int) -> tuple[str, str]:
         """The sha256 of an expert's ONNX graph and of its float32 weights file, built once into the cache and
         hashed once per hub."""
         if (layer, expert) in self.graph_hashes:
@@ -197,13 +201,10 @@ class MoeHub:
             out.parent.mkdir(parents=True, exist_ok=True)
             expert_graph(self.model.config, self.model.weights.layers[layer].moe.experts[expert], out, 0,
                          dequantized=True)
-        hashes = []
-        for path in (out, shard_weights_path(out)):
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            self.files[digest] = path
-            hashes.append(digest)
-        self.graph_hashes[(layer, expert)] = hashes
-        return hashes
+        graph, weights = (hashlib.sha256(path.read_bytes()).hexdigest() for path in (out, shard_weights_path(out)))
+        self.files[graph], self.files[weights] = out, shard_weights_path(out)
+        self.graph_hashes[(layer, expert)] = graph, weights
+        return graph, weights
 
     async def _file(self, request: Request) -> Response:
         path = self.files.get(request.path_params["sha256"])
@@ -224,12 +225,11 @@ class MoeHub:
         worker = None
         try:
             hello = open_moex_frame(await link.receive() or b"", self.key)
-            if not isinstance(hello, ExpertHeartbeat) or not isinstance(hello.info.get("name"), str):
+            if not isinstance(hello, ExpertHeartbeat) or not isinstance(hello.info, ExpertHello):
                 raise WireError("a worker must say its name first")
-            name, budget = hello.info["name"], float(hello.info.get("budget_mb", 0))
+            name, budget, kind = hello.info.name, hello.info.budget_mb, hello.info.kind
             if name in self.workers and self.workers[name].alive:
                 raise WireError(f"a worker named {name} is already connected")
-            kind = WorkerKind.BROWSER if hello.info.get("kind") == WorkerKind.BROWSER else WorkerKind.NATIVE
             worker = self.workers[name] = HubWorker(name, budget, link, kind)
             self.log(f"expert worker {name} joined ({kind}, {budget:.0f} MB)")
             self.joined.set()
@@ -255,13 +255,13 @@ class MoeHub:
                 for other in pending.sent:
                     if other != worker.name and self.workers[other].alive:
                         self._send(self.workers[other], ExpertCancel(seq))
-            case ExpertHeartbeat(seq, info) if "ready" in info and seq == worker.sync_seq and \
+            case ExpertHeartbeat(seq, SyncDone() as done) if seq == worker.sync_seq and \
                     worker.synced is not None and not worker.synced.done():
-                worker.synced.set_result(info)  # its answer to the WEIGHT_SYNC
+                worker.synced.set_result(done)  # its answer to the WEIGHT_SYNC
             case ExpertHeartbeat(_, info):  # a periodic one: a worker left out after timeouts is back
                 worker.strikes = 0
-                with contextlib.suppress(TypeError, ValueError):
-                    worker.peak_rss_mb = float(info.get("peak_rss_mb", worker.peak_rss_mb))
+                if isinstance(info, ExpertStatus):
+                    worker.peak_rss_mb = info.peak_rss_mb
             case _:
                 self.log(f"expert worker {worker.name}: unexpected {type(message).__name__}")
 
@@ -269,7 +269,7 @@ class MoeHub:
         was_placed = self.placement is not None and worker.alive and bool(self.placement.experts_of(worker.name))
         worker.alive = False
         if worker.synced is not None and not worker.synced.done():
-            worker.synced.set_result({"ready": False, "error": "left"})
+            worker.synced.set_result(SyncDone(False, error="left"))
         for pending in self.pending.values():  # dispatches that now have no live replica are retried at once
             if worker.name in pending.sent and not pending.future.done() and \
                     not any(self.workers[n].alive for n in pending.sent):
@@ -338,14 +338,13 @@ class MoeHub:
             w.synced, w.sync_seq = loop.create_future(), next(self.seqs)
             experts = []
             for layer, e in placement.experts_of(w.name):
-                entry = [layer, e, self.blobs[(layer, e)][0]]
+                graph = ("", "")
                 if w.kind is WorkerKind.BROWSER:  # the graph and its float32 weights, built here once
-                    entry += await loop.run_in_executor(None, self._browser_graph, layer, e)
-                experts.append(entry)
-            self._send(w, WeightSync(w.sync_seq, {"config": c.to_dict(), "experts": experts,
-                                                   "activations": self.config.activations.value}))
+                    graph = await loop.run_in_executor(None, self._browser_graph, layer, e)
+                experts.append(HeldExpert(layer, e, self.blobs[(layer, e)][0], *graph))
+            self._send(w, WeightSync(w.sync_seq, ExpertSet(c, tuple(experts), self.config.activations)))
         answers = await asyncio.wait_for(asyncio.gather(*(w.synced for w in alive)), self.config.sync_timeout_s)
-        failed = [f"{w.name}: {a.get('error')}" for w, a in zip(alive, answers, strict=True) if not a.get("ready")]
+        failed = [f"{w.name}: {a.error}" for w, a in zip(alive, answers, strict=True) if not a.ready]
         if failed:
             raise EdgerunError(f"expert workers failed to load their experts ({'; '.join(failed)})")
         self.placement_moves = 0 if self.placement is None else self.placement.moved(placement)

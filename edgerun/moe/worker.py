@@ -21,24 +21,24 @@ import numpy as np
 import websockets
 
 from edgerun.memory import peak_rss_mb
-from edgerun.model.config import ModelConfig
-from edgerun.model.onnx_graph import Activations
 from edgerun.moe.experts import ExpertRunner, GgmlExperts, blob_dir, expert_runner, read_expert_blob
 from edgerun.net.backoff import Backoff
 from edgerun.net.model_files import fetch_checked
-from edgerun.net.wire import (
+from edgerun.net.moex import (
     MOEX_MAX_FRAME,
     ExpertCancel,
     ExpertDispatch,
     ExpertHeartbeat,
+    ExpertHello,
     ExpertResult,
+    ExpertSet,
+    ExpertStatus,
+    SyncDone,
     WeightSync,
-    WireError,
     moex_frame,
-    not_admitted,
     open_moex_frame,
-    wrong_key,
 )
+from edgerun.net.wire import WireError, not_admitted, wrong_key
 from edgerun.sched.moe import LogNormal
 
 CONNECT_TIMEOUT_S = 10.0
@@ -90,8 +90,7 @@ class ExpertWorkerNode:
                 await asyncio.sleep(delay)
         self.log(f"expert worker {self.name}: connected to {self.url}")
         async with ws:
-            await ws.send(moex_frame(ExpertHeartbeat(0, {"name": self.name, "budget_mb": self.budget_mb,
-                                                         "kind": "native"}), self.key))
+            await ws.send(moex_frame(ExpertHeartbeat(0, ExpertHello(self.name, self.budget_mb)), self.key))
             computing = asyncio.create_task(self._compute(ws))
             beating = asyncio.create_task(self._heartbeats(ws))
             try:
@@ -114,9 +113,8 @@ class ExpertWorkerNode:
             await asyncio.sleep(HEARTBEAT_S)
             seq += 1
             with contextlib.suppress(websockets.ConnectionClosed):
-                await ws.send(moex_frame(ExpertHeartbeat(seq, {"computed": self.computed, "queued": len(self.queue),
-                                                               "preempted": self.preempted,
-                                                               "peak_rss_mb": peak_rss_mb()}), self.key))
+                status = ExpertStatus(self.computed, len(self.queue), self.preempted, peak_rss_mb())
+                await ws.send(moex_frame(ExpertHeartbeat(seq, status), self.key))
 
     async def _received(self, ws: websockets.ClientConnection, data: bytes) -> None:
         try:
@@ -147,25 +145,24 @@ class ExpertWorkerNode:
             case _:
                 self.log(f"expert worker {self.name}: unexpected {type(message).__name__}")
 
-    async def _sync(self, ws: websockets.ClientConnection, seq: int, info: dict) -> None:
+    async def _sync(self, ws: websockets.ClientConnection, seq: int, info: ExpertSet) -> None:
         """Hold exactly the experts the hub lists: fetch and load the new ones, drop the others."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
-            config = ModelConfig(**info["config"])
-            activations = Activations(info.get("activations", Activations.F32.value))
+            config, activations = info.config, info.activations
             if self.runner is None or self.runner.config != config or self.runner.activations != activations:
                 self.runner = expert_runner(config, self.threads, activations)
-            wanted = {(int(layer), int(expert)): str(sha) for layer, expert, sha in info["experts"]}
+            wanted = {(e.layer, e.expert): e.sha256 for e in info.experts}
             self.runner.keep_only(set(wanted))
             for key, sha in wanted.items():
                 if key not in self.runner:
                     path = await loop.run_in_executor(None, fetch_blob, self.base_url, sha)
                     weights = read_expert_blob(path.read_bytes())
                     await loop.run_in_executor(None, self.runner.load, *key, weights)
-            reply = {"ready": True, "experts": len(wanted), "seconds": time.perf_counter() - started}
+            reply = SyncDone(True, len(wanted), time.perf_counter() - started)
         except (KeyError, TypeError, ValueError, OSError) as e:
-            reply = {"ready": False, "error": f"{type(e).__name__}: {e}"}
+            reply = SyncDone(False, error=f"{type(e).__name__}: {e}")
         self.log(f"expert worker {self.name}: {reply}")
         await ws.send(moex_frame(ExpertHeartbeat(seq, reply), self.key))
 

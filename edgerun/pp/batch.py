@@ -18,18 +18,18 @@ raises PlanChanged, on which its BatchLoop prefills its sequences' context again
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost
 from edgerun.model.sampling import Sampler
-from edgerun.net.wire import PpMsg
 from edgerun.pp.deployment import PipelineState
-from edgerun.pp.master import COMPUTE_TIMEOUT_S, PipelineMaster, sampling_message
+from edgerun.pp.master import COMPUTE_TIMEOUT_S, PipelineMaster
+from edgerun.pp.messages import BatchComputation, BatchResult, Sampling, SlotCopied, SlotCopy
 from edgerun.pp.pass_links import Breach
 from edgerun.pp.workers import WorkerConn
 from edgerun.sched.pp_plan import PPPlan
@@ -83,12 +83,11 @@ class PipelineBatch:
 
     def copy_cache(self, source: int, target: int, rows: int) -> None:
         """The first `rows` cached positions of slot `source` into slot `target`, on every stage."""
-        message = {"source": self.first + source, "target": self.first + target, "rows": rows}
+        message = SlotCopy(self.first + source, self.first + target, rows)
 
         async def copy() -> None:
             workers = self.master.workers
-            await asyncio.gather(*(workers.call(workers[name], PpMsg.SLOT_COPY, message, PpMsg.SLOT_COPIED,
-                                                COMPUTE_TIMEOUT_S)
+            await asyncio.gather(*(workers.call(workers[name], message, SlotCopied, COMPUTE_TIMEOUT_S)
                                    for names in self.master.deployment.stage_workers for name in names
                                    if workers[name].alive))
 
@@ -143,33 +142,32 @@ class PipelineBatch:
         self._check()
         master, stages = self.master, self.master.deployment.stage_workers
         master.deployment.busy = True  # no repartition while sequences run: BatchLoop's on_idle releases it
-        message: dict[str, Any] = {"slots": [self.first + slot for slot in slots], "positions": positions,
-                                   **({"prompt": True} if prompt else {})}
-        tensors = {"input_ids": ids}
+        message = BatchComputation(tuple(self.first + slot for slot in slots), tuple(positions), prompt,
+                                   input_ids=ids)
         rows = len(ids)
         for i, names in enumerate(stages):
             last = i == len(stages) - 1
             if last:
-                message["sampling"] = [sampling_message(s) for s in samplers]
-            worker, reply, out = await master._hedged(names, message, tensors)
+                message = dataclasses.replace(message, sampling=tuple(Sampling.of(s) for s in samplers))
+            worker, reply = await master._hedged(names, message, BatchResult)
             worker.served += 1
             if last:
                 try:
-                    return self._drawn(worker, reply, out, samplers)
+                    return self._drawn(worker, reply, samplers)
                 except Breach as e:
                     await master._settle(e)
                     raise
-            tensors = {"hidden": await master.hidden_of(worker, out, (rows, master.model.config.hidden))}
+            hidden = await master.hidden_of(worker, reply.hidden, (rows, master.model.config.hidden))
+            message = dataclasses.replace(message, input_ids=None, hidden=hidden)
         raise AssertionError("a plan has at least one stage")
 
-    def _drawn(self, worker: WorkerConn, reply: dict[str, Any], out: dict[str, np.ndarray], samplers: list[Sampler]
-               ) -> list[Drawn]:
+    def _drawn(self, worker: WorkerConn, reply: BatchResult, samplers: list[Sampler]) -> list[Drawn]:
         """The last stage's answer: a token per sequence, and the logits of those whose draw is the master's."""
-        tokens, vocab = reply.get("tokens"), self.master.model.config.vocab_size
+        tokens, vocab = reply.tokens, self.master.model.config.vocab_size
         wanted = [s.needs_logits for s in samplers]
-        logits = out.get("logits")
-        if not isinstance(tokens, list) or len(tokens) != len(samplers) or \
-                any((t is None) != w or (t is not None and not (isinstance(t, int) and 0 <= t < vocab))
+        logits = reply.logits
+        if len(tokens) != len(samplers) or \
+                any((t is None) != w or (t is not None and not 0 <= t < vocab)
                     for t, w in zip(tokens, wanted, strict=True)) or \
                 (any(wanted) and (logits is None or logits.shape != (sum(wanted), vocab)
                                   or logits.dtype != np.float32)):

@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from enum import Enum
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -34,8 +33,25 @@ from edgerun.model.kernel_stage import KERNEL_STAGE_FILE
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.model_files import file_sha256
-from edgerun.net.wire import PpMsg, WorkerKind
-from edgerun.pp.workers import SPEED_SAMPLES, TabWeights, WorkerConn, WorkerLost, Workers
+from edgerun.net.wire import WorkerKind
+from edgerun.pp.messages import (
+    CommitDone,
+    CommitModel,
+    DownloadLayers,
+    KvData,
+    KvFetch,
+    KvLoad,
+    KvLoaded,
+    LayerDownload,
+    NextStage,
+    PrepareDone,
+    PrepareModel,
+    ReleaseSession,
+    StageFile,
+    StageLayers,
+    TabWeights,
+)
+from edgerun.pp.workers import SPEED_SAMPLES, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import (
     MAX_STAGE_PARTS,
     SHADOW_MODES,
@@ -124,7 +140,7 @@ class Deployment:
         # adapters.
         self.ggml_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
             else ggml_engine.unsupported(model)
-        self._model_file: dict[str, str] | None = None  # the GGUF file ggml stages are built from, once hashed
+        self._model_file: StageFile | None = None  # the GGUF file ggml stages are built from, once hashed
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
         self.stage_workers: list[list[str]] = []  # per stage of the plan: its worker, then its hedging replicas
@@ -198,15 +214,15 @@ class Deployment:
     def ggml_stages(self, worker: str) -> bool:
         """Whether `worker` runs its stages on ggml: a native worker that offers it, for a model ggml builds."""
         conn = self.workers[worker]
-        return conn.kind is WorkerKind.NATIVE and bool(conn.capabilities.get("ggml")) \
+        return conn.kind is WorkerKind.NATIVE and conn.capabilities.ggml \
             and self.ggml_unsupported is None and self.model.path.suffix == ".gguf"
 
-    def model_file(self) -> dict[str, str]:
+    def model_file(self) -> StageFile:
         """The model's GGUF file as a stage file (hashed once): a ggml stage reads its layers from it."""
         if self._model_file is None:
             sha = file_sha256(self.model.path)
             self.files[sha] = self.model.path
-            self._model_file = {"name": GGML_STAGE_FILE, "sha256": sha}
+            self._model_file = StageFile(GGML_STAGE_FILE, sha)
         return self._model_file
 
     def part_bounds(self, stage: Stage, worker: str) -> list[int]:
@@ -215,13 +231,13 @@ class Deployment:
         MAX_STAGE_PARTS), split so that the weights the largest part's session repacks (a load's main cost) are
         fewest; anything else one graph."""
         conn = self.workers[worker]
-        threads = int(conn.capabilities.get("load_threads") or 1)
+        threads = max(1, conn.capabilities.load_threads)
         if conn.kind is not WorkerKind.NATIVE or self.ggml_stages(worker):
             return []
         return stage_parts(self.profile.layer_read_bytes, stage.first_layer, stage.end_layer,
                            min(threads, MAX_STAGE_PARTS))
 
-    def _files(self, stage: Stage, worker: str) -> tuple[list[int], list[dict[str, str]]]:
+    def _files(self, stage: Stage, worker: str) -> tuple[list[int], list[StageFile]]:
         """The stage's part bounds and its files as `worker` gets them (built, or reused): a stage in parts has
         each part's files under the part's number (0/model.onnx, 1/model.onnx, ...)."""
         if self.ggml_stages(worker):  # one graph over the stage's layers (part_bounds: none)
@@ -231,20 +247,22 @@ class Deployment:
         if not bounds:
             return [], self._stage_files(spec)
         edges = [stage.first_layer, *bounds, stage.end_layer]
-        return bounds, [{**f, "name": f"{i}/{f['name']}"} for i, (a, b) in enumerate(itertools.pairwise(edges))
+        return bounds, [dataclasses.replace(f, name=f"{i}/{f.name}")
+                        for i, (a, b) in enumerate(itertools.pairwise(edges))
                         for f in self._stage_files(dataclasses.replace(spec, first_layer=a, end_layer=b,
                                                                        embed=a == 0 and spec.embed,
                                                                        lm_head=b == stage.end_layer and spec.lm_head))]
 
-    async def _prepare_message(self, stage: Stage, worker: str) -> dict[str, Any]:
-        """PREPARE_MODEL's message handing `stage` to `worker`: its layers, its parts and its files (built, or
-        reused, off the loop)."""
+    async def _prepare_message(self, stage: Stage, worker: str, preload: int | None = None,
+                               keep_kv: bool = False) -> PrepareModel:
+        """The PrepareModel handing `stage` to `worker`: its layers, its parts and its files (built, or reused, off
+        the loop)."""
         bounds, files = await asyncio.get_running_loop().run_in_executor(None, self._files, stage, worker)
-        return {"stage": {"first_layer": stage.first_layer, "end_layer": stage.end_layer,
-                          "lm_head": stage.end_layer == self.model.config.n_layers, "parts": bounds},
-                "files": files}
+        return PrepareModel(StageLayers(stage.first_layer, stage.end_layer,
+                                        stage.end_layer == self.model.config.n_layers, tuple(bounds)),
+                            tuple(files), preload, keep_kv)
 
-    def _stage_files(self, spec: StageSpec) -> list[dict[str, str]]:
+    def _stage_files(self, spec: StageSpec) -> list[StageFile]:
         """Build (or reuse) a stage's graph and register its files for download by sha256."""
         directory = cached_stage(self.model.path, self.model.config, self.model.weights, spec)
         files = []
@@ -255,7 +273,7 @@ class Deployment:
                 sha_file.write_text(file_sha256(path))
             sha = sha_file.read_text().strip()
             self.files[sha] = path
-            files.append({"name": name, "sha256": sha})
+            files.append(StageFile(name, sha))
         return files
 
     def cost_params(self) -> CostParams:
@@ -407,13 +425,13 @@ class Deployment:
         due: dict[str, set[str]] = {}  # worker -> files it lacks
         for s in plan.stages:
             _, files = await loop.run_in_executor(None, self._files, s, s.worker)
-            due[s.worker] = {f["sha256"] for f in files} - self.workers[s.worker].cached
+            due[s.worker] = {f.sha256 for f in files} - self.workers[s.worker].cached
         requests = {name: self.workers.next_request() for name, files in due.items() if files}
         for name, request in requests.items():
             self.workers[name].downloads[request] = set(due[name])
         try:
-            await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.DOWNLOAD_LAYERS,
-                                                     {"files": sorted(due[name])}, PpMsg.LAYER_DOWNLOAD,
+            await asyncio.gather(*(self.workers.call(self.workers[name], DownloadLayers(tuple(sorted(due[name]))),
+                                                     LayerDownload,
                                                      PREPARE_TIMEOUT_S, request=request)
                                    for name, request in requests.items()))
         finally:
@@ -451,12 +469,12 @@ class Deployment:
             if worker.kind is not WorkerKind.NATIVE or self.dequantized(worker) or \
                     serving.get(s.worker, 0.0) + self._stage_mb(s.first_layer, s.end_layer) > self.budget_mb(worker):
                 continue
-            due.append((worker, await self._prepare_message(s, s.worker) | {"preload": {"max_len": self.max_len}}))
-        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
-                                                           PREPARE_TIMEOUT_S) for worker, message in due),
+            due.append((worker, await self._prepare_message(s, s.worker, preload=self.max_len)))
+        replies = await asyncio.gather(*(self.workers.call(worker, message, PrepareDone, PREPARE_TIMEOUT_S)
+                                         for worker, message in due),
                                        return_exceptions=True)
         for (worker, _), reply in zip(due, replies, strict=True):
-            if isinstance(reply, tuple) and reply[0].get("loaded"):
+            if isinstance(reply, PrepareDone) and reply.loaded:
                 self.preloaded.add(worker.name)
         if self.preloaded:
             self.log(f"stages loaded ahead on {', '.join(sorted(self.preloaded))}")
@@ -490,14 +508,13 @@ class Deployment:
                    for s, names in zip(self.plan.stages, self.stage_workers, strict=True)
                    for layer in range(s.first_layer, s.end_layer)}
         wanted = {layer: holders[layer] for layer in layers}
-        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.KV_FETCH,
-                                                           {"layer": layer, "since": since.get(layer, 0)},
-                                                           PpMsg.KV_DATA, KV_TIMEOUT_S)
+        replies = await asyncio.gather(*(self.workers.call(worker, KvFetch(layer, since.get(layer, 0)), KvData,
+                                                           KV_TIMEOUT_S)
                                          for layer, worker in wanted.items()))
         moved = {}
-        for (layer, worker), (_, tensors) in zip(wanted.items(), replies, strict=True):
-            keys, values = tensors.get("keys"), tensors.get("values")
-            if keys is None or values is None or keys.shape != values.shape or keys.ndim != 4 or \
+        for (layer, worker), reply in zip(wanted.items(), replies, strict=True):
+            keys, values = reply.keys, reply.values
+            if keys.shape != values.shape or keys.ndim != 4 or \
                     (length is not None and keys.shape[2] != length - since.get(layer, 0)):
                 await self.workers.expel(worker, f"returned KV rows of layer {layer} that do not fit")
             moved[layer] = (keys, values)
@@ -520,10 +537,9 @@ class Deployment:
                        since: dict[int, int], staged: bool = False) -> None:
         """Each (worker, layer)'s moved rows, placed from since[layer] on (0 where absent), into the stage it
         serves or, `staged`, into its preloaded one (KV_LOAD, one frame per layer)."""
-        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.KV_LOAD,
-                                                 {"layer": layer, "since": since.get(layer, 0), "staged": staged},
-                                                 PpMsg.KV_LOADED, KV_TIMEOUT_S,
-                                                 {"keys": moved[layer][0], "values": moved[layer][1]})
+        await asyncio.gather(*(self.workers.call(self.workers[name],
+                                                 KvLoad(layer, *moved[layer], since.get(layer, 0), staged), KvLoaded,
+                                                 KV_TIMEOUT_S)
                                for name, layer in due))
 
     async def _precopy_kv(self, plan: PPPlan) -> None:
@@ -581,27 +597,23 @@ class Deployment:
             for name in names:  # replicas of one stage may be of different kinds, with different files
                 # A hot swap: a worker keeps the KV of the layers it holds in both plans (its stage as it is, or
                 # handed to its preloaded new stage).
-                prepare.append((self.workers[name], await self._prepare_message(s, name) | {"keep_kv": hot}))
-        replies = await asyncio.gather(*(self.workers.call(worker, PpMsg.PREPARE_MODEL, message, PpMsg.PREPARE_DONE,
-                                                           PREPARE_TIMEOUT_S)
+                prepare.append((self.workers[name], await self._prepare_message(s, name, keep_kv=hot)))
+        replies = await asyncio.gather(*(self.workers.call(worker, message, PrepareDone, PREPARE_TIMEOUT_S)
                                          for worker, message in prepare))
-        self.kept_kv = {worker.name: [int(layer) for layer in reply.get("kept", [])]
-                        for (worker, _), (reply, _) in zip(prepare, replies, strict=True)}
+        self.kept_kv = {worker.name: list(reply.kept) for (worker, _), reply in zip(prepare, replies, strict=True)}
         # Rows pre-copied into a staged stage count where its worker took that stage.
-        took = {worker.name for (worker, _), (reply, _) in zip(prepare, replies, strict=True) if reply.get("preloaded")}
+        took = {worker.name for (worker, _), reply in zip(prepare, replies, strict=True) if reply.preloaded}
         self.precopied = {key: rows for key, rows in precopied.items() if key[0] in took}
         self.state = PipelineState.COMMITTING
         chained = self._chainable(stage_workers)
         # A batch runs where every stage is ggml's (pp.batch); its stages hold `slots` sequences' caches.
         self.batched = all(self.ggml_stages(name) for names in stage_workers for name in names)
-        commits = [{"max_len": self.max_len, **({"slots": self.slots} if self.slots > 1 and self.batched else {})}
-                   for _ in stage_workers]
-        if chained:  # each stage but the last connects to the next one's listener
-            for commit, names in zip(commits[:-1], stage_workers[1:], strict=True):
-                following = self.workers[names[0]]
-                commit["next"] = {"host": following.host, "port": following.peer_port}
-        await asyncio.gather(*(self.workers.call(self.workers[name], PpMsg.COMMIT_MODEL, commit, PpMsg.COMMIT_DONE,
-                                                 PREPARE_TIMEOUT_S)
+        slots = self.slots if self.batched else 1
+        # On a chained route each stage but the last connects to the next one's listener.
+        following = [NextStage(self.workers[names[0]].host, self.workers[names[0]].peer_port or 0) if chained
+                     else None for names in stage_workers[1:]] + [None]
+        commits = [CommitModel(self.max_len, slots, f) for f in following]
+        await asyncio.gather(*(self.workers.call(self.workers[name], commit, CommitDone, PREPARE_TIMEOUT_S)
                                for commit, names in zip(commits, stage_workers, strict=True)
                                for name in names))
         self.chained = chained
@@ -611,7 +623,7 @@ class Deployment:
         for name in {name for names in self.stage_workers for name in names} - in_use:
             worker = self.workers[name]
             if worker.alive:  # out of the plan: its session and caches go
-                await self.workers.tell(worker, PpMsg.RELEASE_SESSION, {})
+                await self.workers.tell(worker, ReleaseSession())
         self.plan, self.stage_workers = plan, stage_workers
         # Spares that hold a stage of the new plan loaded ahead go on covering it (their sessions stay loaded).
         running = {(s.first_layer, s.end_layer) for s in plan.stages}
@@ -653,7 +665,7 @@ class Deployment:
         for w in self.workers.alive():  # a tab that closed, a worker that died: gone from the list
             s = stages.get(w.name)
             layers = f"layers {s.first_layer}-{s.end_layer - 1}" if s else "no stage"
-            device = w.capabilities.get("device") or w.capabilities.get("backend")  # cpu/cuda, or wasm/webgpu
+            device = w.capabilities.device or w.capabilities.backend  # cpu/cuda, or wasm/webgpu
             weights = ", float32 weights" if self.dequantized(w) else ", wasm kernels" if self.kernel_tab(w) else ""
             lines.append(f"  {w.name}: {w.kind}{f' ({device})' if device else ''}{weights}, {w.memory_mb:.0f} MB, "
                          f"{layers}, {w.served} passes served")

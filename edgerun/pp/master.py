@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 from starlette.applications import Starlette
@@ -38,12 +39,15 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
-from edgerun.net.wire import PP_MAX_FRAME, PpMsg
+from edgerun.net.wire import PP_MAX_FRAME
 from edgerun.pp.deployment import Deployment, PipelineState, Route, describe
 from edgerun.pp.http import browser_dir, pipeline_routes, say_if_tabs_cannot_join
+from edgerun.pp.messages import BatchComputation, Computation, ComputationResult, Init, Prefix, Sampling
 from edgerun.pp.pass_links import Breach, PassLinks, PortClosed
 from edgerun.pp.workers import BadInput, WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import PPPlan, Stage
+
+T = TypeVar("T")
 
 __all__ = ["PipelineConfig", "PipelineMaster", "PipelineState", "PlanSwap", "Route", "WorkerLost", "browser_dir",
            "chat_template_prefix", "describe"]
@@ -153,7 +157,7 @@ class PipelineMaster:
 
     def _on_loop(self) -> None:
         """What is made on the master's loop: the workers, the deployment, the repartition task."""
-        init = {"config": self.model.config.to_dict(), "max_len": self.max_len}
+        init = Init(self.model.config, self.max_len)
         self.workers = Workers(self.key, init, self.log, lambda worker, joined: self.deployment.on_change(worker,
                                                                                                           joined))
         self.deployment = Deployment(self.model, self.workers, self.max_len, self.config.objective,
@@ -167,7 +171,7 @@ class PipelineMaster:
     async def _warm(self) -> None:
         """A plan was committed: with a prefix cache, run the prefix once so every worker keeps its KV rows."""
         if self.prefix:
-            await self._forward(self.prefix, 0, {}, prefix="save")
+            await self._forward(self.prefix, 0, Sampling(), Prefix.SAVE)
 
     # --- what the deployment holds, read by callers ---------------------------------------------------------
     @property
@@ -189,12 +193,12 @@ class PipelineMaster:
     def status_text(self) -> str:
         return self.deployment.status_text()
 
-    async def _hedged(self, names: list[str], message: dict[str, Any],
-                      tensors: dict[str, np.ndarray]) -> tuple[WorkerConn, dict[str, Any], dict[str, np.ndarray]]:
+    async def _hedged(self, names: list[str], message: Computation | BatchComputation, expect: type[T]
+                      ) -> tuple[WorkerConn, T]:
         """The first answer from the stage's live workers; the others still compute (their KV caches
         must keep up) and their answers are dropped when they come."""
-        calls = {asyncio.ensure_future(self.workers.call(self.workers[name], PpMsg.COMPUTATION, message,
-                                                         PpMsg.COMPUTATION_RESULT, COMPUTE_TIMEOUT_S, tensors)): name
+        calls = {asyncio.ensure_future(self.workers.call(self.workers[name], message, expect,
+                                                         COMPUTE_TIMEOUT_S)): name
                  for name in names if self.workers[name].alive}
         pending = set(calls)
         while pending:
@@ -204,7 +208,7 @@ class PipelineMaster:
                     for straggler in pending:
                         self.stragglers.add(straggler)
                         straggler.add_done_callback(self._forget_straggler)
-                    return self.workers[calls[task]], *task.result()
+                    return self.workers[calls[task]], task.result()
         raise WorkerLost(", ".join(names))
 
     def _forget_straggler(self, task: asyncio.Task) -> None:
@@ -213,68 +217,65 @@ class PipelineMaster:
             task.exception()  # a replica lost meanwhile is seen by the next pass
 
     # --- generation ------------------------------------------------------------------------------------
-    async def _forward(self, tokens: Sequence[int], position: int, sampling: dict[str, Any],
-                       prefix: str | None = None) -> int | np.ndarray:
+    async def _forward(self, tokens: Sequence[int], position: int, sampling: Sampling,
+                       prefix: Prefix | None = None) -> int | np.ndarray:
         """One pass through every stage; the last stage's sampled token, or its logits where `sampling` asks for
         them (a request whose draw needs the whole vocabulary: model/logits.py; these go by the star route, whose
-        replies carry tensors). `prefix`: "save" keeps the KV of this pass on every worker, "restore" continues
+        replies carry tensors). `prefix`: SAVE keeps the KV of this pass on every worker, RESTORE continues
         from it."""
-        if self.deployment.chained and not sampling.get("logits"):
+        if self.deployment.chained and not sampling.logits:
             try:
                 return await asyncio.get_running_loop().run_in_executor(None, self._chained_pass, tokens, position,
                                                                         sampling, prefix)
             except (Breach, PortClosed) as e:
                 await self._settle(e)
                 raise
-        tensors = {"input_ids": np.asarray([tokens], np.int64)}
+        message = Computation(position, input_ids=np.asarray([tokens], np.int64), prefix=prefix)
         plan = self.deployment.plan
         for i, s in enumerate(plan.stages):
             last = i == len(plan.stages) - 1
-            message = {"position": position, **({"sampling": sampling} if last else {}),
-                       **({"prefix": prefix} if prefix else {})}
+            if last:
+                message = dataclasses.replace(message, sampling=sampling)
             sent = time.perf_counter()
-            worker, reply, out = await self._hedged(self.deployment.stage_workers[i], message, tensors)
+            worker, reply = await self._hedged(self.deployment.stage_workers[i], message, ComputationResult)
             wall = time.perf_counter() - sent
             worker.served += 1
-            seconds = reply.get("seconds")
-            if len(tokens) == 1 and isinstance(seconds, float) and seconds > 0:  # decode: what plans are priced by
-                self._observe(worker, s, seconds, wall - worker.rtt_ms / 1e3)
+            if len(tokens) == 1 and reply.seconds > 0:  # decode: what plans are priced by
+                self._observe(worker, s, reply.seconds, wall - worker.rtt_ms / 1e3)
             if last:
-                return await self._token(worker, reply, out if sampling.get("logits") else None)
-            tensors = {"hidden": await self.hidden_of(worker, out, (1, len(tokens), self.model.config.hidden))}
+                return await self._token(worker, reply, sampling.logits)
+            hidden = await self.hidden_of(worker, reply.hidden, (1, len(tokens), self.model.config.hidden))
+            message = dataclasses.replace(message, input_ids=None, hidden=hidden)
         raise AssertionError("a plan has at least one stage")
 
-    async def hidden_of(self, worker: WorkerConn, out: dict[str, np.ndarray], expected: tuple[int, ...]
+    async def hidden_of(self, worker: WorkerConn, hidden: np.ndarray | None, expected: tuple[int, ...]
                         ) -> np.ndarray:
         """A middle stage's answer: float32 hidden states of the shape expected; a worker that answered anything
         else is expelled (WorkerLost)."""
-        hidden = out.get("hidden")
         if hidden is None or hidden.shape != expected or hidden.dtype != np.float32:
-            got = {k: v.shape for k, v in out.items()}
+            got = "nothing" if hidden is None else f"{hidden.dtype} {hidden.shape}"
             await self.workers.expel(worker, f"returned {got} where a float32 hidden state of shape {expected} "
                                      "was due")
         return hidden
 
-    def _chained_pass(self, tokens: Sequence[int], position: int, sampling: dict[str, Any],
-                      prefix: str | None = None) -> int:
+    def _chained_pass(self, tokens: Sequence[int], position: int, sampling: Sampling,
+                      prefix: Prefix | None = None) -> int:
         """One pass down the chained route, blocking the calling thread: the first stage gets the tokens, the last
         returns the sampled token and every stage's compute seconds. Breach for a worker to expel."""
         plan, d = self.deployment.plan, self.deployment
         chain = [self.workers[names[0]] for names in d.stage_workers]
-        message = {"position": position, "sampling": sampling, **({"prefix": prefix} if prefix else {})}
+        message = Computation(position, np.asarray([tokens], np.int64), sampling=sampling, prefix=prefix, chain=())
         sent = time.perf_counter()
         try:
-            reply = self.links.forward(chain, self.workers.next_request(), message,
-                                       {"input_ids": np.asarray([tokens], np.int64)}, COMPUTE_TIMEOUT_S)
+            reply = self.links.forward(chain, self.workers.next_request(), message, COMPUTE_TIMEOUT_S)
         except BadInput as e:  # the stage before the one that refused its input sent it
             index = [w.name for w in chain].index(e.worker)
             if index > 0:
                 raise Breach(chain[index - 1], f"handed {e.worker} an input it cannot take") from e
             raise
         wall = time.perf_counter() - sent
-        seconds = reply.get("seconds")
-        if not isinstance(seconds, list) or len(seconds) != len(chain) or \
-                not all(isinstance(t, float) and t >= 0 for t in seconds):
+        seconds = reply.stage_seconds
+        if len(seconds) != len(chain) or not all(t >= 0 for t in seconds):
             raise Breach(chain[-1], f"returned stage times {seconds!r}")
         for worker in chain:
             worker.served += 1
@@ -294,11 +295,10 @@ class PipelineMaster:
         # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
         self.deployment.overheads.append(max(0.0, wall - seconds))
 
-    async def _token(self, worker: WorkerConn, reply: dict[str, Any],
-                     tensors: dict[str, np.ndarray] | None = None) -> int | np.ndarray:
+    async def _token(self, worker: WorkerConn, reply: ComputationResult, logits: bool) -> int | np.ndarray:
         try:
-            if tensors is not None:
-                return self._checked_logits(worker, tensors)
+            if logits:
+                return self._checked_logits(worker, reply.logits)
             return self._checked_token(worker, reply)
         except Breach as e:
             await self._settle(e)
@@ -312,17 +312,16 @@ class PipelineMaster:
         else:
             await self.workers.drop(failure.worker, f"pass port lost ({failure.reason})")
 
-    def _checked_logits(self, worker: WorkerConn, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        logits = tensors.get("logits")
+    def _checked_logits(self, worker: WorkerConn, logits: np.ndarray | None) -> np.ndarray:
         vocab = self.model.config.vocab_size
         if logits is None or logits.shape != (vocab,) or logits.dtype != np.float32:
-            raise Breach(worker, f"returned {({k: v.shape for k, v in tensors.items()})} where float32 logits of "
-                                 f"shape ({vocab},) were due")
+            got = "nothing" if logits is None else f"{logits.dtype} {logits.shape}"
+            raise Breach(worker, f"returned {got} where float32 logits of shape ({vocab},) were due")
         return logits
 
-    def _checked_token(self, worker: WorkerConn, reply: dict[str, Any]) -> int:
-        token = reply.get("token")
-        if not isinstance(token, int) or not 0 <= token < self.model.config.vocab_size:
+    def _checked_token(self, worker: WorkerConn, reply: ComputationResult) -> int:
+        token = reply.token
+        if token is None or not 0 <= token < self.model.config.vocab_size:
             raise Breach(worker, f"returned token {token!r}")
         return token
 
@@ -351,7 +350,7 @@ class PipelineMaster:
         d = self.deployment
         if start > 0 and d.chained and not d.ready(d.staged) and not sampler.needs_logits:
             try:  # a decode step: on this thread (module docstring)
-                return self._chained_pass(tokens, start, sampling_message(sampler))
+                return self._chained_pass(tokens, start, Sampling.of(sampler))
             except (Breach, PortClosed) as e:
                 self.net.run(self._settle(e))
                 raise
@@ -361,7 +360,7 @@ class PipelineMaster:
 
     async def _step_token(self, tokens: Sequence[int], start: int, sampler: Sampler) -> int | np.ndarray:
         d = self.deployment
-        sampling = sampling_message(sampler)
+        sampling = Sampling.of(sampler)
         if start > 0:
             if d.ready(d.staged):
                 self.cached_length = start  # every stage's KV cache holds the positions before this one
@@ -398,7 +397,7 @@ class PipelineMaster:
         self.prefill_lengths.append(len(tokens))
         n = len(self.prefix)
         if n and len(tokens) > n and list(tokens[:n]) == self.prefix:
-            token = await self._forward(tokens[n:], n, sampling, prefix="restore")
+            token = await self._forward(tokens[n:], n, sampling, Prefix.RESTORE)
         else:
             token = await self._forward(tokens, 0, sampling)
         if self.lost_at is not None:  # recovered: the re-prefill produced the next token
@@ -458,9 +457,3 @@ class PipelineMaster:
         if self.http is not None:  # its own server and loop; a server's loop that it shares runs on
             self.http.close()
             self.net.stop()
-
-
-def sampling_message(sampler: Sampler) -> dict[str, Any]:
-    """A sampler's settings as a pass's message carries them to the last stage."""
-    return {"temperature": sampler.params.temperature, "top_p": sampler.params.top_p, "top_k": sampler.params.top_k,
-            "min_p": sampler.params.min_p, "seed": sampler.seed, **({"logits": True} if sampler.needs_logits else {})}

@@ -7,12 +7,10 @@ import selectors
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
-
-import numpy as np
 
 from edgerun.net.loops import polled_select
-from edgerun.net.wire import PpMsg, PpStream, WireError, open_pp_frame, pp_frame, pp_packet
+from edgerun.net.wire import PpStream, WireError, pp_packet
+from edgerun.pp.messages import Computation, ComputationResult, Error, ErrorReason, PassHello, open_frame, seal
 from edgerun.pp.passes import CONNECT_TIMEOUT_S, RECV_BYTES, nodelay
 from edgerun.pp.workers import BadInput, WorkerConn, WorkerLost
 
@@ -43,9 +41,9 @@ class PassLinks:
         self.key, self.log, self.spin_s = key, log, spin_s
         self.links: dict[str, tuple[WorkerConn, socket.socket, PpStream]] = {}
 
-    def forward(self, chain: list[WorkerConn], request: int, message: dict[str, Any],
-                tensors: dict[str, np.ndarray], timeout: float) -> dict[str, Any]:
-        """One pass down the chain, blocking: the last stage's COMPUTATION_RESULT message. WorkerLost when a
+    def forward(self, chain: list[WorkerConn], request: int, message: Computation, timeout: float
+                ) -> ComputationResult:
+        """One pass down the chain (`message.chain` empty), blocking: the last stage's result. WorkerLost when a
         worker of the chain leaves, fails the pass or does not answer within `timeout` (BadInput where a stage
         refused the input it was handed); Breach when one answers out of turn."""
         for name in [name for name, (w, _, _) in self.links.items() if not w.alive]:
@@ -55,8 +53,7 @@ class PassLinks:
             raise WorkerLost(lost[0])
         socks = [self._link(w) for w in chain]
         try:
-            socks[0].sendall(pp_packet(pp_frame(PpMsg.COMPUTATION, request, {**message, "chain": []}, self.key,
-                                                tensors)))
+            socks[0].sendall(pp_packet(seal(request, message, self.key)))
         except OSError as e:
             self.drop(chain[0].name)
             raise PortClosed(chain[0], str(e)) from e
@@ -76,7 +73,7 @@ class PassLinks:
                     if lost or time.monotonic() >= deadline:
                         raise WorkerLost(lost[0] if lost else chain[0].name)
 
-    def _answer(self, worker: WorkerConn, chain: list[WorkerConn], request: int) -> dict[str, Any] | None:
+    def _answer(self, worker: WorkerConn, chain: list[WorkerConn], request: int) -> ComputationResult | None:
         """What came from one worker of the chain: the pass's result, or None while it is still due."""
         _, sock, stream = self.links[worker.name]
         try:
@@ -92,16 +89,16 @@ class PassLinks:
             raise PortClosed(worker, "closed")
         for frame in frames:
             try:
-                kind, answered, reply, _ = open_pp_frame(frame, self.key)
-            except WireError as e:
+                answered, reply = open_frame(frame, self.key)
+            except WireError as e:  # Refused too: an answer no master takes
                 raise Breach(worker, f"sent a frame that does not open ({e})") from e
             if answered != request:
                 continue  # an answer to a pass given up on
-            if kind == PpMsg.ERROR:
-                self.log(f"worker {worker.name}: {reply.get('error')}")
-                raise (BadInput if reply.get("reason") == "input" else WorkerLost)(worker.name)
-            if worker is not chain[-1] or kind != PpMsg.COMPUTATION_RESULT:
-                raise Breach(worker, f"answered a chained pass with {kind.name} as stage "
+            if isinstance(reply, Error):
+                self.log(f"worker {worker.name}: {reply.error}")
+                raise (BadInput if reply.reason == ErrorReason.INPUT else WorkerLost)(worker.name)
+            if worker is not chain[-1] or not isinstance(reply, ComputationResult):
+                raise Breach(worker, f"answered a chained pass with {type(reply).__name__} as stage "
                              f"{chain.index(worker) + 1} of {len(chain)}")
             return reply
         return None
@@ -118,7 +115,7 @@ class PassLinks:
             sock = nodelay(socket.create_connection((worker.host, worker.peer_port), CONNECT_TIMEOUT_S))
             # Answered in kind once the port knows this connection as the master's: a pass sent before that
             # could reach the last stage first, with nowhere to return its token.
-            sock.sendall(pp_packet(pp_frame(PpMsg.PASS_HELLO, 0, {}, self.key)))
+            sock.sendall(pp_packet(seal(0, PassHello(), self.key)))
             frames: list[bytes] = []
             while not frames and stream.broken is None:
                 data = sock.recv(RECV_BYTES)
@@ -131,11 +128,11 @@ class PassLinks:
         if stream.broken is not None:
             raise Breach(worker, f"broke its pass stream ({stream.broken})")
         try:
-            kind = open_pp_frame(frames[0], self.key)[0]
+            hello = open_frame(frames[0], self.key)[1]
         except WireError as e:
             raise Breach(worker, f"answered PASS_HELLO with a frame that does not open ({e})") from e
-        if kind != PpMsg.PASS_HELLO:
-            raise Breach(worker, f"answered PASS_HELLO with {kind.name}")
+        if not isinstance(hello, PassHello):
+            raise Breach(worker, f"answered PASS_HELLO with {type(hello).__name__}")
         self.links[worker.name] = (worker, sock, stream)
         return sock
 

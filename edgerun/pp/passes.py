@@ -21,19 +21,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from edgerun.net.loops import polled_select
-from edgerun.net.wire import PpMsg, PpStream, WireError, open_pp_frame, pp_frame, pp_packet
+from edgerun.net.wire import PpMsg, PpStream, WireError, pp_packet
+from edgerun.pp.messages import Computation, Error, ErrorReason, PassHello, Refused, open_frame, seal, table
 
 CONNECT_TIMEOUT_S = 3.0
 RECV_BYTES = 1 << 20
 
-# A worker's pass: (request, message, tensors) -> (answer kind, answer message, answer tensors, onward), where
-# onward says the answer is the next stage's input (else it goes back to the master). Never raises: a failed pass
-# answers PpMsg.ERROR.
-PassCompute = Callable[[int, dict[str, Any], dict[str, np.ndarray]],
-                       tuple[PpMsg, dict[str, Any], dict[str, np.ndarray] | None, bool]]
+# A worker's pass: the pass -> (its answer, onward), where onward says the answer is the next stage's input (else
+# it goes back to the master). Never raises: a failed pass answers an Error.
+PassCompute = Callable[[Computation], tuple[Any, bool]]
+PASS_PORT = table(PassHello, Computation)  # what comes to a pass port
 
 
 def nodelay(sock: socket.socket) -> socket.socket:
@@ -126,20 +124,25 @@ class PassPort:
 
     def _frame(self, sock: socket.socket, frame: bytes) -> None:
         try:
-            kind, request, message, tensors = open_pp_frame(frame, self.key)
+            request, message = open_frame(frame, self.key, PASS_PORT)
+        except Refused as e:
+            self.log(f"worker {self.name}: refused a frame on the pass port ({e})")
+            if e.kind == PpMsg.COMPUTATION:  # a malformed pass: its sender's fault, said to the master
+                self._hand_on(e.request, Error(str(e), ErrorReason.INPUT), False)
+            return
         except WireError as e:
             self.log(f"worker {self.name}: dropped a frame on the pass port ({e})")
             return
-        if kind == PpMsg.PASS_HELLO:
+        if isinstance(message, PassHello):
             self.master = sock
             with contextlib.suppress(OSError):
-                sock.sendall(pp_packet(pp_frame(PpMsg.PASS_HELLO, 0, {}, self.key)))
+                sock.sendall(pp_packet(seal(0, PassHello(), self.key)))
             return
-        if kind != PpMsg.COMPUTATION:
-            self.log(f"worker {self.name}: dropped a {kind.name} on the pass port (only passes come there)")
-            return
-        answer, reply, out, onward = self.compute(request, message, tensors)
-        packet = pp_packet(pp_frame(answer, request, reply, self.key, out))
+        self._hand_on(request, *self.compute(message))
+
+    def _hand_on(self, request: int, answer: Any, onward: bool) -> None:
+        """A pass's answer to the next stage (onward) or back to the master."""
+        packet = pp_packet(seal(request, answer, self.key))
         with self.lock:
             target = self.next if onward else self.master
             if target is None:

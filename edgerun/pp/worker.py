@@ -15,6 +15,7 @@ computes each pass as it comes: no event loop on a token's path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import websockets
@@ -34,27 +35,58 @@ from edgerun.memory import peak_rss_mb
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_stage import GGML_STAGE_FILE, GgmlStage
 from edgerun.model.loader import load_model
-from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.model.session import CONCURRENT_SESSIONS, StageSession, execution_providers
 from edgerun.net.backoff import Backoff
 from edgerun.net.model_files import fetch_checked
-from edgerun.net.wire import PP_MAX_FRAME, PpMsg, WireError, not_admitted, open_pp_frame, pp_frame, wrong_key
+from edgerun.net.wire import PP_MAX_FRAME, WireError, WorkerKind, not_admitted, wrong_key
+from edgerun.pp.messages import (
+    PIPELINE,
+    BatchComputation,
+    BatchResult,
+    Capabilities,
+    CommitDone,
+    CommitModel,
+    Computation,
+    ComputationResult,
+    Connect,
+    DownloadLayers,
+    Error,
+    ErrorReason,
+    Init,
+    InvalidateCache,
+    KvData,
+    KvFetch,
+    KvLoad,
+    KvLoaded,
+    LayerDownload,
+    Ping,
+    Pong,
+    Prefix,
+    PrepareDone,
+    PrepareModel,
+    Refused,
+    ReleaseSession,
+    Sampling,
+    SlotCopied,
+    SlotCopy,
+    StageFile,
+    Table,
+    open_frame,
+    seal,
+)
 from edgerun.pp.passes import PassPort
 from edgerun.profile.device import device_summary
 
-TUNE_REQUESTS = frozenset({PpMsg.TUNE_LOAD, PpMsg.TUNE_FORWARD, PpMsg.TUNE_BACKWARD, PpMsg.TUNE_STEP,
-                           PpMsg.TUNE_STATE, PpMsg.TUNE_EVAL})
-Reply = tuple[PpMsg, dict[str, Any], dict[str, np.ndarray]]
-
 
 class Role(Protocol):
-    """What answers a kind of request beside the pipeline's own (training stages: tune.worker.TuneRole)."""
+    """What answers requests beside the pipeline's own (training stages: tune.worker.TuneRole). Made when the
+    first of its requests comes, from the master's HTTP base URL for files, the compute threads and the log."""
 
-    async def answer(self, kind: PpMsg, message: dict[str, Any], tensors: dict[str, np.ndarray]) -> Reply: ...
+    requests: ClassVar[Table]  # the messages it answers, by kind
 
+    def __init__(self, base_url: str, threads: int | None, log: Callable[[str], None]) -> None: ...
 
-# (the master's HTTP base URL for files, compute threads, log) -> the role
-TuneRoleFactory = Callable[[str, int | None, Callable[[str], None]], Role]
+    async def answer(self, message: Any) -> Any: ...
 
 
 def files_dir() -> Path:
@@ -143,7 +175,7 @@ class PipelineWorker:
     def __init__(self, url: str, key: bytes, name: str, memory_mb: float, speed: float, threads: int | None,
                  log=print, device: str = "cpu", verbose: bool = False, peer_host: str = "0.0.0.0",
                  peer_port: int = 0, spin_s: float = 0.0, load_threads: int = 1,
-                 tune_role: TuneRoleFactory | None = None) -> None:
+                 tune_role: type[Role] | None = None) -> None:
         """`tune_role` makes the role that answers training requests (edgerun tune's tune.worker.TuneRole, given
         by `edgerun node`); without one this worker refuses them."""
         self.url, self.key, self.name, self.peer_host, self.spin_s = url, key, name, peer_host, spin_s
@@ -169,7 +201,8 @@ class PipelineWorker:
         self.pass_port: PassPort | None = None
         self.lock = threading.Lock()  # a pass (the pass port's thread or the loop's) and the stage it runs on
         self.tune_role = tune_role
-        self.tune: Role | None = None  # a training stage's role, made when the first TUNE_LOAD comes
+        self.tune: Role | None = None  # a training stage's role, made when the first of its requests comes
+        self.table = PIPELINE | (tune_role.requests if tune_role is not None else {})  # the messages it takes
         self.heard = False  # a frame from the master passed this worker's check
 
     async def connect(self, wait_s: float = 60.0) -> websockets.ClientConnection:
@@ -232,143 +265,152 @@ class PipelineWorker:
         if not isinstance(data, bytes):
             return
         try:
-            kind, request, message, tensors = open_pp_frame(data, self.key)
+            request, message = open_frame(data, self.key, self.table)
+        except Refused as e:  # authentic, but nothing this worker takes
+            self.heard = True
+            self.log(f"worker {self.name}: refused a request ({e})")
+            await self._send(e.request, Error(str(e), ErrorReason.INPUT))
+            return
         except WireError as e:
             if not self.heard:  # the master's first frame: the keys differ
                 raise wrong_key(e) from e
             self.log(f"worker {self.name}: dropped a frame ({e})")
             return
         self.heard = True
-        if kind == PpMsg.DOWNLOAD_LAYERS or (kind == PpMsg.PREPARE_MODEL and message.get("preload") is not None):
+        if isinstance(message, DownloadLayers) or (isinstance(message, PrepareModel) and message.preload is not None):
             # In the background: the stage held now keeps serving while files come and a staged stage loads.
-            task = asyncio.create_task(self._answer(kind, request, message, tensors))
+            task = asyncio.create_task(self._answer(request, message))
             self.downloads.add(task)
             task.add_done_callback(self.downloads.discard)
         else:
-            await self._answer(kind, request, message, tensors)
+            await self._answer(request, message)
 
-    async def _answer(self, kind: PpMsg, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+    async def _answer(self, request: int, message: Any) -> None:
         try:
-            await self._handle(kind, request, message, tensors)
+            await self._handle(request, message)
         except Exception as e:
-            await self._send(PpMsg.ERROR, request, _error(e))
+            await self._send(request, _error(e))
 
-    async def _send(self, kind: PpMsg, request: int, message: dict[str, Any],
-                    tensors: dict[str, np.ndarray] | None = None) -> None:
-        await self.ws.send(pp_frame(kind, request, message, self.key, tensors))
+    async def _send(self, request: int, message: Any) -> None:
+        await self.ws.send(seal(request, message, self.key))
 
-    async def _handle(self, kind: PpMsg, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+    async def _handle(self, request: int, message: Any) -> None:
         loop = asyncio.get_running_loop()
-        if kind in TUNE_REQUESTS:  # a training stage (edgerun tune): its own role, PyTorch only when asked
-            if self.tune is None:
-                if self.tune_role is None:
-                    raise ValueError("this worker takes no training stages")
-                self.tune = self.tune_role(self.base_url, self.threads, self.log)
-            answer, reply, out = await self.tune.answer(kind, message, tensors)
-            await self._send(answer, request, reply, out)
-        elif kind == PpMsg.INIT:
-            self.config = ModelConfig(**message["config"])
-            await self._send(PpMsg.CONNECT, request, {
-                "name": self.name, "memory_mb": self.memory_mb, "speed": self.speed,
-                "capabilities": {"kind": "native", "runtime": "onnxruntime", "ggml": True, "device": self.device,
-                                 "host": device_summary(), "peer_port": self.peer_port,
-                                 "load_threads": load_threads(self.load_threads)},
-                "cached": cached_files()})
-        elif kind == PpMsg.PING:
-            await self._send(PpMsg.PONG, request, {})
-        elif kind == PpMsg.DOWNLOAD_LAYERS:
-            for sha in message["files"]:
-                _, seconds, size = await loop.run_in_executor(None, download, self.base_url, sha)
-                await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": sha, "seconds": seconds, "bytes": size})
-        elif kind == PpMsg.PREPARE_MODEL:
-            stage = message["stage"]
-            directory = cache_root() / "pp" / "stages" / hashlib.sha256(
-                "".join(f["sha256"] for f in message["files"]).encode()).hexdigest()[:24]
-            new = _Stage(int(stage["first_layer"]), int(stage["end_layer"]), bool(stage["lm_head"]), directory,
-                         tuple(int(b) for b in stage.get("parts", ())))
-            preload = message.get("preload")
-            if preload is not None:  # a staged plan's stage, loaded beside the one serving: its swap is a handover
-                await self._fetch_files(request, message["files"], directory)
-                new.session = await loop.run_in_executor(None, new.load, self.config, int(preload["max_len"]),
-                                                         self.threads, self.providers, self.ggml_device)
-                await loop.run_in_executor(None, new.session.warm_up)
-                self.preloaded = new
-                await self._send(PpMsg.PREPARE_DONE, request, {"loaded": True})
-                return
-            old, ready, self.preloaded = self.stage, self.preloaded, None
-            keep_kv = bool(message.get("keep_kv")) and old is not None and old.session is not None and \
-                old.session.position > 0
-            kept: list[int] = []
-            took = False
-            if old is not None and old.session is not None and old.same_place(new):
-                del ready  # the stage it serves already: kept, session, KV cache and all
-                kept = list(old.session.layers) if keep_kv else []
-            elif ready is not None and ready.same_place(new):
+        match message:
+            case Init(config, _):
+                self.config = config
+                await self._send(request, Connect(self.name, self.memory_mb, self.speed, Capabilities(
+                    WorkerKind.NATIVE, "onnxruntime", ggml=True, device=self.device, host=device_summary(),
+                    peer_port=self.peer_port, load_threads=load_threads(self.load_threads)), tuple(cached_files())))
+            case Ping():
+                await self._send(request, Pong())
+            case DownloadLayers(files):
+                for sha in files:
+                    _, seconds, size = await loop.run_in_executor(None, download, self.base_url, sha)
+                    await self._send(request, LayerDownload(sha, seconds, size))
+            case PrepareModel():
+                await self._prepare(request, message)
+            case CommitModel():
+                await self._commit(request, message)
+            case Computation():
+                await self._compute(request, message)
+            case BatchComputation():  # a batch's pass (pp.batch): seconds for several sequences, off the loop
+                await self._send(request, await loop.run_in_executor(None, self._batch_pass, message))
+            case SlotCopy(source, target, rows):  # a batch's sequence takes another's cached prompt rows
+                with self.lock:
+                    session = self._session()
+                    if not isinstance(session, GgmlStage):
+                        raise ValueError("slots are ggml's stages'")
+                    session.engine.copy_cache(source, target, rows)
+                await self._send(request, SlotCopied())
+            case KvFetch(layer, since):  # rows from position `since` on (0: all)
+                # Under the pass lock: a hot swap's pre-copy fetches while the request runs, and a pass on the
+                # pass port's thread moving the position between the keys' read and the values' gave them
+                # different lengths (the master expelled the worker for it).
+                with self.lock:
+                    keys, values = self._session().kv_rows(layer, since)
+                await self._send(request, KvData(keys, values))
+            case KvLoad(layer, keys, values, since, staged):  # rows placed from `since`; staged: the preloaded stage
+                if staged:
+                    if self.preloaded is None or self.preloaded.session is None:
+                        raise ValueError("no staged stage loaded")
+                    session = self.preloaded.session
+                else:
+                    session = self._session()
+                session.load_kv_rows(layer, keys, values, since)
+                await self._send(request, KvLoaded())
+            case InvalidateCache():
+                with self.lock:
+                    if self.stage is not None and self.stage.session is not None:
+                        self.stage.session.reset()
+            case ReleaseSession():
                 self._release()
-                if keep_kv:
-                    kept = hand_over_kv(old.session, ready.session)
-                self.stage, took = ready, True
-            else:
-                self._release()
-                del ready  # not this stage: its memory goes before the files are fetched
-                await self._fetch_files(request, message["files"], directory)
-                self.stage = new
-            del old
-            await self._send(PpMsg.PREPARE_DONE, request, {"loaded": self.stage.session is not None, "kept": kept,
-                                                           "preloaded": took})
-        elif kind == PpMsg.COMMIT_MODEL:
-            if self.stage is None:
-                raise ValueError("commit before prepare")
-            start = time.perf_counter()
-            self.max_len = int(message["max_len"])
-            slots = int(message.get("slots", 1))
-            s = self.stage
-            if s.session is None or s.session.max_len != self.max_len or _slots(s.session) != slots:
-                s.session = await loop.run_in_executor(None, s.load, self.config, self.max_len, self.threads,
-                                                       self.providers, self.ggml_device, slots)
-            following = message.get("next")  # a chained route: where this stage's output goes
-            if following is None:
+                self.preloaded = None
                 self._port().drop_next()
-            else:
-                await loop.run_in_executor(None, self._port().connect_next, str(following["host"]),
-                                           int(following["port"]))
-            await self._send(PpMsg.COMMIT_DONE, request, {"seconds": time.perf_counter() - start})
-            self.log(f"worker {self.name}: holds layers {s.first_layer}-{s.end_layer - 1}"
-                     f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
-        elif kind == PpMsg.COMPUTATION:
-            await self._compute(request, message, tensors)
-        elif kind == PpMsg.SLOT_COPY:  # a batch's sequence takes another's cached prompt rows
-            with self.lock:
-                session = self._session()
-                if not isinstance(session, GgmlStage):
-                    raise ValueError("slots are ggml's stages'")
-                session.engine.copy_cache(int(message["source"]), int(message["target"]), int(message["rows"]))
-            await self._send(PpMsg.SLOT_COPIED, request, {})
-        elif kind == PpMsg.KV_FETCH:  # rows from position `since` on (0: all)
-            # Under the pass lock: a hot swap's pre-copy fetches while the request runs, and a pass on the pass
-            # port's thread moving the position between the keys' read and the values' gave them different
-            # lengths (the master expelled the worker for it).
-            with self.lock:
-                keys, values = self._session().kv_rows(int(message["layer"]), int(message.get("since", 0)))
-            await self._send(PpMsg.KV_DATA, request, {}, {"keys": keys, "values": values})
-        elif kind == PpMsg.KV_LOAD:  # rows placed from position `since`; `staged`: into the preloaded stage
-            if message.get("staged"):
-                if self.preloaded is None or self.preloaded.session is None:
-                    raise ValueError("no staged stage loaded")
-                session = self.preloaded.session
-            else:
-                session = self._session()
-            session.load_kv_rows(int(message["layer"]), tensors["keys"], tensors["values"],
-                                 int(message.get("since", 0)))
-            await self._send(PpMsg.KV_LOADED, request, {})
-        elif kind == PpMsg.INVALIDATE_CACHE:
-            with self.lock:
-                if self.stage is not None and self.stage.session is not None:
-                    self.stage.session.reset()
-        elif kind == PpMsg.RELEASE_SESSION:
+            case _ if type(message).KIND in self.table and self.tune_role is not None:
+                # a training stage (edgerun tune): its own role, PyTorch only when asked
+                if self.tune is None:
+                    self.tune = self.tune_role(self.base_url, self.threads, self.log)
+                await self._send(request, await self.tune.answer(message))
+            case _:
+                raise ValueError(f"a worker does not take {type(message).__name__}")
+
+    async def _prepare(self, request: int, message: PrepareModel) -> None:
+        """Hold the stage `message` names: the one it serves already, the one it preloaded, or a new one from its
+        files; or (message.preload) load it beside the one serving."""
+        loop = asyncio.get_running_loop()
+        stage = message.stage
+        directory = cache_root() / "pp" / "stages" / hashlib.sha256(
+            "".join(f.sha256 for f in message.files).encode()).hexdigest()[:24]
+        new = _Stage(stage.first_layer, stage.end_layer, stage.lm_head, directory, stage.parts)
+        if message.preload is not None:  # a staged plan's stage, loaded beside the one serving: a swap hands over
+            await self._fetch_files(request, message.files, directory)
+            new.session = await loop.run_in_executor(None, new.load, self.config, message.preload, self.threads,
+                                                     self.providers, self.ggml_device)
+            await loop.run_in_executor(None, new.session.warm_up)
+            self.preloaded = new
+            await self._send(request, PrepareDone(loaded=True))
+            return
+        old, ready, self.preloaded = self.stage, self.preloaded, None
+        keep_kv = message.keep_kv and old is not None and old.session is not None and old.session.position > 0
+        kept: list[int] = []
+        took = False
+        if old is not None and old.session is not None and old.same_place(new):
+            del ready  # the stage it serves already: kept, session, KV cache and all
+            kept = list(old.session.layers) if keep_kv else []
+        elif ready is not None and ready.same_place(new):
             self._release()
-            self.preloaded = None
+            if keep_kv:
+                kept = hand_over_kv(old.session, ready.session)
+            self.stage, took = ready, True
+        else:
+            self._release()
+            del ready  # not this stage: its memory goes before the files are fetched
+            await self._fetch_files(request, message.files, directory)
+            self.stage = new
+        del old
+        await self._send(request, PrepareDone(self.stage.session is not None, tuple(kept), took))
+
+    async def _commit(self, request: int, message: CommitModel) -> None:
+        """Load the prepared stage for `message.max_len` positions and `message.slots` sequences, and hand its
+        outputs on where a chained route says."""
+        if self.stage is None:
+            raise ValueError("commit before prepare")
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        self.max_len = message.max_len
+        s = self.stage
+        if s.session is None or s.session.max_len != self.max_len or _slots(s.session) != message.slots:
+            s.session = await loop.run_in_executor(None, s.load, self.config, self.max_len, self.threads,
+                                                   self.providers, self.ggml_device, message.slots)
+        if message.following is None:
             self._port().drop_next()
+        else:
+            await loop.run_in_executor(None, self._port().connect_next, message.following.host,
+                                       message.following.port)
+        await self._send(request, CommitDone(time.perf_counter() - start))
+        self.log(f"worker {self.name}: holds layers {s.first_layer}-{s.end_layer - 1}"
+                 f"{' and the LM head' if s.lm_head else ''}, loaded in {time.perf_counter() - start:.1f} s")
 
     def _port(self) -> PassPort:
         if self.pass_port is None:
@@ -380,15 +422,15 @@ class PipelineWorker:
             raise ValueError("no stage loaded")
         return self.stage.session
 
-    def _input(self, s: _Stage, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    def _input(self, s: _Stage, message: Computation) -> np.ndarray:
         """The pass's input as this stage takes it: token ids (1, seq) for the first stage, else a float32 hidden
         state (1, seq, hidden). MalformedInput for anything else."""
         if s.first_layer == 0:
-            x = tensors.get("input_ids")
+            x = message.input_ids
             if x is None or x.dtype != np.int64 or x.ndim != 2 or x.shape[0] != 1 or x.shape[1] < 1:
                 raise MalformedInput(f"the first stage takes int64 token ids (1, seq), not {_described(x)}")
             return x
-        x = tensors.get("hidden")
+        x = message.hidden
         if x is None or x.dtype != np.float32 or x.ndim != 3 or x.shape[0] != 1 or x.shape[1] < 1 or \
                 x.shape[2] != self.config.hidden:
             raise MalformedInput(f"a stage from layer {s.first_layer} takes a float32 hidden state "
@@ -399,20 +441,19 @@ class PipelineWorker:
         with self.lock:  # not while a pass runs on it
             self.stage = None
 
-    async def _fetch_files(self, request: int, files: list[dict[str, str]], directory: Path) -> None:
+    async def _fetch_files(self, request: int, files: tuple[StageFile, ...], directory: Path) -> None:
         """A stage's files into `directory` (links into the download cache), fetched where not cached; a stage in
         parts has each part's files in a directory of its own (0/, 1/, ...)."""
         for f in files:
-            name = Path(f["name"])
+            name = Path(f.name)
             if name.is_absolute() or ".." in name.parts:
-                raise ValueError(f"a stage file named {f['name']!r} would lie outside its directory")
+                raise ValueError(f"a stage file named {f.name!r} would lie outside its directory")
         for f in files:
             path, seconds, size = await asyncio.get_running_loop().run_in_executor(None, download, self.base_url,
-                                                                                   f["sha256"])
+                                                                                   f.sha256)
             if size:  # fetched now (not from the cache): the master learns the link's bandwidth from it
-                await self._send(PpMsg.LAYER_DOWNLOAD, request, {"sha256": f["sha256"], "seconds": seconds,
-                                                                 "bytes": size})
-            link = directory / f["name"]
+                await self._send(request, LayerDownload(f.sha256, seconds, size))
+            link = directory / f.name
             link.parent.mkdir(parents=True, exist_ok=True)
             if link.exists() and link.is_symlink() == self.config.is_moe:
                 link.unlink()  # made for the other kind of graph
@@ -424,86 +465,70 @@ class PipelineWorker:
                 else:
                     link.symlink_to(path)
 
-    async def _compute(self, request: int, message: dict, tensors: dict[str, np.ndarray]) -> None:
+    async def _compute(self, request: int, message: Computation) -> None:
         """A pass from the master (the star route): its answer goes back on the WebSocket."""
-        if "slots" in message:  # a batch's pass (pp.batch): seconds for several sequences, off the loop
-            kind, reply, out = await asyncio.get_running_loop().run_in_executor(None, self._batch_pass, message,
-                                                                                tensors)
-            await self._send(kind, request, reply, out)
-            return
-        if _is_step(tensors):
+        if _is_step(message.input()):
             # A one-token step runs on this thread: it takes milliseconds, and handing it to a pool thread and
             # back costs two thread wake-ups per stage per token, on the critical path of every token.
-            kind, reply, out, onward = self._pass(request, message, tensors)
+            answer, onward = self._pass(message)
         else:  # a prefill may take seconds: the loop stays free for pings and the WebSocket's keepalive
-            kind, reply, out, onward = await asyncio.get_running_loop().run_in_executor(None, self._pass, request,
-                                                                                        message, tensors)
+            answer, onward = await asyncio.get_running_loop().run_in_executor(None, self._pass, message)
         if onward:
             raise ValueError("a chained pass comes to the pass port")
-        await self._send(kind, request, reply, out)
+        await self._send(request, answer)
 
-    def _chained_pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
-                      ) -> tuple[PpMsg, dict[str, Any], dict[str, np.ndarray] | None, bool]:
-        """A pass from the pass port (pp.passes.PassCompute): an ERROR answer where it fails."""
+    def _chained_pass(self, message: Computation) -> tuple[Computation | ComputationResult | Error, bool]:
+        """A pass from the pass port (pp.passes.PassCompute): an Error answer where it fails."""
         try:
-            return self._pass(request, message, tensors)
+            return self._pass(message)
         except Exception as e:
-            return PpMsg.ERROR, _error(e), None, False
+            return _error(e), False
 
-    def _pass(self, request: int, message: dict, tensors: dict[str, np.ndarray]
-              ) -> tuple[PpMsg, dict[str, Any], dict[str, np.ndarray] | None, bool]:
-        """One forward pass over this worker's stage: the answer's kind, message and tensors, and whether it is
-        the next stage's input (a chained pass that does not end here) rather than the master's answer."""
+    def _pass(self, message: Computation) -> tuple[Computation | ComputationResult, bool]:
+        """One forward pass over this worker's stage: the answer, and whether it is the next stage's input (a
+        chained pass that does not end here) rather than the master's answer."""
         with self.lock:
             session = self._session()
             s = self.stage
-            position = int(message["position"])
-            if message.get("prefix") == "restore":  # the request starts with the saved prefix
+            position = message.position
+            if message.prefix == Prefix.RESTORE:  # the request starts with the saved prefix
                 session.restore_prefix()
             elif position == 0:
                 session.reset()
             if position != session.position:
                 raise ValueError(f"input at position {position}, but the cache holds {session.position}")
-            x = self._input(s, tensors)
+            x = self._input(s, message)
             start = time.perf_counter()
             out = session.run(x)
             seconds = time.perf_counter() - start
             self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
-            if message.get("prefix") == "save":
+            if message.prefix == Prefix.SAVE:
                 session.save_prefix()
-        chain = message.get("chain")  # on a chained route: the compute seconds of the stages before this one
-        if chain is not None:
-            chain = [float(t) for t in chain] + [seconds]
-        if s.lm_head and message.get("sampling", {}).get("logits"):  # the master draws (model/logits.py)
-            return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, \
-                {"logits": np.ascontiguousarray(out[0, -1], np.float32)}, False
+        # On a chained route: the compute seconds of the stages before this one, and this one's.
+        chain = None if message.chain is None else (*message.chain, seconds)
         if s.lm_head:
-            token = _sampler(message.get("sampling", {}))(out[0, -1], position + x.shape[1])
-            return PpMsg.COMPUTATION_RESULT, {"token": token, "seconds": seconds if chain is None else chain}, None, \
-                False
+            sampling = message.sampling or Sampling()
+            if sampling.logits:  # the master draws (model/logits.py)
+                return ComputationResult(seconds, logits=np.ascontiguousarray(out[0, -1], np.float32)), False
+            token = sampling.sampler()(out[0, -1], position + x.shape[1])
+            return ComputationResult(seconds, token, chain or ()), False
         if chain is not None:  # straight on to the next stage
-            return PpMsg.COMPUTATION, {**message, "chain": chain}, {"hidden": out}, True
-        return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, {"hidden": out}, False
+            return dataclasses.replace(message, input_ids=None, hidden=out, chain=chain), True
+        return ComputationResult(seconds, hidden=out), False
 
-
-    def _batch_pass(self, message: dict, tensors: dict[str, np.ndarray]
-                    ) -> tuple[PpMsg, dict[str, Any], dict[str, np.ndarray] | None]:
-        """A batch's pass (pp.batch): one position of each of several sequences ("slots", "positions"), or with
-        "prompt" a chunk of one sequence's prompt from its position on. A middle stage answers the hidden states;
-        the last draws each sequence's next token with that sequence's "sampling" (as a one-sequence pass does),
-        or, where it asks for "logits", sends its logits for the master to draw."""
+    def _batch_pass(self, message: BatchComputation) -> BatchResult:
+        """A batch's pass (pp.batch): one position of each of several sequences, or a chunk of one sequence's
+        prompt from its position on. A middle stage answers the hidden states; the last draws each sequence's next
+        token with that sequence's sampling (as a one-sequence pass does), or, where it asks for logits, sends its
+        logits for the master to draw."""
         with self.lock:
             session, s = self._session(), self.stage
             if not isinstance(session, GgmlStage):
                 raise ValueError("batched passes run on ggml's stages only")
-            slots, positions = [int(v) for v in message["slots"]], [int(v) for v in message["positions"]]
-            prompt = bool(message.get("prompt"))
-            if len(slots) != len(positions) or not slots or (prompt and len(slots) != 1):
-                raise MalformedInput(f"a batch's pass names a slot and a position per sequence (a prompt's: one), "
-                                     f"not {slots} and {positions}")
-            x = self._batch_input(s, tensors, None if prompt else len(slots))
+            slots, positions = message.slots, message.positions
+            x = self._batch_input(s, message, None if message.prompt else len(slots))
             start = time.perf_counter()
-            if prompt:
+            if message.prompt:
                 out = session.run_slot(slots[0], x[None], positions[0])[0]
                 ends = [positions[0] + x.shape[0]]
             else:
@@ -512,30 +537,30 @@ class PipelineWorker:
             seconds = time.perf_counter() - start
             self.passes, self.pass_s = self.passes + 1, self.pass_s + seconds
         if not s.lm_head:
-            return PpMsg.COMPUTATION_RESULT, {"seconds": seconds}, {"hidden": out}
-        sampling = message.get("sampling")
-        if not isinstance(sampling, list) or len(sampling) != len(ends):
-            raise MalformedInput(f"the last stage takes a sampling per sequence, not {sampling!r}")
+            return BatchResult(seconds, hidden=out)
+        if len(message.sampling) != len(ends):
+            raise MalformedInput(f"the last stage takes a sampling per sequence, not {len(message.sampling)} for "
+                                 f"{len(ends)}")
         tokens: list[int | None] = []
         kept: list[np.ndarray] = []
-        for row, p, end in zip(out, sampling, ends, strict=True):
-            if p.get("logits"):  # the master draws (model/logits.py)
+        for row, p, end in zip(out, message.sampling, ends, strict=True):
+            if p.logits:  # the master draws (model/logits.py)
                 tokens.append(None)
                 kept.append(row)
             else:
-                tokens.append(_sampler(p)(row, end))
-        logits = {"logits": np.ascontiguousarray(np.stack(kept), np.float32)} if kept else None
-        return PpMsg.COMPUTATION_RESULT, {"seconds": seconds, "tokens": tokens}, logits
+                tokens.append(p.sampler()(row, end))
+        return BatchResult(seconds, tuple(tokens),
+                           logits=np.ascontiguousarray(np.stack(kept), np.float32) if kept else None)
 
-    def _batch_input(self, s: _Stage, tensors: dict[str, np.ndarray], rows: int | None) -> np.ndarray:
+    def _batch_input(self, s: _Stage, message: BatchComputation, rows: int | None) -> np.ndarray:
         """A batch pass's input: token ids (n,) for the first stage, else float32 hidden states (n, hidden); n
         `rows` (a decode step's sequences) or any (a prompt's chunk). MalformedInput for anything else."""
         if s.first_layer == 0:
-            x = tensors.get("input_ids")
+            x = message.input_ids
             if x is None or x.dtype != np.int64 or x.ndim != 1 or len(x) < 1 or rows not in (None, len(x)):
                 raise MalformedInput(f"the first stage takes int64 token ids ({rows or 'n'},), not {_described(x)}")
             return x
-        x = tensors.get("hidden")
+        x = message.hidden
         if x is None or x.dtype != np.float32 or x.ndim != 2 or len(x) < 1 or rows not in (None, len(x)) or \
                 x.shape[1] != self.config.hidden:
             raise MalformedInput(f"a stage from layer {s.first_layer} takes float32 hidden states "
@@ -543,26 +568,18 @@ class PipelineWorker:
         return x
 
 
-def _sampler(p: dict[str, Any]) -> Sampler:
-    """A sampler of the settings a pass's message carries (pp.master.sampling_message)."""
-    return Sampler(SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
-                                  top_k=int(p.get("top_k", 0)), seed=int(p.get("seed", 0)),
-                                  min_p=float(p.get("min_p", 0.0))))
-
-
 def _slots(session: StageSession | GgmlStage) -> int:
     return session.engine.slots if isinstance(session, GgmlStage) else 1
 
 
-def _is_step(tensors: dict[str, np.ndarray]) -> bool:
+def _is_step(x: np.ndarray | None) -> bool:
     """A one-token step's input (token ids or a hidden state of one position)."""
-    x = tensors.get("input_ids", tensors.get("hidden"))
     return x is not None and x.ndim >= 2 and x.shape[1] == 1
 
 
-def _error(e: Exception) -> dict[str, str]:
-    """A failed request's ERROR message: malformed input is the sender's fault (on a chained route, the stage
-    before); anything else (onnxruntime raises its own kinds) the master decides on."""
+def _error(e: Exception) -> Error:
+    """A failed request's Error: malformed input is the sender's fault (on a chained route, the stage before);
+    anything else (onnxruntime raises its own kinds) the master decides on."""
     if isinstance(e, MalformedInput):
-        return {"error": str(e), "reason": "input"}
-    return {"error": f"{type(e).__name__}: {e}"}
+        return Error(str(e), ErrorReason.INPUT)
+    return Error(f"{type(e).__name__}: {e}")

@@ -11,14 +11,28 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from edgerun.model.generate import EngineLost
-from edgerun.net.wire import PpMsg, WireError, WorkerKind, open_pp_frame, pp_frame
+from edgerun.net.wire import WireError, WorkerKind
+from edgerun.pp.messages import (
+    PIPELINE,
+    Capabilities,
+    Connect,
+    Error,
+    ErrorReason,
+    Init,
+    LayerDownload,
+    Ping,
+    Pong,
+    Table,
+    TabWeights,
+    open_frame,
+    seal,
+)
 from edgerun.sched.profiles import Compute, DeviceProfile, Link, Memory
 
 CONNECT_TIMEOUT_S = 10.0
@@ -26,6 +40,9 @@ SPEED_SAMPLES = 15  # live compute speed: the median of this many recent decode 
 PINGS = 7  # latency: the median of this many PING/PONG round trips at join (the partitioning thesis)
 DEFAULT_MBIT = 1000.0  # until a download says otherwise
 POLICY_VIOLATION = 1008  # WebSocket close code for a worker that broke the protocol
+
+
+T = TypeVar("T")
 
 
 class WorkerLost(EngineLost):
@@ -77,21 +94,13 @@ class WorkerLink:
         return self.ws.client.host if self.ws.client is not None else "127.0.0.1"
 
 
-class TabWeights(Enum):
-    """The matrices a browser tab asks for (node.js picks what its browser runs best)."""
-
-    KERNELS = "kernels"  # quantized, for edgerun's own WebAssembly kernels (kernel_stage): int8 activations
-    Q4 = "q4"  # quantized in an ONNX graph (MatMulNBits): WebGPU has a kernel for it
-    F32 = "f32"  # dequantized in an ONNX graph: onnxruntime-web's WebAssembly without the kernels
-
-
 @dataclass
 class WorkerConn:
     name: str
     link: WorkerLink
     memory_mb: float
     speed: float  # weight bytes per second
-    capabilities: dict[str, Any]
+    capabilities: Capabilities
     cached: set[str]
     alive: bool = True
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
@@ -123,15 +132,12 @@ class WorkerConn:
     @property
     def kind(self) -> WorkerKind:
         """A browser tab, or a native worker (what else a worker says it is)."""
-        return WorkerKind.BROWSER if self.capabilities.get("kind") == WorkerKind.BROWSER else WorkerKind.NATIVE
+        return self.capabilities.kind
 
     @property
     def tab_weights(self) -> TabWeights | None:
-        """How a browser tab asked for its stages' matrices (None for native workers and unknown answers)."""
-        try:
-            return TabWeights(self.capabilities.get("weights")) if self.kind is WorkerKind.BROWSER else None
-        except ValueError:
-            return None
+        """How a browser tab asked for its stages' matrices (None for native workers)."""
+        return self.capabilities.weights if self.kind is WorkerKind.BROWSER else None
 
     @property
     def host(self) -> str:
@@ -147,17 +153,18 @@ class WorkerConn:
     @property
     def peer_port(self) -> int | None:
         """Where the previous stage of a chained route reaches this worker; None where it offers none (tabs)."""
-        port = self.capabilities.get("peer_port")
-        return port if isinstance(port, int) and 0 < port < 65536 else None
+        port = self.capabilities.peer_port
+        return port if 0 < port < 65536 else None
 
 
 class Workers:
     """The workers connected to one master, by name. `on_change(worker, joined)` is called after a worker
     joins and after one leaves."""
 
-    def __init__(self, key: bytes, init: dict[str, Any], log: Callable[[str], None],
-                 on_change: Callable[[WorkerConn, bool], None]) -> None:
-        self.key, self.init, self.log, self.on_change = key, init, log, on_change
+    def __init__(self, key: bytes, init: Init, log: Callable[[str], None],
+                 on_change: Callable[[WorkerConn, bool], None], kinds: Table = PIPELINE) -> None:
+        """`kinds`: the messages its workers answer with (a tuning master's: tune.messages.TRAINING)."""
+        self.key, self.init, self.log, self.on_change, self.kinds = key, init, log, on_change, kinds
         self.by_name: dict[str, WorkerConn] = {}
         self.requests = itertools.count(1)
         self.membership = asyncio.Event()  # set whenever a worker joins or leaves (for wait_for)
@@ -205,18 +212,17 @@ class Workers:
             await link.close()
 
     async def _admit(self, link: WorkerLink) -> WorkerConn:
-        await link.send(pp_frame(PpMsg.INIT, 0, self.init, self.key))
+        await link.send(seal(0, self.init, self.key))
         data = await asyncio.wait_for(link.receive(), CONNECT_TIMEOUT_S)
         if data is None:
             raise WireError("a text message where CONNECT was due")
-        kind, _, message, _ = open_pp_frame(data, self.key)
-        if kind != PpMsg.CONNECT:
-            raise WireError(f"expected CONNECT, got {kind.name}")
-        name = str(message["name"])
+        _, hello = open_frame(data, self.key)
+        if not isinstance(hello, Connect):
+            raise WireError(f"expected CONNECT, got {type(hello).__name__}")
+        name = hello.name
         if name in self.by_name and self.by_name[name].alive:
             raise WireError(f"a worker named {name} is already connected")
-        worker = WorkerConn(name, link, float(message["memory_mb"]), float(message["speed"]),
-                            dict(message.get("capabilities", {})), set(message.get("cached", [])))
+        worker = WorkerConn(name, link, hello.memory_mb, hello.speed, hello.capabilities, set(hello.cached))
         worker.rtt_ms = await self._rtt_ms(worker)
         self.by_name[name] = worker
         self.log(f"worker {name} connected ({worker.kind}, {worker.memory_mb:.0f} MB, RTT {worker.rtt_ms:.2f} ms)")
@@ -232,70 +238,67 @@ class Workers:
         for _ in range(PINGS):
             request = self.next_request()
             sent = time.perf_counter()
-            await worker.link.send(pp_frame(PpMsg.PING, request, {}, self.key))
+            await worker.link.send(seal(request, Ping(), self.key))
             while True:
                 data = await asyncio.wait_for(worker.link.receive(), CONNECT_TIMEOUT_S)
                 if data is None:
                     continue
-                kind, answered, _, _ = open_pp_frame(data, self.key)
-                if kind == PpMsg.PONG and answered == request:
+                answered, pong = open_frame(data, self.key)
+                if isinstance(pong, Pong) and answered == request:
                     break
             rtts.append(time.perf_counter() - sent)
         return float(np.median(rtts)) * 1e3
 
     def _reply(self, worker: WorkerConn, data: bytes) -> None:
         try:
-            kind, request, message, tensors = open_pp_frame(data, self.key)
+            request, message = open_frame(data, self.key, self.kinds)
         except WireError as e:
             self.log(f"worker {worker.name}: dropped a frame ({e})")
             return
-        if kind == PpMsg.LAYER_DOWNLOAD:  # progress on a request; the last file of a DOWNLOAD_LAYERS answers it
-            sha = str(message.get("sha256"))
-            worker.cached.add(sha)
-            with contextlib.suppress(TypeError, ValueError, ZeroDivisionError):
-                if float(message["bytes"]) > 1 << 20:  # a download big enough to time: the link's bandwidth
-                    worker.mbit = float(message["bytes"]) * 8 / float(message["seconds"]) / 1e6
+        if isinstance(message, LayerDownload):  # progress on a request; the last file of a DOWNLOAD_LAYERS answers it
+            worker.cached.add(message.sha256)
+            if message.bytes > 1 << 20 and message.seconds > 0:  # a download big enough to time: the bandwidth
+                worker.mbit = message.bytes * 8 / message.seconds / 1e6
             due = worker.downloads.get(request)
             if due is None:
                 return
-            due.discard(sha)
+            due.discard(message.sha256)
             if due:
                 return
         future = worker.pending.pop(request, None)
         if future is None or future.done():
             return
-        if kind == PpMsg.ERROR:
-            self.log(f"worker {worker.name}: {message.get('error')}")
-            future.set_exception((BadInput if message.get("reason") == "input" else WorkerLost)(worker.name))
+        if isinstance(message, Error):
+            self.log(f"worker {worker.name}: {message.error}")
+            future.set_exception((BadInput if message.reason == ErrorReason.INPUT else WorkerLost)(worker.name))
         else:
-            future.set_result((kind, message, tensors, worker.name))
+            future.set_result(message)
 
     # --- requests -----------------------------------------------------------------------------------------
-    async def call(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any], expect: PpMsg, timeout: float,
-                   tensors: dict[str, np.ndarray] | None = None,
-                   request: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Send a request and wait for its answer; WorkerLost when the worker leaves, fails it, times out or
-        answers with another kind of message."""
+    async def call(self, worker: WorkerConn, message: Any, expect: type[T], timeout: float,
+                   request: int | None = None) -> T:
+        """Send a request and wait for its answer, a message of class `expect`; WorkerLost when the worker leaves,
+        fails it, times out or answers with another kind of message."""
         if not worker.alive:
             raise WorkerLost(worker.name)
         request = request or self.next_request()
         future = asyncio.get_running_loop().create_future()
         worker.pending[request] = future
         try:
-            await worker.link.send(pp_frame(kind, request, message, self.key, tensors))
-            got, reply, out, _ = await asyncio.wait_for(future, timeout)
+            await worker.link.send(seal(request, message, self.key))
+            reply = await asyncio.wait_for(future, timeout)
         except (LinkClosed, TimeoutError) as e:
             raise WorkerLost(worker.name) from e
         finally:
             worker.pending.pop(request, None)
-        if got != expect:
-            raise WorkerLost(f"{worker.name} answered {got.name} to {kind.name}")
-        return reply, out
+        if not isinstance(reply, expect):
+            raise WorkerLost(f"{worker.name} answered {type(reply).__name__} to {type(message).__name__}")
+        return reply
 
-    async def tell(self, worker: WorkerConn, kind: PpMsg, message: dict[str, Any]) -> None:
+    async def tell(self, worker: WorkerConn, message: Any) -> None:
         """A message that has no answer; nothing happens when the worker is gone."""
         with contextlib.suppress(LinkClosed):
-            await worker.link.send(pp_frame(kind, 0, message, self.key))
+            await worker.link.send(seal(0, message, self.key))
 
     async def expel(self, worker: WorkerConn, reason: str) -> None:
         """Drop a worker that broke the protocol; the request then recovers without it."""

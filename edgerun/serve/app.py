@@ -34,8 +34,10 @@ from edgerun.model.generate import GenerationResult, StopReason
 from edgerun.model.loader import Model
 from edgerun.model.logits import LogitShaper, TokenLogprob
 from edgerun.model.sampling import MAX_SEED, USER_DEFAULTS, SamplingParams
+from edgerun.net.typed import plain
 from edgerun.profile.device import device_summary
 from edgerun.serve import ollama_api
+from edgerun.serve.clusters import Counters
 from edgerun.serve.metrics import Metrics
 from edgerun.serve.openai_api import (
     ApiError,
@@ -503,20 +505,20 @@ class Api:
             age = int(now - t)
             if 0 <= age < 120:
                 per_second[119 - age] += 1
-        counters = {"blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "rejected": 0} if cluster is None \
-            else cluster.counters()
+        counters = Counters() if cluster is None else cluster.counters()
+        plan = cluster.plan() if cluster is not None and sw.planned_for else None
         return {
             "model": self.config.model_name, "mode": sw.mode.value, "uptime_s": now - self.started,
             "device": self.device,
             "cluster": None if cluster is None else cluster.kind,
             "single_ms_per_token": sw.single_ms,
             "measured_ms_per_token": {m.value: v for m, v in sw.measured_ms.items()},
-            "plan": cluster.plan() if cluster is not None and sw.planned_for else None,
-            "nodes": [] if cluster is None else cluster.nodes(),
+            "plan": None if plan is None else plain(plan),
+            "nodes": [] if cluster is None else [plain(n) for n in cluster.nodes()],
             "queue": {"waiting": self.service.waiting, "busy": self.service.busy, "running": self.service.running,
                       "parallel": self.service.parallel, "reused_prompt_tokens": self.service.reused_prompt_tokens},
             "tokens_per_second": per_second,
-            **counters,
+            **plain(counters),
             "recoveries": self.metrics.recoveries,
             "events": [{"at": e.at, "text": e.text} for e in list(sw.events)],
         }

@@ -3,14 +3,15 @@ its nodes (--plan halo, minmax, ...), a pipeline master and its workers and brow
 hub and its expert workers (--plan moe).
 
 Each says who is present, deploys a plan over them (returning its predicted ms/token), and describes its
-devices and plan for the dashboard. Both engines run under the one generation loop (model.generate)."""
+devices, plan and counters for the dashboard as frozen records (NodeView, PlanView, Counters), which only the
+HTTP edge turns into JSON. Every engine runs under the one generation loop (model.generate)."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from edgerun.model.generate import EngineLost, Stepper, TokenStepper
 from edgerun.moe.hub import MoeHub
@@ -28,6 +29,45 @@ class MemberState(StrEnum):
     STANDBY = "standby"  # alive, in no stage of the running plan (a pipeline's spare)
     LEFT_OUT = "left out"  # alive, not given work: failed its health checks (an expert worker)
     LOST = "lost"  # gone
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A member as the dashboard shows it."""
+
+    name: str
+    kind: WorkerKind
+    device: str  # what it runs on, for people to read
+    alive: bool
+    state: MemberState
+    memory_mb: float | None  # what it holds now (None: not reported)
+    budget_mb: float
+    speed_gb_s: float | None  # weight bytes a second, measured where it computed, else declared
+    rtt_ms: float | None
+    loss: float | None  # its link's measured packet loss
+    holds: str | None  # its share of the plan, in words (None: not assigned yet)
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """The running plan as the dashboard shows it."""
+
+    strategy: str
+    devices: tuple[str, ...]
+    memory_mb: tuple[float, ...]  # per device, where the plan says
+    compute_ms: tuple[float, ...]  # per device (a pipeline: per stage), where the plan says
+    predicted_ms_per_token: float | None
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What a cluster counted since it started (the tensor-parallel names; a hub counts dispatches as blocks,
+    dropped ones as incomplete and redispatched ones as late)."""
+
+    blocks: int = 0
+    blocks_incomplete: int = 0
+    late_packets: int = 0
+    rejected: int = 0
 
 
 class Cluster(Protocol):
@@ -53,11 +93,11 @@ class Cluster(Protocol):
         """A member was lost mid-request (deploy() follows)."""
         ...
 
-    def nodes(self) -> list[dict[str, Any]]: ...
+    def nodes(self) -> list[NodeView]: ...
 
-    def plan(self) -> dict[str, Any] | None: ...
+    def plan(self) -> PlanView | None: ...
 
-    def counters(self) -> dict[str, int]: ...
+    def counters(self) -> Counters: ...
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None: ...
 
@@ -106,7 +146,7 @@ class TensorParallel:
     def on_lost(self, lost: EngineLost) -> None:
         """Nothing: the membership already marked the node dead, and deploy() plans without it."""
 
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self) -> list[NodeView]:
         out = []
         for n in self.master.nodes:
             spec = n.spec
@@ -115,29 +155,25 @@ class TensorParallel:
                                               + len(spec.vocab_blocks))
             state = MemberState.LOST if not n.alive else MemberState.LOADING if not n.ready.is_set() \
                 else MemberState.SERVING if holds else MemberState.STANDBY
-            out.append({
-                "name": n.name, "kind": WorkerKind.NATIVE, "device": n.device, "alive": n.alive, "state": state,
-                "memory_mb": (n.weight_bytes + n.cache_bytes) / 1e6, "budget_mb": n.budget_mb,
-                "speed_gb_s": (n.speed if (m := n.decode.measured()) is None else m.speed) / 1e9,
-                "rtt_ms": None if n.link is None else n.link.rtt_ms,
-                "loss": None if n.link is None else n.link.loss_rate,
-                "holds": None if spec is None else (
+            out.append(NodeView(
+                n.name, WorkerKind.NATIVE, n.device, n.alive, state, (n.weight_bytes + n.cache_bytes) / 1e6,
+                n.budget_mb, (n.speed if (m := n.decode.measured()) is None else m.speed) / 1e9,
+                None if n.link is None else n.link.rtt_ms, None if n.link is None else n.link.loss_rate,
+                None if spec is None else (
                     f"{sum(map(len, spec.attn_units))} attention units, {sum(map(len, spec.mlp_groups))} MLP "
-                    f"groups, {len(spec.vocab_blocks)} vocabulary blocks"),
-            })
+                    f"groups, {len(spec.vocab_blocks)} vocabulary blocks")))
         return out
 
-    def plan(self) -> dict[str, Any] | None:
+    def plan(self) -> PlanView | None:
         p = self.master.plan
         if p is None:
             return None
-        return {"strategy": p.strategy, "devices": list(p.devices), "memory_mb": [m / 1e6 for m in p.memory_bytes],
-                "compute_ms": [c * 1e3 for c in p.compute_s], "predicted_ms_per_token": p.time_per_token_s * 1e3}
+        return PlanView(str(p.strategy), tuple(p.devices), tuple(m / 1e6 for m in p.memory_bytes),
+                        tuple(c * 1e3 for c in p.compute_s), p.time_per_token_s * 1e3)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> Counters:
         s = self.master.stats
-        return {"blocks": s.blocks, "blocks_incomplete": s.blocks_incomplete, "late_packets": s.late_packets,
-                "rejected": self.master.counters.total()}
+        return Counters(s.blocks, s.blocks_incomplete, s.late_packets, self.master.counters.total())
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         self.master.reconfigure(replace(self.master.config, speed=weight_bytes_per_s))
@@ -173,27 +209,24 @@ class Experts:
     def on_lost(self, lost: EngineLost) -> None:
         """Nothing: the hub saw the worker leave; deploy() places its experts over the workers left."""
 
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self) -> list[NodeView]:
         placement = self.hub.placement
-        return [{"name": w.name, "kind": w.kind, "device": w.kind, "alive": w.alive,
-                 "state": MemberState.SERVING if w.healthy else MemberState.LEFT_OUT if w.alive else MemberState.LOST,
-                 "memory_mb": w.peak_rss_mb or None, "budget_mb": w.budget_mb, "speed_gb_s": None,
-                 "rtt_ms": w.p50_s * 1e3 if w.recent else None, "loss": None,
-                 "holds": f"{len(placement.experts_of(w.name))} experts" if placement else "nothing"}
+        return [NodeView(w.name, w.kind, str(w.kind), w.alive,
+                         MemberState.SERVING if w.healthy else MemberState.LEFT_OUT if w.alive else MemberState.LOST,
+                         w.peak_rss_mb or None, w.budget_mb, None, w.p50_s * 1e3 if w.recent else None, None,
+                         f"{len(placement.experts_of(w.name))} experts" if placement else "nothing")
                 for w in self.hub.workers.values()]
 
-    def plan(self) -> dict[str, Any] | None:
+    def plan(self) -> PlanView | None:
         placement = self.hub.placement
         if placement is None:
             return None
-        names = sorted(placement.held_mb)
-        return {"strategy": "moe", "devices": names, "memory_mb": [placement.held_mb[n] for n in names],
-                "compute_ms": [], "predicted_ms_per_token": None}
+        names = tuple(sorted(placement.held_mb))
+        return PlanView("moe", names, tuple(placement.held_mb[n] for n in names), (), None)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> Counters:
         s = self.hub.stats
-        return {"blocks": s.dispatches, "blocks_incomplete": s.dropped, "late_packets": s.redispatched,
-                "rejected": 0}
+        return Counters(s.dispatches, s.dropped, s.redispatched)
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         """The hub's own share (attention, routers, head) is not planned."""
@@ -230,33 +263,29 @@ class Pipeline:
     def on_lost(self, lost: EngineLost) -> None:
         self.pipeline.recover(lost)  # the pipeline goes Down; its next prefill replans
 
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self) -> list[NodeView]:
         stages = {s.worker: s for s in self.pipeline.plan.stages} if self.pipeline.plan else {}
         out = []
         for w in self.pipeline.workers.alive():  # a tab that closed leaves the list
             s = stages.get(w.name)
             browser = w.kind is WorkerKind.BROWSER
             # A native worker: its machine and onnxruntime's device; a tab: its backend (wasm or webgpu).
-            device = w.capabilities.get("backend") if browser else \
-                ", ".join(str(w.capabilities[k]) for k in ("host", "device") if w.capabilities.get(k))
-            out.append({
-                "name": w.name, "kind": w.kind, "device": device, "alive": True,
-                "state": MemberState.SERVING if s else MemberState.STANDBY, "memory_mb": None, "budget_mb": w.memory_mb,
-                "speed_gb_s": w.measured_speed / 1e9, "rtt_ms": w.rtt_ms, "loss": None,
-                "holds": f"layers {s.first_layer}-{s.end_layer - 1}" if s else "nothing",
-            })
+            c = w.capabilities
+            device = c.backend if browser else ", ".join(v for v in (c.host, c.device) if v)
+            out.append(NodeView(w.name, w.kind, device, True, MemberState.SERVING if s else MemberState.STANDBY, None,
+                                w.memory_mb, w.measured_speed / 1e9, w.rtt_ms, None,
+                                f"layers {s.first_layer}-{s.end_layer - 1}" if s else "nothing"))
         return out
 
-    def plan(self) -> dict[str, Any] | None:
+    def plan(self) -> PlanView | None:
         p = self.pipeline.plan
         if p is None:
             return None
-        return {"strategy": "dp", "devices": [s.worker for s in p.stages], "memory_mb": [],
-                "compute_ms": [c * 1e3 for c in p.stage_compute_s],
-                "predicted_ms_per_token": p.exec_s_per_token * 1e3}
+        return PlanView("dp", tuple(s.worker for s in p.stages), (), tuple(c * 1e3 for c in p.stage_compute_s),
+                        p.exec_s_per_token * 1e3)
 
-    def counters(self) -> dict[str, int]:
-        return {"blocks": 0, "blocks_incomplete": 0, "late_packets": 0, "rejected": 0}
+    def counters(self) -> Counters:
+        return Counters()
 
     def set_own_speed(self, weight_bytes_per_s: float) -> None:
         """The pipeline master computes no layers itself."""

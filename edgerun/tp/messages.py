@@ -11,28 +11,16 @@ Which channel a block's input and partial take is data too: the assignment carri
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
-import types
 import typing
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
-from typing import Any, Union
+from enum import IntEnum
 
 from edgerun.model.onnx_graph import Activations
-from edgerun.net.wire import Block, Codec, Transport, WireError, check_parity
+from edgerun.net.typed import BadMessage, Payload, build, carried_fields, plain
+from edgerun.net.wire import Block, Codec, Transport, check_parity
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.shard import ShardSpec
-
-
-class BadMessage(WireError):
-    """An authentic control frame that holds no valid message: refused, and the stream goes on."""
-
-
-# A message's binary field. Decoded, it is a read-only view of the frame it came in (wire.open_frame): a prefill's
-# activations and partials are hundreds of kilobytes, which are not copied again on their way to numpy.
-Payload = bytes | memoryview
 
 
 class Route(IntEnum):
@@ -299,15 +287,10 @@ MAX_PROBE_BYTES = 64 << 20  # the largest bandwidth reply a node sends
 
 def encode(message: Message) -> tuple[bytes, Payload]:
     """A message as its JSON text and its binary payload."""
-    fields: dict[str, Any] = {}
-    payload: Payload = b""
-    for f in dataclasses.fields(message):
-        value = getattr(message, f.name)
-        if isinstance(value, Payload):
-            payload = value
-        else:
-            fields[f.name] = _plain(value)
-    return json.dumps({"message": type(message).__name__, **fields}, separators=(",", ":")).encode(), payload
+    (binary,) = carried_fields(type(message)) or (None,)
+    payload: Payload = b"" if binary is None else getattr(message, binary.name)
+    fields = {"message": type(message).__name__, **plain(message)}
+    return json.dumps(fields, separators=(",", ":")).encode(), payload
 
 
 def decode(text: bytes, payload: Payload) -> Message:
@@ -322,73 +305,4 @@ def decode(text: bytes, payload: Payload) -> Message:
     cls = MESSAGES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise BadMessage("unknown control message")
-    return _build(cls, data, payload)
-
-
-def _plain(value: Any) -> Any:
-    """A field's value as JSON holds it."""
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, Enum):
-        return value.value
-    return value
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """A message class's field types (resolving them compiles their annotations: once per class)."""
-    return typing.get_type_hints(cls)
-
-
-def _build(cls: type, data: dict, payload: Payload | None) -> Any:
-    hints = _hints(cls)
-    fields = dataclasses.fields(cls)
-    known = {f.name for f in fields}
-    if set(data) - known:
-        raise BadMessage(f"{cls.__name__}: unknown fields {sorted(set(data) - known)}")
-    values = {}
-    for f in fields:
-        if hints[f.name] == Payload:
-            values[f.name] = b"" if payload is None else payload
-        elif f.name in data:
-            values[f.name] = _coerce(data[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise BadMessage(f"{cls.__name__}: missing field {f.name}")
-    try:
-        return cls(**values)
-    except ValueError as e:  # a field out of its range (the class's own check)
-        raise BadMessage(f"{cls.__name__}: {e}") from e
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """value checked against a field's type (JSON's lists become tuples, numbers become enums)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, where)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise BadMessage(f"{where}: expected a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], where) for v in value)
-        if len(value) != len(args):
-            raise BadMessage(f"{where}: expected {len(args)} items")
-        return tuple(_coerce(v, a, where) for v, a in zip(value, args, strict=True))
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise BadMessage(f"{where}: expected an object")
-        return _build(hint, value, None)
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError as e:
-            raise BadMessage(f"{where}: {e}") from e
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, str, bool) and type(value) is hint:
-        return value
-    raise BadMessage(f"{where}: expected {getattr(hint, '__name__', hint)}, not {type(value).__name__}")
+    return build(cls, data, {f.name: payload for f in carried_fields(cls)})

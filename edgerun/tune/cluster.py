@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from starlette.applications import Starlette
@@ -24,18 +24,36 @@ from edgerun.model.loader import Model
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.model_files import model_routes, model_sha256
-from edgerun.net.wire import PpMsg, WorkerKind
+from edgerun.net.wire import WorkerKind
 from edgerun.pp.http import pipeline_routes
+from edgerun.pp.messages import Init
 from edgerun.pp.workers import WorkerConn, WorkerLost, Workers
 from edgerun.sched.pp_plan import Layers, PPPlan, plan_layers, workers_from_devices
 from edgerun.sched.profiles import model_profile
 from edgerun.tune.lora import parse_tensor_name
+from edgerun.tune.messages import (
+    TRAINING,
+    TuneBackward,
+    TuneEval,
+    TuneForward,
+    TuneGrad,
+    TuneLoad,
+    TuneLoaded,
+    TuneOutput,
+    TuneState,
+    TuneStateData,
+    TuneStep,
+    TuneStepped,
+)
 from edgerun.tune.stage import OptimConfig, StageTrainer
 from edgerun.tune.tuner import Checkpoint, Restart, StageClient, TuneConfig
 
 PROGRESS_S = 15.0  # how often a wait for workers says who joined
 CALL_TIMEOUT_S = 600.0  # one stage's forward or backward pass of a micro-batch, on the slowest device
 LOAD_TIMEOUT_S = 900.0  # a worker fetching the model file and building its stage
+
+
+T = TypeVar("T")
 
 
 class LocalStage:
@@ -58,9 +76,8 @@ class LocalStage:
     async def evaluate(self, x: np.ndarray, labels: np.ndarray | None) -> tuple[np.ndarray | None, float, int]:
         return self.trainer.eval_loss(x, labels)
 
-    async def step(self, lr: float) -> dict[str, Any]:
+    async def step(self, lr: float) -> None:
         self.trainer.step(lr)
-        return {"compute_s": self.trainer.compute_s}
 
     async def state(self) -> tuple[dict[str, np.ndarray], int]:
         return self.trainer.state()
@@ -71,7 +88,7 @@ def local_restart(model: Model, config: TuneConfig) -> Restart:
 
     async def restart(checkpoint: Checkpoint | None) -> list[StageClient]:
         trainer = StageTrainer(model.config, model.weights, 0, model.config.n_layers, config.lora,
-                               OptimConfig(**config.optim()), config.recompute)
+                               OptimConfig(lr=config.lr, weight_decay=config.weight_decay), config.recompute)
         if checkpoint is not None:
             trainer.load_state(checkpoint.tensors, checkpoint.optimizer_steps)
         return [LocalStage(trainer)]
@@ -84,51 +101,44 @@ class RemoteStage:
 
     def __init__(self, workers: Workers, worker: WorkerConn, first: int, end: int) -> None:
         self.workers, self.worker, self.first, self.end = workers, worker, first, end
-        self.loaded: dict[str, Any] = {}  # TUNE_LOADED's report: the frozen weights' bytes, peak RSS
-        self.stats: dict[str, Any] = {}  # the last TUNE_STEPPED's: compute seconds so far, peak RSS
+        self.loaded: TuneLoaded | None = None  # its load's report: the frozen weights' bytes, peak RSS
+        self.stats: TuneStepped | None = None  # its last step's: compute seconds so far, peak RSS
 
-    async def _call(self, kind: PpMsg, message: dict[str, Any], expect: PpMsg,
-                    tensors: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        return await self.workers.call(self.worker, kind, message, expect, CALL_TIMEOUT_S, tensors)
+    async def _call(self, message: Any, expect: type[T]) -> T:
+        return await self.workers.call(self.worker, message, expect, CALL_TIMEOUT_S)
 
     async def forward(self, step: int, micro: int, x: np.ndarray) -> np.ndarray:
-        _, out = await self._call(PpMsg.TUNE_FORWARD, {"step": step, "micro": micro}, PpMsg.TUNE_OUTPUT,
-                                  {"input": x})
-        return _tensor(out, "hidden", self.worker)
+        out = await self._call(TuneForward(step, micro, x), TuneOutput)
+        return _tensor(out.hidden, "hidden", self.worker)
 
     async def forward_loss(self, step: int, micro: int, x: np.ndarray, labels: np.ndarray,
                            denominator: int) -> tuple[float, int, np.ndarray | None]:
-        reply, out = await self._call(PpMsg.TUNE_FORWARD, {"step": step, "micro": micro,
-                                                           "denominator": denominator},
-                                      PpMsg.TUNE_OUTPUT, {"input": x, "labels": labels})
-        grad = None if self.first == 0 else _tensor(out, "grad", self.worker)
-        return float(reply["loss"]), int(reply["count"]), grad
+        out = await self._call(TuneForward(step, micro, x, labels, denominator), TuneOutput)
+        grad = None if self.first == 0 else _tensor(out.grad, "grad", self.worker)
+        return out.loss, out.count, grad
 
     async def backward(self, micro: int, grad: np.ndarray) -> np.ndarray | None:
-        _, out = await self._call(PpMsg.TUNE_BACKWARD, {"micro": micro}, PpMsg.TUNE_GRAD, {"grad": grad})
-        return None if self.first == 0 else _tensor(out, "grad", self.worker)
+        out = await self._call(TuneBackward(micro, grad), TuneGrad)
+        return None if self.first == 0 else _tensor(out.grad, "grad", self.worker)
 
     async def evaluate(self, x: np.ndarray, labels: np.ndarray | None) -> tuple[np.ndarray | None, float, int]:
-        tensors = {"input": x} if labels is None else {"input": x, "labels": labels}
-        reply, out = await self._call(PpMsg.TUNE_EVAL, {}, PpMsg.TUNE_OUTPUT, tensors)
+        out = await self._call(TuneEval(x, labels), TuneOutput)
         if labels is None:
-            return _tensor(out, "hidden", self.worker), 0.0, 0
-        return None, float(reply["loss"]), int(reply["count"])
+            return _tensor(out.hidden, "hidden", self.worker), 0.0, 0
+        return None, out.loss, out.count
 
-    async def step(self, lr: float) -> dict[str, Any]:
-        reply, _ = await self._call(PpMsg.TUNE_STEP, {"lr": lr}, PpMsg.TUNE_STEPPED)
-        self.stats = reply
-        return reply
+    async def step(self, lr: float) -> None:
+        self.stats = await self._call(TuneStep(lr), TuneStepped)
 
     async def state(self) -> tuple[dict[str, np.ndarray], int]:
-        reply, tensors = await self._call(PpMsg.TUNE_STATE, {}, PpMsg.TUNE_STATE_DATA)
-        return tensors, int(reply["steps"])
+        reply = await self._call(TuneState(), TuneStateData)
+        return reply.state, reply.steps
 
 
-def _tensor(tensors: dict[str, np.ndarray], name: str, worker: WorkerConn) -> np.ndarray:
-    if name not in tensors or tensors[name].dtype != np.float32:
+def _tensor(x: np.ndarray | None, name: str, worker: WorkerConn) -> np.ndarray:
+    if x is None or x.dtype != np.float32:
         raise WorkerLost(f"{worker.name} answered without a float32 {name}")
-    return tensors[name]
+    return x
 
 
 def activation_bytes_per_token(config: ModelConfig, recompute: bool = False) -> float:
@@ -184,8 +194,8 @@ class TuneMaster:
         self.stages: list[RemoteStage] = []
         sock = bind(host, port)
         self.net = EventLoopThread()
-        init = {"config": model.config.to_dict(), "max_len": max_len}
-        self.workers: Workers = self.net.call(lambda: Workers(key, init, log, lambda worker, joined: None))
+        init = Init(model.config, max_len)
+        self.workers: Workers = self.net.call(lambda: Workers(key, init, log, lambda worker, joined: None, TRAINING))
         routes = [*pipeline_routes(self.workers, {}, self.status_text), *model_routes(model.path, self.sha256)]
         try:
             self.http = HttpServer(Starlette(routes=routes), sock, self.net)
@@ -237,12 +247,10 @@ class TuneMaster:
         tensors = {} if checkpoint is None else {
             n: a for n, a in checkpoint.tensors.items()
             if stage.first <= parse_tensor_name(n.removesuffix(".exp_avg_sq").removesuffix(".exp_avg"))[0] < stage.end}
-        message = {"model_sha256": self.sha256, "first_layer": stage.first, "end_layer": stage.end,
-                   "lora": self.config.lora.to_dict(), "optim": self.config.optim(),
-                   "steps": checkpoint.optimizer_steps if checkpoint else 0, "recompute": self.config.recompute}
-        reply, _ = await self.workers.call(stage.worker, PpMsg.TUNE_LOAD, message, PpMsg.TUNE_LOADED,
-                                           LOAD_TIMEOUT_S, tensors or None)
-        stage.loaded = reply
+        message = TuneLoad(self.sha256, stage.first, stage.end, self.config.lora, self.config.lr,
+                           self.config.weight_decay, checkpoint.optimizer_steps if checkpoint else 0,
+                           self.config.recompute, tensors)
+        stage.loaded = await self.workers.call(stage.worker, message, TuneLoaded, LOAD_TIMEOUT_S)
 
     def run(self, coro, timeout: float | None = None):
         return self.net.run(coro, timeout)

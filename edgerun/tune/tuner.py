@@ -58,10 +58,6 @@ class TuneConfig:
         if self.checkpoint_every < 0 or self.eval_examples < 0:
             raise EdgerunError("--checkpoint-every and --eval-examples must be at least 0")
 
-    def optim(self) -> dict[str, float]:
-        return {"lr": self.lr, "weight_decay": self.weight_decay}
-
-
 class StageClient(Protocol):
     """One stage as the loop drives it, local or on a worker. Requests to one stage are answered in order."""
 
@@ -77,7 +73,7 @@ class StageClient(Protocol):
 
     async def evaluate(self, x: np.ndarray, labels: np.ndarray | None) -> tuple[np.ndarray | None, float, int]: ...
 
-    async def step(self, lr: float) -> dict[str, Any]: ...
+    async def step(self, lr: float) -> None: ...
 
     async def state(self) -> tuple[dict[str, np.ndarray], int]: ...
 
