@@ -1,11 +1,15 @@
-"""Result tables written for other tools: CSV files of rows of one shape (benchmarks, experiments, predictor
-evaluations)."""
+"""Result tables: CSV files of rows of one shape for other tools, and text tables for people (benchmarks,
+experiments, predictor evaluations)."""
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
+
+Row = TypeVar("Row")
 
 
 def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
@@ -15,3 +19,30 @@ def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+@dataclass(frozen=True)
+class Column(Generic[Row]):
+    """A text table's column: its title, its cell of a row, and how the cell is written."""
+
+    title: str
+    cell: Callable[[Row], object]
+    spec: str = ""  # the cell's format spec (".1f", ".0%"); "": as str() writes it
+    width: int = 0  # at least the title's
+    left: bool = False  # aligned left (else right)
+
+    def text(self, row: Row) -> str:
+        return format(self.cell(row), self.spec)
+
+
+def text_table(columns: Sequence[Column[Row]], rows: Iterable[Row]) -> list[str]:
+    """The header and one line per row, every column as wide as its title, its width or its widest cell (the
+    benchmarks' tables for people, one shape for all of them)."""
+    rows = list(rows)
+    cells = [[c.text(r) for c in columns] for r in rows]
+    widths = [max([len(c.title), c.width, *(len(line[i]) for line in cells)]) for i, c in enumerate(columns)]
+
+    def line(texts: Sequence[str]) -> str:
+        return " ".join(f"{t:{'<' if c.left else '>'}{w}}" for t, c, w in zip(texts, columns, widths, strict=True))
+
+    return [line([c.title for c in columns]), *(line(texts) for texts in cells)]

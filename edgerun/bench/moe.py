@@ -27,6 +27,7 @@ from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.moe.hub import HubConfig, MoeHub
 from edgerun.net.wire import derive_key
 from edgerun.sched.moe import LogNormal, expected_expert_phase_ms, expert_phase_quantile_ms, worker_memory_bytes
+from edgerun.tables import Column, text_table
 
 SECRET = "edgerun-bench"
 PROMPT = "Distributed inference splits one model across several machines because"
@@ -136,15 +137,24 @@ def bench_moe(model: Model, workers: int, replicas: int, hedges: list[int], late
 
 
 def moe_table(rows: list[MoeRow], single_ms: float) -> str:
-    lines = [f"{'hedge':>5} {'latency':>18} {'workers':>7} {'r':>2} {'k':>2} {'expert ms mean':>14} {'p50':>7} "
-             f"{'p99':>7} {'model mean':>10} {'model p99':>9} {'tok/s':>7} {'ms/token':>8} {'vs single':>9} "
-             f"{'frames/disp':>11} {'redisp':>6} {'worker MiB held/Eq.3/rss':>24}"]
-    for r in rows:
-        lines.append(f"{r.hedge:>5} {r.latency:>18} {r.workers:>7} {r.replicas:>2} {r.k:>2} {r.expert_mean_ms:>14.2f} "
-                     f"{r.expert_p50_ms:>7.2f} {r.expert_p99_ms:>7.2f} {r.model_mean_ms:>10.2f} "
-                     f"{r.model_p99_ms:>9.2f} {r.tokens_per_s:>7.1f} {r.ms_per_token:>8.1f} "
-                     f"{single_ms / r.ms_per_token:>8.2f}x {r.frames_per_dispatch:>11.2f} "
-                     f"{r.redispatched:>6} {f'{r.worker_held_mb:.0f}/{r.eq3_mb:.0f}/{r.worker_rss_mb:.0f}':>24}")
+    lines = text_table((
+        Column("hedge", lambda r: r.hedge),
+        Column("latency", lambda r: r.latency, width=18),
+        Column("workers", lambda r: r.workers),
+        Column("r", lambda r: r.replicas, width=2),  # replicas of each expert
+        Column("k", lambda r: r.k, width=2),  # experts a token takes
+        Column("expert ms mean", lambda r: r.expert_mean_ms, ".2f"),
+        Column("p50", lambda r: r.expert_p50_ms, ".2f", width=7),
+        Column("p99", lambda r: r.expert_p99_ms, ".2f", width=7),
+        Column("model mean", lambda r: r.model_mean_ms, ".2f"),
+        Column("model p99", lambda r: r.model_p99_ms, ".2f"),
+        Column("tok/s", lambda r: r.tokens_per_s, ".1f", width=7),
+        Column("ms/token", lambda r: r.ms_per_token, ".1f"),
+        Column("vs single", lambda r: f"{single_ms / r.ms_per_token:.2f}x"),
+        Column("frames/disp", lambda r: r.frames_per_dispatch, ".2f"),
+        Column("redisp", lambda r: r.redispatched),
+        Column("worker MiB held/Eq.3/rss",
+               lambda r: f"{r.worker_held_mb:.0f}/{r.eq3_mb:.0f}/{r.worker_rss_mb:.0f}")), rows)
     lines.append(f"single-process onnx engine: {single_ms:.1f} ms/token, prefill included as in the rows' ms/token "
                  "(tok/s: decode only)")
     return "\n".join(lines)

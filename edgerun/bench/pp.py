@@ -30,6 +30,7 @@ from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Rou
 from edgerun.pp.messages import TabWeights
 from edgerun.sched.pp_plan import PPPlan, Stage, plan_exec_us
 from edgerun.sched.profiles import model_profile
+from edgerun.tables import Column, text_table
 
 SECRET = "edgerun-bench"
 PROMPT = "Distributed inference splits one model across several machines because"
@@ -127,12 +128,14 @@ def cost_model_accuracy(model: Model, configs: Sequence[Sequence[float]], tokens
 
 
 def cost_table(results: Sequence[CostResult]) -> str:
-    rows = [f"{'budgets (MB)':>16} {'stages':>6} {'initial ms':>10} {'measured ms':>11} {'error':>6} "
-            f"{'running ms':>10} {'error':>6}"]
-    for r in results:
-        rows.append(f"{','.join(f'{b:g}' for b in r.budgets):>16} {r.stages:>6} {r.predicted_ms:>10.1f} "
-                    f"{r.measured_ms:>11.1f} {r.error:>6.1%} {np.mean(r.running_predicted_ms):>10.1f} "
-                    f"{r.running_error:>6.1%}")
+    rows = text_table((
+        Column("budgets (MB)", lambda r: ",".join(f"{b:g}" for b in r.budgets), width=16),
+        Column("stages", lambda r: r.stages),
+        Column("initial ms", lambda r: r.predicted_ms, ".1f"),
+        Column("measured ms", lambda r: r.measured_ms, ".1f"),
+        Column("error", lambda r: r.error, ".1%", width=6),
+        Column("running ms", lambda r: np.mean(r.running_predicted_ms), ".1f"),
+        Column("error", lambda r: r.running_error, ".1%", width=6)), results)
     rows.append(f"MAPE {np.mean([r.error for r in results]):.1%} initial, "
                 f"{np.mean([r.running_error for r in results]):.1%} running, over {len(results)} configurations")
     return "\n".join(rows)
@@ -475,11 +478,17 @@ def _swap_row(model: Model, kind: str, prompt: list[int], reference: list[int], 
 
 
 def swap_table(rows: Sequence[SwapRow]) -> str:
-    lines = [f"{'swap':>10} {'context':>7} {'KV sent':>7} {'pre-copied':>10} {'KV kept':>7} {'swap ms':>8} "
-             f"{'token ms':>8} {'pause ms':>8} {'prefill ms':>10} {'= single':>8}"]
-    lines += [f"{r.kind:>10} {r.context:>7} {r.layers_sent:>7} {r.layers_precopied:>10} {r.layers_kept:>7} "
-              f"{r.swap_ms:>8.1f} {r.token_ms:>8.1f} {r.pause_ms:>8.1f} {r.prefill_ms:>10.1f} "
-              f"{'yes' if r.same_tokens else 'NO':>8}" for r in rows]
+    lines = text_table((
+        Column("swap", lambda r: r.kind, width=10),
+        Column("context", lambda r: r.context),
+        Column("KV sent", lambda r: r.layers_sent),
+        Column("pre-copied", lambda r: r.layers_precopied),
+        Column("KV kept", lambda r: r.layers_kept),
+        Column("swap ms", lambda r: r.swap_ms, ".1f"),
+        Column("token ms", lambda r: r.token_ms, ".1f"),
+        Column("pause ms", lambda r: r.pause_ms, ".1f"),
+        Column("prefill ms", lambda r: r.prefill_ms, ".1f"),
+        Column("= single", lambda r: "yes" if r.same_tokens else "NO")), rows)
     lines.append("swap ms: from the swap's start to the next token; pause ms: that less a one-token step before it")
     return "\n".join(lines)
 
@@ -487,11 +496,17 @@ def swap_table(rows: Sequence[SwapRow]) -> str:
 def pp_table(rows: Sequence[PpRow], single: RequestTiming, activations: Activations) -> str:
     """ms/token of whole requests (the prompt's prefill included) and of their one-token steps alone ("decode"),
     which are the stages' own compute ("stages") and the rest ("other": transfers, the master)."""
-    lines = [f"{'workers':>7} {'browser':>7} {'route':>5} {'stages':>6} {'ms/token':>9} {'vs single':>9} "
-             f"{'decode':>7} {'vs single':>9} {'stages ms':>9} {'other ms':>8}"]
-    lines += [f"{r.workers:>7} {r.browser:>7} {r.route:>5} {r.stages:>6} {r.ms_per_token:>9.1f} "
-              f"{r.ratio_to_single:>8.2f}x {r.decode_ms_per_token:>7.1f} {r.decode_ratio_to_single:>8.2f}x "
-              f"{r.stage_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f}" for r in rows]
+    lines = text_table((
+        Column("workers", lambda r: r.workers),
+        Column("browser", lambda r: r.browser),
+        Column("route", lambda r: r.route),
+        Column("stages", lambda r: r.stages),
+        Column("ms/token", lambda r: r.ms_per_token, ".1f", width=9),
+        Column("vs single", lambda r: f"{r.ratio_to_single:.2f}x"),
+        Column("decode", lambda r: r.decode_ms_per_token, ".1f"),
+        Column("vs single", lambda r: f"{r.decode_ratio_to_single:.2f}x"),
+        Column("stages ms", lambda r: r.stage_ms_per_token, ".1f"),
+        Column("other ms", lambda r: r.other_ms_per_token, ".1f")), rows)
     lines.append(f"single-process engine: {single.ms_per_token:.1f} ms/token, decode "
                  f"{single.decode_ms_per_token:.1f} ({activations.value} activations, as the native stages; the "
                  f"median of {len(rows) + 1} runs, one before the first row and one after each: each row is compared "

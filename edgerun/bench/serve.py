@@ -30,6 +30,7 @@ from pathlib import Path
 
 from edgerun.errors import EdgerunError
 from edgerun.serve.client import stream_events
+from edgerun.tables import Column, text_table
 
 START_TIMEOUT_S = 300  # loading the model and starting the server
 BENCH_PROMPT = "Once upon a time, in a small village by the sea, there lived"
@@ -312,14 +313,16 @@ def serve_table(rows: Sequence[ServeRow]) -> str:
     """The rows as a text table; "x one" is the aggregate tokens a second against one stream's, "x single" (with
     --baseline) against the single engine's one stream alone."""
     single = any(r.vs_single is not None for r in rows)
-    lines = [f"{'streams':>7} {'tokens':>7} {'wall s':>7} {'aggregate tok/s':>15} {'x one':>6} "
-             + (f"{'x single':>8} " if single else "") + f"{'ttft p50 ms':>11} {'ttft p95 ms':>11} {'itl p50 ms':>10}"]
-    for r in rows:
-        ratio = "" if r.vs_one is None else f"{r.vs_one:.2f}x"
-        against = (f"{r.vs_single:.2f}x" if r.vs_single is not None else "") if single else None
-        lines.append(f"{r.streams:>7} {r.tokens:>7} {r.wall_s:>7.2f} {r.aggregate_tok_s:>15.1f} {ratio:>6} "
-                     + ("" if against is None else f"{against:>8} ")
-                     + f"{r.ttft_p50_ms:>11.0f} {r.ttft_p95_ms:>11.0f} {r.itl_p50_ms:>10.1f}")
+    lines = text_table((
+        Column("streams", lambda r: r.streams),
+        Column("tokens", lambda r: r.tokens, width=7),
+        Column("wall s", lambda r: r.wall_s, ".2f", width=7),
+        Column("aggregate tok/s", lambda r: r.aggregate_tok_s, ".1f"),
+        Column("x one", lambda r: "" if r.vs_one is None else f"{r.vs_one:.2f}x", width=6),
+        *([Column("x single", lambda r: "" if r.vs_single is None else f"{r.vs_single:.2f}x")] if single else []),
+        Column("ttft p50 ms", lambda r: r.ttft_p50_ms, ".0f"),
+        Column("ttft p95 ms", lambda r: r.ttft_p95_ms, ".0f"),
+        Column("itl p50 ms", lambda r: r.itl_p50_ms, ".1f")), rows)
     lines += [f"{r.streams} stream(s): served from {r.served_by}" for r in rows]
     if single:
         lines.append(f"x single: against one stream on the single engine alone (--baseline), "

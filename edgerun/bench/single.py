@@ -17,6 +17,7 @@ from edgerun.model.generate import GenerationResult, default_engine, generate, m
 from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
+from edgerun.tables import Column, text_table
 
 BENCH_TEXT = (
     "Distributed inference splits one model across several machines. Each machine holds part of the "
@@ -88,15 +89,20 @@ def bench_single(engines: list[str], model_path: Path | None, threads: int, prom
     return results
 
 
+RESULT_COLUMNS: tuple[Column[SingleResult], ...] = (
+    Column("engine", lambda r: r.engine, width=10, left=True),
+    Column("prefill tok/s", lambda r: r.prefill_tok_s, ".1f"),
+    Column("decode tok/s", lambda r: r.decode_tok_s, ".2f"),
+    Column("weights MB", lambda r: r.weight_bytes / 1e6, ".1f"),
+    Column("read GB/s", lambda r: r.weight_read_gb_s, ".2f"),
+    Column("mem GB/s", lambda r: r.memory_read_gb_s, ".2f"),
+    Column("share", lambda r: r.bandwidth_share, ".0%", width=6),
+    Column("peak RSS MB", lambda r: r.peak_rss_mb, ".0f"),
+)
+
+
 def results_table(results: list[SingleResult]) -> str:
-    head = f"{'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'weights MB':>10} " \
-           f"{'read GB/s':>9} {'mem GB/s':>8} {'share':>6} {'peak RSS MB':>11}"
-    rows = [head]
-    for r in results:
-        rows.append(f"{r.engine:<10} {r.prefill_tok_s:>13.1f} {r.decode_tok_s:>12.2f} {r.weight_bytes / 1e6:>10.1f} "
-                    f"{r.weight_read_gb_s:>9.2f} {r.memory_read_gb_s:>8.2f} {r.bandwidth_share:>6.0%} "
-                    f"{r.peak_rss_mb:>11.0f}")
-    return "\n".join(rows)
+    return "\n".join(text_table(RESULT_COLUMNS, results))
 
 
 def results_json(results: list[SingleResult]) -> list[dict[str, object]]:

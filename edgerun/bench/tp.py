@@ -38,6 +38,7 @@ from edgerun.net.netns import entered
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.tp_plan import TPPlan
+from edgerun.tables import Column, text_table
 from edgerun.tp.config import OVERLAPS, MasterConfig, check_exchange
 from edgerun.tp.master import Master, TrialOutcome
 from edgerun.tp.membership import NodeConn
@@ -680,6 +681,40 @@ def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | Non
         yield lambda: (0, 0)
 
 
+def _speedup_cell(r: TpResult, ratio: float | None) -> str:
+    """A speed-up cell: none measured, none to measure (the master computed alone), or the ratio."""
+    return "" if ratio is None else "-" if nodes_idle(r) else f"{ratio:.2f}x"
+
+
+TP_COLUMNS: tuple[Column[TpResult], ...] = (
+    Column("nodes", lambda r: r.nodes),
+    Column("used", lambda r: r.devices_used),
+    Column("transport", lambda r: r.transport),
+    Column("loss", lambda r: r.loss, width=6),
+    Column("ms/token", lambda r: r.ms_per_token, ".1f", width=9),
+    Column("plan", lambda r: r.predicted_ms_per_token, ".1f", width=6),
+    Column("speed-up", lambda r: _speedup_cell(r, r.speedup)),
+    Column("decode", lambda r: r.decode_ms_per_token, ".1f", width=7),
+    Column("(x)", lambda r: _speedup_cell(r, r.decode_speedup), width=6),
+    Column("prefill", lambda r: r.prefill_ms, ".1f", width=8),
+    Column("(x)", lambda r: _speedup_cell(r, r.prefill_speedup), width=6),
+    Column("compute", lambda r: r.compute_ms_per_token, ".1f", width=8),
+    Column("node", lambda r: r.node_compute_ms_per_token, ".1f", width=7),
+    Column("wait", lambda r: r.wait_ms_per_token, ".1f", width=8),
+    Column("lost wait", lambda r: r.incomplete_wait_ms_per_token, ".1f"),
+    Column("other", lambda r: r.other_ms_per_token, ".1f", width=8),
+    Column("sync µs", lambda r: r.decode_sync_us, ".0f", width=8),
+    Column("req sync", lambda r: r.sync_overhead_us, ".0f"),
+    Column("incomplete blocks", lambda r: f"{r.blocks_incomplete}/{r.blocks}"),
+    Column("rebuilt", lambda r: r.partials_rebuilt),
+    Column("resent", lambda r: r.partials_resent),
+    Column("late pkts", lambda r: r.late_packets),
+    Column("kernel drops", lambda r: f"{r.kernel_dropped}/{r.kernel_matched}"),
+    Column("node MiB w+kv/rss (+over)", lambda r: f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f} "
+           f"(+{r.node_overhead_mb:.0f})" if r.nodes else "-", width=26),
+)
+
+
 def tp_table(results: list[TpResult]) -> str:
     """Times in ms per token; "used" the devices the plan gave units to (master included); "plan" what the plan
     predicts at the speeds the devices showed in the run (its model of the run, to check against ms/token);
@@ -690,28 +725,7 @@ def tp_table(results: list[TpResult]) -> str:
     prefill), with their speed-up over the single engine's; "prefill" the prompt's prefill and first token in ms
     (the time to the first token), with its speed-up; "rebuilt" partials rebuilt from a parity fragment, "resent"
     mirrored partials that came whole after the master asked for fragments they lacked."""
-    rows = [f"{'nodes':>5} {'used':>4} {'transport':>9} {'loss':>6} {'ms/token':>9} {'plan':>6} {'speed-up':>8} "
-            f"{'decode':>7} {'(x)':>6} {'prefill':>8} {'(x)':>6} {'compute':>8} "
-            f"{'node':>7} {'wait':>8} {'lost wait':>9} {'other':>8} {'sync µs':>8} {'req sync':>8} "
-            f"{'incomplete blocks':>17} "
-            f"{'rebuilt':>7} {'resent':>6} {'late pkts':>9} {'kernel drops':>12} {'node MiB w+kv/rss (+over)':>26}"]
-    for r in results:
-        idle = nodes_idle(r)  # the master alone: a cluster's speed-up is not measured by this row
-        speedup = "" if r.speedup is None else "-" if idle else f"{r.speedup:.2f}x"
-        decode_speedup = "" if r.decode_speedup is None else "-" if idle else f"{r.decode_speedup:.2f}x"
-        prefill_speedup = "" if r.prefill_speedup is None else "-" if idle else f"{r.prefill_speedup:.2f}x"
-        memory = (f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f} (+{r.node_overhead_mb:.0f})"
-                  if r.nodes else "-")
-        rows.append(f"{r.nodes:>5} {r.devices_used:>4} {r.transport:>9} {r.loss:>6} {r.ms_per_token:>9.1f} "
-                    f"{r.predicted_ms_per_token:>6.1f} {speedup:>8} {r.decode_ms_per_token:>7.1f} {decode_speedup:>6} "
-                    f"{r.prefill_ms:>8.1f} {prefill_speedup:>6} {r.compute_ms_per_token:>8.1f} "
-                    f"{r.node_compute_ms_per_token:>7.1f} "
-                    f"{r.wait_ms_per_token:>8.1f} "
-                    f"{r.incomplete_wait_ms_per_token:>9.1f} {r.other_ms_per_token:>8.1f} {r.decode_sync_us:>8.0f} "
-                    f"{r.sync_overhead_us:>8.0f} "
-                    f"{f'{r.blocks_incomplete}/{r.blocks}':>17} {r.partials_rebuilt:>7} {r.partials_resent:>6} "
-                    f"{r.late_packets:>9} "
-                    f"{f'{r.kernel_dropped}/{r.kernel_matched}':>12} {memory:>26}")
+    rows = text_table(TP_COLUMNS, results)
     rows += [f"{r.nodes} node(s), {r.transport}, loss {r.loss}: computed on {', '.join(r.computed_on)}"
              + (f"; left out: {', '.join(r.left_out)}" if r.left_out else "")
              + ("; the nodes computed nothing, so this row gives no speed-up or loss effect" if nodes_idle(r) else "")

@@ -20,6 +20,7 @@ from edgerun.memory import peak_rss_mb
 from edgerun.model.loader import Model
 from edgerun.net.model_files import model_sha256
 from edgerun.net.wire import derive_key
+from edgerun.tables import Column, text_table
 from edgerun.tune.cluster import LocalStage, TuneMaster, local_restart, training_layers
 from edgerun.tune.data import Example
 from edgerun.tune.tuner import Checkpoint, StageClient, StepRecord, TuneConfig, Tuner
@@ -107,11 +108,16 @@ def tune_table(rows: Sequence[TuneRow], config: TuneConfig, threads: int) -> str
     lines = [f"LoRA rank {config.lora.rank} on {','.join(t.value for t in config.lora.targets)}, steps of "
              f"{config.micro_batches} x {config.micro_size} sequences, {config.in_flight} in flight, {threads} "
              "thread(s) per process",
-             f"{'workers':>8} {'steps/s':>8} {'tok/s':>8} {'x single':>8}  memory per worker (layers: frozen MB, "
-             "peak RSS MB training / loading)"]
-    for r in rows:
-        memory = "; ".join(f"{m.name} {m.layers}: {m.frozen_mb:.0f}, {m.peak_rss_mb:.0f} / {m.load_peak_rss_mb:.0f}"
-                           for m in r.memory)
-        label = "single" if r.workers == 0 else str(r.workers)
-        lines.append(f"{label:>8} {r.steps_per_s:8.3f} {r.tokens_per_s:8.1f} {r.ratio_to_single:8.2f}  {memory}")
+             *text_table(TUNE_COLUMNS, rows)]
     return "\n".join(lines)
+
+
+TUNE_COLUMNS: tuple[Column[TuneRow], ...] = (
+    Column("workers", lambda r: "single" if r.workers == 0 else str(r.workers), width=8),
+    Column("steps/s", lambda r: r.steps_per_s, ".3f", width=8),
+    Column("tok/s", lambda r: r.tokens_per_s, ".1f", width=8),
+    Column("x single", lambda r: r.ratio_to_single, ".2f"),
+    Column(" memory per worker (layers: frozen MB, peak RSS MB training / loading)", lambda r: " " + "; ".join(
+        f"{m.name} {m.layers}: {m.frozen_mb:.0f}, {m.peak_rss_mb:.0f} / {m.load_peak_rss_mb:.0f}" for m in r.memory),
+        left=True),
+)

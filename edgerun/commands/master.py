@@ -7,6 +7,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from edgerun.commands.common import (
@@ -44,13 +45,13 @@ def _plan_for_cluster(plan, master):
         raise EdgerunError(f"--plan-file: {e}") from e
 
 
-def _advertise(mode: str, host: str, port: int, enabled: bool, log: Callable[[str], None]):
+def _advertise(kind: ClusterMode, host: str, port: int, enabled: bool, log: Callable[[str], None]):
     """A context that announces a master by mDNS while it runs (nothing with --no-advertise)."""
     if not enabled:
         return contextlib.nullcontext()
-    from edgerun.net.discovery import Advertiser, ClusterMode
+    from edgerun.net.discovery import Advertiser
 
-    return contextlib.closing(Advertiser(ClusterMode(mode), host, port, log=log))
+    return contextlib.closing(Advertiser(kind, host, port, log=log))
 
 
 def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
@@ -73,38 +74,6 @@ def _serve_prompts(args: argparse.Namespace, model, generate) -> None:
         tokens, stats = generate(tok.encode(text), emit)
         sys.stdout.write(stream.flush() + "\n")
         print(f"[master] {len(tokens)} tokens in {time.perf_counter() - start:.2f} s; {stats}", file=sys.stderr)
-
-
-def _run_hub(args: argparse.Namespace, model, params, log: Callable[[str], None]) -> None:
-    """--plan moe: a MoEx hub and its expert workers."""
-    from edgerun.model.onnx_graph import Activations
-    from edgerun.model.sampling import Sampler
-    from edgerun.moe.hub import HubConfig, MoeHub
-    from edgerun.sched.moe import hedge_setting
-
-    if args.expert_timeout_ms <= 0 or (args.expert_deadline_ms is not None and args.expert_deadline_ms <= 0):
-        raise EdgerunError("--expert-timeout-ms and --expert-deadline-ms must be positive")
-    if args.replicas < 1 or args.expect < args.replicas:
-        raise EdgerunError(f"--replicas {args.replicas} needs at least 1 and at most --expect ({args.expect}) workers: "
-                           "each expert's replicas are on distinct workers")
-    hedge, adaptive = hedge_setting(args.hedge, args.replicas)
-    hub = MoeHub(model, cluster_key(args), HubConfig(
-        host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas, hedge=hedge,
-        adaptive_hedge=adaptive, activations=Activations(args.activations), threads=args.threads,
-        expert_timeout_s=args.expert_timeout_ms / 1000,
-        expert_deadline_s=None if args.expert_deadline_ms is None else args.expert_deadline_ms / 1000), log=log)
-    log(f"listening on port {hub.port} (expert workers: edgerun node --mode moe --master HOST:{hub.port}); "
-        f"waiting for {args.expect} worker(s)")
-    try:
-        with _advertise("moe", args.host, hub.port, args.advertise, log):
-            _wait("expert workers", args.expect, lambda: [n for n, w in hub.workers.items() if w.alive],
-                  lambda t: hub.wait_for_workers(args.expect, t), args.wait, log)
-            _serve_prompts(args, model, lambda ids, emit: (
-                hub.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, emit),
-                f"{hub.stats.dispatches} expert dispatches, {hub.stats.sent} sent (hedged), "
-                f"{hub.stats.redispatched} redispatched, {hub.stats.dropped} dropped at the deadline"))
-    finally:
-        hub.close()
 
 
 WAIT_S = 600.0  # for the --expect nodes or workers
@@ -174,104 +143,124 @@ def cmd_master(args: argparse.Namespace) -> None:
     ggml_lib.cluster_process()  # its threads wait on the network between blocks
     if not args.wait > 0:
         raise EdgerunError(f"--wait must be a positive number of seconds, not {args.wait}")
+    from edgerun.model.generate import generate
     from edgerun.model.loader import load_model
     from edgerun.model.sampling import Sampler
+    from edgerun.serve.clusters import build, cluster_config
 
     if args.expect < 0:
         raise EdgerunError("--expect must be 0 or more")
     if args.max_tokens < 1:
         raise EdgerunError("--max-tokens must be at least 1")
+    kind, _ = cluster_plan(args.plan)
+    if kind is ClusterMode.MOE:
+        _check_moe_args(args)
+    if args.adapter is not None and kind is not ClusterMode.PP:
+        raise EdgerunError(f"--adapter runs on pipeline stages: use --plan dp, not --plan {args.plan}")
     model = load_model(args.model)
-    kind, strategy = cluster_plan(args.plan)
     if args.adapter is not None:
-        if kind is not ClusterMode.PP:
-            raise EdgerunError(f"--adapter runs on pipeline stages: use --plan dp, not --plan {args.plan}")
         from edgerun.tune.lora import apply_adapter
 
         model = apply_adapter(model, args.adapter)
     params = sampling_params(args)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    if kind is ClusterMode.MOE:
-        _run_hub(args, model, params, log)
-        return
-    if kind is ClusterMode.PP:
-        from edgerun.model.onnx_graph import Activations
-        from edgerun.pp.master import PipelineConfig, PipelineMaster, Route, chat_template_prefix
+    fixed = None
+    if args.plan_file is not None and kind is ClusterMode.TP:
+        from edgerun.sched.tp_plan import load_plan_file
 
-        prefix = chat_template_prefix(model.tokenizer) if args.chat else []
-        pipeline = PipelineMaster(model, cluster_key(args), PipelineConfig(
-            host=args.host, port=args.port, max_len=args.max_context, replicas=args.replicas,
-            activations=Activations(args.activations), route=Route(args.route), prefix=tuple(prefix),
-            spin_us=args.spin_us), log=log)  # a port in use: one line (EdgerunError)
-        log(f"listening on port {pipeline.port} (workers: ws://HOST:{pipeline.port}/ws, browsers: "
-            f"http://HOST:{pipeline.port}/node); waiting for {args.expect} worker(s)")
-        try:
-            with _advertise("pp", args.host, pipeline.port, args.advertise, log):
-                _wait("workers", args.expect, lambda: [w.name for w in pipeline.workers.alive()],
-                      lambda t: pipeline.wait_for_workers(args.expect, t), args.wait, log)
-                pipeline.start()
-                _serve_prompts(args, model, lambda ids, emit: (
-                    pipeline.generate(ids, args.max_tokens, params, model.tokenizer.stop_ids, emit),
-                    f"state {pipeline.state}, {len(pipeline.recovery_seconds)} recoveries"))
-        finally:
-            pipeline.close()
-        return
-
-    from edgerun.model.onnx_graph import Activations
-    from edgerun.net.wire import Codec
-    from edgerun.tp.config import MasterConfig
-    from edgerun.tp.master import Master
-
-    predictors = None
-    if args.mapping != Mapping.INDEX:
-        from edgerun.sap.predictor import PredictorSet, default_path
-
-        path = args.sap or default_path(model.path)
-        if not path.exists():
-            raise EdgerunError(f"--mapping {args.mapping} needs predictors at {path}: run `edgerun sap calibrate` "
-                               "and `edgerun sap train`, or give --sap FILE")
-        predictors = PredictorSet.load(path)
-    config = MasterConfig(strategy=strategy, host=args.host, port=args.port, transport=args.transport,
-                          codec=Codec[args.codec.upper()],
-                          timeout_ms=None if args.adaptive_timeout else args.timeout_ms,
-                          max_len=args.max_context, budget_mb=args.memory_budget, group_size=args.group_size,
-                          rto_min_ms=args.tcp_rto_min_ms, timeout_deviations=args.timeout_deviations,
-                          parity=args.parity, parity_always=args.parity_always, mapping=args.mapping,
-                          spin_us=args.spin_us, activations=Activations(args.activations),
-                          overlap=overlaps(args.overlap), threads=args.threads, multicast=args.multicast)
-    from edgerun.sched.tp_plan import load_plan_file
-
-    fixed = None if args.plan_file is None else load_plan_file(args.plan_file)
+        fixed = load_plan_file(args.plan_file)
     try:
-        master = Master(model, cluster_key(args), config, loss=loss_arg(args), predictors=predictors, log=log)
+        cluster = build(model, cluster_key(args), _config(args, model, cluster_config(_settings(args, model))), log,
+                        loss=loss_arg(args), predictors=_predictors(args, model))
     except OSError as e:
         raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
-    log(f"listening on port {master.port}; waiting for {args.expect} node(s)")
-
-    alone = [False]  # --prefer had the master compute alone
+    log(f"listening on port {cluster.port}{JOINING[kind].format(port=cluster.port)}; waiting for {args.expect} "
+        f"{cluster.members_are}")
+    alone = False  # --prefer had the master compute alone
 
     def run(ids: list[int], emit) -> tuple[list[int], str]:
-        if not alone[0]:
-            master.rebalance()  # the speeds the devices showed on the last prompt, if they call for other shares
-        tokens = master.generate(ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids, on_token=emit)
-        s = master.stats
-        return tokens, (f"compute {s.compute_s:.2f} s, waiting {s.wait_s:.2f} s; {s.blocks_incomplete} of "
-                        f"{s.blocks} blocks incomplete, {s.late_packets} late packets, {master.counters.total()} "
-                        "rejected")
+        if not alone:
+            cluster.rebalance()  # the speeds the devices showed on the last prompt, if they call for other shares
+        tokens = generate(cluster.engine, ids, args.max_tokens, Sampler(params), model.tokenizer.stop_ids,
+                          emit).tokens
+        return tokens, cluster.summary()
 
     try:
-        with _advertise("tp", args.host, master.port, args.advertise, log):
-            if fixed is None:
-                _wait("nodes", args.expect, lambda: [n.name for n in master.membership.alive()],
-                      lambda t: master.wait_for_nodes(args.expect, t), args.wait, log)
-                master.replan()
-                alone[0] = _prefer(master, args.prefer, model.tokenizer.encode(args.prompt or "Hello"), log)
-            else:
+        with _advertise(kind, args.host, cluster.port, args.advertise, log):
+            if fixed is not None:  # its nodes, then the plan as it is
+                master = cluster.engine
                 master.wait_for_nodes(len(fixed.devices) - 1)
                 master.replan(_plan_for_cluster(fixed, master))
+            else:
+                _wait(cluster.members_are, args.expect, lambda: list(cluster.members()),
+                      lambda t: cluster.wait_for(args.expect, t), args.wait, log)
+                if kind is not ClusterMode.MOE:  # a hub places its experts at the first request
+                    cluster.deploy()
+                if kind is ClusterMode.TP:
+                    alone = _prefer(cluster.engine, args.prefer, model.tokenizer.encode(args.prompt or "Hello"), log)
             _serve_prompts(args, model, run)
     finally:
-        master.close()
+        cluster.close()
+
+
+# How members join, after "listening on port N"
+JOINING = {ClusterMode.TP: "",
+           ClusterMode.PP: " (workers: ws://HOST:{port}/ws, browsers: http://HOST:{port}/node)",
+           ClusterMode.MOE: " (expert workers: edgerun node --mode moe --master HOST:{port})"}
+
+
+def _check_moe_args(args: argparse.Namespace) -> None:
+    if args.expert_timeout_ms <= 0 or (args.expert_deadline_ms is not None and args.expert_deadline_ms <= 0):
+        raise EdgerunError("--expert-timeout-ms and --expert-deadline-ms must be positive")
+    if args.replicas < 1 or args.expect < args.replicas:
+        raise EdgerunError(f"--replicas {args.replicas} needs at least 1 and at most --expect ({args.expect}) workers: "
+                           "each expert's replicas are on distinct workers")
+
+
+def _settings(args: argparse.Namespace, model):
+    """The options `edgerun master` shares with `edgerun serve` (serve.clusters.ClusterSettings)."""
+    from edgerun.model.onnx_graph import Activations
+    from edgerun.pp.master import Route, chat_template_prefix
+    from edgerun.serve.clusters import ClusterSettings
+
+    kind, strategy = cluster_plan(args.plan)
+    prefix = tuple(chat_template_prefix(model.tokenizer)) if args.chat and kind is ClusterMode.PP else ()
+    return ClusterSettings(kind, args.host, args.port, args.max_context, Activations(args.activations), args.threads,
+                           strategy=strategy, transport=args.transport, route=Route(args.route), prefix=prefix,
+                           replicas=args.replicas, hedge=args.hedge, spin_us=args.spin_us)
+
+
+def _config(args: argparse.Namespace, model, config):
+    """The kind's config with the options only `edgerun master` has: the tensor-parallel exchange's and the expert
+    timeouts."""
+    from edgerun.moe.hub import HubConfig
+    from edgerun.net.wire import Codec
+    from edgerun.tp.config import MasterConfig
+
+    if isinstance(config, MasterConfig):
+        return replace(config, codec=Codec[args.codec.upper()],
+                       timeout_ms=None if args.adaptive_timeout else args.timeout_ms, budget_mb=args.memory_budget,
+                       group_size=args.group_size, rto_min_ms=args.tcp_rto_min_ms,
+                       timeout_deviations=args.timeout_deviations, parity=args.parity,
+                       parity_always=args.parity_always, mapping=args.mapping, overlap=overlaps(args.overlap),
+                       multicast=args.multicast)
+    if isinstance(config, HubConfig):
+        return replace(config, expert_timeout_s=args.expert_timeout_ms / 1000,
+                       expert_deadline_s=None if args.expert_deadline_ms is None else args.expert_deadline_ms / 1000)
+    return config
+
+
+def _predictors(args: argparse.Namespace, model):
+    """--mapping static or dynamic's predictors (tensor-parallel), or None."""
+    if cluster_plan(args.plan)[0] is not ClusterMode.TP or args.mapping == Mapping.INDEX:
+        return None
+    from edgerun.sap.predictor import PredictorSet, default_path
+
+    path = args.sap or default_path(model.path)
+    if not path.exists():
+        raise EdgerunError(f"--mapping {args.mapping} needs predictors at {path}: run `edgerun sap calibrate` "
+                           "and `edgerun sap train`, or give --sap FILE")
+    return PredictorSet.load(path)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -47,7 +47,8 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--adapter", type=Path, default=None,
                    help="a LoRA adapter directory from `edgerun tune`, applied by this machine's engine and, with "
                         "--plan dp, by every pipeline stage (default: none)")
-    p.add_argument("--replicas", type=int, default=1, help="--plan moe: workers holding each expert (default: 1)")
+    p.add_argument("--replicas", type=int, default=1, help="--plan moe: workers holding each expert; --plan dp: "
+                   "workers running each stage where spare ones can hold it, the first answer taken (default: 1)")
     p.add_argument("--hedge", default="1", help="--plan moe: replicas each expert dispatch goes to at once, or auto "
                    "(one while the fastest-looking replica is quick, else --replicas) (default: 1)")
     p.add_argument("--transport", choices=tuple(Transport), default="udp",

@@ -34,6 +34,7 @@ from edgerun.model.reference import BlockHooks, ReferenceModel
 from edgerun.net.wire import Block
 from edgerun.sap.calibrate import attention_units, token_chunks
 from edgerun.sap.predictor import PredictorSet
+from edgerun.tables import Column, text_table
 
 # "experts", for a mixture of experts: a share NGLR of each layer's experts sits on workers that miss the expert
 # deadline with chance PLR per dispatch; a missed expert is left out of its token's mixture, the others' gates
@@ -238,12 +239,17 @@ def eval_json(results: Sequence[EvalResult]) -> list[dict[str, object]]:
 
 
 def eval_table(results: Sequence[EvalResult]) -> str:
-    rows = [f"{'PLR':>5} {'NGLR':>6} {'policy':>9} {'parity':>6} {'perplexity':>10} {'increase':>9} {'top-1':>7} "
-            f"{'KL':>8} {'exact':>6} {'units lost':>10}"]
-    for r in results:
-        rows.append(f"{r.plr:>5.0%} {r.nglr:>6.1%} {r.policy:>9} {r.parity:>6} {r.perplexity:>10.3f} "
-                    f"{r.perplexity_increase:>9.2%} {r.top1_agreement:>7.1%} {r.kl:>8.4f} {r.exact_match:>6.0%} "
-                    f"{r.units_lost:>10.2%}")
+    rows = text_table((
+        Column("PLR", lambda r: r.plr, ".0%", width=5),  # the packet loss rate
+        Column("NGLR", lambda r: r.nglr, ".1%", width=6),  # the neuron-group loss rate
+        Column("policy", lambda r: r.policy, width=9),
+        Column("parity", lambda r: r.parity),
+        Column("perplexity", lambda r: r.perplexity, ".3f"),
+        Column("increase", lambda r: r.perplexity_increase, ".2%", width=9),
+        Column("top-1", lambda r: r.top1_agreement, ".1%", width=7),
+        Column("KL", lambda r: r.kl, ".4f", width=8),
+        Column("exact", lambda r: r.exact_match, ".0%", width=6),
+        Column("units lost", lambda r: r.units_lost, ".2%")), results)
     if results:
         rows.append(f"lossless perplexity {results[0].lossless_perplexity:.3f} over {results[0].tokens} tokens")
     return "\n".join(rows)

@@ -1,6 +1,7 @@
-"""The kinds of cluster `edgerun serve` can move requests to, behind one interface: a tensor-parallel master and
-its nodes (--plan halo, minmax, ...), a pipeline master and its workers and browser tabs (--plan dp), or a MoEx
-hub and its expert workers (--plan moe).
+"""The kinds of cluster `edgerun serve` and `edgerun master` run, behind one interface: a tensor-parallel master
+and its nodes (--plan halo, minmax, ...), a pipeline master and its workers and browser tabs (--plan dp), or a MoEx
+hub and its expert workers (--plan moe). Both commands start theirs the same way: ClusterSettings (the options they
+share) -> cluster_config (each kind's own config, pure) -> build.
 
 Each says who is present, deploys a plan over them (returning its predicted ms/token), and describes its
 devices, plan and counters for the dashboard as frozen records (NodeView, PlanView, Counters), which only the
@@ -9,15 +10,23 @@ HTTP edge turns into JSON. Every engine runs under the one generation loop (mode
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Protocol
 
 from edgerun.model.generate import EngineLost, Stepper, TokenStepper
-from edgerun.moe.hub import MoeHub
-from edgerun.net.wire import WorkerKind
-from edgerun.pp.master import PipelineMaster
+from edgerun.model.loader import Model
+from edgerun.model.onnx_graph import Activations
+from edgerun.moe.hub import HubConfig, MoeHub
+from edgerun.net.discovery import ClusterMode
+from edgerun.net.loss import LossModel
+from edgerun.net.wire import Transport, WorkerKind
+from edgerun.pp.master import PipelineConfig, PipelineMaster, Route
+from edgerun.sched.moe import hedge_setting
+from edgerun.sched.plans import TPStrategy
 from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
+from edgerun.tp.config import MasterConfig
 from edgerun.tp.master import Master, Rebalance
 
 
@@ -71,13 +80,22 @@ class Counters:
 
 
 class Cluster(Protocol):
-    kind: str  # "tensor-parallel" or "pipeline"
+    kind: str  # "tensor-parallel", "pipeline" or "experts"
     port: int  # where nodes join
+    members_are: str  # what its members are called: "nodes", "workers", "expert workers"
 
     @property
     def engine(self) -> Stepper | TokenStepper: ...
 
     def members(self) -> tuple[str, ...]: ...
+
+    def wait_for(self, n: int, timeout_s: float) -> None:
+        """Until n members are present; EdgerunError after timeout_s."""
+        ...
+
+    def summary(self) -> str:
+        """What the cluster counted, in a line for people (after a request)."""
+        ...
 
     def deploy(self) -> tuple[str, float]:
         """Plan over the members present and load their shares: (what was planned, predicted ms/token).
@@ -108,6 +126,7 @@ class TensorParallel:
     """A tensor-parallel master: plans with --plan (or a plan file naming exactly the nodes present)."""
 
     kind = "tensor-parallel"
+    members_are = "nodes"
 
     def __init__(self, master: Master, plan_file: TPPlan | None, note) -> None:
         self.master, self.plan_file, self.note = master, plan_file, note
@@ -119,6 +138,14 @@ class TensorParallel:
 
     def members(self) -> tuple[str, ...]:
         return tuple(n.name for n in self.master.membership.alive())
+
+    def wait_for(self, n: int, timeout_s: float) -> None:
+        self.master.wait_for_nodes(n, timeout_s)
+
+    def summary(self) -> str:
+        s = self.master.stats
+        return (f"compute {s.compute_s:.2f} s, waiting {s.wait_s:.2f} s; {s.blocks_incomplete} of {s.blocks} blocks "
+                f"incomplete, {s.late_packets} late packets, {self.master.counters.total()} rejected")
 
     def deploy(self) -> tuple[str, float]:
         plan = self.master.replan(self._from_file())
@@ -186,6 +213,7 @@ class Experts:
     """A MoEx hub: expert workers (`edgerun node --mode moe`) and browser tabs (node?mode=moe) hold the experts."""
 
     kind = "experts"
+    members_are = "expert workers"
 
     def __init__(self, hub: MoeHub) -> None:
         self.hub = hub
@@ -197,6 +225,14 @@ class Experts:
 
     def members(self) -> tuple[str, ...]:
         return tuple(sorted(w.name for w in self.hub.workers.values() if w.alive))
+
+    def wait_for(self, n: int, timeout_s: float) -> None:
+        self.hub.wait_for_workers(n, timeout_s)
+
+    def summary(self) -> str:
+        s = self.hub.stats
+        return (f"{s.dispatches} expert dispatches, {s.sent} sent (hedged), {s.redispatched} redispatched, "
+                f"{s.dropped} dropped at the deadline")
 
     def deploy(self) -> tuple[str, float]:
         placement = self.hub.deploy()
@@ -240,6 +276,7 @@ class Pipeline:
     """A pipeline master: workers (`edgerun node --mode pp`) and browser tabs hold ranges of layers."""
 
     kind = "pipeline"
+    members_are = "workers"
 
     def __init__(self, pipeline: PipelineMaster) -> None:
         self.pipeline = pipeline
@@ -251,6 +288,12 @@ class Pipeline:
 
     def members(self) -> tuple[str, ...]:
         return tuple(sorted(w.name for w in self.pipeline.workers.alive()))
+
+    def wait_for(self, n: int, timeout_s: float) -> None:
+        self.pipeline.wait_for_workers(n, timeout_s)
+
+    def summary(self) -> str:
+        return f"state {self.pipeline.state}, {len(self.pipeline.recovery_seconds)} recoveries"
 
     def deploy(self) -> tuple[str, float]:
         plan = self.pipeline.start()
@@ -293,3 +336,58 @@ class Pipeline:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.pipeline.close()
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """What `edgerun serve` and `edgerun master` start a cluster with; each kind reads its part (cluster_config)."""
+
+    kind: ClusterMode
+    host: str
+    port: int
+    max_len: int
+    activations: Activations = Activations.INT8
+    threads: int = 1  # the master's or hub's own compute threads
+    slots: int = 1  # sequences a batch runs together (serve --parallel); 1: one request at a time
+    strategy: TPStrategy = TPStrategy.HALO  # tensor-parallel: the planner
+    transport: Transport = Transport.UDP  # tensor-parallel
+    route: Route = Route.CHAIN  # a pipeline's passes
+    prefix: tuple[int, ...] = ()  # a pipeline's cached prefix (the chat template's start)
+    replicas: int = 1  # workers holding each pipeline stage (hedged) or each expert
+    hedge: str = "1"  # an expert dispatch's replicas at once, or "auto"
+    spin_us: float = 0.0  # how long a master polls for replies before sleeping
+
+
+ClusterConfig = MasterConfig | PipelineConfig | HubConfig
+
+
+def cluster_config(s: ClusterSettings) -> ClusterConfig:
+    """The kind's own config for these settings (what only one command sets: dataclasses.replace after)."""
+    match s.kind:
+        case ClusterMode.MOE:
+            hedge, adaptive = hedge_setting(s.hedge, s.replicas)
+            return HubConfig(host=s.host, port=s.port, max_len=s.max_len, replicas=s.replicas, hedge=hedge,
+                             adaptive_hedge=adaptive, activations=s.activations, threads=s.threads,
+                             slots=s.slots if s.slots > 1 else 0)
+        case ClusterMode.PP:
+            return PipelineConfig(host=s.host, port=s.port, max_len=s.max_len, replicas=s.replicas,
+                                  activations=s.activations, route=s.route, prefix=s.prefix, spin_us=s.spin_us,
+                                  slots=s.slots)
+        case _:
+            return MasterConfig(strategy=s.strategy, host=s.host, port=s.port, max_len=s.max_len, threads=s.threads,
+                                transport=s.transport, activations=s.activations, slots=s.slots, spin_us=s.spin_us)
+
+
+def build(model: Model, key: bytes, config: ClusterConfig, log: Callable[[str], None],
+          plan_file: TPPlan | None = None, loss: LossModel | None = None, predictors=None) -> Cluster:
+    """The cluster `config` starts, listening for its members. Tensor-parallel only: `plan_file` to run when its
+    nodes are present, injected `loss`, the predictors of static or dynamic mapping."""
+    match config:
+        case HubConfig():
+            return Experts(MoeHub(model, key, config, log=log))
+        case PipelineConfig():
+            return Pipeline(PipelineMaster(model, key, config, log=log))
+        case MasterConfig():
+            return TensorParallel(Master(model, key, config, loss=loss, predictors=predictors, log=log), plan_file,
+                                  log)
+    raise TypeError(f"not a cluster's config: {config!r}")

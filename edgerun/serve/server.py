@@ -196,49 +196,28 @@ class Server:
         return lanes
 
     def _cluster(self, model, max_len: int):
-        """The cluster nodes join: a pipeline master for --plan dp, else a tensor-parallel master."""
-        from edgerun.serve.clusters import Pipeline, TensorParallel
+        """The cluster members join (serve.clusters.build): a tensor-parallel master, a pipeline master for --plan
+        dp, or a MoEx hub for --plan moe; pipelines and hubs serve their members on their own HTTP server at the
+        cluster port, tensor-parallel nodes download the model from the master's file server beside it."""
+        from edgerun.serve.clusters import ClusterSettings, build, cluster_config
 
         config, log = self.config, self.log
+        prefix = ()
+        if config.kind is ClusterMode.PP and model.tokenizer.chat_template:
+            from edgerun.pp.master import chat_template_prefix
+
+            prefix = tuple(chat_template_prefix(model.tokenizer))
+        plan_file = None
+        if config.plan_file is not None:
+            from edgerun.sched.tp_plan import load_plan_file
+
+            plan_file = load_plan_file(config.plan_file)
+        settings = ClusterSettings(config.kind, config.cluster_host, config.cluster_port, max_len, config.activations,
+                                   config.threads, config.parallel, config.strategy, config.transport, config.route,
+                                   prefix, config.replicas, config.hedge)
+        label = {ClusterMode.PP: "pipeline", ClusterMode.MOE: "experts"}.get(config.kind, "cluster")
         try:
-            if config.kind is ClusterMode.MOE:
-                from edgerun.moe.hub import HubConfig, MoeHub
-                from edgerun.serve.clusters import Experts
-
-                # Expert workers and tabs come to the cluster port, served by the hub's own HTTP server.
-                hedge, adaptive = hedge_setting(config.hedge, config.replicas)
-                return Experts(MoeHub(model, config.key, HubConfig(
-                    host=config.cluster_host, port=config.cluster_port, max_len=max_len, replicas=config.replicas,
-                    hedge=hedge, adaptive_hedge=adaptive, activations=config.activations, threads=config.threads,
-                    slots=config.parallel if config.parallel > 1 else 0),
-                    log=lambda m: log(f"experts: {m}")))
-            if config.kind is ClusterMode.PP:
-                from edgerun.pp.master import PipelineConfig, PipelineMaster, chat_template_prefix
-
-                prefix = chat_template_prefix(model.tokenizer) if model.tokenizer.chat_template else []
-                # Workers and tabs come to the cluster port, served by the pipeline master's own HTTP server.
-                return Pipeline(PipelineMaster(model, config.key, PipelineConfig(
-                    host=config.cluster_host, port=config.cluster_port, max_len=max_len,
-                    activations=config.activations, route=config.route, prefix=tuple(prefix),
-                    slots=config.parallel),
-                    log=lambda m: log(f"pipeline: {m}")))
-            from edgerun.tp.config import MasterConfig
-            from edgerun.tp.master import Master
-
-            plan_file = None
-            if config.plan_file is not None:
-                from edgerun.sched.tp_plan import load_plan_file
-
-                plan_file = load_plan_file(config.plan_file)
-            # Nodes download the model from the master's own file server beside the cluster port.
-            master = Master(model, config.key, MasterConfig(strategy=config.strategy, host=config.cluster_host,
-                                                             port=config.cluster_port,
-                                                             max_len=max_len, threads=config.threads,
-                                                             transport=config.transport,
-                                                             activations=config.activations,
-                                                             slots=config.parallel),
-                            log=lambda m: log(f"cluster: {m}"))
-            return TensorParallel(master, plan_file, lambda m: log(f"cluster: {m}"))
+            return build(model, config.key, cluster_config(settings), lambda m: log(f"{label}: {m}"), plan_file)
         except OSError as e:
             raise EdgerunError(f"cannot listen for nodes on {config.cluster_host}:{config.cluster_port}: "
                                f"{e.strerror or e}") from e

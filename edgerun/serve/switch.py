@@ -48,7 +48,9 @@ class EngineSwitch:
     """Stepper over the single engine and the cluster; update() between requests moves between them."""
 
     def __init__(self, single: Engine | None, cluster: Cluster | None, prefer: Prefer, max_len: int,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 log: Callable[[str], None] = lambda _: None, single_ms: float | None = None) -> None:
+        """`single_ms`: the single engine's decode ms/token where already known (else measured here, which also
+        warms it up)."""
         if single is None and cluster is None:
             raise EdgerunError("nothing to serve with: no single engine and no cluster")
         self.single, self.cluster, self.prefer, self.log = single, cluster, prefer, log
@@ -61,7 +63,7 @@ class EngineSwitch:
         self.measured_ms: dict[Mode, float] = {}  # decode ms/token, a running mean per mode
         self.single_ms: float | None = None
         if single is not None:
-            self.single_ms = self._warm_up(single)
+            self.single_ms = self._warm_up(single) if single_ms is None else single_ms
             self.note(f"single engine: {self.single_ms:.1f} ms/token")
             if cluster is not None:  # the master's own speed for its plans: what its engine just showed
                 cluster.set_own_speed(single.weight_bytes / (self.single_ms / 1e3))
