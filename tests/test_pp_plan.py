@@ -568,3 +568,16 @@ def test_measured_speeds_price_a_stage_at_the_time_it_took():
     assert conn.decode_passes == 3 and conn.decode_s == pytest.approx(0.009)
     conn.observe_decode(1e5, 0.0001)  # shorter than the overhead: a tenth of it counts
     assert conn.speeds[-1] == pytest.approx(1e5 / 0.00001)
+
+
+def test_the_repartition_loops_next_move() -> None:
+    """pp.deployment.next_move: recover a broken pipeline between requests (a request recovers by itself), take a
+    better plan (staged beside a running request, else deployed), else keep a plan standing by for a loss."""
+    from edgerun.pp.deployment import Move, next_move
+
+    assert next_move(whole=False, busy=False, better=True, standing_by=True) is Move.RECOVER
+    assert next_move(whole=False, busy=True, better=False, standing_by=False) is Move.NOTHING
+    assert next_move(whole=True, busy=True, better=True, standing_by=True) is Move.STAGE
+    assert next_move(whole=True, busy=False, better=True, standing_by=False) is Move.DEPLOY
+    assert next_move(whole=True, busy=False, better=False, standing_by=False) is Move.SHADOW
+    assert next_move(whole=True, busy=True, better=False, standing_by=True) is Move.NOTHING

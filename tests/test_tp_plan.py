@@ -43,6 +43,7 @@ from edgerun.sched.tp_plan import (
     plan_tp,
     plr_mapping,
     ratio_counts,
+    rebalanced,
     sync_seconds,
     tp_plan_from_json,
 )
@@ -518,3 +519,18 @@ def test_halo_and_the_ilp_leave_every_node_out_where_one_graph_on_the_master_is_
     assert plan_tp(large, devices, "halo", sync=SyncModel.STAR).devices_used == 3
     tight = [replace(devices[0], memory=replace(devices[0].memory, budget_mb=0.02)), *devices[1:]]
     assert plan_tp(small, tight, "halo", sync=SyncModel.STAR).devices_used > 1  # the master cannot hold it all
+
+
+def test_a_rebalance_replans_only_for_a_clear_gain_and_never_to_a_rejected_split() -> None:
+    """tp.master's rebalance decides with rebalanced(): the plan at the speeds the devices showed where it beats the
+    running split priced at those speeds by min_gain, and not one tried before and found slower."""
+    model = make_model(4, 4, 8, 4, 1.0, 1.0, 1.0)
+    declared = [device("master", 2.0, 100.0), device("n1", 2.0, 100.0)]
+    running = plan_tp(model, declared, "halo", sync=SyncModel.STAR)
+    assert rebalanced(running, declared, model, "halo") is None  # the same speeds: nothing to gain
+    shown = [declared[0], device("n1", 0.5, 100.0)]  # the node ran four times slower than it said
+    now, better = rebalanced(running, shown, model, "halo")
+    assert better.time_per_token_s < 0.95 * now
+    assert better.counts() != running.counts()
+    assert rebalanced(running, shown, model, "halo", min_gain=0.99) is None
+    assert rebalanced(running, shown, model, "halo", rejected={(better.devices, better.counts())}) is None

@@ -108,6 +108,27 @@ class PipelineState(Enum):
         return self.value
 
 
+class Move(Enum):
+    """What the repartition loop does next (next_move)."""
+
+    NOTHING = "nothing"
+    RECOVER = "recover"  # a stage's worker left: replan from the fallback
+    STAGE = "stage"  # a better plan while a request runs: prepare it beside the running one, swapped in mid-request
+    DEPLOY = "deploy"  # a better plan between requests: deploy it
+    SHADOW = "shadow"  # nothing better: make sure a plan stands by for a loss
+
+
+def next_move(whole: bool, busy: bool, better: bool, standing_by: bool) -> Move:
+    """The repartition loop's decision. `whole`: the pipeline is Up with every stage's workers alive; `busy`: a
+    request runs; `better`: a plan over the workers present passes the acceptance rule against the running one;
+    `standing_by`: a shadow plan or covers are ready for a loss."""
+    if not whole:
+        return Move.NOTHING if busy else Move.RECOVER  # a request in flight recovers by itself
+    if better:
+        return Move.STAGE if busy else Move.DEPLOY
+    return Move.NOTHING if standing_by else Move.SHADOW
+
+
 def describe(plan: PPPlan) -> str:
     return ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages)
 
@@ -346,23 +367,27 @@ class Deployment:
                 self.looking = False
 
     async def _repartition(self) -> None:
-        if self.state != PipelineState.UP or any(not self.workers[name].alive for names in self.stage_workers
-                                                 for name in names):
-            if not self.busy:  # a request in flight recovers by itself
+        whole = self.state == PipelineState.UP and all(self.workers[name].alive for names in self.stage_workers
+                                                       for name in names)
+        devices, candidate, better = self.devices(), None, False
+        if whole:
+            candidate = await self._plan(devices, current=self.plan)
+            better = accept(candidate, self.plan, self.profile, devices, params=self.cost_params())
+        standing_by = not self.shadow_stale and (self.ready(self.shadow) or self._covered())
+        match next_move(whole, self.busy, better, standing_by):
+            case Move.RECOVER:
                 self.log("repartitioning (a worker left)")
                 await self.replan(self.fallback())
-            return
-        devices = self.devices()
-        candidate = await self._plan(devices, current=self.plan)
-        if accept(candidate, self.plan, self.profile, devices, params=self.cost_params()):
-            if self.busy:
+            case Move.STAGE:
                 self.log(f"a better plan, prepared beside the running one: {describe(candidate)}")
-                if await self.stage(candidate):
-                    return
-            self.log("repartitioning (a better plan)")
-            await self.replan(candidate)
-        elif self.shadow_stale or not (self.ready(self.shadow) or self._covered()):
-            await self._prepare_shadow(devices)
+                if not await self.stage(candidate):  # the request ended meanwhile
+                    self.log("repartitioning (a better plan)")
+                    await self.replan(candidate)
+            case Move.DEPLOY:
+                self.log("repartitioning (a better plan)")
+                await self.replan(candidate)
+            case Move.SHADOW:
+                await self._prepare_shadow(devices)
 
     async def _prepare_shadow(self, devices: list[DeviceProfile]) -> None:
         """Stand by for a loss. Where the spare workers can hold every running stage, they load those stages ahead

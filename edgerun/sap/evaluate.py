@@ -43,6 +43,8 @@ POLICIES = ("none", "random", "sap", "oracle", "high-norm", "experts")
 
 
 def lossy_devices(nglr: float) -> int:
+    """How many lossy devices, beside one reliable device (the master) and with even shares, put the neuron-group
+    loss rate `nglr` (HALO's NGLR: the share of a block's neuron groups on lossy devices) on the cluster."""
     return max(1, round(nglr / (1.0 - nglr))) if nglr < 1.0 else 1
 
 
@@ -144,8 +146,8 @@ class LossInjector(BlockHooks):
 
 @dataclass(frozen=True)
 class EvalResult:
-    plr: float
-    nglr: float
+    plr: float  # packet loss rate of the lossy devices' links (HALO's PLR)
+    nglr: float  # share of neuron groups on lossy devices (HALO's NGLR)
     policy: str
     parity: int  # parity fragments after every partial (copies of a one-packet partial)
     tokens: int  # predicted tokens scored

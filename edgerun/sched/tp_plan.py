@@ -80,7 +80,7 @@ class TPPlan:
     strategy: str
     model: str
     devices: tuple[str, ...]
-    plrs: tuple[float, ...]
+    plrs: tuple[float, ...]  # each device's packet loss rate (HALO's PLR), which orders who gets important units
     # Priority indices (0 = most important) per layer and device, and per device for the LM head.
     attn: tuple[tuple[tuple[int, ...], ...], ...]
     mlp: tuple[tuple[tuple[int, ...], ...], ...]
@@ -88,7 +88,7 @@ class TPPlan:
     memory_bytes: tuple[float, ...]
     budget_bytes: tuple[float, ...]
     compute_s: tuple[float, ...]  # each device's own compute time per token
-    t_c_s: float  # time of one synchronization
+    t_c_s: float  # time of one synchronization (HALO's T_c), seconds
     time_per_token_s: float  # the objective: Eq. (1) with the plan's sync model
     oom_devices: tuple[OOMDevice, ...]
     solve_seconds: float
@@ -919,3 +919,23 @@ def plan_tp(model: ModelProfile, devices: list[DeviceProfile], strategy: str,
         t_c_s=plan_sync_seconds(counts, devices, model), time_per_token_s=objective(counts, devices, model, sync),
         oom_devices=oom, solve_seconds=solve_seconds, ilp_status=status, sync=sync,
     )
+
+
+# A split tried and found slower than the one it replaced: its devices and counts (never planned again).
+Rejected = tuple[tuple[str, ...], UnitCounts]
+
+
+def rebalanced(plan: TPPlan, devices: list[DeviceProfile], model: ModelProfile, strategy: str,
+               rejected: Collection[Rejected] = (), min_gain: float = 0.05) -> tuple[float, TPPlan] | None:
+    """A rebalance's decision: the plan over `devices` (priced at the speeds they showed) where it is predicted at
+    least `min_gain` faster than `plan`'s split at the same speeds, fits in memory and was not tried and rejected
+    before; with `plan`'s predicted seconds per token. None: keep `plan`."""
+    now = objective(plan.counts(), devices, model, SyncModel.STAR)
+    try:
+        better = plan_tp(model, devices, strategy, sync=SyncModel.STAR)
+    except ValueError:
+        return None
+    if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now or \
+            (better.devices, better.counts()) in rejected:
+        return None
+    return now, better

@@ -43,7 +43,7 @@ from edgerun.net.model_files import ModelServer, model_routes, model_sha256
 from edgerun.net.wire import Block, Header, MsgType, Resend, Transport, WireError
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.profiles import SEND_S_PER_NODE, Compute, DeviceProfile, Link, Memory, ModelProfile, model_profile
-from edgerun.sched.tp_plan import SyncModel, TPPlan, UnitCounts, objective, plan_tp
+from edgerun.sched.tp_plan import Rejected, SyncModel, TPPlan, objective, plan_tp, rebalanced
 from edgerun.tp.config import Mapping, MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
@@ -206,7 +206,7 @@ class Master:
         self.trial: Trial | None = None  # a rebalanced split being judged against the one it replaced
         self.last_trial: TrialOutcome | None = None  # how the last one ended
         # Splits a trial found slower than those they replaced, by devices and counts: not tried again.
-        self.rejected: set[tuple[tuple[str, ...], UnitCounts]] = set()
+        self.rejected: set[Rejected] = set()
         self.server = self.net.run(self._listen(listener))
         self.port = self.server.sockets[0].getsockname()[1]
 
@@ -370,15 +370,11 @@ class Master:
             return Rebalance.KEPT  # no plan yet, or the members changed: the next replan takes the speeds anyway
         if self.trial is not None:
             return self._judge_trial()
-        devices, profile = self._devices(alive), self.profile()
-        now = objective(self.plan.counts(), devices, profile, SyncModel.STAR)
-        try:
-            better = plan_tp(profile, devices, self.config.strategy, sync=SyncModel.STAR)
-        except ValueError:
+        devices = self._devices(alive)
+        decided = rebalanced(self.plan, devices, self.profile(), self.config.strategy, self.rejected, min_gain)
+        if decided is None:
             return Rebalance.KEPT
-        if better.oom_devices or better.time_per_token_s > (1 - min_gain) * now or \
-                (better.devices, better.counts()) in self.rejected:
-            return Rebalance.KEPT
+        now, better = decided
         speeds = ", ".join(f"{d.name} {d.compute.weight_bytes_per_s / 1e9:.2f} GB/s + "
                            f"{d.compute.session_overhead_ms * 1e3:.0f} µs a block" for d in devices)
         self.log(f"measured speeds ({speeds}): replanning, {now * 1e3:.1f} -> {better.time_per_token_s * 1e3:.1f} "
@@ -396,7 +392,7 @@ class Master:
         if now_s is None:
             return Rebalance.KEPT
         self.trial = None
-        self.last_trial = TrialOutcome(trial.replaced_s, now_s, now_s < trial.replaced_s)
+        self.last_trial = TrialOutcome(trial.replaced_s, now_s, kept=now_s < trial.replaced_s)
         self.log(self.last_trial.said())
         if self.last_trial.kept:
             return Rebalance.KEPT
@@ -454,9 +450,7 @@ class Master:
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
         self.shard = self.whole = None  # the old share goes before the new one is built
         for node, assign in zip(alive, d.assignments, strict=True):
-            node.index, node.spec, node.priorities, node.parity = \
-                assign.index, assign.spec, assign.priorities, assign.parity
-            node.rto_min_ms = assign.rto_min_ms
+            node.assign, node.index, node.parity = assign, assign.index, assign.parity  # parity grows on a loss
             node.segments = node.channel.segments()
             if not assign.spare_stream and node.spare is not None:  # the strict tcp baseline: one stream
                 node.spare.close()

@@ -27,6 +27,7 @@ from edgerun.sched.profiles import Link
 from edgerun.tp.channel import AsyncChannel
 from edgerun.tp.kernel_fit import KernelFit
 from edgerun.tp.messages import (
+    Assign,
     BandwidthProbe,
     BandwidthReply,
     Heartbeat,
@@ -65,12 +66,10 @@ class NodeConn:
     spare: AsyncChannel | None = None  # its second stream, once it opened one (Assign.spare_stream)
     spare_partials: int = 0  # prompt partials that came on it (the first or the second copy)
     segments: tuple[int, int] | None = None  # its first stream's (sent, sent again) when last looked at
-    rto_min_ms: float | None = None  # both streams' minimum retransmission timeout, as its assignment said
     device: str = ""  # what it says it runs on
     last_heard: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
-    spec: ShardSpec | None = None
-    priorities: Priorities | None = None  # dynamic mapping
+    assign: Assign | None = None  # its share in the running plan, and how it talks to the master
     rejected: int = 0  # packets the node refused, as its last heartbeat said
     link: Link | None = None  # measured when it joined
     datagram_bytes: int = 1472  # the largest UDP payload both ways between it and the master (path MTU)
@@ -100,6 +99,20 @@ class NodeConn:
     arrival_s: float = 0.0
     arrival_blocks: int = 0
     reported_arrivals: tuple[float, int] = (0.0, 0)
+
+    @property
+    def spec(self) -> ShardSpec | None:
+        return None if self.assign is None else self.assign.spec
+
+    @property
+    def priorities(self) -> Priorities | None:
+        """Dynamic mapping: the units it computes, by priority index."""
+        return None if self.assign is None else self.assign.priorities
+
+    @property
+    def rto_min_ms(self) -> float | None:
+        """Both streams' minimum retransmission timeout, as its assignment said (None: the kernel's)."""
+        return None if self.assign is None else self.assign.rto_min_ms
 
     def reset_estimators(self) -> None:
         self.arrival, self.lag = ArrivalEstimator(), ArrivalEstimator()
