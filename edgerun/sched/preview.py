@@ -5,6 +5,7 @@ from __future__ import annotations
 from edgerun.sched.pp_plan import PPPlan
 from edgerun.sched.profiles import SEND_S_PER_NODE, DeviceProfile, ModelProfile
 from edgerun.sched.tp_plan import SyncModel, TPPlan
+from edgerun.tables import Column, text_table
 
 
 def _ranges(indices: tuple[int, ...]) -> str:
@@ -28,14 +29,17 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
     rows = [f"plan {plan.strategy} for {plan.model}: {len(plan.devices)} devices, {model.n_layers} layers, "
             f"{model.n_attn_units} attention units + {model.n_mlp_groups} MLP groups per layer, "
             f"{model.n_vocab_blocks} LM-head blocks"]
-    head = f"{'device':<20} {'PLR':>6} {'attn (layer 0)':>14} {'mlp (layer 0)':>14} {'head':>9} " \
-           f"{'units':>6} {'memory MB':>10} {'budget MB':>10} {'compute ms':>10}"
-    rows.append(head)
-    for i, name in enumerate(plan.devices):
-        units = sum(layer[i] for layer in counts.attn) + sum(layer[i] for layer in counts.mlp) + counts.vocab[i]
-        rows.append(f"{name:<20} {plan.plrs[i]:>6.3f} {_ranges(plan.attn[0][i]):>14} {_ranges(plan.mlp[0][i]):>14} "
-                    f"{_ranges(plan.vocab[i]):>9} {units:>6} {plan.memory_bytes[i] / 1e6:>10.1f} "
-                    f"{plan.budget_bytes[i] / 1e6:>10.1f} {plan.compute_s[i] * 1e3:>10.2f}")
+    rows += text_table((  # a row per device, by its index in the plan
+        Column("device", lambda i: plan.devices[i], width=20, left=True),
+        Column("PLR", lambda i: plan.plrs[i], ".3f", width=6),
+        Column("attn (layer 0)", lambda i: _ranges(plan.attn[0][i])),
+        Column("mlp (layer 0)", lambda i: _ranges(plan.mlp[0][i]), width=14),
+        Column("head", lambda i: _ranges(plan.vocab[i]), width=9),
+        Column("units", lambda i: sum(layer[i] for layer in counts.attn) + sum(layer[i] for layer in counts.mlp)
+               + counts.vocab[i], width=6),
+        Column("memory MB", lambda i: plan.memory_bytes[i] / 1e6, ".1f", width=10),
+        Column("budget MB", lambda i: plan.budget_bytes[i] / 1e6, ".1f", width=10),
+        Column("compute ms", lambda i: plan.compute_s[i] * 1e3, ".2f")), range(len(plan.devices)))
     nodes = sum(m > 0 for m in plan.memory_bytes[1:])  # devices[0] is the master
     if plan.sync == SyncModel.PER_DEVICE and plan.devices_used > 1:
         syncs = 2 * model.n_layers * (plan.devices_used - 1)
@@ -61,13 +65,15 @@ def pp_table(plan: PPPlan, devices: list[DeviceProfile], model: ModelProfile) ->
     memory = model.layer_memory_bytes
     rows = [f"plan dp ({plan.objective} objective) for {plan.model}: {len(plan.stages)} stages over "
             f"{len(devices)} devices, {plan.n_layers} layers; order found by {plan.method} search"]
-    rows.append(f"{'stage':>5} {'device':<20} {'layers':>9} {'memory MB':>10} {'budget MB':>10} "
-                f"{'compute ms':>10} {'network ms':>10}")
-    for k, s in enumerate(plan.stages):
-        used = sum(memory[s.first_layer:s.end_layer]) / 1e6
-        rows.append(f"{k:>5} {s.worker:<20} {f'{s.first_layer}-{s.end_layer - 1}':>9} {used:>10.1f} "
-                    f"{budgets[s.worker]:>10.1f} {plan.stage_compute_s[k] * 1e3:>10.2f} "
-                    f"{plan.stage_network_s[k] * 1e3:>10.2f}")
+    rows += text_table((  # a row per stage, by its index
+        Column("stage", lambda k: k),
+        Column("device", lambda k: plan.stages[k].worker, width=20, left=True),
+        Column("layers", lambda k: f"{plan.stages[k].first_layer}-{plan.stages[k].end_layer - 1}", width=9),
+        Column("memory MB", lambda k: sum(memory[plan.stages[k].first_layer:plan.stages[k].end_layer]) / 1e6, ".1f",
+               width=10),
+        Column("budget MB", lambda k: budgets[plan.stages[k].worker], ".1f", width=10),
+        Column("compute ms", lambda k: plan.stage_compute_s[k] * 1e3, ".2f"),
+        Column("network ms", lambda k: plan.stage_network_s[k] * 1e3, ".2f")), range(len(plan.stages)))
     unused = [d.name for d in devices if d.name not in {s.worker for s in plan.stages}]
     if unused:
         rows.append(f"unused: {', '.join(unused)}")
