@@ -103,6 +103,11 @@ class ModelConfig:
         """The factor of positions in this layer's rotation (llama.cpp's freq_scale; windowed layers take none)."""
         return 1.0 if self.window(layer) else self.rope_scale
 
+    def rotation_of(self, layer: int) -> tuple[float, float]:
+        """This layer's rotation: (RoPE base, factor of positions). Layers of one rotation share its cos/sin tables
+        (Gemma 3's windowed and global layers have two)."""
+        return self.rope_base_of(layer), self.rope_scale_of(layer)
+
     @property
     def score_scale(self) -> float:
         """The factor of attention's scores inside the softmax (1 where the queries were scaled instead)."""

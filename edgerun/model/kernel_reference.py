@@ -87,7 +87,7 @@ class KernelReference:
         tables = {}
         self.rotations = []
         for i in range(config.n_layers):
-            key = (config.rope_base_of(i), config.rope_scale_of(i))
+            key = config.rotation_of(i)
             if key not in tables:
                 cos, sin = rope_tables(config.head_dim, key[0], np.arange(max_len) * key[1], weights.rope_freqs)
                 tables[key] = (cos.astype(np.float64), sin.astype(np.float64))

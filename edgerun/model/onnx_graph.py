@@ -283,7 +283,7 @@ def build_stage(config: ModelConfig, weights: ModelWeights, spec: StageSpec, out
     rotations: dict[tuple[float, float], tuple[str, str]] = {}  # (base, position scale) -> its cos/sin tables
 
     def rotation(i: int) -> tuple[str, str]:
-        key = (config.rope_base_of(i), config.rope_scale_of(i))
+        key = config.rotation_of(i)
         if key not in rotations:
             cos, sin = rope_tables(config.head_dim, key[0], np.arange(config.context_length) * key[1],
                                    weights.rope_freqs)

@@ -258,11 +258,11 @@ class ReferenceModel:
         x = self.embed(tokens)
         c = self.config
         positions = np.arange(start, start + len(tokens))
-        rotations = {(c.rope_base_of(i), c.rope_scale_of(i)) for i in range(len(self.layers))}
+        rotations = {c.rotation_of(i) for i in range(len(self.layers))}
         tables = {(base, scale): rope_tables(c.head_dim, base, positions * scale, self.rope_freqs)
                   for base, scale in rotations}
         for i, layer in enumerate(self.layers):
-            cos, sin = tables[c.rope_base_of(i), c.rope_scale_of(i)]
+            cos, sin = tables[c.rotation_of(i)]
             out = self.attention(i, layer, rms_norm(x, layer.attn_norm, c.norm_eps), cache, cos, sin, hooks)
             x = x + (out if layer.attn_post_norm is None else rms_norm(out, layer.attn_post_norm, c.norm_eps))
             out = self.mlp(i, layer, rms_norm(x, layer.ffn_norm, c.norm_eps), hooks)
