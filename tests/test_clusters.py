@@ -8,7 +8,7 @@ import pytest
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.moe.hub import HubConfig
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
 from edgerun.pp.master import PipelineConfig, Route
 from edgerun.sched.plans import TPStrategy
@@ -17,27 +17,27 @@ from edgerun.tables import Column, text_table
 from edgerun.tp.config import MasterConfig
 
 
-def settings(kind: ClusterMode, **more) -> ClusterSettings:
+def settings(kind: ClusterKind, **more) -> ClusterSettings:
     return ClusterSettings(kind, "10.0.0.1", 7000, 512, Activations.INT8, threads=3, **more)
 
 
 def test_each_kind_reads_its_part_of_the_settings() -> None:
-    tp = cluster_config(settings(ClusterMode.TP, slots=4, strategy=TPStrategy.MINMAX, transport=Transport.TCP,
+    tp = cluster_config(settings(ClusterKind.TP, slots=4, strategy=TPStrategy.MINMAX, transport=Transport.TCP,
                                  spin_us=50.0))
     assert isinstance(tp, MasterConfig)
     assert (tp.host, tp.port, tp.max_len, tp.threads, tp.slots, tp.strategy, tp.transport, tp.spin_us) == \
         ("10.0.0.1", 7000, 512, 3, 4, TPStrategy.MINMAX, Transport.TCP, 50.0)
-    pp = cluster_config(settings(ClusterMode.PP, route=Route.STAR, prefix=(1, 2), replicas=2, slots=3))
+    pp = cluster_config(settings(ClusterKind.PP, route=Route.STAR, prefix=(1, 2), replicas=2, slots=3))
     assert isinstance(pp, PipelineConfig)
     assert (pp.route, pp.prefix, pp.replicas, pp.slots, pp.activations) == (Route.STAR, (1, 2), 2, 3, Activations.INT8)
-    moe = cluster_config(settings(ClusterMode.MOE, replicas=3, hedge="auto"))
+    moe = cluster_config(settings(ClusterKind.MOE, replicas=3, hedge="auto"))
     assert isinstance(moe, HubConfig)
     assert (moe.replicas, moe.hedge, moe.adaptive_hedge, moe.slots, moe.threads) == (3, 3, True, 0, 3)
-    assert cluster_config(settings(ClusterMode.MOE, replicas=2, hedge="2", slots=8)).slots == 8
+    assert cluster_config(settings(ClusterKind.MOE, replicas=2, hedge="2", slots=8)).slots == 8
     with pytest.raises(EdgerunError):
-        cluster_config(settings(ClusterMode.MOE, replicas=1, hedge="2"))  # more copies than replicas
+        cluster_config(settings(ClusterKind.MOE, replicas=1, hedge="2"))  # more copies than replicas
     with pytest.raises(TypeError, match="not a cluster's config"):
-        build(None, b"k", settings(ClusterMode.TP), print)  # type: ignore[arg-type]
+        build(None, b"k", settings(ClusterKind.TP), print)  # type: ignore[arg-type]
 
 
 def test_a_text_table_aligns_every_column_to_its_widest_cell() -> None:

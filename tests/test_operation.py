@@ -210,15 +210,15 @@ def test_bad_counts_are_one_line(argv: list[str], capsys: Capsys, shipped_path: 
 
 
 def test_discovery_finds_a_master_of_the_asked_mode() -> None:
-    from edgerun.net.discovery import Advertiser, ClusterMode, find_master
+    from edgerun.net.discovery import Advertiser, ClusterKind, find_master
 
     said: list[str] = []
-    advertiser = Advertiser(ClusterMode.PP, "0.0.0.0", 7177, name="edgerun test pp", log=said.append)
+    advertiser = Advertiser(ClusterKind.PP, "0.0.0.0", 7177, name="edgerun test pp", log=said.append)
     try:
-        found = find_master(ClusterMode.PP, timeout_s=5)
-        assert found is not None and found.port == 7177 and found.mode == ClusterMode.PP
+        found = find_master(ClusterKind.PP, timeout_s=5)
+        assert found is not None and found.port == 7177 and found.mode == ClusterKind.PP
         socket.inet_aton(found.host)  # an IPv4 address
-        other = find_master(ClusterMode.TP, timeout_s=1.5)  # another test's master may be on the LAN, not ours
+        other = find_master(ClusterKind.TP, timeout_s=1.5)  # another test's master may be on the LAN, not ours
         assert other is None or other.port != 7177  # a pipeline master is no TP master
     finally:
         advertiser.close()

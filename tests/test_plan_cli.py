@@ -240,14 +240,14 @@ def test_master_runs_a_plan_file_over_nodes_named_by_their_profiles(tmp_path: Pa
 def test_one_list_of_plan_names_for_every_command() -> None:
     """--plan's values come from sched.plans: tensor-parallel's planners, dp and moe; each names one cluster kind and
     planner, and back."""
-    from edgerun.net.discovery import ClusterMode
+    from edgerun.net.discovery import ClusterKind
     from edgerun.sched.plans import TPStrategy, cluster_plan, plan_name, plan_names
 
-    assert plan_names(*ClusterMode) == ("halo", "minmax", "greedy", "ilp", "galaxy", "even", "dp", "moe")
-    assert plan_names(ClusterMode.TP, ClusterMode.PP)[-1] == "dp" and "moe" not in plan_names(ClusterMode.TP)
-    assert cluster_plan("dp") == (ClusterMode.PP, TPStrategy.HALO)
-    assert cluster_plan("ilp") == (ClusterMode.TP, TPStrategy.ILP)
-    for name in plan_names(*ClusterMode):
+    assert plan_names(*ClusterKind) == ("halo", "minmax", "greedy", "ilp", "galaxy", "even", "dp", "moe")
+    assert plan_names(ClusterKind.TP, ClusterKind.PP)[-1] == "dp" and "moe" not in plan_names(ClusterKind.TP)
+    assert cluster_plan("dp") == (ClusterKind.PP, TPStrategy.HALO)
+    assert cluster_plan("ilp") == (ClusterKind.TP, TPStrategy.ILP)
+    for name in plan_names(*ClusterKind):
         assert plan_name(*cluster_plan(name)) == name
     with pytest.raises(ValueError, match=r"unknown plan 'fast'.*halo.*moe"):
         cluster_plan("fast")

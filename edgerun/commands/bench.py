@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from edgerun.bench.serve import PROMPT_KINDS
 from edgerun.errors import EdgerunError
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
 from edgerun.sched.plans import plan_names
 
@@ -354,7 +354,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", type=int, default=0, metavar="N",
                    help="start N expert workers beside a --plan moe --no-local server instead (a mixture-of-experts "
                         "--model; one replica of each expert, the server's --max-context 512) (default: 0)")
-    p.add_argument("--plan", choices=plan_names(ClusterMode.TP), default="even",
+    p.add_argument("--plan", choices=plan_names(ClusterKind.TP), default="even",
                    help="the started tensor-parallel cluster's planner (default: even, every node computing)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "
                    "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms, vs_one and served_by")
@@ -386,7 +386,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="testbed CPU cores per node: one for all, or one per node of the largest --nodes (a "
                         "smaller count takes the first ones) (default: no limit)")
     p.add_argument("--transport", default="udp", help="udp, tcp or both: udp,tcp (default: udp)")
-    p.add_argument("--plan", choices=plan_names(ClusterMode.TP), default="halo",
+    p.add_argument("--plan", choices=plan_names(ClusterKind.TP), default="halo",
                    help="tensor-parallel planner (default: halo)")
     p.add_argument("--codec", choices=("f32", "f16", "q8"), default="f32",
                    help="activations on the wire (default: f32)")

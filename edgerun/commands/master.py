@@ -29,7 +29,7 @@ from edgerun.commands.common import (
     udp_args,
 )
 from edgerun.errors import EdgerunError
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
 from edgerun.sched.plans import Mapping, cluster_plan, plan_names
 
@@ -45,7 +45,7 @@ def _plan_for_cluster(plan, master):
         raise EdgerunError(f"--plan-file: {e}") from e
 
 
-def _advertise(kind: ClusterMode, host: str, port: int, enabled: bool, log: Callable[[str], None]):
+def _advertise(kind: ClusterKind, host: str, port: int, enabled: bool, log: Callable[[str], None]):
     """A context that announces a master by mDNS while it runs (nothing with --no-advertise)."""
     if not enabled:
         return contextlib.nullcontext()
@@ -153,9 +153,9 @@ def cmd_master(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise EdgerunError("--max-tokens must be at least 1")
     kind, _ = cluster_plan(args.plan)
-    if kind is ClusterMode.MOE:
+    if kind is ClusterKind.MOE:
         _check_moe_args(args)
-    if args.adapter is not None and kind is not ClusterMode.PP:
+    if args.adapter is not None and kind is not ClusterKind.PP:
         raise EdgerunError(f"--adapter runs on pipeline stages: use --plan dp, not --plan {args.plan}")
     model = load_model(args.model)
     if args.adapter is not None:
@@ -165,7 +165,7 @@ def cmd_master(args: argparse.Namespace) -> None:
     params = sampling_params(args)
     log = lambda m: print(f"[master] {m}", file=sys.stderr, flush=True)  # noqa: E731
     fixed = None
-    if args.plan_file is not None and kind is ClusterMode.TP:
+    if args.plan_file is not None and kind is ClusterKind.TP:
         from edgerun.sched.tp_plan import load_plan_file
 
         fixed = load_plan_file(args.plan_file)
@@ -194,9 +194,9 @@ def cmd_master(args: argparse.Namespace) -> None:
             else:
                 _wait(cluster.members_are, args.expect, lambda: list(cluster.members()),
                       lambda t: cluster.wait_for(args.expect, t), args.wait, log)
-                if kind is not ClusterMode.MOE:  # a hub places its experts at the first request
+                if kind is not ClusterKind.MOE:  # a hub places its experts at the first request
                     cluster.deploy()
-                if kind is ClusterMode.TP:
+                if kind is ClusterKind.TP:
                     alone = _prefer(cluster.engine, args.prefer, model.tokenizer.encode(args.prompt or "Hello"), log)
             _serve_prompts(args, model, run)
     finally:
@@ -204,9 +204,9 @@ def cmd_master(args: argparse.Namespace) -> None:
 
 
 # How members join, after "listening on port N"
-JOINING = {ClusterMode.TP: "",
-           ClusterMode.PP: " (workers: ws://HOST:{port}/ws, browsers: http://HOST:{port}/node)",
-           ClusterMode.MOE: " (expert workers: edgerun node --mode moe --master HOST:{port})"}
+JOINING = {ClusterKind.TP: "",
+           ClusterKind.PP: " (workers: ws://HOST:{port}/ws, browsers: http://HOST:{port}/node)",
+           ClusterKind.MOE: " (expert workers: edgerun node --mode moe --master HOST:{port})"}
 
 
 def _check_moe_args(args: argparse.Namespace) -> None:
@@ -224,7 +224,7 @@ def _settings(args: argparse.Namespace, model):
     from edgerun.serve.clusters import ClusterSettings
 
     kind, strategy = cluster_plan(args.plan)
-    prefix = tuple(chat_template_prefix(model.tokenizer)) if args.chat and kind is ClusterMode.PP else ()
+    prefix = tuple(chat_template_prefix(model.tokenizer)) if args.chat and kind is ClusterKind.PP else ()
     return ClusterSettings(kind, args.host, args.port, args.max_context, Activations(args.activations), args.threads,
                            strategy=strategy, transport=args.transport, route=Route(args.route), prefix=prefix,
                            replicas=args.replicas, hedge=args.hedge, spin_us=args.spin_us)
@@ -252,7 +252,7 @@ def _config(args: argparse.Namespace, model, config):
 
 def _predictors(args: argparse.Namespace, model):
     """--mapping static or dynamic's predictors (tensor-parallel), or None."""
-    if cluster_plan(args.plan)[0] is not ClusterMode.TP or args.mapping == Mapping.INDEX:
+    if cluster_plan(args.plan)[0] is not ClusterKind.TP or args.mapping == Mapping.INDEX:
         return None
     from edgerun.sap.predictor import PredictorSet, default_path
 
@@ -271,7 +271,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "predicted at least 5% faster, and keeps the new shares only if their first "
                                    "dozen one-token steps run faster than the old ones' did.")
     model_arg(p)
-    p.add_argument("--plan", choices=plan_names(*ClusterMode), default="halo",
+    p.add_argument("--plan", choices=plan_names(*ClusterKind), default="halo",
                    help="tensor-parallel planner; dp: pipeline layer ranges over WebSocket workers and browser "
                         "pages; moe: a mixture-of-experts model's experts on expert workers (edgerun node --mode "
                         "moe), the rest here (default: halo)")

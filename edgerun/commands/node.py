@@ -127,10 +127,10 @@ def _tp_device(wanted: str) -> str:
 
 def _discover_master(mode: str) -> str:
     """HOST:PORT of a master of this mode found on the LAN by mDNS."""
-    from edgerun.net.discovery import FIND_TIMEOUT_S, ClusterMode, find_master
+    from edgerun.net.discovery import FIND_TIMEOUT_S, ClusterKind, find_master
 
     print(f"looking for a {mode} master on the LAN (mDNS, {FIND_TIMEOUT_S:.0f} s)", file=sys.stderr, flush=True)
-    found = find_master(ClusterMode(mode))
+    found = find_master(ClusterKind(mode))
     if found is None:
         raise EdgerunError(f"no {mode} master answered on the LAN (mDNS) within {FIND_TIMEOUT_S:.0f} s: "
                            "give --master HOST:PORT")

@@ -13,7 +13,7 @@ from edgerun.errors import EdgerunError
 if TYPE_CHECKING:
     pass
 from edgerun.commands.common import model_arg
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 from edgerun.sched.plans import cluster_plan, plan_names
 
 
@@ -42,7 +42,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     profile = model_profile(model.name, model.config, model.weights, context=args.context,
                             group_size=args.group_size)
     kind, strategy = cluster_plan(args.plan)
-    if kind is ClusterMode.PP:
+    if kind is ClusterKind.PP:
         plan = plan_pp(profile, devices, objective=args.objective, params=CostParams(include_init=args.init_cost))
         if not plan.complete:  # no table: a partial plan's prediction would read as a plan's
             budget = sum(d.memory.budget_mb for d in devices)
@@ -94,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "tokens up; default: the first --devices file's)")
     p.add_argument("--devices", type=Path, nargs="+", required=True, help="device profile JSON files, from `edgerun "
                    "profile --out` (required)")
-    p.add_argument("--plan", choices=plan_names(ClusterMode.TP, ClusterMode.PP), default="halo",
+    p.add_argument("--plan", choices=plan_names(ClusterKind.TP, ClusterKind.PP), default="halo",
                    help="planner (default: halo)")
     p.add_argument("--plr", default=None, help="override the devices' packet-loss rates, "
                    "comma-separated (default: the profiles' measured rates)")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from edgerun.commands.common import activations_arg, route_arg, sampling_args, sampling_params, thread_count
 from edgerun.errors import EdgerunError
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
 from edgerun.sched.plans import cluster_plan, plan_names
 from edgerun.serve.client import API_KEY_ENV, stream_events
@@ -39,7 +39,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     p.add_argument("--no-cluster", action="store_true", help="serve from this machine alone: no nodes")
     p.add_argument("--no-advertise", dest="advertise", action="store_false",
                    help="do not announce the cluster port on the LAN by mDNS (nodes then need --master)")
-    p.add_argument("--plan", choices=plan_names(*ClusterMode), default="halo",
+    p.add_argument("--plan", choices=plan_names(*ClusterKind), default="halo",
                    help="tensor-parallel planner; dp: a pipeline of workers (`edgerun node --mode pp`) and browser "
                         "tabs (http://HOST:PORT/node) holding ranges of layers; moe: a mixture-of-experts model's "
                         "experts on expert workers (`edgerun node --mode moe --master HOST:PORT`) and tabs "

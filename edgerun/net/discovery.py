@@ -17,7 +17,7 @@ SERVICE = "_edgerun._tcp.local."
 FIND_TIMEOUT_S = 5.0  # how long a node listens for masters before it gives up
 
 
-class ClusterMode(Enum):
+class ClusterKind(Enum):
     TP = "tp"  # tensor-parallel: nodes join over TCP + UDP (edgerun master --plan halo, edgerun serve)
     PP = "pp"  # pipeline: workers join over WebSocket (edgerun master --plan dp)
     MOE = "moe"  # mixture of experts: expert workers join a hub over WebSocket (edgerun master --plan moe)
@@ -28,7 +28,7 @@ class Found:
     name: str  # the advertised instance, e.g. "edgerun on host-a"
     host: str  # an address to reach it at
     port: int
-    mode: ClusterMode
+    mode: ClusterKind
 
 
 def _addresses(host: str) -> list[bytes]:
@@ -44,7 +44,7 @@ def _addresses(host: str) -> list[bytes]:
 class Advertiser:
     """Announces one master until closed."""
 
-    def __init__(self, mode: ClusterMode, host: str, port: int, name: str | None = None,
+    def __init__(self, mode: ClusterKind, host: str, port: int, name: str | None = None,
                  log: Callable[[str], None] = lambda _: None) -> None:
         from zeroconf import ServiceInfo, Zeroconf
 
@@ -75,7 +75,7 @@ class Advertiser:
             self.zeroconf.close()
 
 
-def find_master(mode: ClusterMode, timeout_s: float = FIND_TIMEOUT_S) -> Found | None:
+def find_master(mode: ClusterKind, timeout_s: float = FIND_TIMEOUT_S) -> Found | None:
     """The first master of `mode` that answers within timeout_s, or None."""
     from zeroconf import ServiceBrowser, ServiceStateChange, Zeroconf
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 
 
 class TPStrategy(StrEnum):
@@ -30,25 +30,25 @@ class Mapping(StrEnum):
 
 PIPELINE = "dp"
 EXPERTS = "moe"
-KIND_OF = {PIPELINE: ClusterMode.PP, EXPERTS: ClusterMode.MOE}
+KIND_OF = {PIPELINE: ClusterKind.PP, EXPERTS: ClusterKind.MOE}
 
 
-def plan_names(*kinds: ClusterMode) -> tuple[str, ...]:
+def plan_names(*kinds: ClusterKind) -> tuple[str, ...]:
     """The --plan values of a command that starts clusters of these kinds (tensor-parallel's planners first)."""
-    names: tuple[str, ...] = tuple(TPStrategy) if ClusterMode.TP in kinds else ()
+    names: tuple[str, ...] = tuple(TPStrategy) if ClusterKind.TP in kinds else ()
     return names + tuple(name for name, kind in KIND_OF.items() if kind in kinds)
 
 
-def cluster_plan(name: str) -> tuple[ClusterMode, TPStrategy]:
+def cluster_plan(name: str) -> tuple[ClusterKind, TPStrategy]:
     """A --plan value as the cluster kind it starts and its tensor-parallel planner (halo where it starts none)."""
     if name in KIND_OF:
         return KIND_OF[name], TPStrategy.HALO
     try:
-        return ClusterMode.TP, TPStrategy(name)
+        return ClusterKind.TP, TPStrategy(name)
     except ValueError:
-        raise ValueError(f"unknown plan {name!r} (choose from {', '.join(plan_names(*ClusterMode))})") from None
+        raise ValueError(f"unknown plan {name!r} (choose from {', '.join(plan_names(*ClusterKind))})") from None
 
 
-def plan_name(kind: ClusterMode, strategy: TPStrategy) -> str:
+def plan_name(kind: ClusterKind, strategy: TPStrategy) -> str:
     """The --plan value that starts this cluster (cluster_plan's inverse)."""
     return next((name for name, k in KIND_OF.items() if k is kind), str(strategy))

@@ -19,7 +19,7 @@ from edgerun.model.generate import EngineLost, Stepper, TokenStepper
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.moe.hub import HubConfig, MoeHub
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 from edgerun.net.loss import LossModel
 from edgerun.net.wire import Transport, WorkerKind
 from edgerun.pp.master import PipelineConfig, PipelineMaster, Route
@@ -342,7 +342,7 @@ class Pipeline:
 class ClusterSettings:
     """What `edgerun serve` and `edgerun master` start a cluster with; each kind reads its part (cluster_config)."""
 
-    kind: ClusterMode
+    kind: ClusterKind
     host: str
     port: int
     max_len: int
@@ -364,12 +364,12 @@ ClusterConfig = MasterConfig | PipelineConfig | HubConfig
 def cluster_config(s: ClusterSettings) -> ClusterConfig:
     """The kind's own config for these settings (what only one command sets: dataclasses.replace after)."""
     match s.kind:
-        case ClusterMode.MOE:
+        case ClusterKind.MOE:
             hedge, adaptive = hedge_setting(s.hedge, s.replicas)
             return HubConfig(host=s.host, port=s.port, max_len=s.max_len, replicas=s.replicas, hedge=hedge,
                              adaptive_hedge=adaptive, activations=s.activations, threads=s.threads,
                              slots=s.slots if s.slots > 1 else 0)
-        case ClusterMode.PP:
+        case ClusterKind.PP:
             return PipelineConfig(host=s.host, port=s.port, max_len=s.max_len, replicas=s.replicas,
                                   activations=s.activations, route=s.route, prefix=s.prefix, spin_us=s.spin_us,
                                   slots=s.slots)

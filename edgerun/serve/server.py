@@ -15,7 +15,7 @@ from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.net.channel import EventLoopThread
-from edgerun.net.discovery import ClusterMode
+from edgerun.net.discovery import ClusterKind
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.wire import Transport
 from edgerun.pp.deployment import Route
@@ -40,7 +40,7 @@ class ServeConfig:
     cluster_port: int | None = 7000  # nodes, workers and tabs join here; None: no cluster
     key: bytes = b""  # the cluster's derived key
     secret: str | None = None  # the kept cluster secret, shown in the join line (None: the user gave it)
-    kind: ClusterMode = ClusterMode.TP  # the cluster it starts: tensor-parallel, a pipeline, or a MoEx hub
+    kind: ClusterKind = ClusterKind.TP  # the cluster it starts: tensor-parallel, a pipeline, or a MoEx hub
     strategy: TPStrategy = TPStrategy.HALO  # a tensor-parallel cluster's planner
     transport: Transport = Transport.UDP  # a tensor-parallel cluster's
     prefer: Prefer = Prefer.AUTO
@@ -85,13 +85,13 @@ class ServeConfig:
             raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster) or a cluster's "
                                "(with --no-local): a tensor-parallel cluster's shares, a pipeline's stages (--plan "
                                "dp) or an expert hub (--plan moe)")
-        if self.parallel > 1 and self.kind is ClusterMode.TP and self.activations is Activations.F32:
+        if self.parallel > 1 and self.kind is ClusterKind.TP and self.activations is Activations.F32:
             raise EdgerunError("--parallel on a tensor-parallel cluster runs on ggml shares: int8 activations, not "
                                "--activations f32")
         if self.replicas < 1:
             raise EdgerunError("--replicas must be at least 1")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
-        if self.adapter is not None and self.cluster_port is not None and self.kind is not ClusterMode.PP:
+        if self.adapter is not None and self.cluster_port is not None and self.kind is not ClusterKind.PP:
             raise EdgerunError(f"--adapter runs on this machine's engine and pipeline stages: use --plan dp or "
                                f"--no-cluster, not --plan {plan_name(self.kind, self.strategy)}")
 
@@ -140,7 +140,7 @@ class Server:
 
                 self.model = model = apply_adapter(model, config.adapter)
             max_len = min(config.max_context, model.config.context_length)
-            if config.parallel > 1 and (config.local or config.kind is ClusterMode.MOE):  # the caches held here
+            if config.parallel > 1 and (config.local or config.kind is ClusterKind.MOE):  # the caches held here
                 check_batch_memory(model.config.kv_cache_bytes(max_len * config.parallel), config.parallel, max_len)
             single = make_engine(default_engine(model, config.activations == Activations.F32), model, max_len,
                                  threads=config.threads, slots=config.parallel) if config.local else None
@@ -156,10 +156,10 @@ class Server:
             batch = None
             if config.parallel > 1 and single is not None:
                 batch = BatchLoop(single)  # type: ignore[arg-type]  # a GgmlEngine
-            elif config.parallel > 1 and config.kind is ClusterMode.MOE:
+            elif config.parallel > 1 and config.kind is ClusterKind.MOE:
                 # the hub's sequences, one dispatch an expert a step
                 batch = BatchLoop(self.cluster.engine)
-            elif config.parallel > 1 and config.kind is ClusterMode.TP:
+            elif config.parallel > 1 and config.kind is ClusterKind.TP:
                 # every share's slots, one exchange a block for all
                 from edgerun.tp.batch import TpBatch
 
@@ -203,7 +203,7 @@ class Server:
 
         config, log = self.config, self.log
         prefix = ()
-        if config.kind is ClusterMode.PP and model.tokenizer.chat_template:
+        if config.kind is ClusterKind.PP and model.tokenizer.chat_template:
             from edgerun.pp.master import chat_template_prefix
 
             prefix = tuple(chat_template_prefix(model.tokenizer))
@@ -215,7 +215,7 @@ class Server:
         settings = ClusterSettings(config.kind, config.cluster_host, config.cluster_port, max_len, config.activations,
                                    config.threads, config.parallel, config.strategy, config.transport, config.route,
                                    prefix, config.replicas, config.hedge)
-        label = {ClusterMode.PP: "pipeline", ClusterMode.MOE: "experts"}.get(config.kind, "cluster")
+        label = {ClusterKind.PP: "pipeline", ClusterKind.MOE: "experts"}.get(config.kind, "cluster")
         try:
             return build(model, config.key, cluster_config(settings), lambda m: log(f"{label}: {m}"), plan_file)
         except OSError as e:
@@ -224,14 +224,14 @@ class Server:
 
     def run(self) -> None:
         where = f"http://{'localhost' if self.config.host in ('0.0.0.0', '::') else self.config.host}:{self.port}"
-        mode = {ClusterMode.PP: "--mode pp ", ClusterMode.MOE: "--mode moe "}.get(self.config.kind, "")
+        mode = {ClusterKind.PP: "--mode pp ", ClusterKind.MOE: "--mode moe "}.get(self.config.kind, "")
         key = f" --key {self.config.secret}" if self.config.secret else \
             (" --key <the key given to serve>" if self.cluster is not None else "")
         nodes = "" if self.cluster is None else \
             f"; nodes join with `edgerun node {mode}--master HOST:{self.cluster.port}{key}`"
-        if self.config.kind is not ClusterMode.TP and self.cluster is not None:
+        if self.config.kind is not ClusterKind.TP and self.cluster is not None:
             nodes += f", browser tabs at http://HOST:{self.cluster.port}/node" + \
-                ("?mode=moe" if self.config.kind is ClusterMode.MOE else "") + \
+                ("?mode=moe" if self.config.kind is ClusterKind.MOE else "") + \
                 f"#key={self.config.secret or '<the key>'}"
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
