@@ -40,6 +40,7 @@ def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.cache
 def carried_fields(cls: type) -> tuple[dataclasses.Field, ...]:
     """The fields of `cls` that travel outside its JSON."""
     return tuple(f for f in dataclasses.fields(cls) if hints(cls)[f.name] in CARRIED)
@@ -48,9 +49,7 @@ def carried_fields(cls: type) -> tuple[dataclasses.Field, ...]:
 def plain(value: Any) -> Any:
     """A value as JSON holds it; a message's carried fields are left out."""
     if dataclasses.is_dataclass(value):
-        cls = type(value)
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if hints(cls)[f.name] not in CARRIED}
+        return {name: plain(getattr(value, name)) for name in _fields(type(value))[2]}
     if isinstance(value, tuple | list):
         return [plain(v) for v in value]
     if isinstance(value, Enum):
@@ -58,34 +57,48 @@ def plain(value: Any) -> Any:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    hint: Any
+    carried: bool  # travels outside the JSON
+    required: bool  # no default
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[_Field, ...], frozenset[str], tuple[str, ...]]:
+    """A class's fields as build reads them, and the names its JSON holds, as a set and in order (once per class: a
+    pipeline frame is made and opened on every stage of every token)."""
+    fields = tuple(_Field(f.name, hints(cls)[f.name], hints(cls)[f.name] in CARRIED,
+                          f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                   for f in dataclasses.fields(cls))
+    names = tuple(f.name for f in fields if not f.carried)
+    return fields, frozenset(names), names
+
+
 def build(cls: type, data: dict, carried: dict[str, Any] | None = None) -> Any:
     """The message of class `cls` in the JSON object `data`, its carried fields taken from `carried` by name
     (a field absent from it takes its default); BadMessage where anything does not fit."""
-    types_ = hints(cls)
-    fields = dataclasses.fields(cls)
-    known = {f.name for f in fields if types_[f.name] not in CARRIED}
-    if set(data) - known:
+    fields, known, _ = _fields(cls)
+    if not known.issuperset(data):
         raise BadMessage(f"{cls.__name__}: unknown fields {sorted(set(data) - known)}")
     carried = carried or {}
     values = {}
     for f in fields:
-        if types_[f.name] in CARRIED:
-            if f.name in carried:
-                values[f.name] = carried[f.name]
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise BadMessage(f"{cls.__name__}: missing {f.name}")
-        elif f.name in data:
-            values[f.name] = _coerce(data[f.name], types_[f.name], f"{cls.__name__}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise BadMessage(f"{cls.__name__}: missing field {f.name}")
+        source = carried if f.carried else data
+        if f.name in source:
+            values[f.name] = source[f.name] if f.carried else _coerce(data[f.name], f.hint, (cls, f.name))
+        elif f.required:
+            raise BadMessage(f"{cls.__name__}: missing {'' if f.carried else 'field '}{f.name}")
     try:
         return cls(**values)
     except (ValueError, EdgerunError) as e:  # a field out of its range (the class's own check)
         raise BadMessage(f"{cls.__name__}: {e}") from e
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """value checked against a field's type (JSON's lists become tuples, values become enums, objects dataclasses)."""
+def _coerce(value: Any, hint: Any, where: tuple[type, str]) -> Any:
+    """value checked against a field's type (JSON's lists become tuples, values become enums, objects dataclasses);
+    `where`: the class and field, named in the error."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
@@ -94,23 +107,27 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return _coerce(value, inner, where)
     if origin is tuple:
         if not isinstance(value, list):
-            raise BadMessage(f"{where}: expected a list")
+            raise _bad(where, "expected a list")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], where) for v in value)
         if len(value) != len(args):
-            raise BadMessage(f"{where}: expected {len(args)} items")
+            raise _bad(where, f"expected {len(args)} items")
         return tuple(_coerce(v, a, where) for v, a in zip(value, args, strict=True))
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise BadMessage(f"{where}: expected an object")
+            raise _bad(where, "expected an object")
         return build(hint, value)
     if isinstance(hint, type) and issubclass(hint, Enum):
         try:
             return hint(value)
         except ValueError as e:
-            raise BadMessage(f"{where}: {e}") from e
+            raise _bad(where, str(e)) from e
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if hint in (int, str, bool) and type(value) is hint:
         return value
-    raise BadMessage(f"{where}: expected {getattr(hint, '__name__', hint)}, not {type(value).__name__}")
+    raise _bad(where, f"expected {getattr(hint, '__name__', hint)}, not {type(value).__name__}")
+
+
+def _bad(where: tuple[type, str], why: str) -> BadMessage:
+    return BadMessage(f"{where[0].__name__}.{where[1]}: {why}")

@@ -369,12 +369,10 @@ def seal(request: int, message: Any, key: bytes) -> bytes:
     tensors: dict[str, np.ndarray] = {}
     for f in carried_fields(type(message)):
         value = getattr(message, f.name)
-        if isinstance(value, dict):  # the named tensors beside the declared ones
-            if set(value) & set(tensors):
-                raise ValueError(f"tensors {sorted(set(value) & set(tensors))} are named twice")
-            tensors.update(value)
-        elif value is not None:
-            tensors[f.name] = value
+        named = value if isinstance(value, dict) else {} if value is None else {f.name: value}
+        if set(named) & set(tensors):  # the named tensors beside the declared ones take other names
+            raise ValueError(f"tensors {sorted(set(named) & set(tensors))} are named twice")
+        tensors.update(named)
     return pp_frame(message.KIND, request, plain(message), key, tensors or None)
 
 
