@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress
 from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate
-from edgerun.tables import write_csv
+from edgerun.tables import Column, text_table, write_csv
 
 
 def main() -> None:
@@ -42,8 +42,9 @@ def main() -> None:
         speedups += [(model_label(name), nodes, loss, by[(nodes, loss, "tcp")] / by[(nodes, loss, "udp")])
                      for (nodes, loss, transport) in by if transport == "udp"]
     write_csv(rows, args.out / "fig8.csv")
-    table = "\n".join([f"{'model':<28} {'nodes':>5} {'loss':>6} {'speedup':>8}"] +
-                      [f"{m:<28} {n:>5} {loss:>6} {s:>7.2f}x" for m, n, loss, s in speedups])
+    table = "\n".join(text_table((Column("model", lambda r: r[0], width=28, left=True),
+                                   Column("nodes", lambda r: r[1]), Column("loss", lambda r: r[2], width=6),
+                                   Column("speedup", lambda r: f"{r[3]:.2f}x", width=8)), speedups))
     summary = (f"# Speedup of HALO (udp, adaptive timeout) over tcp, time per output token ({loss_at} loss, links "
                f"{args.rate:g} Mbit/s, codec {args.codec})\n\n```\n{table}\n```\n")
     (args.out / "fig8.md").write_text(summary)

@@ -17,7 +17,7 @@ from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, m
 from edgerun.bench.tp import TpBenchConfig, bench_tp
 from edgerun.model.loader import load_model
 from edgerun.sap.report import predictors_for
-from edgerun.tables import write_csv
+from edgerun.tables import Column, text_table, write_csv
 
 ROWS = (("baseline (no overlap)", "dynamic", ()), ("pred-comm overlap", "dynamic", ("pred",)),
         ("upper bound (no pred)", "index", ()))
@@ -53,9 +53,11 @@ def main() -> None:
     for r in rows:
         r["speedup"] = base / r["ms_per_token"]
     write_csv(rows, args.out / "table6.csv")
-    lines = [f"{'design':<32} {'ms/token':>9} {'pred ms':>8} {'speedup':>8}  computed on"]
-    lines += [f"{r['design']:<32} {r['ms_per_token']:>9.1f} {r['pred_ms_per_token']:>8.2f} {r['speedup']:>7.2f}x  "
-              f"{', '.join(r['computed_on'])}" for r in rows]
+    lines = text_table((Column("design", lambda r: r["design"], width=32, left=True),
+                        Column("ms/token", lambda r: r["ms_per_token"], ".1f", width=9),
+                        Column("pred ms", lambda r: r["pred_ms_per_token"], ".2f", width=8),
+                        Column("speedup", lambda r: f"{r['speedup']:.2f}x", width=8),
+                        Column(" computed on", lambda r: " " + ", ".join(r["computed_on"]), left=True)), rows)
     summary = (f"# Overlap ablation of dynamic mapping ({model_label(args.model)}, master + {args.nodes} nodes, "
                f"{loss_at} loss {args.plr}, codec {args.codec})\n\n```\n" + "\n".join(lines) + "\n```\n")
     (args.out / "table6.md").write_text(summary)

@@ -45,6 +45,7 @@ def main() -> None:
     from edgerun.bench.tp import CONTEXT, TpBenchConfig, single_baseline
     from edgerun.model.loader import load_model
     from edgerun.model.onnx_graph import Activations
+    from edgerun.tables import Column, text_table
 
     model = load_model(args.model)
     args.model = model.path
@@ -66,10 +67,11 @@ def main() -> None:
         return
     print(f"single-process engine, {args.threads} thread(s): decode {single.decode_ms_per_token:.1f} ms/token, "
           f"whole request {single.ms_per_token:.1f} ms/token")
-    print(f"{'devices':>7} {'in step ms':>10} {'mean ms':>8} {'alone ms':>8} {'ceiling':>8}")
-    for r in rows:
-        print(f"{r['devices']:>7} {r['slowest_ms']:>10.1f} {r['mean_ms']:>8.1f} {r['alone_ms']:>8.1f} "
-              f"{r['ceiling']:>7.2f}x")
+    print("\n".join(text_table((Column("devices", lambda r: r["devices"]),
+                                 Column("in step ms", lambda r: r["slowest_ms"], ".1f"),
+                                 Column("mean ms", lambda r: r["mean_ms"], ".1f", width=8),
+                                 Column("alone ms", lambda r: r["alone_ms"], ".1f"),
+                                 Column("ceiling", lambda r: f"{r['ceiling']:.2f}x", width=8)), rows)))
 
 
 if __name__ == "__main__":
