@@ -161,3 +161,30 @@ def test_fuzzed_messages_decode_or_are_refused() -> None:
         assert type(message) is EVERYTHING[PpMsg(PP_HEADER.unpack_from(frame)[2])]
         assert same(m.open_frame(m.seal(1, message, KEY), KEY, EVERYTHING)[1], message)
     assert refused > 1000 and decoded > 500
+
+
+def test_a_worker_answers_what_it_does_not_take_with_an_error_at_once() -> None:
+    """A worker without a training role given a tuning request, or any worker given a malformed one, answers its
+    request with an Error (the master's call fails at once instead of timing out); a frame sealed with another key is
+    dropped."""
+    import asyncio
+
+    from edgerun.pp.worker import PipelineWorker
+
+    class Socket:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        async def send(self, data: bytes) -> None:
+            self.sent.append(data)
+
+    worker = PipelineWorker("ws://127.0.0.1:1/ws", KEY, "w", 80, 1e9, 1, log=lambda _: None)
+    worker.ws = Socket()
+    worker.heard = True  # past the master's first frame
+    asyncio.run(worker._received(m.seal(7, t.TuneStep(1e-3), KEY)))
+    asyncio.run(worker._received(pp_frame(PpMsg.KV_FETCH, 8, {"layer": "one"}, KEY)))
+    asyncio.run(worker._received(m.seal(9, m.Ping(), derive_key("another cluster"))))
+    answers = [m.open_frame(frame, KEY) for frame in worker.ws.sent]
+    assert [(request, type(message)) for request, message in answers] == [(7, m.Error), (8, m.Error)]
+    assert "TUNE_STEP is not a message this end takes" in answers[0][1].error
+    assert "KvFetch.layer: expected int" in answers[1][1].error
