@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Union
 
@@ -48,20 +49,28 @@ def carried_fields(cls: type) -> tuple[dataclasses.Field, ...]:
 
 def plain(value: Any) -> Any:
     """A value as JSON holds it; a message's carried fields are left out."""
-    if dataclasses.is_dataclass(value):
-        return {name: plain(getattr(value, name)) for name in _fields(type(value))[2]}
-    if isinstance(value, tuple | list):
-        return [plain(v) for v in value]
+    if value is None or type(value) in (int, float, str, bool):  # most fields: first
+        return value
     if isinstance(value, Enum):
         return value.value
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    if dataclasses.is_dataclass(value):
+        return {name: plain(getattr(value, name)) for name in _fields(type(value))[2]}
     return value
+
+
+class _Unfit(Exception):
+    """A JSON value that does not fit its field's type (build names the field)."""
+
+
+Check = Callable[[Any], Any]  # a JSON value -> the field's value, or _Unfit
 
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
     name: str
-    hint: Any
-    carried: bool  # travels outside the JSON
+    check: Check | None  # None: carried outside the JSON
     required: bool  # no default
 
 
@@ -69,10 +78,10 @@ class _Field:
 def _fields(cls: type) -> tuple[tuple[_Field, ...], frozenset[str], tuple[str, ...]]:
     """A class's fields as build reads them, and the names its JSON holds, as a set and in order (once per class: a
     pipeline frame is made and opened on every stage of every token)."""
-    fields = tuple(_Field(f.name, hints(cls)[f.name], hints(cls)[f.name] in CARRIED,
+    fields = tuple(_Field(f.name, None if hints(cls)[f.name] in CARRIED else _check(hints(cls)[f.name]),
                           f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
                    for f in dataclasses.fields(cls))
-    names = tuple(f.name for f in fields if not f.carried)
+    names = tuple(f.name for f in fields if f.check is not None)
     return fields, frozenset(names), names
 
 
@@ -85,49 +94,75 @@ def build(cls: type, data: dict, carried: dict[str, Any] | None = None) -> Any:
     carried = carried or {}
     values = {}
     for f in fields:
-        source = carried if f.carried else data
-        if f.name in source:
-            values[f.name] = source[f.name] if f.carried else _coerce(data[f.name], f.hint, (cls, f.name))
+        if f.check is None:
+            if f.name in carried:
+                values[f.name] = carried[f.name]
+            elif f.required:
+                raise BadMessage(f"{cls.__name__}: missing {f.name}")
+        elif f.name in data:
+            try:
+                values[f.name] = f.check(data[f.name])
+            except _Unfit as e:
+                raise BadMessage(f"{cls.__name__}.{f.name}: {e}") from None
         elif f.required:
-            raise BadMessage(f"{cls.__name__}: missing {'' if f.carried else 'field '}{f.name}")
+            raise BadMessage(f"{cls.__name__}: missing field {f.name}")
     try:
         return cls(**values)
     except (ValueError, EdgerunError) as e:  # a field out of its range (the class's own check)
         raise BadMessage(f"{cls.__name__}: {e}") from e
 
 
-def _coerce(value: Any, hint: Any, where: tuple[type, str]) -> Any:
-    """value checked against a field's type (JSON's lists become tuples, values become enums, objects dataclasses);
-    `where`: the class and field, named in the error."""
+@functools.cache
+def _check(hint: Any) -> Check:
+    """The check of a JSON value against a field's type, made once per type: JSON's lists become tuples, values
+    become enums, objects dataclasses."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, where)
+        check, optional = _check(inner), type(None) in args
+        return lambda value: None if value is None and optional else check(value)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _check(args[0])
+
+        def items(value: Any) -> tuple:
+            if not isinstance(value, list):
+                raise _Unfit("expected a list")
+            return tuple(item(v) for v in value)
+
+        return items
     if origin is tuple:
-        if not isinstance(value, list):
-            raise _bad(where, "expected a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], where) for v in value)
-        if len(value) != len(args):
-            raise _bad(where, f"expected {len(args)} items")
-        return tuple(_coerce(v, a, where) for v, a in zip(value, args, strict=True))
+        checks = tuple(_check(a) for a in args)
+
+        def fixed(value: Any) -> tuple:
+            if not isinstance(value, list):
+                raise _Unfit("expected a list")
+            if len(value) != len(checks):
+                raise _Unfit(f"expected {len(checks)} items")
+            return tuple(check(v) for check, v in zip(checks, value, strict=True))
+
+        return fixed
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise _bad(where, "expected an object")
-        return build(hint, value)
+        def nested(value: Any) -> Any:
+            if not isinstance(value, dict):
+                raise _Unfit("expected an object")
+            return build(hint, value)
+
+        return nested
     if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError as e:
-            raise _bad(where, str(e)) from e
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, str, bool) and type(value) is hint:
-        return value
-    raise _bad(where, f"expected {getattr(hint, '__name__', hint)}, not {type(value).__name__}")
+        def member(value: Any) -> Enum:
+            try:
+                return hint(value)
+            except ValueError as e:
+                raise _Unfit(str(e)) from None
 
+        return member
+    name = getattr(hint, "__name__", str(hint))
 
-def _bad(where: tuple[type, str], why: str) -> BadMessage:
-    return BadMessage(f"{where[0].__name__}.{where[1]}: {why}")
+    def exact(value: Any) -> Any:
+        if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if hint in (int, str, bool) and type(value) is hint:
+            return value
+        raise _Unfit(f"expected {name}, not {type(value).__name__}")
+
+    return exact
