@@ -7,6 +7,7 @@ setting below is in place before anything imports numpy.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -137,3 +138,26 @@ def synth_gguf(tmp_path_factory: pytest.TempPathFactory) -> SynthGguf:
         return written[spec]
 
     return make
+
+
+Mutate = Callable[[object, random.Random], object]
+
+
+def _mutate(value: object, rng: random.Random) -> object:
+    """value with one leaf or container replaced by something of another shape."""
+    wild = [None, True, -1, 2 ** 40, 1.5, "x", [], {}, [1, [2]], {"a": 1}]
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(list(value))
+        if rng.random() < 0.15:
+            return {k: v for k, v in value.items() if k != key}
+        return {**value, key: _mutate(value[key], rng)}
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        i = rng.randrange(len(value))
+        return [*value[:i], _mutate(value[i], rng), *value[i + 1:]]
+    return rng.choice(wild)
+
+
+@pytest.fixture(scope="session")
+def mutate() -> Mutate:
+    """Structural mutation of a message's JSON, for the protocols' fuzz tests."""
+    return _mutate

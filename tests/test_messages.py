@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Callable
 
 import pytest
 
 from edgerun.net.wire import Block, Codec, Header, MsgType, control_frame, open_frame, open_packet, parse_control
 from edgerun.tp import messages as m
 from edgerun.tp.shard import ShardSpec
+
+Mutate = Callable[[object, random.Random], object]  # conftest's mutate fixture
 
 KEY = b"k" * 32
 SPEC = ShardSpec(attn_units=((0, 1), (2,)), mlp_groups=((1,), ()), vocab_blocks=(0, 2), group_size=128,
@@ -111,28 +114,14 @@ def test_malformed_messages_are_bad_messages(text: bytes) -> None:
         m.decode(text, b"")
 
 
-def _mutate(value: object, rng: random.Random) -> object:
-    """value with one leaf or container replaced by something of another shape."""
-    wild = [None, True, -1, 2 ** 40, 1.5, "x", [], {}, [1, [2]], {"a": 1}]
-    if isinstance(value, dict) and value and rng.random() < 0.8:
-        key = rng.choice(list(value))
-        if rng.random() < 0.15:
-            return {k: v for k, v in value.items() if k != key}
-        return {**value, key: _mutate(value[key], rng)}
-    if isinstance(value, list) and value and rng.random() < 0.8:
-        i = rng.randrange(len(value))
-        return [*value[:i], _mutate(value[i], rng), *value[i + 1:]]
-    return rng.choice(wild)
-
-
-def test_fuzzed_messages_decode_or_are_refused() -> None:
+def test_fuzzed_messages_decode_or_are_refused(mutate: Mutate) -> None:
     """Thousands of structurally mutated messages: each either decodes to a message of its declared types or
     raises BadMessage; nothing else escapes."""
     rng = random.Random(0)
     decoded = refused = 0
     for i in range(4000):
         text, payload = m.encode(SAMPLES[i % len(SAMPLES)])
-        data = _mutate(json.loads(text), rng)
+        data = mutate(json.loads(text), rng)
         try:
             message = m.decode(json.dumps(data).encode(), payload)
         except m.BadMessage:

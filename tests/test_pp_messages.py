@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from edgerun.net.wire import PP_HEADER, PpMsg, WireError, WorkerKind, cluster_ma
 from edgerun.pp import messages as m
 from edgerun.tune import messages as t
 from edgerun.tune.lora import LoraConfig, Target
+
+Mutate = Callable[[object, random.Random], object]  # conftest's mutate fixture
 
 KEY = derive_key("messages")
 CONFIG = ModelConfig("llama", 2, 16, 32, 4, 2, 4, 100, 1e4, 1e-6, 64, False, False)
@@ -112,20 +115,6 @@ def test_malformed_messages_are_refused_with_a_reason(kind: PpMsg, fields: dict,
         m.open_frame(pp_frame(kind, 9, fields, KEY, tensors or None), KEY, EVERYTHING)
 
 
-def _mutate(value: object, rng: random.Random) -> object:
-    """value with one leaf or container replaced by something of another shape."""
-    wild = [None, True, -1, 2 ** 40, 1.5, "x", [], {}, [1, [2]], {"a": 1}]
-    if isinstance(value, dict) and value and rng.random() < 0.8:
-        key = rng.choice(list(value))
-        if rng.random() < 0.15:
-            return {k: v for k, v in value.items() if k != key}
-        return {**value, key: _mutate(value[key], rng)}
-    if isinstance(value, list) and value and rng.random() < 0.8:
-        i = rng.randrange(len(value))
-        return [*value[:i], _mutate(value[i], rng), *value[i + 1:]]
-    return rng.choice(wild)
-
-
 def _resealed(frame: bytes, fields: object) -> bytes:
     """`frame` with its JSON replaced by `fields` (its tensors' descriptions kept) and sealed again."""
     _, version, kind, request, text_len, payload_len = PP_HEADER.unpack_from(frame)
@@ -138,7 +127,7 @@ def _resealed(frame: bytes, fields: object) -> bytes:
     return body + cluster_mac(KEY, body)
 
 
-def test_fuzzed_messages_decode_or_are_refused() -> None:
+def test_fuzzed_messages_decode_or_are_refused(mutate: Mutate) -> None:
     """Thousands of authentic frames whose JSON is structurally mutated: each decodes to a well-formed message of
     its frame's type or raises Refused; nothing else escapes."""
     rng = random.Random(0)
@@ -149,7 +138,7 @@ def test_fuzzed_messages_decode_or_are_refused() -> None:
         fields = json.loads(frame[PP_HEADER.size:PP_HEADER.size + text_len])
         fields.pop("tensors", None)
         try:
-            _, message = m.open_frame(_resealed(frame, _mutate(fields, rng)), KEY, EVERYTHING)
+            _, message = m.open_frame(_resealed(frame, mutate(fields, rng)), KEY, EVERYTHING)
         except m.Refused:
             refused += 1
             continue

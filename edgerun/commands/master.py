@@ -152,7 +152,7 @@ def cmd_master(args: argparse.Namespace) -> None:
         raise EdgerunError("--expect must be 0 or more")
     if args.max_tokens < 1:
         raise EdgerunError("--max-tokens must be at least 1")
-    kind, _ = cluster_plan(args.plan)
+    kind, strategy = cluster_plan(args.plan)
     if kind is ClusterKind.MOE:
         _check_moe_args(args)
     if args.adapter is not None and kind is not ClusterKind.PP:
@@ -170,8 +170,8 @@ def cmd_master(args: argparse.Namespace) -> None:
 
         fixed = load_plan_file(args.plan_file)
     try:
-        cluster = build(model, cluster_key(args), _config(args, model, cluster_config(_settings(args, model))), log,
-                        loss=loss_arg(args), predictors=_predictors(args, model))
+        cluster = build(model, cluster_key(args), _config(args, cluster_config(_settings(args, model, kind, strategy))),
+                        log, loss=loss_arg(args), predictors=_predictors(args, model, kind))
     except OSError as e:
         raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     log(f"listening on port {cluster.port}{JOINING[kind].format(port=cluster.port)}; waiting for {args.expect} "
@@ -217,20 +217,19 @@ def _check_moe_args(args: argparse.Namespace) -> None:
                            "each expert's replicas are on distinct workers")
 
 
-def _settings(args: argparse.Namespace, model):
+def _settings(args: argparse.Namespace, model, kind: ClusterKind, strategy):
     """The options `edgerun master` shares with `edgerun serve` (serve.clusters.ClusterSettings)."""
     from edgerun.model.onnx_graph import Activations
     from edgerun.pp.master import Route, chat_template_prefix
     from edgerun.serve.clusters import ClusterSettings
 
-    kind, strategy = cluster_plan(args.plan)
     prefix = tuple(chat_template_prefix(model.tokenizer)) if args.chat and kind is ClusterKind.PP else ()
     return ClusterSettings(kind, args.host, args.port, args.max_context, Activations(args.activations), args.threads,
                            strategy=strategy, transport=args.transport, route=Route(args.route), prefix=prefix,
                            replicas=args.replicas, hedge=args.hedge, spin_us=args.spin_us)
 
 
-def _config(args: argparse.Namespace, model, config):
+def _config(args: argparse.Namespace, config):
     """The kind's config with the options only `edgerun master` has: the tensor-parallel exchange's and the expert
     timeouts."""
     from edgerun.moe.hub import HubConfig
@@ -250,9 +249,9 @@ def _config(args: argparse.Namespace, model, config):
     return config
 
 
-def _predictors(args: argparse.Namespace, model):
+def _predictors(args: argparse.Namespace, model, kind: ClusterKind):
     """--mapping static or dynamic's predictors (tensor-parallel), or None."""
-    if cluster_plan(args.plan)[0] is not ClusterKind.TP or args.mapping == Mapping.INDEX:
+    if kind is not ClusterKind.TP or args.mapping == Mapping.INDEX:
         return None
     from edgerun.sap.predictor import PredictorSet, default_path
 

@@ -42,9 +42,9 @@ def hints(cls: type) -> dict[str, Any]:
 
 
 @functools.cache
-def carried_fields(cls: type) -> tuple[dataclasses.Field, ...]:
-    """The fields of `cls` that travel outside its JSON."""
-    return tuple(f for f in dataclasses.fields(cls) if hints(cls)[f.name] in CARRIED)
+def carried_fields(cls: type) -> tuple[str, ...]:
+    """The names of the fields of `cls` that travel outside its JSON."""
+    return tuple(f.name for f in _fields(cls)[0] if f.check is None)
 
 
 def plain(value: Any) -> Any:

@@ -367,9 +367,9 @@ PIPELINE = table(*typing.get_args(PipelineMessage))
 def seal(request: int, message: Any, key: bytes) -> bytes:
     """A message as a sealed pipeline frame answering (or asking) `request`."""
     tensors: dict[str, np.ndarray] = {}
-    for f in carried_fields(type(message)):
-        value = getattr(message, f.name)
-        named = value if isinstance(value, dict) else {} if value is None else {f.name: value}
+    for name in carried_fields(type(message)):
+        value = getattr(message, name)
+        named = value if isinstance(value, dict) else {} if value is None else {name: value}
         if set(named) & set(tensors):  # the named tensors beside the declared ones take other names
             raise ValueError(f"tensors {sorted(set(named) & set(tensors))} are named twice")
         tensors.update(named)
@@ -387,11 +387,11 @@ def open_frame(data: bytes, key: bytes, kinds: Table = PIPELINE) -> tuple[int, A
     carried: dict[str, Any] = {}
     rest = dict(tensors)
     named = None
-    for f in carried_fields(cls):
-        if hints(cls)[f.name] == Tensors:
-            named = f.name
-        elif f.name in rest:
-            carried[f.name] = rest.pop(f.name)
+    for name in carried_fields(cls):
+        if hints(cls)[name] == Tensors:
+            named = name
+        elif name in rest:
+            carried[name] = rest.pop(name)
     if named is not None:
         carried[named] = rest
     elif rest:

@@ -347,7 +347,7 @@ class PipelineWorker:
                 self._release()
                 self.preloaded = None
                 self._port().drop_next()
-            case _ if type(message).KIND in self.table and self.tune_role is not None:
+            case _ if self.tune_role is not None and type(message).KIND in self.tune_role.requests:
                 # a training stage (edgerun tune): its own role, PyTorch only when asked
                 if self.tune is None:
                     self.tune = self.tune_role(self.base_url, self.threads, self.log)

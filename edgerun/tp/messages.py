@@ -288,7 +288,7 @@ MAX_PROBE_BYTES = 64 << 20  # the largest bandwidth reply a node sends
 def encode(message: Message) -> tuple[bytes, Payload]:
     """A message as its JSON text and its binary payload."""
     (binary,) = carried_fields(type(message)) or (None,)
-    payload: Payload = b"" if binary is None else getattr(message, binary.name)
+    payload: Payload = b"" if binary is None else getattr(message, binary)
     fields = {"message": type(message).__name__, **plain(message)}
     return json.dumps(fields, separators=(",", ":")).encode(), payload
 
@@ -305,4 +305,4 @@ def decode(text: bytes, payload: Payload) -> Message:
     cls = MESSAGES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise BadMessage("unknown control message")
-    return build(cls, data, {f.name: payload for f in carried_fields(cls)})
+    return build(cls, data, {name: payload for name in carried_fields(cls)})
