@@ -13,12 +13,26 @@ Row = TypeVar("Row")
 
 
 def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
-    """Rows of one shape as CSV, the first row's keys as the header; the folder is made if missing."""
+    """Rows as CSV, a column for every key of any row (in the order they first come; a row without one leaves
+    its cell empty), nested objects flattened (`flat`); the folder is made if missing."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    flats = [flat(row) for row in rows]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in flats for k in row)))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(flats)
+
+
+def flat(row: Mapping[str, object], prefix: str = "") -> dict[str, object]:
+    """A row's nested objects as columns of their own, named by their path ("timing.ms_per_token"); lists and
+    other values stay as they are."""
+    out: dict[str, object] = {}
+    for key, value in row.items():
+        if isinstance(value, Mapping):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 @dataclass(frozen=True)

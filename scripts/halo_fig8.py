@@ -9,10 +9,9 @@ fig8.md and fig8.png into --out.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 
 from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress
-from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate
+from edgerun.bench.tp import TpBenchConfig, bench_tp, kernel_rate, tp_json
 from edgerun.tables import Column, text_table, write_csv
 
 
@@ -37,8 +36,8 @@ def main() -> None:
                                rebalance=False, every_device=True)  # udp and tcp on the same devices, all computing
         results = bench_tp(config, [int(n) for n in args.nodes.split(",")], losses, ["udp", "tcp"],
                            progress=lambda m, name=name: progress(f"{model_label(name)}: {m}"))
-        rows += [asdict(r) | {"model": model_label(name)} for r in results]
-        by = {(r.nodes, r.loss, r.transport): r.ms_per_token for r in results}
+        rows += [{"model": model_label(name)} | row for row in tp_json(results)]
+        by = {(r.setup.nodes, r.setup.loss, r.setup.transport): r.timing.ms_per_token for r in results}
         speedups += [(model_label(name), nodes, loss, by[(nodes, loss, "tcp")] / by[(nodes, loss, "udp")])
                      for (nodes, loss, transport) in by if transport == "udp"]
     write_csv(rows, args.out / "fig8.csv")

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import asdict
 
 import numpy as np
 
 from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress
-from edgerun.bench.tp import TpBenchConfig, bench_tp
+from edgerun.bench.tp import TpBenchConfig, TpResult, bench_tp, tp_json
 from edgerun.tables import write_csv
 
 FASTEST_GHZ = 1.8
@@ -52,7 +51,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     plans, rates = args.plans.split(","), [float(r) for r in args.rates.split(",")]
     model = model_for(args.model, args.synth_dir or args.out)
-    rows = []
+    rows: list[tuple[int, list[float], TpResult]] = []
     for nodes in (int(n) for n in args.nodes.split(",")):
         for scenario in range(args.scenarios):
             ghz = frequencies(nodes, rng)
@@ -65,19 +64,24 @@ def main() -> None:
                 tag = f"{nodes} nodes, scenario {scenario + 1} ({' '.join(f'{f:.1f}' for f in ghz)} GHz)"
                 results = bench_tp(config, [nodes], [args.plr], ["udp"], plans=plans,
                                    progress=lambda m, tag=tag: progress(f"{tag}: {m}"))
-                rows += [asdict(r) | {"scenario": scenario + 1, "ghz": " ".join(map(str, ghz))} for r in results]
-    baseline = {(r["nodes"], r["scenario"], r["rate_mbit"]): r["ms_per_token"] for r in rows if r["plan"] == "galaxy"}
-    for r in rows:
-        key = (r["nodes"], r["scenario"], r["rate_mbit"])
-        r["speedup_over_galaxy"] = baseline[key] / r["ms_per_token"] if key in baseline else float("nan")
-    write_csv(rows, args.out / "fig9.csv")
-    groups = sorted({(r["nodes"], r["rate_mbit"]) for r in rows})
+                rows += [(scenario + 1, ghz, r) for r in results]
+
+    def key(scenario: int, r: TpResult) -> tuple[int, int, float | None]:
+        return r.setup.nodes, scenario, r.setup.rate_mbit
+
+    baseline = {key(scenario, r): r.timing.ms_per_token for scenario, _, r in rows if r.setup.plan == "galaxy"}
+    over_galaxy = [baseline[key(scenario, r)] / r.timing.ms_per_token if key(scenario, r) in baseline
+                   else float("nan") for scenario, _, r in rows]
+    write_csv([{"scenario": scenario, "ghz": " ".join(map(str, ghz)), "speedup_over_galaxy": speedup} | row
+               for (scenario, ghz, _), speedup, row in zip(rows, over_galaxy, tp_json([r for *_, r in rows]),
+                                                           strict=True)], args.out / "fig9.csv")
+    groups = sorted({(r.setup.nodes, r.setup.rate_mbit) for *_, r in rows})
     lines = [f"{'nodes':>5} {'link':>10} " + " ".join(f"{plan:>9}" for plan in plans)]
     means: dict[tuple[int, float, str], float] = {}
     for nodes, rate in groups:
         for plan in plans:
-            values = [r["speedup_over_galaxy"] for r in rows
-                      if (r["nodes"], r["rate_mbit"], r["plan"]) == (nodes, rate, plan)]
+            values = [speedup for (*_, r), speedup in zip(rows, over_galaxy, strict=True)
+                      if (r.setup.nodes, r.setup.rate_mbit, r.setup.plan) == (nodes, rate, plan)]
             means[(nodes, rate, plan)] = float(np.mean(values))
         lines.append(f"{nodes:>5} {f'{rate:g} Mbit':>10} " +
                      " ".join(f"{means[(nodes, rate, plan)]:>8.2f}x" for plan in plans))

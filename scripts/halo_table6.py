@@ -11,10 +11,9 @@ there. Writes table6.csv, table6.md and table6.png into --out.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 
 from edgerun.bench.report import add_experiment_args, best_loss_at, model_for, model_label, progress
-from edgerun.bench.tp import TpBenchConfig, bench_tp
+from edgerun.bench.tp import TpBenchConfig, TpResult, bench_tp, tp_json
 from edgerun.model.loader import load_model
 from edgerun.sap.report import predictors_for
 from edgerun.tables import Column, text_table, write_csv
@@ -40,7 +39,7 @@ def main() -> None:
                                 progress)
     sap = args.out / "table6.sap.npz"
     predictors.save(sap)
-    rows = []
+    rows: list[tuple[str, TpResult]] = []
     for label, mapping, overlap in ROWS:
         config = TpBenchConfig(path, args.plan, tokens=args.tokens, codec=args.codec, timeout_ms=None,
                                loss_at=loss_at,
@@ -48,16 +47,18 @@ def main() -> None:
                                rebalance=False, every_device=True)  # every design on every device
         (result,) = bench_tp(config, [args.nodes], [args.plr], ["udp"],
                              progress=lambda m, label=label: progress(f"{label}: {m}"))
-        rows.append(asdict(result) | {"design": label})
-    base = rows[0]["ms_per_token"]
-    for r in rows:
-        r["speedup"] = base / r["ms_per_token"]
-    write_csv(rows, args.out / "table6.csv")
-    lines = text_table((Column("design", lambda r: r["design"], width=32, left=True),
-                        Column("ms/token", lambda r: r["ms_per_token"], ".1f", width=9),
-                        Column("pred ms", lambda r: r["pred_ms_per_token"], ".2f", width=8),
-                        Column("speedup", lambda r: f"{r['speedup']:.2f}x", width=8),
-                        Column(" computed on", lambda r: " " + ", ".join(r["computed_on"]), left=True)), rows)
+        rows.append((label, result))
+    base = rows[0][1].timing.ms_per_token
+    speedups = [base / r.timing.ms_per_token for _, r in rows]
+    write_csv([{"design": label, "speedup": speedup} | row
+               for (label, _), speedup, row in zip(rows, speedups, tp_json([r for _, r in rows]), strict=True)],
+              args.out / "table6.csv")
+    lines = text_table((Column("design", lambda r: r[0], width=32, left=True),
+                        Column("ms/token", lambda r: r[1].timing.ms_per_token, ".1f", width=9),
+                        Column("pred ms", lambda r: r[1].time.pred_ms, ".2f", width=8),
+                        Column("speedup", lambda r: f"{r[2]:.2f}x", width=8),
+                        Column(" computed on", lambda r: " " + ", ".join(r[1].split.computed_on), left=True)),
+                       [(label, r, speedup) for (label, r), speedup in zip(rows, speedups, strict=True)])
     summary = (f"# Overlap ablation of dynamic mapping ({model_label(args.model)}, master + {args.nodes} nodes, "
                f"{loss_at} loss {args.plr}, codec {args.codec})\n\n```\n" + "\n".join(lines) + "\n```\n")
     (args.out / "table6.md").write_text(summary)
@@ -69,7 +70,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.barh([r["design"] for r in rows][::-1], [r["speedup"] for r in rows][::-1])
+    ax.barh([label for label, _ in rows][::-1], speedups[::-1])
     ax.axvline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("speedup over no overlap (x)")
     fig.tight_layout()

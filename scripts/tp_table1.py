@@ -42,7 +42,7 @@ def main() -> None:
     write_tp_results(results, args.out / "table1.csv")
     link = f", links {args.rate:g} Mbit/s" if loss_at == "testbed" else ""
     title = (f"Time per output token, tcp against udp with a timeout ({model_label(args.model)}, {loss_at} loss{link}, "
-             f"codec {args.codec}, timeout {results[0].timeout}, parity fragments {args.parity})")
+             f"codec {args.codec}, timeout {results[0].setup.timeout}, parity fragments {args.parity})")
     summary = f"# {title}\n\n```\n{tp_table(results)}\n```\n\n```\n{tp_ratios(results)}\n```\n"
     (args.out / "table1.md").write_text(summary)
     print(summary)
@@ -53,10 +53,10 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for nodes in sorted({r.nodes for r in results}):
-        for transport in sorted({r.transport for r in results}):
-            rows = [r for r in results if r.nodes == nodes and r.transport == transport]
-            ax.plot([100 * kernel_rate(r.loss) for r in rows], [r.ms_per_token for r in rows], marker="o",
+    for nodes in sorted({r.setup.nodes for r in results}):
+        for transport in sorted({r.setup.transport for r in results}):
+            rows = [r for r in results if (r.setup.nodes, r.setup.transport) == (nodes, transport)]
+            ax.plot([100 * kernel_rate(r.setup.loss) for r in rows], [r.timing.ms_per_token for r in rows], marker="o",
                     linestyle="-" if transport == "udp" else "--", label=f"{transport}, {nodes} nodes")
     ax.set_xlabel("packet loss rate (%)")
     ax.set_ylabel("time per output token (ms)")

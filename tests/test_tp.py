@@ -671,115 +671,119 @@ def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.Captur
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
                  "--group-size", "64", "--baseline", "--plan", "minmax", "--no-rebalance", "--pin", "1", "--json",
                  "--trace", str(tmp_path / "trace"), "--ceiling"]) == 0
-    results = json.loads(capsys.readouterr().out)
-    assert [r["transport"] for r in results] == ["udp", "tcp"]
+    from edgerun.bench.tp import tp_result
+
+    results = [tp_result(row) for row in json.loads(capsys.readouterr().out)]  # --json holds every record
+    assert [r.setup.transport for r in results] == ["udp", "tcp"]
     # The udp row's decode steps ran their layers after the first on the master's native runner; tcp's cannot.
-    assert results[0]["native_blocks"] > 0 and results[1]["native_blocks"] == 0
-    assert results[0]["group_nodes"] == 1  # its inputs went to the master's multicast group
+    assert results[0].blocks.native > 0 and results[1].blocks.native == 0
+    assert results[0].blocks.group_nodes == 1  # its inputs went to the master's multicast group
     for r in results:
-        assert r["tokens"] == 4 and r["group_size"] == 64 and r["ms_per_token"] > 0 and r["blocks"] > 0
-        assert r["compute_ms_per_token"] + r["wait_ms_per_token"] <= r["ms_per_token"] * 1.01
+        t, time = r.timing, r.time
+        assert r.tokens == 4 and r.setup.group_size == 64 and t.ms_per_token > 0 and r.blocks.total > 0
+        assert time.compute_ms + time.wait_ms <= t.ms_per_token * 1.01
         # The node's own kernels and memory, from its heartbeats; the single engine timed in the same run.
-        assert 0 < r["node_compute_ms_per_token"] < r["ms_per_token"]
+        assert 0 < time.node_compute_ms < t.ms_per_token
         # The decode steps' own synchronization: their time beyond their slowest device's kernels, a block; the
         # node's kernels in them are less than the whole time of the steps.
         blocks_a_step = 2 * load_model(path).config.n_layers + 1  # attention and MLP a layer, and the LM head
-        assert 0 < r["decode_sync_us"] * 1e-3 * blocks_a_step < r["decode_ms_per_token"]
-        assert r["node_weight_mb"] > 0 and r["node_kv_mb"] > 0 and r["node_peak_rss_mb"] > r["node_weight_mb"]
-        assert r["node_overhead_mb"] == pytest.approx(r["node_peak_rss_mb"] - r["node_weight_mb"] - r["node_kv_mb"])
-        assert r["single_ms_per_token"] > 0
-        assert r["speedup"] == pytest.approx(r["single_ms_per_token"] / r["ms_per_token"])
+        assert 0 < time.decode_sync_us * 1e-3 * blocks_a_step < t.decode_ms_per_token
+        m = r.memory
+        assert m.node_weight_mb > 0 and m.node_kv_mb > 0 and m.node_peak_rss_mb > m.node_weight_mb
+        assert m.node_overhead_mb == pytest.approx(m.node_peak_rss_mb - m.node_weight_mb - m.node_kv_mb)
+        single = r.single.timing
+        assert single.ms_per_token > 0
+        assert r.single.speedup == pytest.approx(single.ms_per_token / t.ms_per_token)
         # The one-token steps alone, beside the whole request's (which has the prompt's prefill).
-        assert r["decode_ms_per_token"] > 0 and r["single_decode_ms_per_token"] > 0
-        assert r["decode_speedup"] == pytest.approx(r["single_decode_ms_per_token"] / r["decode_ms_per_token"])
+        assert t.decode_ms_per_token > 0 and single.decode_ms_per_token > 0
+        assert r.single.decode_speedup == pytest.approx(single.decode_ms_per_token / t.decode_ms_per_token)
         # The time to the first token: the prompt's prefill, a part of the whole request.
-        assert 0 < r["prefill_ms"] < r["ms_per_token"] * r["tokens"] and r["single_prefill_ms"] > 0
-        assert r["prefill_speedup"] == pytest.approx(r["single_prefill_ms"] / r["prefill_ms"])
+        assert 0 < t.prefill_ms < t.ms_per_token * r.tokens and single.prefill_ms > 0
+        assert r.single.prefill_speedup == pytest.approx(single.prefill_ms / t.prefill_ms)
         # --ceiling: the two devices' kernels alone, in step, for the node count (one figure for both transports).
-        assert r["ceiling_decode_ms_per_token"] == results[0]["ceiling_decode_ms_per_token"] > 0
-        assert r["ceiling_decode_speedup"] == pytest.approx(r["single_decode_ms_per_token"] /
-                                                            r["ceiling_decode_ms_per_token"])
+        c = r.ceiling.timing
+        assert c.decode_ms_per_token == results[0].ceiling.timing.decode_ms_per_token > 0
+        assert r.ceiling.single.decode_speedup == pytest.approx(single.decode_ms_per_token / c.decode_ms_per_token)
         # ... and the bench's prompt before the steps: the whole request the kernels allow, timed as the cluster's.
-        assert r["ceiling_prefill_ms"] == results[0]["ceiling_prefill_ms"] > 0
-        assert r["ceiling_ms_per_token"] == pytest.approx(
-            (r["ceiling_prefill_ms"] + 3 * r["ceiling_decode_ms_per_token"]) / 4)
-        assert r["ceiling_prefill_speedup"] == pytest.approx(r["single_prefill_ms"] / r["ceiling_prefill_ms"])
-        assert r["ceiling_speedup"] == pytest.approx(r["single_ms_per_token"] / r["ceiling_ms_per_token"])
-        assert r["predicted_ms_per_token"] > 0  # what the plan said it would take, beside what it took
-        assert r["spin_us"] == auto_spin_us(2, 1, len(USABLE_CORES))  # auto: master and node poll where each has a core
+        assert c.prefill_ms == results[0].ceiling.timing.prefill_ms > 0
+        assert c.ms_per_token == pytest.approx((c.prefill_ms + 3 * c.decode_ms_per_token) / 4)
+        assert r.ceiling.single.prefill_speedup == pytest.approx(single.prefill_ms / c.prefill_ms)
+        assert r.ceiling.single.speedup == pytest.approx(single.ms_per_token / c.ms_per_token)
+        assert time.predicted_ms > 0  # what the plan said it would take, beside what it took
+        assert r.setup.spin_us == auto_spin_us(2, 1, len(USABLE_CORES))  # auto: master and node poll, a core each
     # --trace: the udp row's one-token blocks leg by leg, from the master's and the node's timelines (tcp inputs
     # reach the node on its stream, which the node's timeline does not see).
-    legs = {leg["name"]: leg for leg in results[0]["legs"]}
+    udp = results[0]
+    legs = {leg.name: leg for leg in udp.trace.legs}
     assert {"node kernel", "master's own share", "block, send to merged"} <= set(legs)
     assert (tmp_path / "trace" / "nodes1" / "master.jsonl").stat().st_size > 0
     assert (tmp_path / "trace" / "nodes1" / "node-0.jsonl").stat().st_size > 0
-    assert 0 < legs["node kernel"]["median_us"] < legs["block, send to merged"]["median_us"]
-    assert legs["input to the node"]["median_us"] > 0 and legs["master merges"]["median_us"] > 0
-    from edgerun.bench.tp import DeviceRun, TpResult, tp_table
-    from edgerun.tp.trace import Leg
+    assert 0 < legs["node kernel"].median_us < legs["block, send to merged"].median_us
+    assert legs["input to the node"].median_us > 0 and legs["master merges"].median_us > 0
+    from edgerun.bench.tp import Traced, tp_table
 
     # ... and each device's share with its kernels as measured in the run
-    assert [d["name"] for d in results[0]["devices"]] == ["master", "bench-0"]
-    assert all(d["weight_mb"] > 0 for d in results[0]["devices"])
+    assert [d.name for d in udp.split.devices] == ["master", "bench-0"]
+    assert all(d.weight_mb > 0 for d in udp.split.devices)
     # ... among them each ggml share's own cost a call beyond its kernels (inputs in, output out, Python): the
     # master's first layer and LM head are such calls; a node's one-token blocks may all have run natively (none)
-    master_run, node_run = results[0]["devices"]
-    assert 0 < master_run["call_us"] < 1000 and (node_run["call_us"] is None or 0 < node_run["call_us"] < 1000)
-    row = {k: v for k, v in results[0].items() if k in TpResult.__dataclass_fields__}
-    table = tp_table([TpResult(**row | {"legs": (), "devices": (), "traced": False, "kind_legs": {}})])
-    assert " plan " in table.splitlines()[0] and f"{results[0]['predicted_ms_per_token']:.1f}" in table
-    assert " prefill " in table.splitlines()[0] and f"{results[0]['prefill_ms']:.1f}" in table
+    master_run, node_run = udp.split.devices
+    assert 0 < master_run.call_us < 1000 and (node_run.call_us is None or 0 < node_run.call_us < 1000)
+    plain = replace(udp, trace=None, split=replace(udp.split, devices=()))
+    table = tp_table([plain])
+    assert " plan " in table.splitlines()[0] and f"{udp.time.predicted_ms:.1f}" in table
+    assert " prefill " in table.splitlines()[0] and f"{udp.timing.prefill_ms:.1f}" in table
     ceiling = next(line for line in table.splitlines() if line.startswith("kernel ceiling, 2 device(s)"))
-    assert f"decode {results[0]['ceiling_decode_ms_per_token']:.1f} ms/token" in ceiling
-    assert f"({results[0]['decode_ms_per_token'] / results[0]['ceiling_decode_ms_per_token']:.2f}x it)" in ceiling
-    assert f"prefill {results[0]['ceiling_prefill_ms']:.1f} ms = " \
-           f"{results[0]['ceiling_prefill_speedup']:.2f}x" in ceiling
-    assert f"whole request {results[0]['ceiling_ms_per_token']:.1f} ms/token = " \
-           f"{results[0]['ceiling_speedup']:.2f}x the single engine's" in ceiling
-    assert f"({results[0]['prefill_ms'] / results[0]['ceiling_prefill_ms']:.2f}x it)" in ceiling
-    assert table.splitlines()[-1] == ("spin: off" if not results[0]["spin_us"] else
-                                      f"spin: {results[0]['spin_us']:.0f} µs in every process")
-    traced = tp_table([TpResult(**row | {"legs": tuple(Leg(**leg) for leg in results[0]["legs"]), "kind_legs": {},
-                                         "devices": tuple(DeviceRun(**d) for d in results[0]["devices"])})])
+    c = udp.ceiling
+    assert f"decode {c.timing.decode_ms_per_token:.1f} ms/token" in ceiling
+    assert f"({udp.timing.decode_ms_per_token / c.timing.decode_ms_per_token:.2f}x it)" in ceiling
+    assert f"prefill {c.timing.prefill_ms:.1f} ms = {c.single.prefill_speedup:.2f}x" in ceiling
+    assert f"whole request {c.timing.ms_per_token:.1f} ms/token = {c.single.speedup:.2f}x the single engine's" \
+        in ceiling
+    assert f"({udp.timing.prefill_ms / c.timing.prefill_ms:.2f}x it)" in ceiling
+    assert table.splitlines()[-1] == ("spin: off" if not udp.setup.spin_us else
+                                      f"spin: {udp.setup.spin_us:.0f} µs in every process")
+    traced = tp_table([replace(udp, trace=Traced(udp.trace.legs))])
     assert "critical path" in traced.splitlines()[-2] and "node kernel " in traced.splitlines()[-2]
     assert "shares" in traced.splitlines()[-1] and "bench-0 " in traced.splitlines()[-1]
-    assert f"calls {master_run['call_us']:.0f} µs" in traced.splitlines()[-1]
+    assert f"calls {master_run.call_us:.0f} µs" in traced.splitlines()[-1]
     # ... and the blocks of each kind alone, which the ceiling's line sets against its own block of that kind: what
     # the cluster's block takes beyond the kernels' (the LM head's partial, a top-k list, is not the layers').
-    kinds = results[0]["kind_legs"]
+    kinds = udp.trace.kind_legs
     assert list(kinds)[:2] == ["attention", "MLP"]  # the LM head's where the node holds some of its rows
-    for kind, legs in kinds.items():
-        assert {"node kernel", "block, send to merged"} <= {leg["name"] for leg in legs}, kind
-    assert list(results[0]["ceiling_block_us"]) == ["attention", "MLP", "LM head"]
-    assert min(results[0]["ceiling_block_us"].values()) > 0
-    by_kind = tp_table([TpResult(**row | {"legs": (), "devices": (), "kind_legs": {
-        kind: tuple(Leg(**leg) for leg in legs) for kind, legs in kinds.items()}})])
+    for kind, kind_legs in kinds.items():
+        assert {"node kernel", "block, send to merged"} <= {leg.name for leg in kind_legs}, kind
+    assert list(c.block_us) == ["attention", "MLP", "LM head"]
+    assert min(c.block_us.values()) > 0
+    by_kind = tp_table([replace(plain, trace=Traced((), kinds))])
     assert "attention blocks alone: " in by_kind and "MLP blocks alone: " in by_kind
     ceiling_line = next(line for line in by_kind.splitlines() if line.startswith("kernel ceiling"))
-    merged = {kind: next(leg for leg in legs if leg["name"] == "block, send to merged")["mean_us"]
-              for kind, legs in kinds.items()}
-    block_us = results[0]["ceiling_block_us"]
-    assert f"slowest device's kernel: attention {block_us['attention']:.0f} µs" in ceiling_line
-    assert f"MLP {merged['MLP']:.0f} µs ({merged['MLP'] - block_us['MLP']:+.0f})" in ceiling_line
+    merged = {kind: next(leg for leg in kind_legs if leg.name == "block, send to merged").mean_us
+              for kind, kind_legs in kinds.items()}
+    assert f"slowest device's kernel: attention {c.block_us['attention']:.0f} µs" in ceiling_line
+    assert f"MLP {merged['MLP']:.0f} µs ({merged['MLP'] - c.block_us['MLP']:+.0f})" in ceiling_line
     # tcp's row was traced, and its inputs went over the node's stream, which the node's timeline does not see: the
     # table says so, and an untraced row says nothing of tracing.
-    tcp = TpResult(**{k: v for k, v in results[1].items() if k in TpResult.__dataclass_fields__} |
-                   {"legs": (), "devices": (), "kind_legs": {}})
-    assert results[1]["traced"] and "no one-token block" in tp_table([tcp])
-    assert "no one-token block" not in tp_table([replace(tcp, traced=False)])
+    tcp = results[1]
+    assert tcp.trace is not None and not tcp.trace.legs and "no one-token block" in tp_table([tcp])
+    assert "no one-token block" not in tp_table([replace(tcp, trace=None)])
     # --no-rebalance: no trial; a rebalance's trial is told with its row, kept or not.
     from edgerun.tp.master import TrialOutcome
 
-    assert results[0]["trial"] is None and "measured speeds called for" not in tp_table([tcp])
-    back = tp_table([replace(tcp, trial=TrialOutcome(0.0709, 0.0797, kept=False))])
+    assert udp.split.trial is None and "measured speeds called for" not in tp_table([tcp])
+
+    def tried(outcome: TrialOutcome) -> str:
+        return tp_table([replace(tcp, split=replace(tcp.split, trial=outcome))])
+
+    back = tried(TrialOutcome(0.0709, 0.0797, kept=False))
     assert "ran 79.7 ms a step against 70.9 on the split before it: back to the split before it" in back
-    assert tp_table([replace(tcp, trial=TrialOutcome(0.0709, 0.0650, kept=True))]).count("65.0 ms a step") == 1
+    assert tried(TrialOutcome(0.0709, 0.0650, kept=True)).count("65.0 ms a step") == 1
     # The units each device holds (the plan's), which a row's speed depends on: every layer's are all placed.
-    devices = results[0]["devices"]
+    devices = udp.split.devices
     assert "attention units and" in traced.splitlines()[-1]
-    assert all(d["attn_units"][0] <= d["attn_units"][1] for d in devices) and sum(d["vocab_blocks"] for d in devices)
+    assert all(d.attn_units[0] <= d.attn_units[1] for d in devices) and sum(d.vocab_blocks for d in devices)
     groups = spec.config.ffn // 64  # --group-size 64
-    assert sum(d["mlp_groups"][0] for d in devices) <= groups <= sum(d["mlp_groups"][1] for d in devices)
+    assert sum(d.mlp_groups[0] for d in devices) <= groups <= sum(d.mlp_groups[1] for d in devices)
 
 
 def test_the_kernel_ceiling_script_times_every_share_against_the_single_engine(tiny_spec, synth_gguf) -> None:
@@ -903,18 +907,41 @@ def test_kernel_ceiling_runs_each_share_in_a_process_of_its_own(tiny_spec, synth
         kernel_ceiling(tmp_path / "missing.gguf", 2, 1, "int8", 1, 64)
 
 
+def bench_row(nodes: int, ms: float, transport: str = "udp", loss: str = "0", plan: str = "halo",
+              on: tuple[str, ...] = (), left_out: tuple[str, ...] = (),
+              single: tuple[float, float, float] | None = None, llamacpp_ms: float | None = None):
+    """A `bench tp` row for the table's and the ratios' tests: `ms` a token, `single` the single engine's
+    (whole, decode, prefill) times; every count zero."""
+    from edgerun.bench.single import RequestTiming
+    from edgerun.bench.tp import (
+        BlockCounts,
+        Compared,
+        MemoryUse,
+        PacketCounts,
+        RowSetup,
+        Split,
+        TimeSplit,
+        TpResult,
+        Yardstick,
+    )
+
+    timing = RequestTiming(ms, ms * 0.9, ms * 8)
+    return TpResult(
+        RowSetup(nodes, transport, loss, "process", "f32", "10 ms", 0, plan, "index", 256, "none", None), 4, timing,
+        TimeSplit(*[0.0] * 9), BlockCounts(0, 0, 0, 0, 0), PacketCounts(0, 0, 0, 0, 0, 0), MemoryUse(*[0.0] * 5),
+        Split(len(on), on, left_out, False),
+        single=None if single is None else Compared.of(RequestTiming(*single), timing),
+        llamacpp=None if llamacpp_ms is None else
+        Yardstick(llamacpp_ms, 80.0, llamacpp_ms / timing.decode_ms_per_token))
+
+
 def test_bench_ratios_pair_each_lossy_row_with_the_lossless_row_beside_it() -> None:
     """bench tp's summary: a lossy udp row against the lossless udp row run last before it, tcp against udp at the
     same loss; loss rates given again (--plr 0,5%,0,5%) give a pair each and their median, per plan."""
-    import dataclasses
+    from edgerun.bench.tp import tp_ratios
 
-    from edgerun.bench.tp import TpResult, tp_ratios
-
-    blank = {f.name: 0 for f in dataclasses.fields(TpResult)
-             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-
-    def row(loss: str, ms: float, transport: str = "udp", plan: str = "halo") -> TpResult:
-        return TpResult(**blank | {"nodes": 7, "transport": transport, "loss": loss, "ms_per_token": ms, "plan": plan})
+    def row(loss: str, ms: float, transport: str = "udp", plan: str = "halo"):
+        return bench_row(7, ms, transport, loss, plan)
 
     assert tp_ratios([row("0", 80.0), row("0", 200.0, "tcp"), row("5%", 90.0), row("5%", 360.0, "tcp")]) == (
         "7 node(s), loss 0: udp 80.0 ms/token; 1.00x udp at loss 0; tcp 200.0 ms/token = 2.50x udp\n"
@@ -932,19 +959,10 @@ def test_bench_ratios_pair_each_lossy_row_with_the_lossless_row_beside_it() -> N
 def test_bench_table_gives_the_median_speed_up_of_a_node_count_run_several_times() -> None:
     """--nodes 1,3,1,3 --baseline: each node count run more than once gets the median of its speed-ups over the
     single engine (whole request, decode, prefill) with every run's; one run alone gets no such line."""
-    import dataclasses
+    from edgerun.bench.tp import tp_table
 
-    from edgerun.bench.tp import TpResult, tp_table
-
-    blank = {f.name: 0 for f in dataclasses.fields(TpResult)
-             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-
-    def row(nodes: int, speedup: float) -> TpResult:
-        return TpResult(**blank | {"nodes": nodes, "transport": "udp", "loss": "0", "plan": "halo", "legs": (),
-                                   "ms_per_token": 50.0, "devices": (), "single_ms_per_token": 100.0,
-                                   "speedup": speedup,
-                                   "single_decode_ms_per_token": 90.0, "decode_speedup": speedup - 0.1,
-                                   "single_prefill_ms": 900.0, "prefill_speedup": speedup + 0.1})
+    def row(nodes: int, speedup: float):  # the row's own times: 50 ms a token, 45 decoding, 400 prefilling
+        return bench_row(nodes, 50.0, single=(50.0 * speedup, 45.0 * (speedup - 0.1), 400.0 * (speedup + 0.1)))
 
     lines = tp_table([row(1, 1.5), row(3, 2.5), row(1, 1.7), row(3, 3.1), row(1, 1.6), row(7, 3.0)]).splitlines()
     repeated = [line for line in lines if " runs: " in line]
@@ -962,16 +980,15 @@ def test_bench_rows_run_on_every_device_and_say_which(tiny_spec, synth_gguf, cap
     planner that leaves a device out at the declared speeds is an error naming it."""
     import json
 
-    from edgerun.bench.tp import TpBenchConfig, bench_tp
+    from edgerun.bench.tp import TpBenchConfig, bench_tp, tp_result
     from edgerun.cli import main
 
     path = synth_gguf(tiny_spec(tied=False))
     assert main(["bench", "tp", "--model", str(path), "--nodes", "1", "--tokens", "4", "--transport", "udp,tcp",
                  "--plan", "even", "--every-device", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [r["transport"] for r in rows] == ["udp", "tcp"]
-    assert all(r["computed_on"] == ["master", "bench-0"] and r["left_out"] == [] and not r["rebalanced"]
-               for r in rows)
+    rows = [tp_result(row).split for row in json.loads(capsys.readouterr().out)]
+    assert len(rows) == 2  # udp and tcp
+    assert all(r.computed_on == ("master", "bench-0") and r.left_out == () and not r.rebalanced for r in rows)
     slow = TpBenchConfig(path, "halo", tokens=2, node_speeds=(1e3,), rebalance=False, every_device=True)
     with pytest.raises(EdgerunError, match="leaves bench-0 out"):
         bench_tp(slow, [1], ["0"], ["udp"])
@@ -980,22 +997,12 @@ def test_bench_rows_run_on_every_device_and_say_which(tiny_spec, synth_gguf, cap
 
 
 def test_bench_table_gives_no_speed_up_for_a_row_whose_nodes_computed_nothing() -> None:
-    import dataclasses
+    from edgerun.bench.tp import tp_ratios, tp_table
 
-    from edgerun.bench.tp import TpResult, tp_ratios, tp_table
-
-    blank = {f.name: 0 for f in dataclasses.fields(TpResult)
-             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-
-    def row(transport: str, loss: str, ms: float, on: tuple[str, ...]) -> TpResult:
+    def row(transport: str, loss: str, ms: float, on: tuple[str, ...]):
         devices = ("master", "n1", "n2")
-        return TpResult(**blank | {"nodes": 2, "transport": transport, "loss": loss, "plan": "halo", "legs": (),
-                                   "ms_per_token": ms, "devices": (), "single_ms_per_token": 100.0,
-                                   "speedup": 100.0 / ms, "single_decode_ms_per_token": 90.0, "decode_speedup": 1.5,
-                                   "single_prefill_ms": 900.0, "prefill_speedup": 1.2, "computed_on": on,
-                                   "left_out": tuple(d for d in devices if d not in on),
-                                   "llamacpp_decode_ms_per_token": 60.0, "llamacpp_prefill_tok_s": 80.0,
-                                   "llamacpp_decode_speedup": 60.0 / ms})
+        return bench_row(2, ms, transport, loss, on=on, left_out=tuple(d for d in devices if d not in on),
+                         single=(100.0, ms * 0.9 * 1.5, ms * 8 * 1.2), llamacpp_ms=60.0)
 
     alone = row("tcp", "0", 50.0, ("master",))
     rows = [row("udp", "0", 40.0, ("master", "n1", "n2")), alone]
@@ -1003,7 +1010,7 @@ def test_bench_table_gives_no_speed_up_for_a_row_whose_nodes_computed_nothing() 
     assert "2 node(s), udp, loss 0: computed on master, n1, n2" in table
     assert "2 node(s), tcp, loss 0: computed on master; left out: n1, n2; the nodes computed nothing" in table
     assert "2.50x" in table and "2.00x" not in table  # the udp row's speed-up; none for the master alone
-    assert "decode against it: 2 node(s) udp loss 0 1.50x, 2 node(s) tcp loss 0 - (nodes idle)" in table
+    assert "decode against it: 2 node(s) udp loss 0 1.67x, 2 node(s) tcp loss 0 - (nodes idle)" in table
     ratios = tp_ratios(rows)
     assert "tcp 50.0 ms/token;" in ratios and "= " not in ratios.split("tcp")[1]
     assert "rows whose nodes computed nothing are left out of the ratios" in ratios

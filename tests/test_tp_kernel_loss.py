@@ -29,25 +29,26 @@ def test_kernel_loss_reaches_udp_and_tcp(tiny_spec, synth_gguf, monkeypatch: pyt
     monkeypatch.setattr(bench, "_rebalance", rebalance)
     results = bench_tp(config, [1], ["0", "20%"], ["udp", "tcp"])
     assert rebalances == ["udp"]
-    by = {(r.transport, r.loss): r for r in results}
+    by = {(r.setup.transport, r.setup.loss): r for r in results}
     assert set(by) == {("udp", "0"), ("tcp", "0"), ("udp", "20%"), ("tcp", "20%")}
     for r in results:
-        assert r.tokens == 8 and r.loss_at == "kernel" and r.timeout == "adaptive"
-    assert by[("udp", "0")].kernel_matched == 0  # no table at rate 0
+        assert r.tokens == 8 and r.setup.loss_at == "kernel" and r.setup.timeout == "adaptive"
+    assert by[("udp", "0")].packets.kernel_matched == 0  # no table at rate 0
     for transport in ("udp", "tcp"):
-        lossy = by[(transport, "20%")]
+        lossy = by[(transport, "20%")].packets
         assert lossy.kernel_matched > 0
         # 20% of the cluster's packets, within 6 binomial standard deviations
         share = lossy.kernel_dropped / lossy.kernel_matched
         sigma = (0.2 * 0.8 / lossy.kernel_matched) ** 0.5
         assert abs(share - 0.2) < 6 * sigma + 0.01, (transport, share)
     # The same shares at both rates and on both transports: every ratio compares the same devices.
-    shares = [[(d.name, d.weight_mb, d.attn_units, d.mlp_groups, d.vocab_blocks) for d in r.devices] for r in results]
+    shares = [[(d.name, d.weight_mb, d.attn_units, d.mlp_groups, d.vocab_blocks) for d in r.split.devices]
+              for r in results]
     assert all(s == shares[0] for s in shares) and shares[0], shares
-    assert all(r.computed_on == results[0].computed_on for r in results)
-    assert by[("tcp", "20%")].blocks_incomplete == 0  # tcp waits for everything
-    assert by[("udp", "20%")].blocks_incomplete > 0  # udp gives up on what was lost
+    assert all(r.split.computed_on == results[0].split.computed_on for r in results)
+    assert by[("tcp", "20%")].blocks.incomplete == 0  # tcp waits for everything
+    assert by[("udp", "20%")].blocks.incomplete > 0  # udp gives up on what was lost
     # The links lost packets: with --transport udp the prompt's inputs went on the node's spare stream as well; the
     # strict tcp baseline has one stream. (At rate 0 a busy machine may still make a partial miss its adaptive
     # deadline, which marks the link lossy too: that row is not asked about.)
-    assert by[("udp", "20%")].prompt_inputs_doubled > 0 and by[("tcp", "20%")].prompt_inputs_doubled == 0
+    assert by[("udp", "20%")].blocks.prompt_inputs_doubled > 0 and by[("tcp", "20%")].blocks.prompt_inputs_doubled == 0

@@ -6,15 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
-from edgerun.bench.tp import LOSS_AT, TpResult
+from edgerun.bench.tp import LOSS_AT, TpResult, tp_json
 from edgerun.tables import write_csv
 
 
 def write_tp_results(results: Sequence[TpResult], path: Path) -> None:
-    write_csv([asdict(r) for r in results], path)
+    write_csv(tp_json(results), path)
 
 
 def add_experiment_args(p: argparse.ArgumentParser, loss_at: bool = True, plan: bool = True) -> None:

@@ -18,8 +18,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from threadpoolctl import threadpool_limits
 
@@ -35,6 +36,7 @@ from edgerun.net.kernel_loss import loopback_loss, loss_counters
 from edgerun.net.loops import auto_spin_us
 from edgerun.net.loss import Bernoulli, LossModel, NoLoss, parse_loss
 from edgerun.net.netns import entered
+from edgerun.net.typed import build, plain
 from edgerun.net.wire import Codec, derive_key
 from edgerun.sap.predictor import PredictorSet
 from edgerun.sched.tp_plan import TPPlan
@@ -85,7 +87,9 @@ class DeviceRun:
 
 
 @dataclass(frozen=True)
-class TpResult:
+class RowSetup:
+    """What a row ran: the cluster, its transport and loss, and the exchange's settings."""
+
     nodes: int
     transport: str
     loss: str
@@ -98,76 +102,155 @@ class TpResult:
     group_size: int  # MLP neuron-group size
     overlap: str  # dynamic mapping's overlap: "pred" or "none"
     rate_mbit: float | None  # testbed links (None: unlimited)
-    tokens: int
-    ms_per_token: float
-    predicted_ms_per_token: float  # the plan's prediction at the speeds the devices showed in this run
-    compute_ms_per_token: float  # the master's own share
-    pred_ms_per_token: float  # dynamic mapping: ranking units with the predictors
-    wait_ms_per_token: float  # waiting for the nodes' partials
-    other_ms_per_token: float  # norms, sends, sums, sampling
-    blocks: int
-    blocks_incomplete: int
-    incomplete_wait_ms_per_token: float  # of wait: waiting in blocks that ended incomplete
-    partials_rebuilt: int  # from a parity fragment
-    partials_resent: int  # mirrored partials whole over UDP after the master asked for fragments they lacked
+    spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
+
+    def label(self) -> str:
+        """The row as its notes under the table name it."""
+        return f"{self.nodes} node(s), {self.transport}, loss {self.loss}"
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Where a row's token went (ms a token over the whole request, the prompt's prefill included), and the
+    synchronization beyond the devices' compute (µs a block)."""
+
+    predicted_ms: float  # the plan's prediction at the speeds the devices showed in this run
+    compute_ms: float  # the master's own share
+    pred_ms: float  # dynamic mapping: ranking units with the predictors
+    wait_ms: float  # waiting for the nodes' partials
+    incomplete_wait_ms: float  # of wait: waiting in blocks that ended incomplete
+    other_ms: float  # norms, sends, sums, sampling
+    node_compute_ms: float  # the busiest node's time in its kernels
+    sync_us: float  # per synchronization: time beyond the slowest device's compute, over blocks
+    # ... the same for the one-token steps alone: a decode step's time beyond the slowest device's kernels in it,
+    # over its blocks (the prompt's blocks carry many tokens each, and their time was most of sync_us on two
+    # cores: ~140 of ~190 µs a block)
+    decode_sync_us: float
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    """A row's blocks (synchronizations) on the master, and what became of them."""
+
+    total: int
+    incomplete: int
+    rebuilt: int  # partials rebuilt from a parity fragment
+    resent: int  # mirrored partials whole over UDP after the master asked for fragments they lacked
     prompt_inputs_doubled: int  # a prompt's inputs sent on a lossy node's spare stream too (Assign.spare_stream)
-    datagrams_sent: int
-    datagrams_dropped: int  # by the in-process loss model on the master's side
+    # The native data path (net.fastpath): the row's blocks the master's runner ran, and of each node's one-token
+    # blocks on its share (as its last heartbeat said) the share its native server computed.
+    native: int = 0
+    node_native_share: tuple[float, ...] = ()
+    group_nodes: int = 0  # nodes whose one-token inputs went to the master's multicast group (net.group)
+
+
+@dataclass(frozen=True)
+class PacketCounts:
+    """A row's datagrams, as the master and (kernel or testbed loss) the kernel counted them."""
+
+    sent: int
+    dropped: int  # by the in-process loss model on the master's side
     kernel_matched: int  # cluster packets the kernel saw (kernel loss only)
     kernel_dropped: int
-    late_packets: int
+    late: int
     rejected: int
-    node_compute_ms_per_token: float  # the busiest node's time in its kernels
-    sync_overhead_us: float  # per synchronization: time beyond the slowest device's compute, over blocks
-    # ... the same for the one-token steps alone: a decode step's time beyond the slowest device's kernels in it,
-    # over its blocks (the prompt's blocks carry many tokens each, and their time was most of sync_overhead_us
-    # on two cores: ~140 of ~190 µs a block)
-    decode_sync_us: float
-    # Memory in MiB (2**20 bytes), as the kernel counts resident memory.
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Memory in MiB (2**20 bytes), as the kernel counts resident memory."""
+
     master_weight_mb: float  # the master's share of quantized weights
     node_weight_mb: float  # the largest node share
     node_kv_mb: float  # that node's KV cache
     node_peak_rss_mb: float  # the largest peak resident memory of any node process (since it took its share)
     node_overhead_mb: float  # the most any node's peak RSS exceeds its share's weights and KV cache
-    devices_used: int  # devices the plan gave units to, the master included (a planner may leave some out)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The devices a row's plan gave units to, and how that plan came about."""
+
+    used: int  # devices the plan gave units to, the master included (a planner may leave some out)
+    computed_on: tuple[str, ...]  # their names, master first
+    left_out: tuple[str, ...]  # the devices of the cluster it gave none
     rebalanced: bool  # the plan measured was made with the devices' measured speeds, after a warm-up
     # The rebalance's trial of that plan against the one before it (Master.rebalance), if it made one.
     trial: TrialOutcome | None = None
-    computed_on: tuple[str, ...] = ()  # the devices the row's plan gave units to (master first)
-    left_out: tuple[str, ...] = ()  # the devices of the cluster it gave none
-    decode_ms_per_token: float = float("nan")  # the one-token steps alone (ms_per_token has the prompt's prefill)
-    single_ms_per_token: float | None = None  # the single-process engine, same model and threads (--baseline)
-    llamacpp_decode_ms_per_token: float | None = None  # llama-bench's decode, same file and threads (--vs-llamacpp)
-    llamacpp_prefill_tok_s: float | None = None
-    llamacpp_decode_speedup: float | None = None  # llamacpp_decode_ms_per_token / decode_ms_per_token
-    speedup: float | None = None  # single_ms_per_token / ms_per_token
-    single_decode_ms_per_token: float | None = None
-    decode_speedup: float | None = None  # single_decode_ms_per_token / decode_ms_per_token
-    prefill_ms: float = float("nan")  # the prompt's prefill and first token (time to the first token)
-    single_prefill_ms: float | None = None
-    prefill_speedup: float | None = None  # single_prefill_ms / prefill_ms
-    spin_us: float = 0.0  # how long master and nodes polled for the next packet (--spin-us, auto resolved)
-    legs: tuple[Leg, ...] = ()  # --trace: where a one-token block's time went, leg by leg of its critical path
-    # --trace: the same of the blocks of each kind alone (trace.BLOCK_KINDS' names), where any was recorded
-    kind_legs: dict[str, tuple[Leg, ...]] = field(default_factory=dict)
-    traced: bool = False  # --trace: the row's one-token blocks were recorded (legs: what they showed)
     devices: tuple[DeviceRun, ...] = ()  # rows with nodes: each device's share and its kernels as measured in the run
-    # The native data path (net.fastpath): the row's blocks the master's runner ran, and of each node's one-token
-    # blocks on its share (as its last heartbeat said) the share its native server computed.
-    native_blocks: int = 0
-    node_native_share: tuple[float, ...] = ()
-    group_nodes: int = 0  # nodes whose one-token inputs went to the master's multicast group (net.group)
-    # --ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
-    # (bench.ceiling): the decode, the prompt and the whole request this machine allows the cluster with nothing but
-    # its kernels, and each over the single engine's
-    ceiling_decode_ms_per_token: float | None = None
-    ceiling_decode_speedup: float | None = None  # single_decode_ms_per_token / ceiling_decode_ms_per_token
-    ceiling_prefill_ms: float | None = None
-    ceiling_prefill_speedup: float | None = None  # single_prefill_ms / ceiling_prefill_ms
-    ceiling_ms_per_token: float | None = None  # the prompt's and the steps' ceilings over the tokens, as ms_per_token
-    ceiling_speedup: float | None = None  # single_ms_per_token / ceiling_ms_per_token
+
+    def nodes_idle(self, nodes: int) -> bool:
+        """Whether the nodes computed nothing (the plan left every node out): such a row measures the master
+        alone, and no speed-up or loss effect of a cluster may be read from it."""
+        return nodes > 0 and bool(self.computed_on) and set(self.computed_on) <= {"master"}
+
+
+@dataclass(frozen=True)
+class Compared:
+    """Another run of the same request (the single engine timed around a row; a row's kernel ceiling) and the
+    speed-ups a run shows over it: its times over the other's."""
+
+    timing: RequestTiming
+    speedup: float  # whole request
+    decode_speedup: float
+    prefill_speedup: float
+
+    @classmethod
+    def of(cls, reference: RequestTiming, run: RequestTiming) -> Compared:
+        return cls(reference, reference.ms_per_token / run.ms_per_token,
+                   reference.decode_ms_per_token / run.decode_ms_per_token, reference.prefill_ms / run.prefill_ms)
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    """llama.cpp's llama-bench on the same file and threads (--vs-llamacpp), and a row's decode against it."""
+
+    decode_ms_per_token: float
+    prefill_tok_s: float
+    decode_speedup: float  # decode_ms_per_token / the row's
+
+
+@dataclass(frozen=True)
+class CeilingRun:
+    """--ceiling: the devices' even shares' kernels alone, every block in step on all of them, no network
+    (bench.ceiling): the decode, the prompt and the whole request this machine allows the cluster with nothing but
+    its kernels; `single` the single engine's times over them (--baseline)."""
+
+    timing: RequestTiming
     # a one-token block of each kind in step, the slowest device's kernel (µs, mean; Ceiling.block_us)
-    ceiling_block_us: dict[str, float] = field(default_factory=dict)
+    block_us: dict[str, float] = field(default_factory=dict)
+    single: Compared | None = None
+
+
+@dataclass(frozen=True)
+class Traced:
+    """--trace: where a row's one-token blocks' time went, leg by leg of their critical path (empty where no block
+    with a node's partial was recorded), and the same of the blocks of each kind alone (trace.BLOCK_KINDS' names)."""
+
+    legs: tuple[Leg, ...] = ()
+    kind_legs: dict[str, tuple[Leg, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TpResult:
+    """One row of `bench tp`: what ran, its times, and where they went."""
+
+    setup: RowSetup
+    tokens: int
+    timing: RequestTiming  # ms a token (prefill included), the one-token steps alone, the prefill
+    time: TimeSplit
+    blocks: BlockCounts
+    packets: PacketCounts
+    memory: MemoryUse
+    split: Split
+    single: Compared | None = None  # against the single-process engine, same model and threads (--baseline)
+    llamacpp: Yardstick | None = None  # --vs-llamacpp
+    ceiling: CeilingRun | None = None  # --ceiling
+    trace: Traced | None = None  # --trace
+
+    def nodes_idle(self) -> bool:
+        """Whether this row's nodes computed nothing: it gives no speed-up or loss effect of a cluster."""
+        return self.split.nodes_idle(self.setup.nodes)
 
 
 def loss_model(spec: str, seed: int | None = None) -> LossModel:
@@ -423,14 +506,13 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     generated = result.tokens
     matched1, kdropped1 = kernel_counters()
     reports = master.fresh_reports()  # after the nodes' heartbeats, which flushed their traces
-    legs: tuple[Leg, ...] = ()
-    kind_legs: dict[str, tuple[Leg, ...]] = {}
+    trace: Traced | None = None
     devices: tuple[DeviceRun, ...] = ()
     if master.trace is not None:
         master.trace.flush()
         found = breakdown(master.config.trace_dir, master.exchange.session)
-        legs = tuple(found[None])
-        kind_legs = {name: tuple(found[kind]) for kind, name in BLOCK_KINDS.items() if kind in found}
+        trace = Traced(tuple(found[None]),
+                       {name: tuple(found[kind]) for kind, name in BLOCK_KINDS.items() if kind in found})
     if reports:
         devices = _device_runs(master, reports)
     n = max(1, len(generated))
@@ -447,41 +529,42 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
     decode_sync = (timing.decode_ms_per_token / 1e3 - decode_compute) / max((s.blocks - at_first["blocks"]) / steps, 1)
     biggest = max(reports, key=lambda r: r.weight_bytes, default=None)
     timeout_ms = master.config.timeout_ms
-    return TpResult(
-        nodes=nodes, transport=master.config.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
-        timeout="adaptive" if timeout_ms is None else f"{timeout_ms:g} ms", parity=master.config.parity,
-        plan=master.config.strategy, mapping=master.config.mapping, group_size=master.config.group_size,
-        overlap="+".join(sorted(master.config.overlap)) or "none",
-        rate_mbit=config.rate_mbit, tokens=len(generated),
-        ms_per_token=timing.ms_per_token, decode_ms_per_token=timing.decode_ms_per_token,
-        prefill_ms=timing.prefill_ms,
-        predicted_ms_per_token=master.predicted_s() * 1e3,
-        compute_ms_per_token=compute * 1e3,
-        pred_ms_per_token=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms_per_token=wait * 1e3,
-        other_ms_per_token=(elapsed / n - compute - wait) * 1e3, blocks=blocks,
-        blocks_incomplete=s.blocks_incomplete - before["blocks_incomplete"],
-        incomplete_wait_ms_per_token=(s.incomplete_wait_s - before["incomplete_wait_s"]) / n * 1e3,
-        partials_rebuilt=s.partials_rebuilt - before["partials_rebuilt"],
-        partials_resent=s.completed_after_ask - before["completed_after_ask"],
+    c = master.config
+    setup = RowSetup(
+        nodes=nodes, transport=c.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
+        timeout="adaptive" if timeout_ms is None else f"{timeout_ms:g} ms", parity=c.parity, plan=c.strategy,
+        mapping=c.mapping, group_size=c.group_size, overlap="+".join(sorted(c.overlap)) or "none",
+        rate_mbit=config.rate_mbit, spin_us=config.spin_us or 0.0)
+    time_split = TimeSplit(
+        predicted_ms=master.predicted_s() * 1e3, compute_ms=compute * 1e3,
+        pred_ms=(s.pred_s - before["pred_s"]) / n * 1e3, wait_ms=wait * 1e3,
+        incomplete_wait_ms=(s.incomplete_wait_s - before["incomplete_wait_s"]) / n * 1e3,
+        other_ms=(elapsed / n - compute - wait) * 1e3, node_compute_ms=node_compute * 1e3, sync_us=overhead * 1e6,
+        decode_sync_us=decode_sync * 1e6 if len(generated) > 1 else float("nan"))
+    block_counts = BlockCounts(
+        total=blocks, incomplete=s.blocks_incomplete - before["blocks_incomplete"],
+        rebuilt=s.partials_rebuilt - before["partials_rebuilt"],
+        resent=s.completed_after_ask - before["completed_after_ask"],
         prompt_inputs_doubled=s.spare_inputs - before["spare_inputs"],
-        datagrams_sent=master.udp.sent - sent, datagrams_dropped=master.udp.dropped - dropped,
-        kernel_matched=matched1 - matched0, kernel_dropped=kdropped1 - kdropped0,
-        late_packets=s.late_packets - before["late_packets"], rejected=master.counters.total() - rejected,
-        node_compute_ms_per_token=node_compute * 1e3, sync_overhead_us=overhead * 1e6,
-        decode_sync_us=decode_sync * 1e6 if len(generated) > 1 else float("nan"),
+        native=s.native_blocks - before["native_blocks"],
+        node_native_share=tuple(r.native_blocks / r.decode.blocks if r.decode.blocks else 0.0 for r in reports),
+        # the runner alone sends to the group: a row it did not run (tcp, loss made in-process) sent none there
+        group_nodes=sum(n.alive and n.in_group for n in master.membership.nodes)
+        if c.multicast and s.native_blocks > before["native_blocks"] else 0)
+    packets = PacketCounts(
+        sent=master.udp.sent - sent, dropped=master.udp.dropped - dropped, kernel_matched=matched1 - matched0,
+        kernel_dropped=kdropped1 - kdropped0, late=s.late_packets - before["late_packets"],
+        rejected=master.counters.total() - rejected)
+    memory = MemoryUse(
         master_weight_mb=master.weight_bytes / MIB,
         node_weight_mb=0.0 if biggest is None else biggest.weight_bytes / MIB,
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
-        node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0),
-        devices_used=master.plan.devices_used, rebalanced=rebalanced, spin_us=config.spin_us or 0.0, legs=legs,
-        computed_on=computing(master.plan), left_out=leaving_out(master.plan),
-        kind_legs=kind_legs, traced=master.trace is not None, devices=devices,
-        native_blocks=s.native_blocks - before["native_blocks"],
-        node_native_share=tuple(r.native_blocks / r.decode.blocks if r.decode.blocks else 0.0 for r in reports),
-        # the runner alone sends to the group: a row it did not run (tcp, loss made in-process) sent none there
-        group_nodes=sum(n.alive and n.in_group for n in master.membership.nodes)
-        if master.config.multicast and s.native_blocks > before["native_blocks"] else 0)
+        node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0))
+    split = Split(used=master.plan.devices_used, computed_on=computing(master.plan), left_out=leaving_out(master.plan),
+                  rebalanced=rebalanced, devices=devices)
+    return TpResult(setup=setup, tokens=len(generated), timing=timing, time=time_split, blocks=block_counts,
+                    packets=packets, memory=memory, split=split, trace=trace)
 
 
 def computing(plan: TPPlan) -> tuple[str, ...]:
@@ -492,12 +575,6 @@ def computing(plan: TPPlan) -> tuple[str, ...]:
 def leaving_out(plan: TPPlan) -> tuple[str, ...]:
     """The devices a plan gives no units to."""
     return tuple(name for name, held in zip(plan.devices, plan.memory_bytes, strict=True) if held == 0)
-
-
-def nodes_idle(row: TpResult) -> bool:
-    """Whether a row's nodes computed nothing (its plan left every node out): such a row measures the master
-    alone, and no speed-up or loss effect of a cluster may be read from it."""
-    return row.nodes > 0 and bool(row.computed_on) and set(row.computed_on) <= {"master"}
 
 
 def _device_runs(master: Master, reports: list[NodeConn]) -> tuple[DeviceRun, ...]:
@@ -573,25 +650,18 @@ def bench_tp(config: TpBenchConfig, node_counts: list[int], losses: list[str], t
                 ceiling = kernel_ceiling(config.model_path, nodes + 1, config.threads, config.activations.value,
                                          config.tokens, CONTEXT, cores,
                                          prompt=len(bench_prompt(model)))
-                rows = [replace(r, ceiling_decode_ms_per_token=ceiling.decode_ms_per_token,
-                                ceiling_prefill_ms=ceiling.prefill_ms,
-                                ceiling_ms_per_token=ceiling.ms_per_token(config.tokens),
-                                ceiling_block_us=dict(ceiling.block_us)) for r in rows]
+                timing = RequestTiming(ceiling.ms_per_token(config.tokens), ceiling.decode_ms_per_token,
+                                       ceiling.prefill_ms)
+                rows = [replace(r, ceiling=CeilingRun(timing, dict(ceiling.block_us))) for r in rows]
             if baseline:  # each row against the single engine as fast as it was around it
                 single()
                 around = RequestTiming.mean(singles[-2:])
-                rows = [replace(r, single_ms_per_token=around.ms_per_token,
-                                speedup=around.ms_per_token / r.ms_per_token,
-                                single_decode_ms_per_token=around.decode_ms_per_token,
-                                decode_speedup=around.decode_ms_per_token / r.decode_ms_per_token,
-                                single_prefill_ms=around.prefill_ms,
-                                prefill_speedup=around.prefill_ms / r.prefill_ms,
-                                **_ceiling_speedups(r, around)) for r in rows]
+                rows = [replace(r, single=Compared.of(around, r.timing), ceiling=None if r.ceiling is None else
+                                replace(r.ceiling, single=Compared.of(around, r.ceiling.timing))) for r in rows]
             if reference is not None:  # llama.cpp on one device, the yardstick beside every row
-                rows = [replace(r, llamacpp_decode_ms_per_token=1e3 / reference.decode_tok_s,
-                                llamacpp_prefill_tok_s=reference.prefill_tok_s,
-                                llamacpp_decode_speedup=1e3 / reference.decode_tok_s / r.decode_ms_per_token)
-                        for r in rows]
+                decode_ms = 1e3 / reference.decode_tok_s
+                rows = [replace(r, llamacpp=Yardstick(decode_ms, reference.prefill_tok_s,
+                                                      decode_ms / r.timing.decode_ms_per_token)) for r in rows]
             results += rows
     return results
 
@@ -607,15 +677,6 @@ def llamacpp_reference(model: Model, config: TpBenchConfig, progress: Callable[[
     progress(f"llama.cpp's llama-bench, {config.threads} thread(s)" + ("" if cores is None else " (pinned)"))
     return llamacpp.llama_bench(model.path, config.threads, len(bench_prompt(model)), config.tokens, repetitions=2,
                                 cores=None if cores is None else ",".join(map(str, sorted(cores))))
-
-
-def _ceiling_speedups(row: TpResult, single: RequestTiming) -> dict[str, float | None]:
-    """A row's kernel ceilings (--ceiling) over the single engine timed around it; None where not measured."""
-    if row.ceiling_decode_ms_per_token is None:
-        return {}
-    return {"ceiling_decode_speedup": single.decode_ms_per_token / row.ceiling_decode_ms_per_token,
-            "ceiling_prefill_speedup": single.prefill_ms / row.ceiling_prefill_ms,
-            "ceiling_speedup": single.ms_per_token / row.ceiling_ms_per_token}
 
 
 def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list[str], transports: list[str],
@@ -658,8 +719,8 @@ def _bench_cluster(config: TpBenchConfig, model: Model, nodes: int, losses: list
                     if not master.wait_for_spares():
                         progress("a node's spare stream did not open in time: its prompts cross on one stream")
                     with _lossy(config, master, bed, rates.get(loss, 0.0)) as counters:
-                        results.append(replace(_measure(master, model, config, nodes, loss, counters, rebalanced),
-                                               trial=trial))
+                        row = _measure(master, model, config, nodes, loss, counters, rebalanced)
+                        results.append(replace(row, split=replace(row.split, trial=trial)))
     return results
 
 
@@ -681,38 +742,42 @@ def _lossy(config: TpBenchConfig, master: Master, bed: testbed.TestbedSpec | Non
         yield lambda: (0, 0)
 
 
-def _speedup_cell(r: TpResult, ratio: float | None) -> str:
-    """A speed-up cell: none measured, none to measure (the master computed alone), or the ratio."""
-    return "" if ratio is None else "-" if nodes_idle(r) else f"{ratio:.2f}x"
+def _speedup_cell(r: TpResult, ratio: Callable[[Compared], float]) -> str:
+    """A speed-up over the single engine: none measured, none to measure (the master computed alone), or the
+    ratio."""
+    return "" if r.single is None else "-" if r.nodes_idle() else f"{ratio(r.single):.2f}x"
 
 
 TP_COLUMNS: tuple[Column[TpResult], ...] = (
-    Column("nodes", lambda r: r.nodes),
-    Column("used", lambda r: r.devices_used),
-    Column("transport", lambda r: r.transport),
-    Column("loss", lambda r: r.loss, width=6),
-    Column("ms/token", lambda r: r.ms_per_token, ".1f", width=9),
-    Column("plan", lambda r: r.predicted_ms_per_token, ".1f", width=6),
-    Column("speed-up", lambda r: _speedup_cell(r, r.speedup)),
-    Column("decode", lambda r: r.decode_ms_per_token, ".1f", width=7),
-    Column("(x)", lambda r: _speedup_cell(r, r.decode_speedup), width=6),
-    Column("prefill", lambda r: r.prefill_ms, ".1f", width=8),
-    Column("(x)", lambda r: _speedup_cell(r, r.prefill_speedup), width=6),
-    Column("compute", lambda r: r.compute_ms_per_token, ".1f", width=8),
-    Column("node", lambda r: r.node_compute_ms_per_token, ".1f", width=7),
-    Column("wait", lambda r: r.wait_ms_per_token, ".1f", width=8),
-    Column("lost wait", lambda r: r.incomplete_wait_ms_per_token, ".1f"),
-    Column("other", lambda r: r.other_ms_per_token, ".1f", width=8),
-    Column("sync µs", lambda r: r.decode_sync_us, ".0f", width=8),
-    Column("req sync", lambda r: r.sync_overhead_us, ".0f"),
-    Column("incomplete blocks", lambda r: f"{r.blocks_incomplete}/{r.blocks}"),
-    Column("rebuilt", lambda r: r.partials_rebuilt),
-    Column("resent", lambda r: r.partials_resent),
-    Column("late pkts", lambda r: r.late_packets),
-    Column("kernel drops", lambda r: f"{r.kernel_dropped}/{r.kernel_matched}"),
-    Column("node MiB w+kv/rss (+over)", lambda r: f"{r.node_weight_mb:.0f}+{r.node_kv_mb:.0f}/{r.node_peak_rss_mb:.0f} "
-           f"(+{r.node_overhead_mb:.0f})" if r.nodes else "-", width=26),
+    Column("nodes", lambda r: r.setup.nodes),
+    Column("used", lambda r: r.split.used),
+    Column("transport", lambda r: r.setup.transport),
+    Column("loss", lambda r: r.setup.loss, width=6),
+    Column("ms/token", lambda r: r.timing.ms_per_token, ".1f", width=9),
+    Column("plan", lambda r: r.time.predicted_ms, ".1f", width=6),
+    Column("speed-up", lambda r: _speedup_cell(r, lambda c: c.speedup)),
+    Column("decode", lambda r: r.timing.decode_ms_per_token, ".1f", width=7),
+    Column("(x)", lambda r: _speedup_cell(r, lambda c: c.decode_speedup), width=6),
+    Column("prefill", lambda r: r.timing.prefill_ms, ".1f", width=8),
+    Column("(x)", lambda r: _speedup_cell(r, lambda c: c.prefill_speedup), width=6),
+    Column("compute", lambda r: r.time.compute_ms, ".1f", width=8),
+    Column("node", lambda r: r.time.node_compute_ms, ".1f", width=7),
+    Column("wait", lambda r: r.time.wait_ms, ".1f", width=8),
+    Column("lost wait", lambda r: r.time.incomplete_wait_ms, ".1f"),
+    Column("other", lambda r: r.time.other_ms, ".1f", width=8),
+    Column("sync µs", lambda r: r.time.decode_sync_us, ".0f", width=8),
+    Column("req sync", lambda r: r.time.sync_us, ".0f"),
+    Column("incomplete blocks", lambda r: f"{r.blocks.incomplete}/{r.blocks.total}"),
+    Column("rebuilt", lambda r: r.blocks.rebuilt),
+    Column("resent", lambda r: r.blocks.resent),
+    Column("late pkts", lambda r: r.packets.late),
+    Column("kernel drops", lambda r: f"{r.packets.kernel_dropped}/{r.packets.kernel_matched}"),
+    Column("node MiB w+kv/rss (+over)", lambda r: _node_memory(r.memory) if r.setup.nodes else "-", width=26),
 )
+
+
+def _node_memory(m: MemoryUse) -> str:
+    return f"{m.node_weight_mb:.0f}+{m.node_kv_mb:.0f}/{m.node_peak_rss_mb:.0f} (+{m.node_overhead_mb:.0f})"
 
 
 def tp_table(results: list[TpResult]) -> str:
@@ -726,67 +791,68 @@ def tp_table(results: list[TpResult]) -> str:
     (the time to the first token), with its speed-up; "rebuilt" partials rebuilt from a parity fragment, "resent"
     mirrored partials that came whole after the master asked for fragments they lacked."""
     rows = text_table(TP_COLUMNS, results)
-    rows += [f"{r.nodes} node(s), {r.transport}, loss {r.loss}: computed on {', '.join(r.computed_on)}"
-             + (f"; left out: {', '.join(r.left_out)}" if r.left_out else "")
-             + ("; the nodes computed nothing, so this row gives no speed-up or loss effect" if nodes_idle(r) else "")
-             + _native_said(r) for r in results if r.computed_on]
-    yardstick = [r for r in results if r.llamacpp_decode_ms_per_token is not None]
+    rows += [f"{r.setup.label()}: computed on {', '.join(r.split.computed_on)}"
+             + (f"; left out: {', '.join(r.split.left_out)}" if r.split.left_out else "")
+             + ("; the nodes computed nothing, so this row gives no speed-up or loss effect" if r.nodes_idle() else "")
+             + _native_said(r) for r in results if r.split.computed_on]
+    yardstick = [(r, r.llamacpp) for r in results if r.llamacpp is not None]
     if yardstick:
-        ref = yardstick[0]
+        ref = yardstick[0][1]
         rows.append(f"llama.cpp (llama-bench, same file and threads, on the master's cores): decode "
-                    f"{ref.llamacpp_decode_ms_per_token:.1f} ms/token, prefill {ref.llamacpp_prefill_tok_s:.1f} "
+                    f"{ref.decode_ms_per_token:.1f} ms/token, prefill {ref.prefill_tok_s:.1f} "
                     "tok/s; each row's decode against it: " + ", ".join(
-                        f"{r.nodes} node(s) {r.transport} loss {r.loss} "
-                        + ("- (nodes idle)" if nodes_idle(r) else f"{r.llamacpp_decode_speedup:.2f}x")
-                        for r in yardstick))
-    singles = [r for r in results if r.single_ms_per_token is not None]
+                        f"{r.setup.nodes} node(s) {r.setup.transport} loss {r.setup.loss} "
+                        + ("- (nodes idle)" if r.nodes_idle() else f"{y.decode_speedup:.2f}x")
+                        for r, y in yardstick))
+    singles = [r.single.timing for r in results if r.single is not None]
     if singles:
-        rows.append(f"single-process engine: {span([r.single_ms_per_token for r in singles])} ms/token, decode "
-                    f"{span([r.single_decode_ms_per_token for r in singles])}, prefill "
-                    f"{span([r.single_prefill_ms for r in singles])} ms (timed before the first node count "
+        rows.append(f"single-process engine: {span([t.ms_per_token for t in singles])} ms/token, decode "
+                    f"{span([t.decode_ms_per_token for t in singles])}, prefill "
+                    f"{span([t.prefill_ms for t in singles])} ms (timed before the first node count "
                     "and after each: each row is compared with the mean of the two runs around it)")
     rows += _repeated(results)
 
-    def run_of(r: TpResult) -> tuple[int, float | None, float | None]:  # a node count run again has ceilings anew
-        return r.nodes, r.ceiling_decode_ms_per_token, r.ceiling_prefill_ms
+    def run_of(r: TpResult) -> tuple[int, RequestTiming | None]:  # a node count run again has ceilings anew
+        return r.setup.nodes, None if r.ceiling is None else r.ceiling.timing
 
-    for run in dict.fromkeys(run_of(r) for r in results if r.ceiling_decode_ms_per_token is not None):
-        same = [r for r in results if run_of(r) == run]
-        rows.append(_ceiling_line(same))
+    for run in dict.fromkeys(run_of(r) for r in results if r.ceiling is not None):
+        rows.append(_ceiling_line([r for r in results if run_of(r) == run]))
     if results:
-        rows.append(spin_line({r.nodes + 1: r.spin_us for r in results}))  # processes: the master and its nodes
+        rows.append(spin_line({r.setup.nodes + 1: r.setup.spin_us for r in results}))  # the master and its nodes
     for r in results:
-        if r.traced and not r.legs:
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: no one-token block with a node's partial "
-                        "to trace (the plan leaves every node out, or its blocks went over TCP)")
-        if r.legs:
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: a one-token block's critical path "
-                        "(--trace; µs, median/mean; the nodes' legs at the node that answered last): " + _legs(r.legs))
-        for kind, legs in r.kind_legs.items():
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {kind} blocks alone: {_legs(legs)}")
-        if r.prompt_inputs_doubled:
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.prompt_inputs_doubled} prompt inputs "
-                        "went to lossy nodes on both their streams")
-        if r.trial is not None:
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: {r.trial.said()}")
-        if r.devices:
-            rows.append(f"{r.nodes} node(s), {r.transport}, loss {r.loss}: shares (MiB of weights, units, kernels "
-                        "measured as speed + fixed cost a block, and a share call's own cost beyond its kernels): "
+        label = r.setup.label()
+        if r.trace is not None and not r.trace.legs:
+            rows.append(f"{label}: no one-token block with a node's partial to trace (the plan leaves every node "
+                        "out, or its blocks went over TCP)")
+        if r.trace is not None and r.trace.legs:
+            rows.append(f"{label}: a one-token block's critical path (--trace; µs, median/mean; the nodes' legs at "
+                        "the node that answered last): " + _legs(r.trace.legs))
+        for kind, legs in ({} if r.trace is None else r.trace.kind_legs).items():
+            rows.append(f"{label}: {kind} blocks alone: {_legs(legs)}")
+        if r.blocks.prompt_inputs_doubled:
+            rows.append(f"{label}: {r.blocks.prompt_inputs_doubled} prompt inputs went to lossy nodes on both their "
+                        "streams")
+        if r.split.trial is not None:
+            rows.append(f"{label}: {r.split.trial.said()}")
+        if r.split.devices:
+            rows.append(f"{label}: shares (MiB of weights, units, kernels measured as speed + fixed cost a block, "
+                        "and a share call's own cost beyond its kernels): "
                         + "; ".join(f"{d.name} {d.weight_mb:.0f} MiB, {d.units()}" +
                                     ("" if d.speed_gb_s is None else f", {d.speed_gb_s:.2f} GB/s") +
                                     ("" if d.fixed_us is None else f" + {d.fixed_us:.0f} µs") +
                                     ("" if d.call_us is None else f", calls {d.call_us:.0f} µs")
-                                    for d in r.devices))
+                                    for d in r.split.devices))
     return "\n".join(rows)
 
 
 def _native_said(r: TpResult) -> str:
     """How much of a row the native data path ran (net.fastpath): the master's blocks, each node's one-token ones."""
-    if not r.nodes or not r.blocks:
+    b = r.blocks
+    if not r.setup.nodes or not b.total:
         return ""
-    shares = ", ".join(f"{share:.0%}" for share in r.node_native_share) or "none"
-    return f"; natively: {r.native_blocks} of the master's {r.blocks} blocks, of each node's one-token blocks " \
-           f"{shares}; inputs by multicast to {r.group_nodes} of {r.nodes} nodes"
+    shares = ", ".join(f"{share:.0%}" for share in b.node_native_share) or "none"
+    return f"; natively: {b.native} of the master's {b.total} blocks, of each node's one-token blocks " \
+           f"{shares}; inputs by multicast to {b.group_nodes} of {r.setup.nodes} nodes"
 
 
 def _legs(legs: Sequence[Leg]) -> str:
@@ -796,34 +862,39 @@ def _legs(legs: Sequence[Leg]) -> str:
 def _ceiling_line(same: list[TpResult]) -> str:
     """What a node count's kernels alone allow (--ceiling, measured once for the rows `same` of one cluster, which
     carry it alike), each over the single engine where it was timed, and those rows against it."""
-    def over_single(speedup: float | None) -> str:
-        return "" if speedup is None else f" = {speedup:.2f}x the single engine's"
+    ceiling = same[0].ceiling
+    assert ceiling is not None
+    c = ceiling.timing
 
-    c = same[0]
-    return (f"kernel ceiling, {c.nodes + 1} device(s) (--ceiling: even shares' kernels alone, every block in step, no "
-            f"network): decode {c.ceiling_decode_ms_per_token:.1f} ms/token{over_single(c.ceiling_decode_speedup)}, "
-            f"prefill {c.ceiling_prefill_ms:.1f} ms{over_single(c.ceiling_prefill_speedup)}, whole request "
-            f"{c.ceiling_ms_per_token:.1f} ms/token{over_single(c.ceiling_speedup)}; the cluster's decode and prefill: "
-            + "; ".join(f"{r.transport} at loss {r.loss} {r.decode_ms_per_token:.1f} ms/token "
-                        f"({r.decode_ms_per_token / c.ceiling_decode_ms_per_token:.2f}x it), {r.prefill_ms:.1f} ms "
-                        f"({r.prefill_ms / c.ceiling_prefill_ms:.2f}x it)" for r in same) + _ceiling_blocks(same))
+    def over_single(speedup: Callable[[Compared], float]) -> str:
+        return "" if ceiling.single is None else f" = {speedup(ceiling.single):.2f}x the single engine's"
+
+    return (f"kernel ceiling, {same[0].setup.nodes + 1} device(s) (--ceiling: even shares' kernels alone, every block "
+            f"in step, no network): decode {c.decode_ms_per_token:.1f} ms/token"
+            f"{over_single(lambda s: s.decode_speedup)}, prefill {c.prefill_ms:.1f} ms"
+            f"{over_single(lambda s: s.prefill_speedup)}, whole request {c.ms_per_token:.1f} ms/token"
+            f"{over_single(lambda s: s.speedup)}; the cluster's decode and prefill: "
+            + "; ".join(f"{r.setup.transport} at loss {r.setup.loss} {r.timing.decode_ms_per_token:.1f} ms/token "
+                        f"({r.timing.decode_ms_per_token / c.decode_ms_per_token:.2f}x it), "
+                        f"{r.timing.prefill_ms:.1f} ms ({r.timing.prefill_ms / c.prefill_ms:.2f}x it)" for r in same)
+            + _ceiling_blocks(same, ceiling.block_us))
 
 
-def _ceiling_blocks(same: list[TpResult]) -> str:
+def _ceiling_blocks(same: list[TpResult], block_us: dict[str, float]) -> str:
     """The ceiling's one-token block of each kind, and (--trace) each row's blocks of that kind beyond it: the
     synchronization that kind of block costs the cluster."""
-    block_us = same[0].ceiling_block_us
     if not block_us:
         return ""
     text = "; a one-token block in step, the slowest device's kernel: " + ", ".join(
         f"{kind} {us:.0f} µs" for kind, us in block_us.items())
     for r in same:
-        spans = {kind: {leg.name: leg for leg in legs}.get("block, send to merged")
-                 for kind, legs in r.kind_legs.items()}
+        kind_legs = {} if r.trace is None else r.trace.kind_legs
+        spans = {kind: {leg.name: leg for leg in legs}.get("block, send to merged") for kind, legs in kind_legs.items()}
         beyond = [f"{kind} {leg.mean_us:.0f} µs ({leg.mean_us - block_us[kind]:+.0f})"
                   for kind, leg in spans.items() if leg is not None and kind in block_us]
         if beyond:
-            text += f"; the cluster's, send to merged ({r.transport} at loss {r.loss}, mean): " + ", ".join(beyond)
+            text += (f"; the cluster's, send to merged ({r.setup.transport} at loss {r.setup.loss}, mean): "
+                     + ", ".join(beyond))
     return text
 
 
@@ -832,17 +903,17 @@ def _repeated(results: list[TpResult]) -> list[str]:
     median of its speed-ups, whole, decode and prefill, and each run's. On a shared machine one node count's
     speed-up moved between 2.6x and 3.8x over five minutes (8 devices, 1B, the device machine): one run says
     little."""
-    timed = [r for r in results if r.speedup is not None and not nodes_idle(r)]
-    runs: dict[tuple[int, str, str, str], list[TpResult]] = {}
-    for r in timed:
-        runs.setdefault((r.nodes, r.plan, r.transport, r.loss), []).append(r)
+    runs: dict[tuple[int, str, str, str], list[Compared]] = {}
+    for r in results:
+        if r.single is not None and not r.nodes_idle():
+            runs.setdefault((r.setup.nodes, r.setup.plan, r.setup.transport, r.setup.loss), []).append(r.single)
 
     def median(values: list[float]) -> str:
         return f"{statistics.median(values):.2f}x ({', '.join(f'{v:.2f}x' for v in values)})"
 
     return [f"{nodes} node(s), plan {plan}, {transport}, loss {loss}, {len(same)} runs: speed-up over the single "
-            f"engine, median {median([r.speedup for r in same])}; decode {median([r.decode_speedup for r in same])}; "
-            f"prefill {median([r.prefill_speedup for r in same])}"
+            f"engine, median {median([c.speedup for c in same])}; decode {median([c.decode_speedup for c in same])}; "
+            f"prefill {median([c.prefill_speedup for c in same])}"
             for (nodes, plan, transport, loss), same in runs.items() if len(same) > 1]
 
 
@@ -852,40 +923,44 @@ def tp_ratios(results: list[TpResult]) -> str:
     first after it; the udp row of the same loss). Loss rates given more than once (--plr 0,5%,0,5%) give several
     pairs, and their median: on a shared machine two rows a quarter of a minute apart can differ by a fifth, which
     one pair cannot tell from the cost of the loss."""
-    base = results[0].loss
-    several_plans = len({r.plan for r in results}) > 1
+    base = results[0].setup.loss
+    several_plans = len({r.setup.plan for r in results}) > 1
     rows = []
-    for nodes, plan in dict.fromkeys((r.nodes, r.plan) for r in results):
-        mine = [r for r in results if r.nodes == nodes and r.plan == plan]
-        udp = [i for i, r in enumerate(mine) if r.transport == "udp"]
-        for loss in dict.fromkeys(mine[i].loss for i in udp):
-            rows_of = [i for i in udp if mine[i].loss == loss]
-            ms = statistics.median(mine[i].ms_per_token for i in rows_of)
+    for nodes, plan in dict.fromkeys((r.setup.nodes, r.setup.plan) for r in results):
+        mine = [r for r in results if r.setup.nodes == nodes and r.setup.plan == plan]
+        udp = [i for i, r in enumerate(mine) if r.setup.transport == "udp"]
+
+        for loss in dict.fromkeys(mine[i].setup.loss for i in udp):
+            rows_of = [i for i in udp if mine[i].setup.loss == loss]
             label = f"{nodes} node(s), plan {plan}" if several_plans else f"{nodes} node(s)"
-            parts = [f"{label}, loss {loss}: udp {ms:.1f} ms/token"]
+            parts = [f"{label}, loss {loss}: udp {statistics.median(_ms(mine[i]) for i in rows_of):.1f} ms/token"]
             # A pair whose rows ran on the master alone measures no loss or transport effect of a cluster.
             pairs = [1.0] if loss == base else [
-                mine[i].ms_per_token / lossless.ms_per_token for i in rows_of
-                if (lossless := _nearest(mine, i, base, True)) is not None and not nodes_idle(mine[i])
-                and not nodes_idle(lossless)]
-            if pairs and not all(nodes_idle(mine[i]) for i in rows_of):
+                _ms(mine[i]) / lossless.timing.ms_per_token for i in rows_of
+                if (lossless := _nearest(mine, i, base, True)) is not None and not mine[i].nodes_idle()
+                and not lossless.nodes_idle()]
+            if pairs and not all(mine[i].nodes_idle() for i in rows_of):
                 parts.append(_ratio(pairs, f"udp at loss {base}"))
-            tcp = [i for i, r in enumerate(mine) if r.transport == "tcp" and r.loss == loss]
+            tcp = [i for i, r in enumerate(mine) if r.setup.transport == "tcp" and r.setup.loss == loss]
             if tcp:
-                over = [mine[i].ms_per_token / other.ms_per_token for i in tcp
-                        if (other := _nearest(mine, i, loss, False)) is not None and not nodes_idle(mine[i])
-                        and not nodes_idle(other)]
-                parts.append(f"tcp {statistics.median(mine[i].ms_per_token for i in tcp):.1f} ms/token"
+                over = [_ms(mine[i]) / other.timing.ms_per_token for i in tcp
+                        if (other := _nearest(mine, i, loss, False)) is not None and not mine[i].nodes_idle()
+                        and not other.nodes_idle()]
+                parts.append(f"tcp {statistics.median(_ms(mine[i]) for i in tcp):.1f} ms/token"
                              + (f" = {_ratio(over, 'udp')}" if over else ""))
-            if any(nodes_idle(mine[i]) for i in rows_of + tcp):
+            if any(mine[i].nodes_idle() for i in rows_of + tcp):
                 parts.append("rows whose nodes computed nothing are left out of the ratios")
             rows.append("; ".join(parts))
     return "\n".join(rows)
 
 
+def _ms(row: TpResult) -> float:
+    return row.timing.ms_per_token
+
+
 def _nearest(rows: list[TpResult], i: int, loss: str, before_first: bool) -> TpResult | None:
     """The udp row of `loss` nearest row i (the last one before it first, where `before_first`)."""
-    candidates = [j for j, r in enumerate(rows) if r.transport == "udp" and r.loss == loss and j != i]
+    candidates = [j for j, r in enumerate(rows) if r.setup.transport == "udp" and r.setup.loss == loss and j != i]
     if before_first and (before := [j for j in candidates if j < i]):
         return rows[before[-1]]
     return rows[min(candidates, key=lambda j: abs(j - i))] if candidates else None
@@ -900,4 +975,10 @@ def _ratio(ratios: list[float], against: str) -> str:
 
 
 def tp_json(results: list[TpResult]) -> list[dict[str, object]]:
-    return [asdict(r) for r in results]
+    """The rows as JSON objects, each record of a row an object of its own (None where not measured)."""
+    return [plain(r) for r in results]
+
+
+def tp_result(data: dict[str, Any]) -> TpResult:
+    """A row back from tp_json's object (the tests build tables from a run's JSON)."""
+    return build(TpResult, data)

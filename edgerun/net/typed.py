@@ -57,6 +57,8 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if dataclasses.is_dataclass(value):
         return {name: plain(getattr(value, name)) for name in _fields(type(value))[2]}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
     return value
 
 
@@ -141,6 +143,15 @@ def _check(hint: Any) -> Check:
             return tuple(check(v) for check, v in zip(checks, value, strict=True))
 
         return fixed
+    if origin is dict and args[0] is str:
+        entry = _check(args[1])
+
+        def mapping(value: Any) -> dict:
+            if not isinstance(value, dict):
+                raise _Unfit("expected an object")
+            return {k: entry(v) for k, v in value.items()}
+
+        return mapping
     if dataclasses.is_dataclass(hint):
         def nested(value: Any) -> Any:
             if not isinstance(value, dict):
