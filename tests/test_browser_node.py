@@ -25,7 +25,8 @@ from edgerun.model.loader import load_model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams, uniform
 from edgerun.net.wire import PpMsg, derive_key
-from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, browser_dir, chat_template_prefix
+from edgerun.pp.config import PipelineConfig
+from edgerun.pp.master import PipelineMaster, PipelineState, browser_dir, chat_template_prefix
 from edgerun.pp.messages import Computation, ComputationResult, open_frame, seal
 
 pytestmark = pytest.mark.slow  # a headless Chromium

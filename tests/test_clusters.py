@@ -10,7 +10,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.moe.hub import HubConfig
 from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
-from edgerun.pp.master import PipelineConfig, Route
+from edgerun.pp.config import PipelineConfig, Route
 from edgerun.sched.plans import TPStrategy
 from edgerun.serve.clusters import ClusterSettings, build, cluster_config
 from edgerun.tables import Column, text_table

@@ -180,8 +180,8 @@ def test_a_browser_tab_computes_every_family(files: dict[str, Path]) -> None:
     for a Q4_K_M file's Q6_K matrices, onnxruntime-web's graphs with float32 matrices: for each family's Q4_K_M
     file the tab takes part in the plans beside a native worker."""
     from edgerun.net.wire import WorkerKind
+    from edgerun.pp.config import PipelineConfig, Route
     from edgerun.pp.deployment import Deployment
-    from edgerun.pp.master import Route
     from edgerun.pp.messages import Capabilities, Init, TabWeights
     from edgerun.pp.workers import WorkerConn, Workers
 
@@ -191,7 +191,6 @@ def test_a_browser_tab_computes_every_family(files: dict[str, Path]) -> None:
         for name, capabilities in (("native", Capabilities(WorkerKind.NATIVE, ggml=True)),
                                    ("tab", Capabilities(WorkerKind.BROWSER, weights=TabWeights.KERNELS))):
             workers.by_name[name] = WorkerConn(name, None, 4096, 1e9, capabilities, set())
-        deployment = Deployment(model, workers, 256, "latency", 1, Activations.INT8, Route.STAR,
-                                lambda _: None, None)
+        deployment = Deployment(model, workers, PipelineConfig(max_len=256, route=Route.STAR), lambda _: None, None)
         assert [d.name for d in deployment.devices()] == ["native", "tab"]
         assert deployment.dequantized(workers.by_name["tab"])  # the Q6_K head

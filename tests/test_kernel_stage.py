@@ -18,7 +18,8 @@ from edgerun.model.loader import Model, load_model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.model.quant import to_affine_blocks
 from edgerun.net.wire import WorkerKind
-from edgerun.pp.deployment import Deployment, Route
+from edgerun.pp.config import PipelineConfig, Route
+from edgerun.pp.deployment import Deployment
 from edgerun.pp.master import PipelineState
 from edgerun.pp.messages import Capabilities, Init, TabWeights
 from edgerun.pp.workers import WorkerConn, Workers
@@ -145,7 +146,8 @@ def _tab(name: str, weights: str) -> WorkerConn:
 
 def _deployment(model: Model, activations: Activations = Activations.INT8) -> Deployment:
     workers = Workers(b"k" * 32, Init(model.config, 64), lambda _: None, lambda *_: None)
-    return Deployment(model, workers, 64, "latency", 1, activations, Route.CHAIN, lambda _: None, lambda: None)
+    return Deployment(model, workers, PipelineConfig(max_len=64, activations=activations, route=Route.CHAIN),
+                      lambda _: None, lambda: None)
 
 
 def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model(tiny_spec, synth_gguf,
@@ -175,4 +177,4 @@ def test_a_tab_that_asks_for_the_kernels_gets_stage_bin_where_they_run_the_model
     exact = _deployment(shipped_model, Activations.F32)
     exact.workers.by_name[tab.name] = tab
     assert not exact.kernel_tab(tab) and exact.dequantized(tab) and exact.spec(stage, "k").dequantized
-    assert "float32" in exact.kernels_unsupported
+    assert "float32" in exact.fit.kernels_unsupported

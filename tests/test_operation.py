@@ -87,7 +87,8 @@ def test_a_worker_with_another_key_says_so_and_fails(mode: str, tmp_path: Path, 
     """A pipeline or expert worker whose key is not the master's ends at once with status 2 and one line naming the
     key (it used to log a dropped frame and exit 0)."""
     if mode == "pp":
-        from edgerun.pp.master import PipelineConfig, PipelineMaster
+        from edgerun.pp.config import PipelineConfig
+        from edgerun.pp.master import PipelineMaster
 
         master = PipelineMaster(shipped_model, derive_key("right"), PipelineConfig(host="127.0.0.1"))
     else:
@@ -140,7 +141,8 @@ def test_master_auto_times_the_cluster_against_itself_alone(shipped_path: Path) 
 def test_a_node_rejoins_a_master_that_comes_back(mode: str, shipped_model) -> None:
     """A node or worker whose master closed the cluster says so and keeps trying to rejoin (it exited 0); a master
     started again on the same port gets it back."""
-    from edgerun.pp.master import PipelineConfig, PipelineMaster
+    from edgerun.pp.config import PipelineConfig
+    from edgerun.pp.master import PipelineMaster
 
     port = free_port()
 

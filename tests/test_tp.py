@@ -386,27 +386,27 @@ def test_measured_speeds_rebalance_a_node_that_overstated_its_speed(model: Model
         assert n0_units(master) < before
         # The new split is on trial against the old one's measured steps; nothing measured since: the same speeds
         # give the same shares, and the trial has no steps to judge.
-        replaced = master.trial.replaced
-        assert replaced.counts() != master.plan.counts() and 0 < master.trial.replaced_s < 10
-        assert master.rebalance(min_gain=0.02) is Rebalance.KEPT and master.trial is not None
+        replaced = master.trials.current.replaced
+        assert replaced.counts() != master.plan.counts() and 0 < master.trials.current.replaced_s < 10
+        assert master.rebalance(min_gain=0.02) is Rebalance.KEPT and master.trials.current is not None
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
         # Judged on its own steps (N_TOKENS - 1 one-token steps, the first COLD_STEPS left out): had the old split
         # run at a microsecond a step, the master goes back to it and does not try the new one again.
         assert master.clock.steps == N_TOKENS - 1 - COLD_STEPS and master.clock.per_step() > 0
-        tried, trial = master.plan.counts(), master.trial
-        master.trial = replace(trial, replaced_s=1e3)  # had the old split been slower: the new one stays
-        assert master.rebalance(min_gain=0.0) is Rebalance.KEPT and master.trial is None
+        tried, trial = master.plan.counts(), master.trials.current
+        master.trials.current = replace(trial, replaced_s=1e3)  # had the old split been slower: the new one stays
+        assert master.rebalance(min_gain=0.0) is Rebalance.KEPT and master.trials.current is None
         assert master.plan.counts() == tried
-        master.trial = replace(trial, replaced_s=1e-6)
+        master.trials.current = replace(trial, replaced_s=1e-6)
         assert master.rebalance(min_gain=0.0) is Rebalance.REVERTED
-        assert master.trial is None and master.plan.counts() == replaced.counts()
-        assert (master.plan.devices, tried) in master.rejected
+        assert master.trials.current is None and master.plan.counts() == replaced.counts()
+        assert (master.plan.devices, tried) in master.trials.rejected
         assert master.clock == StepClock()  # the old split's steps are timed afresh
         assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
         # `edgerun serve` says which it was: a split on trial found slower is told with its figures.
         from edgerun.serve.clusters import TensorParallel
 
-        master.trial = replace(trial, replaced_s=1e-6)
+        master.trials.current = replace(trial, replaced_s=1e-6)
         said = TensorParallel(master, None, print).rebalance()
         assert said.endswith("back to the split before it") and "ms a step against 0.0" in said
         assert not master.rebalance(min_gain=0.0) or master.plan.counts() != tried  # never the rejected split again

@@ -13,7 +13,7 @@ import pytest
 from edgerun.model.loader import Model, load_model
 from edgerun.net.wire import Block, Codec, Header, MsgType, Reassembly, derive_key, fragment, open_packet
 from edgerun.tp.messages import Assign, Fetch, Input, Message, Partial, Routes
-from edgerun.tp.node import Node
+from edgerun.tp.node import Node, NodeConfig
 from edgerun.tp.shard import Shard, ShardSpec, full_spec
 from edgerun.tp.timeouts import ArrivalEstimator, Timeouts
 
@@ -99,7 +99,7 @@ def _assigned_node(model: Model) -> tuple[Node, socket.socket, ShardSpec]:
     master's UDP port a socket of this process (the sink); and the spec."""
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the "master's" UDP port
     sink.bind(("127.0.0.1", 0))
-    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node = Node(NodeConfig(("127.0.0.1", 9), "t", 100.0, 1e9), model, KEY)
     node.channel = _Recorder()
     c = model.config
     spec = full_spec(c, group_size=128)
@@ -172,7 +172,7 @@ def test_node_answers_a_mirrored_block_once_over_both_channels(tiny_spec, synth_
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sink.bind(("127.0.0.1", 0))
     sink.settimeout(2.0)
-    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node = Node(NodeConfig(("127.0.0.1", 9), "t", 100.0, 1e9), model, KEY)
     node.channel = _Recorder()
     spec = full_spec(c, group_size=128)
     node._assign(assignment(c.n_layers, spec, Codec.Q8, sink.getsockname()[1]), spec, Shard(c, model.weights, spec, 64))
@@ -216,7 +216,7 @@ def test_a_node_answers_a_prompt_on_both_streams_once_the_master_uses_its_spare(
     c = model.config
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sink.bind(("127.0.0.1", 0))
-    node = Node(("127.0.0.1", 9), model, KEY, "t", 100.0, 1e9)
+    node = Node(NodeConfig(("127.0.0.1", 9), "t", 100.0, 1e9), model, KEY)
     node.channel, node.spare = _Recorder(), _Recorder()  # the spare as if opened after an earlier assignment
     spec = full_spec(c, group_size=128)
     assign = dataclasses.replace(assignment(c.n_layers, spec, Codec.F32, sink.getsockname()[1]), spare_stream=True)

@@ -124,11 +124,12 @@ def bench_moe(model: Model, workers: int, replicas: int, hedges: list[int], late
     single = cluster_baseline_ms(model, model.tokenizer.encode(PROMPT), tokens, threads, activations, CONTEXT,
                                  WARMUP_TOKENS)
     rows = []
-    progress(f"hub + {workers} expert workers, {replicas} replicas, no injected latency")
+    progress(f"master + {workers} expert workers, {replicas} replicas, no injected latency")
     with local_hub(model, workers, replicas, None, threads, activations) as hub:
         rows.append(_measure(hub, model, tokens, 1, None, None))
     if latency is not None:
-        progress(f"hub + {workers} expert workers, injected latency lognormal:{latency.median_ms:g}:{latency.sigma:g}")
+        progress(f"master + {workers} expert workers, injected latency "
+                 f"lognormal:{latency.median_ms:g}:{latency.sigma:g}")
         with local_hub(model, workers, replicas, latency, threads, activations) as hub:
             for h in hedges:
                 progress(f"hedge {h}")

@@ -25,8 +25,9 @@ from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.loops import auto_spin_us
 from edgerun.net.wire import derive_key
+from edgerun.pp.config import PipelineConfig, Route
 from edgerun.pp.deployment import dequantized_expansion
-from edgerun.pp.master import PipelineConfig, PipelineMaster, PipelineState, Route
+from edgerun.pp.master import PipelineMaster, PipelineState
 from edgerun.pp.messages import TabWeights
 from edgerun.sched.pp_plan import PPPlan, Stage, plan_exec_us
 from edgerun.sched.profiles import model_profile

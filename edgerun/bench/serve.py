@@ -69,7 +69,7 @@ class ServeBenchConfig:
         if min(self.nodes, self.workers, self.experts) < 0 or \
                 sum(bool(n) for n in (self.nodes, self.workers, self.experts)) > 1:
             raise EdgerunError("--nodes, --workers or --experts: a tensor-parallel cluster, a pipeline or an expert "
-                               "hub, one of them")
+                               "master, one of them")
         if self.url is not None and (self.nodes or self.workers or self.experts or self.parallel > 1
                                      or self.baseline):
             raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --experts, "

@@ -465,15 +465,15 @@ def _rebalance(master: Master, model: Model) -> tuple[bool, TrialOutcome | None]
         master.take_measurements()
         if all(name in master.measured for name in used):
             break
-    original, outcome = master.plan.counts(), master.last_trial
+    original, outcome = master.plan.counts(), master.trials.last
     master.rebalance()
     for _ in range(REBALANCE_WARMUPS):
-        if master.trial is None:
+        if master.trials.current is None:
             break
         _warm_up(master, prompt)
         master.rebalance()
     # The outcome of a trial this call ran, not of one an earlier row of this cluster ran.
-    return master.plan.counts() != original, None if master.last_trial is outcome else master.last_trial
+    return master.plan.counts() != original, None if master.trials.last is outcome else master.trials.last
 
 
 def _warm_up(master: Master, prompt: list[int]) -> None:

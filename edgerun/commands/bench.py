@@ -115,7 +115,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     from edgerun.bench.pp import SWAP_TOKENS, bench_pp, bench_swap, pp_table, swap_table
     from edgerun.model.loader import load_model
     from edgerun.model.onnx_graph import Activations
-    from edgerun.pp.deployment import Route
+    from edgerun.pp.config import Route
     from edgerun.pp.messages import TabWeights
 
     worker_counts = counts(args.workers, "--workers", 1)
@@ -290,10 +290,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=thread_count, default=1, help="PyTorch threads per process (default: 1)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     p.set_defaults(func=cmd_bench_tune)
-    p = bench.add_parser("moe", help="a local MoEx hub and expert workers: the expert phase per layer at each "
-                         "hedging factor against the latency model",
-                         description="Start a MoEx hub in this process and --workers expert worker processes on "
-                                     "loopback, each expert on --replicas of them, and generate --tokens tokens "
+    p = bench.add_parser("moe", help="a local MoEx master (hub) and expert workers: the expert phase per layer at "
+                         "each hedging factor against the latency model",
+                         description="Start a MoEx master (the paper's hub) in this process and --workers expert "
+                                     "worker processes on loopback, each expert on --replicas of them, and generate "
+                                     "--tokens tokens "
                                      "greedily: first at hedge 1 without injected latency (the cluster's own "
                                      "expert phase, the model's base), then, with --latency, at each --hedge with "
                                      "every worker holding its replies back by a delay drawn from that "
@@ -341,7 +342,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the started server's --parallel: requests it decodes together, on its own engine or, "
                         "with --nodes, on the tensor-parallel shares (the server's own engine then left out, "
                         "--max-context 512), with --workers, on the pipeline's stages, with --experts, on the "
-                        "expert hub (default: 1)")
+                        "expert master (default: 1)")
     p.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="start N tensor-parallel node processes beside the server and measure once its plan takes "
                         "them all (--prefer cluster) (default: 0, the server's own engine)")

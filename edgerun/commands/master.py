@@ -220,7 +220,8 @@ def _check_moe_args(args: argparse.Namespace) -> None:
 def _settings(args: argparse.Namespace, model, kind: ClusterKind, strategy):
     """The options `edgerun master` shares with `edgerun serve` (serve.clusters.ClusterSettings)."""
     from edgerun.model.onnx_graph import Activations
-    from edgerun.pp.master import Route, chat_template_prefix
+    from edgerun.pp.config import Route
+    from edgerun.pp.master import chat_template_prefix
     from edgerun.serve.clusters import ClusterSettings
 
     prefix = tuple(chat_template_prefix(model.tokenizer)) if args.chat and kind is ClusterKind.PP else ()

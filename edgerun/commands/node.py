@@ -61,8 +61,8 @@ def cmd_node(args: argparse.Namespace) -> None:
             except KeyRejected as e:
                 raise EdgerunError(str(e)) from e
             except OSError as e:
-                raise EdgerunError(f"cannot reach the hub at {url}: {e}") from e
-            _log(f"expert worker {name}: trying to rejoin the hub at {url} until it is back (Ctrl-C stops)")
+                raise EdgerunError(f"cannot reach the master at {url}: {e}") from e
+            _log(f"expert worker {name}: trying to rejoin the master at {url} until it is back (Ctrl-C stops)")
         return
     if args.mode == "pp":
         import asyncio
@@ -139,16 +139,18 @@ def _discover_master(mode: str) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("node", help="serve as one device of a tensor-parallel or pipeline cluster",
+    p = sub.add_parser("node", help="serve as one device of a tensor-parallel, pipeline or expert cluster",
                        description="Join a master and compute what it assigns until it shuts down: with --mode tp, "
                                    "a share of every layer from the local model file; with --mode pp, a range of "
                                    "layers as an ONNX stage downloaded from the master; with --mode moe, the "
-                                   "experts of a mixture-of-experts model the hub places here, fetched from it.")
+                                   "experts of a mixture-of-experts model the master places here, fetched from "
+                                   "it. Every mode's cluster is a master and its nodes; a pipeline's nodes are its "
+                                   "workers, a mixture of experts' its expert workers.")
     p.add_argument("--master", default=None, help="HOST:PORT of the master (pp also takes ws://HOST:PORT/ws, moe "
                    "ws://HOST:PORT/moe; default: the first master of --mode found on the LAN by mDNS)")
     p.add_argument("--mode", choices=("tp", "pp", "moe"), default="tp",
                    help="tp: tensor-parallel (edgerun master --plan halo, ...); pp: pipeline (--plan dp); moe: expert "
-                        "worker of a mixture-of-experts hub (--plan moe) (default: tp)")
+                        "worker of a mixture-of-experts master (--plan moe, the MoEx hub) (default: tp)")
     model_arg(p)
     p.add_argument("--name", default=None, help="node name (default: the profile's name, else node-PID)")
     p.add_argument("-v", "--verbose", action="store_true",

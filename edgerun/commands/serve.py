@@ -77,7 +77,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                         "and the ggml engine, or --no-local and a cluster: tensor-parallel (int8 activations), whose "
                         "every share holds N sequences and every block carries a step's rows at once; --plan dp, a "
                         "pipeline whose ggml stages each hold N sequences, a step's sequences going through the "
-                        "stages in micro-batches at once; --plan moe, the expert hub holds N sequences' caches and "
+                        "stages in micro-batches at once; --plan moe, the expert master holds N sequences' caches and "
                         "sends each expert one dispatch of every token of a step that chose it (default: 1, one "
                         "request at a time)")
     p.add_argument("--max-context", type=int, default=2048,
@@ -127,7 +127,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from edgerun.model.onnx_graph import Activations
-    from edgerun.pp.deployment import Route
+    from edgerun.pp.config import Route
     from edgerun.serve.server import ServeConfig, Server
     from edgerun.serve.switch import Prefer
 

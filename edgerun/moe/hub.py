@@ -99,7 +99,7 @@ class HubConfig:
         if self.expert_timeout_s <= 0 or (self.expert_deadline_s is not None and self.expert_deadline_s <= 0):
             raise EdgerunError("the expert timeout and deadline must be positive")
         if self.slots < 0:
-            raise EdgerunError(f"a hub's batch holds 0 or more sequences, not {self.slots}")
+            raise EdgerunError(f"an expert master's batch holds 0 or more sequences, not {self.slots}")
 
 
 class ExpertsLost(EngineLost):
@@ -423,7 +423,7 @@ class MoeHub:
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
-            raise EdgerunError(f"slot {slot} is not one of the {self.slots} of the hub's batch")
+            raise EdgerunError(f"slot {slot} is not one of the {self.slots} of the expert master's batch")
 
     def _check_room(self, end: int) -> None:
         if end > self.layers.max_len:

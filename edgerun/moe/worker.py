@@ -86,7 +86,7 @@ class ExpertWorkerNode:
             except (OSError, TimeoutError, websockets.InvalidHandshake) as e:
                 delay = backoff.next_delay()
                 if delay is None:
-                    raise OSError(f"no hub answered at {self.url} within {wait_s:.0f} s") from e
+                    raise OSError(f"no master answered at {self.url} within {wait_s:.0f} s") from e
                 await asyncio.sleep(delay)
         self.log(f"expert worker {self.name}: connected to {self.url}")
         async with ws:
@@ -105,7 +105,7 @@ class ExpertWorkerNode:
                 beating.cancel()
         if not self.heard:
             raise not_admitted(None)
-        self.log(f"expert worker {self.name}: the hub closed the connection")
+        self.log(f"expert worker {self.name}: the master closed the connection")
 
     async def _heartbeats(self, ws: websockets.ClientConnection) -> None:
         seq = 0

@@ -34,6 +34,7 @@ from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations, StageSpec, cached_stage
 from edgerun.net.model_files import file_sha256
 from edgerun.net.wire import WorkerKind
+from edgerun.pp.config import PipelineConfig, Route
 from edgerun.pp.messages import (
     CommitDone,
     CommitModel,
@@ -65,7 +66,7 @@ from edgerun.sched.pp_plan import (
     shadow_plan,
     stage_parts,
 )
-from edgerun.sched.profiles import DeviceProfile, model_profile
+from edgerun.sched.profiles import DeviceProfile, ModelProfile, model_profile
 
 REPARTITION_PERIOD_S = 30.0  # besides joins and leaves, look for a better plan this often
 PREPARE_TIMEOUT_S = 600.0  # downloading a stage's files
@@ -77,22 +78,6 @@ def dequantized_expansion(model: Model) -> float:
     float32 weights hold them: such a tab's memory budget holds that many times fewer layers."""
     matrices = [t for layer in model.weights.layers for _, t in layer.matrices()] + [model.weights.output]
     return sum(4 * int(np.prod(t.shape)) for t in matrices) / model.weights.matrix_bytes()
-
-
-class Route(Enum):
-    """How a forward pass goes through the stages.
-
-    CHAIN (the default): the master sends the pass to the first stage, each stage hands its output straight to the
-    next one, and the last returns the token: one network hop per stage plus one, instead of two per stage, and
-    the master touches no hidden state. STAR: the master sends each stage its input and takes back its output;
-    a plan falls back to it where a stage cannot be chained: a browser tab (it cannot accept connections), a
-    stage with hedged replicas (the master takes the first answer), a worker that offers no peer port."""
-
-    CHAIN = "chain"
-    STAR = "star"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class PipelineState(Enum):
@@ -133,34 +118,43 @@ def describe(plan: PPPlan) -> str:
     return ", ".join(f"{s.worker} layers {s.first_layer}-{s.end_layer - 1}" for s in plan.stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelFit:
+    """What the model allows each kind of worker, found once a deployment."""
+
+    profile: ModelProfile  # as the planner sees it; a stage's memory holds the KV cache of every slot's sequence
+    expansion: float  # a float32 stage's bytes over the file's (a tab on onnxruntime-web's WebAssembly)
+    # Why tabs that ask for the WebAssembly kernels get float32 ONNX stages instead (None: they get kernels).
+    # The kernels compute with int8 activations: a deployment asked for float32 ones gets them everywhere.
+    kernels_unsupported: str | None
+    kernel_expansion: float  # how many times the file's bytes a stage takes in stage.bin (float32 scales, offsets)
+    # Why native workers run onnxruntime's stages instead of ggml's (None: they run ggml's, llama.cpp's kernels,
+    # from the model's own GGUF file): ggml computes with int8 activations and builds dense models without
+    # adapters.
+    ggml_unsupported: str | None
+
+    @classmethod
+    def of(cls, model: Model, config: PipelineConfig) -> ModelFit:
+        f32 = "float32 activations (--activations f32)" if config.activations == Activations.F32 else None
+        kernels_unsupported = f32 or kernel_stage.unsupported(model.config, model.weights)
+        return cls(model_profile(model.name, model.config, model.weights, context=config.max_len * config.slots),
+                   dequantized_expansion(model), kernels_unsupported,
+                   kernel_stage.expansion(model.weights) if kernels_unsupported is None else 1.0,
+                   f32 or ggml_engine.unsupported(model))
+
+
 class Deployment:
     """Which plan runs, on which workers, and the moves between plans. `warm` runs once a plan is committed,
     before it counts as Up (the prefix pass)."""
 
-    def __init__(self, model: Model, workers: Workers, max_len: int, objective: str, replicas: int,
-                 activations: Activations, route: Route, log: Callable[[str], None],
-                 warm: Callable[[], Awaitable[None]], slots: int = 1) -> None:
-        self.model, self.workers, self.max_len, self.objective, self.replicas, self.activations = \
-            model, workers, max_len, objective, replicas, activations
-        self.slots = slots  # sequences each ggml stage holds caches for (pp.batch), one on onnxruntime's
+    def __init__(self, model: Model, workers: Workers, config: PipelineConfig, log: Callable[[str], None],
+                 warm: Callable[[], Awaitable[None]]) -> None:
+        """`config`: the master's (its context, objective, replicas, activations, route and slots serve here)."""
+        self.model, self.workers, self.config = model, workers, config
+        self.fit = ModelFit.of(model, config)
         self.batched = False  # whether the running plan's stages are all ggml's (they run a batch's passes)
-        self.route = route  # the configured route; `chained` says whether the running plan takes it
-        self.chained = False
+        self.chained = False  # whether the running plan takes the configured route (config.route)
         self.log, self.warm = log, warm
-        # a stage's memory holds the KV cache of every sequence its slots keep
-        self.profile = model_profile(model.name, model.config, model.weights, context=max_len * slots)
-        self.expansion = dequantized_expansion(model)
-        # Why tabs that ask for the WebAssembly kernels get float32 ONNX stages instead (None: they get kernels).
-        # The kernels compute with int8 activations: a deployment asked for float32 ones gets them everywhere.
-        self.kernels_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
-            else kernel_stage.unsupported(model.config, model.weights)
-        # How many times the file's bytes a stage takes in stage.bin (float32 scales and offsets beside the codes).
-        self.kernel_expansion = kernel_stage.expansion(model.weights) if self.kernels_unsupported is None else 1.0
-        # Why native workers run onnxruntime's stages instead of ggml's (None: they run ggml's, llama.cpp's kernels,
-        # from the model's own GGUF file): ggml computes with int8 activations and builds dense models without
-        # adapters.
-        self.ggml_unsupported = "float32 activations (--activations f32)" if activations == Activations.F32 \
-            else ggml_engine.unsupported(model)
         self._model_file: StageFile | None = None  # the GGUF file ggml stages are built from, once hashed
         self.files: dict[str, Path] = {}  # sha256 -> stage file served over HTTP
         self.plan: PPPlan | None = None
@@ -197,20 +191,20 @@ class Deployment:
     def kernel_tab(self, worker: WorkerConn) -> bool:
         """A tab that runs its stages on edgerun's WebAssembly kernels (stage.bin): it asked for them and they run
         this model."""
-        return worker.tab_weights == TabWeights.KERNELS and self.kernels_unsupported is None
+        return worker.tab_weights == TabWeights.KERNELS and self.fit.kernels_unsupported is None
 
     def dequantized(self, worker: WorkerConn) -> bool:
         """A tab whose stages hold float32 matrices (onnxruntime-web's WebAssembly: see StageSpec): it asked for
         them, or asked for the kernels, which do not run this model."""
         weights = worker.tab_weights
-        return weights == TabWeights.F32 or (weights == TabWeights.KERNELS and self.kernels_unsupported is not None)
+        return weights == TabWeights.F32 or (weights == TabWeights.KERNELS and self.fit.kernels_unsupported is not None)
 
     def budget_mb(self, worker: WorkerConn) -> float:
         """The worker's memory budget in the planner's units, the quantized bytes of the layers it can hold (a tab
         holds its stages' matrices grown: float32, or the kernels' float32 scales and offsets)."""
         if self.dequantized(worker):
-            return worker.memory_mb / self.expansion
-        return worker.memory_mb / self.kernel_expansion if self.kernel_tab(worker) else worker.memory_mb
+            return worker.memory_mb / self.fit.expansion
+        return worker.memory_mb / self.fit.kernel_expansion if self.kernel_tab(worker) else worker.memory_mb
 
     def devices(self) -> list[DeviceProfile]:
         """The live workers that can compute this model's stages, as the planner sees them: measured speed, memory
@@ -228,7 +222,7 @@ class Deployment:
         if self.kernel_tab(conn):  # int8 activations, as the native kernels compute them
             return dataclasses.replace(StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer,
                                                             Activations.INT8), kernels=True)
-        activations = self.activations if conn.kind is WorkerKind.NATIVE else Activations.F32
+        activations = self.config.activations if conn.kind is WorkerKind.NATIVE else Activations.F32
         return StageSpec.for_layers(self.model.config, stage.first_layer, stage.end_layer, activations,
                                     dequantized=self.dequantized(conn))
 
@@ -236,7 +230,7 @@ class Deployment:
         """Whether `worker` runs its stages on ggml: a native worker that offers it, for a model ggml builds."""
         conn = self.workers[worker]
         return conn.kind is WorkerKind.NATIVE and conn.capabilities.ggml \
-            and self.ggml_unsupported is None and self.model.path.suffix == ".gguf"
+            and self.fit.ggml_unsupported is None and self.model.path.suffix == ".gguf"
 
     def model_file(self) -> StageFile:
         """The model's GGUF file as a stage file (hashed once): a ggml stage reads its layers from it."""
@@ -255,7 +249,7 @@ class Deployment:
         threads = max(1, conn.capabilities.load_threads)
         if conn.kind is not WorkerKind.NATIVE or self.ggml_stages(worker):
             return []
-        return stage_parts(self.profile.layer_read_bytes, stage.first_layer, stage.end_layer,
+        return stage_parts(self.fit.profile.layer_read_bytes, stage.first_layer, stage.end_layer,
                            min(threads, MAX_STAGE_PARTS))
 
     def _files(self, stage: Stage, worker: str) -> tuple[list[int], list[StageFile]]:
@@ -372,7 +366,7 @@ class Deployment:
         devices, candidate, better = self.devices(), None, False
         if whole:
             candidate = await self._plan(devices, current=self.plan)
-            better = accept(candidate, self.plan, self.profile, devices, params=self.cost_params())
+            better = accept(candidate, self.plan, self.fit.profile, devices, params=self.cost_params())
         standing_by = not self.shadow_stale and (self.ready(self.shadow) or self._covered())
         match next_move(whole, self.busy, better, standing_by):
             case Move.RECOVER:
@@ -407,7 +401,7 @@ class Deployment:
             if mode == "redundancy" and self.plan is not None and await self._prepare_covers():
                 return
             plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
-                self.profile, devices, self.plan, mode=mode, objective=self.objective,
+                self.fit.profile, devices, self.plan, mode=mode, objective=self.config.objective,
                 seconds_since_redistribution=since, server_up=self.state == PipelineState.UP,
                 params=self.cost_params()))
             if plan.complete:
@@ -426,7 +420,7 @@ class Deployment:
         # A stage's load is mostly onnxruntime repacking the weights its products read (the LM head's 8-bit rows
         # among them, the embedding table, only indexed, not): the shipped model's first half loads in 100-180 ms
         # here, its second half with the head in 200-330 (in one graph; in two parts at once, about 1.5x less).
-        read = self.profile.layer_read_bytes
+        read = self.fit.profile.layer_read_bytes
         covers = cover_stages(self.plan, native, self._fits, lambda s: sum(read[s.first_layer:s.end_layer]),
                               self.covers)
         if not covers or (whole and len(covers) < len(self.plan.stages)):
@@ -478,7 +472,7 @@ class Deployment:
         return True
 
     def _stage_mb(self, first: int, end: int) -> float:
-        return sum(self.profile.layer_weight_bytes[first:end]) / 1e6
+        return sum(self.fit.profile.layer_weight_bytes[first:end]) / 1e6
 
     async def _preload(self, plan: PPPlan) -> None:
         """Every native worker of `plan` whose budget holds its new stage beside the one it serves loads the new
@@ -494,7 +488,7 @@ class Deployment:
             if worker.kind is not WorkerKind.NATIVE or self.dequantized(worker) or \
                     serving.get(s.worker, 0.0) + self._stage_mb(s.first_layer, s.end_layer) > self.budget_mb(worker):
                 continue
-            due.append((worker, await self._prepare_message(s, s.worker, preload=self.max_len)))
+            due.append((worker, await self._prepare_message(s, s.worker, preload=self.config.max_len)))
         replies = await asyncio.gather(*(self.workers.call(worker, message, PrepareDone, PREPARE_TIMEOUT_S)
                                          for worker, message in due),
                                        return_exceptions=True)
@@ -592,10 +586,12 @@ class Deployment:
         since = time.monotonic() - self.deployed_at
         params = self.cost_params()
         plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_pp(
-            self.profile, devices, objective=self.objective, current=current, seconds_since_redistribution=since,
+            self.fit.profile, devices, objective=self.config.objective, current=current,
+            seconds_since_redistribution=since,
             server_up=self.state == PipelineState.UP, params=params))
         if not plan.complete:
-            raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.profile.n_layers} layers "
+            raise EdgerunError(f"the {len(devices)} worker(s) cannot hold the model's {self.fit.profile.n_layers} "
+                               "layers "
                                "within their memory budgets")
         return plan
 
@@ -633,16 +629,16 @@ class Deployment:
         chained = self._chainable(stage_workers)
         # A batch runs where every stage is ggml's (pp.batch); its stages hold `slots` sequences' caches.
         self.batched = all(self.ggml_stages(name) for names in stage_workers for name in names)
-        slots = self.slots if self.batched else 1
+        slots = self.config.slots if self.batched else 1
         # On a chained route each stage but the last connects to the next one's listener.
         following = [NextStage(self.workers[names[0]].host, self.workers[names[0]].peer_port or 0) if chained
                      else None for names in stage_workers[1:]] + [None]
-        commits = [CommitModel(self.max_len, slots, f) for f in following]
+        commits = [CommitModel(self.config.max_len, slots, f) for f in following]
         await asyncio.gather(*(self.workers.call(self.workers[name], commit, CommitDone, PREPARE_TIMEOUT_S)
                                for commit, names in zip(commits, stage_workers, strict=True)
                                for name in names))
         self.chained = chained
-        if self.route == Route.CHAIN and not chained:
+        if self.config.route == Route.CHAIN and not chained:
             self.log("passes go through the master (star): a stage has replicas, a browser tab or no peer port")
         in_use = {name for names in stage_workers for name in names}
         for name in {name for names in self.stage_workers for name in names} - in_use:
@@ -664,7 +660,7 @@ class Deployment:
     def _chainable(self, stage_workers: list[list[str]]) -> bool:
         """Whether passes go stage to stage (Route): configured so, one worker per stage, every one native with
         a port for its predecessor."""
-        return self.route == Route.CHAIN and all(
+        return self.config.route == Route.CHAIN and all(
             len(names) == 1 and self.workers[names[0]].kind is WorkerKind.NATIVE and self.workers[names[0]].peer_port
             is not None for names in stage_workers)
 
@@ -676,10 +672,10 @@ class Deployment:
         out = []
         for s in plan.stages:
             need = self._stage_mb(s.first_layer, s.end_layer)
-            extra = [w for w in spare if self.budget_mb(w) >= need][:self.replicas - 1]
+            extra = [w for w in spare if self.budget_mb(w) >= need][:self.config.replicas - 1]
             spare = [w for w in spare if w not in extra]
             out.append([s.worker] + [w.name for w in extra])
-        if self.replicas > 1:
+        if self.config.replicas > 1:
             self.log("replicas: " + "; ".join(", ".join(names) for names in out))
         return out
 

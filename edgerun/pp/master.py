@@ -35,12 +35,11 @@ from starlette.routing import BaseRoute
 from edgerun.errors import EdgerunError
 from edgerun.model.generate import EngineLost, generate
 from edgerun.model.loader import Model
-from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import Sampler, SamplingParams
 from edgerun.net.channel import EventLoopThread
 from edgerun.net.http_server import HttpServer, bind
-from edgerun.net.wire import PP_MAX_FRAME
-from edgerun.pp.deployment import Deployment, PipelineState, Route, describe
+from edgerun.pp.config import PipelineConfig, Route
+from edgerun.pp.deployment import Deployment, PipelineState, describe
 from edgerun.pp.http import browser_dir, pipeline_routes, say_if_tabs_cannot_join
 from edgerun.pp.messages import BatchComputation, Computation, ComputationResult, Init, Prefix, Sampling
 from edgerun.pp.pass_links import Breach, PassLinks, PortClosed
@@ -78,42 +77,6 @@ def chat_template_prefix(tokenizer) -> list[int]:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """How a pipeline master runs."""
-
-    host: str = "0.0.0.0"
-    port: int = 0  # workers (WebSocket /ws), browser pages (/node) and stage files; 0: any free port
-    max_len: int = 1024  # context length: KV cache per worker
-    objective: str = "sum"  # the planner's: "sum" (one token's latency) or "max" (the slowest stage)
-    max_frame: int = PP_MAX_FRAME  # the largest WebSocket message (when the master serves its routes itself)
-    replicas: int = 1  # workers per stage where spare ones can hold it (hedged: the first answer counts)
-    activations: Activations = Activations.INT8  # of native workers' quantized products (browser tabs: float32)
-    route: Route = Route.CHAIN  # stage to stage where every stage can take it, else through the master
-    # Prefix cache (the web-inference thesis): every deployment runs these tokens once and the workers keep their KV
-    # rows; a request that starts with them sends only the rest.
-    prefix: tuple[int, ...] = ()
-    # Poll this long for a reply before sleeping (its event loop when the master serves its routes itself, and
-    # a chained route's links): a sleeping process wakes late for a packet, once per token on the pipeline's
-    # path. Holds a core while generating.
-    spin_us: float = 0.0
-    # Sequences every ggml stage holds caches for, so that a batch of them runs together (pp.batch; serve
-    # --parallel); 1: one request at a time.
-    slots: int = 1
-
-    def __post_init__(self) -> None:
-        if self.slots < 1:
-            raise EdgerunError(f"a pipeline holds at least one sequence, not {self.slots}")
-        if self.spin_us < 0:
-            raise EdgerunError(f"--spin-us must not be negative, not {self.spin_us}")
-        if self.replicas < 1:
-            raise EdgerunError(f"--replicas must be at least 1, not {self.replicas}")
-        if self.objective not in ("sum", "max"):
-            raise EdgerunError(f"unknown objective {self.objective!r} (sum or max)")
-        if self.max_len < 1:
-            raise EdgerunError("the context length must be at least 1")
 
 
 class PipelineMaster:
@@ -160,9 +123,7 @@ class PipelineMaster:
         init = Init(self.model.config, self.max_len)
         self.workers = Workers(self.key, init, self.log, lambda worker, joined: self.deployment.on_change(worker,
                                                                                                           joined))
-        self.deployment = Deployment(self.model, self.workers, self.max_len, self.config.objective,
-                                     self.config.replicas, self.config.activations, self.config.route, self.log,
-                                     self._warm, self.config.slots)
+        self.deployment = Deployment(self.model, self.workers, self.config, self.log, self._warm)
         self.repartitioner = asyncio.get_running_loop().create_task(self.deployment.repartition_loop())
 
     def routes(self) -> list[BaseRoute]:
@@ -291,7 +252,8 @@ class PipelineMaster:
         the pass without the link's latency."""
         self.stats.decode_passes += 1
         self.stats.decode_stage_s += seconds
-        worker.observe_decode(sum(self.deployment.profile.layer_read_bytes[stage.first_layer:stage.end_layer]), seconds)
+        read = self.deployment.fit.profile.layer_read_bytes
+        worker.observe_decode(sum(read[stage.first_layer:stage.end_layer]), seconds)
         # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
         self.deployment.overheads.append(max(0.0, wall - seconds))
 

@@ -22,7 +22,8 @@ from edgerun.moe.hub import HubConfig, MoeHub
 from edgerun.net.discovery import ClusterKind
 from edgerun.net.loss import LossModel
 from edgerun.net.wire import Transport, WorkerKind
-from edgerun.pp.master import PipelineConfig, PipelineMaster, Route
+from edgerun.pp.config import PipelineConfig, Route
+from edgerun.pp.master import PipelineMaster
 from edgerun.sched.moe import hedge_setting
 from edgerun.sched.plans import TPStrategy
 from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
@@ -167,7 +168,7 @@ class TensorParallel:
             case Rebalance.REPLANNED:
                 return "replanned on the speeds the devices showed"
             case Rebalance.REVERTED:
-                return self.master.last_trial.said()
+                return self.master.trials.last.said()
         return None
 
     def on_lost(self, lost: EngineLost) -> None:

@@ -18,7 +18,7 @@ from edgerun.net.channel import EventLoopThread
 from edgerun.net.discovery import ClusterKind
 from edgerun.net.http_server import HttpServer, bind
 from edgerun.net.wire import Transport
-from edgerun.pp.deployment import Route
+from edgerun.pp.config import Route
 from edgerun.sched.moe import hedge_setting
 from edgerun.sched.plans import TPStrategy, plan_name
 from edgerun.serve.switch import Prefer
@@ -84,7 +84,7 @@ class ServeConfig:
                                       (self.cluster_port is not None and not self.local)):
             raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster) or a cluster's "
                                "(with --no-local): a tensor-parallel cluster's shares, a pipeline's stages (--plan "
-                               "dp) or an expert hub (--plan moe)")
+                               "dp) or an expert master (--plan moe)")
         if self.parallel > 1 and self.kind is ClusterKind.TP and self.activations is Activations.F32:
             raise EdgerunError("--parallel on a tensor-parallel cluster runs on ggml shares: int8 activations, not "
                                "--activations f32")

@@ -21,7 +21,7 @@ import functools
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -122,6 +122,56 @@ class TrialOutcome:
                 + ("kept" if self.kept else "back to the split before it"))
 
 
+@dataclass
+class Trials:
+    """A master's rebalance trials: the split on trial (judged against the one it replaced), how the last one ended,
+    and the splits a trial found slower than those they replaced, by devices and counts (never tried again)."""
+
+    current: Trial | None = None
+    last: TrialOutcome | None = None
+    rejected: set[Rejected] = field(default_factory=set)
+
+
+@dataclass
+class BatchSession:
+    """A batch session (tp.batch): its session number, its steps so far (an input's position is its step's number),
+    and the cache copies its next step makes on the nodes."""
+
+    session: int
+    steps: int = 0
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def next_step(self, slots: Sequence[int], starts: Sequence[int]) -> BatchStep:
+        """The next step's rows as the nodes are told them, with the copies asked for since the last."""
+        rows = BatchStep(self.session, self.steps, tuple(slots), tuple(starts),
+                         tuple(n for copy in self.copies for n in copy))
+        self.steps += 1
+        self.copies = []
+        return rows
+
+
+@dataclass(frozen=True)
+class Participants:
+    """Who takes part in a deployment's one-token blocks, as the native runner sends to them: found once a
+    deployment (its plan and session; a replan may keep its plan)."""
+
+    plan: TPPlan
+    session: int
+    blocks: list[list[NodeConn]]  # each layer's attention's and MLP's, in order
+    first: list[NodeConn]  # the first layer's nodes
+    others: list[NodeConn]  # the later layers'
+    head: list[NodeConn]  # the LM head's
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the native runner was last prepared for (its graphs change with the cache rows a step reads), and each
+    of its blocks' weight bytes, for the master's own kernel fit."""
+
+    key: tuple
+    block_bytes: list[float]
+
+
 def planned_compute(speed: float, send_s_per_node: float, measured: Measured | None) -> Compute:
     """A device's compute as the planner prices it: its declared speed and the default fixed cost per block until
     it has been measured, then its measured speed and, where its blocks told it apart, its fixed cost."""
@@ -182,16 +232,10 @@ class Master:
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
         self.routes: Routes | None = None  # the deployment's, which a batch session sets aside
-        # A batch session (tp.batch): its session number, and its steps so far (an input's position is its step's)
-        self.batch_session: int | None = None
-        self.batch_steps = 0
-        self.batch_copies: list[tuple[int, int, int]] = []  # cache copies the batch's next step makes on the nodes
-        # The native runner's setup (_native_step): the plan, cache rows and session it was prepared for.
-        self._native_key: tuple[TPPlan | None, int, int, int, bool] = (None, 0, -1, 0, False)
-        self._native_participants: list[list[NodeConn]] = []
-        self._native_nodes: tuple[list[NodeConn], list[NodeConn]] = ([], [])  # of the first layer, of the others
-        self._head_nodes: list[NodeConn] = []  # the LM head's participants
-        self._native_bytes: list[float] = []  # each of its blocks' weight bytes, for own_decode
+        self.batch: BatchSession | None = None
+        # The native runner's setup (_native_step)
+        self.taking_part: Participants | None = None
+        self.prepared: Prepared | None = None
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
         self.deployed: list[NodeConn] = []
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
@@ -203,10 +247,7 @@ class Master:
         self.measured_sync: dict[str, float] = {}  # nodes' seconds per block beyond their kernels, by name
         self.own_decode = KernelFit()
         self.clock = StepClock()  # the one-token steps of the current deployment
-        self.trial: Trial | None = None  # a rebalanced split being judged against the one it replaced
-        self.last_trial: TrialOutcome | None = None  # how the last one ended
-        # Splits a trial found slower than those they replaced, by devices and counts: not tried again.
-        self.rejected: set[Rejected] = set()
+        self.trials = Trials()
         self.server = self.net.run(self._listen(listener))
         self.port = self.server.sockets[0].getsockname()[1]
 
@@ -368,10 +409,10 @@ class Master:
         alive = self.membership.alive()
         if not self._made_for(self.plan, alive):
             return Rebalance.KEPT  # no plan yet, or the members changed: the next replan takes the speeds anyway
-        if self.trial is not None:
+        if self.trials.current is not None:
             return self._judge_trial()
         devices = self._devices(alive)
-        decided = rebalanced(self.plan, devices, self.profile(), self.config.strategy, self.rejected, min_gain)
+        decided = rebalanced(self.plan, devices, self.profile(), self.config.strategy, self.trials.rejected, min_gain)
         if decided is None:
             return Rebalance.KEPT
         now, better = decided
@@ -382,21 +423,21 @@ class Master:
         replaced, replaced_s = self.plan, self.clock.per_step()
         self.replan(better)
         if replaced_s is not None:  # a split not timed yet has nothing to judge the new one against
-            self.trial = Trial(replaced, replaced_s)
+            self.trials.current = Trial(replaced, replaced_s)
         return Rebalance.REPLANNED
 
     def _judge_trial(self) -> Rebalance:
         """The split on trial, once timed: kept if its steps are faster than the replaced split's, else replaced by
         it again (REVERTED)."""
-        trial, now_s = self.trial, self.clock.per_step()
+        trial, now_s = self.trials.current, self.clock.per_step()
         if now_s is None:
             return Rebalance.KEPT
-        self.trial = None
-        self.last_trial = TrialOutcome(trial.replaced_s, now_s, kept=now_s < trial.replaced_s)
-        self.log(self.last_trial.said())
-        if self.last_trial.kept:
+        self.trials.current = None
+        self.trials.last = TrialOutcome(trial.replaced_s, now_s, kept=now_s < trial.replaced_s)
+        self.log(self.trials.last.said())
+        if self.trials.last.kept:
             return Rebalance.KEPT
-        self.rejected.add((self.plan.devices, self.plan.counts()))
+        self.trials.rejected.add((self.plan.devices, self.plan.counts()))
         self.replan(trial.replaced)
         return Rebalance.REVERTED
 
@@ -446,7 +487,7 @@ class Master:
         self.plan, self.own_priorities, self.deployed = plan, d.own_priorities, alive
         self.routes = d.routes
         self.own_decode = KernelFit()
-        self.clock, self.trial = StepClock(), None
+        self.clock, self.trials.current = StepClock(), None
         self.net.call(lambda: self.exchange.new_session(session, d.routes))
         self.shard = self.whole = None  # the old share goes before the new one is built
         for node, assign in zip(alive, d.assignments, strict=True):
@@ -608,7 +649,8 @@ class Master:
         sequence's where the step is one token of each of several."""
         if rows is None and self.reset_pending:
             self._announce(top)
-        elif rows is None and self.exchange.session == self.batch_session:  # the nodes number a batch's steps
+        elif rows is None and self.batch is not None and self.exchange.session == self.batch.session:
+            # the nodes number a batch's steps
             raise RuntimeError("a batch session runs: a request's steps begin with reset()")
         elif rows is None and self.exchange.head_top is not None and (top is None or top > self.exchange.head_top):
             raise RuntimeError(f"this request's steps gather {self.exchange.head_top} logits a node, not {top}")
@@ -676,13 +718,13 @@ class Master:
         """A batch session from here on: whether one had to start (a request, a replan or a rebalance since the last
         made a new session: what the batch's caches held is gone)."""
         def start() -> bool:
-            if self.batch_session == self.exchange.session:
+            if self.batch is not None and self.batch.session == self.exchange.session:
                 return False
             session = self.exchange.session + 1
             # every block over the stream, as a prompt's: a step's rows are the batch's sequences'
             self.exchange.new_session(session, Routes.for_transport("tcp", self.model.config.n_layers))
             self._announce(None, batch=True)
-            self.batch_session, self.batch_steps, self.batch_copies = session, 0, []
+            self.batch = BatchSession(session)
             return True
 
         return self.net.call(start)
@@ -691,10 +733,7 @@ class Master:
         """One step of the batch session (start_batch): one sequence's tokens from starts[0] of slot slots[0] (its
         last token's logits), or one token of each of several sequences (each one's logits, (rows, vocab)). Its rows
         go to the nodes first (BatchStep), with the cache copies asked for since the last step."""
-        rows = BatchStep(self.exchange.session, self.batch_steps, tuple(slots), tuple(starts),
-                         tuple(n for copy in self.batch_copies for n in copy))
-        self.batch_steps += 1
-        self.batch_copies = []
+        rows = self.batch.next_step(slots, starts)
         if self.whole is not None:  # a plan that leaves every node out: the whole-model engine's slots
             await asyncio.sleep(0)
             if len(slots) == 1:
@@ -715,7 +754,7 @@ class Master:
                 self.whole.copy_cache(source, target, rows)
                 return
             self.shard.copy_cache(source, target, rows)
-            self.batch_copies.append((source, target, rows))
+            self.batch.copies.append((source, target, rows))
 
         self.net.call(copy)
 
@@ -736,22 +775,23 @@ class Master:
             return None
         n_kv = cache_rows(start + 1, shard.max_len)
         key: tuple = (self.plan, n_kv, self.exchange.session, first)
-        if self._native_key[0] is not self.plan or self._native_key[2] != self.exchange.session:
-            # who takes part in each block: once a deployment (a session; a replan may keep its plan)
-            self._native_participants = [self._participants(layer, block) for layer in range(c.n_layers)
-                                         for block in (Block.ATTN, Block.MLP)]
-            self._native_nodes = tuple(list({n.index: n for nodes in blocks for n in nodes}.values()) for blocks in
-                                       (self._native_participants[:2], self._native_participants[2:]))
-            self._head_nodes = self._participants(0, Block.HEAD)
-        participants = self._native_participants[2 * first:]
-        if not self.exchange.runs_natively(self._native_nodes[1]) or \
-                (first == 0 and not self.exchange.runs_mirrored_natively(self._native_nodes[0])):
+        taking = self.taking_part
+        if taking is None or taking.plan is not self.plan or taking.session != self.exchange.session:
+            blocks = [self._participants(layer, block)
+                      for layer in range(c.n_layers) for block in (Block.ATTN, Block.MLP)]
+            first_nodes, others = (list({n.index: n for nodes in part for n in nodes}.values())
+                                   for part in (blocks[:2], blocks[2:]))
+            taking = self.taking_part = Participants(self.plan, self.exchange.session, blocks, first_nodes, others,
+                                                      self._participants(0, Block.HEAD))
+        participants = taking.blocks[2 * first:]
+        if not self.exchange.runs_natively(taking.others) or \
+                (first == 0 and not self.exchange.runs_mirrored_natively(taking.first)):
             return None
         # the LM head's input goes from the runner too where it runs the first layer and the head's links are clean
-        head_sent = first == 0 and bool(self._head_nodes) and \
-            self.exchange.runs_mirrored_natively(self._head_nodes, (Block.HEAD,))
+        head_sent = first == 0 and bool(taking.head) and \
+            self.exchange.runs_mirrored_natively(taking.head, (Block.HEAD,))
         key = (*key, head_sent)
-        if self._native_key != key:  # the graphs change with the cache rows a step reads
+        if self.prepared is None or self.prepared.key != key:  # the graphs change with the cache rows a step reads
             blocks = []
             for i, nodes in enumerate(participants):
                 layer, block = first + i // 2, Block.ATTN if i % 2 == 0 else Block.MLP
@@ -760,12 +800,11 @@ class Master:
                                           shard.native_graph(layer, block, n_kv),
                                           tuple((n.host, n.udp_port) for n in nodes), tuple(n.index for n in nodes),
                                           mirrored=layer == 0))
-            head = (NativeHead(self.model.weights.output_norm, tuple((n.host, n.udp_port) for n in self._head_nodes),
-                               tuple(n.index for n in self._head_nodes)), self._head_nodes) if head_sent else None
+            head = (NativeHead(self.model.weights.output_norm, tuple((n.host, n.udp_port) for n in taking.head),
+                               tuple(n.index for n in taking.head)), taking.head) if head_sent else None
             self.exchange.prepare_blocks(blocks, participants, c.norm_eps, shard.backend.handle, ggml_compute_address(),
                                          head)
-            self._native_bytes = [shard.block_bytes(b.layer, Block(b.block)) for b in blocks]
-            self._native_key = key
+            self.prepared = Prepared(key, [shard.block_bytes(b.layer, Block(b.block)) for b in blocks])
         return participants
 
     async def _run_native(self, x: np.ndarray, start: int, participants: list[list[NodeConn]],
@@ -781,7 +820,8 @@ class Master:
 
     def _count_own_native(self) -> None:
         """The master's kernels in the native runner's last step, as `_block` measures them."""
-        self.own_decode = self.own_decode.add_all(self._native_bytes, [r.own_s for r in self.exchange.runner.records])
+        self.own_decode = self.own_decode.add_all(self.prepared.block_bytes,
+                                                  [r.own_s for r in self.exchange.runner.records])
 
     # --- the blocking interface, for callers outside the loop -------------------------------------
     def reset(self) -> None:

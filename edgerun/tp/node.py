@@ -22,7 +22,7 @@ import functools
 import gc
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -135,26 +135,63 @@ class _Input:
         return r.vector if r is not None and r.complete else None
 
 
+@dataclass(frozen=True)
+class NodeConfig:
+    """Who a node is and how it runs (`edgerun node`'s options)."""
+
+    master: tuple[str, int]  # the master's address
+    name: str
+    budget_mb: float  # memory it offers for its share
+    speed: float  # weight bytes a second it reports to the planner
+    threads: int = 1  # of the share's kernels
+    spin_s: float = 0.0  # how long to poll for the next input without sleeping (DatagramSocket.spin_s)
+    verbose: bool = False  # a timing summary every SUMMARY_S
+    device: str = "cpu"  # where its share computes: "cpu" or "cuda" (ggml's CUDA backend)
+    join_wait_s: float = JOIN_WAIT_S  # how long it keeps trying to reach the master
+
+
+@dataclass
+class KernelClock:
+    """A node's time in its share's kernels, as its heartbeats report it."""
+
+    compute_s: float = 0.0  # every block's, since it joined
+    session_compute_s: float = 0.0  # ... of it, since the session began
+    session_decode_s: float = 0.0  # ... and of its one-token blocks alone
+    decode_s: float = 0.0  # every one-token block's on the current share, the LM head's too
+    decode: KernelFit = field(default_factory=KernelFit)  # the layers' one-token blocks: the share's measured speed
+    native_blocks: int = 0  # one-token blocks the native server computed on the current share
+
+    def new_share(self) -> None:
+        self.decode, self.decode_s, self.native_blocks = KernelFit(), 0.0, 0
+
+    def new_session(self) -> None:
+        self.session_compute_s = self.session_decode_s = 0.0
+
+    def took(self, seconds: float, one_token: bool) -> None:
+        """A block's kernels took `seconds` (its output sent)."""
+        self.compute_s += seconds
+        self.session_compute_s += seconds
+        if one_token:
+            self.decode_s += seconds
+            self.session_decode_s += seconds
+
+    def served(self, blocks: int, seconds: float, fit: KernelFit) -> None:
+        """The native server computed `blocks` one-token blocks of the layers in `seconds`, fitted as `fit`."""
+        self.native_blocks += blocks
+        self.took(seconds, one_token=True)
+        d = self.decode
+        self.decode = KernelFit(d.blocks + fit.blocks, d.bytes + fit.bytes, d.seconds + fit.seconds,
+                                d.bytes_sq + fit.bytes_sq, d.cross + fit.cross)
+
+
 class Node:
-    def __init__(self, master: tuple[str, int], model: Model | None, key: bytes, name: str, budget_mb: float,
-                 speed: float, loss: LossModel | None = None, log=print, threads: int = 1, spin_s: float = 0.0,
-                 verbose: bool = False, trace: Trace | None = None, device: str = "cpu",
-                 join_wait_s: float = JOIN_WAIT_S) -> None:
-        """`trace`: where the node appends its timeline of one-token blocks (tp.trace); `device`: where its
-        share computes, "cpu" or "cuda" (ggml's CUDA backend); `join_wait_s`: how long it keeps trying to reach
-        the master."""
-        self.master = master
-        self.device = device
-        self.join_wait_s = join_wait_s
+    def __init__(self, config: NodeConfig, model: Model | None, key: bytes, loss: LossModel | None = None,
+                 log=print, trace: Trace | None = None) -> None:
+        """`trace`: where the node appends its timeline of one-token blocks (tp.trace)."""
+        self.config = config
         self.trace = trace
-        self.verbose = verbose  # a timing summary every SUMMARY_S
-        self.threads = threads  # onnxruntime threads of the share
-        self.spin_s = spin_s  # how long to poll for the next input without sleeping (DatagramSocket.spin_s)
         self.model = model
         self.key = key
-        self.name = name
-        self.budget_mb = budget_mb
-        self.speed = speed
         self.log = log
         self.udp = LossyUdp(key, loss=loss)  # sends; datagrams arrive on self.datagrams
         # The native data path (net.fastpath) seals and sends a partial that fits one datagram, where no loss is
@@ -168,7 +205,6 @@ class Node:
         # computes a block by datagram.
         self.group: tuple[str, int] | None = None
         self.group_datagrams: DatagramSocket | None = None
-        self.native_blocks = 0  # blocks it computed
         self._server_n_kv = 0  # the cache rows its attention graphs read
         self.counters = Counters()
         # Loop-thread state: the share, the session, and the inputs not computed yet.
@@ -183,25 +219,16 @@ class Node:
         self.kept_partials: dict[tuple[int, int, int, int], tuple[Header, np.ndarray, bool]] = {}
         self._from_stream = False  # computing an input that came on the stream: its partial goes there too
         self.latest_seen: tuple[int, int, int] = (-1, -1, -1)  # order key of the newest input of the session
-        self.index = 0  # this node's index in the master's plan
-        self.codec = Codec.F32
-        self.routes: Routes | None = None  # each block's channel to the master (the master says)
-        self.assigned_routes: Routes | None = None  # the deployment's, which a batch session sets aside
+        # The share and how to talk to the master, as the master assigned them (its parity grows on a lost packet:
+        # ParityOn), and each block's channel to the master now (a batch session sets the assigned ones aside).
+        self.assign: Assign | None = None
+        self.routes: Routes | None = None
         # A batch session (Reset.batch): an input's position is its step's number, the steps' rows as the master
         # told them (BatchStep), and per layer the steps whose attention is in the cache.
         self.batch = False
         self.steps: dict[int, BatchStep] = {}
         self.step_done: list[int] = []
-        self.parity = 0  # parity fragments after every partial (the master says; net.erasure)
-        self.datagram_bytes = ETHERNET_UDP_PAYLOAD  # the largest UDP payload to and from the master (the master says)
-        # Dynamic mapping: this node's priority indices per layer; it holds every unit and computes,
-        # per block, the units the master's ranking puts at those indices. None: static shares.
-        self.priorities: Priorities | None = None
-        self.compute_s = 0.0  # time spent in the share's kernels, reported with every heartbeat
-        self.session_compute_s = 0.0  # ... of it, since the session began
-        self.session_decode_s = 0.0  # ... and of its one-token blocks alone
-        self.decode = KernelFit()  # the layers' one-token blocks on the current share: its measured speed
-        self.decode_s = 0.0  # every one-token block's kernels on the current share, the LM head's too
+        self.clock = KernelClock()
         self.running = True
         self.channel: AsyncChannel | None = None
         # The second stream to the master (Assign.spare_stream), and whether the master sends a prompt's inputs on it
@@ -211,6 +238,36 @@ class Node:
         self.spare_task: asyncio.Task | None = None  # opens and reads it (the loop holds its tasks only weakly)
         self.master_udp_port = 0
         self.net = EventLoopThread()
+
+    @property
+    def index(self) -> int:
+        """This node's index in the master's plan, which its datagrams carry."""
+        return 0 if self.assign is None else self.assign.index
+
+    @property
+    def codec(self) -> Codec:
+        return Codec.F32 if self.assign is None else self.assign.codec
+
+    @property
+    def parity(self) -> int:
+        """Parity fragments after every partial (net.erasure)."""
+        return 0 if self.assign is None else self.assign.parity
+
+    @property
+    def datagram_bytes(self) -> int:
+        """The largest UDP payload to and from the master."""
+        return ETHERNET_UDP_PAYLOAD if self.assign is None else self.assign.datagram_bytes
+
+    @property
+    def priorities(self) -> Priorities | None:
+        """Dynamic mapping: this node's priority indices per layer; it holds every unit and computes, per block, the
+        units the master's ranking puts at those indices. None: static shares."""
+        return None if self.assign is None else self.assign.priorities
+
+    @property
+    def master_udp(self) -> tuple[str, int]:
+        """The master's UDP address."""
+        return self.config.master[0], self.master_udp_port
 
     def run(self) -> None:
         try:
@@ -226,7 +283,7 @@ class Node:
         try:
             self.net.run(self._control_loop())
         except (ConnectionError, OSError, WireError) as e:
-            self.log(f"node {self.name}: master connection ended ({e})")
+            self.log(f"node {self.config.name}: master connection ended ({e})")
         finally:
             self.running = False
             self.udp.close()
@@ -241,34 +298,35 @@ class Node:
     def _join_with_retries(self) -> Welcome:
         """Join, retrying with backoff while the master cannot be reached (it may not be up yet); each failure is
         said at once. A rejected key ends it."""
-        backoff = Backoff(self.join_wait_s, max_s=MAX_RETRY_S)
+        backoff = Backoff(self.config.join_wait_s, max_s=MAX_RETRY_S)
+        at = "{}:{}".format(*self.config.master)
         while True:
             try:
                 welcome = self.net.run(self._join(), timeout=60)
-                self.log(f"node {self.name}: joined the master at {self.master[0]}:{self.master[1]}")
+                self.log(f"node {self.config.name}: joined the master at {at}")
                 return welcome
             except KeyRejected as e:
-                raise EdgerunError(f"the master at {self.master[0]}:{self.master[1]} rejected this node's key: "
+                raise EdgerunError(f"the master at {at} rejected this node's key: "
                                    "--key (or EDGERUN_KEY) must be the master's") from e
             except (OSError, ConnectionError, WireError, TimeoutError) as e:
                 delay = backoff.next_delay()
                 if delay is None:
-                    raise EdgerunError(f"cannot reach the master at {self.master[0]}:{self.master[1]} within "
-                                       f"{self.join_wait_s:.0f} s: {e}") from e
-                self.log(f"node {self.name}: cannot reach the master at {self.master[0]}:{self.master[1]} ({e}); "
+                    raise EdgerunError(f"cannot reach the master at {at} within "
+                                       f"{self.config.join_wait_s:.0f} s: {e}") from e
+                self.log(f"node {self.config.name}: cannot reach the master at {at} ({e}); "
                          f"retrying in {delay:.1f} s")
                 time.sleep(delay)
 
     async def _join(self) -> Welcome:
-        self.channel = await connect_channel(*self.master, self.key, self.net.loop)
-        datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.spin_s,
+        self.channel = await connect_channel(*self.config.master, self.key, self.net.loop)
+        datagrams = DatagramSocket("0.0.0.0", self.key, self.counters, self._on_datagram, self.config.spin_s,
                                    idle_spin=True, needless=self._needless)
         try:
             datagrams.watch_streams([self.channel.fileno()])  # a control message ends a spin
             datagrams.attach(asyncio.get_running_loop())
-            self.channel.send(Register(self.name, self.budget_mb, self.speed, datagrams.port,
-                                       path_datagram_bytes(self.master[0], self.master[1]),
-                                       device_summary() + (", computing on its GPU" if self.device == "cuda" else "")))
+            c = self.config
+            self.channel.send(Register(c.name, c.budget_mb, c.speed, datagrams.port, path_datagram_bytes(*c.master),
+                                       device_summary() + (", computing on its GPU" if c.device == "cuda" else "")))
             welcome = await self.channel.receive()
             if not isinstance(welcome, Welcome):
                 raise WireError(f"expected a welcome, got {type(welcome).__name__}")
@@ -295,8 +353,8 @@ class Node:
                 if dynamic:  # every device holds every unit
                     spec = every_unit_spec(self.model.config, spec)
                 build = functools.partial(build_share, self.model.config, self.model.weights, spec, message.max_len,
-                                          self.threads, message.activations, dynamic=dynamic,
-                                          mapped_files=[self.model.path], device=self.device,
+                                          self.config.threads, message.activations, dynamic=dynamic,
+                                          mapped_files=[self.model.path], device=self.config.device,
                                           slots=message.slots)
                 self._assign(message, spec, await loop.run_in_executor(None, build))
                 settle_heap()
@@ -309,8 +367,8 @@ class Node:
         """Keep the local model if it is the master's file; otherwise fetch the master's copy."""
         if self.model is not None and model_sha256(self.model.path) == sha256:
             return
-        self.log(f"node {self.name}: the local model is not the master's ({sha256[:12]}); fetching it")
-        self.model = load_model(fetch_model(f"http://{self.master[0]}:{http_port}", sha256))
+        self.log(f"node {self.config.name}: the local model is not the master's ({sha256[:12]}); fetching it")
+        self.model = load_model(fetch_model(f"http://{self.config.master[0]}:{http_port}", sha256))
 
     async def _heartbeat(self) -> None:
         summarized, last_compute, last_decode = time.monotonic(), 0.0, KernelFit()
@@ -320,22 +378,25 @@ class Node:
                 self.trace.flush()
             try:
                 calls = getattr(self.shard, "calls", None)  # a ggml share counts its calls' overhead
-                self.channel.send(Heartbeat(self.counters.total(), self.compute_s, peak_rss_mb(), self.decode,
-                                            self.decode_s, self.session, self.session_compute_s,
+                clock = self.clock
+                self.channel.send(Heartbeat(self.counters.total(), clock.compute_s, peak_rss_mb(), clock.decode,
+                                            clock.decode_s, self.session, clock.session_compute_s,
                                             0 if calls is None else calls.count,
-                                            0.0 if calls is None else calls.overhead_s, self.native_blocks,
-                                            self.session_decode_s))
+                                            0.0 if calls is None else calls.overhead_s, clock.native_blocks,
+                                            clock.session_decode_s))
             except (OSError, ConnectionError):
                 return
             now = time.monotonic()
-            if self.verbose and now - summarized >= SUMMARY_S and self.compute_s > last_compute:
-                busy = self.compute_s - last_compute
-                rate = (self.decode.bytes - last_decode.bytes) / max(self.decode.seconds - last_decode.seconds,
-                                                                     1e-9) / 1e9
-                self.log(f"node {self.name}: {busy * 1e3:.0f} ms in kernels over the last {now - summarized:.0f} s "
+            clock = self.clock
+            if self.config.verbose and now - summarized >= SUMMARY_S and clock.compute_s > last_compute:
+                busy = clock.compute_s - last_compute
+                rate = (clock.decode.bytes - last_decode.bytes) / max(clock.decode.seconds - last_decode.seconds,
+                                                                      1e-9) / 1e9
+                self.log(f"node {self.config.name}: {busy * 1e3:.0f} ms in kernels over the last "
+                         f"{now - summarized:.0f} s "
                          f"({100 * busy / (now - summarized):.0f}% busy), one-token steps at {rate:.2f} GB/s, "
                          f"{self.counters.total()} packets rejected, peak RSS {peak_rss_mb():.0f} MB")
-                summarized, last_compute, last_decode = now, self.compute_s, self.decode
+                summarized, last_compute, last_decode = now, clock.compute_s, clock.decode
 
     def _in_group(self, on: bool) -> None:
         """Join the master's group (on the interface that faces it) or leave it. A node whose share computes no
@@ -351,11 +412,11 @@ class Node:
         try:
             sock = join_group(self.group, self.channel.local_address())
         except OSError as e:
-            self.log(f"node {self.name}: cannot join the master's group {self.group[0]} ({e}): its inputs come "
+            self.log(f"node {self.config.name}: cannot join the master's group {self.group[0]} ({e}): its inputs come "
                      "by unicast")
             self.group = None
             return
-        group = DatagramSocket("", self.key, self.counters, self._on_datagram, self.spin_s, idle_spin=True,
+        group = DatagramSocket("", self.key, self.counters, self._on_datagram, self.config.spin_s, idle_spin=True,
                                needless=self._needless, sock=sock)
         group.watch_streams([self.channel.fileno(), self.datagrams.sock.fileno()])
         group.attach(asyncio.get_running_loop())
@@ -365,12 +426,9 @@ class Node:
     def _assign(self, message: Assign, spec: ShardSpec, shard: GgmlShard | QuantShard | Shard) -> None:
         self.spec, self.shard = spec, shard
         self.attn_layers = [layer for layer, units in enumerate(spec.attn_units) if units]
-        self.index, self.codec, self.routes = message.index, message.codec, message.routes
-        self.assigned_routes = message.routes
-        self.parity, self.datagram_bytes = message.parity, message.datagram_bytes
-        self.priorities = message.priorities
+        self.assign, self.routes = message, message.routes
         self.master_udp_port = message.udp_port
-        self.decode, self.decode_s, self.native_blocks = KernelFit(), 0.0, 0
+        self.clock.new_share()
         self.channel.set_rto_min(message.rto_min_ms)
         self.spare_used = False
         if message.spare_stream and self.spare is None and (self.spare_task is None or self.spare_task.done()):
@@ -386,7 +444,7 @@ class Node:
                            for layer in range(len(spec.attn_units))))
         self._serve_natively(True)
         self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
-        self.log(f"node {self.name}: holds {sum(map(len, spec.attn_units))} attention units, "
+        self.log(f"node {self.config.name}: holds {sum(map(len, spec.attn_units))} attention units, "
                  f"{sum(map(len, spec.mlp_groups))} MLP groups and {len(spec.vocab_blocks)} vocabulary blocks: "
                  f"{shard.weight_bytes / 1e6:.1f} MB of weights, {shard.cache_bytes / 1e6:.1f} MB of KV cache")
 
@@ -394,14 +452,14 @@ class Node:
         """Open the spare stream and take the prompt inputs the master sends on it, as those on the first. Losing it
         costs nothing but the second copies."""
         try:
-            spare = await connect_channel(*self.master, self.key, asyncio.get_running_loop())
+            spare = await connect_channel(*self.config.master, self.key, asyncio.get_running_loop())
         except OSError as e:
-            self.log(f"node {self.name}: no spare stream to the master ({e})")
+            self.log(f"node {self.config.name}: no spare stream to the master ({e})")
             return
         self.spare = spare
         try:
             spare.set_rto_min(rto_min_ms)
-            spare.send(Spare(self.name, self.datagrams.port))
+            spare.send(Spare(self.config.name, self.datagrams.port))
             async for message in spare.messages(self.counters):
                 if isinstance(message, Input):
                     self.spare_used = True
@@ -443,26 +501,27 @@ class Node:
                         self._take(position, layer, block, entry)
                     finally:
                         self._from_stream = False
-            case ParityOn(fragments):  # the link lost a packet: parity after every partial from now on
-                self.parity = fragments
+            case ParityOn(fragments) if self.assign is not None:  # the link lost a packet: parity from now on
+                self.assign = replace(self.assign, parity=fragments)
             case Ping(seq):
                 self.channel.send(Pong(seq))
             case BandwidthProbe(reply_bytes):
                 self.channel.send(BandwidthReply(bytes(max(0, min(reply_bytes, MAX_PROBE_BYTES)))))
             case Shutdown():
-                self.log(f"node {self.name}: the master closed the cluster")
+                self.log(f"node {self.config.name}: the master closed the cluster")
                 self.running = False
             case _:
                 self.counters.reject("unexpected")
 
     def _new_session(self, session: int, top: int | None = None, batch: bool = False) -> None:
-        self.session, self.session_compute_s, self.session_decode_s, self.top = session, 0.0, 0.0, top
+        self.session, self.top = session, top
+        self.clock.new_session()
         self.batch, self.steps = batch, {}
         if self.model is not None:
             self.step_done = [0] * self.model.config.n_layers
-            if self.assigned_routes is not None:  # a batch's every block goes over the stream, as a prompt's
+            if self.assign is not None:  # a batch's every block goes over the stream, as a prompt's
                 self.routes = Routes.for_transport("tcp", self.model.config.n_layers) if batch else \
-                    self.assigned_routes
+                    self.assign.routes
         if self.server is not None:
             self.server.new_session()
         self.inputs.clear()
@@ -499,8 +558,8 @@ class Node:
         cut = all(native_mtu(codec, c.hidden, path, parity=1) is not None for codec in (self.codec, Codec.F32))
         server = self.server or NodeServer(self.fast)
         server.prepare(graphs, weight_bytes, by_datagram, self.attn_layers, c.hidden, self.index, int(self.codec),
-                       (self.master[0], self.master_udp_port), self.udp.sock.fileno(), self.datagrams.sock.fileno(),
-                       shard.backend.handle, ggml_compute_address(), self.spin_s, [self.channel.fileno()],
+                       self.master_udp, self.udp.sock.fileno(), self.datagrams.sock.fileno(),
+                       shard.backend.handle, ggml_compute_address(), self.config.spin_s, [self.channel.fileno()],
                        -1 if self.group_datagrams is None else self.group_datagrams.sock.fileno(), mirrored,
                        path if cut else -1)
         if self.trace is not None:
@@ -517,14 +576,7 @@ class Node:
             self.latest_seen = server.latest
             s = server.s
             if s.computed:  # counted as _compute_and_send counts a block
-                self.native_blocks += s.computed
-                self.compute_s += s.seconds
-                self.session_compute_s += s.seconds
-                self.session_decode_s += s.seconds
-                self.decode_s += s.seconds
-                d = self.decode
-                self.decode = KernelFit(d.blocks + s.computed, d.bytes + s.bytes, d.seconds + s.seconds,
-                                        d.bytes_sq + s.bytes_sq, d.cross + s.cross)
+                self.clock.served(s.computed, s.seconds, KernelFit(s.computed, s.bytes, s.seconds, s.bytes_sq, s.cross))
             self.datagrams.skipped += s.skipped
             if self.trace is not None:
                 for position, layer, block, *moments in server.traced():
@@ -600,7 +652,7 @@ class Node:
             # comes back with this node's index: the master then sends its inputs to the group for it.
             if header.layer == PROBE_LAYER:
                 header = header._replace(node=self.index)
-            self.udp.send_all([seal(header, payload, self.key)], (self.master[0], self.master_udp_port))
+            self.udp.send_all([seal(header, payload, self.key)], self.master_udp)
             return
         if header.type == MsgType.RESEND:
             self._resend(header, payload)
@@ -641,7 +693,7 @@ class Node:
             entry.asked = True
             request = Resend(header.session, header.position, header.layer, Block(header.block), self.index,
                              entry.reassembly.missing())
-            self.udp.send_all([request.seal(self.key)], (self.master[0], self.master_udp_port))
+            self.udp.send_all([request.seal(self.key)], self.master_udp)
 
     def _resend(self, header: Header, payload: bytes) -> None:
         """The master asks for fragments of a mirrored partial that did not reach it: seal them again."""
@@ -655,7 +707,7 @@ class Node:
             return
         partial, out, _ = kept
         self.udp.send_all(fragment(partial, out, self.key, self.datagram_bytes, only=request.fragments or None),
-                          (self.master[0], self.master_udp_port))
+                          self.master_udp)
 
     def _take(self, position: int, layer: int, block: Block, entry: _Input) -> None:
         """An input is complete: compute on it, or queue it behind a missing attention input."""
@@ -753,14 +805,12 @@ class Node:
                 self.trace.add(Event.COMPUTED, key, started + took)
                 self.trace.add(Event.REPLIED, key, time.perf_counter(), self.index)
         # Counted once the partial is out: the accounts are off the master's path.
-        self.compute_s += took
-        self.session_compute_s += took
-        if x.shape[0] == 1 and out is not None:
-            self.decode_s += took
-            self.session_decode_s += took
-            if block != Block.HEAD:  # the layers' blocks (KernelFit)
-                self.decode = self.decode.add(
-                    self.shard.block_bytes(layer, block, None if units is None else len(units)), took)
+        one_token = x.shape[0] == 1 and out is not None
+        self.clock.took(took, one_token)
+        if one_token and block != Block.HEAD:  # the layers' blocks (KernelFit)
+            clock = self.clock
+            clock.decode = clock.decode.add(
+                self.shard.block_bytes(layer, block, None if units is None else len(units)), took)
 
     def _send_partial(self, position: int, layer: int, block: Block, seq: int, out: np.ndarray) -> None:
         route = self.routes.of(layer, block, seq)
@@ -769,7 +819,7 @@ class Node:
         if route != Route.RELIABLE:
             header = Header(MsgType.PARTIAL, self.session, position, layer, block, self.index,
                             codec=Codec.F32 if route == Route.MIRRORED else self.codec, tokens=seq)
-            master = (self.master[0], self.master_udp_port)
+            master = self.master_udp
             mtu = native_mtu(header.codec, out.size, self.datagram_bytes, self.parity, seq)
             if self.fast is not None and (mtu == 0 or (mtu is not None and route == Route.DATAGRAM)):
                 if self._to_master[0] != master:
@@ -836,8 +886,8 @@ def run_node(master: tuple[str, int], model_path: Path | None, key: bytes, name:
     wait_s = JOIN_WAIT_S
     timeline = None if trace is None else Trace(trace, name)  # one file for every session it joins
     while True:  # a master that goes away may come back (restarted, or its network back): rejoin until Ctrl-C
-        node = Node(master, model, key, name, budget_mb, speed, loss, log=log, threads=threads, spin_s=spin_s,
-                    verbose=verbose, trace=timeline, device=device, join_wait_s=wait_s)
+        config = NodeConfig(master, name, budget_mb, speed, threads, spin_s, verbose, device, join_wait_s=wait_s)
+        node = Node(config, model, key, loss, log=log, trace=timeline)
         node.run()
         model, wait_s = node.model, float("inf")
         log(f"node {name}: trying to rejoin the master at {master[0]}:{master[1]} until it is back (Ctrl-C stops)")
