@@ -17,8 +17,13 @@ def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
     its cell empty), nested objects flattened (`flat`); the folder is made if missing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     flats = [flat(row) for row in rows]
+    names = list(dict.fromkeys(k for row in flats for k in row))
+    # an object absent from one row (None) and present in another: its columns alone
+    nested = {name[:i] for name in names for i, c in enumerate(name) if c == "."}
+    names = [name for name in names if name not in nested]
+    flats = [{k: v for k, v in row.items() if k not in nested} for row in flats]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in flats for k in row)))
+        writer = csv.DictWriter(f, fieldnames=names)
         writer.writeheader()
         writer.writerows(flats)
 

@@ -121,7 +121,7 @@ def cost_model_accuracy(model: Model, configs: Sequence[Sequence[float]], tokens
             running, measured = [], []
             for _ in range(requests):
                 d = master.deployment
-                running.append(plan_exec_us(plan, d.profile, d.devices(), params=d.cost_params()) / 1e3)
+                running.append(plan_exec_us(plan, d.fit.profile, d.devices(), params=d.cost_params()) / 1e3)
                 measured.append(_decode_ms(master, prompt, tokens))
             results.append(CostResult(tuple(budgets), len(plan.stages), plan.exec_s_per_token * 1e3,
                                       float(np.mean(measured)), tuple(running), tuple(measured)))

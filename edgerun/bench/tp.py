@@ -187,8 +187,8 @@ class Split:
 
 @dataclass(frozen=True)
 class Compared:
-    """Another run of the same request (the single engine timed around a row; a row's kernel ceiling) and the
-    speed-ups a run shows over it: its times over the other's."""
+    """The single engine's timing of the same request (`timing`, as it ran around a row) and the speed-ups of a
+    run (a row, or a row's kernel ceiling) over it: the single engine's time over the run's."""
 
     timing: RequestTiming
     speedup: float  # whole request
@@ -974,7 +974,7 @@ def _ratio(ratios: list[float], against: str) -> str:
     return text
 
 
-def tp_json(results: list[TpResult]) -> list[dict[str, object]]:
+def tp_json(results: Sequence[TpResult]) -> list[dict[str, object]]:
     """The rows as JSON objects, each record of a row an object of its own (None where not measured)."""
     return [plain(r) for r in results]
 

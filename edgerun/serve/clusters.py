@@ -1,7 +1,7 @@
 """The kinds of cluster `edgerun serve` and `edgerun master` run, behind one interface: a tensor-parallel master
 and its nodes (--plan halo, minmax, ...), a pipeline master and its workers and browser tabs (--plan dp), or a MoEx
-hub and its expert workers (--plan moe). Both commands start theirs the same way: ClusterSettings (the options they
-share) -> cluster_config (each kind's own config, pure) -> build.
+master (the paper's hub) and its expert workers (--plan moe). Both commands start theirs the same way:
+ClusterSettings (the options they share) -> cluster_config (each kind's own config, pure) -> build.
 
 Each says who is present, deploys a plan over them (returning its predicted ms/token), and describes its
 devices, plan and counters for the dashboard as frozen records (NodeView, PlanView, Counters), which only the
@@ -71,7 +71,7 @@ class PlanView:
 
 @dataclass(frozen=True)
 class Counters:
-    """What a cluster counted since it started (the tensor-parallel names; a hub counts dispatches as blocks,
+    """What a cluster counted since it started (the tensor-parallel names; an expert master counts dispatches as blocks,
     dropped ones as incomplete and redispatched ones as late)."""
 
     blocks: int = 0
@@ -211,7 +211,8 @@ class TensorParallel:
 
 
 class Experts:
-    """A MoEx hub: expert workers (`edgerun node --mode moe`) and browser tabs (node?mode=moe) hold the experts."""
+    """A MoEx master (the paper's hub): expert workers (`edgerun node --mode moe`) and browser tabs (node?mode=moe)
+    hold the experts."""
 
     kind = "experts"
     members_are = "expert workers"

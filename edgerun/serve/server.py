@@ -40,7 +40,7 @@ class ServeConfig:
     cluster_port: int | None = 7000  # nodes, workers and tabs join here; None: no cluster
     key: bytes = b""  # the cluster's derived key
     secret: str | None = None  # the kept cluster secret, shown in the join line (None: the user gave it)
-    kind: ClusterKind = ClusterKind.TP  # the cluster it starts: tensor-parallel, a pipeline, or a MoEx hub
+    kind: ClusterKind = ClusterKind.TP  # the cluster it starts: tensor-parallel, a pipeline, or an expert master (MoEx)
     strategy: TPStrategy = TPStrategy.HALO  # a tensor-parallel cluster's planner
     transport: Transport = Transport.UDP  # a tensor-parallel cluster's
     prefer: Prefer = Prefer.AUTO
@@ -113,7 +113,7 @@ class Server:
     interrupted. Two doors: the API and the dashboard at host:port (this machine only by default), and the
     cluster's members at cluster_host:cluster_port (every interface by default, every packet checked against the
     cluster key): tensor-parallel nodes' TCP port (their model file from the master's own file server), or a
-    pipeline's or expert hub's own HTTP server with the workers' WebSockets, browser node page and stage files."""
+    pipeline's or expert master's own HTTP server with the workers' WebSockets, browser node page and stage files."""
 
     def __init__(self, config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
         from edgerun.model.batch import BatchLoop

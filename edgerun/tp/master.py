@@ -165,10 +165,11 @@ class Participants:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What the native runner was last prepared for (its graphs change with the cache rows a step reads), and each
-    of its blocks' weight bytes, for the master's own kernel fit."""
+    """What the native runner was last prepared for (its graphs change with the cache rows a step reads), who takes
+    part in its blocks, and each block's weight bytes, for the master's own kernel fit."""
 
     key: tuple
+    taking: Participants
     block_bytes: list[float]
 
 
@@ -233,9 +234,7 @@ class Master:
         self.plan: TPPlan | None = None
         self.routes: Routes | None = None  # the deployment's, which a batch session sets aside
         self.batch: BatchSession | None = None
-        # The native runner's setup (_native_step)
-        self.taking_part: Participants | None = None
-        self.prepared: Prepared | None = None
+        self.prepared: Prepared | None = None  # the native runner's setup (_native_step)
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
         self.deployed: list[NodeConn] = []
         self.own_priorities: Priorities | None = None  # dynamic mapping: the master's priority indices
@@ -775,14 +774,17 @@ class Master:
             return None
         n_kv = cache_rows(start + 1, shard.max_len)
         key: tuple = (self.plan, n_kv, self.exchange.session, first)
-        taking = self.taking_part
-        if taking is None or taking.plan is not self.plan or taking.session != self.exchange.session:
+        prepared = self.prepared
+        if prepared is not None and prepared.taking.plan is self.plan and \
+                prepared.taking.session == self.exchange.session:
+            taking = prepared.taking
+        else:  # who takes part in each block: once a deployment (a session; a replan may keep its plan)
             blocks = [self._participants(layer, block)
                       for layer in range(c.n_layers) for block in (Block.ATTN, Block.MLP)]
             first_nodes, others = (list({n.index: n for nodes in part for n in nodes}.values())
                                    for part in (blocks[:2], blocks[2:]))
-            taking = self.taking_part = Participants(self.plan, self.exchange.session, blocks, first_nodes, others,
-                                                      self._participants(0, Block.HEAD))
+            taking = Participants(self.plan, self.exchange.session, blocks, first_nodes, others,
+                                  self._participants(0, Block.HEAD))
         participants = taking.blocks[2 * first:]
         if not self.exchange.runs_natively(taking.others) or \
                 (first == 0 and not self.exchange.runs_mirrored_natively(taking.first)):
@@ -791,7 +793,7 @@ class Master:
         head_sent = first == 0 and bool(taking.head) and \
             self.exchange.runs_mirrored_natively(taking.head, (Block.HEAD,))
         key = (*key, head_sent)
-        if self.prepared is None or self.prepared.key != key:  # the graphs change with the cache rows a step reads
+        if prepared is None or prepared.key != key:  # the graphs change with the cache rows a step reads
             blocks = []
             for i, nodes in enumerate(participants):
                 layer, block = first + i // 2, Block.ATTN if i % 2 == 0 else Block.MLP
@@ -804,7 +806,7 @@ class Master:
                                tuple(n.index for n in taking.head)), taking.head) if head_sent else None
             self.exchange.prepare_blocks(blocks, participants, c.norm_eps, shard.backend.handle, ggml_compute_address(),
                                          head)
-            self.prepared = Prepared(key, [shard.block_bytes(b.layer, Block(b.block)) for b in blocks])
+            self.prepared = Prepared(key, taking, [shard.block_bytes(b.layer, Block(b.block)) for b in blocks])
         return participants
 
     async def _run_native(self, x: np.ndarray, start: int, participants: list[list[NodeConn]],

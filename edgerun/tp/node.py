@@ -501,8 +501,9 @@ class Node:
                         self._take(position, layer, block, entry)
                     finally:
                         self._from_stream = False
-            case ParityOn(fragments) if self.assign is not None:  # the link lost a packet: parity from now on
-                self.assign = replace(self.assign, parity=fragments)
+            case ParityOn(fragments):  # the link lost a packet: parity after every partial from now on
+                if self.assign is not None:
+                    self.assign = replace(self.assign, parity=fragments)
             case Ping(seq):
                 self.channel.send(Pong(seq))
             case BandwidthProbe(reply_bytes):
