@@ -929,7 +929,7 @@ def bench_row(nodes: int, ms: float, transport: str = "udp", loss: str = "0", pl
     return TpResult(
         RowSetup(nodes, transport, loss, "process", "f32", "10 ms", 0, plan, "index", 256, "none", None), 4, timing,
         TimeSplit(*[0.0] * 9), BlockCounts(0, 0, 0, 0, 0), PacketCounts(0, 0, 0, 0, 0, 0), MemoryUse(*[0.0] * 5),
-        Split(len(on), on, left_out, False),
+        Split(on, left_out, False),
         single=None if single is None else Compared.of(RequestTiming(*single), timing),
         llamacpp=None if llamacpp_ms is None else
         Yardstick(llamacpp_ms, 80.0, llamacpp_ms / timing.decode_ms_per_token))

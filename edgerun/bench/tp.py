@@ -171,13 +171,17 @@ class MemoryUse:
 class Split:
     """The devices a row's plan gave units to, and how that plan came about."""
 
-    used: int  # devices the plan gave units to, the master included (a planner may leave some out)
-    computed_on: tuple[str, ...]  # their names, master first
+    computed_on: tuple[str, ...]  # the devices the plan gave units to, master first (a planner may leave some out)
     left_out: tuple[str, ...]  # the devices of the cluster it gave none
     rebalanced: bool  # the plan measured was made with the devices' measured speeds, after a warm-up
     # The rebalance's trial of that plan against the one before it (Master.rebalance), if it made one.
     trial: TrialOutcome | None = None
     devices: tuple[DeviceRun, ...] = ()  # rows with nodes: each device's share and its kernels as measured in the run
+
+    @property
+    def used(self) -> int:
+        """Devices the plan gave units to, the master included."""
+        return len(self.computed_on)
 
     def nodes_idle(self, nodes: int) -> bool:
         """Whether the nodes computed nothing (the plan left every node out): such a row measures the master
@@ -528,11 +532,10 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
                          + [r.session_decode[1] / steps for r in reports if r.session_decode[0] == session])
     decode_sync = (timing.decode_ms_per_token / 1e3 - decode_compute) / max((s.blocks - at_first["blocks"]) / steps, 1)
     biggest = max(reports, key=lambda r: r.weight_bytes, default=None)
-    timeout_ms = master.config.timeout_ms
     c = master.config
     setup = RowSetup(
         nodes=nodes, transport=c.transport, loss=loss, loss_at=config.loss_at, codec=config.codec,
-        timeout="adaptive" if timeout_ms is None else f"{timeout_ms:g} ms", parity=c.parity, plan=c.strategy,
+        timeout="adaptive" if c.timeout_ms is None else f"{c.timeout_ms:g} ms", parity=c.parity, plan=c.strategy,
         mapping=c.mapping, group_size=c.group_size, overlap="+".join(sorted(c.overlap)) or "none",
         rate_mbit=config.rate_mbit, spin_us=config.spin_us or 0.0)
     time_split = TimeSplit(
@@ -561,8 +564,8 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_kv_mb=0.0 if biggest is None else biggest.cache_bytes / MIB,
         node_peak_rss_mb=max([r.peak_rss_mb for r in reports], default=0.0),
         node_overhead_mb=max([r.peak_rss_mb - (r.weight_bytes + r.cache_bytes) / MIB for r in reports], default=0.0))
-    split = Split(used=master.plan.devices_used, computed_on=computing(master.plan), left_out=leaving_out(master.plan),
-                  rebalanced=rebalanced, devices=devices)
+    split = Split(computed_on=computing(master.plan), left_out=leaving_out(master.plan), rebalanced=rebalanced,
+                  devices=devices)
     return TpResult(setup=setup, tokens=len(generated), timing=timing, time=time_split, blocks=block_counts,
                     packets=packets, memory=memory, split=split, trace=trace)
 

@@ -55,6 +55,11 @@ class KernelFit:
         return KernelFit(self.blocks + 1, self.bytes + nbytes, self.seconds + seconds,
                          self.bytes_sq + nbytes * nbytes, self.cross + nbytes * seconds)
 
+    def plus(self, other: KernelFit) -> KernelFit:
+        """These blocks and another run's together (the native server's, counted in C)."""
+        return KernelFit(self.blocks + other.blocks, self.bytes + other.bytes, self.seconds + other.seconds,
+                         self.bytes_sq + other.bytes_sq, self.cross + other.cross)
+
     def add_all(self, nbytes: Sequence[float], seconds: Sequence[float]) -> KernelFit:
         """Every block of a run at once (the native runner's step)."""
         return KernelFit(self.blocks + len(nbytes), self.bytes + sum(nbytes), self.seconds + sum(seconds),

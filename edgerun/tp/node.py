@@ -175,13 +175,11 @@ class KernelClock:
             self.decode_s += seconds
             self.session_decode_s += seconds
 
-    def served(self, blocks: int, seconds: float, fit: KernelFit) -> None:
-        """The native server computed `blocks` one-token blocks of the layers in `seconds`, fitted as `fit`."""
-        self.native_blocks += blocks
-        self.took(seconds, one_token=True)
-        d = self.decode
-        self.decode = KernelFit(d.blocks + fit.blocks, d.bytes + fit.bytes, d.seconds + fit.seconds,
-                                d.bytes_sq + fit.bytes_sq, d.cross + fit.cross)
+    def served(self, fit: KernelFit) -> None:
+        """The native server computed one-token blocks of the layers: `fit` sums them."""
+        self.native_blocks += fit.blocks
+        self.took(fit.seconds, one_token=True)
+        self.decode = self.decode.plus(fit)
 
 
 class Node:
@@ -577,7 +575,7 @@ class Node:
             self.latest_seen = server.latest
             s = server.s
             if s.computed:  # counted as _compute_and_send counts a block
-                self.clock.served(s.computed, s.seconds, KernelFit(s.computed, s.bytes, s.seconds, s.bytes_sq, s.cross))
+                self.clock.served(KernelFit(s.computed, s.bytes, s.seconds, s.bytes_sq, s.cross))
             self.datagrams.skipped += s.skipped
             if self.trace is not None:
                 for position, layer, block, *moments in server.traced():
