@@ -31,17 +31,30 @@ TinySpec = Callable[..., "SynthSpec"]
 SynthGguf = Callable[["SynthSpec"], Path]
 
 
+def _fresh_directory(factory: pytest.TempPathFactory, variable: str, name: str) -> Iterator[Path]:
+    """A fresh directory named in the environment variable for the test session; the variable as it was after."""
+    path = factory.mktemp(name)
+    previous = os.environ.get(variable)
+    os.environ[variable] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = previous
+
+
 @pytest.fixture(scope="session", autouse=True)
 def edgerun_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """onnx graphs are cached under EDGERUN_CACHE: a fresh directory per test session."""
-    path = tmp_path_factory.mktemp("edgerun-cache")
-    previous = os.environ.get("EDGERUN_CACHE")
-    os.environ["EDGERUN_CACHE"] = str(path)
-    yield path
-    if previous is None:
-        os.environ.pop("EDGERUN_CACHE", None)
-    else:
-        os.environ["EDGERUN_CACHE"] = previous
+    yield from _fresh_directory(tmp_path_factory, "EDGERUN_CACHE", "edgerun-cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def edgerun_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """edgerun's settings (the cluster key `edgerun serve` makes on first use) under EDGERUN_CONFIG: a fresh
+    directory per test session, so that no test reads or writes the user's ~/.config/edgerun (whether a key was
+    there decided whether a command's error came alone or after the no-key warning)."""
+    yield from _fresh_directory(tmp_path_factory, "EDGERUN_CONFIG", "edgerun-config")
 
 
 @pytest.fixture(scope="session")
