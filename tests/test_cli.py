@@ -626,12 +626,19 @@ def test_thread_counts_below_one_are_refused(command: list[str], threads: str, m
 @pytest.mark.parametrize(("option", "message"), [
     (["--memory-budget", "-1"], "the master's memory budget must be 0 MB or more"),
     (["--max-context", "0"], "the context length must be at least 1"),
+    (["--loss", "bogus"], "--loss: loss spec 'bogus'"),
 ])
 def test_bad_master_budget_and_context_are_one_line_errors(option: list[str], message: str, tiny_spec: TinySpec,
                                                             synth_gguf: SynthGguf, capsys: Capsys) -> None:
     """A negative memory budget was taken, and the master listened and planned with it."""
     code, _, err = run(["master", "--model", str(synth_gguf(tiny_spec())), "--port", "0", *option], capsys)
     assert_one_line_error(code, err, message)
+
+
+def test_bad_node_loss_is_one_line_error(capsys: Capsys) -> None:
+    """A node checks --loss before it looks for the cluster key: the error alone, not after the no-key warning."""
+    code, _, err = run(["node", "--master", "127.0.0.1:1", "--loss", "bogus"], capsys)
+    assert_one_line_error(code, err, "--loss: loss spec 'bogus'")
 
 
 @pytest.mark.parametrize(("option", "message"), [

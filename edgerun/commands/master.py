@@ -172,9 +172,10 @@ def cmd_master(args: argparse.Namespace) -> None:
     # The options are checked before the key is looked for: a bad option is the one line said, not after the
     # warning that no key was found.
     config = _config(args, cluster_config(_settings(args, model, kind, strategy)))
+    loss, predictors = loss_arg(args), _predictors(args, model, kind)
     key = cluster_key(args)
     try:
-        cluster = build(model, key, config, log, loss=loss_arg(args), predictors=_predictors(args, model, kind))
+        cluster = build(model, key, config, log, loss=loss, predictors=predictors)
     except OSError as e:
         raise EdgerunError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     log(f"listening on port {cluster.port}{JOINING[kind].format(port=cluster.port)}; waiting for {args.expect} "

@@ -95,8 +95,9 @@ def cmd_node(args: argparse.Namespace) -> None:
     from edgerun.tp.node import run_node  # here: a pipeline or expert worker starts without the TP stack
 
     master = host_port(args.master)
+    loss = loss_arg(args)  # checked before the key is looked for, as `edgerun master` checks its options
     try:
-        run_node(master, args.model, cluster_key(args), name, args.memory_budget, args.speed, loss_arg(args),
+        run_node(master, args.model, cluster_key(args), name, args.memory_budget, args.speed, loss,
                  args.threads, args.spin_us / 1e6, verbose=args.verbose, trace=args.trace,
                  device=_tp_device(args.device))
     except OSError as e:
