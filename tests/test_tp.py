@@ -225,8 +225,11 @@ def test_nodes_send_only_the_logits_the_sampler_can_draw(model: Model) -> None:
     declared is refused rather than given minus infinity for logits it needs."""
     prompt = model.tokenizer.encode(PROMPT)
     sampler = Sampler(SamplingParams(temperature=0.9, top_k=5, seed=11))
-    for master, _ in cluster(model, [1e9, 1e9]):
+    # A timeout no load on a busy two-core machine reaches: a block merged without a late partial would change the
+    # logits of one generation and not the other's, which is HALO's loss semantics, not what this test is about.
+    for master, _ in cluster(model, [1e9, 1e9], timeout_ms=2000):
         assert generate(master, prompt, 24, sampler).tokens == generate(FullLogits(master), prompt, 24, sampler).tokens
+        assert master.stats.blocks_incomplete == 0
         master.reset()
         logits = master.net.run(master._step(prompt, 1))
         own = len(master.shard.vocab_rows)
