@@ -10,4 +10,4 @@ setup(ext_modules=[Extension("edgerun.net._fastpath", ["edgerun/net/fastpath.c"]
                    # -ffp-contract=off: the kernel's multiplies and adds are exactly those it writes (its fused
                    # ones explicit), so its bits are ggml's
                    Extension("edgerun.model._kernels", ["edgerun/model/kernels.c"], optional=True,
-                             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"])])
+                             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"], libraries=["m"])])

@@ -82,3 +82,53 @@ def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
                               ("strided", q41, strided), ("q6_k 7", q6k, seven), ("q6_k 8", q6k, eight))}
     assert ops == {"one": "CUSTOM", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM", "strided": "MUL_MAT",
                    "q6_k 7": "CUSTOM", "q6_k 8": "MUL_MAT"}
+
+
+@pytest.fixture(scope="module")
+def attends(built) -> kernels._Kernels:
+    if built.attention_variant is None:
+        pytest.fail("the attention op runs here but no rounding variant gave ggml's flash attention's bits")
+    return built
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("n_heads", "n_kv_heads"), [(9, 3), (14, 2), (4, 4), (32, 4)])
+def test_the_attention_is_ggmls_flash_attention_bit_for_bit(attends, threads: int, n_heads: int,
+                                                           n_kv_heads: int) -> None:
+    """Decode tokens of several sequences, each over its own cache: ggml's flash attention's bits, for the head
+    groupings of the shipped model (9 query heads to 3), Qwen2.5-0.5B (14 to 2), none (4 to 4) and 8 to 1, at
+    short views, at the edge of a view (255, 256) and at views ggml splits among its threads (512 rows on)."""
+    positions = (0, 1, 37, 255, 256, 600, 1023)
+    for seed in range(2):
+        pairs = kernels.compare_attention(attends, n_heads, n_kv_heads, positions, threads, seed)
+        for position, (ours, theirs) in zip(positions, pairs, strict=True):
+            assert ours.shape == (64 * n_heads,)
+            assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (position, threads, seed)
+            assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+
+
+def test_the_engines_decode_steps_give_the_same_bits_with_the_attention_op(attends, monkeypatch) -> None:
+    """The shipped model's batched decode step and one sequence's decode step: the logits with kernels.c's attention
+    (the default here) are those with ggml's flash attention, bit for bit."""
+    from edgerun.model.ggml_engine import GgmlEngine
+    from edgerun.model.loader import load_model
+
+    model = load_model()
+    tokens = model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+
+    def run() -> tuple[np.ndarray, np.ndarray]:
+        engine = GgmlEngine(model, 320, threads=2, slots=3)
+        for slot in range(3):  # three sequences of different lengths, one past a 256-row view
+            engine.prefill(slot, tokens * (1 + 11 * slot), 0)
+        batch = engine.decode([(slot, len(tokens) * (1 + 11 * slot), 42 + slot) for slot in range(3)])
+        engine.prefill(0, tokens, 0)
+        alone = engine.prefill(0, [7], len(tokens))
+        return batch, alone
+
+    assert len(tokens) * 23 > 256  # the third sequence's view is 320 rows
+    assert kernels.attention_available(64, model.config.n_heads, model.config.n_kv_heads, 3)
+    ours = run()
+    monkeypatch.setattr(kernels, "attention_available", lambda *args: False)
+    theirs = run()
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -3,7 +3,8 @@
 ggml is built from llama.cpp's source for this machine's CPU (edgerun.llamacpp, once). The weights go
 into ggml buffers in their GGUF types (Q4_0 and Q4_K rows that the CPU's repacked kernels take are interleaved
 for them, as llama.cpp does); every matrix product quantizes its activations per block exactly as llama.cpp's
-CPU backend does, attention runs ggml's flash attention over an F16 KV cache, as llama.cpp's default. The graph
+CPU backend does, attention runs ggml's flash attention over an F16 KV cache, as llama.cpp's default (decode
+tokens' through kernels.c's op, which gives its bits several times faster: edgerun.model.kernels). The graph
 of a decode step depends only on how many cache rows it reads (a multiple of KV_STEP), so it is built once per
 such length and run again with new inputs: a step costs one native call beside its four small inputs.
 """
@@ -212,11 +213,21 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
     windowed = c.window(a.layer) > 0
     # into the cache before the attention that reads it (graph order)
     kc, vc = t(a.k_cache), t(a.v_cache)
-    gc.expand(g.ggml_set_rows(ctx, kc, g.ggml_reshape_2d(ctx, k, a.n_kv_heads * hd, n), inputs.rows))
-    gc.expand(g.ggml_set_rows(ctx, vc, v, inputs.rows))
+    k_set = g.ggml_set_rows(ctx, kc, g.ggml_reshape_2d(ctx, k, a.n_kv_heads * hd, n), inputs.rows)
+    v_set = g.ggml_set_rows(ctx, vc, v, inputs.rows)
+    gc.expand(k_set)
+    gc.expand(v_set)
+    spans = spans or (Span(0, n, 0, inputs.n_kv, inputs.mask, inputs.window_mask),)
+    if not windowed and all(span.n == 1 and span.col == i for i, span in enumerate(spans)) \
+            and kernels.attention_available(hd, a.n_heads, a.n_kv_heads, n) \
+            and g.ggml_backend_buffer_is_host(head(kc).buffer):
+        # decode tokens: kernels.c's attention, every sequence's in one op, the same bits as ggml's below
+        out = kernels.attention(ctx, q, k_set, v_set, inputs.pos, inputs.rows, a.n_kv_heads, c.score_scale,
+                                [span.n_kv for span in spans])
+        return kernels.product(ctx, t(a.wo), out)
     row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
     outs = []
-    for span in spans or (Span(0, n, 0, inputs.n_kv, inputs.mask, inputs.window_mask),):
+    for span in spans:
         qs = q if span.n == n else \
             g.ggml_view_3d(ctx, q, hd, a.n_heads, span.n, head(q).nb[1], head(q).nb[2], span.col * head(q).nb[2])
         keys, values = (g.ggml_permute(ctx, g.ggml_view_3d(ctx, cache, hd, a.n_kv_heads, span.n_kv, per_head, row,

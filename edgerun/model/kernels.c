@@ -17,6 +17,7 @@
  *
  * No Python API: a plain library loaded with ctypes, built by the install (setup.py). */
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -393,8 +394,197 @@ void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) 
                         out_stride);
     }
 }
+
+/* Attention of decode tokens, each over its own sequence's cache, giving ggml's flash attention (ggml_flash_attn_ext
+ * over an F16 cache, one query row: ggml_compute_forward_flash_attn_ext_f16_one_chunk) bit for bit. ggml computes
+ * each query head alone through function pointers and a scalar loop for the value rows (64-value heads are below
+ * its AVX512-FP16 step), ~110 ns a cache row and head here; a batch of 8 sequences spent a third of its step in it.
+ * Here the query heads that share a key-value head (grouped-query attention) go together, every key and value row
+ * converted once for all of them, in registers.
+ *
+ * The arithmetic is ggml's, in its order:
+ * - the query rounded to F16; a score is ggml_vec_dot_f16: four 16-lane fmas (key x query, from zero), lanes
+ *   added as its reduce does (0 += 2, 1 += 3, 0 += 1, then _mm512_reduce_add_ps), times the scale, plus the mask's
+ *   0 (rows outside the sequence are skipped, as ggml skips its mask's -inf);
+ * - online softmax: a new maximum scales the F16 accumulator by expf(old - new) (each value rounded to F16), else
+ *   the row's weight is expf(s - max); the accumulator takes value x weight, rounded to F16: one fma, or where
+ *   `fused_mad` is 0 a product then a sum (the check at load picks what this machine's ggml does); the sum of
+ *   weights S = S * ms + vs likewise (`fused_sum`);
+ * - at the end the accumulator times 1/S (0 where S is 0).
+ * Heads of 64 values only: ggml's F16 step (64 values, or 128 with AVX512-FP16) decides its order otherwise. */
+
+#define ATTN_MAX_TOKENS 256
+
+struct er_attention_params {
+    int32_t n_heads, n_kv_heads;
+    float scale;
+    int32_t fused_mad, fused_sum, fused_merge;
+    int32_t n_kv[ATTN_MAX_TOKENS]; /* the rows of each token's view of its cache in ggml's graph (its split) */
+};
+
+#define ATTN_HEAD 64
+#define ATTN_MAX_GROUP 8 /* query heads to a key-value head */
+#define ATTN_SPLIT_ROWS 512 /* ggml splits the rows of a one-token attention among its threads from here on */
+#define ATTN_MAX_THREADS 64
+
+TARGET static inline __m512 half_round(__m512 x) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+TARGET static inline float score(const __m512 k[4], const __m512 q[4]) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 x0 = _mm512_fmadd_ps(k[0], q[0], zero), x1 = _mm512_fmadd_ps(k[1], q[1], zero);
+    const __m512 x2 = _mm512_fmadd_ps(k[2], q[2], zero), x3 = _mm512_fmadd_ps(k[3], q[3], zero);
+    x0 = _mm512_add_ps(x0, x2);
+    x1 = _mm512_add_ps(x1, x3);
+    x0 = _mm512_add_ps(x0, x1);
+    return _mm512_reduce_add_ps(x0);
+}
+
+/* What one run over cache rows leaves per query head: the largest score M, the sum of weights S and the
+ * unnormalized F16-rounded output (ggml's "partial"). */
+typedef struct {
+    float M[ATTN_MAX_GROUP], S[ATTN_MAX_GROUP];
+    float acc[ATTN_MAX_GROUP][ATTN_HEAD];
+} partial;
+
+/* One token's query heads j = 0..group-1 of one key-value head (`q` their rows, F32, q_stride floats apart) over
+ * cache rows [r0, r1) (k and v the head's first row, F16, row_stride halves apart). */
+TARGET static void attend_rows(const struct er_attention_params *p, int group, const float *q, size_t q_stride,
+                               const uint16_t *k, const uint16_t *v, size_t row_stride, int r0, int r1,
+                               partial *out) {
+    __m512 qf[ATTN_MAX_GROUP][4], acc[ATTN_MAX_GROUP][4];
+    float M[ATTN_MAX_GROUP], S[ATTN_MAX_GROUP];
+    for (int j = 0; j < group; j++) {
+        for (int i = 0; i < 4; i++) {
+            qf[j][i] = half_round(_mm512_loadu_ps(q + (size_t)j * q_stride + 16 * i));
+            acc[j][i] = _mm512_setzero_ps();
+        }
+        M[j] = -INFINITY;
+        S[j] = 0.0f;
+    }
+    for (int ic = r0; ic < r1; ic++) {
+        const uint16_t *kr = k + (size_t)ic * row_stride, *vr = v + (size_t)ic * row_stride;
+        __m512 kf[4], vf[4];
+        for (int i = 0; i < 4; i++) {
+            kf[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + 16 * i)));
+            vf[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vr + 16 * i)));
+        }
+        for (int j = 0; j < group; j++) {
+            float s = score(kf, qf[j]) * p->scale;
+            s = s + 0.0f; /* the mask's 0, as ggml adds it (a -0 score becomes +0) */
+            float ms = 1.0f, vs = 1.0f;
+            if (s > M[j]) {
+                const float old = M[j];
+                M[j] = s;
+                ms = expf(old - s);
+                const __m512 scale = _mm512_set1_ps(ms);
+                for (int i = 0; i < 4; i++)
+                    acc[j][i] = half_round(_mm512_mul_ps(acc[j][i], scale));
+            } else {
+                vs = expf(s - M[j]);
+            }
+            const __m512 weight = _mm512_set1_ps(vs);
+            for (int i = 0; i < 4; i++)
+                acc[j][i] = half_round(p->fused_mad ? _mm512_fmadd_ps(vf[i], weight, acc[j][i])
+                                                    : _mm512_add_ps(acc[j][i], _mm512_mul_ps(vf[i], weight)));
+            S[j] = p->fused_sum ? fmaf(S[j], ms, vs) : S[j] * ms + vs;
+        }
+    }
+    for (int j = 0; j < group; j++) {
+        out->M[j] = M[j];
+        out->S[j] = S[j];
+        for (int i = 0; i < 4; i++)
+            _mm512_storeu_ps(out->acc[j] + 16 * i, acc[j][i]);
+    }
+}
+
+/* a * b + c * d as ggml's compiler left it: two products and a sum, or one product fused into the sum */
+static inline float merged(int fused, float a, float b, float c, float d) {
+    switch (fused) {
+    case 1: return fmaf(a, b, c * d);
+    case 2: return fmaf(c, d, a * b);
+    default: return a * b + c * d;
+    }
+}
+
+/* One token's heads of one key-value head over rows 0..position, read in ggml's graph through a view of n_kv rows:
+ * out their outputs, 64 floats each. Where ggml splits the token's rows (n_kv >= 512) it runs each of its nth threads' chunk of them alone and merges the
+ * chunks (ggml_flash_attn_ext_reduce_partials); so does this, chunk by chunk in the same order. */
+TARGET static void attend_token(const struct er_attention_params *p, int group, int nth, const float *q,
+                                size_t q_stride, const uint16_t *k, const uint16_t *v, size_t row_stride,
+                                int position, int n_kv, float *out) {
+    const int rows = position + 1;
+    partial part;
+    if (n_kv < ATTN_SPLIT_ROWS || nth == 1) { /* one chunk of every row merges to the same bits as none */
+        attend_rows(p, group, q, q_stride, k, v, row_stride, 0, rows, &part);
+        for (int j = 0; j < group; j++) {
+            const float inv = part.S[j] == 0.0f ? 0.0f : 1.0f / part.S[j];
+            for (int d = 0; d < ATTN_HEAD; d++)
+                out[j * ATTN_HEAD + d] = part.acc[j][d] * inv;
+        }
+        return;
+    }
+    float M[ATTN_MAX_GROUP], S[ATTN_MAX_GROUP];
+    for (int j = 0; j < group; j++) {
+        M[j] = -INFINITY;
+        S[j] = 0.0f;
+        memset(out + j * ATTN_HEAD, 0, ATTN_HEAD * sizeof(float));
+    }
+    const int chunk = (n_kv + nth - 1) / nth;
+    for (int c0 = 0; c0 < n_kv && c0 < rows; c0 += chunk) {
+        const int c1 = c0 + chunk < rows ? c0 + chunk : rows;
+        attend_rows(p, group, q, q_stride, k, v, row_stride, c0, c1, &part);
+        for (int j = 0; j < group; j++) {
+            if (part.S[j] == 0.0f)
+                continue;
+            const float m = fmaxf(M[j], part.M[j]);
+            const float old = expf(M[j] - m), new = expf(part.M[j] - m);
+            for (int d = 0; d < ATTN_HEAD; d++)
+                out[j * ATTN_HEAD + d] = merged(p->fused_merge, out[j * ATTN_HEAD + d], old, part.acc[j][d], new);
+            S[j] = merged(p->fused_merge, S[j], old, part.S[j], new);
+            M[j] = m;
+        }
+    }
+    for (int j = 0; j < group; j++)
+        if (S[j] != 0.0f) {
+            const float inv = 1.0f / S[j];
+            for (int d = 0; d < ATTN_HEAD; d++)
+                out[j * ATTN_HEAD + d] *= inv;
+        }
+}
+
+/* The custom op: dst (64 * n_heads, n) F32 = attention of src[0], queries (64, n_heads, n) F32, over src[1] and
+ * src[2], the key and value caches (64 * n_kv_heads, cache rows) F16 (this step's rows already set: the set_rows
+ * results are passed, so ggml orders the op after them). Token t is at position src[3][t] (I32) and wrote cache row
+ * src[4][t] (I64), and sees the rows of positions 0..its own: rows src[4][t] - src[3][t] .. src[4][t] (of
+ * the n_kv[t] that ggml's view of its cache would span). The
+ * (token, key-value head) pairs are split among ggml's threads; nth, which decides how ggml would have split a long
+ * row range, is the graph's thread count either way. */
+void er_attention(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {
+    const struct er_attention_params *p = userdata;
+    const struct ggml_tensor_head *q = dst->src[0], *kc = dst->src[1], *vc = dst->src[2], *pos = dst->src[3],
+                                  *at = dst->src[4];
+    const int n = (int)q->ne[2], group = p->n_heads / p->n_kv_heads;
+    const size_t row_stride = kc->nb[1] / sizeof(uint16_t);
+    for (int u = ith; u < n * p->n_kv_heads; u += nth) {
+        const int t = u / p->n_kv_heads, g = u % p->n_kv_heads;
+        const int position = ((const int32_t *)pos->data)[t];
+        const int64_t first = ((const int64_t *)at->data)[t] - position;
+        const size_t offset = (size_t)first * row_stride + (size_t)g * ATTN_HEAD;
+        attend_token(p, group, nth, (const float *)((const char *)q->data + (size_t)t * q->nb[2] +
+                                                    (size_t)g * group * q->nb[1]),
+                     q->nb[1] / sizeof(float), (const uint16_t *)kc->data + offset, (const uint16_t *)vc->data + offset,
+                     row_stride, position, p->n_kv[t],
+                     (float *)((char *)dst->data + (size_t)t * dst->nb[1]) + (size_t)g * group * ATTN_HEAD);
+    }
+}
 #else
 void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort(); /* never given to ggml where er_product_available() is 0 */
+}
+void er_attention(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {
     (void)dst; (void)ith; (void)nth; (void)userdata;
     abort(); /* never given to ggml where er_product_available() is 0 */
 }

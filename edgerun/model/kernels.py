@@ -11,6 +11,12 @@ LM head, some attn_v and ffn_down) times up to 7 columns, in 512-bit registers w
 thread, this machine). `product` uses it only where it
 is built, the CPU has its instructions (AVX-512 VNNI) and a check against ggml's own product on this machine gave
 the same bits, per weight type; anywhere else a product is ggml's mul_mat.
+
+Decode tokens' attention (heads of 64 values) too: ggml's flash attention takes ~110 ns a cache row and query head
+here (a function call per score, a scalar loop per value row), a third of a batched step of 8 sequences; kernels.c
+runs every sequence's in one op, the query heads of a key-value head together, in registers, with ggml's
+arithmetic in its order. `attention` is used where a check against ggml's flash attention gave its bits (the check
+also finds which of ggml's multiply-adds its compiler fused).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import itertools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +45,21 @@ ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the graph's
 
 class _Params(ctypes.Structure):
     _fields_ = (("weights", ctypes.c_int32), ("quantize", ctypes.c_void_p))
+
+
+class _AttentionParams(ctypes.Structure):
+    """struct er_attention_params: the heads, the scores' scale, how ggml's compiler rounded its multiply-adds
+    (_attention_variant) and the rows each token's view of its cache spans in ggml's graph (which decide how ggml
+    splits them among threads)."""
+
+    _fields_ = (("n_heads", ctypes.c_int32), ("n_kv_heads", ctypes.c_int32), ("scale", ctypes.c_float),
+                ("fused_mad", ctypes.c_int32), ("fused_sum", ctypes.c_int32), ("fused_merge", ctypes.c_int32),
+                ("n_kv", ctypes.c_int32 * 256))
+
+
+ATTENTION_HEAD = 64  # kernels.c's attention takes heads of 64 values (ATTN_HEAD)
+ATTENTION_MAX_GROUP = 8  # and at most this many query heads to a key-value head (ATTN_MAX_GROUP)
+ATTENTION_MAX_TOKENS = 256  # tokens in one op (ATTN_MAX_TOKENS)
 
 
 class TypeTraitsCpu(ctypes.Structure):
@@ -65,6 +87,11 @@ class _Kernels:
         self.params = {qtype: _Params(number, TypeTraitsCpu.from_address(g.ggml_get_type_traits_cpu(acts)).from_float)
                        for qtype, (number, acts) in WEIGHTS.items()}
         self.checked: set[int] = set()  # the weight types whose products matched ggml's here
+        self.attention_op = ctypes.cast(self.dll.er_attention, ctypes.c_void_p).value
+        # (fused_mad, fused_sum, fused_merge) where the attention gave ggml's flash attention's bits here, else None
+        self.attention_variant: tuple[int, int, int] | None = None
+        # alive as long as graphs may call the op with them: for the process
+        self._attention_params: dict[tuple[int, int, float, tuple[int, ...]], _AttentionParams] = {}
 
     def product(self, ctx: int, w: int, x: int) -> int:
         g = ggml_lib.lib()
@@ -72,6 +99,22 @@ class _Kernels:
         args = (ctypes.c_void_p * 2)(w, x)
         return g.ggml_custom_4d(ctx, ggml_lib.F32, n_rows, n_cols, 1, 1, args, 2, self.op, ALL_THREADS,
                                 ctypes.addressof(self.params[ggml_lib.head(w).type]))
+
+
+    def attention(self, ctx: int, q: int, k_cache: int, v_cache: int, pos: int, rows: int, n_kv_heads: int,
+                  scale: float, n_kv: Sequence[int]) -> int:
+        g = ggml_lib.lib()
+        hq = ggml_lib.head(q)
+        key = (int(hq.ne[1]), n_kv_heads, scale, tuple(n_kv))
+        params = self._attention_params.get(key)
+        if params is None:
+            assert self.attention_variant is not None and len(n_kv) == hq.ne[2] <= ATTENTION_MAX_TOKENS
+            params = self._attention_params[key] = _AttentionParams(key[0], n_kv_heads, scale,
+                                                                    *self.attention_variant,
+                                                                    (ctypes.c_int32 * 256)(*n_kv))
+        args = (ctypes.c_void_p * 5)(q, k_cache, v_cache, pos, rows)
+        return g.ggml_custom_4d(ctx, ggml_lib.F32, hq.ne[0] * hq.ne[1], hq.ne[2], 1, 1, args, 5, self.attention_op,
+                                ALL_THREADS, ctypes.addressof(params))
 
 
 _LOADING = threading.Lock()
@@ -95,6 +138,7 @@ def _load() -> _Kernels | None:
     if not kernels.dll.er_product_available() or not _layout_matches(kernels):
         return None
     kernels.checked = {qtype for qtype in WEIGHTS if _same_as_ggml(kernels, qtype)}
+    kernels.attention_variant = _attention_variant(kernels)
     return kernels
 
 
@@ -145,6 +189,96 @@ def compare(kernels: _Kernels, qtype: int, k: int, n: int, columns: Sequence[int
         gc.compute()
         out.append(tuple(gc.get(t, np.empty((cols, n), np.float32)) for t in (ours, theirs)))
     return out
+
+
+def _attention_variant(kernels: _Kernels) -> tuple[int, int, int] | None:
+    """The way of rounding (fused_mad, fused_sum, fused_merge) in which kernels.c's attention gives ggml's flash
+    attention's bits on this machine (ggml's compiler may fuse its scalar multiply-adds or not, and which product of
+    a sum of two): each tried on seeded queries and caches, short and long (split among threads); None where none
+    does."""
+    for variant in itertools.product((1, 0), (1, 0), (0, 1, 2)):
+        kernels.attention_variant = variant
+        kernels._attention_params.clear()
+        if all(np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+               for seed in range(4) for ours, theirs in compare_attention(kernels, seed=seed)):
+            kernels._attention_params.clear()
+            return variant
+    kernels._attention_params.clear()
+    return None
+
+
+def compare_attention(kernels: _Kernels, n_heads: int = 9, n_kv_heads: int = 3,
+                      positions: Sequence[int] = (5, 200, 300, 700, 1000), threads: int = 2, seed: int = 0,
+                      slot: int = 1024, kv_step: int = 256) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Decode tokens at `positions`, each of its own sequence (a slot of `slot` cache rows, read through a view of
+    the next multiple of kv_step), through seeded queries and F16 caches: (kernels.c's attention, ggml's flash
+    attention as the engine builds it), (64 * n_heads,) each."""
+    g = ggml_lib.lib()
+    rng = np.random.default_rng(seed)
+    hd, b = ATTENTION_HEAD, len(positions)
+    scale = float(1 / np.sqrt(hd))
+    backend = ggml_lib.GgmlBackend(threads=threads)
+    store = ggml_lib.WeightStore(backend)
+    caches = [store.cache(name, hd * n_kv_heads, slot * b) for name in ("k", "v")]
+    store.upload()
+    for cache in caches:  # keys and values of every row, with a large spread as a model's have
+        values = (rng.standard_normal((slot * b, hd * n_kv_heads)) * rng.uniform(0.1, 4.0)).astype(np.float16)
+        g.ggml_backend_tensor_set(store.tensor(cache), values.ctypes.data, 0, values.nbytes)
+    kc, vc = (store.tensor(c) for c in caches)
+    gc = ggml_lib.GraphContext(backend, 64 + 12 * b)
+    q = gc.input(ggml_lib.F32, hd * n_heads, b)
+    pos, rows = gc.input(ggml_lib.I32, b), gc.input(ggml_lib.I64_TYPE, b)
+    q3 = g.ggml_reshape_3d(gc.ctx, q, hd, n_heads, b)
+    views = [min(slot, -(-(position + 1) // kv_step) * kv_step) for position in positions]
+    ours = kernels.attention(gc.ctx, q3, kc, vc, pos, rows, n_kv_heads, scale, views)
+    row, per_head = ggml_lib.head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
+    masks, outs = [], []
+    for i, (position, n_kv) in enumerate(zip(positions, views, strict=True)):
+        mask = gc.input(ggml_lib.F16, n_kv, 1)
+        masks.append((mask, n_kv, position))
+        qs = g.ggml_view_3d(gc.ctx, q3, hd, n_heads, 1, ggml_lib.head(q3).nb[1], ggml_lib.head(q3).nb[2],
+                            i * ggml_lib.head(q3).nb[2])
+        keys, values = (g.ggml_permute(gc.ctx, g.ggml_view_3d(gc.ctx, c, hd, n_kv_heads, n_kv, per_head, row,
+                                                               i * slot * row), 0, 2, 1, 3) for c in (kc, vc))
+        out = g.ggml_flash_attn_ext(gc.ctx, g.ggml_permute(gc.ctx, qs, 0, 2, 1, 3), keys, values, mask, scale, 0.0,
+                                    0.0)
+        g.ggml_prec_set_acc(out, ggml_lib.PREC_F32)
+        outs.append(g.ggml_reshape_2d(gc.ctx, out, hd * n_heads, 1))
+    theirs = functools.reduce(lambda x, y: g.ggml_concat(gc.ctx, x, y, 1), outs)
+    gc.expand(ours)
+    gc.expand(theirs)
+    gc.allocate()
+    gc.set(q, (rng.standard_normal((b, hd * n_heads)) * 3).astype(np.float32))
+    gc.set(pos, np.asarray(positions, np.int32))
+    gc.set(rows, np.asarray(positions, np.int64) + np.arange(b, dtype=np.int64) * slot)
+    for mask, n_kv, position in masks:
+        m = np.full((1, n_kv), -np.inf, np.float16)
+        m[0, :position + 1] = 0
+        gc.set(mask, m)
+    gc.compute()
+    shape = (b, hd * n_heads)
+    return [(gc.get(ours, np.empty(shape, np.float32))[i], gc.get(theirs, np.empty(shape, np.float32))[i])
+            for i in range(b)]
+
+
+def attention_available(head_dim: int, n_heads: int, n_kv_heads: int, tokens: int) -> bool:
+    """Whether attention of `tokens` decode tokens with these heads takes kernels.c's op in this process."""
+    kernels = _kernels()
+    return kernels is not None and kernels.attention_variant is not None and head_dim == ATTENTION_HEAD \
+        and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= ATTENTION_MAX_GROUP \
+        and tokens <= ATTENTION_MAX_TOKENS
+
+
+def attention(ctx: int, q: int, k_cache: int, v_cache: int, pos: int, rows: int, n_kv_heads: int,
+              scale: float, n_kv: Sequence[int]) -> int:
+    """Decode tokens' attention, each over every earlier position of its own sequence: q (64, n_heads, n) F32 after
+    rope, the caches (64 * n_kv_heads, cache rows) F16 with this step's rows set (pass ggml_set_rows' results),
+    token t at position pos[t] (I32) having written cache row rows[t] (I64). Gives (64 * n_heads, n): the bits of
+    ggml's flash attention of each token over a view of n_kv[t] cache rows from its sequence's first, masked to its
+    positions (the heads of each token in order); only where attention_available."""
+    kernels = _kernels()
+    assert kernels is not None
+    return kernels.attention(ctx, q, k_cache, v_cache, pos, rows, n_kv_heads, scale, n_kv)
 
 
 def available(qtype: int) -> bool:

@@ -880,7 +880,8 @@ typedef struct er_block {
     const float *graph_out;
     int32_t *pos;          /* attention: the graph's position, cache row and mask (NULL for an MLP) */
     int64_t *rows;
-    uint16_t *mask;        /* float16, n_kv: 0 for the rows up to the position, minus infinity after */
+    uint16_t *mask;        /* float16, n_kv: 0 for the rows up to the position, minus infinity after (NULL where
+                            * the graph reads none: kernels.c's attention takes the position alone) */
     int32_t n_kv;
     int32_t first, count;  /* its participants: the runner's slots [first, first + count) */
     double after_send;     /* its deadline, this long after its inputs are sent */
@@ -958,7 +959,7 @@ static int start_block(er_ctx *ctx, er_runner *r, er_block *b) {
         if (b->pos != NULL) {
             *b->pos = (int32_t)r->position;
             *b->rows = (int64_t)r->position;
-            for (int k = 0; k < b->n_kv; k++) b->mask[k] = k <= (int)r->position ? 0 : 0xfc00;
+            for (int k = 0; b->mask != NULL && k < b->n_kv; k++) b->mask[k] = k <= (int)r->position ? 0 : 0xfc00;
         }
         if (r->compute(r->backend, b->graph) != 0) return -1;
     }
@@ -1046,7 +1047,7 @@ typedef struct er_share_block {
     const float *graph_out;
     int32_t *pos;           /* attention: position, cache row and mask (n_kv float16) */
     int64_t *rows;
-    uint16_t *mask;
+    uint16_t *mask;         /* NULL where the graph reads none */
     int32_t n_kv;
     double bytes;           /* its weight bytes, for the kernels' fit */
 } er_share_block;
@@ -1115,7 +1116,7 @@ static int answer(er_ctx *ctx, er_node *s, er_share_block *blk, int p, int l, in
     if (b == 0) {
         *blk->pos = p;
         *blk->rows = p;
-        for (int k = 0; k < blk->n_kv; k++) blk->mask[k] = k <= p ? 0 : 0xfc00;
+        for (int k = 0; blk->mask != NULL && k < blk->n_kv; k++) blk->mask[k] = k <= p ? 0 : 0xfc00;
     }
     if (s->compute(s->backend, blk->graph) != 0) return 0;
     double took = monotonic_s() - began;

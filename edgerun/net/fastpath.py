@@ -384,8 +384,8 @@ class RunEnd(IntEnum):
 @dataclass(frozen=True)
 class NativeGraph:
     """A one-token graph of the master's share as the runner computes it: addresses of the graph and of its input
-    and output in its memory; for attention, of its position, cache row and mask (n_kv float16), which the runner
-    writes for each token."""
+    and output in its memory; for attention, of its position, cache row and mask (n_kv float16; 0 where the graph
+    reads none), which the runner writes for each token."""
 
     graph: int
     x: int

@@ -272,8 +272,9 @@ class GgmlShard(_ShareBase):
         if block != Block.ATTN:
             return NativeGraph(gc.graph, at(graph.x), at(graph.out))
         inputs = graph.inputs
-        return NativeGraph(gc.graph, at(graph.x), at(graph.out), at(inputs.pos), at(inputs.rows), at(inputs.mask),
-                           n_kv)
+        # a decode token's attention on kernels.c's op reads no mask (the graph leaves it unallocated)
+        mask = at(inputs.mask) if gc.allocated(inputs.mask) else 0
+        return NativeGraph(gc.graph, at(graph.x), at(graph.out), at(inputs.pos), at(inputs.rows), mask, n_kv)
 
     def advance(self, layers: Sequence[int], start: int) -> None:
         """These layers' caches take the token at `start` (a step the native runner computes)."""
