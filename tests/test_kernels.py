@@ -4,6 +4,7 @@ prompt's chunk give the tokens they gave before (and llama.cpp's)."""
 
 from __future__ import annotations
 
+import itertools
 import platform
 
 import numpy as np
@@ -127,6 +128,30 @@ def test_the_engines_decode_steps_give_the_same_bits_with_the_attention_op(atten
 
     assert len(tokens) * 23 > 256  # the third sequence's view is 320 rows
     assert kernels.attention_available(64, model.config.n_heads, model.config.n_kv_heads, 3)
+    ours = run()
+    monkeypatch.setattr(kernels, "attention_available", lambda *args: False)
+    theirs = run()
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_prompt_chunks_under_ggmls_tile_give_the_same_bits_with_the_attention_op(attends, monkeypatch) -> None:
+    """A prompt prefilled in chunks of fewer than 64 tokens (each token over the positions up to its own, which
+    ggml computes row by row) and then a chunk of 64 (ggml's tiles: its own attention): the logits after each, and
+    a decode step's after them, with kernels.c's attention are those with ggml's flash attention, bit for bit."""
+    from edgerun.model.ggml_engine import GgmlEngine
+    from edgerun.model.loader import load_model
+
+    model = load_model()
+    tokens = model.tokenizer.encode("Tell me about the history of the lighthouse on the northern cape, " * 14)
+    cuts = (0, 2, 41, 104, 168)  # chunks of 2, 39, 63 and 64 tokens
+    assert len(tokens) > cuts[-1] + 1
+
+    def run() -> list[np.ndarray]:
+        engine = GgmlEngine(model, 256, threads=2, slots=2)
+        out = [engine.prefill(1, tokens[a:b], a) for a, b in itertools.pairwise(cuts)]
+        return [*out, engine.decode([(1, cuts[-1], tokens[cuts[-1]])])]
+
     ours = run()
     monkeypatch.setattr(kernels, "attention_available", lambda *args: False)
     theirs = run()

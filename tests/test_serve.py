@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -264,6 +265,17 @@ def test_a_batching_server_gives_seeded_concurrent_streams_what_they_get_alone()
     refused = subprocess.run([sys.executable, "-m", "edgerun.cli", "serve", "--parallel", "2", "--port", "0"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--no-cluster" in refused.stderr
+
+
+def test_bench_serve_gives_every_row_new_prompts() -> None:
+    """distinct: no stream's prompt is one an earlier row sent, even a row of the same count (--streams 1,8,1,8),
+    which a --parallel server would otherwise take from the caches it kept; same: one prompt."""
+    from edgerun.bench.serve import ServeBenchConfig, stream_prompts
+
+    config = ServeBenchConfig(streams=(1, 8, 1, 8))
+    prompts = [p for row, streams in enumerate(config.streams, 1) for p in stream_prompts(config, row, streams)]
+    assert len(prompts) == len(set(prompts)) == 18 and all(p.endswith(config.prompt) for p in prompts)
+    assert stream_prompts(replace(config, prompts="same"), 2, 3) == [config.prompt] * 3
 
 
 def test_bench_serve_measures_concurrent_streams_against_a_running_server(server: Serving) -> None:

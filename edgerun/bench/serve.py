@@ -283,6 +283,15 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
                 proc.wait()
 
 
+def stream_prompts(config: ServeBenchConfig, row: int, streams: int) -> list[str]:
+    """The prompts of row number `row` (from 1), one a stream. distinct: no stream's prompt is another's, in this
+    row or an earlier one, one of the same count included (a server keeps what it prefilled for the prompts that
+    come after)."""
+    if config.prompts == "same":
+        return [config.prompt] * streams
+    return [f"Row {row}, stream {i + 1} of {streams}: {config.prompt}" for i in range(streams)]
+
+
 def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _: None) -> list[ServeRow]:
     """One row per stream count, in the order given, after one unmeasured warm-up request; each row's aggregate
     against the first one-stream row's where there is one."""
@@ -296,12 +305,9 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
     with started_server(config, log) if config.url is None else nullcontext(config.url.rstrip("/")) as url:
         stream_once(url, body, config.api_key)  # warm-up: first-request allocations stay out of the rows
         rows = []
-        for streams in config.streams:
+        for number, streams in enumerate(config.streams, 1):
             log(f"{streams} stream(s)...")
-            # distinct: no stream's prompt is another's, in this row or an earlier one (a server keeps what it
-            # prefilled for the prompts that come after)
-            bodies = [body if config.prompts == "same" else
-                      {**body, "prompt": f"Stream {i + 1} of {streams}: {config.prompt}"} for i in range(streams)]
+            bodies = [{**body, "prompt": prompt} for prompt in stream_prompts(config, number, streams)]
             row = summarize(streams, *run_row(url, bodies, config.api_key))
             rows.append(replace(row, served_by=serving(_state(url, config.api_key))))
     one = next((r.aggregate_tok_s for r in rows if r.streams == 1), None)

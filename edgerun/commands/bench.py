@@ -330,8 +330,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="concurrent streams per row, comma-separated (default: 1,4,8,16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each stream asks for (default: 32)")
     p.add_argument("--prompts", choices=PROMPT_KINDS, default="distinct",
-                   help="distinct: each stream's prompt begins with its stream and row (\"Stream 3 of 8: ...\"), so "
-                        "none is another's; same: every stream sends one prompt, which a --parallel server "
+                   help="distinct: each stream's prompt begins with its row and stream (\"Row 2, stream 3 of 8: "
+                        "...\"), so none is another's, in its row or an earlier one (--streams 1,8,1,8 measures 8 new "
+                        "prompts twice); same: every stream sends one prompt, which a --parallel server "
                         "prefills once (default: distinct)")
     p.add_argument("--url", default=None,
                    help="measure the server already running here (http://HOST:PORT, any plan it serves) instead "

@@ -4,7 +4,8 @@ ggml is built from llama.cpp's source for this machine's CPU (edgerun.llamacpp, 
 into ggml buffers in their GGUF types (Q4_0 and Q4_K rows that the CPU's repacked kernels take are interleaved
 for them, as llama.cpp does); every matrix product quantizes its activations per block exactly as llama.cpp's
 CPU backend does, attention runs ggml's flash attention over an F16 KV cache, as llama.cpp's default (decode
-tokens' through kernels.c's op, which gives its bits several times faster: edgerun.model.kernels). The graph
+tokens' and short prompt chunks' through kernels.c's op, which gives its bits several times faster:
+edgerun.model.kernels). The graph
 of a decode step depends only on how many cache rows it reads (a multiple of KV_STEP), so it is built once per
 such length and run again with new inputs: a step costs one native call beside its four small inputs.
 """
@@ -12,6 +13,7 @@ such length and run again with new inputs: a step costs one native call beside i
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -218,12 +220,14 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
     gc.expand(k_set)
     gc.expand(v_set)
     spans = spans or (Span(0, n, 0, inputs.n_kv, inputs.mask, inputs.window_mask),)
-    if not windowed and all(span.n == 1 and span.col == i for i, span in enumerate(spans)) \
+    if not windowed and all(span.n < kernels.FA_TILE_Q for span in spans) \
+            and [span.col for span in spans] == list(itertools.accumulate((span.n for span in spans[:-1]), initial=0)) \
             and kernels.attention_available(hd, a.n_heads, a.n_kv_heads, n) \
             and g.ggml_backend_buffer_is_host(head(kc).buffer):
-        # decode tokens: kernels.c's attention, every sequence's in one op, the same bits as ggml's below
-        out = kernels.attention(ctx, q, k_set, v_set, inputs.pos, inputs.rows, a.n_kv_heads, c.score_scale,
-                                [span.n_kv for span in spans])
+        # decode tokens and short prompt chunks: kernels.c's attention, every sequence's in one op, the same bits as
+        # ggml's below (a decode token's view decides how ggml splits its rows among threads; a chunk's it never does)
+        views = [span.n_kv if span.n == 1 else 0 for span in spans for _ in range(span.n)]
+        out = kernels.attention(ctx, q, k_set, v_set, inputs.pos, inputs.rows, a.n_kv_heads, c.score_scale, views)
         return kernels.product(ctx, t(a.wo), out)
     row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
     outs = []

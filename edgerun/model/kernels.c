@@ -395,8 +395,9 @@ void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) 
     }
 }
 
-/* Attention of decode tokens, each over its own sequence's cache, giving ggml's flash attention (ggml_flash_attn_ext
- * over an F16 cache, one query row: ggml_compute_forward_flash_attn_ext_f16_one_chunk) bit for bit. ggml computes
+/* Attention of decode tokens and short prompt chunks, each token over its own sequence's cache up to its position,
+ * giving ggml's flash attention (ggml_flash_attn_ext over an F16 cache, fewer query rows than its 64-row tile:
+ * ggml_compute_forward_flash_attn_ext_f16_one_chunk, row by row) bit for bit. ggml computes
  * each query head alone through function pointers and a scalar loop for the value rows (64-value heads are below
  * its AVX512-FP16 step), ~110 ns a cache row and head here; a batch of 8 sequences spent a third of its step in it.
  * Here the query heads that share a key-value head (grouped-query attention) go together, every key and value row
@@ -419,7 +420,9 @@ struct er_attention_params {
     int32_t n_heads, n_kv_heads;
     float scale;
     int32_t fused_mad, fused_sum, fused_merge;
-    int32_t n_kv[ATTN_MAX_TOKENS]; /* the rows of each token's view of its cache in ggml's graph (its split) */
+    /* the rows of each decode token's view of its cache in ggml's graph, which decide ggml's split of them among
+     * threads; 0 for a token of a prompt chunk, whose rows ggml never splits */
+    int32_t n_kv[ATTN_MAX_TOKENS];
 };
 
 #define ATTN_HEAD 64
@@ -516,7 +519,7 @@ TARGET static void attend_token(const struct er_attention_params *p, int group, 
                                 int position, int n_kv, float *out) {
     const int rows = position + 1;
     partial part;
-    if (n_kv < ATTN_SPLIT_ROWS || nth == 1) { /* one chunk of every row merges to the same bits as none */
+    if (n_kv < ATTN_SPLIT_ROWS || nth == 1) { /* (one chunk of every row merges to the same bits as none) */
         attend_rows(p, group, q, q_stride, k, v, row_stride, 0, rows, &part);
         for (int j = 0; j < group; j++) {
             const float inv = part.S[j] == 0.0f ? 0.0f : 1.0f / part.S[j];
@@ -557,8 +560,7 @@ TARGET static void attend_token(const struct er_attention_params *p, int group, 
 /* The custom op: dst (64 * n_heads, n) F32 = attention of src[0], queries (64, n_heads, n) F32, over src[1] and
  * src[2], the key and value caches (64 * n_kv_heads, cache rows) F16 (this step's rows already set: the set_rows
  * results are passed, so ggml orders the op after them). Token t is at position src[3][t] (I32) and wrote cache row
- * src[4][t] (I64), and sees the rows of positions 0..its own: rows src[4][t] - src[3][t] .. src[4][t] (of
- * the n_kv[t] that ggml's view of its cache would span). The
+ * src[4][t] (I64), and sees the rows of positions 0..its own: rows src[4][t] - src[3][t] .. src[4][t]. The
  * (token, key-value head) pairs are split among ggml's threads; nth, which decides how ggml would have split a long
  * row range, is the graph's thread count either way. */
 void er_attention(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {

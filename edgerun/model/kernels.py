@@ -12,11 +12,11 @@ thread, this machine). `product` uses it only where it
 is built, the CPU has its instructions (AVX-512 VNNI) and a check against ggml's own product on this machine gave
 the same bits, per weight type; anywhere else a product is ggml's mul_mat.
 
-Decode tokens' attention (heads of 64 values) too: ggml's flash attention takes ~110 ns a cache row and query head
-here (a function call per score, a scalar loop per value row), a third of a batched step of 8 sequences; kernels.c
-runs every sequence's in one op, the query heads of a key-value head together, in registers, with ggml's
-arithmetic in its order. `attention` is used where a check against ggml's flash attention gave its bits (the check
-also finds which of ggml's multiply-adds its compiler fused).
+Attention of decode tokens and of prompt chunks under 64 tokens (heads of 64 values) too: there ggml's flash
+attention takes ~110 ns a cache row and query head here (a function call per score, a scalar loop per value row), a
+third of a batched step of 8 sequences; kernels.c runs every sequence's in one op, the query heads of a key-value
+head together, in registers, with ggml's arithmetic in its order. `attention` is used where a check against ggml's
+flash attention gave its bits (the check also finds which of ggml's multiply-adds its compiler fused).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class _AttentionParams(ctypes.Structure):
 ATTENTION_HEAD = 64  # kernels.c's attention takes heads of 64 values (ATTN_HEAD)
 ATTENTION_MAX_GROUP = 8  # and at most this many query heads to a key-value head (ATTN_MAX_GROUP)
 ATTENTION_MAX_TOKENS = 256  # tokens in one op (ATTN_MAX_TOKENS)
+# ggml's flash attention computes this many query rows of a sequence or more in tiles (GGML_FA_TILE_Q), in another
+# order: prompt chunks that long keep ggml's
+FA_TILE_Q = 64
 
 
 class TypeTraitsCpu(ctypes.Structure):
@@ -262,7 +265,7 @@ def compare_attention(kernels: _Kernels, n_heads: int = 9, n_kv_heads: int = 3,
 
 
 def attention_available(head_dim: int, n_heads: int, n_kv_heads: int, tokens: int) -> bool:
-    """Whether attention of `tokens` decode tokens with these heads takes kernels.c's op in this process."""
+    """Whether attention of `tokens` tokens with these heads takes kernels.c's op in this process."""
     kernels = _kernels()
     return kernels is not None and kernels.attention_variant is not None and head_dim == ATTENTION_HEAD \
         and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= ATTENTION_MAX_GROUP \
@@ -271,11 +274,12 @@ def attention_available(head_dim: int, n_heads: int, n_kv_heads: int, tokens: in
 
 def attention(ctx: int, q: int, k_cache: int, v_cache: int, pos: int, rows: int, n_kv_heads: int,
               scale: float, n_kv: Sequence[int]) -> int:
-    """Decode tokens' attention, each over every earlier position of its own sequence: q (64, n_heads, n) F32 after
-    rope, the caches (64 * n_kv_heads, cache rows) F16 with this step's rows set (pass ggml_set_rows' results),
-    token t at position pos[t] (I32) having written cache row rows[t] (I64). Gives (64 * n_heads, n): the bits of
-    ggml's flash attention of each token over a view of n_kv[t] cache rows from its sequence's first, masked to its
-    positions (the heads of each token in order); only where attention_available."""
+    """Attention of n tokens, each over every position of its own sequence up to its own: q (64, n_heads, n) F32
+    after rope, the caches (64 * n_kv_heads, cache rows) F16 with this step's rows set (pass ggml_set_rows'
+    results), token t at position pos[t] (I32) having written cache row rows[t] (I64). Gives (64 * n_heads, n): the
+    bits of ggml's flash attention (the heads of each token in order) of a decode token over a view of n_kv[t] cache
+    rows from its sequence's first, masked to its positions, or where n_kv[t] is 0 of a token of a prompt chunk
+    under FA_TILE_Q tokens; only where attention_available."""
     kernels = _kernels()
     assert kernels is not None
     return kernels.attention(ctx, q, k_cache, v_cache, pos, rows, n_kv_heads, scale, n_kv)

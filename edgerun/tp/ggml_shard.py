@@ -272,7 +272,7 @@ class GgmlShard(_ShareBase):
         if block != Block.ATTN:
             return NativeGraph(gc.graph, at(graph.x), at(graph.out))
         inputs = graph.inputs
-        # a decode token's attention on kernels.c's op reads no mask (the graph leaves it unallocated)
+        # attention on kernels.c's op reads no mask (the graph leaves it unallocated)
         mask = at(inputs.mask) if gc.allocated(inputs.mask) else 0
         return NativeGraph(gc.graph, at(graph.x), at(graph.out), at(inputs.pos), at(inputs.rows), mask, n_kv)
 
