@@ -428,7 +428,6 @@ struct er_attention_params {
 #define ATTN_HEAD 64
 #define ATTN_MAX_GROUP 8 /* query heads to a key-value head */
 #define ATTN_SPLIT_ROWS 512 /* ggml splits the rows of a one-token attention among its threads from here on */
-#define ATTN_MAX_THREADS 64
 
 TARGET static inline __m512 half_round(__m512 x) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
