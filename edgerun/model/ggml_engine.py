@@ -227,7 +227,7 @@ def attention_block(gc: GraphContext, t, c: ModelConfig, a: AttnTensors, h: int,
         # decode tokens and short prompt chunks: kernels.c's attention, every sequence's in one op, the same bits as
         # ggml's below (a decode token's view decides how ggml splits its rows among threads; a chunk's it never does)
         views = [span.n_kv if span.n == 1 else 0 for span in spans for _ in range(span.n)]
-        out = kernels.attention(ctx, q, k_set, v_set, inputs.pos, inputs.rows, a.n_kv_heads, c.score_scale, views)
+        out = kernels.attention(gc, q, k_set, v_set, inputs.pos, inputs.rows, a.n_kv_heads, c.score_scale, views)
         return kernels.product(ctx, t(a.wo), out)
     row, per_head = head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
     outs = []

@@ -474,6 +474,11 @@ class GraphContext:
         # written and outputs read through numpy views of them, with no native call (a share runs 33 small graphs
         # a token, and each ctypes call with its pointer lookups cost microseconds of a call's fixed cost).
         self._views: dict[int, np.ndarray] = {}
+        self._kept: list[object] = []  # what the graph's custom ops point at (keep)
+
+    def keep(self, value: object) -> None:
+        """Keep `value` alive as long as this graph: a custom op's parameters, which the graph holds by address."""
+        self._kept.append(value)
 
     def input(self, qtype: int, ne0: int, ne1: int | None = None) -> int:
         g = lib()

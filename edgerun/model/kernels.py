@@ -93,8 +93,6 @@ class _Kernels:
         self.attention_op = ctypes.cast(self.dll.er_attention, ctypes.c_void_p).value
         # (fused_mad, fused_sum, fused_merge) where the attention gave ggml's flash attention's bits here, else None
         self.attention_variant: tuple[int, int, int] | None = None
-        # alive as long as graphs may call the op with them: for the process
-        self._attention_params: dict[tuple[int, int, float, tuple[int, ...]], _AttentionParams] = {}
 
     def product(self, ctx: int, w: int, x: int) -> int:
         g = ggml_lib.lib()
@@ -104,20 +102,17 @@ class _Kernels:
                                 ctypes.addressof(self.params[ggml_lib.head(w).type]))
 
 
-    def attention(self, ctx: int, q: int, k_cache: int, v_cache: int, pos: int, rows: int, n_kv_heads: int,
-                  scale: float, n_kv: Sequence[int]) -> int:
+    def attention(self, gc: ggml_lib.GraphContext, q: int, k_cache: int, v_cache: int, pos: int, rows: int,
+                  n_kv_heads: int, scale: float, n_kv: Sequence[int]) -> int:
         g = ggml_lib.lib()
         hq = ggml_lib.head(q)
-        key = (int(hq.ne[1]), n_kv_heads, scale, tuple(n_kv))
-        params = self._attention_params.get(key)
-        if params is None:
-            assert self.attention_variant is not None and len(n_kv) == hq.ne[2] <= ATTENTION_MAX_TOKENS
-            params = self._attention_params[key] = _AttentionParams(key[0], n_kv_heads, scale,
-                                                                    *self.attention_variant,
-                                                                    (ctypes.c_int32 * 256)(*n_kv))
+        assert self.attention_variant is not None and len(n_kv) == hq.ne[2] <= ATTENTION_MAX_TOKENS
+        params = _AttentionParams(int(hq.ne[1]), n_kv_heads, scale, *self.attention_variant,
+                                  (ctypes.c_int32 * ATTENTION_MAX_TOKENS)(*n_kv))
+        gc.keep(params)  # the graph holds it by address
         args = (ctypes.c_void_p * 5)(q, k_cache, v_cache, pos, rows)
-        return g.ggml_custom_4d(ctx, ggml_lib.F32, hq.ne[0] * hq.ne[1], hq.ne[2], 1, 1, args, 5, self.attention_op,
-                                ALL_THREADS, ctypes.addressof(params))
+        return g.ggml_custom_4d(gc.ctx, ggml_lib.F32, hq.ne[0] * hq.ne[1], hq.ne[2], 1, 1, args, 5,
+                                self.attention_op, ALL_THREADS, ctypes.addressof(params))
 
 
 _LOADING = threading.Lock()
@@ -201,12 +196,9 @@ def _attention_variant(kernels: _Kernels) -> tuple[int, int, int] | None:
     does."""
     for variant in itertools.product((1, 0), (1, 0), (0, 1, 2)):
         kernels.attention_variant = variant
-        kernels._attention_params.clear()
         if all(np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
                for seed in range(4) for ours, theirs in compare_attention(kernels, seed=seed)):
-            kernels._attention_params.clear()
             return variant
-    kernels._attention_params.clear()
     return None
 
 
@@ -233,7 +225,7 @@ def compare_attention(kernels: _Kernels, n_heads: int = 9, n_kv_heads: int = 3,
     pos, rows = gc.input(ggml_lib.I32, b), gc.input(ggml_lib.I64_TYPE, b)
     q3 = g.ggml_reshape_3d(gc.ctx, q, hd, n_heads, b)
     views = [min(slot, -(-(position + 1) // kv_step) * kv_step) for position in positions]
-    ours = kernels.attention(gc.ctx, q3, kc, vc, pos, rows, n_kv_heads, scale, views)
+    ours = kernels.attention(gc, q3, kc, vc, pos, rows, n_kv_heads, scale, views)
     row, per_head = ggml_lib.head(kc).nb[1], g.ggml_row_size(ggml_lib.F16, hd)
     masks, outs = [], []
     for i, (position, n_kv) in enumerate(zip(positions, views, strict=True)):
@@ -272,7 +264,7 @@ def attention_available(head_dim: int, n_heads: int, n_kv_heads: int, tokens: in
         and tokens <= ATTENTION_MAX_TOKENS
 
 
-def attention(ctx: int, q: int, k_cache: int, v_cache: int, pos: int, rows: int, n_kv_heads: int,
+def attention(gc: ggml_lib.GraphContext, q: int, k_cache: int, v_cache: int, pos: int, rows: int, n_kv_heads: int,
               scale: float, n_kv: Sequence[int]) -> int:
     """Attention of n tokens, each over every position of its own sequence up to its own: q (64, n_heads, n) F32
     after rope, the caches (64 * n_kv_heads, cache rows) F16 with this step's rows set (pass ggml_set_rows'
@@ -282,7 +274,7 @@ def attention(ctx: int, q: int, k_cache: int, v_cache: int, pos: int, rows: int,
     under FA_TILE_Q tokens; only where attention_available."""
     kernels = _kernels()
     assert kernels is not None
-    return kernels.attention(ctx, q, k_cache, v_cache, pos, rows, n_kv_heads, scale, n_kv)
+    return kernels.attention(gc, q, k_cache, v_cache, pos, rows, n_kv_heads, scale, n_kv)
 
 
 def available(qtype: int) -> bool:
