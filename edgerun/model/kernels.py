@@ -47,6 +47,14 @@ class _Params(ctypes.Structure):
     _fields_ = (("weights", ctypes.c_int32), ("quantize", ctypes.c_void_p))
 
 
+ATTENTION_HEAD = 64  # kernels.c's attention takes heads of 64 values (ATTN_HEAD)
+ATTENTION_MAX_GROUP = 8  # and at most this many query heads to a key-value head (ATTN_MAX_GROUP)
+ATTENTION_MAX_TOKENS = 256  # tokens in one op (ATTN_MAX_TOKENS)
+# ggml's flash attention computes this many query rows of a sequence or more in tiles (GGML_FA_TILE_Q), in another
+# order: prompt chunks that long keep ggml's
+FA_TILE_Q = 64
+
+
 class _AttentionParams(ctypes.Structure):
     """struct er_attention_params: the heads, the scores' scale, how ggml's compiler rounded its multiply-adds
     (_attention_variant) and the rows each token's view of its cache spans in ggml's graph (which decide how ggml
@@ -54,15 +62,7 @@ class _AttentionParams(ctypes.Structure):
 
     _fields_ = (("n_heads", ctypes.c_int32), ("n_kv_heads", ctypes.c_int32), ("scale", ctypes.c_float),
                 ("fused_mad", ctypes.c_int32), ("fused_sum", ctypes.c_int32), ("fused_merge", ctypes.c_int32),
-                ("n_kv", ctypes.c_int32 * 256))
-
-
-ATTENTION_HEAD = 64  # kernels.c's attention takes heads of 64 values (ATTN_HEAD)
-ATTENTION_MAX_GROUP = 8  # and at most this many query heads to a key-value head (ATTN_MAX_GROUP)
-ATTENTION_MAX_TOKENS = 256  # tokens in one op (ATTN_MAX_TOKENS)
-# ggml's flash attention computes this many query rows of a sequence or more in tiles (GGML_FA_TILE_Q), in another
-# order: prompt chunks that long keep ggml's
-FA_TILE_Q = 64
+                ("n_kv", ctypes.c_int32 * ATTENTION_MAX_TOKENS))
 
 
 class TypeTraitsCpu(ctypes.Structure):
@@ -100,7 +100,6 @@ class _Kernels:
         args = (ctypes.c_void_p * 2)(w, x)
         return g.ggml_custom_4d(ctx, ggml_lib.F32, n_rows, n_cols, 1, 1, args, 2, self.op, ALL_THREADS,
                                 ctypes.addressof(self.params[ggml_lib.head(w).type]))
-
 
     def attention(self, gc: ggml_lib.GraphContext, q: int, k_cache: int, v_cache: int, pos: int, rows: int,
                   n_kv_heads: int, scale: float, n_kv: Sequence[int]) -> int:
