@@ -278,6 +278,21 @@ def test_bench_serve_gives_every_row_new_prompts() -> None:
     assert stream_prompts(replace(config, prompts="same"), 2, 3) == [config.prompt] * 3
 
 
+def test_bench_serve_members_compute_on_the_cpu() -> None:
+    """The bench's nodes and pipeline workers compute on the CPU, as the server's own engine does: their default
+    (--device auto) takes a GPU where there is one, a node's after building ggml's CUDA backend for minutes."""
+    from edgerun.bench.serve import ServeBenchConfig, member_argv
+    from edgerun.cli import build_parser
+
+    for members, mode in ({"nodes": 3}, "tp"), ({"workers": 2}, "pp"):
+        argv = member_argv(replace(ServeBenchConfig(), **members), 1, "7000", "k" * 32, 512.0)
+        assert argv[3] == "node"
+        args = build_parser().parse_args(argv[3:])
+        assert (args.mode, args.device, args.master, args.name) == (mode, "cpu", "127.0.0.1:7000", "bench-1")
+    experts = build_parser().parse_args(member_argv(ServeBenchConfig(experts=2), 0, "7000", "k" * 32, None)[3:])
+    assert experts.mode == "moe"
+
+
 def test_bench_serve_measures_concurrent_streams_against_a_running_server(server: Serving) -> None:
     """`bench serve --url` against a running server: every stream's tokens come back (the usage), first tokens and
     gaps are timed, and the aggregate is the row's tokens over its wall time; a wrong key is one line naming 401."""

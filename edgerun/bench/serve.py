@@ -204,6 +204,18 @@ def _stage_budget_mb(config: ServeBenchConfig) -> float:
     return worker_budget_mb(profile.layer_memory_bytes, config.workers)
 
 
+def member_argv(config: ServeBenchConfig, index: int, cluster_port: str, key: str,
+                budget_mb: float | None) -> list[str]:
+    """The command line of the bench's member number `index` (a node, a pipeline worker or an expert worker) that
+    joins the server's cluster port on this machine."""
+    # Members compute on the CPU, as the server's own engine does: a worker's and a node's default takes a GPU
+    # where there is one (a node's first builds ggml's CUDA backend, minutes), and every member would share it.
+    mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}", "--device", "cpu"] if config.workers else \
+        ["--mode", "moe"] if config.experts else ["--device", "cpu"]
+    return [sys.executable, "-m", "edgerun.cli", "node", *mode, "--master", f"127.0.0.1:{cluster_port}", "--key", key,
+            "--name", f"bench-{index}", "--threads", str(config.threads)]
+
+
 @contextmanager
 def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iterator[str]:
     """`edgerun serve` on free ports of this machine, its queue as deep as the most streams: alone (`--no-cluster
@@ -257,13 +269,8 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
         if not ready.wait(START_TIMEOUT_S) or not found:
             raise EdgerunError("edgerun serve did not start:\n" + "".join(lines[-20:]))
         url, cluster_port = found[0]
-        # members compute on the CPU, as the server's own engine does (a pipeline worker's default takes a GPU)
-        mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}", "--device", "cpu"] if config.workers else \
-            ["--mode", "moe"] if config.experts else []
         for i in range(members):
-            procs.append(subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", *mode, "--master",
-                                           f"127.0.0.1:{cluster_port}", "--key", key, "--name", f"bench-{i}",
-                                           "--threads", str(config.threads)],
+            procs.append(subprocess.Popen(member_argv(config, i, str(cluster_port), key, budget_mb),
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(procs) > 1 and not _cluster_ready(config, _state(url, config.api_key)):
