@@ -157,3 +157,35 @@ def test_prompt_chunks_under_ggmls_tile_give_the_same_bits_with_the_attention_op
     theirs = run()
     for a, b in zip(ours, theirs, strict=True):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_the_checks_verdicts_are_kept_per_build_and_cpu(built, tmp_path) -> None:
+    """A process that loads the kernels takes the checks' verdicts kept for this build of ggml and kernels.c on this
+    CPU, and runs the checks where none is kept for them (a rebuild, another machine)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    loaded = kernels._kernels()
+    assert loaded is not None
+    key = kernels._build_key(kernels.library_path())
+    kept = kernels._verdicts()[key]  # this process's own checks, remembered
+    assert (set(kept["checked"]), kept["attention"]) == (
+        loaded.checked, None if loaded.attention_variant is None else list(loaded.attention_variant))
+    show = "from edgerun.model import kernels; k = kernels._kernels(); print(sorted(k.checked), k.attention_variant)"
+
+    def verdict_read(verdicts: dict) -> str:
+        cache = tmp_path / "cache"
+        cache.mkdir(exist_ok=True)
+        (cache / kernels.VERDICTS_FILE).write_text(json.dumps(verdicts))
+        return subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True, timeout=120,
+                              env={**os.environ, "EDGERUN_CACHE": str(cache)}).stdout.strip()
+
+    # a verdict kept for this build is taken as it is (no weight type, no attention: the checks did not run)
+    assert verdict_read({key: {"checked": [], "attention": None}}) == "[] None"
+    # one kept for another build is not: the checks run and give this machine's
+    other = json.dumps([*json.loads(key)[:-1], "another cpu"])
+    ours = f"{sorted(loaded.checked)} {loaded.attention_variant}"
+    assert verdict_read({other: {"checked": [], "attention": None}}) == ours
+    assert json.loads((tmp_path / "cache" / kernels.VERDICTS_FILE).read_text())[key] == kept

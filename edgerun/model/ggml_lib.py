@@ -123,6 +123,7 @@ class _Lib:
     """The functions above, found in ggml's three libraries (base, CPU backend, registry)."""
 
     def __init__(self, paths: list[str]) -> None:
+        self.paths = tuple(paths)
         self._dlls = [ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in paths]
         for name, (result, args) in SIGNATURES.items():
             fn = self._find(name)

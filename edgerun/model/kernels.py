@@ -17,6 +17,9 @@ attention takes ~110 ns a cache row and query head here (a function call per sco
 third of a batched step of 8 sequences; kernels.c runs every sequence's in one op, the query heads of a key-value
 head together, in registers, with ggml's arithmetic in its order. `attention` is used where a check against ggml's
 flash attention gave its bits (the check also finds which of ggml's multiply-adds its compiler fused).
+
+The checks' verdicts are kept in the cache folder per build of ggml and of kernels.c and per CPU: the first process
+runs them, the rest read them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import itertools
+import json
+import os
+import platform
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +39,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from edgerun.cache import cache_root
 from edgerun.model import ggml_lib
 
 Q4_1, Q8_0, Q8_1, Q6_K, Q8_K = (int(GGMLQuantizationType[t]) for t in ("Q4_1", "Q8_0", "Q8_1", "Q6_K", "Q8_K"))
@@ -134,9 +142,58 @@ def _load() -> _Kernels | None:
     kernels = _Kernels(path)
     if not kernels.dll.er_product_available() or not _layout_matches(kernels):
         return None
+    key = _build_key(path)
+    known = _verdicts().get(key)
+    if known is not None:
+        kernels.checked = set(known["checked"])
+        kernels.attention_variant = None if known["attention"] is None else tuple(known["attention"])
+        return kernels
     kernels.checked = {qtype for qtype in WEIGHTS if _same_as_ggml(kernels, qtype)}
     kernels.attention_variant = _attention_variant(kernels)
+    _remember(key, {"checked": sorted(kernels.checked), "attention": kernels.attention_variant})
     return kernels
+
+
+# The checks' verdicts per build of ggml and of kernels.c and per CPU: every process that loads the kernels would
+# otherwise run them again (~0.3 s here; 1-2 s where no way of rounding gives ggml's attention bits).
+VERDICTS_FILE = "kernels.json"
+
+
+def _build_key(path: Path) -> str:
+    """What the verdicts depend on: the libraries' files (a rebuild changes their size or time) and the CPU's
+    model and instruction set."""
+    files = [Path(p) for p in ggml_lib.lib().paths] + [path]
+    cpu = ""
+    try:
+        cpu = "\n".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith(("model name", "flags")))
+    except OSError:
+        cpu = platform.processor() or platform.machine()
+    return json.dumps([[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files] +
+                      [hashlib.sha256(cpu.encode()).hexdigest()[:16]])
+
+
+def _verdicts() -> dict:
+    try:
+        known = json.loads((cache_root() / VERDICTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _remember(key: str, verdict: dict) -> None:
+    """Kept beside the other verdicts, written whole and then renamed in: processes that load at once (a cluster's
+    nodes) never read half a file."""
+    index = cache_root() / VERDICTS_FILE
+    known = _verdicts()
+    known[key] = verdict
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        partial = index.with_name(f".{index.name}.{os.getpid()}.{threading.get_ident()}")
+        partial.write_text(json.dumps(known))
+        os.replace(partial, index)
+    except OSError:
+        pass  # a read-only cache: the checks run again in the next process
 
 
 def _layout_matches(kernels: _Kernels) -> bool:
