@@ -53,3 +53,39 @@ def test_a_column_range_keeps_the_files_blocks_where_it_can() -> None:
     full = wo.dequantize()
     np.testing.assert_allclose(cut.dequantize(), np.concatenate([full[:, :64], full[:, 128:192]], axis=1),
                                atol=0.01 * float(np.abs(full).max()))
+
+
+@pytest.mark.parametrize(("name", "qtype", "takes"), [("llama", "Q4_0", True), ("qwen2", "Q8_0", True),
+                                                      ("qwen2", "Q4_1", False), ("llama-q4k", "Q4_K", False)])
+def test_a_q8_input_gives_a_share_the_bits_its_float32_gives(name: str, qtype: str, takes: bool) -> None:
+    """A share whose weights take Q8_0 activations (Q4_0, Q8_0) says it takes its layers' inputs as Q8
+    (takes_q8_inputs, the master's input codec then), and computes from the decoded Q8 input the bits it computes
+    from the float32: a prompt's and a token's attention, and MLP. Q4_1's (Q8_1 activations, whose sum is taken
+    with the scale before its f16 rounding) and a K-quant's (Q8_K) do not: there the Q8 input computes other bits."""
+    from test_shard import MODELS
+
+    from edgerun.model.synth import SynthSpec, synth_weights
+    from edgerun.net.wire import Codec, decode_vector, encode_vector
+
+    config = MODELS[name][0]
+    weights = synth_weights(SynthSpec(config, qtype, seed=1))
+    spec = split_spec(config, 2, 192, VOCAB_BLOCK)[1]
+    shares = [GgmlShard(config, weights, spec, MAX_LEN) for _ in range(2)]
+    assert [s.takes_q8_inputs for s in shares] == [takes, takes]
+    rng = np.random.default_rng(3)
+
+    def travelled(x: np.ndarray) -> np.ndarray:
+        return decode_vector(encode_vector(x, Codec.Q8), Codec.Q8, x.size).reshape(x.shape)
+
+    differed = 0
+    for start, seq in ((0, 5), (5, 1), (6, 1)):
+        for layer in range(config.n_layers):
+            x = (rng.standard_normal((seq, config.hidden)) * rng.uniform(0.1, 3, (seq, 1))).astype(np.float32)
+            assert not np.array_equal(travelled(x), x)  # the input itself does change on the way
+            outs = [shares[0].attention(layer, x, start), shares[1].attention(layer, travelled(x), start),
+                    shares[0].mlp(layer, x), shares[1].mlp(layer, travelled(x))]
+            same = [np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in (outs[:2], outs[2:])]
+            if takes:
+                assert same == [True, True], (start, layer)
+            differed += not all(same)
+    assert takes or differed

@@ -324,6 +324,48 @@ def test_int8_cluster_agrees_with_the_single_engine(model: Model, speeds: list[f
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_q8_inputs_give_every_step_the_bits_of_float32_inputs(tiny_spec, synth_gguf, native: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes whose shares take Q8_0 activations (a Q4_0 model) take their layers' inputs as Q8, and the master sends
+    them so (3.8x fewer bytes): every step's logits are those of float32 inputs bit for bit, on the native data
+    path and on the Python path (EDGERUN_NATIVE=0, which the nodes inherit)."""
+    monkeypatch.setenv("EDGERUN_NATIVE", native)
+    # a model of its own: its nodes fetch it into the session's cache, where test_node_without_the_masters_model_
+    # fetches_it must not find its model
+    m = load_model(synth_gguf(tiny_spec(tied=False, seed=5)))
+    prompt = m.tokenizer.encode("Hello there, how are you today")
+    master = Master(m, KEY, MasterConfig(strategy="minmax", host="127.0.0.1", max_len=64, timeout_ms=2000))
+    nodes = start_nodes(master.port, [1e9, 1e9])
+    try:
+        master.wait_for_nodes(2, timeout_s=120)
+        runs = {}
+        for q8 in (True, False):
+            master.reconfigure(replace(master.config, q8_inputs=q8))
+            master.replan()
+            assert all(n.q8_inputs for n in master.nodes)  # what the nodes' shares said
+            assert master.exchange.input_codec(master.nodes) == (Codec.Q8 if q8 else Codec.F32)
+            before = master.exchange.stats.q8_inputs
+            tokens = master.generate(prompt, 12, GREEDY)
+            master.reset()
+            logits = [master.step(prompt).copy()] + [master.step([t]).copy() for t in tokens[:-1]]
+            master.release()
+            sent_q8 = master.exchange.stats.q8_inputs - before
+            # the layers after the first (lossy, by datagram) of every one-token step and prompt went as Q8
+            assert sent_q8 >= 2 * (m.config.n_layers - 1) * 11 if q8 else sent_q8 == 0, (q8, sent_q8)
+            assert master.stats.blocks_incomplete == 0
+            runs[q8] = tokens, logits
+        assert runs[True][0] == runs[False][0]
+        assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(runs[True][1], runs[False][1],
+                                                                                         strict=True))
+    finally:
+        master.close()
+        for p in nodes:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
 def test_spinning_master_and_node_equal_the_reference(model: Model, reference_tokens: list[int]) -> None:
     """--spin-us: the master and the node poll their sockets between packets; tokens as the reference's, and the
     node's heartbeats still arrive while it spins (it answers fresh_reports)."""

@@ -142,6 +142,7 @@ class BlockCounts:
     native: int = 0
     node_native_share: tuple[float, ...] = ()
     group_nodes: int = 0  # nodes whose one-token inputs went to the master's multicast group (net.group)
+    q8_inputs: int = 0  # blocks whose input went to the nodes as Q8 (Exchange.input_codec)
 
 
 @dataclass(frozen=True)
@@ -325,6 +326,7 @@ class TpBenchConfig:
     ceiling: bool = False  # also time each node count's kernels alone, in step, without the network (bench.ceiling)
     gpu_nodes: int = 0  # the first this many nodes compute their shares on the GPU (node --device cuda)
     multicast: bool = True  # one-token inputs to the master's multicast group (never with loss_at "kernel")
+    q8_inputs: bool = True  # the layers' inputs as Q8 to nodes whose shares compute on it as on float32
 
     def __post_init__(self) -> None:
         if self.loss_at not in LOSS_AT:
@@ -433,7 +435,7 @@ def local_cluster(model: Model, config: TpBenchConfig, nodes: int, loss: str,
             parity=config.parity, parity_always=config.parity_always, mapping=config.mapping,
             overlap=tuple(config.overlap), group_size=config.group_size, threads=config.threads,
             spin_us=config.spin_us, activations=config.activations, trace_dir=_trace_dir(config, nodes),
-            multicast=config.multicast and config.loss_at != "kernel")
+            multicast=config.multicast and config.loss_at != "kernel", q8_inputs=config.q8_inputs)
         master = Master(model, derive_key(SECRET), master_config, loss=loss_model(loss, seed=0),
                         predictors=None if config.sap is None else PredictorSet.load(config.sap))
         procs = []
@@ -553,7 +555,8 @@ def _measure(master: Master, model: Model, config: TpBenchConfig, nodes: int, lo
         node_native_share=tuple(r.native_blocks / r.decode.blocks if r.decode.blocks else 0.0 for r in reports),
         # the runner alone sends to the group: a row it did not run (tcp, loss made in-process) sent none there
         group_nodes=sum(n.alive and n.in_group for n in master.membership.nodes)
-        if c.multicast and s.native_blocks > before["native_blocks"] else 0)
+        if c.multicast and s.native_blocks > before["native_blocks"] else 0,
+        q8_inputs=s.q8_inputs - before["q8_inputs"])
     packets = PacketCounts(
         sent=master.udp.sent - sent, dropped=master.udp.dropped - dropped, kernel_matched=matched1 - matched0,
         kernel_dropped=kdropped1 - kdropped0, late=s.late_packets - before["late_packets"],
@@ -855,7 +858,8 @@ def _native_said(r: TpResult) -> str:
         return ""
     shares = ", ".join(f"{share:.0%}" for share in b.node_native_share) or "none"
     return f"; natively: {b.native} of the master's {b.total} blocks, of each node's one-token blocks " \
-           f"{shares}; inputs by multicast to {b.group_nodes} of {r.setup.nodes} nodes"
+           f"{shares}; inputs by multicast to {b.group_nodes} of {r.setup.nodes} nodes" + \
+           (f"; layers' inputs as Q8 in {b.q8_inputs} blocks" if b.q8_inputs else "")
 
 
 def _legs(legs: Sequence[Leg]) -> str:

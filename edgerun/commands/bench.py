@@ -84,7 +84,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> None:
                            rebalance=not args.every_device if args.rebalance is None else args.rebalance,
                            activations=Activations(args.activations), pin=args.pin, trace_dir=args.trace,
                            ceiling=args.ceiling, gpu_nodes=args.gpu_nodes, every_device=args.every_device,
-                           multicast=args.multicast,
+                           multicast=args.multicast, q8_inputs=args.q8_inputs,
                            vs_llamacpp=args.vs_llamacpp)
     # bench_tp checks the loss specs, then loads the model (model not found), before anything runs
     results = bench_tp(config, node_counts, split(args.plr) or ["0"], transports,
@@ -421,6 +421,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="send every one-token input to each node rather than once to the master's multicast group "
                         "(never used with --loss-at kernel, where one drop on loopback would lose a group datagram "
                         "for every node at once) (default: multicast to the nodes that echo the group's probe)")
+    p.add_argument("--f32-inputs", dest="q8_inputs", action="store_false",
+                   help="send the layers' inputs as float32 even to nodes whose shares compute on Q8 inputs what they "
+                        "compute on float32 (Q4_0 and Q8_0 weights on x86: 3.8x fewer bytes, the same bits), for a "
+                        "comparison (default: Q8 to such nodes, with --codec f32)")
     p.add_argument("--pin", type=int, default=0, metavar="CORES",
                    help="give each device CORES cores of its own, as separate machines have: the master (and the "
                         "single engine) the first CORES, node i the next, wrapping around the cores this process may "

@@ -223,13 +223,14 @@ int er_encode(int codec, const float *x, int n, uint8_t *out) {
             int m = n - b * Q8_BLOCK < Q8_BLOCK ? n - b * Q8_BLOCK : Q8_BLOCK;
             memcpy(block, x + b * Q8_BLOCK, (size_t)m * 4);
             for (int i = 0; i < Q8_BLOCK; i++) top = fmaxf(top, fabsf(block[i]));
-            /* the scale travels as f16: quantize with the rounded value, so the receiver's scale is the one used */
+            /* ggml's quantizer of a product's activations, as wire.encode_vector: the scale top / 127 as f16, each
+             * value times 127 / top rounded to the nearest, ties to even */
             uint16_t bits = f16_bits(top / 127.0f);
-            float scale = f16_value(bits), safe = scale == 0.0f ? 1.0f : scale;
+            float inverse = top != 0.0f ? 127.0f / top : 0.0f;
             uint8_t *o = out + b * Q8_BLOCK_BYTES;
             memcpy(o, &bits, 2);
             for (int i = 0; i < Q8_BLOCK; i++) {
-                float q = nearbyintf(block[i] / safe);
+                float q = nearbyintf(block[i] * inverse);
                 q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
                 o[2 + i] = (uint8_t)(int8_t)q;
             }

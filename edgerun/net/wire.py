@@ -261,12 +261,16 @@ def encode_vector(x: np.ndarray, codec: Codec) -> bytes:
         return x.astype("<f2").tobytes()
     pad = -x.size % Q8_BLOCK
     blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, Q8_BLOCK)
-    # The scale travels as f16: quantize with the rounded value so the receiver's scale is the one used.
-    scale = (np.abs(blocks).max(axis=1) / 127.0).astype("<f2").astype(np.float32)
-    safe = np.where(scale == 0, 1.0, scale)
-    q = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
+    # ggml's quantizer of a product's activations (quantize_row_q8_0 and _q8_1 on x86), in float32: the scale
+    # max|x| / 127 as f16, each value times 127 / max|x| rounded to the nearest, ties to even. A node's ggml
+    # quantizes the decoded block back into these very bytes (exact_q8_inputs), so an input that goes as Q8 gives
+    # the node's products the bits its float32 would.
+    top = np.abs(blocks).max(axis=1)
+    scale = (top / np.float32(127)).astype("<f2")
+    inverse = np.divide(np.float32(127), top, out=np.zeros_like(top), where=top != 0)
+    q = np.clip(np.rint(blocks * inverse[:, None]), -127, 127).astype(np.int8)
     out = np.empty((blocks.shape[0], Q8_BLOCK_BYTES), np.uint8)
-    out[:, :2] = scale.astype("<f2").view(np.uint8).reshape(-1, 2)
+    out[:, :2] = scale.view(np.uint8).reshape(-1, 2)
     out[:, 2:] = q.view(np.uint8)
     return out.tobytes()
 

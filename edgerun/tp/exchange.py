@@ -144,6 +144,7 @@ class StepStats:
     native_partials: int = 0  # partials the native data path took off the socket (net.fastpath)
     native_blocks: int = 0  # blocks the native runner ran (BlockExchange.run_blocks)
     native_mirror_waits: int = 0  # of them mirrored (the first layer's), completed by the Python path (MIRROR_WAIT)
+    q8_inputs: int = 0  # blocks whose input went to the nodes as Q8 (input_codec), on either path
 
 
 @dataclass
@@ -247,6 +248,7 @@ class BlockExchange:
         self.fast = FastPath.load(key) if datagrams is not None else None
         self.gather = Gather(self.fast) if self.fast is not None else None
         self.runner = Runner(self.fast) if self.fast is not None else None
+        self._runner_codec = Codec.F32  # of the layers' inputs the runner sends (prepare_blocks)
         self.native_sends = self.fast is not None and isinstance(udp, LossyUdp) and isinstance(udp.loss, NoLoss)
         self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
         self.group: GroupSender | None = None  # the master's multicast group (net.group; the master sets it)
@@ -296,7 +298,9 @@ class BlockExchange:
         # straight off its socket. Sent second, the datagram came after the frame and the node's loop read the
         # frame first for 45 of 94 mirrored inputs in a 32-token 1B run here (`bench tp --trace`).
         if nodes and over_udp and sent_at is None:
-            self._send_datagrams(nodes, key, x, ranking, Codec.F32 if mirror else self.config.codec)
+            codec = Codec.F32 if mirror else self.config.codec if block == Block.HEAD else self.input_codec(nodes)
+            self._send_datagrams(nodes, key, x, ranking, codec)
+            self.stats.q8_inputs += codec == Codec.Q8
         # A prompt's input goes on a lossy node's spare stream as well: its partial comes back on both. (Not with the
         # strict tcp baseline, whose nodes close their spares; one opened while a switch to it was under way may
         # still be up.)
@@ -587,7 +591,17 @@ class BlockExchange:
         inputs it may send (no loss simulated here) over UDP with a deadline (_sendable)."""
         if self.runner is None or not self.native_sends or self.routes.of(1, Block.ATTN, 1) != Route.DATAGRAM:
             return False
-        return self._sendable(nodes, self.config.codec)
+        return self._sendable(nodes, self.input_codec(nodes))
+
+    def input_codec(self, nodes: Iterable[NodeConn]) -> Codec:
+        """The codec of a layer's input to these nodes over UDP. Where activations go as float32, Q8 if every one's
+        share computes on Q8 what it computes on float32 (Ready.q8_inputs: its ggml quantizes the decoded input
+        back into the very bytes it quantizes the float32 into): 3.8x fewer bytes, a 2048-element input one
+        datagram of 2.2 KB in place of six on a 1500-byte path, and the same partials. Else the configured codec."""
+        nodes = list(nodes)
+        if self.config.codec == Codec.F32 and self.config.q8_inputs and nodes and all(n.q8_inputs for n in nodes):
+            return Codec.Q8
+        return self.config.codec
 
     def _sendable(self, nodes: Iterable[NodeConn], codec: Codec) -> bool:
         """Whether the runner sends these nodes a one-token input in this codec (and takes their partials): live
@@ -618,7 +632,8 @@ class BlockExchange:
         with `head` (and its participants), to send the LM head's input too once the last block is merged."""
         self.settle()  # the blocks of its last run are counted from its records
         watch = sorted({fd for nodes in participants for fd in (n.channel.fileno() for n in nodes) if fd >= 0})
-        self.runner.prepare(blocks, self.model.hidden, eps, int(self.config.codec), self.udp.sock.fileno(),
+        codec = self._runner_codec = self.input_codec({n.index: n for nodes in participants for n in nodes}.values())
+        self.runner.prepare(blocks, self.model.hidden, eps, int(codec), self.udp.sock.fileno(),
                             self.datagrams.sock.fileno(), backend, compute, self.datagrams.spin_s, watch,
                             None if head is None else head[0], self._common_path(participants, head))
         self._runner_head = [] if head is None else [head[1]]  # the head's participants, in the slots after the blocks'
@@ -755,6 +770,7 @@ class BlockExchange:
                     self.send_input(node, key, *self.recent_inputs[key])
                 stats.send_s += started - rec.sent
                 stats.sends += len(nodes)
+                stats.q8_inputs += self._runner_codec == Codec.Q8 and not b.mirrored
                 self.udp.sent += len(nodes)
             counted += 1
             if rec.outstanding == 0 and (self.wait is None or self.wait.key != key):

@@ -11,15 +11,18 @@ once per token count and cache length and rerun with new inputs, as the whole-mo
 from __future__ import annotations
 
 import ctypes
+import functools
+import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from edgerun.errors import EdgerunError
 from edgerun.memory import huge_pages, release_mapped_files
-from edgerun.model import ggml_lib
+from edgerun.model import ggml_lib, kernels
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_engine import (
     HEAD_PART_BYTES,
@@ -38,7 +41,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
 from edgerun.model.weights import ModelWeights, lacking
 from edgerun.net.fastpath import NativeGraph
-from edgerun.net.wire import Block
+from edgerun.net.wire import Q8_BLOCK, Q8_BLOCK_BYTES, Block, Codec, decode_vector, encode_vector
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, _rows, _ShareBase
 
 BLOCK_GRAPH_NODES = 64
@@ -67,6 +70,66 @@ def _spans(units: Sequence[int], width: int) -> list[tuple[int, int]]:
     return [(u * width, (u + 1) * width) for u in units]
 
 
+# ggml's type for a product's activations whose block is wire's Q8 block: an f16 scale and 32 int8. (Q8_1, Q4_1's,
+# is not: the sum it keeps beside them is taken with the scale before its f16 rounding, which the decoded block no
+# longer holds, and a Q8 input gave the shipped model's Q4_1 products other bits.)
+Q8_ACTIVATIONS = (int(kernels.Q8_0),)
+
+
+def _ggml_quantized(activations: int, x: np.ndarray) -> bytes:
+    """x (a multiple of 32 floats) as ggml's CPU backend quantizes a product's activations of this type."""
+    traits = kernels.TypeTraitsCpu.from_address(ggml_lib.lib().ggml_get_type_traits_cpu(activations))
+    out = ctypes.create_string_buffer(x.size // Q8_BLOCK * Q8_BLOCK_BYTES)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(traits.from_float)(
+        np.ascontiguousarray(x, np.float32).ctypes.data, ctypes.addressof(out), x.size)
+    return out.raw
+
+
+@functools.cache
+def ggml_quantizes_as_wire() -> bool:
+    """Whether this machine's ggml quantizes a product's activations (Q8_0) into the very bytes wire's Q8 encodes,
+    and a block decoded from them back into them: then an input that travels as Q8 gives a share's products the
+    bits its float32 gives. ggml's x86 quantizer computes what wire.encode_vector does (quantize_row_q8_0 and its
+    repacked layouts' ggml_quantize_mat_q8_0: read, and checked here); another CPU's may not (ARM's scales by
+    1 / d, not 127 / max, which differ in their last bit now and then: samples would rarely show it), and such a
+    node takes float32 inputs. Checked on seeded
+    blocks of every magnitude and on the edges: zero blocks, ties halfway between two steps, one large value, a
+    block too small for an f16 scale."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((512, Q8_BLOCK)) * 10.0 ** rng.uniform(-6, 4, (512, 1))).astype(np.float32)
+    x[0] = 0.0
+    x[1] = np.arange(Q8_BLOCK) - 15.5  # a step of 1 (max 127): every other value halfway between two steps
+    x[1, 0] = 127
+    x[2] = x[1] / 8  # the same ties at another scale
+    x[3, 0], x[3, 1:] = 1e4, 1e-3
+    x[4] *= 1e-7  # a block under f16's range: its scale is 0
+    x = x.reshape(-1)
+    wire = encode_vector(x, Codec.Q8)
+    back = decode_vector(wire, Codec.Q8, x.size)
+    return all(_ggml_quantized(t, x) == wire and _scaled(_ggml_quantized(t, back)) == _scaled(wire)
+               for t in Q8_ACTIVATIONS)
+
+
+def _scaled(q8: bytes) -> bytes:
+    """Q8 blocks with the values of those whose scale is zero (a block under f16's range) taken as zeros: such a
+    block decodes to zeros, and ggml quantizes those into zeros; either way it adds nothing to a product."""
+    blocks = np.frombuffer(q8, np.uint8).reshape(-1, Q8_BLOCK_BYTES).copy()
+    blocks[(blocks[:, :2].view("<u2")[:, 0] & 0x7FFF) == 0, 2:] = 0
+    return blocks.tobytes()
+
+
+def _qtype(t: QuantTensor | np.ndarray) -> int:
+    """A weight's ggml type (float32 for an array)."""
+    return int(GGMLQuantizationType[t.qtype]) if isinstance(t, QuantTensor) else int(GGMLQuantizationType.F32)
+
+
+def _activations_type(qtype: int) -> int:
+    """The type ggml quantizes a product's activations to for weights of this type."""
+    return kernels.TypeTraitsCpu.from_address(ggml_lib.lib().ggml_get_type_traits_cpu(qtype)).vec_dot_type
+
+
 class GgmlShard(_ShareBase):
     """One device's units on a ggml backend, the CPU's or a CUDA GPU's (QuantShard's interface, static shares)."""
 
@@ -88,6 +151,7 @@ class GgmlShard(_ShareBase):
         self.attn: list[AttnTensors | None] = []
         self.mlp_tensors: list[tuple[int, int, int] | None] = []
         self._bytes: dict[tuple[int, Block], int] = {}
+        self._input_types: set[int] = set()  # the weights the layers' inputs are multiplied with
         rope_freqs = None if weights.rope_freqs is None else add("rope_freqs", weights.rope_freqs)
         for layer, w in enumerate(weights.layers):
             units, groups = spec.attn_units[layer], spec.mlp_groups[layer]
@@ -108,6 +172,7 @@ class GgmlShard(_ShareBase):
                     v_cache=store.cache(f"{layer}.v_cache", len(units) * hd, max_len * slots),
                     n_heads=len(units) * per_kv, n_kv_heads=len(units), layer=layer, rope_freqs=rope_freqs))
                 self._bytes[layer, Block.ATTN] = wq.nbytes + wk.nbytes + wv.nbytes + wo.nbytes
+                self._input_types.update(_qtype(t) for t in (wq, wk, wv))
             else:
                 self.attn.append(None)
             if groups:
@@ -117,6 +182,7 @@ class GgmlShard(_ShareBase):
                 self.mlp_tensors.append((add(f"{layer}.gate", gate), add(f"{layer}.up", up),
                                          add(f"{layer}.down", down)))
                 self._bytes[layer, Block.MLP] = gate.nbytes + up.nbytes + down.nbytes
+                self._input_types.update(_qtype(t) for t in (gate, up))
             else:
                 self.mlp_tensors.append(None)
         self.head: int | None = None
@@ -125,6 +191,12 @@ class GgmlShard(_ShareBase):
             self.head = store.add_rows("head", rows, HEAD_PART_BYTES)
             self._bytes[0, Block.HEAD] = rows.nbytes
         store.upload(release=lambda: release_mapped_files(mapped_files))
+        # Its layers' inputs may travel as wire's Q8 at no cost to its bits where, on the CPU, every weight they are
+        # multiplied with takes Q8_0 activations (Q4_0, Q8_0, Q5_0, IQ4_NL: not Q4_1's Q8_1, not K-quants' Q8_K,
+        # nor float weights) and this ggml quantizes those as wire.encode_vector does: ggml then quantizes
+        # the decoded input into the bytes it quantizes the float32 input into, and computes the same.
+        self.takes_q8_inputs = device == "cpu" and all(
+            _activations_type(t) in Q8_ACTIVATIONS for t in self._input_types) and ggml_quantizes_as_wire()
         if device == "cpu":
             huge_pages()
         self._graphs: dict[tuple, _BlockGraph] = {}

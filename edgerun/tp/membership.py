@@ -85,6 +85,7 @@ class NodeConn:
     # kernels' time so far and its peak resident memory.
     weight_bytes: int = 0
     cache_bytes: int = 0
+    q8_inputs: bool = False  # its share's inputs may come as Q8 at no cost to its bits (Ready.q8_inputs)
     compute_s: float = 0.0
     session_compute: tuple[int, float] = (0, 0.0)  # (session, its kernels' seconds in it so far)
     session_decode: tuple[int, float] = (0, 0.0)  # (session, its one-token blocks' kernel seconds in it so far)
@@ -233,8 +234,8 @@ class Membership:
 
     def _message(self, node: NodeConn, message: Message) -> None:
         match message:
-            case Ready(_, weight_bytes, cache_bytes):
-                node.weight_bytes, node.cache_bytes = weight_bytes, cache_bytes
+            case Ready(_, weight_bytes, cache_bytes, q8_inputs):
+                node.weight_bytes, node.cache_bytes, node.q8_inputs = weight_bytes, cache_bytes, q8_inputs
                 node.ready.set()
             case Pong() | BandwidthReply():
                 node.pongs.append(time.perf_counter())

@@ -97,6 +97,8 @@ class Ready:
     session: int
     weight_bytes: int
     cache_bytes: int
+    # its layers' inputs may come as Q8 (wire.encode_vector), which its kernels compute on as on their float32
+    q8_inputs: bool = False
 
 
 @dataclass(frozen=True)

@@ -441,7 +441,7 @@ class Node:
                            (spec.mlp_groups[layer] and self.routes.of(layer, Block.MLP, 1) == Route.DATAGRAM)
                            for layer in range(len(spec.attn_units))))
         self._serve_natively(True)
-        self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes))
+        self.channel.send(Ready(self.session, shard.weight_bytes, shard.cache_bytes, shard.takes_q8_inputs))
         self.log(f"node {self.config.name}: holds {sum(map(len, spec.attn_units))} attention units, "
                  f"{sum(map(len, spec.mlp_groups))} MLP groups and {len(spec.vocab_blocks)} vocabulary blocks: "
                  f"{shard.weight_bytes / 1e6:.1f} MB of weights, {shard.cache_bytes / 1e6:.1f} MB of KV cache")

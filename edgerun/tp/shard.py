@@ -188,6 +188,9 @@ class _ShareBase:
         self.vocab_rows = _row_index([(b * spec.vocab_block, min((b + 1) * spec.vocab_block, c.vocab_size))
                                       for b in spec.vocab_blocks]).astype(np.int64)
         self.lengths = [0] * c.n_layers
+        # Whether its layers' inputs may travel as wire's Q8 at no cost to its bits (GgmlShard.takes_q8_inputs):
+        # onnxruntime's shares compute in float32 from what comes, so theirs travel as float32.
+        self.takes_q8_inputs = False
         # per sequence a share holds (GgmlShard's slots), each layer's cached positions; the first is `lengths`
         self.slot_lengths = [self.lengths]
 
