@@ -34,6 +34,7 @@ SAMPLES: list[m.Message] = [
     m.Assign(4, 2, SPEC, 1024, Codec.F32, m.Routes.for_transport("tcp", 2), 40_001, None, 0, 1472, slots=8),
     m.Input(3, 0, 1, Block.HEAD, None, b"\x00" * 8),
     m.Input(3, 9, 1, Block.ATTN, (2, 0, 1), b"\x01" * 8),
+    m.Input(3, 9, 2, Block.MLP, None, b"\x02" * 68, Codec.Q8),
     m.Reset(5),
     m.Reset(6, 40),
     m.Reset(7, None, batch=True),

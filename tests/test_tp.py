@@ -358,6 +358,13 @@ def test_q8_inputs_give_every_step_the_bits_of_float32_inputs(tiny_spec, synth_g
         assert runs[True][0] == runs[False][0]
         assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(runs[True][1], runs[False][1],
                                                                                          strict=True))
+        # A lossy codec on the datagrams: the prompt's inputs on the streams go as float32 (a node takes no other
+        # codec there), none as Q8, and the request completes with every block whole
+        master.reconfigure(replace(master.config, q8_inputs=True, codec=Codec.F16))
+        master.replan()
+        before = master.exchange.stats.q8_inputs
+        assert len(master.generate(prompt, 4, GREEDY)) == 4
+        assert master.exchange.stats.q8_inputs == before and master.stats.blocks_incomplete == 0
     finally:
         master.close()
         for p in nodes:

@@ -53,6 +53,7 @@ from edgerun.net.wire import (
     Transport,
     WireError,
     as_f32,
+    encode_vector,
     fragment,
     fragments_of,
     is_parity,
@@ -1039,8 +1040,12 @@ class BlockExchange:
         """The block's input over TCP to these nodes: one frame, encoded and sealed once, on every stream; to the
         `spare` nodes on their spare streams too, after every first copy."""
         session, position, layer, block = key
-        frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking,
-                                             memoryview(as_f32(x)).cast("B")))
+        # Q8 where every node takes its layers' inputs so (the same partials), else float32: a lossy codec's
+        # rounding is for datagrams, and the TCP input of a reliable block stays exact
+        codec = Codec.Q8 if block != Block.HEAD and self.input_codec(nodes) == Codec.Q8 else Codec.F32
+        vector = encode_vector(x, codec) if codec == Codec.Q8 else memoryview(as_f32(x)).cast("B")
+        frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking, vector, codec))
+        self.stats.q8_inputs += codec == Codec.Q8
         for channel in [n.channel for n in nodes] + [n.spare for n in spare if n.spare is not None]:
             with contextlib.suppress(OSError, ConnectionError):
                 channel.send_frame(frame)

@@ -201,7 +201,7 @@ class Assign:
 
 @dataclass(frozen=True)
 class Input:
-    """A block's normalized input over TCP (f32): reliable blocks, and answers to a Fetch."""
+    """A block's normalized input over TCP: reliable blocks, and answers to a Fetch."""
 
     session: int
     position: int
@@ -209,6 +209,8 @@ class Input:
     block: Block
     ranking: tuple[int, ...] | None  # dynamic mapping: the unit at each priority index
     vector: Payload
+    # float32, or Q8 (wire.encode_vector) to a node that takes its layers' inputs so (Exchange.input_codec)
+    codec: Codec = Codec.F32
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ from edgerun.net.group import PROBE_LAYER, join_group
 from edgerun.net.loss import LossModel, NoLoss
 from edgerun.net.model_files import fetch_model, model_sha256
 from edgerun.net.wire import (
+    Q8_BLOCK,
+    Q8_BLOCK_BYTES,
     Block,
     Codec,
     Header,
@@ -55,6 +57,7 @@ from edgerun.net.wire import (
     Resend,
     WireError,
     as_f32,
+    decode_vector,
     fragment,
     fragments_of,
     is_parity,
@@ -479,8 +482,8 @@ class Node:
                 self._new_session(session, top, batch)
             case BatchStep(session) if session == self.session and self.batch:
                 self.steps[message.step] = message
-            case Input(session, position, layer, block, ranking, vector):
-                if len(vector) % 4:
+            case Input(session, position, layer, block, ranking, vector, codec):
+                if len(vector) % (Q8_BLOCK_BYTES if codec == Codec.Q8 else 4) or codec not in (Codec.F32, Codec.Q8):
                     self.counters.reject("message")
                     return
                 key = (session, position, layer, int(block))
@@ -489,7 +492,9 @@ class Node:
                     self.kept_partials[key] = (*kept[:2], True)
                     self._stream_copy(kept[0], kept[1])
                     return
-                x = np.frombuffer(vector, "<f4")  # a view of the frame: the share reads it, never writes
+                # float32: a view of the frame (the share reads it, never writes)
+                x = np.frombuffer(vector, "<f4") if codec == Codec.F32 else \
+                    decode_vector(bytes(vector), codec, len(vector) // Q8_BLOCK_BYTES * Q8_BLOCK)
                 entry = self._entry(Header(MsgType.ACTIVATION, session, position, layer, block), x.size)
                 if entry is not None:
                     entry.full = x
