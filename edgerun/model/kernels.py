@@ -163,7 +163,6 @@ def _build_key(path: Path) -> str:
     """What the verdicts depend on: the libraries' files (a rebuild changes their size or time) and the CPU's
     model and instruction set."""
     files = [Path(p) for p in ggml_lib.lib().paths] + [path]
-    cpu = ""
     try:
         cpu = "\n".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
                         if line.startswith(("model name", "flags")))

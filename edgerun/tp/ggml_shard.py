@@ -92,9 +92,8 @@ def ggml_quantizes_as_wire() -> bool:
     bits its float32 gives. ggml's x86 quantizer computes what wire.encode_vector does (quantize_row_q8_0 and its
     repacked layouts' ggml_quantize_mat_q8_0: read, and checked here); another CPU's may not (ARM's scales by
     1 / d, not 127 / max, which differ in their last bit now and then: samples would rarely show it), and such a
-    node takes float32 inputs. Checked on seeded
-    blocks of every magnitude and on the edges: zero blocks, ties halfway between two steps, one large value, a
-    block too small for an f16 scale."""
+    node takes float32 inputs. Checked on seeded blocks of every magnitude and on the edges: zero blocks, ties
+    halfway between two steps, one large value, a block too small for an f16 scale."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     rng = np.random.default_rng(0)
