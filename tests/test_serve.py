@@ -293,6 +293,30 @@ def test_bench_serve_members_compute_on_the_cpu() -> None:
     assert experts.mode == "moe"
 
 
+def test_bench_serve_members_poll_where_each_has_a_core() -> None:
+    """--spin-us auto: the started cluster's master and members poll for their next message (20 ms) where this
+    machine has a core for each of their compute threads, else sleep; a number is taken as it is, for the server and
+    every member alike; a server alone has nothing to poll for; --url starts nothing to set it on."""
+    from edgerun.bench.serve import ServeBenchConfig, cluster_spin_us, member_argv
+    from edgerun.cli import build_parser
+    from edgerun.errors import EdgerunError
+    from edgerun.net.loops import AUTO_SPIN_US
+
+    cores = len(os.sched_getaffinity(0))
+    assert cluster_spin_us(ServeBenchConfig()) == 0.0
+    auto = ServeBenchConfig(nodes=cores - 1)
+    assert cluster_spin_us(auto) == AUTO_SPIN_US
+    assert cluster_spin_us(replace(auto, nodes=cores)) == 0.0
+    assert cluster_spin_us(replace(auto, threads=2)) == 0.0
+    given = ServeBenchConfig(workers=2, spin_us=500.0)
+    assert cluster_spin_us(given) == 500.0
+    assert build_parser().parse_args(member_argv(given, 0, "7000", "k" * 32, 512.0)[3:]).spin_us == 500.0
+    assert build_parser().parse_args(["serve", "--spin-us", "500"]).spin_us == 500.0
+    for bad in ({"spin_us": -1.0}, {"spin_us": 100.0, "url": "http://127.0.0.1:1"}):
+        with pytest.raises(EdgerunError, match="--spin-us"):
+            ServeBenchConfig(**bad)
+
+
 def test_bench_serve_measures_concurrent_streams_against_a_running_server(server: Serving) -> None:
     """`bench serve --url` against a running server: every stream's tokens come back (the usage), first tokens and
     gaps are timed, and the aggregate is the row's tokens over its wall time; a wrong key is one line naming 401."""

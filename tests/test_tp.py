@@ -1113,7 +1113,16 @@ def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) ->
     for master, nodes in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8, slots=3):
         engine = TpBatch(master)
         alone = {}
-        for i in range(len(BATCH_PROMPTS)):
+        # A step begins its batch session in its own turn on the master's loop: a call through the loop between
+        # steps would wait out the turns' polling (--spin-us) every step.
+        calls, call = [], master.net.call
+        master.net.call = lambda fn: calls.append(fn) or call(fn)
+        try:
+            alone.update(drain_batch(BatchLoop(engine, prefill_chunk=16), model, [0]))
+        finally:
+            master.net.call = call
+        assert calls == [] and master.batch is not None and len(alone[0]) == 12
+        for i in range(1, len(BATCH_PROMPTS)):
             alone.update(drain_batch(BatchLoop(engine, prefill_chunk=16), model, [i]))
         assert len({tuple(t) for t in alone.values()}) == len(alone) and all(len(t) == 12 for t in alone.values())
         loop = BatchLoop(engine, prefill_chunk=16)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
+from edgerun.net.loops import auto_spin_us
 from edgerun.serve.client import stream_events
 from edgerun.tables import Column, text_table
 
@@ -58,6 +59,9 @@ class ServeBenchConfig:
     # Also time one stream on the single engine alone (a server of its own, --no-cluster, one request at a time)
     # before the rows, and give each row's aggregate against it
     baseline: bool = False
+    # How long the started cluster's master and members poll for their next message before sleeping (--spin-us);
+    # None: auto, AUTO_SPIN_US where this machine has a core for every compute thread of the server and members
+    spin_us: float | None = None
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
@@ -71,9 +75,11 @@ class ServeBenchConfig:
             raise EdgerunError("--nodes, --workers or --experts: a tensor-parallel cluster, a pipeline or an expert "
                                "master, one of them")
         if self.url is not None and (self.nodes or self.workers or self.experts or self.parallel > 1
-                                     or self.baseline):
+                                     or self.baseline or self.spin_us is not None):
             raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --experts, "
-                               "--parallel and --baseline start one")
+                               "--parallel, --baseline and --spin-us start one")
+        if self.spin_us is not None and not 0 <= self.spin_us < math.inf:
+            raise EdgerunError(f"--spin-us must be 0 or more microseconds, not {self.spin_us}")
         if self.prompts not in PROMPT_KINDS:
             raise EdgerunError(f"--prompts is one of {', '.join(PROMPT_KINDS)}, not {self.prompts!r}")
         if self.url is not None and not re.match(r"^https?://[^/]+", self.url):
@@ -100,6 +106,7 @@ class ServeRow:
     itl_p50_ms: float  # between pieces of text, over every stream's
     vs_one: float | None  # aggregate_tok_s over the one-stream row's (None without one)
     served_by: str = ""  # what the server said it served from after the row (serving())
+    spin_us: float = 0.0  # how long the started cluster's master and members polled before sleeping
     vs_single: float | None = None  # aggregate_tok_s over the single engine's one stream (--baseline)
 
 
@@ -204,6 +211,15 @@ def _stage_budget_mb(config: ServeBenchConfig) -> float:
     return worker_budget_mb(profile.layer_memory_bytes, config.workers)
 
 
+def cluster_spin_us(config: ServeBenchConfig) -> float:
+    """What the started cluster's master and members poll for (--spin-us, auto resolved); 0 for a server alone,
+    which has no member to hear from."""
+    members = config.nodes + config.workers + config.experts
+    if not members:
+        return 0.0
+    return auto_spin_us(members + 1, config.threads) if config.spin_us is None else config.spin_us
+
+
 def member_argv(config: ServeBenchConfig, index: int, cluster_port: str, key: str,
                 budget_mb: float | None) -> list[str]:
     """The command line of the bench's member number `index` (a node, a pipeline worker or an expert worker) that
@@ -213,7 +229,7 @@ def member_argv(config: ServeBenchConfig, index: int, cluster_port: str, key: st
     mode = ["--mode", "pp", "--memory-budget", f"{budget_mb:.1f}", "--device", "cpu"] if config.workers else \
         ["--mode", "moe"] if config.experts else ["--device", "cpu"]
     return [sys.executable, "-m", "edgerun.cli", "node", *mode, "--master", f"127.0.0.1:{cluster_port}", "--key", key,
-            "--name", f"bench-{index}", "--threads", str(config.threads)]
+            "--name", f"bench-{index}", "--threads", str(config.threads), "--spin-us", f"{cluster_spin_us(config):g}"]
 
 
 @contextmanager
@@ -243,6 +259,8 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
         argv += ["--no-cluster", "--parallel", str(config.parallel)]
     if config.model is not None:
         argv += ["--model", str(config.model)]
+    if members:
+        argv += ["--spin-us", f"{cluster_spin_us(config):g}"]
     if config.api_key:
         argv += ["--api-key", config.api_key]
     procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -316,7 +334,8 @@ def bench_serve(config: ServeBenchConfig, log: Callable[[str], None] = lambda _:
             log(f"{streams} stream(s)...")
             bodies = [{**body, "prompt": prompt} for prompt in stream_prompts(config, number, streams)]
             row = summarize(streams, *run_row(url, bodies, config.api_key))
-            rows.append(replace(row, served_by=serving(_state(url, config.api_key))))
+            rows.append(replace(row, served_by=serving(_state(url, config.api_key)),
+                                spin_us=0.0 if config.url else cluster_spin_us(config)))
     one = next((r.aggregate_tok_s for r in rows if r.streams == 1), None)
     return [replace(r, vs_one=None if one is None else r.aggregate_tok_s / one,
                     vs_single=None if single is None else r.aggregate_tok_s / single) for r in rows]
@@ -340,4 +359,6 @@ def serve_table(rows: Sequence[ServeRow]) -> str:
     if single:
         lines.append(f"x single: against one stream on the single engine alone (--baseline), "
                      f"{rows[0].aggregate_tok_s / rows[0].vs_single:.1f} tok/s")
+    if rows and any(r.spin_us for r in rows):
+        lines.append(f"spin: the cluster's master and members polled {rows[0].spin_us:g} µs before sleeping")
     return "\n".join(lines)

@@ -106,7 +106,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
                               args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,
                               args.nodes, args.workers, experts=args.experts, plan=args.plan, prompts=args.prompts,
-                              baseline=args.baseline)
+                              baseline=args.baseline, spin_us=args.spin_us)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -358,8 +358,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--model; one replica of each expert, the server's --max-context 512) (default: 0)")
     p.add_argument("--plan", choices=plan_names(ClusterKind.TP), default="even",
                    help="the started tensor-parallel cluster's planner (default: even, every node computing)")
+    spin_arg(p, auto=True)
     p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "
-                   "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms, vs_one and served_by")
+                   "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms, vs_one, served_by, vs_single and "
+                   "spin_us")
     p.set_defaults(func=cmd_bench_serve)
     p = bench.add_parser("tp", help="a local tensor-parallel cluster: time per token and where it goes",
                          description="Start a master in this process and node processes on loopback, generate "

@@ -7,7 +7,14 @@ import os
 import sys
 from pathlib import Path
 
-from edgerun.commands.common import activations_arg, route_arg, sampling_args, sampling_params, thread_count
+from edgerun.commands.common import (
+    activations_arg,
+    route_arg,
+    sampling_args,
+    sampling_params,
+    spin_arg,
+    thread_count,
+)
 from edgerun.errors import EdgerunError
 from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
@@ -100,6 +107,7 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     sampling_args(p, ": the API's, for what a request leaves out")
     activations_arg(p)
     route_arg(p)
+    spin_arg(p)
     p.add_argument("--threads", type=thread_count, default=threads_default,
                    help=f"compute threads of this machine's engine and share (default: {threads_default}, this "
                         "machine's cores)")
@@ -153,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          metrics_public=args.metrics_public,
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=Transport(args.transport), activations=Activations(args.activations),
-                         route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter)
+                         route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter,
+                         spin_us=args.spin_us)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

@@ -72,20 +72,29 @@ class TpBatch:
 
     def _session(self) -> None:
         """The batch session its caches are in; CachesLost where a new one had to start after one had run."""
-        fresh = self.master.start_batch()
+        self._began(self.master.start_batch())
+
+    def _began(self, fresh: bool) -> None:
         if fresh and self.started:
             raise CachesLost("the cluster made a new session")
         self.started = True
 
     def _run(self, step: Coroutine[Any, Any, np.ndarray]) -> np.ndarray:
-        try:
-            self._session()
-        except CachesLost:
-            step.close()
-            raise
+        """The step in the master's turn, its batch session begun in the same turn (Master.begin_batch)."""
         master = self.master
+
+        async def in_session() -> np.ndarray:
+            try:
+                self._began(master.begin_batch())
+            except CachesLost:
+                step.close()
+                raise
+            return await step
+
         try:
-            return master.net.run_in_turn(step, master.config.spin_us / 1e6)
+            return master.net.run_in_turn(in_session(), master.config.spin_us / 1e6)
+        except CachesLost:
+            raise
         except EngineLost as lost:  # a node went: plan over those left, in a batch session at once
             master.recover(lost)
             master.start_batch()

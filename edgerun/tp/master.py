@@ -716,17 +716,19 @@ class Master:
     def start_batch(self) -> bool:
         """A batch session from here on: whether one had to start (a request, a replan or a rebalance since the last
         made a new session: what the batch's caches held is gone)."""
-        def start() -> bool:
-            if self.batch is not None and self.batch.session == self.exchange.session:
-                return False
-            session = self.exchange.session + 1
-            # every block over the stream, as a prompt's: a step's rows are the batch's sequences'
-            self.exchange.new_session(session, Routes.for_transport("tcp", self.model.config.n_layers))
-            self._announce(None, batch=True)
-            self.batch = BatchSession(session)
-            return True
+        return self.net.call(self.begin_batch)
 
-        return self.net.call(start)
+    def begin_batch(self) -> bool:
+        """start_batch, on the loop's thread: what a batch step's own turn runs first (a call through the loop
+        between steps would wait out the turns' polling, spin_us, every step)."""
+        if self.batch is not None and self.batch.session == self.exchange.session:
+            return False
+        session = self.exchange.session + 1
+        # every block over the stream, as a prompt's: a step's rows are the batch's sequences'
+        self.exchange.new_session(session, Routes.for_transport("tcp", self.model.config.n_layers))
+        self._announce(None, batch=True)
+        self.batch = BatchSession(session)
+        return True
 
     async def batch_step(self, tokens: Sequence[int], slots: Sequence[int], starts: Sequence[int]) -> np.ndarray:
         """One step of the batch session (start_batch): one sequence's tokens from starts[0] of slot slots[0] (its
