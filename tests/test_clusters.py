@@ -30,6 +30,9 @@ def test_each_kind_reads_its_part_of_the_settings() -> None:
     pp = cluster_config(settings(ClusterKind.PP, route=Route.STAR, prefix=(1, 2), replicas=2, slots=3))
     assert isinstance(pp, PipelineConfig)
     assert (pp.route, pp.prefix, pp.replicas, pp.slots, pp.activations) == (Route.STAR, (1, 2), 2, 3, Activations.INT8)
+    # a batch's pace is its slowest stage's; one request at a time waits for the stages' sum
+    assert pp.objective == "max"
+    assert cluster_config(settings(ClusterKind.PP)).objective == "sum"
     moe = cluster_config(settings(ClusterKind.MOE, replicas=3, hedge="auto"))
     assert isinstance(moe, HubConfig)
     assert (moe.replicas, moe.hedge, moe.adaptive_hedge, moe.slots, moe.threads) == (3, 3, True, 0, 3)

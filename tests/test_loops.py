@@ -97,6 +97,49 @@ def test_a_spinning_loop_thread_runs_coroutines_and_answers_in_time(pair: tuple[
     plain.close()
 
 
+def test_a_thread_waiting_in_run_polls_only_while_it_waits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EventLoopThread.run with spin_s: one waiting thread polls (yields the core between polls); while several
+    wait (a pipeline's batch lanes) none does, since each poll takes the interpreter from the loop thread that must
+    read their replies; all of them get their results."""
+    import edgerun.net.channel as channel
+
+    yields = collections.Counter()
+    real_yield = channel.os.sched_yield
+
+    def counted() -> None:
+        yields[threading.current_thread().name] += 1
+        real_yield()
+
+    monkeypatch.setattr(channel.os, "sched_yield", counted)
+    net = EventLoopThread(spin_s=5.0)
+    try:
+        release = net.call(asyncio.Event)
+
+        async def wait(value: int) -> int:
+            await release.wait()
+            return value
+
+        results: dict[int, int] = {}
+        waiters = [threading.Thread(target=lambda i=i: results.__setitem__(i, net.run(wait(i))), name=f"lane-{i}")
+                   for i in range(3)]
+        waiters[0].start()
+        time.sleep(0.05)
+        alone = sum(yields.values())
+        assert alone > 10  # the one waiting thread polls
+        for t in waiters[1:]:
+            t.start()
+        time.sleep(0.1)  # they wait (and a poll that had passed its check as the others came is over)
+        before = sum(yields.values())
+        time.sleep(0.05)
+        assert sum(yields.values()) == before  # three waiting: none polls
+        net.loop.call_soon_threadsafe(release.set)
+        for t in waiters:
+            t.join(5)
+        assert results == {0: 0, 1: 1, 2: 2}
+    finally:
+        net.stop()
+
+
 def test_auto_spin_where_every_compute_thread_has_a_core() -> None:
     """A benchmark's --spin-us auto: spin where the run's processes' compute threads fit the cores, else not."""
     assert auto_spin_us(8, 1, cores=16) == AUTO_SPIN_US

@@ -1116,7 +1116,7 @@ def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) ->
         # A step begins its batch session in its own turn on the master's loop: a call through the loop between
         # steps would wait out the turns' polling (--spin-us) every step.
         calls, call = [], master.net.call
-        master.net.call = lambda fn: calls.append(fn) or call(fn)
+        master.net.call = lambda fn, calls=calls, call=call: calls.append(fn) or call(fn)
         try:
             alone.update(drain_batch(BatchLoop(engine, prefill_chunk=16), model, [0]))
         finally:

@@ -372,9 +372,11 @@ def cluster_config(s: ClusterSettings) -> ClusterConfig:
                              adaptive_hedge=adaptive, activations=s.activations, threads=s.threads,
                              slots=s.slots if s.slots > 1 else 0)
         case ClusterKind.PP:
+            # A batch keeps every stage busy at once, so its pace is the slowest stage's: planned for that ("max"),
+            # where one request at a time passes the stages in turn and waits for their sum.
             return PipelineConfig(host=s.host, port=s.port, max_len=s.max_len, replicas=s.replicas,
                                   activations=s.activations, route=s.route, prefix=s.prefix, spin_us=s.spin_us,
-                                  slots=s.slots)
+                                  slots=s.slots, objective="max" if s.slots > 1 else "sum")
         case _:
             return MasterConfig(strategy=s.strategy, host=s.host, port=s.port, max_len=s.max_len, threads=s.threads,
                                 transport=s.transport, activations=s.activations, slots=s.slots, spin_us=s.spin_us)
