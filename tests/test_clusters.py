@@ -12,6 +12,7 @@ from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
 from edgerun.pp.config import PipelineConfig, Route
 from edgerun.sched.plans import TPStrategy
+from edgerun.sched.pp_plan import Pricing
 from edgerun.serve.clusters import ClusterSettings, build, cluster_config
 from edgerun.tables import Column, text_table
 from edgerun.tp.config import MasterConfig
@@ -30,9 +31,11 @@ def test_each_kind_reads_its_part_of_the_settings() -> None:
     pp = cluster_config(settings(ClusterKind.PP, route=Route.STAR, prefix=(1, 2), replicas=2, slots=3))
     assert isinstance(pp, PipelineConfig)
     assert (pp.route, pp.prefix, pp.replicas, pp.slots, pp.activations) == (Route.STAR, (1, 2), 2, 3, Activations.INT8)
-    # a batch's pace is its slowest stage's; one request at a time waits for the stages' sum
-    assert pp.objective == "max"
-    assert cluster_config(settings(ClusterKind.PP)).objective == "sum"
+    # a batch: its pace is its slowest stage's, its products compute-bound, its plan for speed alone; one request
+    # at a time waits for the stages' sum, each streaming its weights, and weighs the plan's start
+    assert (pp.objective, pp.pricing, pp.init_cost) == ("max", Pricing.MACS, False)
+    one = cluster_config(settings(ClusterKind.PP))
+    assert (one.objective, one.pricing, one.init_cost) == ("sum", Pricing.BYTES, True)
     moe = cluster_config(settings(ClusterKind.MOE, replicas=3, hedge="auto"))
     assert isinstance(moe, HubConfig)
     assert (moe.replicas, moe.hedge, moe.adaptive_hedge, moe.slots, moe.threads) == (3, 3, True, 0, 3)

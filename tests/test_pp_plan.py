@@ -17,6 +17,7 @@ from edgerun.sched.pp_plan import (
     CostParams,
     CostTriple,
     Layers,
+    Pricing,
     SearchParams,
     Stage,
     Worker,
@@ -27,6 +28,7 @@ from edgerun.sched.pp_plan import (
     cover_stages,
     exec_cost_us,
     init_cost,
+    layer_costs,
     layers_from_model,
     plan_exec_us,
     plan_layers,
@@ -515,6 +517,69 @@ def test_json_round_trip():
     bad["stages"][0]["end_layer"] = True
     with pytest.raises(ValueError, match=r"stages\[0\]\.end_layer"):
         pp_plan_from_json(bad)
+
+
+def test_json_keeps_the_pricing_and_reads_plans_written_without_it():
+    m, devices = two_stage_setup()
+    plan = plan_pp(m, devices, objective="max", pricing=Pricing.MACS)
+    data = json.loads(json.dumps(plan.to_json()))
+    assert data["pricing"] == "macs" and pp_plan_from_json(data) == plan
+    del data["pricing"]  # a plan file written before plans were priced by multiply-adds
+    assert pp_plan_from_json(data).pricing is Pricing.BYTES
+    data["pricing"] = "flops"
+    with pytest.raises(ValueError, match=r"plan\.pricing"):
+        pp_plan_from_json(data)
+
+
+def lm_head_model() -> ModelProfile:
+    """16 layers, the last with an LM head of 8-bit weights: 8 times a layer's bytes, but 4 times its multiply-adds
+    (a 4-bit layer of as many weights streams half the bytes); the first holds an embedding table as large
+    (memory, not multiplied)."""
+    layer_bytes, layer_flops = 10e6, 40e6
+    read = [layer_bytes] * 15 + [layer_bytes * 9]
+    flops = [layer_flops] * 15 + [layer_flops * 5]
+    weight = [layer_bytes * 9] + [layer_bytes] * 14 + [layer_bytes * 9]
+    return dataclasses.replace(model(weight), layer_read_bytes=tuple(read), layer_flops=tuple(flops))
+
+
+def test_macs_share_the_bytes_out_by_multiply_adds():
+    """Pricing.MACS: the model costs its bytes in all, shared among the layers as their multiply-adds are; a
+    batch's plan by it splits the layers evenly around the head's stage, where by bytes the head's stage alone
+    is the slowest and the others fall as they may."""
+    m = lm_head_model()
+    by_bytes, by_macs = layer_costs(m), layer_costs(m, Pricing.MACS)
+    assert by_bytes == m.layer_read_bytes and math.isclose(sum(by_macs), sum(by_bytes))
+    assert by_macs[-1] / by_macs[0] == pytest.approx(5.0) and by_bytes[-1] / by_bytes[0] == pytest.approx(9.0)
+    assert layers_from_model(m, Pricing.MACS).cost == by_macs
+    devices = [device(f"w{i}", 1e6) for i in range(4)]
+    plan = plan_pp(m, devices, objective="max", pricing=Pricing.MACS, params=EXEC_ONLY)
+    assert plan.pricing is Pricing.MACS
+    # 20 layer-loads of multiply-adds in 4 stages: the head's layer alone takes 5, the others 5 each
+    assert [(s.first_layer, s.end_layer) for s in plan.stages] == [(0, 5), (5, 10), (10, 15), (15, 16)]
+    by_bytes_plan = plan_pp(m, devices, objective="max", params=EXEC_ONLY)
+    assert by_bytes_plan.pricing is Pricing.BYTES and by_bytes_plan.stages[-1].first_layer == 15
+    # priced again as planned (the repartition loop's comparison); by bytes the head's stage is slower
+    assert plan_exec_us(plan, m, devices, params=EXEC_ONLY) == pytest.approx(plan.cost.exec_us)
+    assert plan_exec_us(plan, m, devices, pricing=Pricing.BYTES, params=EXEC_ONLY) > plan.cost.exec_us
+
+
+def test_a_batch_benchmarks_budgets_hold_its_fastest_split_on_every_worker():
+    """bench serve --workers N --parallel P: the smallest budget that holds the model forces the split by memory
+    (the embedding's stage one layer, the next ones seven), while a batch's budget (bench.pp.batch_budgets_mb)
+    leaves room for the split a batch is planned for, and still makes the plan use every worker."""
+    from edgerun.bench.pp import batch_budgets_mb, stage_budgets_mb
+
+    m = lm_head_model()
+    tight = [device(f"w{i}", stage_budgets_mb(m.layer_memory_bytes, 4)) for i in range(4)]
+    room = [device(f"w{i}", batch_budgets_mb(m, 4)) for i in range(4)]
+    by_memory = plan_pp(m, tight, objective="max", pricing=Pricing.MACS, params=EXEC_ONLY)
+    batch = plan_pp(m, room, objective="max", pricing=Pricing.MACS, params=EXEC_ONLY)
+    assert by_memory.complete and batch.complete and len(batch.stages) == 4
+    assert [(s.first_layer, s.end_layer) for s in batch.stages] == [(0, 5), (5, 10), (10, 15), (15, 16)]
+    assert max(by_memory.stage_compute_s) > 1.3 * max(batch.stage_compute_s)
+    # three of those budgets cannot hold the model as fast: the plan runs all four
+    assert plan_pp(m, room[:3], objective="max", pricing=Pricing.MACS, params=EXEC_ONLY).cost.exec_us > \
+        batch.cost.exec_us
 
 
 def test_bad_arguments():

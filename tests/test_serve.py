@@ -359,6 +359,10 @@ def test_bench_serve_starts_a_cluster_and_says_which_devices_computed() -> None:
     # a batched pipeline, against the single engine's one stream timed first (--baseline)
     rows = bench_serve(ServeBenchConfig(streams=(2,), max_tokens=4, workers=2, parallel=2, baseline=True))
     assert rows[0].tokens == 8 and rows[0].served_by.startswith("the cluster, computed on 2 device(s): bench-")
+    # the stages in order, each with its layers: the first from layer 0, the last to the model's last
+    stages = re.fullmatch(r"the cluster, computed on 2 device\(s\): bench-\d \(layers 0-(\d+)\), "
+                          r"bench-\d \(layers (\d+)-(\d+)\)", rows[0].served_by)
+    assert stages is not None and int(stages[2]) == int(stages[1]) + 1 and int(stages[3]) == 29  # 30 layers
     assert rows[0].vs_single is not None and rows[0].vs_single > 0
     assert "x single" in serve_table(rows)
     for bad in (dict(nodes=1, workers=1), dict(workers=1, experts=1), dict(url="http://127.0.0.1:1", nodes=1),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import subprocess
 import sys
 import threading
@@ -29,8 +30,8 @@ from edgerun.pp.config import PipelineConfig, Route
 from edgerun.pp.deployment import dequantized_expansion
 from edgerun.pp.master import PipelineMaster, PipelineState
 from edgerun.pp.messages import TabWeights
-from edgerun.sched.pp_plan import PPPlan, Stage, plan_exec_us
-from edgerun.sched.profiles import model_profile
+from edgerun.sched.pp_plan import PPPlan, Pricing, Stage, layer_costs, plan_exec_us
+from edgerun.sched.profiles import ModelProfile, model_profile
 from edgerun.tables import Column, text_table
 
 SECRET = "edgerun-bench"
@@ -254,24 +255,45 @@ class PpRow:
     spin_us: float = 0.0  # how long the master and workers polled for their next message (--spin-us, auto resolved)
 
 
-def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
-    """The smallest memory budget (MB, with 5% spare) with which `parts` workers can hold the layers as
-    contiguous ranges: so a pipeline of that many workers must use all of them (fewer cannot hold the model)."""
-    def fits(budget: float) -> bool:
-        used, n = 0.0, 1
-        for b in layer_bytes:
-            if b > budget:
-                return False
-            if used + b > budget:
-                used, n = 0.0, n + 1
-            used += b
-        return n <= parts
+def _fewest_ranges(costs: Sequence[float], memory: Sequence[float], max_cost: float, max_memory: float) -> float:
+    """The fewest contiguous ranges of layers, none above max_cost or max_memory in all (taking as many layers
+    as both allow each time is optimal: both are sums); inf where one layer alone is above either."""
+    ranges, cost, used = 1, 0.0, 0.0
+    for c, m in zip(costs, memory, strict=True):
+        if c > max_cost or m > max_memory:
+            return math.inf
+        if cost + c > max_cost or used + m > max_memory:
+            ranges, cost, used = ranges + 1, 0.0, 0.0
+        cost, used = cost + c, used + m
+    return ranges
 
-    low, high = max(layer_bytes), sum(layer_bytes)
+
+def _smallest(fits: Callable[[float], bool], low: float, high: float) -> float:
+    """The smallest bound in [low, high] that fits (fits(high) holds, fits grows with the bound), to 40 halvings."""
     for _ in range(40):
         mid = (low + high) / 2
         low, high = (low, mid) if fits(mid) else (mid, high)
-    return high * 1.05 / 1e6
+    return high
+
+
+def stage_budgets_mb(layer_bytes: Sequence[float], parts: int) -> float:
+    """The smallest memory budget (MB, with 5% spare) with which `parts` workers can hold the layers as
+    contiguous ranges: so a pipeline of that many workers must use all of them (fewer cannot hold the model)."""
+    free = [0.0] * len(layer_bytes)
+    return _smallest(lambda b: _fewest_ranges(free, layer_bytes, math.inf, b) <= parts, max(layer_bytes),
+                     sum(layer_bytes)) * 1.05 / 1e6
+
+
+def batch_budgets_mb(profile: ModelProfile, parts: int) -> float:
+    """A memory budget (MB, with 5% spare) for each of `parts` workers of a batching pipeline: room for a split
+    whose slowest stage (by multiply-adds, as a batch is planned: Pricing.MACS) is as fast as any split in `parts`
+    stages allows, and no less than stage_budgets_mb, with which the plan must use all of them. The smallest
+    budget that holds the model splits it by memory instead: the stage with the embedding table (only indexed,
+    not multiplied) then takes a layer or two and the others the rest."""
+    costs, memory = layer_costs(profile, Pricing.MACS), profile.layer_memory_bytes
+    slowest = _smallest(lambda c: _fewest_ranges(costs, memory, c, math.inf) <= parts, max(costs), sum(costs))
+    room = _smallest(lambda b: _fewest_ranges(costs, memory, slowest, b) <= parts, max(memory), sum(memory))
+    return max(room * 1.05 / 1e6, stage_budgets_mb(memory, parts))
 
 
 def worker_budget_mb(layer_bytes: Sequence[float], workers: int) -> float:

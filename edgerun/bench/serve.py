@@ -188,6 +188,9 @@ def serving(state: dict | None) -> str:
     memory = plan.get("memory_mb") or [1.0] * len(plan["devices"])
     used = [str(d) if isinstance(d, str) else str(d.get("name", d)) for d, m in zip(plan["devices"], memory,
                                                                                       strict=False) if m > 0]
+    if plan.get("strategy") == "dp":  # a pipeline's stages, in order: which layers each ran
+        holds = {n.get("name"): n.get("holds") for n in state.get("nodes") or []}
+        used = [f"{d} ({holds[d]})" if holds.get(d) else d for d in used]
     return f"the cluster, computed on {len(used)} device(s): {', '.join(used)}"
 
 
@@ -201,13 +204,16 @@ def _cluster_ready(config: ServeBenchConfig, state: dict | None) -> bool:
 
 def _stage_budget_mb(config: ServeBenchConfig) -> float:
     """A memory budget for each of the pipeline's workers with which the plan must use every one of them (the
-    model's layers and their caches, --parallel sequences' of PIPELINE_CONTEXT tokens each, cut in as many stages)."""
-    from edgerun.bench.pp import worker_budget_mb
+    model's layers and their caches, --parallel sequences' of PIPELINE_CONTEXT tokens each, cut in as many stages),
+    and, batching, can split the model as a batch is planned (bench.pp.batch_budgets_mb)."""
+    from edgerun.bench.pp import batch_budgets_mb, worker_budget_mb
     from edgerun.model.loader import load_model
     from edgerun.sched.profiles import model_profile
 
     model = load_model(config.model)
     profile = model_profile(model.name, model.config, model.weights, context=PIPELINE_CONTEXT * config.parallel)
+    if config.parallel > 1 and config.workers > 1:
+        return batch_budgets_mb(profile, config.workers)
     return worker_budget_mb(profile.layer_memory_bytes, config.workers)
 
 

@@ -8,6 +8,7 @@ from enum import Enum
 from edgerun.errors import EdgerunError
 from edgerun.model.onnx_graph import Activations
 from edgerun.net.wire import PP_MAX_FRAME
+from edgerun.sched.pp_plan import Pricing
 
 
 class Route(Enum):
@@ -34,6 +35,11 @@ class PipelineConfig:
     port: int = 0  # workers (WebSocket /ws), browser pages (/node) and stage files; 0: any free port
     max_len: int = 1024  # context length: KV cache per worker
     objective: str = "sum"  # the planner's: "sum" (one token's latency) or "max" (the slowest stage)
+    pricing: Pricing = Pricing.BYTES  # what the planner counts as a layer's cost (a batch's: MACS)
+    # Weigh a plan's start (downloads, sessions) against its speed, as the thesis's planner does for a pipeline
+    # that replans between requests. A batch's server is seldom idle and a busy pipeline does not replan, so it is
+    # planned for its speed alone.
+    init_cost: bool = True
     max_frame: int = PP_MAX_FRAME  # the largest WebSocket message (when the master serves its routes itself)
     replicas: int = 1  # workers per stage where spare ones can hold it (hedged: the first answer counts)
     activations: Activations = Activations.INT8  # of native workers' quantized products (browser tabs: float32)

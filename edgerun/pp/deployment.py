@@ -294,8 +294,8 @@ class Deployment:
     def cost_params(self) -> CostParams:
         """The cost model's constants, with δ measured once there are decode passes to measure."""
         if len(self.overheads) < 3:
-            return CostParams()
-        return CostParams(delta_us=float(np.median(self.overheads)) * 1e6)
+            return CostParams(include_init=self.config.init_cost)
+        return CostParams(delta_us=float(np.median(self.overheads)) * 1e6, include_init=self.config.init_cost)
 
     def ready(self, plan: PPPlan | None) -> bool:
         return plan is not None and all(s.worker in self.workers and self.workers[s.worker].alive
@@ -402,6 +402,7 @@ class Deployment:
                 return
             plan = await asyncio.get_running_loop().run_in_executor(None, lambda mode=mode: shadow_plan(
                 self.fit.profile, devices, self.plan, mode=mode, objective=self.config.objective,
+                pricing=self.config.pricing,
                 seconds_since_redistribution=since, server_up=self.state == PipelineState.UP,
                 params=self.cost_params()))
             if plan.complete:
@@ -586,7 +587,7 @@ class Deployment:
         since = time.monotonic() - self.deployed_at
         params = self.cost_params()
         plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_pp(
-            self.fit.profile, devices, objective=self.config.objective, current=current,
+            self.fit.profile, devices, objective=self.config.objective, pricing=self.config.pricing, current=current,
             seconds_since_redistribution=since,
             server_up=self.state == PipelineState.UP, params=params))
         if not plan.complete:

@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -118,7 +119,7 @@ def workers_from_devices(devices: Sequence[DeviceProfile],
 class Layers:
     """The per-layer metrics of §5.1.1, one entry per pipeline unit."""
 
-    cost: tuple[float, ...]  # C_x: weight bytes streamed per token
+    cost: tuple[float, ...]  # C_x: weight bytes streamed per token (or their share by multiply-adds: Pricing)
     weight: tuple[float, ...]  # W_x: bytes to download
     memory: tuple[float, ...]  # R_x: bytes resident while serving
     input: tuple[float, ...]  # I_x: bytes received per token
@@ -138,11 +139,36 @@ class Layers:
         return len(self.cost)
 
 
-def layers_from_model(model: ModelProfile) -> Layers:
-    """Layer metrics of a decode step (one token). The thesis sizes R_x as 1.5·W_x; the profile knows better:
-    the weights plus the layer's KV cache at the planned context."""
+class Pricing(Enum):
+    """What a layer's cost C_x counts. BYTES (the thesis's): the weight bytes a one-token step streams, for a
+    step bound by memory. MACS: its multiply-adds, for a batch's steps, which read the weights once for several
+    rows and multiply each with every row. Counted in the same units (the whole model costs its bytes either way,
+    so a device's weight bytes a second price both), MACS shares them out by multiply-adds: an 8-bit LM head
+    streams twice the bytes of a 4-bit layer of as many weights but multiplies as many. Measured on a pipeline
+    batching 8 streams (device machine, synthetic 1B, 1 thread a worker): the head and one layer computed 9.7 s
+    where 7 layers computed 13.2-14.5 s, so the head cost as much as 3.9 layers: 4.3 by multiply-adds, 8.2 by
+    bytes."""
+
+    BYTES = "bytes"
+    MACS = "macs"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def layer_costs(model: ModelProfile, pricing: Pricing = Pricing.BYTES) -> tuple[float, ...]:
+    """C_x of every layer (the last one's with the LM head) as `pricing` counts it."""
+    if pricing is Pricing.BYTES:
+        return tuple(model.layer_read_bytes)
+    per_flop = sum(model.layer_read_bytes) / sum(model.layer_flops)
+    return tuple(f * per_flop for f in model.layer_flops)
+
+
+def layers_from_model(model: ModelProfile, pricing: Pricing = Pricing.BYTES) -> Layers:
+    """Layer metrics of a decode step (one token, or a batch's rows: `pricing`). The thesis sizes R_x as
+    1.5·W_x; the profile knows better: the weights plus the layer's KV cache at the planned context."""
     hidden_state = (model.activation_bytes_per_token,) * model.n_layers
-    return Layers(cost=tuple(model.layer_read_bytes), weight=tuple(model.layer_weight_bytes),
+    return Layers(cost=layer_costs(model, pricing), weight=tuple(model.layer_weight_bytes),
                   memory=model.layer_memory_bytes, input=hidden_state, output=hidden_state)
 
 
@@ -500,6 +526,7 @@ class PPPlan:
     cost: CostTriple  # c_e aggregates the stages by the objective (sum or max)
     method: str  # how the worker order was found: "exhaustive" | "annealing" | "random"
     solve_seconds: float
+    pricing: Pricing = Pricing.BYTES  # what the layers' costs counted
     schema: str = PP_PLAN_SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -517,6 +544,7 @@ class PPPlan:
             "cost": {"exec_us": self.cost.exec_us, "init_sum": self.cost.init_sum, "init_max": self.cost.init_max},
             "method": self.method,
             "solve_seconds": self.solve_seconds,
+            "pricing": str(self.pricing),
         }
 
 
@@ -543,6 +571,9 @@ def pp_plan_from_json(data: Any) -> PPPlan:
     method = _field(data, "method", str)
     if method not in METHODS:
         raise ValueError(f"plan.method must be one of {METHODS}, not {method!r}")
+    pricing = data.get("pricing", str(Pricing.BYTES))  # plans written before MACS pricing counted bytes
+    if pricing not in {str(p) for p in Pricing}:
+        raise ValueError(f"plan.pricing must be one of {', '.join(str(p) for p in Pricing)}, not {pricing!r}")
     stages = []
     for k, s in enumerate(_field(data, "stages", list)):
         if not isinstance(s, dict):
@@ -571,6 +602,7 @@ def pp_plan_from_json(data: Any) -> PPPlan:
                         float(_field(cost, "init_max", number, "plan.cost"))),
         method=method,
         solve_seconds=float(_field(data, "solve_seconds", number)),
+        pricing=Pricing(pricing),
     )
 
 
@@ -660,6 +692,7 @@ def _workers(devices: Sequence[DeviceProfile], cached: Mapping[str, set[int] | f
 
 
 def plan_pp(model: ModelProfile, devices: Sequence[DeviceProfile], *, objective: str = "sum",
+            pricing: Pricing = Pricing.BYTES,
             current: PPPlan | None = None, seconds_since_redistribution: float = 0.0, server_up: bool = False,
             cached: Mapping[str, set[int] | frozenset[int]] | None = None, params: CostParams = CostParams(),
             search: SearchParams = SearchParams(), seed: int = 0,
@@ -670,13 +703,15 @@ def plan_pp(model: ModelProfile, devices: Sequence[DeviceProfile], *, objective:
     result should replace `current` is `accept`'s decision. Every stage of the result, including one identical to
     a current stage, pays σ in its init cost, as in the thesis.
     """
-    return plan_layers(layers_from_model(model), _workers(devices, cached, current), model_name=model.name,
-                       objective=objective, seconds_since_redistribution=seconds_since_redistribution,
-                       server_up=server_up, params=params, search=search, seed=seed, clock=clock)
+    return replace(plan_layers(layers_from_model(model, pricing), _workers(devices, cached, current),
+                               model_name=model.name, objective=objective,
+                               seconds_since_redistribution=seconds_since_redistribution, server_up=server_up,
+                               params=params, search=search, seed=seed, clock=clock), pricing=pricing)
 
 
 def shadow_plan(model: ModelProfile, devices: Sequence[DeviceProfile], current: PPPlan, *, mode: str = "strict",
-                objective: str = "sum", seconds_since_redistribution: float = 0.0, server_up: bool = False,
+                objective: str = "sum", pricing: Pricing = Pricing.BYTES,
+                seconds_since_redistribution: float = 0.0, server_up: bool = False,
                 cached: Mapping[str, set[int] | frozenset[int]] | None = None, params: CostParams = CostParams(),
                 search: SearchParams = SearchParams(), seed: int = 0,
                 clock: Callable[[], float] = time.perf_counter) -> PPPlan:
@@ -690,10 +725,10 @@ def shadow_plan(model: ModelProfile, devices: Sequence[DeviceProfile], current: 
     workers = _workers(devices, cached, current)
     if mode == "strict":
         workers = tuple(w for w in workers if w.name not in in_use)
-    return plan_layers(layers_from_model(model), workers, model_name=model.name, objective=objective,
-                       seconds_since_redistribution=seconds_since_redistribution, server_up=server_up,
-                       params=params, search=search, seed=seed, clock=clock,
-                       reuse=in_use if mode == "redundancy" else None)
+    return replace(plan_layers(layers_from_model(model, pricing), workers, model_name=model.name,
+                               objective=objective, seconds_since_redistribution=seconds_since_redistribution,
+                               server_up=server_up, params=params, search=search, seed=seed, clock=clock,
+                               reuse=in_use if mode == "redundancy" else None), pricing=pricing)
 
 
 def cover_stages(current: PPPlan, spares: Sequence[str], fits: Callable[[str, Stage], bool],
@@ -773,9 +808,11 @@ def replacement_plan(current: PPPlan, alive: Collection[str], spares: Sequence[s
 
 
 def plan_exec_us(plan: PPPlan, model: ModelProfile, devices: Sequence[DeviceProfile], *,
-                 objective: str | None = None, params: CostParams = CostParams()) -> float:
-    """C_exec of a plan priced with today's device metrics, aggregated by `objective` (default the plan's own);
-    ∞ when the plan is partial, one of its workers is gone or a stage no longer fits."""
+                 objective: str | None = None, pricing: Pricing | None = None,
+                 params: CostParams = CostParams()) -> float:
+    """C_exec of a plan priced with today's device metrics, its layers' costs counted by `pricing` and aggregated by
+    `objective` (default the plan's own); ∞ when the plan is partial, one of its workers is gone or a stage no
+    longer fits."""
     objective = objective or plan.objective
     _check_choice(objective, OBJECTIVES, "objective")
     if plan.model != model.name or plan.n_layers != model.n_layers:
@@ -783,7 +820,7 @@ def plan_exec_us(plan: PPPlan, model: ModelProfile, devices: Sequence[DeviceProf
                          f"({model.n_layers} layers)")
     if not plan.complete:
         return math.inf
-    layers = layers_from_model(model)
+    layers = layers_from_model(model, pricing or plan.pricing)
     workers = {w.name: w for w in workers_from_devices(devices)}
     costs = [exec_cost_us(layers, workers[s.worker], s.first_layer, s.end_layer, params)
              if s.worker in workers else math.inf for s in plan.stages]
@@ -795,12 +832,13 @@ def accept(candidate: PPPlan, current: PPPlan | None, model: ModelProfile, devic
     """§5.2.4: switch when C_total(candidate) < τ·C_exec(current).
 
     The candidate is priced by its own cost triple (it comes straight from plan_pp or shadow_plan, priced at this
-    moment); the current plan is re-priced with today's metrics and the candidate's objective, without init cost
+    moment); the current plan is re-priced with today's metrics and the candidate's objective and pricing, without
+    init cost
     as it is already deployed. A partial candidate is never accepted; a missing or partial current plan has
     C_exec = ∞, so any complete candidate replaces it.
     """
     if not candidate.complete:
         return False
-    current_exec = math.inf if current is None else plan_exec_us(current, model, devices,
-                                                                 objective=candidate.objective, params=params)
+    current_exec = math.inf if current is None else plan_exec_us(current, model, devices, objective=candidate.objective,
+                                                                 pricing=candidate.pricing, params=params)
     return candidate.cost.total(params.alpha) < params.tau * current_exec

@@ -26,6 +26,7 @@ from edgerun.pp.config import PipelineConfig, Route
 from edgerun.pp.master import PipelineMaster
 from edgerun.sched.moe import hedge_setting
 from edgerun.sched.plans import TPStrategy
+from edgerun.sched.pp_plan import Pricing
 from edgerun.sched.tp_plan import TPPlan, check_fits, plan_for_members
 from edgerun.tp.config import MasterConfig
 from edgerun.tp.master import Master, Rebalance
@@ -372,11 +373,14 @@ def cluster_config(s: ClusterSettings) -> ClusterConfig:
                              adaptive_hedge=adaptive, activations=s.activations, threads=s.threads,
                              slots=s.slots if s.slots > 1 else 0)
         case ClusterKind.PP:
-            # A batch keeps every stage busy at once, so its pace is the slowest stage's: planned for that ("max"),
-            # where one request at a time passes the stages in turn and waits for their sum.
+            # A batch keeps every stage busy at once, so its pace is the slowest stage's ("max"), its products
+            # multiply each weight with several rows (MACS), and it is planned for its speed alone (init_cost); one
+            # request at a time passes the stages in turn, waiting for their sum, each stage streaming its weights.
+            batched = s.slots > 1
             return PipelineConfig(host=s.host, port=s.port, max_len=s.max_len, replicas=s.replicas,
                                   activations=s.activations, route=s.route, prefix=s.prefix, spin_us=s.spin_us,
-                                  slots=s.slots, objective="max" if s.slots > 1 else "sum")
+                                  slots=s.slots, objective="max" if batched else "sum",
+                                  pricing=Pricing.MACS if batched else Pricing.BYTES, init_cost=not batched)
         case _:
             return MasterConfig(strategy=s.strategy, host=s.host, port=s.port, max_len=s.max_len, threads=s.threads,
                                 transport=s.transport, activations=s.activations, slots=s.slots, spin_us=s.spin_us)
