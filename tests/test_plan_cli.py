@@ -67,6 +67,19 @@ def test_plan_prints_table_and_writes_versioned_json(strategy: str, tmp_path: Pa
             assert name in table
 
 
+def test_plan_dp_prices_layers_by_multiply_adds_on_request(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """--pricing macs: the plan a batching pipeline gets (its layers priced by their multiply-adds), named in the
+    table's head and the JSON; bytes by default."""
+    devices = [write(tmp_path, n, device_json(n)) for n in ("a", "b")]
+    for pricing in ("bytes", "macs"):
+        out = tmp_path / f"{pricing}.json"
+        argv = ["plan", "--devices", *map(str, devices), "--plan", "dp", "--objective", "max", "--out", str(out)]
+        assert main(argv + (["--pricing", pricing] if pricing == "macs" else [])) == 0
+        assert f"(max objective, layers priced by {pricing})" in capsys.readouterr().out
+        assert pp_plan_from_json(json.loads(out.read_text())).pricing.value == pricing
+
+
 def test_plr_override_puts_the_lossy_device_last(tmp_path: Path) -> None:
     devices = [write(tmp_path, n, device_json(n)) for n in ("a", "b")]
     out = tmp_path / "plan.json"

@@ -21,7 +21,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     import dataclasses
 
     from edgerun.model.loader import load_model
-    from edgerun.sched.pp_plan import CostParams, plan_pp
+    from edgerun.sched.pp_plan import CostParams, Pricing, plan_pp
     from edgerun.sched.preview import pp_table, tp_table
     from edgerun.sched.profiles import Link, load_devices, model_profile
     from edgerun.sched.tp_plan import InsufficientMemory, SyncModel, plan_tp
@@ -43,7 +43,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
                             group_size=args.group_size)
     kind, strategy = cluster_plan(args.plan)
     if kind is ClusterKind.PP:
-        plan = plan_pp(profile, devices, objective=args.objective, params=CostParams(include_init=args.init_cost))
+        plan = plan_pp(profile, devices, objective=args.objective, pricing=Pricing(args.pricing),
+                       params=CostParams(include_init=args.init_cost))
         if not plan.complete:  # no table: a partial plan's prediction would read as a plan's
             budget = sum(d.memory.budget_mb for d in devices)
             need = sum(profile.layer_memory_bytes) / 1e6
@@ -107,6 +108,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "per-device: HALO's Eq. (1), 2·L·(n-1) round trips per token")
     p.add_argument("--objective", choices=("sum", "max"), default="sum",
                    help="dp: sum (latency of one token, default) or max (throughput)")
+    p.add_argument("--pricing", choices=("bytes", "macs"), default="bytes",
+                   help="dp: what a layer costs: bytes, the weights a one-token step streams (default), or macs, its "
+                        "multiply-adds, as `serve --parallel N` plans a batching pipeline (a batch's products are "
+                        "compute-bound: an 8-bit LM head costs half what its bytes say against 4-bit layers)")
     p.add_argument("--init-cost", action="store_true",
                    help="dp: also weigh the time to download weights and start sessions, as a master does when it "
                         "first deploys (default: execution time only, the steady state)")

@@ -63,8 +63,9 @@ def tp_table(plan: TPPlan, model: ModelProfile) -> str:
 def pp_table(plan: PPPlan, devices: list[DeviceProfile], model: ModelProfile) -> str:
     budgets = {d.name: d.memory.budget_mb for d in devices}
     memory = model.layer_memory_bytes
-    rows = [f"plan dp ({plan.objective} objective) for {plan.model}: {len(plan.stages)} stages over "
-            f"{len(devices)} devices, {plan.n_layers} layers; order found by {plan.method} search"]
+    rows = [f"plan dp ({plan.objective} objective, layers priced by {plan.pricing}) for {plan.model}: "
+            f"{len(plan.stages)} stages over {len(devices)} devices, {plan.n_layers} layers; order found by "
+            f"{plan.method} search"]
     rows += text_table((  # a row per stage, by its index
         Column("stage", lambda k: k),
         Column("device", lambda k: plan.stages[k].worker, width=20, left=True),
