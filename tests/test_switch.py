@@ -138,3 +138,33 @@ def test_a_member_lost_mid_request_replans_over_those_left_or_says_nothing_can_c
     cluster.present = ()
     with_single.recover(EngineLost("a"))
     assert with_single.mode is Mode.SINGLE and with_single.engine is with_single.single
+
+
+def test_the_warm_up_runs_on_a_thread_that_ends_with_it() -> None:
+    """The single engine's warm-up (its speed measured) runs on a thread of its own that is gone afterwards: a
+    thread that starts a ggml graph on several threads keeps a team of OpenMP threads while it lives, and with
+    more of them than cores libgomp's barriers sleep (the generation thread's steps took 3x as long). Its error,
+    if any, is the caller's."""
+    import threading
+
+    class Recording(FakeEngine):
+        def __init__(self) -> None:
+            self.threads: set[threading.Thread] = set()
+
+        def step(self, tokens: Sequence[int]) -> np.ndarray:
+            self.threads.add(threading.current_thread())
+            return super().step(tokens)
+
+    engine = Recording()
+    switch = EngineSwitch(engine, None, Prefer.AUTO, 64)  # type: ignore[arg-type]
+    assert switch.single_ms is not None and switch.single_ms >= 0
+    assert len(engine.threads) == 1
+    (warm,) = engine.threads
+    assert warm is not threading.current_thread() and not warm.is_alive()
+
+    class Failing(FakeEngine):
+        def step(self, tokens: Sequence[int]) -> np.ndarray:
+            raise EdgerunError("no memory for the graph")
+
+    with pytest.raises(EdgerunError, match="no memory for the graph"):
+        EngineSwitch(Failing(), None, Prefer.AUTO, 64)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ left, and the loop re-prefills: the request goes on with the same tokens. Withou
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections import deque
@@ -74,8 +75,16 @@ class EngineSwitch:
 
     @staticmethod
     def _warm_up(single: Engine) -> float:
-        """The single engine's decode time per token, measured on a short greedy run (which also warms it)."""
-        result = generate(single, list(range(1, 12)), WARMUP_TOKENS, Sampler(SamplingParams()))
+        """The single engine's decode time per token, measured on a short greedy run (which also warms it).
+
+        It runs on a thread of its own, which ends with it. ggml computes a graph on several threads through
+        OpenMP, and every thread that starts such a graph keeps a team of OpenMP threads for as long as it lives.
+        Once a process holds more of them than it has cores, libgomp's threads stop spinning at each barrier and
+        sleep instead, hundreds of barriers a token: warmed up on the main thread, this machine's engine (2 cores,
+        2 threads) decoded at 16-18 ms a token on the generation thread instead of 5-6."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warm-up") as thread:
+            result = thread.submit(generate, single, list(range(1, 12)), WARMUP_TOKENS,
+                                   Sampler(SamplingParams())).result()
         return result.decode_s / max(1, len(result.tokens) - 1) * 1e3
 
     # --- the generation loop's interface (on the generation thread) -------------------------------------
