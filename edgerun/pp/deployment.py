@@ -61,6 +61,7 @@ from edgerun.sched.pp_plan import (
     Stage,
     accept,
     cover_stages,
+    layer_costs,
     plan_pp,
     replacement_plan,
     shadow_plan,
@@ -132,15 +133,17 @@ class ModelFit:
     # from the model's own GGUF file): ggml computes with int8 activations and builds dense models without
     # adapters.
     ggml_unsupported: str | None
+    # Each layer's cost as the plans price it (config.pricing): what a stage's measured decode time is divided by
+    costs: tuple[float, ...]
 
     @classmethod
     def of(cls, model: Model, config: PipelineConfig) -> ModelFit:
         f32 = "float32 activations (--activations f32)" if config.activations == Activations.F32 else None
         kernels_unsupported = f32 or kernel_stage.unsupported(model.config, model.weights)
-        return cls(model_profile(model.name, model.config, model.weights, context=config.max_len * config.slots),
-                   dequantized_expansion(model), kernels_unsupported,
+        profile = model_profile(model.name, model.config, model.weights, context=config.max_len * config.slots)
+        return cls(profile, dequantized_expansion(model), kernels_unsupported,
                    kernel_stage.expansion(model.weights) if kernels_unsupported is None else 1.0,
-                   f32 or ggml_engine.unsupported(model))
+                   f32 or ggml_engine.unsupported(model), layer_costs(profile, config.pricing))
 
 
 class Deployment:

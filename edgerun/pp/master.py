@@ -44,7 +44,7 @@ from edgerun.pp.http import browser_dir, pipeline_routes, say_if_tabs_cannot_joi
 from edgerun.pp.messages import BatchComputation, Computation, ComputationResult, Init, Prefix, Sampling
 from edgerun.pp.pass_links import Breach, PassLinks, PortClosed
 from edgerun.pp.workers import BadInput, WorkerConn, WorkerLost, Workers
-from edgerun.sched.pp_plan import PPPlan, Stage, layer_costs
+from edgerun.sched.pp_plan import PPPlan, Stage
 
 T = TypeVar("T")
 
@@ -253,7 +253,7 @@ class PipelineMaster:
         self.stats.decode_passes += 1
         self.stats.decode_stage_s += seconds
         # in the units the planner prices the stage in, so that the speed it learns predicts that price
-        cost = layer_costs(self.deployment.fit.profile, self.config.pricing)
+        cost = self.deployment.fit.costs
         worker.observe_decode(sum(cost[stage.first_layer:stage.end_layer]), seconds)
         # δ, the per-stage overhead of the cost model: what the pass took beyond compute and latency
         self.deployment.overheads.append(max(0.0, wall - seconds))
