@@ -93,12 +93,36 @@ struct er_product_params {
 
 size_t er_tensor_data_offset(void) { return offsetof(struct ggml_tensor_head, data); }
 
-int er_product_available(void) {
 #if HAVE_KERNEL
+static int has_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static int has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+/* The weight types whose products run on this CPU, bit 1 << W_*: with AVX-512 VNNI all three, with AVX2 (and FMA,
+ * F16C) Q4_1 and Q8_0, else none. */
+int er_product_types(void) {
+#if HAVE_KERNEL
+    if (has_avx512())
+        return 1 << W_Q4_1 | 1 << W_Q8_0 | 1 << W_Q6_K;
+    if (has_avx2())
+        return 1 << W_Q4_1 | 1 << W_Q8_0;
+#endif
+    return 0;
+}
+
+/* Whether the attention op runs on this CPU (AVX-512: its order of adds is that of ggml's AVX-512 build). */
+int er_attention_available(void) {
+#if HAVE_KERNEL
+    return has_avx512();
 #else
     return 0;
 #endif
@@ -106,6 +130,9 @@ int er_product_available(void) {
 
 #if HAVE_KERNEL
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
+/* what both kernels use, and the AVX2 kernel alone: compiled without AVX-512 (no EVEX encodings), so that an AVX2
+ * machine runs it */
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* A thread's work space: the columns quantized and laid out for the kernel, grown as needed. */
 static __thread void *scratch;
@@ -120,10 +147,10 @@ static void *work_space(size_t size) {
     return scratch;
 }
 
-TARGET static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+TARGET_AVX2 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 /* ggml's hsum_float_8: the high half added to the low, then lanes 2,3 to 0,1, then lane 1 to 0. */
-TARGET static inline float hsum8(__m256 x) {
+TARGET_AVX2 static inline float hsum8(__m256 x) {
     __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     r = _mm_add_ss(r, _mm_movehdup_ps(r));
@@ -349,6 +376,109 @@ TARGET static void q6_k_rows(const void *w, int n_super, int r0, int r1, int col
     }
 }
 
+/* AVX2 machines (no AVX-512 VNNI): the same products in 256-bit registers, one column to a register, at most
+ * AVX2_COLS columns a pass (16 registers: the columns' accumulators, the block's weights and its scale). The
+ * integer dot is ggml's AVX2 one: bytes times bytes to 16-bit pairs (Q4_1's weights 0..15 times a column's
+ * -127..127; Q8_0's as ggml's mul_sum_i8_pairs_float takes them, |w| times y with w's sign), pairs to 32 bits:
+ * exact. The float arithmetic is that of the AVX-512 kernel above, and so ggml's. The columns are read where ggml's
+ * quantizer put them; their d's (and Q4_1's s's) are converted once, ds[ib][c] and ss[ib][c]. */
+#define AVX2_COLS 8
+
+TARGET_AVX2 static inline __attribute__((always_inline)) void rows_times_avx2(
+    const int WEIGHTS, const int COLS, const void *w, int n_blocks, int r0, int r1, const char *q, size_t row_size,
+    const float *ds, const float *ss, float *out, size_t out_stride) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const size_t y_offset = WEIGHTS == W_Q4_1 ? offsetof(block_q8_1, qs) : offsetof(block_q8_0, qs);
+    const size_t y_size = WEIGHTS == W_Q4_1 ? sizeof(block_q8_1) : sizeof(block_q8_0);
+    for (int r = r0; r < r1; r++) {
+        __m256 acc[AVX2_COLS];
+#pragma GCC unroll 8
+        for (int c = 0; c < COLS; c++)
+            acc[c] = _mm256_setzero_ps();
+        __m256 mins = _mm256_setzero_ps();
+        for (int ib = 0; ib < n_blocks; ib++) {
+            __m256 d0;
+            __m256i qq, sign = _mm256_setzero_si256();
+            if (WEIGHTS == W_Q4_1) {
+                const block_q4_1 *b = (const block_q4_1 *)w + (size_t)r * n_blocks + ib;
+                d0 = _mm256_set1_ps(half_to_float(b->d));
+                mins = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(b->m)), _mm256_loadu_ps(ss + (size_t)ib * AVX2_COLS),
+                                       mins);
+                const __m128i packed = _mm_loadu_si128((const __m128i *)b->qs); /* ggml's bytes_from_nibbles_32 */
+                qq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+            } else {
+                const block_q8_0 *b = (const block_q8_0 *)w + (size_t)r * n_blocks + ib;
+                d0 = _mm256_set1_ps(half_to_float(b->d));
+                sign = _mm256_loadu_si256((const __m256i *)b->qs);
+                qq = _mm256_sign_epi8(sign, sign);
+            }
+            const char *y = q + (size_t)ib * y_size + y_offset;
+            const float *dy = ds + (size_t)ib * AVX2_COLS;
+#pragma GCC unroll 8
+            for (int c = 0; c < COLS; c++) {
+                __m256i yc = _mm256_loadu_si256((const __m256i *)(y + (size_t)c * row_size));
+                if (WEIGHTS == W_Q8_0)
+                    yc = _mm256_sign_epi8(yc, sign);
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qq, yc), ones));
+                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d0, _mm256_broadcast_ss(dy + c)), dot, acc[c]);
+            }
+        }
+        float min_lanes[AVX2_COLS];
+        _mm256_storeu_ps(min_lanes, mins);
+        /* unrolled, so the accumulators stay in registers (a loop here makes GCC store them at every block) */
+#pragma GCC unroll 8
+        for (int c = 0; c < COLS; c++)
+            out[(size_t)c * out_stride + r] = WEIGHTS == W_Q4_1 ? hsum8(acc[c]) + min_lanes[c] : hsum8(acc[c]);
+    }
+}
+
+#define AVX2_TIMES(type, n) \
+    case n: rows_times_avx2(type, n, w, n_blocks, r0, r1, q, row_size, ds, ss, out, out_stride); break;
+
+TARGET_AVX2 static void rows_avx2(int weights, const void *w, int n_blocks, int r0, int r1, int cols, const char *q,
+                                  size_t row_size, const float *ds, const float *ss, float *out, size_t out_stride) {
+    if (weights == W_Q4_1) {
+        switch (cols) {
+            AVX2_TIMES(W_Q4_1, 1) AVX2_TIMES(W_Q4_1, 2) AVX2_TIMES(W_Q4_1, 3) AVX2_TIMES(W_Q4_1, 4)
+            AVX2_TIMES(W_Q4_1, 5) AVX2_TIMES(W_Q4_1, 6) AVX2_TIMES(W_Q4_1, 7) AVX2_TIMES(W_Q4_1, 8)
+        }
+    } else {
+        switch (cols) {
+            AVX2_TIMES(W_Q8_0, 1) AVX2_TIMES(W_Q8_0, 2) AVX2_TIMES(W_Q8_0, 3) AVX2_TIMES(W_Q8_0, 4)
+            AVX2_TIMES(W_Q8_0, 5) AVX2_TIMES(W_Q8_0, 6) AVX2_TIMES(W_Q8_0, 7) AVX2_TIMES(W_Q8_0, 8)
+        }
+    }
+}
+
+/* The AVX2 op's share: rows [r0, r1) times every column, AVX2_COLS at a time. */
+TARGET_AVX2 static void product_avx2(const struct er_product_params *params, const struct ggml_tensor_head *w,
+                                     const struct ggml_tensor_head *x, int r0, int r1, float *out, size_t out_stride) {
+    const int k = (int)w->ne[0], n_cols = (int)x->ne[1], n_blocks = k / QK;
+    const size_t row_size = (size_t)n_blocks * (params->weights == W_Q4_1 ? sizeof(block_q8_1) : sizeof(block_q8_0));
+    const size_t scales = (size_t)n_blocks * AVX2_COLS * sizeof(float);
+    char *ws = work_space(2 * scales + (size_t)AVX2_COLS * row_size);
+    if (!ws)
+        abort();
+    float *ds = (float *)ws, *ss = (float *)(ws + scales);
+    char *q = ws + 2 * scales;
+    for (int c0 = 0; c0 < n_cols; c0 += AVX2_COLS) {
+        const int cols = n_cols - c0 < AVX2_COLS ? n_cols - c0 : AVX2_COLS;
+        for (int c = 0; c < cols; c++) {
+            params->quantize((const float *)x->data + (size_t)(c0 + c) * (x->nb[1] / sizeof(float)),
+                             q + (size_t)c * row_size, k);
+            for (int ib = 0; ib < n_blocks; ib++) {
+                uint16_t d, s;
+                const int8_t *qs;
+                column_block(params->weights, q, row_size, c, ib, &d, &s, &qs);
+                ds[(size_t)ib * AVX2_COLS + c] = half_to_float(d);
+                ss[(size_t)ib * AVX2_COLS + c] = half_to_float(s);
+            }
+        }
+        rows_avx2(params->weights, w->data, n_blocks, r0, r1, cols, q, row_size, ds, ss, out + c0 * out_stride,
+                  out_stride);
+    }
+}
+
 /* The custom op (ggml_custom_op_t): dst (n_rows, n_cols) F32 = src[0] (k, n_rows) Q4_1, Q8_0 or Q6_K times src[1]
  * (k, n_cols) F32, rows split among ggml's threads. Each thread quantizes the columns itself (a few thousand
  * values, less than one row block's work) rather than waiting for one to. */
@@ -360,6 +490,10 @@ void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) 
     if (r0 >= r1)
         return;
     const size_t out_stride = dst->nb[1] / sizeof(float);
+    if (!has_avx512()) { /* Q4_1 and Q8_0 only (er_product_types) */
+        product_avx2(params, w, x, r0, r1, (float *)dst->data, out_stride);
+        return;
+    }
     if (params->weights == W_Q6_K) {
         const int n_super = k / QK_K;
         const size_t q8k_row = (size_t)n_super * sizeof(block_q8_K);
@@ -583,10 +717,10 @@ void er_attention(struct ggml_tensor_head *dst, int ith, int nth, void *userdata
 #else
 void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {
     (void)dst; (void)ith; (void)nth; (void)userdata;
-    abort(); /* never given to ggml where er_product_available() is 0 */
+    abort(); /* never given to ggml where er_product_types() is 0 */
 }
 void er_attention(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {
     (void)dst; (void)ith; (void)nth; (void)userdata;
-    abort(); /* never given to ggml where er_product_available() is 0 */
+    abort(); /* never given to ggml where er_product_types() is 0 */
 }
 #endif

@@ -8,12 +8,15 @@ step's one column gains too: the shipped model's step 16-19 ms against 20-25 on 
 270M's (its 262144-row Q8_0 head) 31 against 41 ms, one thread on a 2-core Xeon. Q6_K weights (a Q4_K_M file's
 LM head, some attn_v and ffn_down) times up to 7 columns, in 512-bit registers with the next rows prefetched:
 32768 x 2048 rows times one column 6.7-6.9 ms against ggml's 9.4-9.6, times four 8.5-9.4 against 17-18 (one
-thread, this machine). `product` uses it only where it
-is built, the CPU has its instructions (AVX-512 VNNI) and a check against ggml's own product on this machine gave
-the same bits, per weight type; anywhere else a product is ggml's mul_mat.
+thread, this machine). On a CPU with AVX2 and no AVX-512 (an older server's or a laptop's) the Q4_1 and Q8_0
+products run in 256-bit registers, one column to a register: the shipped model's step of 8 sequences 35.5 ms against
+74 on ggml's dot products, one sequence's 10.6 against 11.4 (one thread, 2-core AMD EPYC VM with AVX2; its own
+prefetching of the next rows made it slower there, so that kernel leaves it to the CPU). `product` uses it only
+where it is built, the CPU has its instructions (er_product_types) and a check against ggml's own product on this
+machine gave the same bits, per weight type; anywhere else a product is ggml's mul_mat.
 
-Attention of decode tokens and of prompt chunks under 64 tokens (heads of 64 values) too: there ggml's flash
-attention takes ~110 ns a cache row and query head here (a function call per score, a scalar loop per value row), a
+Attention of decode tokens and of prompt chunks under 64 tokens (heads of 64 values) too, with AVX-512: there
+ggml's flash attention takes ~110 ns a cache row and query head here (a function call per score, a scalar loop per value row), a
 third of a batched step of 8 sequences; kernels.c runs every sequence's in one op, the query heads of a key-value
 head together, in registers, with ggml's arithmetic in its order. `attention` is used where a check against ggml's
 flash attention gave its bits (the check also finds which of ggml's multiply-adds its compiler fused).
@@ -91,7 +94,8 @@ class _Kernels:
 
     def __init__(self, path: Path) -> None:
         self.dll = ctypes.CDLL(str(path))
-        self.dll.er_product_available.restype = ctypes.c_int
+        self.dll.er_product_types.restype = ctypes.c_int
+        self.dll.er_attention_available.restype = ctypes.c_int
         self.dll.er_tensor_data_offset.restype = ctypes.c_size_t
         self.op = ctypes.cast(self.dll.er_product, ctypes.c_void_p).value
         g = ggml_lib.lib()
@@ -140,7 +144,7 @@ def _load() -> _Kernels | None:
     if path is None:
         return None
     kernels = _Kernels(path)
-    if not kernels.dll.er_product_available() or not _layout_matches(kernels):
+    if not kernels.dll.er_product_types() or not _layout_matches(kernels):
         return None
     key = _build_key(path)
     known = _verdicts().get(key)
@@ -148,8 +152,8 @@ def _load() -> _Kernels | None:
         kernels.checked = set(known["checked"])
         kernels.attention_variant = None if known["attention"] is None else tuple(known["attention"])
         return kernels
-    kernels.checked = {qtype for qtype in WEIGHTS if _same_as_ggml(kernels, qtype)}
-    kernels.attention_variant = _attention_variant(kernels)
+    kernels.checked = {qtype for qtype in runs_here(kernels) if _same_as_ggml(kernels, qtype)}
+    kernels.attention_variant = _attention_variant(kernels) if kernels.dll.er_attention_available() else None
     _remember(key, {"checked": sorted(kernels.checked), "attention": kernels.attention_variant})
     return kernels
 
@@ -193,6 +197,12 @@ def _remember(key: str, verdict: dict) -> None:
         os.replace(partial, index)
     except OSError:
         pass  # a read-only cache: the checks run again in the next process
+
+
+def runs_here(kernels: _Kernels) -> list[int]:
+    """The weight types whose products this CPU runs: all three with AVX-512 VNNI, Q4_1 and Q8_0 with AVX2."""
+    types = kernels.dll.er_product_types()
+    return [qtype for qtype, (number, _) in WEIGHTS.items() if types >> number & 1]
 
 
 def _layout_matches(kernels: _Kernels) -> bool:
@@ -339,9 +349,9 @@ def available(qtype: int) -> bool:
 
 
 def usable_here() -> bool:
-    """Whether this CPU runs kernels.c's op (where the install built it)."""
+    """Whether this CPU runs kernels.c's op for some weight type (where the install built it)."""
     path = library_path()
-    return path is not None and bool(ctypes.CDLL(str(path)).er_product_available())
+    return path is not None and bool(ctypes.CDLL(str(path)).er_product_types())
 
 
 def product(ctx: int, w: int, x: int) -> int:
