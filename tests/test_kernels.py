@@ -101,7 +101,7 @@ def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
 @pytest.fixture(scope="module")
 def attends(built) -> kernels._Kernels:
     if not built.dll.er_attention_available():
-        pytest.skip("the attention op takes AVX-512: here attention stays ggml's")
+        pytest.skip("the attention op takes AVX2 or AVX-512: here attention stays ggml's")
     if built.attention_variant is None:
         pytest.fail("the attention op runs here but no rounding variant gave ggml's flash attention's bits")
     return built

@@ -119,10 +119,10 @@ int er_product_types(void) {
     return 0;
 }
 
-/* Whether the attention op runs on this CPU (AVX-512: its order of adds is that of ggml's AVX-512 build). */
+/* Whether the attention op runs on this CPU (AVX-512 or AVX2, each in the order of adds of ggml's build for it). */
 int er_attention_available(void) {
 #if HAVE_KERNEL
-    return has_avx512();
+    return has_avx512() || has_avx2();
 #else
     return 0;
 #endif
@@ -563,11 +563,25 @@ struct er_attention_params {
 #define ATTN_MAX_GROUP 8 /* query heads to a key-value head */
 #define ATTN_SPLIT_ROWS 512 /* ggml splits the rows of a one-token attention among its threads from here on */
 
-TARGET static inline __m512 half_round(__m512 x) {
+/* A head's 64 values in registers: four 512-bit ones (AVX-512) or eight 256-bit ones (AVX2), with the few
+ * operations attend_rows takes, named v512_* and v256_*; attend_rows is written once over them (ATTEND_ROWS). */
+TARGET static inline __m512 v512_half(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+TARGET static inline __m512 v512_round(__m512 x) { /* to the nearest F16 and back: ggml's F16 accumulator */
     return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+TARGET static inline __m512 v512_load(const float *p) { return _mm512_loadu_ps(p); }
+TARGET static inline void v512_store(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+TARGET static inline __m512 v512_set1(float x) { return _mm512_set1_ps(x); }
+TARGET static inline __m512 v512_zero(void) { return _mm512_setzero_ps(); }
+TARGET static inline __m512 v512_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+TARGET static inline __m512 v512_add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+TARGET static inline __m512 v512_fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 
-TARGET static inline float score(const __m512 k[4], const __m512 q[4]) {
+/* ggml_vec_dot_f16 of an AVX-512 build: four 16-lane fmas from zero, lanes added 0 += 2, 1 += 3, 0 += 1, then
+ * _mm512_reduce_add_ps */
+TARGET static inline float v512_score(const __m512 k[4], const __m512 q[4]) {
     const __m512 zero = _mm512_setzero_ps();
     __m512 x0 = _mm512_fmadd_ps(k[0], q[0], zero), x1 = _mm512_fmadd_ps(k[1], q[1], zero);
     const __m512 x2 = _mm512_fmadd_ps(k[2], q[2], zero), x3 = _mm512_fmadd_ps(k[3], q[3], zero);
@@ -577,6 +591,35 @@ TARGET static inline float score(const __m512 k[4], const __m512 q[4]) {
     return _mm512_reduce_add_ps(x0);
 }
 
+TARGET_AVX2 static inline __m256 v256_half(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+TARGET_AVX2 static inline __m256 v256_round(__m256 x) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+TARGET_AVX2 static inline __m256 v256_load(const float *p) { return _mm256_loadu_ps(p); }
+TARGET_AVX2 static inline void v256_store(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
+TARGET_AVX2 static inline __m256 v256_set1(float x) { return _mm256_set1_ps(x); }
+TARGET_AVX2 static inline __m256 v256_zero(void) { return _mm256_setzero_ps(); }
+TARGET_AVX2 static inline __m256 v256_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+TARGET_AVX2 static inline __m256 v256_add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+TARGET_AVX2 static inline __m256 v256_fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+
+/* ggml_vec_dot_f16 of an AVX2 build (32 values a step in four 8-lane sums): sum j takes values 8j..8j+7 from zero,
+ * then 32 + 8j..; sums added 0 += 2, 1 += 3, 0 += 1; the two 128-bit halves added, then two horizontal adds */
+TARGET_AVX2 static inline float v256_score(const __m256 k[8], const __m256 q[8]) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 x[4];
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm256_fmadd_ps(k[4 + j], q[4 + j], _mm256_fmadd_ps(k[j], q[j], zero));
+    x[0] = _mm256_add_ps(x[0], x[2]);
+    x[1] = _mm256_add_ps(x[1], x[3]);
+    x[0] = _mm256_add_ps(x[0], x[1]);
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(x[0]), _mm256_extractf128_ps(x[0], 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+}
+
 /* What one run over cache rows leaves per query head: the largest score M, the sum of weights S and the
  * unnormalized F16-rounded output (ggml's "partial"). */
 typedef struct {
@@ -584,56 +627,66 @@ typedef struct {
     float acc[ATTN_MAX_GROUP][ATTN_HEAD];
 } partial;
 
+typedef void (*attend_rows_t)(const struct er_attention_params *p, int group, const float *q, size_t q_stride,
+                              const uint16_t *k, const uint16_t *v, size_t row_stride, int r0, int r1,
+                              partial *out);
+
 /* One token's query heads j = 0..group-1 of one key-value head (`q` their rows, F32, q_stride floats apart) over
- * cache rows [r0, r1) (k and v the head's first row, F16, row_stride halves apart). */
-TARGET static void attend_rows(const struct er_attention_params *p, int group, const float *q, size_t q_stride,
-                               const uint16_t *k, const uint16_t *v, size_t row_stride, int r0, int r1,
-                               partial *out) {
-    __m512 qf[ATTN_MAX_GROUP][4], acc[ATTN_MAX_GROUP][4];
-    float M[ATTN_MAX_GROUP], S[ATTN_MAX_GROUP];
-    for (int j = 0; j < group; j++) {
-        for (int i = 0; i < 4; i++) {
-            qf[j][i] = half_round(_mm512_loadu_ps(q + (size_t)j * q_stride + 16 * i));
-            acc[j][i] = _mm512_setzero_ps();
-        }
-        M[j] = -INFINITY;
-        S[j] = 0.0f;
+ * cache rows [r0, r1) (k and v the head's first row, F16, row_stride halves apart): attend_rows_v512 and
+ * attend_rows_v256, from registers V of N lanes (their operations V_*). */
+#define ATTEND_ROWS(V, ATTR, VT, N)                                                                                \
+    ATTR static void attend_rows_##V(const struct er_attention_params *p, int group, const float *q,              \
+                                     size_t q_stride, const uint16_t *k, const uint16_t *v, size_t row_stride,    \
+                                     int r0, int r1, partial *out) {                                              \
+        enum { R = ATTN_HEAD / N };                                                                                \
+        VT qf[ATTN_MAX_GROUP][R], acc[ATTN_MAX_GROUP][R];                                                          \
+        float M[ATTN_MAX_GROUP], S[ATTN_MAX_GROUP];                                                                \
+        for (int j = 0; j < group; j++) {                                                                          \
+            for (int i = 0; i < R; i++) {                                                                          \
+                qf[j][i] = V##_round(V##_load(q + (size_t)j * q_stride + N * i));                                  \
+                acc[j][i] = V##_zero();                                                                            \
+            }                                                                                                      \
+            M[j] = -INFINITY;                                                                                      \
+            S[j] = 0.0f;                                                                                           \
+        }                                                                                                          \
+        for (int ic = r0; ic < r1; ic++) {                                                                         \
+            const uint16_t *kr = k + (size_t)ic * row_stride, *vr = v + (size_t)ic * row_stride;                   \
+            VT kf[R], vf[R];                                                                                       \
+            for (int i = 0; i < R; i++) {                                                                          \
+                kf[i] = V##_half(kr + N * i);                                                                      \
+                vf[i] = V##_half(vr + N * i);                                                                      \
+            }                                                                                                      \
+            for (int j = 0; j < group; j++) {                                                                      \
+                float s = V##_score(kf, qf[j]) * p->scale;                                                         \
+                s = s + 0.0f; /* the mask's 0, as ggml adds it (a -0 score becomes +0) */                          \
+                float ms = 1.0f, vs = 1.0f;                                                                        \
+                if (s > M[j]) {                                                                                    \
+                    const float old = M[j];                                                                        \
+                    M[j] = s;                                                                                      \
+                    ms = expf(old - s);                                                                            \
+                    const VT scale = V##_set1(ms);                                                                 \
+                    for (int i = 0; i < R; i++)                                                                    \
+                        acc[j][i] = V##_round(V##_mul(acc[j][i], scale));                                          \
+                } else {                                                                                           \
+                    vs = expf(s - M[j]);                                                                           \
+                }                                                                                                  \
+                const VT weight = V##_set1(vs);                                                                    \
+                for (int i = 0; i < R; i++)                                                                        \
+                    acc[j][i] = V##_round(p->fused_mad ? V##_fmadd(vf[i], weight, acc[j][i])                       \
+                                                       : V##_add(acc[j][i], V##_mul(vf[i], weight)));              \
+                S[j] = p->fused_sum ? fmaf(S[j], ms, vs) : S[j] * ms + vs;                                         \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int j = 0; j < group; j++) {                                                                          \
+            out->M[j] = M[j];                                                                                      \
+            out->S[j] = S[j];                                                                                      \
+            for (int i = 0; i < R; i++)                                                                            \
+                V##_store(out->acc[j] + N * i, acc[j][i]);                                                         \
+        }                                                                                                          \
     }
-    for (int ic = r0; ic < r1; ic++) {
-        const uint16_t *kr = k + (size_t)ic * row_stride, *vr = v + (size_t)ic * row_stride;
-        __m512 kf[4], vf[4];
-        for (int i = 0; i < 4; i++) {
-            kf[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + 16 * i)));
-            vf[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vr + 16 * i)));
-        }
-        for (int j = 0; j < group; j++) {
-            float s = score(kf, qf[j]) * p->scale;
-            s = s + 0.0f; /* the mask's 0, as ggml adds it (a -0 score becomes +0) */
-            float ms = 1.0f, vs = 1.0f;
-            if (s > M[j]) {
-                const float old = M[j];
-                M[j] = s;
-                ms = expf(old - s);
-                const __m512 scale = _mm512_set1_ps(ms);
-                for (int i = 0; i < 4; i++)
-                    acc[j][i] = half_round(_mm512_mul_ps(acc[j][i], scale));
-            } else {
-                vs = expf(s - M[j]);
-            }
-            const __m512 weight = _mm512_set1_ps(vs);
-            for (int i = 0; i < 4; i++)
-                acc[j][i] = half_round(p->fused_mad ? _mm512_fmadd_ps(vf[i], weight, acc[j][i])
-                                                    : _mm512_add_ps(acc[j][i], _mm512_mul_ps(vf[i], weight)));
-            S[j] = p->fused_sum ? fmaf(S[j], ms, vs) : S[j] * ms + vs;
-        }
-    }
-    for (int j = 0; j < group; j++) {
-        out->M[j] = M[j];
-        out->S[j] = S[j];
-        for (int i = 0; i < 4; i++)
-            _mm512_storeu_ps(out->acc[j] + 16 * i, acc[j][i]);
-    }
-}
+
+ATTEND_ROWS(v512, TARGET, __m512, 16)
+ATTEND_ROWS(v256, TARGET_AVX2, __m256, 8)
 
 /* a * b + c * d as ggml's compiler left it: two products and a sum, or one product fused into the sum */
 static inline float merged(int fused, float a, float b, float c, float d) {
@@ -647,9 +700,9 @@ static inline float merged(int fused, float a, float b, float c, float d) {
 /* One token's heads of one key-value head over rows 0..position, read in ggml's graph through a view of n_kv rows:
  * out their outputs, 64 floats each. Where ggml splits the token's rows (n_kv >= 512) it runs each of its nth threads' chunk of them alone and merges the
  * chunks (ggml_flash_attn_ext_reduce_partials); so does this, chunk by chunk in the same order. */
-TARGET static void attend_token(const struct er_attention_params *p, int group, int nth, const float *q,
-                                size_t q_stride, const uint16_t *k, const uint16_t *v, size_t row_stride,
-                                int position, int n_kv, float *out) {
+TARGET_AVX2 static void attend_token(attend_rows_t attend_rows, const struct er_attention_params *p, int group,
+                                     int nth, const float *q, size_t q_stride, const uint16_t *k, const uint16_t *v,
+                                     size_t row_stride, int position, int n_kv, float *out) {
     const int rows = position + 1;
     partial part;
     if (n_kv < ATTN_SPLIT_ROWS || nth == 1) { /* (one chunk of every row merges to the same bits as none) */
@@ -702,12 +755,13 @@ void er_attention(struct ggml_tensor_head *dst, int ith, int nth, void *userdata
                                   *at = dst->src[4];
     const int n = (int)q->ne[2], group = p->n_heads / p->n_kv_heads;
     const size_t row_stride = kc->nb[1] / sizeof(uint16_t);
+    const attend_rows_t rows_fn = has_avx512() ? attend_rows_v512 : attend_rows_v256;
     for (int u = ith; u < n * p->n_kv_heads; u += nth) {
         const int t = u / p->n_kv_heads, g = u % p->n_kv_heads;
         const int position = ((const int32_t *)pos->data)[t];
         const int64_t first = ((const int64_t *)at->data)[t] - position;
         const size_t offset = (size_t)first * row_stride + (size_t)g * ATTN_HEAD;
-        attend_token(p, group, nth, (const float *)((const char *)q->data + (size_t)t * q->nb[2] +
+        attend_token(rows_fn, p, group, nth, (const float *)((const char *)q->data + (size_t)t * q->nb[2] +
                                                     (size_t)g * group * q->nb[1]),
                      q->nb[1] / sizeof(float), (const uint16_t *)kc->data + offset, (const uint16_t *)vc->data + offset,
                      row_stride, position, p->n_kv[t],
