@@ -317,6 +317,41 @@ def test_bench_serve_members_poll_where_each_has_a_core() -> None:
             ServeBenchConfig(**bad)
 
 
+def _children() -> dict[int, str]:
+    """This process's child processes: their command lines, by pid."""
+    out = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("PPid:"))
+            if ppid == os.getpid():
+                out[int(status.parent.name)] = (status.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, StopIteration, ValueError):  # a process that ended meanwhile
+            continue
+    return out
+
+
+def test_bench_serve_pins_each_process_it_starts() -> None:
+    """--pin 1: the started server runs on the first usable core and its node on the next (bench tp's devices'
+    cores), and the cluster serves a stream; a negative --pin, or --pin with --url, is one line."""
+    from edgerun.bench.cores import device_cores
+    from edgerun.bench.serve import ServeBenchConfig, run_row, started_server
+    from edgerun.errors import EdgerunError
+
+    config = ServeBenchConfig(streams=(1,), max_tokens=3, nodes=1, pin=1)
+    with started_server(config, lambda _: None) as url:
+        started = _children()
+        server = next(pid for pid, argv in started.items() if " serve " in argv)
+        node = next(pid for pid, argv in started.items() if " node " in argv)
+        assert os.sched_getaffinity(server) == device_cores(0, 1)
+        assert os.sched_getaffinity(node) == device_cores(1, 1)
+        timings, _ = run_row(url, [{"model": "any", "prompt": config.prompt, "max_tokens": 3, "temperature": 0.0,
+                                    "stream": True, "stream_options": {"include_usage": True}}], None)
+        assert [t.tokens for t in timings] == [3]
+    for bad in ({"pin": -1}, {"pin": 1, "url": "http://127.0.0.1:1"}):
+        with pytest.raises(EdgerunError, match="--pin"):
+            ServeBenchConfig(**bad)
+
+
 def test_bench_serve_measures_concurrent_streams_against_a_running_server(server: Serving) -> None:
     """`bench serve --url` against a running server: every stream's tokens come back (the usage), first tokens and
     gaps are timed, and the aggregate is the row's tokens over its wall time; a wrong key is one line naming 401."""

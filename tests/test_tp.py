@@ -714,7 +714,7 @@ def test_node_without_the_masters_model_fetches_it(tiny_spec, synth_gguf) -> Non
 def test_bench_tp_reports_the_split(tiny_spec, synth_gguf, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     import json
 
-    from edgerun.bench.tp import USABLE_CORES
+    from edgerun.bench.cores import USABLE_CORES
     from edgerun.cli import main
     from edgerun.net.loops import auto_spin_us
 
@@ -880,7 +880,7 @@ def test_the_star_floor_script_times_a_bare_exchange_beside_its_kernel() -> None
 
 
 def test_pinned_devices_take_a_physical_core_each_before_any_second_hardware_thread() -> None:
-    from edgerun.bench.tp import physical_first
+    from edgerun.bench.cores import physical_first
 
     pairs = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}  # hardware threads numbered side by side
     assert physical_first(range(4), pairs.__getitem__) == (0, 2, 1, 3)
@@ -890,7 +890,8 @@ def test_pinned_devices_take_a_physical_core_each_before_any_second_hardware_thr
 
 
 def test_pinned_devices_take_cores_of_their_own_in_turn() -> None:
-    from edgerun.bench.tp import USABLE_CORES, TpBenchConfig, device_cores, pinned
+    from edgerun.bench.cores import USABLE_CORES, device_cores, pinned
+    from edgerun.bench.tp import TpBenchConfig
 
     n = len(USABLE_CORES)
     assert device_cores(0, 0) is None  # not pinned

@@ -10,6 +10,7 @@ a user's client does (server-sent events, the usage in the last chunk).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -28,6 +29,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from edgerun.bench.cores import device_cores
 from edgerun.errors import EdgerunError
 from edgerun.net.loops import auto_spin_us
 from edgerun.serve.client import stream_events
@@ -62,6 +64,9 @@ class ServeBenchConfig:
     # How long the started cluster's master and members poll for their next message before sleeping (--spin-us);
     # None: auto, AUTO_SPIN_US where this machine has a core for every compute thread of the server and members
     spin_us: float | None = None
+    # Cores of its own for every process it starts (bench tp's --pin): the server (and the --baseline one) the first
+    # `pin`, member i the next; 0: not pinned
+    pin: int = 0
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
@@ -78,6 +83,10 @@ class ServeBenchConfig:
                                      or self.baseline or self.spin_us is not None):
             raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --experts, "
                                "--parallel, --baseline and --spin-us start one")
+        if self.pin < 0:
+            raise EdgerunError(f"--pin must be 0 (not pinned) or a number of cores, not {self.pin}")
+        if self.url is not None and self.pin:
+            raise EdgerunError("--url measures a running server as it is: --pin pins the processes the bench starts")
         if self.spin_us is not None and not 0 <= self.spin_us < math.inf:
             raise EdgerunError(f"--spin-us must be 0 or more microseconds, not {self.spin_us}")
         if self.prompts not in PROMPT_KINDS:
@@ -238,6 +247,13 @@ def member_argv(config: ServeBenchConfig, index: int, cluster_port: str, key: st
             "--name", f"bench-{index}", "--threads", str(config.threads), "--spin-us", f"{cluster_spin_us(config):g}"]
 
 
+def _pinning(config: ServeBenchConfig, device: int) -> Callable[[], None] | None:
+    """What a started process runs before its program under --pin: it takes device `device`'s cores (0: the
+    server's)."""
+    cores = device_cores(device, config.pin)
+    return None if cores is None else functools.partial(os.sched_setaffinity, 0, cores)
+
+
 @contextmanager
 def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iterator[str]:
     """`edgerun serve` on free ports of this machine, its queue as deep as the most streams: alone (`--no-cluster
@@ -270,7 +286,7 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
     if config.api_key:
         argv += ["--api-key", config.api_key]
     procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})]
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_pinning(config, 0))]
     lines: list[str] = []
     found: list[tuple[str, str | None]] = []
     ready = threading.Event()
@@ -295,7 +311,8 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
         url, cluster_port = found[0]
         for i in range(members):
             procs.append(subprocess.Popen(member_argv(config, i, str(cluster_port), key, budget_mb),
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          preexec_fn=_pinning(config, i + 1)))
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(procs) > 1 and not _cluster_ready(config, _state(url, config.api_key)):
             if (ended := [i for i, p in enumerate(procs) if p.poll() is not None]) or time.monotonic() > deadline:

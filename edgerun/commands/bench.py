@@ -106,7 +106,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
                               args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,
                               args.nodes, args.workers, experts=args.experts, plan=args.plan, prompts=args.prompts,
-                              baseline=args.baseline, spin_us=args.spin_us)
+                              baseline=args.baseline, spin_us=args.spin_us, pin=args.pin)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -359,6 +359,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", choices=plan_names(ClusterKind.TP), default="even",
                    help="the started tensor-parallel cluster's planner (default: even, every node computing)")
     spin_arg(p, auto=True)
+    p.add_argument("--pin", type=int, default=0, metavar="CORES",
+                   help="give each process it starts CORES cores of its own, as separate machines have (as bench "
+                        "tp's --pin): the server (and the --baseline one) the first CORES, node or worker i the next, "
+                        "wrapping around the cores this process may use; the clients run where they may. Give a "
+                        "device more cores than --threads: its network and control threads need one too "
+                        "(default: 0, not pinned)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows with streams, tokens, wall_s, "
                    "aggregate_tok_s, ttft_p50_ms, ttft_p95_ms, itl_p50_ms, vs_one, served_by, vs_single and "
                    "spin_us")
