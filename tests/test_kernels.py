@@ -1,6 +1,6 @@
-"""The batched products of Q4_1, Q8_0 and Q6_K weights (edgerun/model/kernels.c), a custom op in ggml graphs: ggml's
-own products bit for bit, on any count of columns (Q6_K: up to 7) and threads, so a batch of sequences and a
-prompt's chunk give the tokens they gave before (and llama.cpp's)."""
+"""The batched products of Q4_1, Q8_0, Q6_K and repacked Q4_0 weights (edgerun/model/kernels.c), a custom op in ggml
+graphs: ggml's own products bit for bit, on any count of columns (Q6_K: up to 7) and threads, so a batch of sequences
+and a prompt's chunk give the tokens they gave before (and llama.cpp's)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,28 @@ def test_the_batched_product_is_ggmls_bit_for_bit(built, qtype: str, threads: in
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
 
 
+@pytest.fixture(scope="module")
+def q4_0(built) -> kernels._Kernels:
+    if kernels.Q4_0 not in kernels.runs_here(built):
+        pytest.skip("repacked Q4_0 products take AVX-512 VNNI: here they stay ggml's")
+    return built
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("k", "n"), [(2048, 200), (576, 64), (64, 8)])
+def test_the_repacked_q4_0_product_is_ggmls_bit_for_bit(q4_0, threads: int, k: int, n: int) -> None:
+    """Q4_0 rows as ggml's CPU_REPACK buffer holds them (8 rows' blocks interleaved, where llama.cpp and the engine
+    put a Q4_0 file's matrices on x86) times 1 to 64 columns: a decode step, a batch, a prompt's chunk (several
+    passes of 16, odd counts leaving half a pair), with row groups of 8 that do not split evenly among threads, or
+    fewer groups than threads."""
+    columns = (1, 2, 3, 8, 15, 16, 17, 40, 64)
+    for cols, (ours, theirs) in zip(columns, kernels.compare(q4_0, kernels.Q4_0, k, n, columns, threads,
+                                                             seed=k + n), strict=True):
+        assert ours.shape == (cols, n)
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
+        assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("k", "n"), [(2048, 200), (256, 67), (768, 5)])
 def test_the_q6_k_product_is_ggmls_bit_for_bit(q6_k, threads: int, k: int, n: int) -> None:
@@ -70,8 +92,9 @@ def test_the_q6_k_product_is_ggmls_bit_for_bit(q6_k, threads: int, k: int, n: in
 
 
 def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
-    """Weights of another type, or columns that are not contiguous floats: ggml's mul_mat, which the engine's graphs
-    then hold (no custom op); one or several Q4_1 or Q8_0 columns take the op, Q6_K up to 7 columns."""
+    """Weights of another type or layout, or columns that are not contiguous floats: ggml's mul_mat, which the
+    engine's graphs then hold (no custom op); one or several Q4_1 or Q8_0 columns take the op, Q6_K up to 7 columns,
+    Q4_0 where ggml repacked it (rows a multiple of 8) and this CPU runs its product."""
     from edgerun.model import ggml_lib
 
     backend = ggml_lib.GgmlBackend(threads=1)
@@ -83,6 +106,8 @@ def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
     q80 = store.add("b", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q8_0"), repack=False)
     q40 = store.add("c", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q4_0"), repack=False)
     q6k = store.add("d", quantize(rng.standard_normal((32, 256)).astype(np.float32), "Q6_K"), repack=False)
+    repacked = store.add("e", quantize(rng.standard_normal((32, 64)).astype(np.float32), "Q4_0"))
+    uneven = store.add("f", quantize(rng.standard_normal((36, 64)).astype(np.float32), "Q4_0"))  # not repacked
     store.upload()
     gc = ggml_lib.GraphContext(backend, 8)
     one, many = gc.input(ggml_lib.F32, 64, 1), gc.input(ggml_lib.F32, 64, 4)
@@ -92,10 +117,12 @@ def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
     strided = g.ggml_view_2d(gc.ctx, wide, 64, 4, 128 * 4, 0)  # half of each column: columns 512 bytes apart
     ops = {name: g.ggml_op_desc(kernels.product(gc.ctx, store.tensor(w), x)).decode()
            for name, w, x in (("one", q41, one), ("q4_0", q40, many), ("q4_1", q41, many), ("q8_0", q80, many),
-                              ("strided", q41, strided), ("q6_k 7", q6k, seven), ("q6_k 8", q6k, eight))}
+                              ("strided", q41, strided), ("q6_k 7", q6k, seven), ("q6_k 8", q6k, eight),
+                              ("q4_0 repacked", repacked, many), ("q4_0 36 rows", uneven, many))}
     q6_k = "CUSTOM" if kernels.Q6_K in kernels.runs_here(built) else "MUL_MAT"
+    q4_0 = "CUSTOM" if kernels.Q4_0 in kernels.runs_here(built) else "MUL_MAT"
     assert ops == {"one": "CUSTOM", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM", "strided": "MUL_MAT",
-                   "q6_k 7": q6_k, "q6_k 8": "MUL_MAT"}
+                   "q6_k 7": q6_k, "q6_k 8": "MUL_MAT", "q4_0 repacked": q4_0, "q4_0 36 rows": "MUL_MAT"}
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,7 @@ SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_backend_buffer_get_size": (SZ, (P,)),
     "ggml_backend_buffer_free": (None, (P,)),
     "ggml_backend_buffer_is_host": (BOOL, (P,)),
+    "ggml_backend_buffer_get_type": (P, (P,)),
     "ggml_custom_4d": (P, (P, INT, I64, I64, I64, I64, P, INT, P, INT, P)),
     "ggml_get_type_traits_cpu": (P, (INT,)),
     "ggml_op_desc": (ctypes.c_char_p, (P,)),

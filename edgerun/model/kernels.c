@@ -36,7 +36,8 @@
 #define PREFETCH_ROWS 4
 #define Q6_K_COLS 7 /* Q6_K columns in one pass (kernels.py gives the op no more: ggml computes 8 another way) */
 
-enum { W_Q4_1 = 0, W_Q8_0 = 1, W_Q6_K = 2 };
+enum { W_Q4_1 = 0, W_Q8_0 = 1, W_Q6_K = 2, W_Q4_0X8 = 3 };
+#define Q4_0X8_COLS 16 /* Q4_0 columns in one pass over a group of 8 rows (8 pairs, 8 accumulators) */
 
 typedef struct {
     uint16_t d, m;
@@ -47,6 +48,14 @@ typedef struct {
     uint16_t d;
     int8_t qs[QK];
 } block_q8_0;
+
+/* ggml's repacked Q4_0 (CPU_REPACK buffers, its q4_0_8x8 layout on x86): the b-th blocks of 8 rows together, their
+ * d's, then their 16 bytes of codes 8 at a time (row 0's first 8 bytes, row 1's, ..., row 7's, then each row's last
+ * 8), every code XOR 8 (a signed 4-bit value: code - 8). */
+typedef struct {
+    uint16_t d[8];
+    uint8_t qs[128];
+} block_q4_0x8;
 
 typedef struct {
     uint16_t d, s;
@@ -84,8 +93,8 @@ struct ggml_tensor_head {
 
 typedef void (*from_float_t)(const float *x, void *y, int64_t k);
 
-/* What the op is given: the weights' type (W_Q4_1, W_Q8_0, W_Q6_K) and ggml's quantizer of the activations for it
- * (ggml_get_type_traits_cpu(Q8_1, Q8_0 or Q8_K)->from_float). */
+/* What the op is given: the weights' type (W_Q4_1, W_Q8_0, W_Q6_K, W_Q4_0X8) and ggml's quantizer of the activations
+ * for it (ggml_get_type_traits_cpu(Q8_1, Q8_0 or Q8_K)->from_float). */
 struct er_product_params {
     int32_t weights;
     from_float_t quantize;
@@ -107,12 +116,12 @@ static int has_avx2(void) {
 }
 #endif
 
-/* The weight types whose products run on this CPU, bit 1 << W_*: with AVX-512 VNNI all three, with AVX2 (and FMA,
+/* The weight types whose products run on this CPU, bit 1 << W_*: with AVX-512 VNNI all four, with AVX2 (and FMA,
  * F16C) Q4_1 and Q8_0, else none. */
 int er_product_types(void) {
 #if HAVE_KERNEL
     if (has_avx512())
-        return 1 << W_Q4_1 | 1 << W_Q8_0 | 1 << W_Q6_K;
+        return 1 << W_Q4_1 | 1 << W_Q8_0 | 1 << W_Q6_K | 1 << W_Q4_0X8;
     if (has_avx2())
         return 1 << W_Q4_1 | 1 << W_Q8_0;
 #endif
@@ -479,17 +488,149 @@ TARGET_AVX2 static void product_avx2(const struct er_product_params *params, con
     }
 }
 
-/* The custom op (ggml_custom_op_t): dst (n_rows, n_cols) F32 = src[0] (k, n_rows) Q4_1, Q8_0 or Q6_K times src[1]
- * (k, n_cols) F32, rows split among ggml's threads. Each thread quantizes the columns itself (a few thousand
- * values, less than one row block's work) rather than waiting for one to. */
+/* Repacked Q4_0 rows (block_q4_0x8) times up to Q4_0X8_COLS columns quantized to Q8_0, in one pass over each group
+ * of 8 rows. ggml's own kernels for this layout (ggml_gemv_ and ggml_gemm_q4_0_8x8_q8_0) take 4 columns (16 where
+ * there are 16) a pass, so 8 sequences read every weight twice and unpack it twice.
+ *
+ * Bit for bit: ggml computes each output as acc = fma(float(dot_b), d(w)_b * d(x)_b, acc) over the blocks b in
+ * order, dot_b the exact integer dot product of the block's 32 codes and the column's 32 values; so does this.
+ * Here a 512-bit register holds the 8 rows' bytes of a quarter of the block, 4 to a 32-bit lane (lane l: row l / 2,
+ * the block's values (l % 2) * 4.. of that quarter); each lane's 4 products (codes as unsigned 0..15, from a start
+ * of -8 times the 4 values: sum (c + 8) x - 8 sum x = sum c x) are added by VNNI's dpbusd, four quarters into one
+ * register, then lanes 2j and 2j + 1 give row j. Two columns' rows fill the 16 lanes of an accumulator. */
+typedef struct {
+    const int8_t *qs;   /* per block and column: the column's 32 values (its Q8_0 block) */
+    const int64_t *init; /* per block and column: -8 times the sums of the values lanes 0 and 1 meet, as one lane pair */
+    const __m512 *scale; /* per block and pair of columns: their d's, 8 lanes each */
+    size_t stride;       /* bytes from one block's columns to the next's in `qs` */
+} q4_0x8_columns;
+
+TARGET static inline __attribute__((always_inline)) void q4_0x8_pairs(
+    const int N_PAIRS, const block_q4_0x8 *w, int n_blocks, int g0, int g1, int cols, q4_0x8_columns in, float *out,
+    size_t out_stride) {
+    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x88);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int g = g0; g < g1; g++) {
+        __m512 acc[Q4_0X8_COLS / 2];
+#pragma GCC unroll 8
+        for (int p = 0; p < N_PAIRS; p++)
+            acc[p] = _mm512_setzero_ps();
+        for (int ib = 0; ib < n_blocks; ib++) {
+            const block_q4_0x8 *b = w + (size_t)g * n_blocks + ib;
+            /* the codes as unsigned nibbles: bytes 0-7 of each row (values 0-7 low, 16-23 high), then 8-15 */
+            const __m512i first = _mm512_xor_si512(_mm512_loadu_si512((const void *)b->qs), flip);
+            const __m512i second = _mm512_xor_si512(_mm512_loadu_si512((const void *)(b->qs + 64)), flip);
+            const __m512i q0 = _mm512_and_si512(first, low), q16 = _mm512_and_si512(_mm512_srli_epi16(first, 4), low);
+            const __m512i q8 = _mm512_and_si512(second, low), q24 = _mm512_and_si512(_mm512_srli_epi16(second, 4), low);
+            const __m512 dw = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b->d)));
+            const int8_t *x = in.qs + (size_t)ib * in.stride;
+            const int64_t *init = in.init + (size_t)ib * Q4_0X8_COLS;
+            const __m512 *scale = in.scale + (size_t)ib * (Q4_0X8_COLS / 2);
+#pragma GCC unroll 8
+            for (int p = 0; p < N_PAIRS; p++) {
+                __m512i dot[2];
+                for (int h = 0; h < 2; h++) {
+                    const int8_t *y = x + (size_t)(2 * p + h) * QK;
+                    __m512i d = _mm512_set1_epi64(init[2 * p + h]);
+                    d = _mm512_dpbusd_epi32(d, q0, _mm512_set1_epi64(*(const int64_t *)y));
+                    d = _mm512_dpbusd_epi32(d, q8, _mm512_set1_epi64(*(const int64_t *)(y + 8)));
+                    d = _mm512_dpbusd_epi32(d, q16, _mm512_set1_epi64(*(const int64_t *)(y + 16)));
+                    dot[h] = _mm512_dpbusd_epi32(d, q24, _mm512_set1_epi64(*(const int64_t *)(y + 24)));
+                }
+                const __m512i rows = _mm512_add_epi32(_mm512_permutex2var_epi32(dot[0], even, dot[1]),
+                                                      _mm512_permutex2var_epi32(dot[0], odd, dot[1]));
+                acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rows), _mm512_mul_ps(dw, scale[p]), acc[p]);
+            }
+        }
+        for (int c = 0; c < cols; c++) {
+            const __m512 a = acc[c / 2];
+            _mm256_storeu_ps(out + (size_t)c * out_stride + (size_t)g * 8,
+                             (c & 1) ? _mm512_extractf32x8_ps(a, 1) : _mm512_castps512_ps256(a));
+        }
+    }
+}
+
+#define Q4_0X8_TIMES(n) case n: q4_0x8_pairs(n, w, n_blocks, g0, g1, cols, in, out, out_stride); break;
+
+TARGET static void q4_0x8_rows(const block_q4_0x8 *w, int n_blocks, int g0, int g1, int cols, q4_0x8_columns in,
+                               float *out, size_t out_stride) {
+    switch ((cols + 1) / 2) {
+        Q4_0X8_TIMES(1) Q4_0X8_TIMES(2) Q4_0X8_TIMES(3) Q4_0X8_TIMES(4)
+        Q4_0X8_TIMES(5) Q4_0X8_TIMES(6) Q4_0X8_TIMES(7) Q4_0X8_TIMES(8)
+    }
+}
+
+/* Columns [c0, c0 + cols) of x quantized by ggml's Q8_0 quantizer into q (row_size bytes a column), and laid out
+ * for q4_0x8_rows: the values block by block, each pair's d's and each lane pair's start. */
+TARGET static void q4_0x8_lay_out(const float *x, size_t x_stride, int c0, int cols, int k, from_float_t quantize,
+                                  char *q, size_t row_size, int8_t *qs, int64_t *init, __m512 *scale) {
+    const int n_blocks = k / QK;
+    for (int c = 0; c < cols; c++)
+        quantize(x + (size_t)(c0 + c) * x_stride, q + (size_t)c * row_size, k);
+    for (int ib = 0; ib < n_blocks; ib++) {
+        float d[Q4_0X8_COLS] = {0};
+        for (int c = 0; c < Q4_0X8_COLS; c++) {
+            int8_t *to = qs + ((size_t)ib * Q4_0X8_COLS + c) * QK;
+            int32_t sums[2] = {0, 0};
+            if (c < cols) {
+                const block_q8_0 *blk = (const block_q8_0 *)(q + (size_t)c * row_size) + ib;
+                memcpy(to, blk->qs, QK);
+                d[c] = half_to_float(blk->d);
+                for (int j = 0; j < QK; j++) /* value j meets lane (j % 8) / 4 of its quarter */
+                    sums[(j % 8) / 4] += blk->qs[j];
+            } else {
+                memset(to, 0, QK);
+            }
+            init[(size_t)ib * Q4_0X8_COLS + c] =
+                (int64_t)((uint64_t)(uint32_t)(-8 * sums[1]) << 32 | (uint32_t)(-8 * sums[0]));
+        }
+        for (int p = 0; p < Q4_0X8_COLS / 2; p++)
+            scale[(size_t)ib * (Q4_0X8_COLS / 2) + p] =
+                _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d[2 * p])), _mm256_set1_ps(d[2 * p + 1]), 1);
+    }
+}
+
+/* The repacked Q4_0 op's share: row groups [g0, g1) times every column, Q4_0X8_COLS at a time. */
+TARGET static void product_q4_0x8(const struct er_product_params *params, const struct ggml_tensor_head *w,
+                                  const struct ggml_tensor_head *x, int ith, int nth, float *out, size_t out_stride) {
+    const int k = (int)w->ne[0], n_groups = (int)(w->ne[1] / 8), n_cols = (int)x->ne[1], n_blocks = k / QK;
+    const int g0 = (int)((int64_t)n_groups * ith / nth), g1 = (int)((int64_t)n_groups * (ith + 1) / nth);
+    if (g0 >= g1)
+        return;
+    const size_t row_size = (size_t)n_blocks * sizeof(block_q8_0);
+    const size_t qs_size = (size_t)n_blocks * Q4_0X8_COLS * QK, init_size = (size_t)n_blocks * Q4_0X8_COLS * 8;
+    const size_t scale_size = (size_t)n_blocks * (Q4_0X8_COLS / 2) * sizeof(__m512);
+    char *ws = work_space(scale_size + qs_size + init_size + (size_t)Q4_0X8_COLS * row_size);
+    if (!ws)
+        abort();
+    q4_0x8_columns in = {(const int8_t *)(ws + scale_size), (const int64_t *)(ws + scale_size + qs_size),
+                         (const __m512 *)ws, (size_t)Q4_0X8_COLS * QK};
+    for (int c0 = 0; c0 < n_cols; c0 += Q4_0X8_COLS) {
+        const int cols = n_cols - c0 < Q4_0X8_COLS ? n_cols - c0 : Q4_0X8_COLS;
+        q4_0x8_lay_out((const float *)x->data, x->nb[1] / sizeof(float), c0, cols, k, params->quantize,
+                       ws + scale_size + qs_size + init_size, row_size, (int8_t *)in.qs, (int64_t *)in.init,
+                       (__m512 *)in.scale);
+        q4_0x8_rows((const block_q4_0x8 *)w->data, n_blocks, g0, g1, cols, in, out + c0 * out_stride, out_stride);
+    }
+}
+
+/* The custom op (ggml_custom_op_t): dst (n_rows, n_cols) F32 = src[0] (k, n_rows) Q4_1, Q8_0, Q6_K or repacked Q4_0
+ * times src[1] (k, n_cols) F32, rows split among ggml's threads (repacked Q4_0's by groups of 8). Each thread
+ * quantizes the columns itself (a few thousand values, less than one row block's work) rather than waiting for one
+ * to. */
 void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) {
     const struct er_product_params *params = userdata;
     const struct ggml_tensor_head *w = dst->src[0], *x = dst->src[1];
     const int k = (int)w->ne[0], n_rows = (int)w->ne[1], n_cols = (int)x->ne[1], n_blocks = k / QK;
+    const size_t out_stride = dst->nb[1] / sizeof(float);
+    if (params->weights == W_Q4_0X8) { /* AVX-512 only (er_product_types) */
+        product_q4_0x8(params, w, x, ith, nth, (float *)dst->data, out_stride);
+        return;
+    }
     const int r0 = (int)((int64_t)n_rows * ith / nth), r1 = (int)((int64_t)n_rows * (ith + 1) / nth);
     if (r0 >= r1)
         return;
-    const size_t out_stride = dst->nb[1] / sizeof(float);
     if (!has_avx512()) { /* Q4_1 and Q8_0 only (er_product_types) */
         product_avx2(params, w, x, r0, r1, (float *)dst->data, out_stride);
         return;

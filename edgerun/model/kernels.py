@@ -47,11 +47,15 @@ from gguf import GGMLQuantizationType
 from edgerun.cache import cache_root
 from edgerun.model import ggml_lib
 
-Q4_1, Q8_0, Q8_1, Q6_K, Q8_K = (int(GGMLQuantizationType[t]) for t in ("Q4_1", "Q8_0", "Q8_1", "Q6_K", "Q8_K"))
-# weight type: (kernels.c's number for it, the type ggml quantizes the activations to for its dot product)
-WEIGHTS = {Q4_1: (0, Q8_1), Q8_0: (1, Q8_0), Q6_K: (2, Q8_K)}
-# Columns up to which ggml takes its one-row dot products, per weight type: it computes Q6_K times 8 or more columns
-# another way (other bits), so there the op would not give its bits and its product is ggml's own.
+Q4_0, Q4_1, Q8_0, Q8_1, Q6_K, Q8_K = (int(GGMLQuantizationType[t])
+                                     for t in ("Q4_0", "Q4_1", "Q8_0", "Q8_1", "Q6_K", "Q8_K"))
+# weight type: (kernels.c's number for it, the type ggml quantizes the activations to for its dot product). Q4_0 is
+# taken as ggml's CPU_REPACK buffer holds it (its q4_0_8x8 layout on x86), where llama.cpp's rule puts it.
+WEIGHTS = {Q4_1: (0, Q8_1), Q8_0: (1, Q8_0), Q6_K: (2, Q8_K), Q4_0: (3, Q8_0)}
+REPACKED = {Q4_0}  # weight types the op reads in a CPU_REPACK buffer (rows a multiple of 8), the others in host memory
+REPACK_BUFFER = b"CPU_REPACK"
+# Columns up to which the op takes a product, per weight type: ggml computes Q6_K times 8 or more columns another way
+# (other bits), so there the op would not give its bits and its product is ggml's own.
 MOST_COLUMNS = {Q6_K: 7}
 ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the graph's computation
 
@@ -202,7 +206,7 @@ def _remember(key: str, verdict: dict) -> None:
 
 
 def runs_here(kernels: _Kernels) -> list[int]:
-    """The weight types whose products this CPU runs: all three with AVX-512 VNNI, Q4_1 and Q8_0 with AVX2."""
+    """The weight types whose products this CPU runs: all four with AVX-512 VNNI, Q4_1 and Q8_0 with AVX2."""
     types = kernels.dll.er_product_types()
     return [qtype for qtype, (number, _) in WEIGHTS.items() if types >> number & 1]
 
@@ -238,7 +242,7 @@ def compare(kernels: _Kernels, qtype: int, k: int, n: int, columns: Sequence[int
     w = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType(qtype).name)
     backend = ggml_lib.GgmlBackend(threads=threads)
     store = ggml_lib.WeightStore(backend)
-    wi = store.add("w", w, repack=False)
+    wi = store.add("w", w, repack=qtype in REPACKED)
     store.upload()
     out = []
     for cols in columns:
@@ -357,16 +361,26 @@ def usable_here() -> bool:
 
 
 def product(ctx: int, w: int, x: int) -> int:
-    """w (k, n) times x (k, m): ggml's mul_mat, or kernels.c's op where w is Q4_1, Q8_0 or Q6_K (up to
-    MOST_COLUMNS) in plain host memory (not repacked), x is contiguous float columns and the kernels are usable here
-    (the same bits either way)."""
+    """w (k, n) times x (k, m): ggml's mul_mat, or kernels.c's op where w is Q4_1, Q8_0 or Q6_K in plain host memory
+    or Q4_0 repacked (up to MOST_COLUMNS), x is contiguous float columns and the kernels are usable here (the same
+    bits either way)."""
     g = ggml_lib.lib()
     hw, hx = ggml_lib.head(w), ggml_lib.head(x)
     if hw.type in WEIGHTS and hx.type == ggml_lib.F32 and hx.ne[2] == 1 and hx.ne[3] == 1 \
             and hx.ne[1] <= MOST_COLUMNS.get(hw.type, hx.ne[1]) \
-            and hx.nb[0] == 4 and hx.nb[1] == 4 * hx.ne[0] \
-            and hw.buffer and g.ggml_backend_buffer_is_host(hw.buffer):  # a repacking buffer is not a host one
+            and hx.nb[0] == 4 and hx.nb[1] == 4 * hx.ne[0] and _laid_out(hw):
         kernels = _kernels()
         if kernels is not None and hw.type in kernels.checked:
             return kernels.product(ctx, w, x)
     return g.ggml_mul_mat(ctx, w, x)
+
+
+def _laid_out(hw: ggml_lib.TensorHead) -> bool:
+    """Whether a weight tensor is laid out as the op reads its type: in host memory (a repacking buffer is not a host
+    one), or for a REPACKED type in a CPU_REPACK buffer (ggml repacks rows in groups of 8, a view at such a row)."""
+    g = ggml_lib.lib()
+    if not hw.buffer:
+        return False
+    if hw.type not in REPACKED:
+        return bool(g.ggml_backend_buffer_is_host(hw.buffer))
+    return hw.ne[1] % 8 == 0 and g.ggml_backend_buft_name(g.ggml_backend_buffer_get_type(hw.buffer)) == REPACK_BUFFER
