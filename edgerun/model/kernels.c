@@ -1,6 +1,7 @@
 /* Matrix products of quantized weights with one or several columns of activations, for ggml graphs (a custom op),
  * giving ggml's own products bit for bit. Weights: Q4_1 (the shipped model's layers), Q8_0 (its LM head, and many
- * models' tied embeddings) and Q6_K (a Q4_K_M file's LM head and some of its attn_v and ffn_down).
+ * models' tied embeddings), Q6_K (a Q4_K_M file's LM head and some of its attn_v and ffn_down) and Q4_0 as ggml
+ * repacks it (the commonest 4-bit files' matrices: q4_0x8_rows below).
  *
  * ggml multiplies Q4_1 with B columns by calling its one-row dot product B times per row, unpacking every weight
  * block again for each column (llamafile's tinyBLAS and the repacked layouts take Q4_0, Q8_0, Q4_K and IQ4_NL,

@@ -15,6 +15,14 @@ prefetching of the next rows made it slower there, so that kernel leaves it to t
 where it is built, the CPU has its instructions (er_product_types) and a check against ggml's own product on this
 machine gave the same bits, per weight type; anywhere else a product is ggml's mul_mat.
 
+Q4_0 weights (the commonest 4-bit files' matrices) are taken where ggml put them: in its CPU_REPACK buffer, 8 rows
+interleaved, as llama.cpp does on x86. ggml's kernels for that layout take 4 columns a pass (16 where there are 16),
+unpacking every weight again each pass; kernels.c takes 16 in one, its integer dots with AVX-512 VNNI, and adds each
+block into each output as ggml's kernels do (one fused multiply-add a block, in order), so every output is theirs
+bit for bit. A 8192 x 2048 matrix times 8 columns 0.94 ms against 2.75, times 64 (a prompt's chunk) 6.3 against 16.5,
+times one 0.46 against 0.58 (one thread, 2-core Xeon): a synthetic 1B's 40-token prompt 345 against 667 ms, its step
+of 8 sequences 153 against 230, one sequence's 79 against 124.
+
 Attention of decode tokens and of prompt chunks under 64 tokens (heads of 64 values) too: there ggml's flash
 attention takes ~110 ns a cache row and query head on an AVX-512 Xeon (a function call per score, a scalar loop per
 value row), a third of a batched step of 8 sequences; kernels.c runs every sequence's in one op, the query heads of
