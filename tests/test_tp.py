@@ -1127,11 +1127,7 @@ def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) ->
             alone.update(drain_batch(BatchLoop(engine, prefill_chunk=16), model, [i]))
         assert len({tuple(t) for t in alone.values()}) == len(alone) and all(len(t) == 12 for t in alone.values())
         loop = BatchLoop(engine, prefill_chunk=16)
-        threaded = master.stats.threaded_shares
         assert drain_batch(loop, model, [0, 1, 2, 3, 4], late=4) == alone
-        # the master's share of a chunk or a step of several rows computed on its own thread, the loop reading the
-        # node's partial meanwhile (a one-thread share)
-        assert master.stats.threaded_shares > threaded
         assert loop.reused_tokens > 0  # prompt 4 is prompt 1: its rows came from slot to slot
         with pytest.raises(RuntimeError, match="batch session"):  # its nodes take positions as its step numbers
             master.step([1])

@@ -10,11 +10,9 @@ Which channel each block takes is the deployment's `Routes`; which nodes take pa
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -121,12 +119,6 @@ class NodeLost(EngineLost):
     """A node died while the master waited on its reply."""
 
 
-def _timed(compute: Callable[[], np.ndarray]) -> tuple[np.ndarray, float]:
-    """compute()'s result and the seconds it took (on the share's thread: BlockExchange._share_runner)."""
-    started = time.perf_counter()
-    return compute(), time.perf_counter() - started
-
-
 @dataclass
 class StepStats:
     compute_s: float = 0.0
@@ -154,7 +146,6 @@ class StepStats:
     native_blocks: int = 0  # blocks the native runner ran (BlockExchange.run_blocks)
     native_mirror_waits: int = 0  # of them mirrored (the first layer's), completed by the Python path (MIRROR_WAIT)
     q8_inputs: int = 0  # blocks whose input went to the nodes as Q8 (input_codec), on either path
-    threaded_shares: int = 0  # blocks whose own share computed on the share's thread (BlockExchange._share_runner)
 
 
 @dataclass
@@ -262,29 +253,11 @@ class BlockExchange:
         self.native_sends = self.fast is not None and isinstance(udp, LossyUdp) and isinstance(udp.loss, NoLoss)
         self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
         self.group: GroupSender | None = None  # the master's multicast group (net.group; the master sets it)
-        self._share_thread: concurrent.futures.ThreadPoolExecutor | None = None  # made with its first job (run)
 
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-        if self._share_thread is not None:
-            self._share_thread.shutdown()
-            self._share_thread = None
-
-    def _share_runner(self, tokens: int, nodes: list[NodeConn]) -> concurrent.futures.ThreadPoolExecutor | None:
-        """The thread a block's own share computes on, or None for the loop's. A block of several rows (a prompt's
-        chunk, a batch's step) with nodes computes on a thread of its own, and the loop reads the nodes' partials
-        meanwhile: computed on the loop's thread, a prompt chunk's three 512 KB partials (synthetic 1B, 4 devices)
-        were read, opened and copied after it, 3.6 ms of the block's 17 on the master's path. Only where the share
-        computes on one thread (ggml's OpenMP keeps a team of threads for every thread that starts a parallel region,
-        and a second one made a 2-thread engine's step 3-4x slower) and the process has another core for its loop
-        (on one core the loop's polling took from the share)."""
-        if tokens == 1 or not nodes or self.config.threads != 1 or len(os.sched_getaffinity(0)) < 2:
-            return None
-        if self._share_thread is None:
-            self._share_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edgerun-share")
-        return self._share_thread
 
     def configure(self, config: MasterConfig) -> None:
         self.config = config
@@ -318,9 +291,6 @@ class BlockExchange:
         sent by the native runner: prepare_blocks)."""
         loop = asyncio.get_running_loop()
         seq = x.shape[0]
-        # Started before the inputs go: the sends, then the partials' reading, overlap the master's own share.
-        runner = self._share_runner(seq, nodes)
-        job = None if runner is None else runner.submit(_timed, own_share)
         key = (self.session, position, layer, int(block))
         route = self.routes.of(layer, block, seq)
         reliable, mirror, over_udp = route != Route.DATAGRAM, route == Route.MIRRORED, route != Route.RELIABLE
@@ -364,19 +334,13 @@ class BlockExchange:
             for node in self.pending_fetch.pop(key, []):
                 self.send_input(node, key, x, ranking)
         compute_start = time.perf_counter()
-        if job is None:
-            out = own_share()
-            wait_start = time.perf_counter()
-            self.stats.compute_s += wait_start - compute_start
-        # While the nodes compute (and the share's thread): the block before's accounts.
+        out = own_share()
+        wait_start = time.perf_counter()
+        self.stats.compute_s += wait_start - compute_start
+        # While the nodes compute: the block before's accounts.
         self.settle()
         if while_waiting is not None:
             while_waiting()
-        if job is not None:
-            out, took = await asyncio.wrap_future(job)
-            wait_start = time.perf_counter()
-            self.stats.compute_s += took
-            self.stats.threaded_shares += 1
         await self._wait(w, nodes, reliable, over_udp)
         ended = time.perf_counter()
         self.stats.wait_s += ended - wait_start
