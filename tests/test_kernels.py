@@ -27,8 +27,8 @@ def built() -> kernels._Kernels:
     loaded = kernels._kernels()
     assert loaded is not None
     runs = kernels.runs_here(loaded)
-    # every x86-64 CPU with AVX2 runs the Q4_1 and Q8_0 products; AVX-512 VNNI adds Q6_K
-    assert {kernels.Q4_1, kernels.Q8_0} <= set(runs)
+    # every x86-64 CPU with AVX2 runs the Q4_1, Q8_0 and repacked Q4_0 products; AVX-512 VNNI adds Q6_K
+    assert {kernels.Q4_1, kernels.Q8_0, kernels.Q4_0} <= set(runs)
     for qtype in runs:
         assert kernels.available(qtype), f"the op runs here but its check against ggml's {qtype} product failed"
     return loaded
@@ -56,26 +56,37 @@ def test_the_batched_product_is_ggmls_bit_for_bit(built, qtype: str, threads: in
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
 
 
-@pytest.fixture(scope="module")
-def q4_0(built) -> kernels._Kernels:
-    if kernels.Q4_0 not in kernels.runs_here(built):
-        pytest.skip("repacked Q4_0 products take AVX-512 VNNI: here they stay ggml's")
-    return built
-
-
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("k", "n"), [(2048, 200), (576, 64), (64, 8)])
-def test_the_repacked_q4_0_product_is_ggmls_bit_for_bit(q4_0, threads: int, k: int, n: int) -> None:
+def test_the_repacked_q4_0_product_is_ggmls_bit_for_bit(built, threads: int, k: int, n: int) -> None:
     """Q4_0 rows as ggml's CPU_REPACK buffer holds them (8 rows' blocks interleaved, where llama.cpp and the engine
     put a Q4_0 file's matrices on x86) times 1 to 64 columns: a decode step, a batch, a prompt's chunk (several
     passes of 16, odd counts leaving half a pair), with row groups of 8 that do not split evenly among threads, or
     fewer groups than threads."""
     columns = (1, 2, 3, 8, 15, 16, 17, 40, 64)
-    for cols, (ours, theirs) in zip(columns, kernels.compare(q4_0, kernels.Q4_0, k, n, columns, threads,
+    for cols, (ours, theirs) in zip(columns, kernels.compare(built, kernels.Q4_0, k, n, columns, threads,
                                                              seed=k + n), strict=True):
         assert ours.shape == (cols, n)
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_avx2_products_are_ggmls_bit_for_bit(built, qtype: str, threads: int) -> None:
+    """The AVX2 kernels (a laptop's or an older server's CPU, without AVX-512), run here whatever this CPU has
+    (er_force_avx2): ggml's products bit for bit, as the AVX-512 ones, at every column count."""
+    number = int(GGMLQuantizationType[qtype])
+    columns = (1, 2, 3, 8, 9, 16, 17, 40)
+    built.dll.er_force_avx2(1)
+    try:
+        for k, n in ((2048, 200), (576, 64), (64, 8)):
+            for cols, (ours, theirs) in zip(columns, kernels.compare(built, number, k, n, columns, threads,
+                                                                     seed=k + n + 1), strict=True):
+                assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
+                assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+    finally:
+        built.dll.er_force_avx2(0)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -94,7 +105,7 @@ def test_the_q6_k_product_is_ggmls_bit_for_bit(q6_k, threads: int, k: int, n: in
 def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
     """Weights of another type or layout, or columns that are not contiguous floats: ggml's mul_mat, which the
     engine's graphs then hold (no custom op); one or several Q4_1 or Q8_0 columns take the op, Q6_K up to 7 columns,
-    Q4_0 where ggml repacked it (rows a multiple of 8) and this CPU runs its product."""
+    Q4_0 where ggml repacked it (rows a multiple of 8)."""
     from edgerun.model import ggml_lib
 
     backend = ggml_lib.GgmlBackend(threads=1)
@@ -120,9 +131,8 @@ def test_a_product_the_op_does_not_take_is_ggmls(built) -> None:
                               ("strided", q41, strided), ("q6_k 7", q6k, seven), ("q6_k 8", q6k, eight),
                               ("q4_0 repacked", repacked, many), ("q4_0 36 rows", uneven, many))}
     q6_k = "CUSTOM" if kernels.Q6_K in kernels.runs_here(built) else "MUL_MAT"
-    q4_0 = "CUSTOM" if kernels.Q4_0 in kernels.runs_here(built) else "MUL_MAT"
     assert ops == {"one": "CUSTOM", "q4_0": "MUL_MAT", "q4_1": "CUSTOM", "q8_0": "CUSTOM", "strided": "MUL_MAT",
-                   "q6_k 7": q6_k, "q6_k 8": "MUL_MAT", "q4_0 repacked": q4_0, "q4_0 36 rows": "MUL_MAT"}
+                   "q6_k 7": q6_k, "q6_k 8": "MUL_MAT", "q4_0 repacked": "CUSTOM", "q4_0 36 rows": "MUL_MAT"}
 
 
 @pytest.fixture(scope="module")

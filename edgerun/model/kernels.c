@@ -103,8 +103,16 @@ struct er_product_params {
 
 size_t er_tensor_data_offset(void) { return offsetof(struct ggml_tensor_head, data); }
 
+static int avx2_only; /* er_force_avx2 */
+
+/* The AVX2 kernels on a CPU that has AVX-512 as well (on), or each CPU's own again (off): for tests, which check
+ * the AVX2 kernels against ggml's products on any x86-64 machine. */
+void er_force_avx2(int on) { avx2_only = on; }
+
 #if HAVE_KERNEL
 static int has_avx512(void) {
+    if (avx2_only)
+        return 0;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -118,13 +126,13 @@ static int has_avx2(void) {
 #endif
 
 /* The weight types whose products run on this CPU, bit 1 << W_*: with AVX-512 VNNI all four, with AVX2 (and FMA,
- * F16C) Q4_1 and Q8_0, else none. */
+ * F16C) Q4_1, Q8_0 and repacked Q4_0, else none. */
 int er_product_types(void) {
 #if HAVE_KERNEL
     if (has_avx512())
         return 1 << W_Q4_1 | 1 << W_Q8_0 | 1 << W_Q6_K | 1 << W_Q4_0X8;
     if (has_avx2())
-        return 1 << W_Q4_1 | 1 << W_Q8_0;
+        return 1 << W_Q4_1 | 1 << W_Q8_0 | 1 << W_Q4_0X8;
 #endif
     return 0;
 }
@@ -616,6 +624,105 @@ TARGET static void product_q4_0x8(const struct er_product_params *params, const 
     }
 }
 
+/* Repacked Q4_0 on AVX2 (no VNNI): q4_0x8_rows's pass in 256-bit registers, a column at a time against the 8 rows'
+ * unpacked block. A register holds 4 rows' bytes of a quarter of the block (lane l: row l / 2, values (l % 2) * 4..
+ * of the quarter); bytes times bytes to 16-bit pairs (codes 0..15 times values -127..127), four quarters' pairs added
+ * (8 products each, under 2^15), pairs to 32 bits, lane pairs to rows; -8 times the column's block sum makes the
+ * codes signed. Exact integers, then ggml's fma per block and output, as above. */
+#define Q4_0X8_AVX2_COLS 8
+
+TARGET_AVX2 static inline __attribute__((always_inline)) void q4_0x8_avx2_times(
+    const int COLS, const block_q4_0x8 *w, int n_blocks, int g0, int g1, const char *q, size_t row_size,
+    const float *ds, const int32_t *inits, float *out, size_t out_stride) {
+    const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x88), ones = _mm256_set1_epi16(1);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* hadd's rows 0 1 4 5 2 3 6 7, in order */
+    for (int g = g0; g < g1; g++) {
+        __m256 acc[Q4_0X8_AVX2_COLS];
+#pragma GCC unroll 8
+        for (int c = 0; c < COLS; c++)
+            acc[c] = _mm256_setzero_ps();
+        for (int ib = 0; ib < n_blocks; ib++) {
+            const block_q4_0x8 *b = w + (size_t)g * n_blocks + ib;
+            /* rows 0-3's bytes 0-7 (values 0-7 low, 16-23 high), rows 4-7's, then both's bytes 8-15 */
+            const __m256i r03 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b->qs), flip);
+            const __m256i r47 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b->qs + 32)), flip);
+            const __m256i s03 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b->qs + 64)), flip);
+            const __m256i s47 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b->qs + 96)), flip);
+            const __m256i a0 = _mm256_and_si256(r03, low), a16 = _mm256_and_si256(_mm256_srli_epi16(r03, 4), low);
+            const __m256i a8 = _mm256_and_si256(s03, low), a24 = _mm256_and_si256(_mm256_srli_epi16(s03, 4), low);
+            const __m256i b0 = _mm256_and_si256(r47, low), b16 = _mm256_and_si256(_mm256_srli_epi16(r47, 4), low);
+            const __m256i b8 = _mm256_and_si256(s47, low), b24 = _mm256_and_si256(_mm256_srli_epi16(s47, 4), low);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
+            const char *y0 = q + (size_t)ib * sizeof(block_q8_0) + offsetof(block_q8_0, qs);
+#pragma GCC unroll 8
+            for (int c = 0; c < COLS; c++) {
+                const char *y = y0 + (size_t)c * row_size;
+                const __m256i v0 = _mm256_set1_epi64x(*(const int64_t *)y);
+                const __m256i v8 = _mm256_set1_epi64x(*(const int64_t *)(y + 8));
+                const __m256i v16 = _mm256_set1_epi64x(*(const int64_t *)(y + 16));
+                const __m256i v24 = _mm256_set1_epi64x(*(const int64_t *)(y + 24));
+                const __m256i lo = _mm256_add_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(a0, v0), _mm256_maddubs_epi16(a16, v16)),
+                    _mm256_add_epi16(_mm256_maddubs_epi16(a8, v8), _mm256_maddubs_epi16(a24, v24)));
+                const __m256i hi = _mm256_add_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(b0, v0), _mm256_maddubs_epi16(b16, v16)),
+                    _mm256_add_epi16(_mm256_maddubs_epi16(b8, v8), _mm256_maddubs_epi16(b24, v24)));
+                __m256i rows = _mm256_permutevar8x32_epi32(
+                    _mm256_hadd_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)), order);
+                rows = _mm256_add_epi32(rows, _mm256_set1_epi32(inits[(size_t)ib * Q4_0X8_AVX2_COLS + c]));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows),
+                                         _mm256_mul_ps(dw, _mm256_broadcast_ss(ds + (size_t)ib * Q4_0X8_AVX2_COLS + c)),
+                                         acc[c]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < COLS; c++)
+            _mm256_storeu_ps(out + (size_t)c * out_stride + (size_t)g * 8, acc[c]);
+    }
+}
+
+#define Q4_0X8_AVX2_TIMES(n) \
+    case n: q4_0x8_avx2_times(n, wb, n_blocks, g0, g1, q, row_size, ds, inits, out, out_stride); break;
+
+/* The AVX2 repacked Q4_0 op's share: row groups [g0, g1) times every column, Q4_0X8_AVX2_COLS at a time. */
+TARGET_AVX2 static void product_q4_0x8_avx2(const struct er_product_params *params, const struct ggml_tensor_head *w,
+                                            const struct ggml_tensor_head *x, int ith, int nth, float *out_all,
+                                            size_t out_stride) {
+    const int k = (int)w->ne[0], n_groups = (int)(w->ne[1] / 8), n_cols = (int)x->ne[1], n_blocks = k / QK;
+    const int g0 = (int)((int64_t)n_groups * ith / nth), g1 = (int)((int64_t)n_groups * (ith + 1) / nth);
+    if (g0 >= g1)
+        return;
+    const size_t row_size = (size_t)n_blocks * sizeof(block_q8_0);
+    const size_t per = (size_t)n_blocks * Q4_0X8_AVX2_COLS;
+    char *ws = work_space(per * (sizeof(float) + sizeof(int32_t)) + (size_t)Q4_0X8_AVX2_COLS * row_size);
+    if (!ws)
+        abort();
+    float *ds = (float *)ws;
+    int32_t *inits = (int32_t *)(ws + per * sizeof(float));
+    char *q = ws + per * (sizeof(float) + sizeof(int32_t));
+    const block_q4_0x8 *wb = (const block_q4_0x8 *)w->data;
+    for (int c0 = 0; c0 < n_cols; c0 += Q4_0X8_AVX2_COLS) {
+        const int cols = n_cols - c0 < Q4_0X8_AVX2_COLS ? n_cols - c0 : Q4_0X8_AVX2_COLS;
+        for (int c = 0; c < cols; c++) {
+            params->quantize((const float *)x->data + (size_t)(c0 + c) * (x->nb[1] / sizeof(float)),
+                             q + (size_t)c * row_size, k);
+            for (int ib = 0; ib < n_blocks; ib++) {
+                const block_q8_0 *blk = (const block_q8_0 *)(q + (size_t)c * row_size) + ib;
+                int32_t sum = 0;
+                for (int j = 0; j < QK; j++)
+                    sum += blk->qs[j];
+                ds[(size_t)ib * Q4_0X8_AVX2_COLS + c] = half_to_float(blk->d);
+                inits[(size_t)ib * Q4_0X8_AVX2_COLS + c] = -8 * sum;
+            }
+        }
+        float *out = out_all + (size_t)c0 * out_stride;
+        switch (cols) {
+            Q4_0X8_AVX2_TIMES(1) Q4_0X8_AVX2_TIMES(2) Q4_0X8_AVX2_TIMES(3) Q4_0X8_AVX2_TIMES(4)
+            Q4_0X8_AVX2_TIMES(5) Q4_0X8_AVX2_TIMES(6) Q4_0X8_AVX2_TIMES(7) Q4_0X8_AVX2_TIMES(8)
+        }
+    }
+}
+
 /* The custom op (ggml_custom_op_t): dst (n_rows, n_cols) F32 = src[0] (k, n_rows) Q4_1, Q8_0, Q6_K or repacked Q4_0
  * times src[1] (k, n_cols) F32, rows split among ggml's threads (repacked Q4_0's by groups of 8). Each thread
  * quantizes the columns itself (a few thousand values, less than one row block's work) rather than waiting for one
@@ -625,8 +732,11 @@ void er_product(struct ggml_tensor_head *dst, int ith, int nth, void *userdata) 
     const struct ggml_tensor_head *w = dst->src[0], *x = dst->src[1];
     const int k = (int)w->ne[0], n_rows = (int)w->ne[1], n_cols = (int)x->ne[1], n_blocks = k / QK;
     const size_t out_stride = dst->nb[1] / sizeof(float);
-    if (params->weights == W_Q4_0X8) { /* AVX-512 only (er_product_types) */
-        product_q4_0x8(params, w, x, ith, nth, (float *)dst->data, out_stride);
+    if (params->weights == W_Q4_0X8) {
+        if (has_avx512())
+            product_q4_0x8(params, w, x, ith, nth, (float *)dst->data, out_stride);
+        else
+            product_q4_0x8_avx2(params, w, x, ith, nth, (float *)dst->data, out_stride);
         return;
     }
     const int r0 = (int)((int64_t)n_rows * ith / nth), r1 = (int)((int64_t)n_rows * (ith + 1) / nth);
