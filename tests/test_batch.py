@@ -237,13 +237,17 @@ def test_a_sequence_waiting_for_a_prompt_that_is_cancelled_prefills_its_own(ship
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
 def test_batched_decode_is_bit_exact_on_every_weight_type(tiny_spec, synth_gguf, qtype: str) -> None:
     """Repacked weights (Q4_0, Q4_K: ggml's 8x8 layouts, whose products of one column and of several take
-    different code), the batched product's types (Q4_1, Q8_0): three sequences decoded together get the logits
-    each gets alone, bit for bit."""
+    different code), the batched product's types (Q4_1, Q8_0), and Q4_K_M's Q6_K: three and nine sequences decoded
+    together get the logits each gets alone, bit for bit. (ggml multiplies repacked Q4_K by 4 columns or more, and
+    Q6_K by 8 or more, with other bits than one column's: the batch's products take such weights in smaller groups
+    of columns, kernels.each_column_alone.)"""
     from edgerun.model.loader import load_model
 
     model = load_model(synth_gguf(tiny_spec(qtype=qtype, tied=False)))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 200, 300, 400, 500, 60, 70]]
     assert_decoded_together_as_alone(model, prompts, [0, 1, 2], 3, 128, steps=4)
+    nine = prompts + [[i, 2 * i + 1, 3 * i + 2] for i in range(10, 16)]
+    assert_decoded_together_as_alone(model, nine, list(range(9)), 9, 128, steps=2)
 
 
 class ChainEngine:

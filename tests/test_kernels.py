@@ -241,3 +241,40 @@ def test_the_checks_verdicts_are_kept_per_build_and_cpu(built, tmp_path) -> None
     ours = f"{sorted(loaded.checked)} {loaded.attention_variant}"
     assert verdict_read({other: {"checked": [], "attention": None}}) == ours
     assert json.loads((tmp_path / "cache" / kernels.VERDICTS_FILE).read_text())[key] == kept
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
+def test_a_batchs_products_give_each_column_its_bits_alone(qtype: str) -> None:
+    """The weight types whose products ggml computes another way from some column count on (ALONE_COLUMNS: repacked
+    Q4_K from 4 columns, Q6_K from 8 on this Xeon) and those it never does: checked against ggml's own product of one
+    column, at 2 to 24 columns. Under each_column_alone the engine's products give every column its bits alone at any
+    count."""
+    from edgerun.model import ggml_lib
+    from edgerun.model.quant import quantize
+
+    number = int(GGMLQuantizationType[qtype])
+    rng = np.random.default_rng(number)
+    k, n = 512, 64
+    backend = ggml_lib.GgmlBackend(threads=2)
+    store = ggml_lib.WeightStore(backend)
+    w = store.add("w", quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
+    store.upload()
+    x = rng.standard_normal((24, k)).astype(np.float32)
+    g = ggml_lib.lib()
+
+    def first_column(cols: int, make) -> np.ndarray:
+        gc = ggml_lib.GraphContext(backend, 64)
+        xt = gc.input(ggml_lib.F32, k, cols)
+        out = make(gc.ctx, store.tensor(w), xt)
+        gc.expand(out)
+        gc.allocate()
+        gc.set(xt, x[:cols])
+        gc.compute()
+        return gc.get(out, np.empty((cols, n), np.float32))[0].view(np.uint32)
+
+    alone = first_column(1, g.ggml_mul_mat)
+    differs = [cols for cols in range(2, 25) if not np.array_equal(first_column(cols, g.ggml_mul_mat), alone)]
+    most = kernels.ALONE_COLUMNS.get(number, 24)  # the table may only be safe: a column differs only beyond it
+    assert all(cols > most for cols in differs), differs
+    with kernels.each_column_alone():
+        assert all(np.array_equal(first_column(cols, kernels.product), alone) for cols in (2, 4, 7, 8, 9, 17, 24))

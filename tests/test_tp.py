@@ -50,15 +50,19 @@ def reference_tokens(model: Model) -> list[int]:
     return generate(engine, model.tokenizer.encode(PROMPT), N_TOKENS, GREEDY).tokens
 
 
-def start_nodes(port: int, speeds: list[float], loss: str = "0", spin_us: float = 0.0) -> list[subprocess.Popen]:
+def start_nodes(port: int, speeds: list[float], loss: str = "0", spin_us: float = 0.0,
+                model_path: Path | None = None) -> list[subprocess.Popen]:
+    """Node processes of the shipped model, or of the file at `model_path`."""
+    extra = [] if model_path is None else ["--model", str(model_path)]
     return [subprocess.Popen([sys.executable, "-m", "edgerun.cli", "node", "--master", f"127.0.0.1:{port}",
                               "--name", f"n{i}", "--key", SECRET, "--speed", str(speed), "--loss", loss,
-                              "--loss-seed", str(i), "--spin-us", str(spin_us), "--threads", "1"],
+                              "--loss-seed", str(i), "--spin-us", str(spin_us), "--threads", "1", *extra],
                              stderr=subprocess.DEVNULL)
             for i, speed in enumerate(speeds)]
 
 
-def cluster(model: Model, speeds: list[float], *, loss: str = "0", **settings: object) -> Iterator[tuple[Master, list]]:
+def cluster(model: Model, speeds: list[float], *, loss: str = "0", model_path: Path | None = None,
+            **settings: object) -> Iterator[tuple[Master, list]]:
     # minmax: every node takes a share by its speed (halo may leave a node out where its synchronizations cost
     # more than it computes, which depends on the RTT measured on a busy machine).
     # Float32 activations unless a test asks for int8: the cluster then gives the numpy reference's tokens exactly
@@ -66,7 +70,7 @@ def cluster(model: Model, speeds: list[float], *, loss: str = "0", **settings: o
     settings = {"activations": Activations.F32, **settings}
     config = MasterConfig(strategy="minmax", host="127.0.0.1", max_len=256, **settings)
     master = Master(model, KEY, config, loss=parse_loss(loss, seed=99))
-    nodes = start_nodes(master.port, speeds, loss, config.spin_us)
+    nodes = start_nodes(master.port, speeds, loss, config.spin_us, model_path)
     try:
         master.wait_for_nodes(len(speeds), timeout_s=120)
         master.replan()
@@ -1098,6 +1102,27 @@ def drain_batch(loop, model: Model, requests: list[int], max_tokens: int = 12, l
             loop.recover()
         rounds += 1
     return results
+
+
+@pytest.mark.slow
+def test_a_cluster_batch_of_q4_k_m_rows_gives_each_its_logits_alone(tiny_spec, synth_gguf) -> None:
+    """Q4_K_M's matrices (ggml multiplies repacked Q4_K by 4 columns or more, and Q6_K by 8 or more, with other bits
+    than one column's): a batch session's decode step of 9 sequences on a master and a node gives each sequence the
+    logits of a step of it alone, bit for bit (every share takes such weights in groups of columns that each get
+    their bits alone, kernels.each_column_alone)."""
+    from edgerun.tp.batch import TpBatch
+
+    path = synth_gguf(tiny_spec(qtype="Q4_K_M", tied=False))
+    model = load_model(path)
+    prompts = [[i, 2 * i + 1, 3 * i + 2, 7] for i in range(1, 10)]
+    for master, _ in cluster(model, [1e9, 1e9], activations=Activations.INT8, slots=9, model_path=path):
+        engine = TpBatch(master)
+        last = [int(engine.prefill(s, p, 0).argmax()) for s, p in enumerate(prompts)]
+        together = engine.decode([(s, len(p), t) for s, (p, t) in enumerate(zip(prompts, last, strict=True))])
+        for s, (p, t) in enumerate(zip(prompts, last, strict=True)):
+            engine.prefill(s, p, 0)  # the slot again as before the step
+            alone = engine.decode([(s, len(p), t)])
+            assert np.array_equal(alone[0].view(np.uint32), together[s].view(np.uint32)), s
 
 
 @pytest.mark.slow

@@ -544,9 +544,10 @@ class BatchGraph:
         self.gc = GraphContext(engine.backend, len(engine.layers) * (GRAPH_NODES_PER_LAYER + 12 * b) + 64 + b)
         self.embd = self.gc.input(ggml_lib.F32, c.hidden, b)
         self.batch = BatchInputs.of(self.gc, make_up, engine.max_len, c.sliding_window)
-        x = _layers(self.gc, engine, self.embd, self.batch.inputs, self.batch.spans, last_only=False)
-        # logits where the engine holds the LM head, else the hidden states go on to the next stage
-        self.out = _logits(self.gc, engine, x) if engine.has_head else x
+        with kernels.each_column_alone():  # each sequence's numbers as it gets them alone, whatever its weights' type
+            x = _layers(self.gc, engine, self.embd, self.batch.inputs, self.batch.spans, last_only=False)
+            # logits where the engine holds the LM head, else the hidden states go on to the next stage
+            self.out = _logits(self.gc, engine, x) if engine.has_head else x
         self.gc.expand(self.out)
         self.gc.allocate()
         self.shape = (b, c.vocab_size if engine.has_head else c.hidden)

@@ -39,6 +39,8 @@ runs them, the rest read them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import glob
@@ -48,7 +50,7 @@ import json
 import os
 import platform
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,29 @@ REPACK_BUFFER = b"CPU_REPACK"
 # (other bits), so there the op would not give its bits and its product is ggml's own.
 MOST_COLUMNS = {Q6_K: 7}
 ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the graph's computation
+# Weight types whose products ggml computes another way from more columns than this on (repacked Q4_K in tiles of 4
+# columns, Q6_K from 8), a column's bits then unlike its bits alone; every other type's product gives each column
+# its bits alone at any count (tests/test_kernels.py checks both here). Where a product's columns are separate
+# sequences (each_column_alone), these go in groups of at most that many.
+ALONE_COLUMNS = {int(GGMLQuantizationType.Q4_K): 3, Q6_K: 7}
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("each_column_alone", default=False)
+
+
+@contextlib.contextmanager
+def each_column_alone() -> Iterator[None]:
+    """Products made meanwhile (product) give every column the bits it gets alone: for a batched decode step, whose
+    columns are sequences that must each get the tokens they get alone. A prompt's products stay ggml's own (those
+    llama.cpp computes)."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
+def columns_alone() -> bool:
+    """Whether products made now give each column its bits alone (each_column_alone)."""
+    return _ALONE.get()
 
 
 class _Params(ctypes.Structure):
@@ -373,9 +398,17 @@ def usable_here() -> bool:
 def product(ctx: int, w: int, x: int) -> int:
     """w (k, n) times x (k, m): ggml's mul_mat, or kernels.c's op where w is Q4_1, Q8_0 or Q6_K in plain host memory
     or Q4_0 repacked (up to MOST_COLUMNS), x is contiguous float columns and the kernels are usable here (the same
-    bits either way)."""
+    bits either way). Under each_column_alone, an ALONE_COLUMNS type's columns go in groups that ggml multiplies as
+    it multiplies one."""
     g = ggml_lib.lib()
     hw, hx = ggml_lib.head(w), ggml_lib.head(x)
+    most = ALONE_COLUMNS.get(hw.type)
+    if most is not None and hx.ne[1] > most and _ALONE.get():
+        if hx.ne[2] != 1 or hx.ne[3] != 1:
+            raise ValueError("a product whose columns are each alone takes a matrix of columns")
+        parts = [product(ctx, w, g.ggml_view_2d(ctx, x, hx.ne[0], min(most, hx.ne[1] - c), hx.nb[1], c * hx.nb[1]))
+                 for c in range(0, hx.ne[1], most)]
+        return functools.reduce(lambda a, b: g.ggml_concat(ctx, a, b, 1), parts)
     if hw.type in WEIGHTS and hx.type == ggml_lib.F32 and hx.ne[2] == 1 and hx.ne[3] == 1 \
             and hx.ne[1] <= MOST_COLUMNS.get(hw.type, hx.ne[1]) \
             and hx.nb[0] == 4 and hx.nb[1] == 4 * hx.ne[0] and _laid_out(hw):

@@ -218,6 +218,8 @@ class GgmlShard(_ShareBase):
         return self._bytes.get((0 if block == Block.HEAD else layer, block), 0)
 
     def _graph(self, key: tuple, build) -> _BlockGraph:
+        # a batch's rows, each its sequence's alone, or a prompt's tokens (kernels.each_column_alone): other products
+        key = (*key, kernels.columns_alone())
         graph = self._graphs.get(key)
         if graph is None:
             # One-token graphs and batched steps' are kept (the batches' up to BATCH_GRAPHS_KEPT make-ups); prompts
@@ -263,8 +265,9 @@ class GgmlShard(_ShareBase):
         if tensors is None:
             return np.zeros((x.shape[0], self.config.hidden), np.float32)
         make_up = tuple((slot, cache_rows(position + 1, self.max_len)) for slot, position in rows)
-        graph = self._graph((ROWS, layer, make_up),
-                            lambda _: _BlockGraph.attention_rows(self, tensors, make_up))
+        with kernels.each_column_alone():  # every row is a sequence's, its numbers as it gets them alone
+            graph = self._graph((ROWS, layer, make_up),
+                                lambda _: _BlockGraph.attention_rows(self, tensors, make_up))
         graph.batch.set(graph.gc, [position for _, position in rows])
         return graph.run(x)
 

@@ -28,6 +28,7 @@ import numpy as np
 from starlette.routing import BaseRoute
 
 from edgerun.errors import EdgerunError
+from edgerun.model import kernels
 from edgerun.model.generate import Engine, EngineLost, default_engine, generate, make_engine
 from edgerun.model.ggml_engine import cache_rows
 from edgerun.model.loader import Model
@@ -599,6 +600,8 @@ class Master:
                                               for n in nodes}
             self.assignments[(self.exchange.session, start, layer, int(block))] = Assignment(ranking, handed)
 
+        sequences = rows is not None and len(rows.slots) > 1  # a batch's decode step: each row as it is alone
+
         def own_share() -> np.ndarray:
             started = time.perf_counter()
             if block == Block.ATTN and rows is not None:
@@ -606,9 +609,11 @@ class Master:
             elif block == Block.ATTN:
                 out = self.shard.attention(layer, x, start, units=own_units)
             elif block == Block.MLP:
-                out = self.shard.mlp(layer, x, groups=own_units)
+                with kernels.each_column_alone() if sequences else contextlib.nullcontext():
+                    out = self.shard.mlp(layer, x, groups=own_units)
             else:  # the LM head: this device's vocabulary rows, computed while the nodes compute theirs
-                vocab, own = self.shard.logits(x)  # the rows sent: a request's last token, a batch's each one
+                with kernels.each_column_alone() if sequences else contextlib.nullcontext():
+                    vocab, own = self.shard.logits(x)  # the rows sent: a request's last token, a batch's each one
                 out = np.zeros((x.shape[0], self.model.config.vocab_size), np.float32)
                 out[:, row_span(vocab)] = own
                 out = out if rows is not None else out[-1]

@@ -29,6 +29,7 @@ import numpy as np
 
 from edgerun.errors import EdgerunError
 from edgerun.memory import peak_rss_mb, reset_peak_rss, return_freed_memory
+from edgerun.model import kernels
 from edgerun.model.ggml_engine import cache_rows
 from edgerun.model.loader import Model, load_model
 from edgerun.net.backoff import Backoff
@@ -786,6 +787,9 @@ class Node:
             else:
                 units = [ranking[p] for p in self.priorities[0 if block == Block.ATTN else 1][layer]]
         started = time.perf_counter()
+        # a batch's decode step: each row a sequence's, its numbers as it gets them alone (kernels.each_column_alone)
+        step = self.steps.get(position) if self.batch else None
+        alone = kernels.each_column_alone() if step is not None and len(step.slots) > 1 else contextlib.nullcontext()
         if block == Block.ATTN and self.batch:
             rows = self.steps[position]
             out = self.shard.step_attention(layer, x, rows.slots, rows.starts, rows.copy)
@@ -794,11 +798,13 @@ class Node:
         elif block == Block.ATTN:
             out = self.shard.attention(layer, x, position, output=output, units=units)
         elif block == Block.MLP:
-            out = self.shard.mlp(layer, x, groups=units) if output else None
+            with alone:
+                out = self.shard.mlp(layer, x, groups=units) if output else None
             if self.server is not None and x.shape[0] == 1:  # its datagram's copies then find it computed natively
                 self.server.mlp_taken[layer] = position
         else:
-            _, out = self.shard.logits(x)  # the rows the master sent: a request's last token, a batch's each one
+            with alone:
+                _, out = self.shard.logits(x)  # the rows the master sent: a request's last token, a batch's each one
             if self.top is not None:  # the session's sampler picks from no more: the rest stays here
                 out = head_top(out, self.top)
         took = time.perf_counter() - started
