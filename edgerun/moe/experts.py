@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgerun.cache import cache_root
-from edgerun.model import ggml_lib
+from edgerun.model import ggml_lib, kernels
 from edgerun.model.config import ModelConfig
 from edgerun.model.ggml_engine import mlp_block
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore
@@ -130,7 +130,10 @@ class _ExpertGraph:
         self.gc = GraphContext(backend, 16)
         self.x = self.gc.input(ggml_lib.F32, hidden, n)
         self.gates = self.gc.input(ggml_lib.F32, 1, n)
-        y = mlp_block(self.gc.ctx, store.tensor, w_gate, w_up, w_down, self.x)
+        # a dispatch's tokens are whichever chose the expert (of one prompt or of a batch's sequences): each token's
+        # output as it is alone, whatever the weights' type (kernels.each_column_alone)
+        with kernels.each_column_alone():
+            y = mlp_block(self.gc.ctx, store.tensor, w_gate, w_up, w_down, self.x)
         self.out = g.ggml_mul(self.gc.ctx, y, self.gates)  # each token's column by its gate
         self.gc.expand(self.out)
         self.gc.allocate(scratch)
