@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edgerun.model import kernels
 from edgerun.model.loader import Model
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.reference import DenseMoe, ReferenceModel, rms_norm, rope_tables
@@ -145,7 +146,8 @@ class GgmlLayers(HubLayers):
         return self.share.attention_rows(layer, x_norm, rows)
 
     def logits_rows(self, x: np.ndarray) -> np.ndarray:
-        return self.share.logits(rms_norm(x, self.weights.output_norm, self.config.norm_eps))[1]
+        with kernels.each_column_alone():  # each row a sequence's (or a request's last), as it is alone
+            return self.share.logits(rms_norm(x, self.weights.output_norm, self.config.norm_eps))[1]
 
     def copy_cache(self, source: int, target: int, rows: int) -> None:
         self.share.copy_cache(source, target, rows)
