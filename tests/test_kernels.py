@@ -46,11 +46,13 @@ def q6_k(built) -> kernels._Kernels:
 @pytest.mark.parametrize(("k", "n"), [(576, 200), (1536, 67), (64, 5)])
 def test_the_batched_product_is_ggmls_bit_for_bit(built, qtype: str, threads: int, k: int, n: int) -> None:
     """Shapes of the shipped model's matrices (and odd ones: rows that do not split evenly among threads, a row
-    count below the thread count), 2 to 40 columns (more than one pass of 16, odd counts leaving half a pair)."""
+    count below the thread count), 2 to 40 columns: column pairs (2, 3, 6: odd counts leave half a pair), sets of 8
+    columns across the lanes from 7 on (7 and 9 leave sets part empty, 15 and 16 take two), more than one pass of 16
+    (17, 40)."""
     number = int(GGMLQuantizationType[qtype])
-    for cols, (ours, theirs) in zip((2, 3, 8, 15, 16, 17, 40),
-                                    kernels.compare(built, number, k, n, (2, 3, 8, 15, 16, 17, 40), threads,
-                                                    seed=k + n), strict=True):
+    columns = (2, 3, 6, 7, 8, 9, 15, 16, 17, 40)
+    for cols, (ours, theirs) in zip(columns, kernels.compare(built, number, k, n, columns, threads, seed=k + n),
+                                    strict=True):
         assert ours.shape == (cols, n)
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
