@@ -58,19 +58,28 @@ def test_the_batched_product_is_ggmls_bit_for_bit(built, qtype: str, threads: in
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
 
 
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("k", "n"), [(2048, 200), (576, 64), (64, 8)])
-def test_the_repacked_q4_0_product_is_ggmls_bit_for_bit(built, threads: int, k: int, n: int) -> None:
+def test_the_repacked_q4_0_product_is_ggmls_bit_for_bit(built, amx: bool, threads: int, k: int, n: int) -> None:
     """Q4_0 rows as ggml's CPU_REPACK buffer holds them (8 rows' blocks interleaved, where llama.cpp and the engine
-    put a Q4_0 file's matrices on x86) times 1 to 64 columns: a decode step, a batch, a prompt's chunk (several
+    put a Q4_0 file's matrices on x86) times 1 to 100 columns: a decode step, a batch, a prompt's chunk (several
     passes of 16, odd counts leaving half a pair), with row groups of 8 that do not split evenly among threads, or
-    fewer groups than threads."""
-    columns = (1, 2, 3, 8, 15, 16, 17, 40, 64)
-    for cols, (ours, theirs) in zip(columns, kernels.compare(built, kernels.Q4_0, k, n, columns, threads,
-                                                             seed=k + n), strict=True):
-        assert ours.shape == (cols, n)
-        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
-        assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+    fewer groups than threads. On a CPU with AMX, from 16 columns the tiles take the products (tiles of 16 columns
+    part empty at 17, 40 and 100, more than one pass of 64 at 100, a thread's last group of 8 alone where its count
+    is odd); and without them (er_force_no_amx) the AVX-512 kernel does."""
+    if amx and not built.dll.er_amx_available():
+        pytest.skip("this CPU has no AMX int8 tiles (or Linux does not let this process use them)")
+    columns = (1, 2, 3, 8, 15, 16, 17, 40, 64, 100)
+    built.dll.er_force_no_amx(0 if amx else 1)
+    try:
+        for cols, (ours, theirs) in zip(columns, kernels.compare(built, kernels.Q4_0, k, n, columns, threads,
+                                                                 seed=k + n), strict=True):
+            assert ours.shape == (cols, n)
+            assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), (cols, k, n, threads)
+            assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+    finally:
+        built.dll.er_force_no_amx(0)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])

@@ -23,6 +23,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -109,6 +113,12 @@ static int avx2_only; /* er_force_avx2 */
  * the AVX2 kernels against ggml's products on any x86-64 machine. */
 void er_force_avx2(int on) { avx2_only = on; }
 
+static int amx_off; /* er_force_no_amx */
+
+/* Repacked Q4_0 products without the AMX tiles on a CPU that has them (on), or with them again (off): for tests,
+ * which check both ways against ggml's products. */
+void er_force_no_amx(int on) { amx_off = on; }
+
 #if HAVE_KERNEL
 static int has_avx512(void) {
     if (avx2_only)
@@ -123,6 +133,31 @@ static int has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+
+/* AMX's int8 tiles: the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8) and Linux lets this process use their
+ * state (asked once: the permission is the process's, for every thread). */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+static int amx_permitted = -1;
+
+static int has_amx(void) {
+    if (amx_off || !has_avx512())
+        return 0;
+    if (amx_permitted < 0) {
+        unsigned a, b, c, d;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        int asked = 0;
+#if defined(__linux__)
+        if ((d >> 24 & 1) && (d >> 25 & 1))
+            asked = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#endif
+        __atomic_store_n(&amx_permitted, asked, __ATOMIC_RELEASE);
+    }
+    return __atomic_load_n(&amx_permitted, __ATOMIC_ACQUIRE);
+}
+
+/* For tests: whether repacked Q4_0 products take the AMX tiles here. */
+int er_amx_available(void) { return has_amx(); }
 #endif
 
 /* The weight types whose products run on this CPU, bit 1 << W_*: with AVX-512 VNNI all four, with AVX2 (and FMA,
@@ -758,6 +793,160 @@ TARGET static void q4_0x8_lay_out(const float *x, size_t x_stride, int c0, int c
     }
 }
 
+/* Repacked Q4_0 times many columns on AMX's int8 tiles: a prompt's chunk, a large batch. The exact integer dot
+ * products of a block (32 codes, 32 values) for 16 columns and 16 rows are one tile multiply (TDPBSSD); the floats
+ * are ggml's: per output, acc = fma(float(dot_b), d(w)_b * d(x)_b, acc) over the blocks in order (as q4_0x8_pairs).
+ * The tile product C (16 columns x 16 rows) = A (16 columns' 32 values, read where ggml's quantizer left them) times
+ * B (the 16 rows' codes - 8, 4 to a 32-bit lane: row m's values 4i..4i+3 in lane m of B's row i), so a column's 16
+ * outputs lie in one 512-bit row of C and go on with one conversion, one multiply and one fma. A pair of groups of 8
+ * rows makes B's 16 lanes (a lone last group: the other 8 lanes zero). */
+#define AMX_COLS 16
+#define AMX_PASS_COLS 64 /* columns quantized in one pass (their tiles take turns over each pair of groups) */
+#ifndef AMX_FROM
+#define AMX_FROM 16
+#endif
+#define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c,amx-tile,amx-int8")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* The codes of a pair of groups' blocks (the second NULL: zeros) as B: 8 rows of 64 bytes, lane m of row i holding
+ * row m's values 4i..4i+3, minus 8 (signed); and the 16 rows' d's. */
+TARGET_AMX static inline void amx_weights(const block_q4_0x8 *first, const block_q4_0x8 *second, int8_t *b,
+                                          float *dw) {
+    /* codes XOR 8 read as 4-bit signed values are codes - 8: a nibble's table */
+    const __m512i signed_nibble = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4,
+                                                                       -3, -2, -1));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    /* dwords 0, 2, 4, ... (values 0-3 of each row's 8 bytes) of the two groups, then 1, 3, 5, ... (values 4-7) */
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512i parts[2][4]; /* per group: values 0-7, 8-15, 16-23, 24-31 of each row (8 bytes a row) */
+    for (int h = 0; h < 2; h++) {
+        const block_q4_0x8 *blk = h ? second : first;
+        if (blk == NULL) {
+            for (int i = 0; i < 4; i++)
+                parts[h][i] = _mm512_setzero_si512();
+            continue;
+        }
+        const __m512i bytes0 = _mm512_loadu_si512((const void *)blk->qs), bytes1 = _mm512_loadu_si512(
+            (const void *)(blk->qs + 64));
+        parts[h][0] = _mm512_shuffle_epi8(signed_nibble, _mm512_and_si512(bytes0, low));
+        parts[h][1] = _mm512_shuffle_epi8(signed_nibble, _mm512_and_si512(bytes1, low));
+        parts[h][2] = _mm512_shuffle_epi8(signed_nibble, _mm512_and_si512(_mm512_srli_epi16(bytes0, 4), low));
+        parts[h][3] = _mm512_shuffle_epi8(signed_nibble, _mm512_and_si512(_mm512_srli_epi16(bytes1, 4), low));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm512_storeu_si512((void *)(b + 128 * i), _mm512_permutex2var_epi32(parts[0][i], even, parts[1][i]));
+        _mm512_storeu_si512((void *)(b + 128 * i + 64), _mm512_permutex2var_epi32(parts[0][i], odd, parts[1][i]));
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)first->d));
+    const __m256 d1 = second ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)second->d)) : _mm256_setzero_ps();
+    _mm512_storeu_ps(dw, _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1));
+}
+
+/* Row groups [g0, g1) times `cols` columns quantized to Q8_0: their values block by block (per block
+ * AMX_PASS_COLS columns' 32 values, one after another: a tile of A is 512 contiguous bytes; zeros past `cols`) and
+ * their d's (per block, AMX_PASS_COLS floats). `b` and `dw`: room for every block's B (512 bytes) and 16 d's. */
+TARGET_AMX static void q4_0x8_amx(const block_q4_0x8 *w, int n_blocks, int g0, int g1, int cols, const int8_t *values,
+                                  const float *dx, int8_t *b, float *dw, float *out, size_t out_stride) {
+    /* Blocks take turns between two sets of tiles (C, A, B: tiles 0-2 and 3-5), so that one block's product runs
+     * in the tile unit while the other's sums go on into the 16 accumulators (a column's 16 rows each). */
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int h = 0; h < 2; h++) {
+        config.rows[3 * h] = AMX_COLS, config.colsb[3 * h] = 64;     /* C: a column's 16 rows' sums a row */
+        config.rows[3 * h + 1] = AMX_COLS, config.colsb[3 * h + 1] = QK; /* A: a column's block a row */
+        config.rows[3 * h + 2] = QK / 4, config.colsb[3 * h + 2] = 64;   /* B */
+    }
+    _tile_loadconfig(&config);
+    int32_t sums[2][AMX_COLS][16] __attribute__((aligned(64)));
+    for (int g = g0; g < g1; g += 2) {
+        const int pair = g + 1 < g1;
+        for (int ib = 0; ib < n_blocks; ib++)
+            amx_weights(w + (size_t)g * n_blocks + ib, pair ? w + (size_t)(g + 1) * n_blocks + ib : NULL,
+                        b + (size_t)ib * 512, dw + (size_t)ib * 16);
+        for (int c0 = 0; c0 < cols; c0 += AMX_COLS) {
+            __m512 acc[AMX_COLS];
+#pragma GCC unroll 16
+            for (int c = 0; c < AMX_COLS; c++)
+                acc[c] = _mm512_setzero_ps();
+            for (int ib = 0; ib < n_blocks; ib += 2) {
+                const int8_t *a = values + ((size_t)ib * AMX_PASS_COLS + c0) * QK;
+                _tile_zero(0);
+                _tile_loadd(1, a, QK);
+                _tile_loadd(2, b + (size_t)ib * 512, 64);
+                _tile_dpbssd(0, 1, 2);
+                _tile_stored(0, sums[0], 64);
+                const int second = ib + 1 < n_blocks;
+                if (second) {
+                    _tile_zero(3);
+                    _tile_loadd(4, a + (size_t)AMX_PASS_COLS * QK, QK);
+                    _tile_loadd(5, b + (size_t)(ib + 1) * 512, 64);
+                    _tile_dpbssd(3, 4, 5);
+                    _tile_stored(3, sums[1], 64);
+                }
+                for (int h = 0; h < 1 + second; h++) {
+                    const __m512 d_rows = _mm512_loadu_ps(dw + (size_t)(ib + h) * 16);
+                    const float *d_cols = dx + (size_t)(ib + h) * AMX_PASS_COLS + c0;
+#pragma GCC unroll 16
+                    for (int c = 0; c < AMX_COLS; c++) {
+                        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)sums[h][c]));
+                        acc[c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d_rows, _mm512_set1_ps(d_cols[c])), acc[c]);
+                    }
+                }
+            }
+            for (int c = 0; c < AMX_COLS && c0 + c < cols; c++) {
+                float *to = out + (size_t)(c0 + c) * out_stride + (size_t)g * 8;
+                if (pair)
+                    _mm512_storeu_ps(to, acc[c]);
+                else
+                    _mm256_storeu_ps(to, _mm512_castps512_ps256(acc[c]));
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* The repacked Q4_0 op's share on AMX: row groups [g0, g1) times every column, AMX_PASS_COLS at a time. */
+TARGET_AMX static void product_q4_0x8_amx(const struct er_product_params *params, const struct ggml_tensor_head *w,
+                                          const struct ggml_tensor_head *x, int g0, int g1, float *out,
+                                          size_t out_stride) {
+    const int k = (int)w->ne[0], n_cols = (int)x->ne[1], n_blocks = k / QK;
+    const size_t row_size = (size_t)n_blocks * sizeof(block_q8_0);
+    const size_t b_size = (size_t)n_blocks * 512, dw_size = (size_t)n_blocks * 16 * sizeof(float);
+    const size_t dx_size = (size_t)n_blocks * AMX_PASS_COLS * sizeof(float);
+    const size_t values_size = (size_t)n_blocks * AMX_PASS_COLS * QK;
+    char *ws = work_space(b_size + dw_size + dx_size + values_size + (size_t)AMX_PASS_COLS * row_size);
+    if (!ws)
+        abort();
+    int8_t *b = (int8_t *)ws, *values = (int8_t *)(ws + b_size + dw_size + dx_size);
+    float *dw = (float *)(ws + b_size), *dx = (float *)(ws + b_size + dw_size);
+    char *q = ws + b_size + dw_size + dx_size + values_size;
+    for (int c0 = 0; c0 < n_cols; c0 += AMX_PASS_COLS) {
+        const int cols = n_cols - c0 < AMX_PASS_COLS ? n_cols - c0 : AMX_PASS_COLS;
+        for (int c = 0; c < cols; c++)
+            params->quantize((const float *)x->data + (size_t)(c0 + c) * (x->nb[1] / sizeof(float)),
+                             q + (size_t)c * row_size, k);
+        for (int ib = 0; ib < n_blocks; ib++)
+            for (int c = 0; c < AMX_PASS_COLS; c++) {
+                const block_q8_0 *blk = (const block_q8_0 *)(q + (size_t)c * row_size) + ib;
+                int8_t *to = values + ((size_t)ib * AMX_PASS_COLS + c) * QK;
+                if (c < cols)
+                    memcpy(to, blk->qs, QK);
+                else
+                    memset(to, 0, QK);
+                dx[(size_t)ib * AMX_PASS_COLS + c] = c < cols ? half_to_float(blk->d) : 0.0f;
+            }
+        q4_0x8_amx((const block_q4_0x8 *)w->data, n_blocks, g0, g1, cols, values, dx, b, dw,
+                   out + (size_t)c0 * out_stride, out_stride);
+    }
+}
+
 /* The repacked Q4_0 op's share: row groups [g0, g1) times every column, Q4_0X8_COLS at a time. */
 TARGET static void product_q4_0x8(const struct er_product_params *params, const struct ggml_tensor_head *w,
                                   const struct ggml_tensor_head *x, int ith, int nth, float *out, size_t out_stride) {
@@ -765,6 +954,10 @@ TARGET static void product_q4_0x8(const struct er_product_params *params, const 
     const int g0 = (int)((int64_t)n_groups * ith / nth), g1 = (int)((int64_t)n_groups * (ith + 1) / nth);
     if (g0 >= g1)
         return;
+    if (n_cols >= AMX_FROM && has_amx()) {
+        product_q4_0x8_amx(params, w, x, g0, g1, out, out_stride);
+        return;
+    }
     const size_t row_size = (size_t)n_blocks * sizeof(block_q8_0);
     const size_t qs_size = (size_t)n_blocks * Q4_0X8_COLS * QK, init_size = (size_t)n_blocks * Q4_0X8_COLS * 8;
     const size_t scale_size = (size_t)n_blocks * (Q4_0X8_COLS / 2) * sizeof(__m512);
