@@ -234,6 +234,90 @@ def test_a_sequence_waiting_for_a_prompt_that_is_cancelled_prefills_its_own(ship
     assert ended[1].tokens == drain(fresh, [Generation(long, 4, Sampler(PARAMS[0]), tok.stop_ids)])[0].tokens
 
 
+def same_bits(a, b) -> bool:
+    return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_rounds_prompt_chunks_and_decode_step_as_one_step_give_each_sequence_its_logits(tiny_spec, synth_gguf,
+                                                                                         qtype: str) -> None:
+    """Where every product gives each column its bits at any column count (kernels.invariant_products), a round's
+    prompt chunks (one token, a few, 64: ggml's flash-attention tile) and its decode step go as one step
+    (round_step): each chunk's last logits and each decoded sequence's are bit for bit those of separate steps, and
+    so are the steps after, which read the caches it wrote."""
+    from edgerun.model.loader import load_model
+
+    model = load_model(synth_gguf(tiny_spec(qtype=qtype, tied=False)))
+    apart, one = (make_engine("ggml", model, 256, threads=2, slots=5) for _ in range(2))
+    assert one.fuses
+    first, second = list(range(10, 50)), list(range(60, 140))
+    for engine in (apart, one):
+        engine.prefill(0, first, 0)
+        engine.prefill(1, second[:64], 0)
+    chunks = [(1, second[64:], 64), (2, [7, 8, 9, 10, 11, 12, 13], 0), (3, [5], 0), (4, list(range(200, 264)), 0)]
+    expected = [apart.prefill(slot, tokens, start) for slot, tokens, start in chunks]
+    expected_rows = apart.decode([(0, 40, 3)])
+    outs, rows = one.round_step(chunks, [(0, 40, 3)])
+    assert len(outs) == 4 and all(same_bits(o, e) for o, e in zip(outs, expected, strict=True))
+    assert rows.shape == (1, model.config.vocab_size) and same_bits(rows, expected_rows)
+    batch = [(0, 41, 4), (1, 80, 5), (2, 7, 6), (3, 1, 7), (4, 64, 8)]
+    assert same_bits(one.decode(batch), apart.decode(batch))
+
+
+def test_an_engine_whose_products_depend_on_the_column_count_runs_a_round_as_steps(tiny_spec, synth_gguf) -> None:
+    """Q4_K_M's repacked Q4_K and Q6_K products round a column by how many others it comes with: a prompt's chunk
+    beside decode tokens would part from the chunk alone, so such an engine does not fuse a round and refuses
+    round_step; the batch loop then runs its chunks and decode step apart."""
+    from edgerun.model.loader import load_model
+
+    engine = make_engine("ggml", load_model(synth_gguf(tiny_spec(qtype="Q4_K_M", tied=False))), 128, threads=1,
+                         slots=2)
+    assert not engine.fuses and not BatchLoop(engine).fused
+    with pytest.raises(EdgerunError, match="steps of their own"):
+        engine.round_step([(0, [1, 2, 3], 0)], [(1, 0, 4)])
+
+
+class Fusing(Counting):
+    """Counting, for an engine that fuses a round: its round steps counted too."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.fuses = engine.fuses
+        self.rounds: list[tuple[int, int]] = []  # (chunks, decoded sequences) of each round step
+
+    def round_step(self, chunks, batch):
+        self.rounds.append((len(chunks), len(batch)))
+        return self.engine.round_step(chunks, batch)
+
+
+def test_the_batch_loop_runs_a_rounds_chunks_and_decode_step_as_one_step_with_the_tokens_of_steps_apart(
+        shipped_model) -> None:
+    """Requests joining a running batch on the shipped model (Q4_1 and Q8_0: it fuses): the loop runs each round's
+    prompt chunks with the decode step in one engine step, and every sequence gets the tokens the loop gives it
+    with chunks and decode steps apart."""
+    tok = shipped_model.tokenizer
+
+    def results(engine) -> list[GenerationResult]:
+        loop = BatchLoop(engine, prefill_chunk=16)
+        gens = [Generation(tok.encode(p), 10, Sampler(q), tok.stop_ids) for p, q in zip(PROMPTS, PARAMS, strict=True)]
+        done: dict[int, GenerationResult] = {}
+        loop.add(gens[0], lambda r: done.__setitem__(0, r))
+        loop.step()  # the first is decoding when the others join
+        for i in range(1, 4):
+            loop.add(gens[i], lambda r, i=i: done.__setitem__(i, r))
+        while loop.running:
+            loop.step()
+        return [done[i] for i in range(4)]
+
+    fused = Fusing(make_engine("ggml", shipped_model, 512, threads=1, slots=4))
+    apart = Counting(make_engine("ggml", shipped_model, 512, threads=1, slots=4))
+    assert fused.fuses and BatchLoop(fused).fused and not BatchLoop(apart).fused
+    together, separate = results(fused), results(apart)
+    assert [r.tokens for r in together] == [r.tokens for r in separate]
+    assert any(chunks and decoded for chunks, decoded in fused.rounds)  # chunks beside running sequences
+    assert sum(chunks for chunks, _ in fused.rounds) + len(fused.prefilled) == len(apart.prefilled)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
 def test_batched_decode_is_bit_exact_on_every_weight_type(tiny_spec, synth_gguf, qtype: str) -> None:
     """Repacked weights (Q4_0, Q4_K: ggml's 8x8 layouts, whose products of one column and of several take

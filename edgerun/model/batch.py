@@ -54,6 +54,19 @@ class BatchEngine(Protocol):
     def copy_cache(self, source: int, target: int, rows: int) -> None: ...
 
 
+class FusingEngine(BatchEngine, Protocol):
+    """A BatchEngine that runs a round's prompt chunks and decode step as one step where `fuses` (GgmlEngine,
+    tp.batch.TpBatch): every sequence's logits those its own steps give it."""
+
+    fuses: bool
+
+    def round_step(self, chunks: Sequence[tuple[int, Sequence[int], int]], batch: Sequence[tuple[int, int, int]]
+                   ) -> tuple[list[np.ndarray], np.ndarray]:
+        """Prompt chunks, (slot, tokens, start) each, and one token of each sequence of `batch`, (slot, position,
+        token) each: each chunk's last token's logits, and each sequence's of the batch."""
+        ...
+
+
 class DrawingEngine(Protocol):
     """An engine that runs a round's prompt chunks and decode step at once (a pipeline: pp.batch, its stages each
     working on a different part of the round) and draws each sequence's next token itself, with the sequence's
@@ -127,13 +140,16 @@ class BatchLoop:
     """The sequences running on one engine, a slot each; `step` runs one round. Not thread-safe: one thread
     adds sequences and steps."""
 
-    def __init__(self, engine: BatchEngine | DrawingEngine, prefill_chunk: int = PREFILL_CHUNK,
+    def __init__(self, engine: BatchEngine | FusingEngine | DrawingEngine, prefill_chunk: int = PREFILL_CHUNK,
                  draws: bool = False, on_idle: Callable[[], None] | None = None) -> None:
         """`draws`: the engine is a DrawingEngine; `on_idle`: called when the last running sequence has left (a
         pipeline's deployment repartitions only then)."""
         if prefill_chunk < 1:
             raise EdgerunError("a prefill chunk is at least one token")
         self.engine, self.prefill_chunk, self.draws, self.on_idle = engine, prefill_chunk, draws, on_idle
+        # a round's prompt chunks and decode step as one step, where the engine runs them so (FusingEngine): its
+        # matrix products read the weights once for every token of the round
+        self.fused = not draws and bool(getattr(engine, "fuses", False))
         self.running: list[_Sequence] = []
         self.held: dict[int, Held] = {}  # slot: what its cache holds of a prompt
         self.reused_tokens = 0  # prompt tokens not prefilled, their keys and values taken from a slot that held them
@@ -191,6 +207,11 @@ class BatchLoop:
             outs, rows = self.engine.round([(s.slot, chunk, s.prefilled, s.gen.sampler)
                                             for s, chunk in zip(prefilled, chunks, strict=True)],
                                            batch, [s.gen.sampler for s in ready])
+            for s, chunk, out in zip(prefilled, chunks, outs, strict=True):
+                self._prefilled_chunk(s, len(chunk), out)
+        elif self.fused and len(chunks) + bool(batch) > 1:
+            outs, rows = self.engine.round_step([(s.slot, chunk, s.prefilled)
+                                                 for s, chunk in zip(prefilled, chunks, strict=True)], batch)
             for s, chunk, out in zip(prefilled, chunks, outs, strict=True):
                 self._prefilled_chunk(s, len(chunk), out)
         else:

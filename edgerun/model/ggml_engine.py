@@ -147,8 +147,9 @@ class Span:
 
 @dataclass(frozen=True)
 class BatchInputs:
-    """A decode step's inputs for several sequences, one token each, (slot, cache rows read) each: their positions
-    and cache rows (`inputs`; its mask is the first sequence's), each one's causal mask over its own slot's rows."""
+    """A step's inputs for several sequences, (slot, cache rows read, tokens) each (one token of each of a batch's
+    sequences, or a round's prompt chunks beside them): their tokens' positions and cache rows (`inputs`; its mask
+    is the first sequence's), each one's causal mask over its own slot's rows."""
 
     inputs: StepInputs
     masks: tuple[int, ...]
@@ -156,27 +157,37 @@ class BatchInputs:
     bases: tuple[int, ...]  # each sequence's first cache row
 
     @classmethod
-    def of(cls, gc: GraphContext, make_up: Sequence[tuple[int, int]], max_len: int, window: int = 0) -> BatchInputs:
-        b = len(make_up)
-        masks = tuple(gc.input(ggml_lib.F16, n_kv, 1) for _, n_kv in make_up)
-        windows = tuple(gc.input(ggml_lib.F16, n_kv, 1) if window else None for _, n_kv in make_up)
-        inputs = StepInputs(gc.input(ggml_lib.I32, b), gc.input(ggml_lib.I64_TYPE, b), masks[0], b,
-                            max(n_kv for _, n_kv in make_up), window, windows[0])
-        bases = tuple(slot * max_len for slot, _ in make_up)
-        spans = tuple(Span(i, 1, base, n_kv, mask, window_mask) for i, (base, (_, n_kv), mask, window_mask)
-                      in enumerate(zip(bases, make_up, masks, windows, strict=True)))
+    def of(cls, gc: GraphContext, make_up: Sequence[tuple[int, int, int]], max_len: int,
+           window: int = 0) -> BatchInputs:
+        masks = tuple(gc.input(ggml_lib.F16, n_kv, n) for _, n_kv, n in make_up)
+        windows = tuple(gc.input(ggml_lib.F16, n_kv, n) if window else None for _, n_kv, n in make_up)
+        tokens = sum(n for _, _, n in make_up)
+        inputs = StepInputs(gc.input(ggml_lib.I32, tokens), gc.input(ggml_lib.I64_TYPE, tokens), masks[0], tokens,
+                            max(n_kv for _, n_kv, _ in make_up), window, windows[0])
+        bases = tuple(slot * max_len for slot, _, _ in make_up)
+        cols = itertools.accumulate((n for _, _, n in make_up[:-1]), initial=0)
+        spans = tuple(Span(col, n, base, n_kv, mask, window_mask) for col, base, (_, n_kv, n), mask, window_mask
+                      in zip(cols, bases, make_up, masks, windows, strict=True))
         return cls(inputs, masks, spans, bases)
 
-    def set(self, gc: GraphContext, positions: Sequence[int]) -> None:
-        """Each sequence's position, the cache row it writes and its masks (the rows of positions 0..its own; the
-        windowed layers' the last `window` of them)."""
-        gc.set(self.inputs.pos, np.asarray(positions, np.int32))
-        gc.set(self.inputs.rows, np.asarray(positions, np.int64) + np.asarray(self.bases, np.int64))
-        for span, position in zip(self.spans, positions, strict=True):
-            row = np.empty((1, span.n_kv), np.float16)
+    def set(self, gc: GraphContext, starts: Sequence[int]) -> None:
+        """Each sequence's positions from its start, the cache rows they write and its masks (a token sees the rows
+        of positions 0..its own; the windowed layers' the last `window` of them)."""
+        if self.inputs.n == len(self.spans):  # one token each
+            positions = np.asarray(starts, np.int32)
+            rows = positions.astype(np.int64) + np.asarray(self.bases, np.int64)
+        else:
+            positions = np.concatenate([np.arange(start, start + span.n, dtype=np.int32)
+                                        for span, start in zip(self.spans, starts, strict=True)])
+            rows = positions.astype(np.int64) + np.repeat(np.asarray(self.bases, np.int64),
+                                                          [span.n for span in self.spans])
+        gc.set(self.inputs.pos, positions)
+        gc.set(self.inputs.rows, rows)
+        for span, start in zip(self.spans, starts, strict=True):
+            mask = np.empty((span.n, span.n_kv), np.float16)
             for t, window in ((span.mask, 0), (span.window_mask, self.inputs.window)):
                 if t and gc.allocated(t):
-                    gc.set(t, fill_mask(row, position, window))
+                    gc.set(t, fill_mask(mask, start, window))
 
 
 def copy_rows(store: WeightStore, caches: Sequence[int], source: int, target: int, rows: int) -> None:
@@ -373,7 +384,7 @@ class GgmlEngine:
             (w.output.nbytes if self.has_head else 0)
         self.position = 0
         self._graphs: dict[tuple[int, int, int], StepGraph] = {}
-        self._batches: dict[tuple[tuple[int, int], ...], BatchGraph] = {}
+        self._batches: dict[tuple[tuple[int, int, int], ...], BatchGraph] = {}
         self._scratch = ScratchAllocator(self.backend)
 
     def reset(self) -> None:
@@ -418,20 +429,56 @@ class GgmlEngine:
         engine's layers (len(batch), hidden), in one step: their logits (len(batch), vocab) where the engine holds
         the LM head, else their hidden states after its last layer (a pipeline stage's). Each reads only its own
         slot's cache; a sequence's rows are those it gets alone."""
-        if any(not 0 <= slot < self.slots for slot, _ in batch) or len({b[0] for b in batch}) != len(batch):
+        return self.span_rows([(slot, position, 1) for slot, position in batch], embd)
+
+    def round_step(self, chunks: Sequence[tuple[int, Sequence[int], int]], batch: Sequence[tuple[int, int, int]]
+                   ) -> tuple[list[np.ndarray], np.ndarray]:
+        """A round's prompt chunks, (slot, tokens, start) each, and one token of each sequence of `batch`, (slot,
+        position, token) each, as one step (where `fuses`): each chunk's last token's logits, and the batch's
+        logits (len(batch), vocab), each sequence's as its own step gives them."""
+        if not self.fuses:
+            raise EdgerunError("this engine runs a round's prompt chunks and decode step as steps of their own "
+                               "(GgmlEngine.fuses)")
+        spans = [(slot, start, len(tokens)) for slot, tokens, start in chunks] + \
+            [(slot, position, 1) for slot, position, _ in batch]
+        ids = [*itertools.chain.from_iterable(tokens for _, tokens, _ in chunks), *(token for _, _, token in batch)]
+        out = self.span_rows(spans, self.embed(np.asarray(ids, np.int64)))
+        return list(out[:len(chunks)]), out[len(chunks):]
+
+    @functools.cached_property
+    def fuses(self) -> bool:
+        """Whether a round's prompt chunks and decode step run as one step (round_step) on this engine: the whole
+        model here, its products giving every column the bits it gets in a product of any other columns."""
+        w = self.model.weights
+        matrices = [t for i in self.layer_range for _, t in w.layers[i].matrices()] + [w.output]
+        return self.embeds and self.has_head and all(isinstance(t, QuantTensor) for t in matrices) and \
+            kernels.invariant_products(t.qtype for t in matrices)
+
+    def span_rows(self, spans: Sequence[tuple[int, int, int]], embd: np.ndarray) -> np.ndarray:
+        """Tokens of several sequences in one step, (slot, start, tokens) each, from their hidden states before
+        this engine's layers (all the tokens', in order): each sequence's last token's logits (len(spans), vocab)
+        where the engine holds the LM head, else every token's hidden state after its last layer. Each reads only
+        its own slot's cache; a sequence's rows are those it gets alone."""
+        if any(not 0 <= slot < self.slots for slot, _, _ in spans) or len({s[0] for s in spans}) != len(spans):
             raise EdgerunError(f"a batch takes distinct slots of this engine's {self.slots}")
-        if any(position + 1 > self.max_len for _, position in batch):
+        if any(n < 1 or start < 0 for _, start, n in spans):
+            raise EdgerunError("a batch's sequences each take at least one token from a position of theirs")
+        if any(start + n > self.max_len for _, start, n in spans):
             raise EdgerunError(f"the context holds {self.max_len} tokens")
-        if embd.shape != (len(batch), self.config.hidden):
-            raise EdgerunError(f"a batch of {len(batch)} takes hidden states ({len(batch)}, {self.config.hidden}), "
+        tokens = sum(n for _, _, n in spans)
+        if embd.shape != (tokens, self.config.hidden):
+            raise EdgerunError(f"a batch of {tokens} takes hidden states ({tokens}, {self.config.hidden}), "
                                f"not {embd.shape}")
-        key = tuple((slot, cache_rows(position + 1, self.max_len)) for slot, position in batch)
-        graph = self._batches.get(key)
-        if graph is None:
-            if len(self._batches) >= BATCH_GRAPHS_KEPT:  # the batch's make-up changes as sequences come and go
-                self._batches.clear()
-            graph = self._batches[key] = BatchGraph(self, key)
-        return graph.run(np.ascontiguousarray(embd, np.float32), [b[1] for b in batch])
+        key = tuple((slot, cache_rows(start + n, self.max_len), n) for slot, start, n in spans)
+        if tokens > len(spans):  # prompt chunks in every length: laid out in the scratch buffer, as a prompt's
+            graph = BatchGraph(self, key, self._scratch)
+        else:
+            graph = self._batches.get(key)
+            if graph is None:
+                if len(self._batches) >= BATCH_GRAPHS_KEPT:  # the batch's make-up changes as sequences come and go
+                    self._batches.clear()
+                graph = self._batches[key] = BatchGraph(self, key)
+        return graph.run(np.ascontiguousarray(embd, np.float32), [start for _, start, _ in spans])
 
     def run_slot(self, slot: int, embd: np.ndarray, start: int) -> np.ndarray:
         """Run n positions' hidden states (n, hidden) of the sequence in `slot` from position `start` (a prompt's
@@ -534,27 +581,36 @@ class StepGraph:
 
 
 class BatchGraph:
-    """A decode step of several sequences, one token each at its own position, each attending to its own slot's
-    cache rows: (slot, cache rows read) per sequence. The matrix products take every sequence's column at once
-    (the weights read once for all of them), attention is each sequence's own."""
+    """A step of several sequences, (slot, cache rows read, tokens) each: one token each of a batch's sequences at
+    their own positions, or beside them a round's prompt chunks. The matrix products take every token's column at
+    once (the weights read once for all of them), attention is each sequence's own over its own slot's cache; the
+    LM head's logits are each sequence's last token's."""
 
-    def __init__(self, engine: GgmlEngine, make_up: tuple[tuple[int, int], ...]) -> None:
+    def __init__(self, engine: GgmlEngine, make_up: tuple[tuple[int, int, int], ...],
+                 scratch: ScratchAllocator | None = None) -> None:
         c, b = engine.config, len(make_up)
+        tokens = sum(n for _, _, n in make_up)
         # each sequence adds its attention's views, permutes, flash attention, reshape and concat to every layer
         self.gc = GraphContext(engine.backend, len(engine.layers) * (GRAPH_NODES_PER_LAYER + 12 * b) + 64 + b)
-        self.embd = self.gc.input(ggml_lib.F32, c.hidden, b)
+        self.embd = self.gc.input(ggml_lib.F32, c.hidden, tokens)
         self.batch = BatchInputs.of(self.gc, make_up, engine.max_len, c.sliding_window)
+        self.last = None  # each sequence's last column, where a chunk has more than one
         with kernels.each_column_alone():  # each sequence's numbers as it gets them alone, whatever its weights' type
             x = _layers(self.gc, engine, self.embd, self.batch.inputs, self.batch.spans, last_only=False)
+            if engine.has_head and tokens > b:
+                self.last = self.gc.input(ggml_lib.I32, b)
+                x = ggml_lib.lib().ggml_get_rows(self.gc.ctx, x, self.last)
             # logits where the engine holds the LM head, else the hidden states go on to the next stage
             self.out = _logits(self.gc, engine, x) if engine.has_head else x
         self.gc.expand(self.out)
-        self.gc.allocate()
-        self.shape = (b, c.vocab_size if engine.has_head else c.hidden)
+        self.gc.allocate(scratch)
+        self.shape = (b, c.vocab_size) if engine.has_head else (tokens, c.hidden)
 
-    def run(self, embd: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+    def run(self, embd: np.ndarray, starts: Sequence[int]) -> np.ndarray:
         gc = self.gc
         gc.set(self.embd, embd)
-        self.batch.set(gc, positions)
+        self.batch.set(gc, starts)
+        if self.last is not None:
+            gc.set(self.last, np.cumsum([span.n for span in self.batch.spans], dtype=np.int32) - 1)
         gc.compute()
         return gc.get(self.out, np.empty(self.shape, np.float32))

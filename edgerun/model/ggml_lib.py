@@ -79,6 +79,7 @@ SIGNATURES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_permute": (P, (P, P, INT, INT, INT, INT)),
     "ggml_rope_ext": (P, (P, P, P, P, INT, INT, INT, FLT, FLT, FLT, FLT, FLT, FLT)),
     "ggml_set_rows": (P, (P, P, P, P)),
+    "ggml_get_rows": (P, (P, P, P)),
     "ggml_flash_attn_ext": (P, (P, P, P, P, P, FLT, FLT, FLT)),
     "ggml_prec_set_acc": (BOOL, (P, INT)),
     "ggml_swiglu_split": (P, (P, P, P)),

@@ -50,7 +50,7 @@ import json
 import os
 import platform
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -387,6 +387,16 @@ def available(qtype: int) -> bool:
     """Whether products of `qtype` rows take kernels.c's op in this process."""
     kernels = _kernels()
     return kernels is not None and qtype in kernels.checked
+
+
+def invariant_products(qtypes: Iterable[str]) -> bool:
+    """Whether every product of weights of these types (GGUF names) takes kernels.c's op here at any column count,
+    so that a column's bits are those it gets in a product of any other columns (Q4_0, Q4_1 and Q8_0, where the op
+    passed its check): a step may then run several sequences' prompt chunks and decode tokens as one."""
+    kernels = _kernels()
+    names = set(qtypes)
+    return kernels is not None and all(name in ("Q4_0", "Q4_1", "Q8_0") and int(GGMLQuantizationType[name]) in
+                                       kernels.checked for name in names)
 
 
 def usable_here() -> bool:

@@ -264,7 +264,7 @@ class GgmlShard(_ShareBase):
         tensors = self.attn[layer]
         if tensors is None:
             return np.zeros((x.shape[0], self.config.hidden), np.float32)
-        make_up = tuple((slot, cache_rows(position + 1, self.max_len)) for slot, position in rows)
+        make_up = tuple((slot, cache_rows(position + 1, self.max_len), 1) for slot, position in rows)
         with kernels.each_column_alone():  # every row is a sequence's, its numbers as it gets them alone
             graph = self._graph((ROWS, layer, make_up),
                                 lambda _: _BlockGraph.attention_rows(self, tensors, make_up))
