@@ -40,6 +40,7 @@ SAMPLES: list[m.Message] = [
     m.Reset(7, None, batch=True),
     m.BatchStep(7, 0, (2,), (0,)),
     m.BatchStep(7, 3, (0, 3, 1), (40, 17, 9), copy=(0, 3, 16, 0, 2, 16)),
+    m.BatchStep(7, 4, (2, 0, 3), (64, 41, 18), counts=(11, 1, 1)),  # a prompt's chunk beside two decode tokens
     m.ParityOn(2),
     m.Ping(1),
     m.BandwidthProbe(1 << 20, bytes(64)),
@@ -104,6 +105,8 @@ def test_routes_are_data() -> None:
     b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [0], "starts": []}',  # a slot without its start
     b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [64], "starts": [1]}',  # past the most slots
     b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1], "starts": [1], "copy": [0, 1]}',  # no rows
+    b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1, 2], "starts": [1, 2], "counts": [3]}',
+    b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1, 2], "starts": [1, 2], "counts": [3, 0]}',
     b'{"message": "ParityOn", "fragments": 5}',  # more parity fragments than a vector may have (wire.MAX_PARITY)
     b'{"message": "ParityOn", "fragments": -1}',
     b'{"message": "Ping", "seq": 1',  # truncated

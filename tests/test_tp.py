@@ -1126,6 +1126,32 @@ def test_a_cluster_batch_of_q4_k_m_rows_gives_each_its_logits_alone(tiny_spec, s
 
 
 @pytest.mark.slow
+def test_a_cluster_runs_a_rounds_prompt_chunks_and_decode_step_as_one_step(model: Model) -> None:
+    """The shipped model (Q4_1 and Q8_0: every product gives a column its bits at any column count) on a master and
+    a node: a round's prompt chunks (16 tokens, one token) and decode token go through every block as one step
+    (BatchStep.counts), and each sequence's logits are bit for bit those of steps of its own, its cache then what
+    they leave (the next decode step agrees too). Slots 0-2 take the round, slots 3-5 the same sequences apart."""
+    from edgerun.tp.batch import TpBatch
+
+    tok = model.tokenizer
+    first, second = tok.encode(BATCH_PROMPTS[0]), tok.encode(BATCH_PROMPTS[3])[:16]
+    for master, _ in cluster(model, [1e9, 1e9], activations=Activations.INT8, slots=6):
+        engine = TpBatch(master)
+        assert engine.fuses
+        for slot in (0, 3):
+            engine.prefill(slot, first, 0)
+        apart = [engine.prefill(4, second, 0), engine.prefill(5, [7], 0), engine.decode([(3, len(first), 5)])[0]]
+        blocks = master.stats.blocks
+        outs, rows = engine.round_step([(1, second, 0), (2, [7], 0)], [(0, len(first), 5)])
+        assert master.stats.blocks - blocks == 2 * model.config.n_layers + 1  # one step's blocks
+        for ours, theirs in zip([*outs, rows[0]], apart, strict=True):
+            assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+        after = engine.decode([(0, len(first) + 1, 9), (1, 16, 9), (2, 1, 9)])
+        before = engine.decode([(3, len(first) + 1, 9), (4, 16, 9), (5, 1, 9)])
+        assert np.array_equal(after.view(np.uint32), before.view(np.uint32))
+
+
+@pytest.mark.slow
 def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) -> None:
     """`serve --parallel` on a tensor-parallel cluster: every device's share holds three sequences' caches, and a
     batch session's step carries a prompt chunk or one token of each running sequence through every block at once.

@@ -449,10 +449,7 @@ class GgmlEngine:
     def fuses(self) -> bool:
         """Whether a round's prompt chunks and decode step run as one step (round_step) on this engine: the whole
         model here, its products giving every column the bits it gets in a product of any other columns."""
-        w = self.model.weights
-        matrices = [t for i in self.layer_range for _, t in w.layers[i].matrices()] + [w.output]
-        return self.embeds and self.has_head and all(isinstance(t, QuantTensor) for t in matrices) and \
-            kernels.invariant_products(t.qtype for t in matrices)
+        return self.embeds and self.has_head and invariant_products(self.model)
 
     def span_rows(self, spans: Sequence[tuple[int, int, int]], embd: np.ndarray) -> np.ndarray:
         """Tokens of several sequences in one step, (slot, start, tokens) each, from their hidden states before
@@ -533,6 +530,14 @@ def _layers(gc: GraphContext, engine: GgmlEngine, x: int, inputs: StepInputs, sp
         out = mlp_block(ctx, t, layer.w_gate, layer.w_up, layer.w_down, normed(x, layer.ffn_norm), c.activation)
         x = g.ggml_add(ctx, x, normed(out, layer.ffn_post_norm))
     return x
+
+
+def invariant_products(model: Model) -> bool:
+    """Whether every matrix product of the model gives a column the bits it gets in a product of any other columns
+    here (kernels.invariant_products): a step may then run several sequences' prompt chunks and decode tokens."""
+    w = model.weights
+    matrices = [t for layer in w.layers for _, t in layer.matrices()] + [w.output]
+    return all(isinstance(t, QuantTensor) for t in matrices) and kernels.invariant_products(t.qtype for t in matrices)
 
 
 def embedding(model: Model):

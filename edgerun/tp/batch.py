@@ -14,12 +14,15 @@ a step is replanned around here, likewise.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
 
 from edgerun.model.generate import EngineLost
+from edgerun.model.ggml_engine import invariant_products
 from edgerun.tp.master import Master
 
 
@@ -57,6 +60,29 @@ class TpBatch:
             raise ValueError("a batch's step takes distinct slots")
         slots, positions, tokens = zip(*batch, strict=True)
         return self._run(self.master.batch_step(tokens, slots, positions)).reshape(len(batch), -1)
+
+    @functools.cached_property
+    def fuses(self) -> bool:
+        """Whether a round's prompt chunks and decode step go as one step (round_step): where every product of the
+        model gives a column its bits at any column count here (the nodes' products are taken to do as the
+        master's, as a batch's decode step takes them to)."""
+        return invariant_products(self.master.model)
+
+    def round_step(self, chunks: Sequence[tuple[int, Sequence[int], int]], batch: Sequence[tuple[int, int, int]]
+                   ) -> tuple[list[np.ndarray], np.ndarray]:
+        """Prompt chunks, (slot, tokens, start) each, and one token of each sequence of `batch`, (slot, position,
+        token) each, in one step (its blocks carry all their tokens): each chunk's last token's logits, and each
+        sequence's of the batch, as their own steps give them."""
+        spans = [(slot, start, len(tokens)) for slot, tokens, start in chunks] + \
+            [(slot, position, 1) for slot, position, _ in batch]
+        for slot, start, n in spans:
+            self._check(slot, start + n)
+        if len({slot for slot, _, _ in spans}) != len(spans):
+            raise ValueError("a round's sequences take distinct slots")
+        ids = [*itertools.chain.from_iterable(tokens for _, tokens, _ in chunks), *(token for _, _, token in batch)]
+        slots, starts, counts = zip(*spans, strict=True)
+        out = self._run(self.master.batch_step(ids, slots, starts, counts)).reshape(len(spans), -1)
+        return list(out[:len(chunks)]), out[len(chunks):]
 
     def copy_cache(self, source: int, target: int, rows: int) -> None:
         for slot in (source, target):

@@ -50,6 +50,7 @@ BLOCK_GRAPH_NODES = 64
 BATCH_GRAPHS_KEPT = 32
 # The graph key's first field of a batched attention block (beside Block's members)
 ROWS = "rows"
+SPANS = "spans"  # a round's prompt chunks beside its decode tokens (BatchStep.counts)
 SHARE_ROPE = ggml_lib.ROPE_NEOX  # a share's rows are in Hugging Face order (each head's halves rotate)
 
 
@@ -271,6 +272,27 @@ class GgmlShard(_ShareBase):
         graph.batch.set(graph.gc, [position for _, position in rows])
         return graph.run(x)
 
+    def attention_spans(self, layer: int, x_norm: np.ndarray, spans: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """Tokens of several sequences in one graph, (slot, start, tokens) each (a round's prompt chunks beside its
+        decode tokens): x_norm's rows are theirs in that order; each attends to its own cache, and its rows are
+        those its own step gives it (where every product gives a column its bits at any column count)."""
+        x = _rows(x_norm, self.config.hidden)
+        if sum(n for _, _, n in spans) != x.shape[0] or len({slot for slot, _, _ in spans}) != len(spans):
+            raise ValueError(f"{x.shape[0]} rows for the tokens of {len(spans)} distinct slots")
+        for slot, start, n in spans:
+            self._check_slot(slot)
+            self._advance(layer, start, n, slot)
+        tensors = self.attn[layer]
+        if tensors is None:
+            return np.zeros((x.shape[0], self.config.hidden), np.float32)
+        make_up = tuple((slot, cache_rows(start + n, self.max_len), n) for slot, start, n in spans)
+        with kernels.each_column_alone():
+            # chunks in every length: built in the scratch buffer each time, as a prompt's
+            graph = self._graph((SPANS, layer, make_up), lambda scratch: _BlockGraph.attention_rows(
+                self, tensors, make_up, scratch))
+        graph.batch.set(graph.gc, [start for _, start, _ in spans])
+        return graph.run(x)
+
     def copy_cache(self, source: int, target: int, rows: int, layers: Sequence[int] | None = None) -> None:
         """The keys and values of the first `rows` positions of the sequence in slot `source` into slot
         `target`'s (a prompt's prefix computed once for sequences that share it), in every layer or in `layers`."""
@@ -287,11 +309,14 @@ class GgmlShard(_ShareBase):
             self.slot_lengths[target][layer] = rows
 
     def step_attention(self, layer: int, x_norm: np.ndarray, slots: Sequence[int], starts: Sequence[int],
-                       copy: Sequence[int] = ()) -> np.ndarray:
+                       copy: Sequence[int] = (), counts: Sequence[int] = ()) -> np.ndarray:
         """A batched step's attention partial (tp.messages.BatchStep): one sequence's tokens from starts[0] of the
-        sequence in slots[0], or one token of each of several; `copy`'s (source, target, rows) first, at this layer."""
+        sequence in slots[0], or one token of each of several, or with `counts` that many tokens of each; `copy`'s
+        (source, target, rows) first, at this layer."""
         for i in range(0, len(copy), 3):
             self.copy_cache(*copy[i:i + 3], layers=(layer,))
+        if counts:
+            return self.attention_spans(layer, x_norm, list(zip(slots, starts, counts, strict=True)))
         if len(slots) == 1:
             out = self.attention(layer, x_norm, starts[0], slot=slots[0])
             assert out is not None
@@ -442,13 +467,15 @@ class _BlockGraph:
         return graph
 
     @classmethod
-    def attention_rows(cls, shard: GgmlShard, tensors: AttnTensors, make_up: tuple[tuple[int, int], ...]
-                       ) -> _BlockGraph:
-        """One token of each of several sequences, (slot, cache rows read) each."""
-        graph = cls(shard, len(make_up), len(make_up))
+    def attention_rows(cls, shard: GgmlShard, tensors: AttnTensors, make_up: tuple[tuple[int, int, int], ...],
+                       scratch: ScratchAllocator | None = None) -> _BlockGraph:
+        """Tokens of several sequences, (slot, cache rows read, tokens) each: one token each of a batch's, or
+        beside them a round's prompt chunks."""
+        graph = cls(shard, sum(n for _, _, n in make_up), len(make_up))
         graph.batch = BatchInputs.of(graph.gc, make_up, shard.max_len, shard.config.sliding_window)
         graph._finish(attention_block(graph.gc, shard.store.tensor, shard.config, tensors, graph.x,
-                                      graph.batch.inputs, SHARE_ROPE, graph.batch.spans), shard.config.hidden, None)
+                                      graph.batch.inputs, SHARE_ROPE, graph.batch.spans), shard.config.hidden,
+                      scratch)
         return graph
 
     @classmethod

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -142,10 +143,10 @@ class BatchSession:
     steps: int = 0
     copies: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def next_step(self, slots: Sequence[int], starts: Sequence[int]) -> BatchStep:
+    def next_step(self, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int] = ()) -> BatchStep:
         """The next step's rows as the nodes are told them, with the copies asked for since the last."""
         rows = BatchStep(self.session, self.steps, tuple(slots), tuple(starts),
-                         tuple(n for copy in self.copies for n in copy))
+                         tuple(n for copy in self.copies for n in copy), tuple(counts))
         self.steps += 1
         self.copies = []
         return rows
@@ -605,7 +606,7 @@ class Master:
         def own_share() -> np.ndarray:
             started = time.perf_counter()
             if block == Block.ATTN and rows is not None:
-                out = self.shard.step_attention(layer, x, rows.slots, rows.starts, rows.copy)
+                out = self.shard.step_attention(layer, x, rows.slots, rows.starts, rows.copy, rows.counts)
             elif block == Block.ATTN:
                 out = self.shard.attention(layer, x, start, units=own_units)
             elif block == Block.MLP:
@@ -674,9 +675,11 @@ class Master:
         overlap_pred = ahead and "pred" in self.config.overlap
         previous_input = None
         predicted: dict[Block, tuple[int, ...] | None] = {}  # the next layer's rankings, made while waiting
-        # a batched step's rows (several sequences, one token each) each normalized as that sequence's token alone
+        # a batched step's rows (several sequences, one token each) each normalized as that sequence's token alone,
+        # a round's prompt chunks and decode tokens each sequence's rows as its own step
         norm = self.exchange.norm if rows is None or len(rows.slots) == 1 else \
-            functools.partial(self.exchange.norm, each_row=True)
+            functools.partial(self.exchange.norm, each_row=True) if not rows.counts else \
+            functools.partial(self._norm_spans, rows.counts)
         head_sent: float | None = None  # when the native runner sent the LM head's input, where it did
         for layer in range(c.n_layers):
             # A one-token step's layers natively: every one where the first layer's links are clean, else those
@@ -712,10 +715,18 @@ class Master:
         else:
             end = start + 1
         self.exchange.defer(functools.partial(self._forget_before, end - KEPT_POSITIONS))
-        # the LM head's rows: the last token's, or each sequence's of a batched step of several
-        last = x if rows is not None and len(rows.slots) > 1 else x[-1:]
+        # the LM head's rows: the last token's, or each sequence's of a batched step of several (its last token's)
+        last = x[np.cumsum(rows.counts) - 1] if rows is not None and rows.counts else \
+            x if rows is not None and len(rows.slots) > 1 else x[-1:]
         head_input = x if head_sent is not None else norm(last, weights.output_norm, c.norm_eps)
         return await self._block(0, Block.HEAD, head_input, start, sent_at=head_sent, rows=rows)
+
+    def _norm_spans(self, counts: Sequence[int], x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """The RMS norm of a step's rows that are several sequences' tokens, `counts` of each: each sequence's rows as
+        its own step normalizes them (a chunk's together, a decode token's alone)."""
+        ends = list(itertools.accumulate(counts))
+        return np.concatenate([self.exchange.norm(x[end - n:end], weight, eps)
+                               for n, end in zip(counts, ends, strict=True)])
 
     # --- a batch session (tp.batch) -------------------------------------------------------------------
     def start_batch(self) -> bool:
@@ -735,13 +746,18 @@ class Master:
         self.batch = BatchSession(session)
         return True
 
-    async def batch_step(self, tokens: Sequence[int], slots: Sequence[int], starts: Sequence[int]) -> np.ndarray:
+    async def batch_step(self, tokens: Sequence[int], slots: Sequence[int], starts: Sequence[int],
+                         counts: Sequence[int] = ()) -> np.ndarray:
         """One step of the batch session (start_batch): one sequence's tokens from starts[0] of slot slots[0] (its
-        last token's logits), or one token of each of several sequences (each one's logits, (rows, vocab)). Its rows
-        go to the nodes first (BatchStep), with the cache copies asked for since the last step."""
-        rows = self.batch.next_step(slots, starts)
+        last token's logits), or one token of each of several sequences (each one's logits, (rows, vocab)), or with
+        `counts` that many tokens of each (each one's last token's logits: a round's prompt chunks beside its decode
+        tokens). Its rows go to the nodes first (BatchStep), with the cache copies asked for since the last step."""
+        rows = self.batch.next_step(slots, starts, counts)
         if self.whole is not None:  # a plan that leaves every node out: the whole-model engine's slots
             await asyncio.sleep(0)
+            if counts:
+                return self.whole.span_rows(list(zip(slots, starts, counts, strict=True)),
+                                            self.whole.embed(np.asarray(tokens, np.int64)))
             if len(slots) == 1:
                 return self.whole.prefill(slots[0], tokens, starts[0])
             return self.whole.decode(list(zip(slots, starts, tokens, strict=True)))

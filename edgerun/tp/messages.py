@@ -235,15 +235,21 @@ class Reset:
 class BatchStep:
     """What the rows of a batch session's step are, sent before its inputs. One sequence (one slot): its tokens
     from position starts[0] of the sequence in slots[0] (a prompt's chunk); several: one token each, of the sequence
-    in slots[i] at position starts[i]. `copy`: (source, target, rows) after each other, where any: before the step's
-    attention at each layer, the keys and values of the first `rows` positions of slot `source` go to slot `target`
-    (a prompt that sequences share), in this order."""
+    in slots[i] at position starts[i], or with `counts` counts[i] tokens each (a round's prompt chunks beside its
+    decode tokens, in one step: the LM head then takes each sequence's last row). `copy`: (source, target, rows)
+    after each other, where any: before the step's attention at each layer, the keys and values of the first `rows`
+    positions of slot `source` go to slot `target` (a prompt that sequences share), in this order."""
 
     session: int
     step: int
     slots: tuple[int, ...]
     starts: tuple[int, ...]
     copy: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+
+    def spans(self) -> list[tuple[int, int, int]] | None:
+        """(slot, start, tokens) of each sequence where the step gives its counts, else None."""
+        return list(zip(self.slots, self.starts, self.counts, strict=True)) if self.counts else None
 
     def __post_init__(self) -> None:
         if not self.slots or len(self.slots) != len(self.starts) or len(set(self.slots)) != len(self.slots):
@@ -253,6 +259,8 @@ class BatchStep:
         if len(self.copy) % 3 or any(not 0 <= slot < MAX_SLOTS for i, slot in enumerate(self.copy) if i % 3 < 2) \
                 or any(rows < 0 for rows in self.copy[2::3]):
             raise ValueError("a step's copies are (source slot, target slot, rows) each")
+        if self.counts and (len(self.counts) != len(self.slots) or min(self.counts) < 1):
+            raise ValueError("a step's counts are each sequence's tokens, at least one")
 
 
 @dataclass(frozen=True)

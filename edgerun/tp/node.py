@@ -792,7 +792,7 @@ class Node:
         alone = kernels.each_column_alone() if step is not None and len(step.slots) > 1 else contextlib.nullcontext()
         if block == Block.ATTN and self.batch:
             rows = self.steps[position]
-            out = self.shard.step_attention(layer, x, rows.slots, rows.starts, rows.copy)
+            out = self.shard.step_attention(layer, x, rows.slots, rows.starts, rows.copy, rows.counts)
             self.step_done[layer] = position + 1
             out = out if output else None
         elif block == Block.ATTN:
