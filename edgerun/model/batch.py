@@ -23,6 +23,7 @@ logits, so a sequence with the same prompt prefills its last chunk itself.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,16 @@ class FusingEngine(BatchEngine, Protocol):
         """Prompt chunks, (slot, tokens, start) each, and one token of each sequence of `batch`, (slot, position,
         token) each: each chunk's last token's logits, and each sequence's of the batch."""
         ...
+
+
+def round_spans(chunks: Sequence[tuple[int, Sequence[int], int]], batch: Sequence[tuple[int, int, int]]
+                ) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """A round as one step (FusingEngine.round_step): each sequence's (slot, start, tokens), the chunks' first, and
+    every token in that order."""
+    spans = [(slot, start, len(tokens)) for slot, tokens, start in chunks] + \
+        [(slot, position, 1) for slot, position, _ in batch]
+    ids = [*itertools.chain.from_iterable(tokens for _, tokens, _ in chunks), *(token for _, _, token in batch)]
+    return spans, ids
 
 
 class DrawingEngine(Protocol):

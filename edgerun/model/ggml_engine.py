@@ -22,6 +22,7 @@ import numpy as np
 from edgerun.errors import EdgerunError
 from edgerun.memory import huge_pages, release_mapped_files
 from edgerun.model import ggml_lib, kernels
+from edgerun.model.batch import round_spans
 from edgerun.model.config import Activation, ModelConfig
 from edgerun.model.ggml_lib import GgmlBackend, GraphContext, ScratchAllocator, WeightStore, head
 from edgerun.model.loader import Model
@@ -439,9 +440,7 @@ class GgmlEngine:
         if not self.fuses:
             raise EdgerunError("this engine runs a round's prompt chunks and decode step as steps of their own "
                                "(GgmlEngine.fuses)")
-        spans = [(slot, start, len(tokens)) for slot, tokens, start in chunks] + \
-            [(slot, position, 1) for slot, position, _ in batch]
-        ids = [*itertools.chain.from_iterable(tokens for _, tokens, _ in chunks), *(token for _, _, token in batch)]
+        spans, ids = round_spans(chunks, batch)
         out = self.span_rows(spans, self.embed(np.asarray(ids, np.int64)))
         return list(out[:len(chunks)]), out[len(chunks):]
 

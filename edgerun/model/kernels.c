@@ -202,6 +202,15 @@ static void *work_space(size_t size) {
 
 TARGET_AVX2 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+/* Row r + PREFETCH_ROWS (below r1) on its way from memory while row r is computed. */
+static inline void prefetch_ahead(const void *w, int r, int r1, size_t row_bytes) {
+    if (r + PREFETCH_ROWS < r1) {
+        const char *ahead = (const char *)w + (size_t)(r + PREFETCH_ROWS) * row_bytes;
+        for (size_t at = 0; at < row_bytes; at += 64)
+            _mm_prefetch(ahead + at, _MM_HINT_T0);
+    }
+}
+
 /* ggml's hsum_float_8: the high half added to the low, then lanes 2,3 to 0,1, then lane 1 to 0. */
 TARGET_AVX2 static inline float hsum8(__m256 x) {
     __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
@@ -237,12 +246,7 @@ TARGET static inline __attribute__((always_inline)) void rows_times_pairs(
                                             4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
     const size_t row_bytes = (size_t)n_blocks * (WEIGHTS == W_Q4_1 ? sizeof(block_q4_1) : sizeof(block_q8_0));
     for (int r = r0; r < r1; r++) {
-        /* the rows a few ahead on their way from memory while this one is computed */
-        if (r + PREFETCH_ROWS < r1) {
-            const char *ahead = (const char *)w + (size_t)(r + PREFETCH_ROWS) * row_bytes;
-            for (size_t at = 0; at < row_bytes; at += 64)
-                _mm_prefetch(ahead + at, _MM_HINT_T0);
-        }
+        prefetch_ahead(w, r, r1, row_bytes);
         __m512 acc[MAX_COLS / 2];
 #pragma GCC unroll 8
         for (int p = 0; p < N_PAIRS; p++)
@@ -332,11 +336,7 @@ TARGET static inline __attribute__((always_inline)) void rows_times_sets(
     const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     const size_t row_bytes = (size_t)n_blocks * (WEIGHTS == W_Q4_1 ? sizeof(block_q4_1) : sizeof(block_q8_0));
     for (int r = r0; r < r1; r++) {
-        if (r + PREFETCH_ROWS < r1) {
-            const char *ahead = (const char *)w + (size_t)(r + PREFETCH_ROWS) * row_bytes;
-            for (size_t at = 0; at < row_bytes; at += 64)
-                _mm_prefetch(ahead + at, _MM_HINT_T0);
-        }
+        prefetch_ahead(w, r, r1, row_bytes);
         __m512 acc[MAX_SETS][4];
         __m256 mins[MAX_SETS];
 #pragma GCC unroll 2
@@ -528,11 +528,7 @@ TARGET static inline __attribute__((always_inline)) void q6_k_rows_times(
             15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
     const size_t row_bytes = (size_t)n_super * sizeof(block_q6_K);
     for (int r = r0; r < r1; r++) {
-        if (r + PREFETCH_ROWS < r1) {
-            const char *ahead = (const char *)w + (size_t)(r + PREFETCH_ROWS) * row_bytes;
-            for (size_t at = 0; at < row_bytes; at += 64)
-                _mm_prefetch(ahead + at, _MM_HINT_T0);
-        }
+        prefetch_ahead(w, r, r1, row_bytes);
         __m256 acc[MAX_COLS];
 #pragma GCC unroll 8
         for (int c = 0; c < COLS; c++)

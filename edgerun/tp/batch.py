@@ -15,12 +15,12 @@ a step is replanned around here, likewise.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
 
+from edgerun.model.batch import round_spans
 from edgerun.model.generate import EngineLost
 from edgerun.model.ggml_engine import invariant_products
 from edgerun.tp.master import Master
@@ -73,13 +73,11 @@ class TpBatch:
         """Prompt chunks, (slot, tokens, start) each, and one token of each sequence of `batch`, (slot, position,
         token) each, in one step (its blocks carry all their tokens): each chunk's last token's logits, and each
         sequence's of the batch, as their own steps give them."""
-        spans = [(slot, start, len(tokens)) for slot, tokens, start in chunks] + \
-            [(slot, position, 1) for slot, position, _ in batch]
+        spans, ids = round_spans(chunks, batch)
         for slot, start, n in spans:
             self._check(slot, start + n)
         if len({slot for slot, _, _ in spans}) != len(spans):
             raise ValueError("a round's sequences take distinct slots")
-        ids = [*itertools.chain.from_iterable(tokens for _, tokens, _ in chunks), *(token for _, _, token in batch)]
         slots, starts, counts = zip(*spans, strict=True)
         out = self._run(self.master.batch_step(ids, slots, starts, counts)).reshape(len(spans), -1)
         return list(out[:len(chunks)]), out[len(chunks):]

@@ -718,7 +718,9 @@ class Master:
         # the LM head's rows: the last token's, or each sequence's of a batched step of several (its last token's)
         last = x[np.cumsum(rows.counts) - 1] if rows is not None and rows.counts else \
             x if rows is not None and len(rows.slots) > 1 else x[-1:]
-        head_input = x if head_sent is not None else norm(last, weights.output_norm, c.norm_eps)
+        # a round's head rows are one a sequence: each normalized alone, as a batch's decode rows
+        head_norm = functools.partial(self.exchange.norm, each_row=True) if rows is not None and rows.counts else norm
+        head_input = x if head_sent is not None else head_norm(last, weights.output_norm, c.norm_eps)
         return await self._block(0, Block.HEAD, head_input, start, sent_at=head_sent, rows=rows)
 
     def _norm_spans(self, counts: Sequence[int], x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
