@@ -1152,6 +1152,30 @@ def test_a_cluster_runs_a_rounds_prompt_chunks_and_decode_step_as_one_step(model
 
 
 @pytest.mark.slow
+def test_a_batchs_decode_rows_are_lossy_and_its_prompts_reliable(model: Model) -> None:
+    """HALO's semantics per row: at 5% loss without parity, a batch's decode steps (each row one sequence's token) go
+    as a request's decode tokens go, over UDP with the timeout, so some merge incomplete, and no wait runs far past
+    its deadline; its prompt chunks go reliable, and the LM head both ways, so each greedy sequence's first token is
+    the single engine's (a confident one: int8 shares add their partials in another order). Every sequence
+    completes."""
+    from edgerun.model.batch import BatchLoop
+    from edgerun.tp.batch import TpBatch
+
+    tok = model.tokenizer
+    single = make_engine("ggml", model, 256, threads=1)
+    firsts = {i: generate(single, tok.encode(BATCH_PROMPTS[i]), 1, Sampler(BATCH_PARAMS[i])).tokens[0]
+              for i in (0, 2)}
+    for master, _ in cluster(model, [1e9, 1e9], loss="5%", timeout_ms=20, parity=0, slots=3,
+                             activations=Activations.INT8):
+        ended = drain_batch(BatchLoop(TpBatch(master), prefill_chunk=16), model, [0, 1, 2], max_tokens=16)
+        assert sorted(ended) == [0, 1, 2] and all(len(t) == 16 for t in ended.values())
+        assert {i: ended[i][0] for i in (0, 2)} == firsts
+        stats = master.stats
+        assert stats.blocks_incomplete > 0, stats  # the decode rows felt the loss
+        assert stats.max_overshoot_s < 0.05, stats
+
+
+@pytest.mark.slow
 def test_a_cluster_batches_sequences_each_with_its_tokens_alone(model: Model) -> None:
     """`serve --parallel` on a tensor-parallel cluster: every device's share holds three sequences' caches, and a
     batch session's step carries a prompt chunk or one token of each running sequence through every block at once.

@@ -284,15 +284,17 @@ class BlockExchange:
 
     async def run(self, nodes: list[NodeConn], position: int, layer: int, block: Block, x: np.ndarray,
                   ranking: tuple[int, ...] | None, own_share: Callable[[], np.ndarray],
-                  while_waiting: Callable[[], None] | None = None, sent_at: float | None = None) -> np.ndarray:
+                  while_waiting: Callable[[], None] | None = None, sent_at: float | None = None,
+                  tokens: int | None = None) -> np.ndarray:
         """The block's output: `own_share()` (the master's, computed while the nodes compute theirs) plus every
         node's partial that arrived in time. `while_waiting` runs after the master's share, before waiting for
         the nodes (HALO's Pred overlapped with Comm). `sent_at`: its datagrams went already, then (the LM head's,
-        sent by the native runner: prepare_blocks)."""
+        sent by the native runner: prepare_blocks). `tokens`: of one sequence in x's rows, which choose the route
+        (BatchStep.tokens; None: every row is one sequence's)."""
         loop = asyncio.get_running_loop()
         seq = x.shape[0]
         key = (self.session, position, layer, int(block))
-        route = self.routes.of(layer, block, seq)
+        route = self.routes.of(layer, block, seq if tokens is None else tokens)
         reliable, mirror, over_udp = route != Route.DATAGRAM, route == Route.MIRRORED, route != Route.RELIABLE
         sent = time.perf_counter() if sent_at is None else sent_at
         # A mirrored block's datagrams before its TCP copy, as nodes send their partials: a node takes the datagram

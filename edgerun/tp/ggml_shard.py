@@ -223,9 +223,10 @@ class GgmlShard(_ShareBase):
         key = (*key, kernels.columns_alone())
         graph = self._graphs.get(key)
         if graph is None:
-            # One-token graphs and batched steps' are kept (the batches' up to BATCH_GRAPHS_KEPT make-ups); prompts
-            # come in every length and are laid out in the scratch buffer.
-            keep = key[2] == 1 or key[0] == ROWS
+            # One-token graphs and batched steps' are kept (the batches' attention up to BATCH_GRAPHS_KEPT make-ups,
+            # their MLP and LM head for every row count up to the slots'); prompts come in every length and are
+            # laid out in the scratch buffer.
+            keep = key[2] == 1 or key[0] == ROWS or (key[0] in (Block.MLP, Block.HEAD) and key[2] <= self.slots)
             if key[0] == ROWS and \
                     sum(k[0] == ROWS for k in self._graphs) >= BATCH_GRAPHS_KEPT * self.config.n_layers:
                 self._graphs = {k: g for k, g in self._graphs.items() if k[0] != ROWS}

@@ -234,7 +234,7 @@ class Master:
         self.whole: Engine | None = None
         self.whole_step_bytes = 0  # every unit's weight bytes: what a one-token step of it streams, as planners count
         self.plan: TPPlan | None = None
-        self.routes: Routes | None = None  # the deployment's, which a batch session sets aside
+        self.routes: Routes | None = None  # the deployment's, a request's session's and a batch session's
         self.batch: BatchSession | None = None
         self.prepared: Prepared | None = None  # the native runner's setup (_native_step)
         # The nodes the plan was deployed over: a block a dead one of them holds cannot be computed without it.
@@ -624,7 +624,8 @@ class Master:
                     time.perf_counter() - started)
             return out
 
-        return await self.exchange.run(nodes, start, layer, block, x, ranking, own_share, while_waiting, sent_at)
+        return await self.exchange.run(nodes, start, layer, block, x, ranking, own_share, while_waiting, sent_at,
+                                       tokens=None if rows is None else rows.tokens(x.shape[0]))
 
     def _whole_step(self, tokens: Sequence[int]) -> np.ndarray:
         """A step of a plan that leaves every node out: the whole-model engine's logits. Its one-token steps
@@ -742,8 +743,10 @@ class Master:
         if self.batch is not None and self.batch.session == self.exchange.session:
             return False
         session = self.exchange.session + 1
-        # every block over the stream, as a prompt's: a step's rows are the batch's sequences'
-        self.exchange.new_session(session, Routes.for_transport("tcp", self.model.config.n_layers))
+        # the deployment's routes: a step's rows that are each a sequence's one token go as a request's decode token
+        # goes (lossy where its layer is), a prompt's rows reliable (BatchStep.tokens)
+        self.exchange.new_session(session, self.routes or Routes.for_transport(self.config.transport,
+                                                                              self.model.config.n_layers))
         self._announce(None, batch=True)
         self.batch = BatchSession(session)
         return True

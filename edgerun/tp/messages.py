@@ -251,6 +251,13 @@ class BatchStep:
         """(slot, start, tokens) of each sequence where the step gives its counts, else None."""
         return list(zip(self.slots, self.starts, self.counts, strict=True)) if self.counts else None
 
+    def tokens(self, rows: int) -> int:
+        """The tokens of one sequence that a block of this step carries in `rows` rows, which choose its route
+        (Routes.of): 1 where every row is a sequence's one token (a batch's decode step, the LM head's rows of a
+        round), so that each goes as a request's decode token goes, lossy where its layer is; else `rows` (a
+        prompt's chunk, a round's blocks), which go reliable as a prompt's do."""
+        return 1 if rows == len(self.slots) else rows
+
     def __post_init__(self) -> None:
         if not self.slots or len(self.slots) != len(self.starts) or len(set(self.slots)) != len(self.slots):
             raise ValueError("a step's rows are distinct slots, each with its start")

@@ -483,6 +483,7 @@ class Node:
                 self._new_session(session, top, batch)
             case BatchStep(session) if session == self.session and self.batch:
                 self.steps[message.step] = message
+                self._take_told(message.step)
             case Input(session, position, layer, block, ranking, vector, codec):
                 if len(vector) % (Q8_BLOCK_BYTES if codec == Codec.Q8 else 4) or codec not in (Codec.F32, Codec.Q8):
                     self.counters.reject("message")
@@ -521,12 +522,13 @@ class Node:
     def _new_session(self, session: int, top: int | None = None, batch: bool = False) -> None:
         self.session, self.top = session, top
         self.clock.new_session()
-        self.batch, self.steps = batch, {}
+        was_batch, self.batch, self.steps = self.batch, batch, {}
         if self.model is not None:
             self.step_done = [0] * self.model.config.n_layers
-            if self.assign is not None:  # a batch's every block goes over the stream, as a prompt's
-                self.routes = Routes.for_transport("tcp", self.model.config.n_layers) if batch else \
-                    self.assign.routes
+        if self.assign is not None and batch != was_batch:
+            # The native server computes a request's one-token blocks (one sequence, its cache at slot 0): a batch's
+            # rows go through the Python path, which reads their step's slots and positions (BatchStep)
+            self._serve_natively(not batch)
         if self.server is not None:
             self.server.new_session()
         self.inputs.clear()
@@ -715,8 +717,11 @@ class Node:
                           self.master_udp)
 
     def _take(self, position: int, layer: int, block: Block, entry: _Input) -> None:
-        """An input is complete: compute on it, or queue it behind a missing attention input."""
+        """An input is complete: compute on it, or queue it behind a missing attention input, or in a batch
+        session behind its step's rows (a datagram can come before the stream tells them: _take_told)."""
         key = (self.session, position, layer, int(block))
+        if self.batch and position not in self.steps:
+            return
         if block != Block.ATTN:  # stateless: compute now; the entry stays till the step ends, so a parity
             # fragment or a mirrored copy that comes after the data finds it done instead of starting it anew
             if not entry.done:
@@ -729,13 +734,19 @@ class Node:
         while position == lengths[layer]:
             entry = self.inputs.get(key)
             x = None if entry is None else entry.value()
-            if x is None or (self.batch and position not in self.steps):  # its rows are told on the stream first:
-                return  # a copy on the spare stream that came before them waits for the first stream's
+            if x is None or (self.batch and position not in self.steps):  # its rows are not told yet
+                return
             del self.inputs[key]
             self._compute_and_send(position, layer, block, x, output=not entry.fetched,
                                    ranking=self._ranking(entry, block))
             position = lengths[layer]
             key = (self.session, position, layer, int(block))
+
+    def _take_told(self, step: int) -> None:
+        """A batch step's rows are told: its inputs that came whole before them, computed now."""
+        for (_, position, layer, block), entry in list(self.inputs.items()):
+            if position == step and not entry.done and entry.value() is not None:
+                self._take(position, layer, Block(block), entry)
 
     def _fetch_missing(self) -> None:
         """Fetch each layer's next attention input once the master has clearly moved past it."""
@@ -823,7 +834,8 @@ class Node:
                 self.shard.block_bytes(layer, block, None if units is None else len(units)), took)
 
     def _send_partial(self, position: int, layer: int, block: Block, seq: int, out: np.ndarray) -> None:
-        route = self.routes.of(layer, block, seq)
+        step = self.steps.get(position) if self.batch else None
+        route = self.routes.of(layer, block, seq if step is None else step.tokens(seq))
         # A mirrored partial's UDP copy first: the master takes it straight off its socket while it waits, and a
         # TCP copy that came first would hand its wait to the event loop.
         if route != Route.RELIABLE:
