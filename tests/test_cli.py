@@ -610,6 +610,14 @@ def test_bad_tp_exchange_options_are_one_line_errors(option: list[str], message:
     assert_one_line_error(code, err, message)
 
 
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan"])
+def test_a_bad_serve_merge_timeout_is_a_one_line_error(timeout: str, capsys: Capsys) -> None:
+    """serve --timeout-ms (its tensor-parallel cluster's wait for partials) is checked before a model loads."""
+    code, _, err = run(["serve", "--model", "/nonexistent.gguf", "--port", "0", "--key", "k", "--timeout-ms", timeout],
+                       capsys)
+    assert_one_line_error(code, err, "--timeout-ms must be above 0 milliseconds")
+
+
 @pytest.mark.parametrize("command", [["generate", "Hi"], ["profile"], ["bench", "single"], ["bench", "tp"],
                                      ["node", "--master", "127.0.0.1:1"], ["serve"], ["tune"]])
 @pytest.mark.parametrize(("threads", "message"), [("0", "must be at least 1, not 0"),

@@ -24,10 +24,10 @@ def settings(kind: ClusterKind, **more) -> ClusterSettings:
 
 def test_each_kind_reads_its_part_of_the_settings() -> None:
     tp = cluster_config(settings(ClusterKind.TP, slots=4, strategy=TPStrategy.MINMAX, transport=Transport.TCP,
-                                 spin_us=50.0))
+                                 spin_us=50.0, timeout_ms=250.0))
     assert isinstance(tp, MasterConfig)
-    assert (tp.host, tp.port, tp.max_len, tp.threads, tp.slots, tp.strategy, tp.transport, tp.spin_us) == \
-        ("10.0.0.1", 7000, 512, 3, 4, TPStrategy.MINMAX, Transport.TCP, 50.0)
+    assert (tp.host, tp.port, tp.max_len, tp.threads, tp.slots, tp.strategy, tp.transport, tp.spin_us,
+            tp.timeout_ms) == ("10.0.0.1", 7000, 512, 3, 4, TPStrategy.MINMAX, Transport.TCP, 50.0, 250.0)
     pp = cluster_config(settings(ClusterKind.PP, route=Route.STAR, prefix=(1, 2), replicas=2, slots=3))
     assert isinstance(pp, PipelineConfig)
     assert (pp.route, pp.prefix, pp.replicas, pp.slots, pp.activations) == (Route.STAR, (1, 2), 2, 3, Activations.INT8)

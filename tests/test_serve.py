@@ -804,9 +804,11 @@ def test_a_tensor_parallel_cluster_batches_parallel_requests(shipped_path: Path)
     streams at once step together (every block carries the batch's rows) and each answers as it does alone
     (greedy and seeded). Kill -9 a node during four streams: the master plans over the one left, the batch's
     sequences prefill their context again and every stream completes (int8 shares may then part from the
-    undisturbed answer at a near-tie, so the text is not compared); then served on the new plan."""
+    undisturbed answer at a near-tie, so the text is not compared); then served on the new plan. A decode step's
+    blocks go over UDP with the merge timeout: a generous one keeps a busy machine's late partial from parting a
+    stream from its answer alone."""
     s = Serving("--plan", "even", "--no-local", "--parallel", "4", "--cluster-port", "0", "--no-advertise",
-                "--max-context", "256")
+                "--max-context", "256", "--timeout-ms", "2000")
     nodes = {name: start_node(s.cluster, name) for name in ("n1", "n2")}
     try:
         wait_until(lambda: s.state()["mode"] == "cluster" and len((s.state()["plan"] or {}).get("devices", ())) == 3,

@@ -108,6 +108,9 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
     activations_arg(p)
     route_arg(p)
     spin_arg(p)
+    p.add_argument("--timeout-ms", type=float, default=10.0,
+                   help="tensor-parallel with --transport udp: how long a block waits for the nodes' partial results "
+                        "after sending its input; a later one is left out of the sum (default: 10, as HALO)")
     p.add_argument("--threads", type=thread_count, default=threads_default,
                    help=f"compute threads of this machine's engine and share (default: {threads_default}, this "
                         "machine's cores)")
@@ -162,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          advertise=args.advertise, plan_file=args.plan_file, local=args.local, wait_s=args.wait,
                          transport=Transport(args.transport), activations=Activations(args.activations),
                          route=Route(args.route), replicas=args.replicas, hedge=args.hedge, adapter=args.adapter,
-                         spin_us=args.spin_us)
+                         spin_us=args.spin_us, timeout_ms=args.timeout_ms)
     server = Server(config, log=lambda m: print(f"[serve] {m}", file=sys.stderr, flush=True))
     server.run()
 

@@ -127,7 +127,9 @@ class PipelineBatch:
         """Replan a pipeline that lost a worker (one lane at a time); PlanChanged where the plan is not the one
         this lane's caches were made on (its BatchLoop then prefills them again: recover)."""
         d = self.master.deployment
+        d.busy = True  # no repartition begins while sequences run: BatchLoop's on_idle releases it
         async with self.shared.replanning:
+            await self._deployed()
             if d.state != PipelineState.UP or not d.stages_alive():
                 self.master.log("a batch's pipeline lost a worker: replanning")
                 await d.replan(d.fallback())
@@ -136,9 +138,20 @@ class PipelineBatch:
             if known is not None:
                 raise PlanChanged("the pipeline was replanned: its sequences prefill their context again")
 
+    async def _deployed(self) -> None:
+        """Until a deployment under way has ended (the repartition loop's, begun as a worker joined, before this
+        batch's first round made the pipeline busy): a round that found the pipeline coming up failed at once."""
+        d = self.master.deployment
+        if d.state != PipelineState.UP:
+            async with d.deploying:
+                pass
+
     async def _pass(self, slots: list[int], positions: list[int], ids: np.ndarray, samplers: list[Sampler],
                     prompt: bool = False) -> list[Drawn]:
         """One pass of these sequences through every stage (a prompt's chunk: one sequence, several ids)."""
+        await self._deployed()
+        if self.master.deployment.plan is not self.plan:
+            raise PlanChanged("the pipeline was replanned: its sequences prefill their context again")
         self._check()
         master, stages = self.master, self.master.deployment.stage_workers
         master.deployment.busy = True  # no repartition while sequences run: BatchLoop's on_idle releases it

@@ -359,6 +359,7 @@ class ClusterSettings:
     replicas: int = 1  # workers holding each pipeline stage (hedged) or each expert
     hedge: str = "1"  # an expert dispatch's replicas at once, or "auto"
     spin_us: float = 0.0  # how long a master polls for replies before sleeping
+    timeout_ms: float = 10.0  # tensor-parallel: a block's wait for the nodes' partials over UDP
 
 
 ClusterConfig = MasterConfig | PipelineConfig | HubConfig
@@ -383,7 +384,8 @@ def cluster_config(s: ClusterSettings) -> ClusterConfig:
                                   pricing=Pricing.MACS if batched else Pricing.BYTES, init_cost=not batched)
         case _:
             return MasterConfig(strategy=s.strategy, host=s.host, port=s.port, max_len=s.max_len, threads=s.threads,
-                                transport=s.transport, activations=s.activations, slots=s.slots, spin_us=s.spin_us)
+                                transport=s.transport, activations=s.activations, slots=s.slots, spin_us=s.spin_us,
+                                timeout_ms=s.timeout_ms)
 
 
 def build(model: Model, key: bytes, config: ClusterConfig, log: Callable[[str], None],

@@ -67,6 +67,7 @@ class ServeConfig:
     hedge: str = "1"  # --plan moe: replicas each dispatch goes to, or "auto"
     adapter: Path | None = None  # a LoRA adapter (edgerun tune) on the local engine and pipeline stages
     spin_us: float = 0.0  # how long the cluster's master polls for its members' replies before sleeping
+    timeout_ms: float = 10.0  # a tensor-parallel block's wait for the nodes' partials over UDP
 
     def __post_init__(self) -> None:
         if not self.local and self.cluster_port is None:
@@ -93,6 +94,8 @@ class ServeConfig:
             raise EdgerunError("--replicas must be at least 1")
         if not 0 <= self.spin_us < float("inf"):
             raise EdgerunError(f"--spin-us must be 0 or more microseconds, not {self.spin_us}")
+        if not 0 < self.timeout_ms < float("inf"):
+            raise EdgerunError(f"--timeout-ms must be above 0 milliseconds, not {self.timeout_ms}")
         hedge_setting(self.hedge, self.replicas)  # one line for a bad --hedge, before anything loads
         if self.adapter is not None and self.cluster_port is not None and self.kind is not ClusterKind.PP:
             raise EdgerunError(f"--adapter runs on this machine's engine and pipeline stages: use --plan dp or "
@@ -217,7 +220,7 @@ class Server:
             plan_file = load_plan_file(config.plan_file)
         settings = ClusterSettings(config.kind, config.cluster_host, config.cluster_port, max_len, config.activations,
                                    config.threads, config.parallel, config.strategy, config.transport, config.route,
-                                   prefix, config.replicas, config.hedge, config.spin_us)
+                                   prefix, config.replicas, config.hedge, config.spin_us, config.timeout_ms)
         label = {ClusterKind.PP: "pipeline", ClusterKind.MOE: "experts"}.get(config.kind, "cluster")
         try:
             return build(model, config.key, cluster_config(settings), lambda m: log(f"{label}: {m}"), plan_file)
