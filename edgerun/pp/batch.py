@@ -117,6 +117,8 @@ class PipelineBatch:
                    for slot, tokens, start, sampler in chunks]
         try:
             drawn = await asyncio.gather(*passes)
+        except PlanChanged:  # a deployment ended between the round's start and a pass's: the pipeline is up
+            raise
         except EngineLost as e:
             self.master.recover(e)  # the pipeline is down: the next round replans
             raise
