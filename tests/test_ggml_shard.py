@@ -89,3 +89,25 @@ def test_a_q8_input_gives_a_share_the_bits_its_float32_gives(name: str, qtype: s
                 assert same == [True, True], (start, layer)
             differed += not all(same)
     assert takes or differed
+
+
+def test_the_masters_q8_encoder_writes_wires_bytes() -> None:
+    """wire_q8 (ggml's quantizer, which the master's reliable inputs take where ggml_quantizes_as_wire) writes the
+    bytes encode_vector writes: a prompt's rows, zero blocks, one huge value, a block under f16's range, and a
+    length that is no multiple of a block (encode_vector's own then)."""
+    from edgerun.net.wire import Codec, decode_vector, encode_vector
+    from edgerun.tp.ggml_shard import ggml_quantizes_as_wire, wire_q8
+
+    if not ggml_quantizes_as_wire():
+        pytest.skip("this CPU's ggml quantizes otherwise: the master keeps encode_vector")
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((64, 2048)) * rng.uniform(0.01, 30, (64, 1))).astype(np.float32)
+    x[0, :64] = 0.0
+    x[1, 0] = 3e4
+    x[2, :32] *= 1e-8
+    assert wire_q8(x) == encode_vector(x, Codec.Q8)
+    assert wire_q8(x[3]) == encode_vector(x[3], Codec.Q8)
+    odd = x.reshape(-1)[:1000]
+    assert wire_q8(odd) == encode_vector(odd, Codec.Q8)
+    back = decode_vector(memoryview(wire_q8(x)), Codec.Q8, x.size)  # a frame's view, as a node decodes it
+    assert back.shape == (x.size,) and np.abs(back.reshape(x.shape) - x).max() <= np.abs(x).max() / 127

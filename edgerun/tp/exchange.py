@@ -253,6 +253,8 @@ class BlockExchange:
         self.native_sends = self.fast is not None and isinstance(udp, LossyUdp) and isinstance(udp.loss, NoLoss)
         self._to: tuple[tuple[tuple[str, int], ...], object] = ((), None)  # the last nodes' addresses, natively
         self.group: GroupSender | None = None  # the master's multicast group (net.group; the master sets it)
+        # A reliable block's Q8 input (_send_inputs): the master sets ggml's quantizer where it writes these bytes
+        self.encode_q8: Callable[[np.ndarray], bytes] = lambda x: encode_vector(x, Codec.Q8)
 
     def close(self) -> None:
         if self.sender is not None:
@@ -1045,7 +1047,7 @@ class BlockExchange:
         # Q8 where every node takes its layers' inputs so (the same partials), else float32: a lossy codec's
         # rounding is for datagrams, and the TCP input of a reliable block stays exact
         codec = Codec.Q8 if block != Block.HEAD and self.input_codec(nodes) == Codec.Q8 else Codec.F32
-        vector = encode_vector(x, codec) if codec == Codec.Q8 else memoryview(as_f32(x)).cast("B")
+        vector = self.encode_q8(x) if codec == Codec.Q8 else memoryview(as_f32(x)).cast("B")
         frame = nodes[0].channel.frame(Input(session, position, layer, Block(block), ranking, vector, codec))
         self.stats.q8_inputs += codec == Codec.Q8
         for channel in [n.channel for n in nodes] + [n.spare for n in spare if n.spare is not None]:

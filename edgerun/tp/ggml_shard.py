@@ -41,7 +41,7 @@ from edgerun.model.onnx_graph import Activations
 from edgerun.model.quant import QuantTensor, block_shape, dequantize_columns, quantize
 from edgerun.model.weights import ModelWeights, lacking
 from edgerun.net.fastpath import NativeGraph
-from edgerun.net.wire import Q8_BLOCK, Q8_BLOCK_BYTES, Block, Codec, decode_vector, encode_vector
+from edgerun.net.wire import Q8_BLOCK, Q8_BLOCK_BYTES, Block, Codec, as_f32, decode_vector, encode_vector
 from edgerun.tp.shard import DynamicQuantShard, QuantShard, ShardSpec, _rows, _ShareBase
 
 BLOCK_GRAPH_NODES = 64
@@ -85,6 +85,16 @@ def _ggml_quantized(activations: int, x: np.ndarray) -> bytes:
         np.ascontiguousarray(x, np.float32).ctypes.data, ctypes.addressof(out), x.size)
     return out.raw
 
+
+
+def wire_q8(x: np.ndarray) -> bytes:
+    """x as wire's Q8 (encode_vector's bytes) by ggml's vectorized quantizer, where ggml_quantizes_as_wire: a
+    64-token prompt's input of a 1B (2048 wide) took 0.1 ms so against 0.6-1 ms by numpy's encode_vector, once a
+    block on the master's path before any node could start."""
+    x = as_f32(x).reshape(-1)
+    if x.size % Q8_BLOCK:
+        return encode_vector(x, Codec.Q8)
+    return _ggml_quantized(int(kernels.Q8_0), x)
 
 @functools.cache
 def ggml_quantizes_as_wire() -> bool:

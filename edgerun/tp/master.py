@@ -49,7 +49,7 @@ from edgerun.sched.tp_plan import Rejected, SyncModel, TPPlan, objective, plan_t
 from edgerun.tp.config import Mapping, MasterConfig
 from edgerun.tp.deployment import Assignment, NodeLink, deploy, holds, row_span, unit_order_for
 from edgerun.tp.exchange import KEPT_POSITIONS, BlockExchange, NodeLost, StepStats
-from edgerun.tp.ggml_shard import GgmlShard, build_share, ggml_compute_address
+from edgerun.tp.ggml_shard import GgmlShard, build_share, ggml_compute_address, ggml_quantizes_as_wire, wire_q8
 from edgerun.tp.kernel_fit import KernelFit, Measured, pooled, pooled_measurements
 from edgerun.tp.membership import MIN_SYNC_BLOCKS, Membership, NodeConn
 from edgerun.tp.messages import BatchStep, Fetch, Message, Partial, Priorities, Reset, Routes, Shutdown, Welcome
@@ -514,6 +514,8 @@ class Master:
                                      self.config.threads, self.config.activations,
                                      dynamic=self.config.mapping == Mapping.DYNAMIC, mapped_files=[self.model.path],
                                      slots=self.config.slots)
+            if isinstance(self.shard, GgmlShard) and ggml_quantizes_as_wire():
+                self.exchange.encode_q8 = wire_q8
         settle_heap()
         for node in alive:
             if not node.ready.wait(120):

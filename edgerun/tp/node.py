@@ -496,7 +496,7 @@ class Node:
                     return
                 # float32: a view of the frame (the share reads it, never writes)
                 x = np.frombuffer(vector, "<f4") if codec == Codec.F32 else \
-                    decode_vector(bytes(vector), codec, len(vector) // Q8_BLOCK_BYTES * Q8_BLOCK)
+                    decode_vector(vector, codec, len(vector) // Q8_BLOCK_BYTES * Q8_BLOCK)
                 entry = self._entry(Header(MsgType.ACTIVATION, session, position, layer, block), x.size)
                 if entry is not None:
                     entry.full = x
