@@ -110,6 +110,11 @@ def test_a_thread_waiting_in_run_polls_only_while_it_waits_alone(monkeypatch: py
         yields[threading.current_thread().name] += 1
         real_yield()
 
+    def lanes() -> int:
+        # the waiting threads' polls alone: os.sched_yield is one function for every module, and the loop thread's
+        # own selector (net.loops) yields between its polls too, for up to spin_s after each wake-up
+        return sum(n for name, n in yields.items() if name.startswith("lane-"))
+
     monkeypatch.setattr(channel.os, "sched_yield", counted)
     net = EventLoopThread(spin_s=5.0)
     try:
@@ -123,15 +128,22 @@ def test_a_thread_waiting_in_run_polls_only_while_it_waits_alone(monkeypatch: py
         waiters = [threading.Thread(target=lambda i=i: results.__setitem__(i, net.run(wait(i))), name=f"lane-{i}")
                    for i in range(3)]
         waiters[0].start()
-        time.sleep(0.05)
-        alone = sum(yields.values())
-        assert alone > 10  # the one waiting thread polls
+        # Conditions waited for, not fixed sleeps: on a busy machine a thread may not run for a while.
+        deadline = time.monotonic() + 5
+        while lanes() <= 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lanes() > 10  # the one waiting thread polls
         for t in waiters[1:]:
             t.start()
-        time.sleep(0.1)  # they wait (and a poll that had passed its check as the others came is over)
-        before = sum(yields.values())
-        time.sleep(0.05)
-        assert sum(yields.values()) == before  # three waiting: none polls
+        # They wait (and a poll that had passed its check as the others came ends): the count stops growing, and
+        # stays put for 50 ms on end. A thread that went on polling would grow it in every window.
+        deadline = time.monotonic() + 5
+        while True:
+            before = lanes()
+            time.sleep(0.05)
+            if lanes() == before or time.monotonic() > deadline:
+                break
+        assert lanes() == before  # three waiting: none polls
         net.loop.call_soon_threadsafe(release.set)
         for t in waiters:
             t.join(5)
