@@ -86,7 +86,6 @@ def _ggml_quantized(activations: int, x: np.ndarray) -> bytes:
     return out.raw
 
 
-
 def wire_q8(x: np.ndarray) -> bytes:
     """x as wire's Q8 (encode_vector's bytes) by ggml's vectorized quantizer, where ggml_quantizes_as_wire: a
     64-token prompt's input of a 1B (2048 wide) took 0.1 ms so against 0.6-1 ms by numpy's encode_vector, once a
@@ -95,6 +94,7 @@ def wire_q8(x: np.ndarray) -> bytes:
     if x.size % Q8_BLOCK:
         return encode_vector(x, Codec.Q8)
     return _ggml_quantized(int(kernels.Q8_0), x)
+
 
 @functools.cache
 def ggml_quantizes_as_wire() -> bool:
