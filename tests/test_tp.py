@@ -104,6 +104,35 @@ def test_lossless_udp_and_tcp_equal_the_reference(model: Model, reference_tokens
 
 
 @pytest.mark.slow
+def test_the_master_takes_the_nodes_partials_while_it_computes_a_prompts_share(model: Model,
+                                                                                reference_tokens: list[int]) -> None:
+    """A prompt's blocks: the master computes its share on a thread of its own while its event loop reads the
+    nodes' partials, so they do not wait in the sockets until it is done. Here its MLP share holds on until every
+    node's partial of the block has been taken (which could never happen with the loop blocked: it gives up after
+    5 s); one-token blocks compute on the loop's thread as before (or natively). The tokens stay the reference's."""
+    prompt = model.tokenizer.encode(PROMPT)
+    for master, _ in cluster(model, [1e9, 1e9], timeout_ms=2000):
+        seen: list[tuple[bool, int, int]] = []
+        mlp = master.shard.mlp
+
+        def patient_mlp(*args: object, mlp=mlp, exchange=master.exchange, seen=seen, **kwargs: object) -> np.ndarray:
+            out = mlp(*args, **kwargs)
+            own_thread = threading.current_thread().name.startswith("own-share")
+            w = exchange.wait
+            give_up = time.monotonic() + 5.0
+            while own_thread and len(w.arrived) < len(w.parts) and time.monotonic() < give_up:
+                time.sleep(0.001)
+            seen.append((own_thread, len(w.arrived), len(w.parts)))
+            return out
+
+        master.shard.mlp = patient_mlp
+        assert master.generate(prompt, N_TOKENS, GREEDY) == reference_tokens
+        prompt_blocks = [(arrived, parts) for own_thread, arrived, parts in seen if own_thread]
+        assert len(prompt_blocks) == model.config.n_layers  # the prompt's step; the others were one token each
+        assert all(arrived == parts == 2 for arrived, parts in prompt_blocks), prompt_blocks
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
 def test_the_native_data_path_and_the_python_path_give_the_reference(model: Model, reference_tokens: list[int],
                                                                     native: str,
