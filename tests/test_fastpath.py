@@ -189,18 +189,6 @@ def test_gf_products_are_net_erasures(fast: FastPath, simd: bool) -> None:
         assert np.array_equal(out, start ^ erasure.MUL[c][data])
 
 
-def test_sum_adds_in_the_participants_order(fast: FastPath) -> None:
-    rng = np.random.default_rng(3)
-    own = rng.standard_normal((1, 4096)).astype(np.float32)
-    parts = [(rng.standard_normal(4096) * 10.0 ** rng.integers(-6, 6)).astype(np.float32) for _ in range(7)]
-    expected = own.copy()
-    for p in parts:
-        expected += p
-    total = fast.sum(own, parts)
-    assert total.shape == own.shape and np.array_equal(total, expected)
-    assert np.array_equal(fast.sum(own, []), own) and fast.sum(own, []) is not own
-
-
 class Block:
     """A master's socket and three nodes' sockets on loopback, and a Gather for one block."""
 

@@ -583,3 +583,31 @@ def test_a_runner_block_counted_in_the_heads_slack_leaves_the_head_in_merge(tiny
     exchange.settle()
     assert exchange.stats.blocks_incomplete == 1 and node.lossy  # counted, and its link marked lossy
     assert exchange.wait is head and exchange.merged.key == (0, 5, 1, int(Block.ATTN))
+
+
+def test_a_merge_adds_the_partials_in_the_participants_order(tiny_spec, synth_gguf) -> None:
+    """The master's share plus each partial that came, in the participants' order whatever order they came in (float
+    addition is not associative: a sum that followed arrivals gave the same request other tokens from run to run):
+    one in pieces adds what of it came, one of which nothing came is left out, and the sum is a new array."""
+    from edgerun.net.channel import Counters
+    from edgerun.tp.config import MasterConfig
+    from edgerun.tp.exchange import BlockExchange, _Wait
+
+    model = load_model(synth_gguf(tiny_spec()))
+    exchange = BlockExchange(model.config, KEY, MasterConfig(), None, None, Counters(), print)
+    rng = np.random.default_rng(5)
+    own = rng.standard_normal((4, 64)).astype(np.float32)
+    vectors = {i: (rng.standard_normal(256) * 10.0 ** rng.integers(-6, 6)).astype(np.float32) for i in (1, 2, 3, 4)}
+    pieces = Reassembly(256)
+    pieces.vector[:128] = vectors[4][:128]  # a lossy partial's first fragment alone
+    # arrived 3, 1, then 4 in part; nothing of 2
+    w = _Wait((1, 0, 0, int(Block.MLP)), {3: vectors[3], 1: vectors[1], 4: pieces, 2: None},
+              dict.fromkeys((1, 2, 3, 4), 256), None, 0.0, 1, 4)
+    total = exchange._merge(w, own)
+    expected = own.copy()
+    for part in (vectors[1], vectors[3], pieces.vector):
+        expected += part.reshape(own.shape)
+    assert total.shape == own.shape and np.array_equal(total, expected) and total is not own
+    arrival_order = own + vectors[3].reshape(own.shape) + vectors[1].reshape(own.shape) + \
+        pieces.vector.reshape(own.shape)
+    assert not np.array_equal(total, arrival_order)  # the order shows in the bits

@@ -851,16 +851,6 @@ int er_gather_run(er_ctx *ctx, int fd, er_gather *g) {
     }
 }
 
-/* out = own + parts[0] + parts[1] + ... element by element, in that order (float addition is not associative: the
- * same order every run gives the same request the same tokens). */
-void er_sum(float *out, const float *own, const float *const *parts, int nparts, int n) {
-    memcpy(out, own, (size_t)n * 4);
-    for (int p = 0; p < nparts; p++) {
-        const float *part = parts[p];
-        for (int i = 0; i < n; i++) out[i] += part[i];
-    }
-}
-
 /* ---- a step's lossy blocks, run one after another ------------------------------------------------------------
  * For a one-token step, the master's layers (the first too where its links are clean): for each block, the hidden
  * state's RMS norm (the block's input), that input to the block's nodes, the master's own share (its ggml graph,

@@ -138,8 +138,6 @@ def _library() -> ctypes.CDLL | None:
     lib.er_joined_bytes.argtypes = []
     lib.er_gf_mul_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.er_gf_mul_add.restype = None
-    lib.er_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.er_sum.restype = None
     lib.er_run_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.er_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
     lib.er_rms_norm.restype = None
@@ -211,7 +209,6 @@ class FastPath:
         self.lib, self.ctx = lib, ctx
         self._head = _Head()
         self._head_ref = ctypes.byref(self._head)
-        self._pointers: dict[tuple[int, ...], ctypes.Array] = {}  # sum's arrays of addresses, by the addresses
 
     @classmethod
     def load(cls, key: bytes) -> FastPath | None:
@@ -247,18 +244,6 @@ class FastPath:
             (addresses([group]), (ctypes.c_uint8 * len(to))(*map(int, grouped)))
         return self.lib.er_send_group(self.ctx, fd, self._head_ref, prefix, len(prefix), x.ctypes.data, x.size, to,
                                       len(to), copies, None, *to_group, mtu)
-
-    def sum(self, own: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
-        """own + parts[0] + parts[1] + ..., in that order (float32, a new array of own's shape)."""
-        out = np.empty_like(own)
-        where = tuple(p.ctypes.data for p in parts)
-        pointers = self._pointers.get(where)
-        if pointers is None:  # the same buffers block after block (Gather's rows): one array for them
-            if len(self._pointers) > 64:
-                self._pointers.clear()
-            pointers = self._pointers[where] = (ctypes.c_void_p * max(1, len(parts)))(*where)
-        self.lib.er_sum(out.ctypes.data, own.ctypes.data, pointers, len(parts), own.size)
-        return out
 
     # --- for tests: each piece against the Python path's ---------------------------------------------------
     def seal(self, body: bytes) -> bytes:

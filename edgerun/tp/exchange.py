@@ -379,16 +379,14 @@ class BlockExchange:
         addition is not associative, and a sum that followed arrivals gave the same request other tokens from run
         to run. A partial that did not come whole adds what of it came (a lossy block's missing fragments are
         zeros); one of which nothing came is left out. A new array (the master's one-token output is a buffer its
-        block reuses)."""
+        block reuses). numpy's vectorized adds, in place: a scalar C loop (the native path's, built without
+        -march) took 2.7-3x as long at every size, 9 against 3 µs for a one-token block of 3 nodes, 139 against
+        52 µs for a 64-token one of a 1B."""
         started = time.perf_counter()
-        parts = [as_f32(p.vector if isinstance(p, Reassembly) else p) for p in (w.parts[i] for i in w.order)
-                 if p is not None]
-        if self.fast is not None:
-            total = self.fast.sum(own, parts)
-        else:
-            total = own.copy()
-            for vector in parts:
-                total += vector.reshape(own.shape)
+        total = own.copy()
+        for vector in (w.parts[i] for i in w.order):
+            if vector is not None:
+                total += as_f32(vector.vector if isinstance(vector, Reassembly) else vector).reshape(own.shape)
         if w.tokens == 1:
             self.stats.fold_s += time.perf_counter() - started
         return total
