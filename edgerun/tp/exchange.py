@@ -256,16 +256,14 @@ class BlockExchange:
         self.group: GroupSender | None = None  # the master's multicast group (net.group; the master sets it)
         # A reliable block's Q8 input (_send_inputs): the master sets ggml's quantizer where it writes these bytes
         self.encode_q8: Callable[[np.ndarray], bytes] = lambda x: encode_vector(x, Codec.Q8)
-        # Computes the master's share of a prompt's blocks (see run), made with the first
-        self._computer: concurrent.futures.ThreadPoolExecutor | None = None
+        # Computes the master's share of a prompt's blocks (see run); its thread starts with the first
+        self._computer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="own-share")
 
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-        if self._computer is not None:
-            self._computer.shutdown(wait=False)
-            self._computer = None
+        self._computer.shutdown(wait=False)
 
     def configure(self, config: MasterConfig) -> None:
         self.config = config
@@ -349,8 +347,6 @@ class BlockExchange:
             # reads and checks the nodes' partials meanwhile rather than after it: three 512 KB frames a block of
             # a 64-token chunk of a 1B at 4 devices, which waited in the sockets while the master computed. On the
             # device (--pin 2) such a chunk took 219-255 ms so, against 334-339 ms.
-            if self._computer is None:
-                self._computer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="own-share")
             out = await loop.run_in_executor(self._computer, own_share)
         else:
             out = own_share()
@@ -384,9 +380,9 @@ class BlockExchange:
         52 µs for a 64-token one of a 1B."""
         started = time.perf_counter()
         total = own.copy()
-        for vector in (w.parts[i] for i in w.order):
-            if vector is not None:
-                total += as_f32(vector.vector if isinstance(vector, Reassembly) else vector).reshape(own.shape)
+        for part in (w.parts[i] for i in w.order):
+            if part is not None:
+                total += as_f32(part.vector if isinstance(part, Reassembly) else part).reshape(own.shape)
         if w.tokens == 1:
             self.stats.fold_s += time.perf_counter() - started
         return total
