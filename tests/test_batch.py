@@ -130,21 +130,35 @@ def test_a_sequence_whose_draw_fails_ends_alone(shipped_model) -> None:
     assert len(ended["good"].tokens) == 6
 
 
-def test_short_prompts_that_join_together_share_a_round(shipped_model) -> None:
-    """Three short prompts joining an empty batch are prefilled in the first round (their chunks fit in one chunk's
-    tokens) and each has its first token after it; a fourth whose chunk does not fit waits for the next round."""
+def test_prompts_that_join_together_share_a_round_up_to_its_tokens(shipped_model) -> None:
+    """Three short prompts and a long one join an empty batch. Where a round runs 24 prompt tokens (one chunk's),
+    the short ones fill the first round, each has its first token after it, and the long one's first chunk runs in
+    the next, alone. Where it runs 48, that chunk joins the first round and the second round runs the next. Every
+    sequence's tokens are the same either way: its prompt is cut at the same places."""
     tok = shipped_model.tokenizer
-    loop = BatchLoop(make_engine("ggml", shipped_model, 256, threads=1, slots=4), prefill_chunk=24)
-    gens = [Generation(tok.encode(p), 8, Sampler(PARAMS[0])) for p in PROMPTS[:3]]
-    assert sum(len(g.prompt) for g in gens) <= 24
-    for g in gens:
-        loop.add(g, lambda r: None)
-    long = Generation(tok.encode(PROMPTS[3]), 8, Sampler(PARAMS[0]))
-    loop.add(long, lambda r: None)
-    loop.step()
-    assert [len(g.tokens) for g in gens] == [1, 1, 1] and not long.tokens
-    loop.step()
-    assert [len(g.tokens) for g in gens] == [2, 2, 2] and not long.tokens  # its first chunk ran, alone
+    ends = {}
+    for round_tokens in (24, 48):
+        loop = BatchLoop(make_engine("ggml", shipped_model, 256, threads=1, slots=4), prefill_chunk=24,
+                         round_tokens=round_tokens)
+        gens = [Generation(tok.encode(p), 8, Sampler(PARAMS[0])) for p in PROMPTS[:3]]
+        assert sum(len(g.prompt) for g in gens) <= 24
+        for g in gens:
+            loop.add(g, lambda r: None)
+        long = Generation(tok.encode(PROMPTS[3]), 8, Sampler(PARAMS[0]))
+        assert len(long.prompt) > 2 * 24
+        loop.add(long, lambda r: None)
+        prefilled = []
+        for _ in range(2):
+            loop.step()
+            prefilled.append(next(s.prefilled for s in loop.running if s.gen is long))
+        assert [len(g.tokens) for g in gens] == [2, 2, 2] and not long.tokens
+        assert prefilled == ([0, 24] if round_tokens == 24 else [24, 48])
+        while loop.running:
+            loop.step()
+        ends[round_tokens] = [g.tokens for g in [*gens, long]]
+    assert ends[24] == ends[48] and all(len(tokens) == 8 for tokens in ends[24])
+    with pytest.raises(EdgerunError, match="at least one token"):
+        BatchLoop(loop.engine, round_tokens=0)
 
 
 class Counting:

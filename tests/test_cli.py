@@ -618,6 +618,19 @@ def test_a_bad_serve_merge_timeout_is_a_one_line_error(timeout: str, capsys: Cap
     assert_one_line_error(code, err, "--timeout-ms must be above 0 milliseconds")
 
 
+@pytest.mark.parametrize("command", [["serve", "--port", "0", "--key", "k"], ["bench", "serve"]])
+def test_a_round_of_no_prompt_tokens_is_a_one_line_error(command: list[str], capsys: Capsys) -> None:
+    """serve --round-tokens (and bench serve's, for the server it starts) is checked before a model loads; a
+    server's rounds run 256 prompt tokens unless told."""
+    code, out, err = run([*command, "--model", "/nonexistent.gguf", "--round-tokens", "0"], capsys)
+    assert_one_line_error(code, err, "--round-tokens must be at least 1, not 0")
+    assert out == ""
+    from edgerun.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).round_tokens == 256
+    assert build_parser().parse_args(["serve", "--round-tokens", "512"]).round_tokens == 512
+
+
 @pytest.mark.parametrize("command", [["generate", "Hi"], ["profile"], ["bench", "single"], ["bench", "tp"],
                                      ["node", "--master", "127.0.0.1:1"], ["serve"], ["tune"]])
 @pytest.mark.parametrize(("threads", "message"), [("0", "must be at least 1, not 0"),

@@ -67,6 +67,7 @@ class ServeBenchConfig:
     # Cores of its own for every process it starts (bench tp's --pin): the server (and the --baseline one) the first
     # `pin`, member i the next; 0: not pinned
     pin: int = 0
+    round_tokens: int | None = None  # the started server's --round-tokens (None: its default)
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
@@ -80,9 +81,11 @@ class ServeBenchConfig:
             raise EdgerunError("--nodes, --workers or --experts: a tensor-parallel cluster, a pipeline or an expert "
                                "master, one of them")
         if self.url is not None and (self.nodes or self.workers or self.experts or self.parallel > 1
-                                     or self.baseline or self.spin_us is not None):
+                                     or self.baseline or self.spin_us is not None or self.round_tokens is not None):
             raise EdgerunError("--url measures a running server as it is: --nodes, --workers, --experts, "
-                               "--parallel, --baseline and --spin-us start one")
+                               "--parallel, --round-tokens, --baseline and --spin-us start one")
+        if self.round_tokens is not None and self.round_tokens < 1:
+            raise EdgerunError(f"--round-tokens must be at least 1, not {self.round_tokens}")
         if self.pin < 0:
             raise EdgerunError(f"--pin must be 0 (not pinned) or a number of cores, not {self.pin}")
         if self.url is not None and self.pin:
@@ -279,6 +282,8 @@ def started_server(config: ServeBenchConfig, log: Callable[[str], None]) -> Iter
                 argv += ["--no-local", "--parallel", str(config.parallel), "--max-context", str(PIPELINE_CONTEXT)]
     else:
         argv += ["--no-cluster", "--parallel", str(config.parallel)]
+    if config.round_tokens is not None:
+        argv += ["--round-tokens", str(config.round_tokens)]
     if config.model is not None:
         argv += ["--model", str(config.model)]
     if members:

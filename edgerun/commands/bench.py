@@ -106,7 +106,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     config = ServeBenchConfig(tuple(counts(args.streams, "--streams", 1)), args.max_tokens, args.url,
                               args.api_key or os.environ.get(API_KEY_ENV), args.model, args.threads, args.parallel,
                               args.nodes, args.workers, experts=args.experts, plan=args.plan, prompts=args.prompts,
-                              baseline=args.baseline, spin_us=args.spin_us, pin=args.pin)
+                              baseline=args.baseline, spin_us=args.spin_us, pin=args.pin,
+                              round_tokens=args.round_tokens)
     rows = bench_serve(config, log=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else serve_table(rows))
 
@@ -344,6 +345,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "with --nodes, on the tensor-parallel shares (the server's own engine then left out, "
                         "--max-context 512), with --workers, on the pipeline's stages, with --experts, on the "
                         "expert master (default: 1)")
+    p.add_argument("--round-tokens", type=int, default=None, metavar="N",
+                   help="the started server's --round-tokens: prompt tokens a round of its --parallel batch runs "
+                        "at most (default: serve's, 256)")
     p.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="start N tensor-parallel node processes beside the server and measure once its plan takes "
                         "them all (--prefer cluster) (default: 0, the server's own engine)")

@@ -16,6 +16,7 @@ from edgerun.commands.common import (
     thread_count,
 )
 from edgerun.errors import EdgerunError
+from edgerun.model.batch import PREFILL_CHUNK, ROUND_TOKENS
 from edgerun.net.discovery import ClusterKind
 from edgerun.net.wire import Transport
 from edgerun.sched.plans import cluster_plan, plan_names
@@ -87,6 +88,13 @@ def add_commands(sub: argparse._SubParsersAction, threads_default: int) -> None:
                         "stages in micro-batches at once; --plan moe, the expert master holds N sequences' caches and "
                         "sends each expert one dispatch of every token of a step that chose it (default: 1, one "
                         "request at a time)")
+    p.add_argument("--round-tokens", type=int, default=ROUND_TOKENS, metavar="N",
+                   help="with --parallel: prompt tokens a round of the batch runs at most, in chunks of "
+                        f"{PREFILL_CHUNK} from each joining request (always one chunk), before the running requests' "
+                        "next token; prompts that arrive together share a round's pass over the weights (and on a "
+                        "tensor-parallel cluster its exchanges): more finishes them sooner and holds the running "
+                        "requests' next token longer; a pipeline's rounds take a chunk a stage instead "
+                        f"(default: {ROUND_TOKENS})")
     p.add_argument("--max-context", type=int, default=2048,
                    help="context length (KV cache) per request (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per request when it names none (default: 512)")
@@ -156,7 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          secret=secret, cluster_port=None if args.no_cluster else args.cluster_port, key=key,
                          kind=kind, strategy=strategy,
                          prefer=Prefer(args.prefer), api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                         max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context,
+                         max_queue=args.max_queue, parallel=args.parallel, round_tokens=args.round_tokens,
+                         max_context=args.max_context,
                          default_max_tokens=args.max_tokens,
                          threads=args.threads, model_name=args.model_name, sampling=sampling_params(args),
                          max_body=args.max_body, cors_origins=tuple(args.cors_origin),

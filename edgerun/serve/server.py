@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgerun.errors import EdgerunError
+from edgerun.model.batch import ROUND_TOKENS
 from edgerun.model.onnx_graph import Activations
 from edgerun.model.sampling import USER_DEFAULTS, SamplingParams
 from edgerun.net.channel import EventLoopThread
@@ -47,6 +48,7 @@ class ServeConfig:
     api_key: str | None = None
     max_queue: int = 16
     parallel: int = 1  # requests decoded together on this machine's engine (continuous batching; 1: one at a time)
+    round_tokens: int = ROUND_TOKENS  # prompt tokens a --parallel round runs at most (model.batch.BatchLoop)
     max_context: int = 2048
     default_max_tokens: int = 512
     threads: int = 1
@@ -82,6 +84,8 @@ class ServeConfig:
             raise EdgerunError("ports must lie in 0..65535")
         if not 1 <= self.parallel <= MAX_PARALLEL:
             raise EdgerunError(f"--parallel must be from 1 to {MAX_PARALLEL}")
+        if self.round_tokens < 1:
+            raise EdgerunError(f"--round-tokens must be at least 1, not {self.round_tokens}")
         if self.parallel > 1 and not ((self.local and self.cluster_port is None) or
                                       (self.cluster_port is not None and not self.local)):
             raise EdgerunError("--parallel batches this machine's own engine (with --no-cluster) or a cluster's "
@@ -161,15 +165,15 @@ class Server:
             self.metrics = Metrics()
             batch = None
             if config.parallel > 1 and single is not None:
-                batch = BatchLoop(single)  # type: ignore[arg-type]  # a GgmlEngine
+                batch = BatchLoop(single, round_tokens=config.round_tokens)  # type: ignore[arg-type]  # a GgmlEngine
             elif config.parallel > 1 and config.kind is ClusterKind.MOE:
                 # the hub's sequences, one dispatch an expert a step
-                batch = BatchLoop(self.cluster.engine)
+                batch = BatchLoop(self.cluster.engine, round_tokens=config.round_tokens)
             elif config.parallel > 1 and config.kind is ClusterKind.TP:
                 # every share's slots, one exchange a block for all
                 from edgerun.tp.batch import TpBatch
 
-                batch = BatchLoop(TpBatch(self.cluster.engine))
+                batch = BatchLoop(TpBatch(self.cluster.engine), round_tokens=config.round_tokens)
             elif config.parallel > 1:  # a pipeline's stages in lanes (pp.batch), each stepping in a thread
                 batch = self._pipeline_lanes(self.cluster.engine, config.parallel)
             self.service = Service(self.switch, model.tokenizer.stop_ids, config.max_queue, config.wait_s,
