@@ -41,6 +41,7 @@ SAMPLES: list[m.Message] = [
     m.BatchStep(7, 0, (2,), (0,)),
     m.BatchStep(7, 3, (0, 3, 1), (40, 17, 9), copy=(0, 3, 16, 0, 2, 16)),
     m.BatchStep(7, 4, (2, 0, 3), (64, 41, 18), counts=(11, 1, 1)),  # a prompt's chunk beside two decode tokens
+    m.BatchStep(7, 5, (2, 0), (75, 42), top=40),  # decode rows whose draws pick from 40 logits at most
     m.ParityOn(2),
     m.Ping(1),
     m.BandwidthProbe(1 << 20, bytes(64)),
@@ -107,6 +108,7 @@ def test_routes_are_data() -> None:
     b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1], "starts": [1], "copy": [0, 1]}',  # no rows
     b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1, 2], "starts": [1, 2], "counts": [3]}',
     b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1, 2], "starts": [1, 2], "counts": [3, 0]}',
+    b'{"message": "BatchStep", "session": 1, "step": 0, "slots": [1], "starts": [1], "top": -1}',  # a negative top
     b'{"message": "ParityOn", "fragments": 5}',  # more parity fragments than a vector may have (wire.MAX_PARITY)
     b'{"message": "ParityOn", "fragments": -1}',
     b'{"message": "Ping", "seq": 1',  # truncated

@@ -1181,6 +1181,53 @@ def test_a_cluster_runs_a_rounds_prompt_chunks_and_decode_step_as_one_step(model
 
 
 @pytest.mark.slow
+def test_a_batchs_decode_step_gathers_only_the_logits_its_draws_can_pick(model: Model) -> None:
+    """A batch of greedy and top-k sequences on a master and a node: each decode step's nodes send each row's few
+    largest logits of their vocabulary share (the most any row's draw picks from, 40), not the share itself; a
+    step with a top-p sequence (no top-k) and the prompts' steps get every logit. Each sequence's tokens are those
+    of the same batch with every logit gathered."""
+    from edgerun.model.batch import BatchLoop, gathered
+    from edgerun.model.generate import Generation
+    from edgerun.tp.batch import TpBatch
+
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=5), SamplingParams(),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=3)]
+    assert gathered([Sampler(p) for p in params[:3]]) == 40 and gathered([Sampler(p) for p in params]) is None
+    tok = model.tokenizer
+    for master, _ in cluster(model, [1e9, 1e9], timeout_ms=2000, activations=Activations.INT8, slots=4):
+        head = master.exchange._reply_size
+        sizes: list[int] = []
+
+        def reply_size(node, block, seq, head=head, sizes=sizes):
+            size = head(node, block, seq)
+            if block == Block.HEAD:
+                sizes.append(size // seq)
+            return size
+
+        master.exchange._reply_size = reply_size
+        ends = {}
+        for gathers in (True, False):
+            engine = TpBatch(master)
+            engine.gathers = gathers
+            loop, results = BatchLoop(engine, prefill_chunk=16), {}
+            for i, (prompt, p) in enumerate(zip(BATCH_PROMPTS, params, strict=False)):
+                max_tokens = 6 if i == 3 else 12  # the top-p sequence leaves first: then steps gather 40 a node
+                loop.add(Generation(tok.encode(prompt), max_tokens, Sampler(p)),
+                         lambda r, i=i, results=results: results.__setitem__(i, r.tokens))
+            while loop.running:
+                loop.step()
+            ends[gathers] = results
+            share = max(sizes)
+            assert share > 1000  # a prompt's last logits: the node's whole vocabulary share
+            if gathers:
+                assert 2 * 40 in sizes, sizes  # top-k steps: 40 logits and their places a row
+            else:
+                assert set(sizes) == {share}
+            sizes.clear()
+        assert ends[True] == ends[False] and all(len(ends[True][i]) == 12 for i in range(3))
+
+
+@pytest.mark.slow
 def test_a_batchs_decode_rows_are_lossy_and_its_prompts_reliable(model: Model) -> None:
     """HALO's semantics per row: at 5% loss without parity, a batch's decode steps (each row one sequence's token) go
     as a request's decode tokens go, over UDP with the timeout, so some merge incomplete, and no wait runs far past

@@ -84,6 +84,23 @@ def round_spans(chunks: Sequence[tuple[int, Sequence[int], int]], batch: Sequenc
     return spans, ids
 
 
+class GatheringEngine(BatchEngine, Protocol):
+    """A BatchEngine whose logits are spread over devices (tp.batch.TpBatch): where `gathers`, its decode step takes
+    `top`, the most of the largest logits any row's draw picks from (Sampler.candidates; None: all of them), and may
+    gather only that many of each device's, the rest minus infinity (the draws are the same)."""
+
+    gathers: bool
+
+    def decode(self, batch: Sequence[tuple[int, int, int]], top: int | None = None) -> np.ndarray: ...
+
+
+def gathered(samplers: Sequence[Sampler]) -> int | None:
+    """The most of the largest logits any of these draws picks from (Sampler.candidates), None where one picks from
+    all of them."""
+    tops = [s.candidates for s in samplers]
+    return None if not tops or None in tops else max(t for t in tops if t is not None)
+
+
 class DrawingEngine(Protocol):
     """An engine that runs a round's prompt chunks and decode step at once (a pipeline: pp.batch, its stages each
     working on a different part of the round) and draws each sequence's next token itself, with the sequence's
@@ -157,7 +174,8 @@ class BatchLoop:
     """The sequences running on one engine, a slot each; `step` runs one round. Not thread-safe: one thread
     adds sequences and steps."""
 
-    def __init__(self, engine: BatchEngine | FusingEngine | DrawingEngine, prefill_chunk: int = PREFILL_CHUNK,
+    def __init__(self, engine: BatchEngine | FusingEngine | GatheringEngine | DrawingEngine,
+                 prefill_chunk: int = PREFILL_CHUNK,
                  draws: bool = False, on_idle: Callable[[], None] | None = None,
                  round_tokens: int = ROUND_TOKENS) -> None:
         """`draws`: the engine is a DrawingEngine (its rounds take a chunk a lane, `round_tokens` aside); `on_idle`:
@@ -170,6 +188,8 @@ class BatchLoop:
         # a round's prompt chunks and decode step as one step, where the engine runs them so (FusingEngine): its
         # matrix products read the weights once for every token of the round
         self.fused = not draws and bool(getattr(engine, "fuses", False))
+        # a decode step's logits gathered from devices: only as many of each one's largest as the draws can pick
+        self.gathers = not draws and bool(getattr(engine, "gathers", False))
         self.running: list[_Sequence] = []
         self.held: dict[int, Held] = {}  # slot: what its cache holds of a prompt
         self.reused_tokens = 0  # prompt tokens not prefilled, their keys and values taken from a slot that held them
@@ -237,7 +257,12 @@ class BatchLoop:
         else:
             for s, chunk in zip(prefilled, chunks, strict=True):
                 self._prefilled_chunk(s, len(chunk), self.engine.prefill(s.slot, chunk, s.prefilled))
-            rows = self.engine.decode(batch) if batch else []
+            if not batch:
+                rows = []
+            elif self.gathers:
+                rows = self.engine.decode(batch, gathered([s.gen.sampler for s in ready]))  # type: ignore[call-arg]
+            else:
+                rows = self.engine.decode(batch)
         for s, row in zip(ready, rows, strict=True):
             self._take(s, lambda s=s, row=row: _drawn(row, s.gen.sampler, s.gen.position + 1))
 

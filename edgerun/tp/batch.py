@@ -51,15 +51,19 @@ class TpBatch:
         self._check(slot, start + len(tokens))
         return self._run(self.master.batch_step(tokens, (slot,), (start,)))[-1]
 
-    def decode(self, batch: Sequence[tuple[int, int, int]]) -> np.ndarray:
+    gathers = True  # model.batch.GatheringEngine: a decode step's nodes send each row's `top` largest logits
+
+    def decode(self, batch: Sequence[tuple[int, int, int]], top: int | None = None) -> np.ndarray:
         """One token of each of several sequences, (slot, position, token) each, in one step: their logits, (len(batch),
-        vocab), each as it is alone."""
+        vocab), each as it is alone; with `top`, of each node's vocabulary rows only its `top` largest (the others
+        minus infinity: a draw from `top` candidates at most is the same), so its partial is a few numbers a row,
+        not its share of the vocabulary."""
         for slot, position, _ in batch:
             self._check(slot, position + 1)
         if len({slot for slot, _, _ in batch}) != len(batch):
             raise ValueError("a batch's step takes distinct slots")
         slots, positions, tokens = zip(*batch, strict=True)
-        return self._run(self.master.batch_step(tokens, slots, positions)).reshape(len(batch), -1)
+        return self._run(self.master.batch_step(tokens, slots, positions, top=top)).reshape(len(batch), -1)
 
     @functools.cached_property
     def fuses(self) -> bool:

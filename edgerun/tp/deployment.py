@@ -96,11 +96,14 @@ def row_span(rows: np.ndarray) -> slice | np.ndarray:
 
 
 def place_head_top(logits: np.ndarray, rows: np.ndarray, partial: np.ndarray) -> None:
-    """A device's head_top partial into the whole vocabulary's logits: its chosen rows get their logits, its
-    other rows minus infinity (no draw of at most `top` candidates picks them)."""
-    k = partial.size // 2
-    logits[row_span(rows)] = -np.inf
-    logits[rows[partial[k:].astype(np.int64)]] = partial[:k]
+    """A device's head_top partial into the whole vocabulary's logits, (vocab,) or a batch's (tokens, vocab): in
+    each token's row its chosen rows get their logits, its other rows minus infinity (no draw of at most `top`
+    candidates picks them)."""
+    every = np.atleast_2d(logits)  # a view: the rows are written in place
+    for row, part in zip(every, partial.reshape(every.shape[0], -1), strict=True):
+        k = part.size // 2
+        row[row_span(rows)] = -np.inf
+        row[rows[part[k:].astype(np.int64)]] = part[:k]
 
 
 @dataclass(frozen=True)

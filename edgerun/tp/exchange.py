@@ -228,7 +228,8 @@ class BlockExchange:
             model, key, udp, datagrams, counters, log, trace
         self.configure(config)
         self.session = 0
-        self.head_top: int | None = None  # the session's nodes send their this many largest logits (Reset.top)
+        # the nodes send their this many largest logits of each token (a request's Reset.top, a batch step's top)
+        self.head_top: int | None = None
         self.routes = Routes.for_transport(config.transport, model.n_layers)
         self.recent_inputs: dict[BlockKey, tuple[np.ndarray, tuple[int, ...] | None]] = {}  # kept for fetches
         self.pending_fetch: dict[BlockKey, list[NodeConn]] = {}  # fetches of inputs not sent yet
@@ -891,7 +892,7 @@ class BlockExchange:
         a batch's each one)."""
         if block == Block.HEAD:
             rows = len(vocab_rows(node.spec.vocab_blocks, node.spec.vocab_block, self.model.vocab_size))
-            return seq * rows if self.head_top is None else head_top_size(rows, self.head_top)
+            return seq * (rows if self.head_top is None else head_top_size(rows, self.head_top))
         return seq * self.model.hidden
 
     def _assemble_logits(self, logits: np.ndarray, nodes: list[NodeConn], parts: dict) -> np.ndarray:

@@ -143,10 +143,11 @@ class BatchSession:
     steps: int = 0
     copies: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def next_step(self, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int] = ()) -> BatchStep:
+    def next_step(self, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int] = (),
+                  top: int | None = None) -> BatchStep:
         """The next step's rows as the nodes are told them, with the copies asked for since the last."""
         rows = BatchStep(self.session, self.steps, tuple(slots), tuple(starts),
-                         tuple(n for copy in self.copies for n in copy), tuple(counts))
+                         tuple(n for copy in self.copies for n in copy), tuple(counts), top or 0)
         self.steps += 1
         self.copies = []
         return rows
@@ -754,12 +755,17 @@ class Master:
         return True
 
     async def batch_step(self, tokens: Sequence[int], slots: Sequence[int], starts: Sequence[int],
-                         counts: Sequence[int] = ()) -> np.ndarray:
+                         counts: Sequence[int] = (), top: int | None = None) -> np.ndarray:
         """One step of the batch session (start_batch): one sequence's tokens from starts[0] of slot slots[0] (its
         last token's logits), or one token of each of several sequences (each one's logits, (rows, vocab)), or with
         `counts` that many tokens of each (each one's last token's logits: a round's prompt chunks beside its decode
-        tokens). Its rows go to the nodes first (BatchStep), with the cache copies asked for since the last step."""
-        rows = self.batch.next_step(slots, starts, counts)
+        tokens). Its rows go to the nodes first (BatchStep), with the cache copies asked for since the last step.
+        `top`: of a decode step (one token of each), the nodes send only each row's `top` largest logits of theirs
+        (TpBatch.decode)."""
+        if top is not None and counts:
+            raise ValueError("a round's prompt chunks keep every logit (a prompt's logits serve later sequences)")
+        rows = self.batch.next_step(slots, starts, counts, top)
+        self.exchange.head_top = top  # this step's nodes' LM-head partials, as BatchStep.top tells them
         if self.whole is not None:  # a plan that leaves every node out: the whole-model engine's slots
             await asyncio.sleep(0)
             if counts:

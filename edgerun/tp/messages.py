@@ -238,7 +238,9 @@ class BatchStep:
     in slots[i] at position starts[i], or with `counts` counts[i] tokens each (a round's prompt chunks beside its
     decode tokens, in one step: the LM head then takes each sequence's last row). `copy`: (source, target, rows)
     after each other, where any: before the step's attention at each layer, the keys and values of the first `rows`
-    positions of slot `source` go to slot `target` (a prompt that sequences share), in this order."""
+    positions of slot `source` go to slot `target` (a prompt that sequences share), in this order. `top`: the rows'
+    draws pick from no more than this many of the largest logits, so a node's LM-head partial is each row's `top`
+    largest logits and their rows (as Reset.top is a request's); 0: every row of its vocabulary share."""
 
     session: int
     step: int
@@ -246,6 +248,7 @@ class BatchStep:
     starts: tuple[int, ...]
     copy: tuple[int, ...] = ()
     counts: tuple[int, ...] = ()
+    top: int = 0
 
     def spans(self) -> list[tuple[int, int, int]] | None:
         """(slot, start, tokens) of each sequence where the step gives its counts, else None."""
@@ -268,6 +271,8 @@ class BatchStep:
             raise ValueError("a step's copies are (source slot, target slot, rows) each")
         if self.counts and (len(self.counts) != len(self.slots) or min(self.counts) < 1):
             raise ValueError("a step's counts are each sequence's tokens, at least one")
+        if self.top < 0:
+            raise ValueError(f"a step's top is 0 (every logit) or more, not {self.top}")
 
 
 @dataclass(frozen=True)

@@ -816,8 +816,10 @@ class Node:
         else:
             with alone:
                 _, out = self.shard.logits(x)  # the rows the master sent: a request's last token, a batch's each one
-            if self.top is not None:  # the session's sampler picks from no more: the rest stays here
-                out = head_top(out, self.top)
+            # the request's sampler, or the batch step's samplers, pick from no more: the rest stays here
+            top = self.top if step is None else step.top or None
+            if top is not None:
+                out = head_top(out, top)
         took = time.perf_counter() - started
         if out is not None:
             self._send_partial(position, layer, block, x.shape[0], out)

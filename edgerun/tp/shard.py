@@ -100,15 +100,19 @@ def split_spec(config: ModelConfig, n: int, group_size: int = 256, vocab_block: 
 
 
 def head_top(logits: np.ndarray, top: int) -> np.ndarray:
-    """A device's LM-head partial for a sampler that draws from `top` logits at most: its `top` largest logits
-    (sampling.largest, of its own rows), then their places among its rows, all float32 (a place is below 2^24:
-    exact). The master's deployment.place_head_top puts them back."""
-    chosen = largest(logits, top)
-    return np.concatenate([logits.reshape(-1)[chosen], chosen]).astype(np.float32)
+    """A device's LM-head partial for samplers that draw from `top` logits at most: for each token's row of
+    `logits` (a request's one, a batch's each), its `top` largest logits (sampling.largest, of its own rows), then
+    their places among its rows, all float32 (a place is below 2^24: exact). The master's
+    deployment.place_head_top puts them back."""
+    parts = []
+    for row in logits.reshape(-1, logits.shape[-1]):
+        chosen = largest(row, top)
+        parts += [row[chosen], chosen]
+    return np.concatenate(parts).astype(np.float32)
 
 
 def head_top_size(rows: int, top: int) -> int:
-    """Elements of a head_top partial of a device with `rows` vocabulary rows."""
+    """Elements of a head_top partial of a device with `rows` vocabulary rows, for each token."""
     return 2 * min(top, rows)
 
 
