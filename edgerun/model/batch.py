@@ -94,7 +94,7 @@ class GatheringEngine(BatchEngine, Protocol):
     def decode(self, batch: Sequence[tuple[int, int, int]], top: int | None = None) -> np.ndarray: ...
 
 
-def gathered(samplers: Sequence[Sampler]) -> int | None:
+def most_candidates(samplers: Sequence[Sampler]) -> int | None:
     """The most of the largest logits any of these draws picks from (Sampler.candidates), None where one picks from
     all of them."""
     tops = [s.candidates for s in samplers]
@@ -260,7 +260,7 @@ class BatchLoop:
             if not batch:
                 rows = []
             elif self.gathers:
-                rows = self.engine.decode(batch, gathered([s.gen.sampler for s in ready]))  # type: ignore[call-arg]
+                rows = self.engine.decode(batch, most_candidates([s.gen.sampler for s in ready]))  # type: ignore[call-arg]
             else:
                 rows = self.engine.decode(batch)
         for s, row in zip(ready, rows, strict=True):

@@ -34,6 +34,8 @@ class TpBatch:
     """A tensor-parallel master as a batch engine (model.batch.BatchEngine): prefill a slot's chunk, decode one
     token of several slots, copy a prompt's cache rows between slots."""
 
+    gathers = True  # model.batch.GatheringEngine: a decode step's nodes send each row's `top` largest logits
+
     def __init__(self, master: Master) -> None:
         self.master = master
         self.started = False  # a batch session ran: a new one means its caches are gone
@@ -50,8 +52,6 @@ class TpBatch:
         """Tokens at positions start.. of the sequence in `slot`: the last one's logits."""
         self._check(slot, start + len(tokens))
         return self._run(self.master.batch_step(tokens, (slot,), (start,)))[-1]
-
-    gathers = True  # model.batch.GatheringEngine: a decode step's nodes send each row's `top` largest logits
 
     def decode(self, batch: Sequence[tuple[int, int, int]], top: int | None = None) -> np.ndarray:
         """One token of each of several sequences, (slot, position, token) each, in one step: their logits, (len(batch),
