@@ -42,7 +42,8 @@ PREFILL_CHUNK = 64
 # Prompt tokens a round runs in all, of several joining sequences' chunks: a round's fixed costs (each product's pass
 # over the weights; on a tensor-parallel cluster, every block's exchange) are paid once for them all. 8 streams of
 # ~75-token prompts at 4 tensor-parallel devices (synthetic 1B, one thread a device): 47.8 tok/s against 42.5 with one
-# chunk's 64 tokens a round; on the single engine 26.3 against 21.3. Running sequences wait a round for their token.
+# chunk's 64 tokens a round (means of four rows each, alternated); on the single engine 26.3 against 21.3. Running
+# sequences wait a round for their token.
 ROUND_TOKENS = 256
 
 
@@ -180,7 +181,7 @@ class BatchLoop:
                  round_tokens: int = ROUND_TOKENS) -> None:
         """`draws`: the engine is a DrawingEngine (its rounds take a chunk a lane, `round_tokens` aside); `on_idle`:
         called when the last running sequence has left (a pipeline's deployment repartitions only then);
-        `round_tokens`: prompt tokens a round runs at most, beyond its first chunk."""
+        `round_tokens`: prompt tokens a round runs at most (its first chunk runs whatever its size)."""
         if prefill_chunk < 1 or round_tokens < 1:
             raise EdgerunError("a prefill chunk and a round's prompt tokens are at least one token")
         self.engine, self.prefill_chunk, self.draws, self.on_idle = engine, prefill_chunk, draws, on_idle
