@@ -1247,7 +1247,21 @@ typedef void (*attend_rows_t)(const struct er_attention_params *p, int group, co
 
 /* One token's query heads j = 0..group-1 of one key-value head (`q` their rows, F32, q_stride floats apart) over
  * cache rows [r0, r1) (k and v the head's first row, F16, row_stride halves apart): attend_rows_v512 and
- * attend_rows_v256, from registers V of N lanes (their operations V_*). */
+ * attend_rows_v256, from registers V of N lanes (their operations V_*).
+ * The rows go in tiles of ATTN_TILE, each in three passes: every row's scores (independent of one another), then
+ * each head's softmax weights in row order (the running maximum, expf, the sum), then the value rows into the
+ * accumulators. Each head's arithmetic is the same as row by row, in the same order; what the passes change is
+ * that no row's score waits on the last row's accumulator update, so the CPU overlaps them (row by row, a chain
+ * of score, expf and F16 rounding a row kept it ~4x slower). */
+#define ATTN_TILE 32
+
+/* A head's 64 F16 values (two cache lines) on their way: the caches' rows are apart by every head's values, a stride
+ * the CPU's own prefetchers follow poorly, and a batch's attention waited on them most of its time. (Reading past
+ * the rows a sequence holds is harmless: a prefetch never faults.) */
+static inline void prefetch_head(const uint16_t *row) {
+    _mm_prefetch((const char *)row, _MM_HINT_T0);
+    _mm_prefetch((const char *)row + 64, _MM_HINT_T0);
+}
 #define ATTEND_ROWS(V, ATTR, VT, N)                                                                                \
     ATTR static void attend_rows_##V(const struct er_attention_params *p, int group, const float *q,              \
                                      size_t q_stride, const uint16_t *k, const uint16_t *v, size_t row_stride,    \
@@ -1255,6 +1269,7 @@ typedef void (*attend_rows_t)(const struct er_attention_params *p, int group, co
         enum { R = ATTN_HEAD / N };                                                                                \
         VT qf[ATTN_MAX_GROUP][R], acc[ATTN_MAX_GROUP][R];                                                          \
         float M[ATTN_MAX_GROUP], S[ATTN_MAX_GROUP];                                                                \
+        float score[ATTN_MAX_GROUP][ATTN_TILE], ms[ATTN_MAX_GROUP][ATTN_TILE], vs[ATTN_MAX_GROUP][ATTN_TILE];      \
         for (int j = 0; j < group; j++) {                                                                          \
             for (int i = 0; i < R; i++) {                                                                          \
                 qf[j][i] = V##_round(V##_load(q + (size_t)j * q_stride + N * i));                                  \
@@ -1263,32 +1278,47 @@ typedef void (*attend_rows_t)(const struct er_attention_params *p, int group, co
             M[j] = -INFINITY;                                                                                      \
             S[j] = 0.0f;                                                                                           \
         }                                                                                                          \
-        for (int ic = r0; ic < r1; ic++) {                                                                         \
-            const uint16_t *kr = k + (size_t)ic * row_stride, *vr = v + (size_t)ic * row_stride;                   \
-            VT kf[R], vf[R];                                                                                       \
-            for (int i = 0; i < R; i++) {                                                                          \
-                kf[i] = V##_half(kr + N * i);                                                                      \
-                vf[i] = V##_half(vr + N * i);                                                                      \
-            }                                                                                                      \
-            for (int j = 0; j < group; j++) {                                                                      \
-                float s = V##_score(kf, qf[j]) * p->scale;                                                         \
-                s = s + 0.0f; /* the mask's 0, as ggml adds it (a -0 score becomes +0) */                          \
-                float ms = 1.0f, vs = 1.0f;                                                                        \
-                if (s > M[j]) {                                                                                    \
-                    const float old = M[j];                                                                        \
-                    M[j] = s;                                                                                      \
-                    ms = expf(old - s);                                                                            \
-                    const VT scale = V##_set1(ms);                                                                 \
-                    for (int i = 0; i < R; i++)                                                                    \
-                        acc[j][i] = V##_round(V##_mul(acc[j][i], scale));                                          \
-                } else {                                                                                           \
-                    vs = expf(s - M[j]);                                                                           \
-                }                                                                                                  \
-                const VT weight = V##_set1(vs);                                                                    \
+        for (int t0 = r0; t0 < r1; t0 += ATTN_TILE) {                                                              \
+            const int n = r1 - t0 < ATTN_TILE ? r1 - t0 : ATTN_TILE;                                               \
+            for (int r = 0; r < n; r++) {                                                                          \
+                const uint16_t *kr = k + (size_t)(t0 + r) * row_stride;                                            \
+                prefetch_head(kr + ATTN_TILE * row_stride); /* the next tile's keys */                            \
+                prefetch_head(v + (size_t)(t0 + r) * row_stride); /* this tile's values, for pass three */         \
+                VT kf[R];                                                                                          \
                 for (int i = 0; i < R; i++)                                                                        \
-                    acc[j][i] = V##_round(p->fused_mad ? V##_fmadd(vf[i], weight, acc[j][i])                       \
-                                                       : V##_add(acc[j][i], V##_mul(vf[i], weight)));              \
-                S[j] = p->fused_sum ? fmaf(S[j], ms, vs) : S[j] * ms + vs;                                         \
+                    kf[i] = V##_half(kr + N * i);                                                                  \
+                for (int j = 0; j < group; j++)                                                                    \
+                    score[j][r] = V##_score(kf, qf[j]) * p->scale + 0.0f; /* + the mask's 0, as ggml adds it */    \
+            }                                                                                                      \
+            for (int j = 0; j < group; j++)                                                                        \
+                for (int r = 0; r < n; r++) {                                                                      \
+                    const float s = score[j][r];                                                                   \
+                    if (s > M[j]) { /* a new maximum: the accumulator is scaled, this row weighs 1 */              \
+                        ms[j][r] = expf(M[j] - s);                                                                 \
+                        vs[j][r] = 1.0f;                                                                           \
+                        M[j] = s;                                                                                  \
+                    } else {                                                                                       \
+                        ms[j][r] = 1.0f;                                                                           \
+                        vs[j][r] = expf(s - M[j]);                                                                 \
+                    }                                                                                              \
+                    S[j] = p->fused_sum ? fmaf(S[j], ms[j][r], vs[j][r]) : S[j] * ms[j][r] + vs[j][r];             \
+                }                                                                                                  \
+            for (int r = 0; r < n; r++) {                                                                          \
+                const uint16_t *vr = v + (size_t)(t0 + r) * row_stride;                                            \
+                VT vf[R];                                                                                          \
+                for (int i = 0; i < R; i++)                                                                        \
+                    vf[i] = V##_half(vr + N * i);                                                                  \
+                for (int j = 0; j < group; j++) {                                                                  \
+                    if (ms[j][r] != 1.0f) { /* (times 1 leaves an F16-rounded accumulator as it is) */                \
+                        const VT scale = V##_set1(ms[j][r]);                                                       \
+                        for (int i = 0; i < R; i++)                                                                \
+                            acc[j][i] = V##_round(V##_mul(acc[j][i], scale));                                      \
+                    }                                                                                              \
+                    const VT weight = V##_set1(vs[j][r]);                                                          \
+                    for (int i = 0; i < R; i++)                                                                    \
+                        acc[j][i] = V##_round(p->fused_mad ? V##_fmadd(vf[i], weight, acc[j][i])                   \
+                                                           : V##_add(acc[j][i], V##_mul(vf[i], weight)));          \
+                }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
         for (int j = 0; j < group; j++) {                                                                          \
