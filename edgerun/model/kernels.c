@@ -871,31 +871,41 @@ TARGET_AMX static void q4_0x8_amx(const block_q4_0x8 *w, int n_blocks, int g0, i
 #pragma GCC unroll 16
             for (int c = 0; c < AMX_COLS; c++)
                 acc[c] = _mm512_setzero_ps();
+            /* Block ib + 1's tile product goes in before block ib's sums come out of their tiles, so that the tile
+             * unit multiplies the one while the vector units add the other into the accumulators (issued one
+             * after the other, each waited on the other: 8192 x 2048 rows times 256 columns took 21.3-32.8 ms
+             * against 19.4-27.9 this way, one thread of a Sapphire Rapids class Xeon). */
+#define AMX_BLOCK(C, A, B, ib)                                                                                     \
+    do {                                                                                                           \
+        _tile_zero(C);                                                                                             \
+        _tile_loadd(A, values + ((size_t)(ib) * AMX_PASS_COLS + c0) * QK, QK);                                     \
+        _tile_loadd(B, b + (size_t)(ib) * 512, 64);                                                                \
+        _tile_dpbssd(C, A, B);                                                                                     \
+    } while (0)
+#define AMX_ADD(h, ib)                                                                                             \
+    do {                                                                                                           \
+        const __m512 d_rows = _mm512_loadu_ps(dw + (size_t)(ib) * 16);                                             \
+        const float *d_cols = dx + (size_t)(ib) * AMX_PASS_COLS + c0;                                              \
+        _Pragma("GCC unroll 16") for (int c = 0; c < AMX_COLS; c++) {                                              \
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)sums[h][c]));                    \
+            acc[c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d_rows, _mm512_set1_ps(d_cols[c])), acc[c]);               \
+        }                                                                                                          \
+    } while (0)
+            AMX_BLOCK(0, 1, 2, 0);
             for (int ib = 0; ib < n_blocks; ib += 2) {
-                const int8_t *a = values + ((size_t)ib * AMX_PASS_COLS + c0) * QK;
-                _tile_zero(0);
-                _tile_loadd(1, a, QK);
-                _tile_loadd(2, b + (size_t)ib * 512, 64);
-                _tile_dpbssd(0, 1, 2);
+                if (ib + 1 < n_blocks)
+                    AMX_BLOCK(3, 4, 5, ib + 1);
                 _tile_stored(0, sums[0], 64);
-                const int second = ib + 1 < n_blocks;
-                if (second) {
-                    _tile_zero(3);
-                    _tile_loadd(4, a + (size_t)AMX_PASS_COLS * QK, QK);
-                    _tile_loadd(5, b + (size_t)(ib + 1) * 512, 64);
-                    _tile_dpbssd(3, 4, 5);
+                AMX_ADD(0, ib);
+                if (ib + 1 < n_blocks) {
+                    if (ib + 2 < n_blocks)
+                        AMX_BLOCK(0, 1, 2, ib + 2);
                     _tile_stored(3, sums[1], 64);
-                }
-                for (int h = 0; h < 1 + second; h++) {
-                    const __m512 d_rows = _mm512_loadu_ps(dw + (size_t)(ib + h) * 16);
-                    const float *d_cols = dx + (size_t)(ib + h) * AMX_PASS_COLS + c0;
-#pragma GCC unroll 16
-                    for (int c = 0; c < AMX_COLS; c++) {
-                        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)sums[h][c]));
-                        acc[c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d_rows, _mm512_set1_ps(d_cols[c])), acc[c]);
-                    }
+                    AMX_ADD(1, ib + 1);
                 }
             }
+#undef AMX_BLOCK
+#undef AMX_ADD
             for (int c = 0; c < AMX_COLS && c0 + c < cols; c++) {
                 float *to = out + (size_t)(c0 + c) * out_stride + (size_t)g * 8;
                 if (pair)
