@@ -1272,16 +1272,42 @@ static inline void prefetch_head(const uint16_t *row) {
     _mm_prefetch((const char *)row, _MM_HINT_T0);
     _mm_prefetch((const char *)row + 64, _MM_HINT_T0);
 }
-#define ATTEND_ROWS(V, ATTR, VT, N)                                                                                \
-    ATTR static void attend_rows_##V(const struct er_attention_params *p, int group, const float *q,              \
-                                     size_t q_stride, const uint16_t *k, const uint16_t *v, size_t row_stride,    \
-                                     int r0, int r1, partial *out) {                                              \
+/* The value rows of a tile into the accumulators (pass three), MAD(acc, value, weight) the multiply-add as ggml's
+ * compiler left it: inside ATTEND_ROWS. */
+#define ATTEND_VALUES(V, VT, N, MAD)                                                                                \
+    for (int r = 0; r < n; r++) {                                                                                  \
+        const uint16_t *vr = v + (size_t)(t0 + r) * row_stride;                                                    \
+        VT vf[R];                                                                                                  \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) vf[i] = V##_half(vr + N * i);                          \
+        _Pragma("GCC unroll 8") for (int j = 0; j < G; j++) {                                                      \
+            if (ms[j][r] != 1.0f) { /* (times 1 leaves an F16-rounded accumulator as it is) */                     \
+                const VT scale = V##_set1(ms[j][r]);                                                               \
+                _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) acc[j][i] = V##_round(V##_mul(acc[j][i], scale)); \
+            }                                                                                                      \
+            const VT weight = V##_set1(vs[j][r]);                                                                  \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) acc[j][i] = V##_round(MAD(acc[j][i], vf[i], weight)); \
+        }                                                                                                          \
+    }
+#define ATTN_FMA(V, a, x, w) V##_fmadd(x, w, a)
+#define ATTN_MUL_ADD(V, a, x, w) V##_add(a, V##_mul(x, w))
+#define ATTN_FMA_v512(a, x, w) ATTN_FMA(v512, a, x, w)
+#define ATTN_MUL_ADD_v512(a, x, w) ATTN_MUL_ADD(v512, a, x, w)
+#define ATTN_FMA_v256(a, x, w) ATTN_FMA(v256, a, x, w)
+#define ATTN_MUL_ADD_v256(a, x, w) ATTN_MUL_ADD(v256, a, x, w)
+
+/* NAME: attend_rows over registers V of N lanes, for GROUP query heads to a key-value head: a constant (the
+ * accumulators then stay in registers: 4 heads' take 16 of AVX-512's 32) or `group` (any count, in memory). */
+#define ATTEND_ROWS(V, ATTR, VT, N, NAME, GROUP)                                                                   \
+    ATTR static void NAME(const struct er_attention_params *p, int group, const float *q, size_t q_stride,         \
+                          const uint16_t *k, const uint16_t *v, size_t row_stride, int r0, int r1, partial *out) { \
         enum { R = ATTN_HEAD / N };                                                                                \
-        VT qf[ATTN_MAX_GROUP][R], acc[ATTN_MAX_GROUP][R];                                                          \
+        const int G = (GROUP);                                                                                     \
+        (void)group;                                                                                               \
+        VT qf[ATTN_MAX_GROUP][R] = {0}, acc[ATTN_MAX_GROUP][R] = {0}; /* (all set below: G heads' are used) */       \
         float M[ATTN_MAX_GROUP], S[ATTN_MAX_GROUP];                                                                \
         float score[ATTN_MAX_GROUP][ATTN_TILE], ms[ATTN_MAX_GROUP][ATTN_TILE], vs[ATTN_MAX_GROUP][ATTN_TILE];      \
-        for (int j = 0; j < group; j++) {                                                                          \
-            for (int i = 0; i < R; i++) {                                                                          \
+        _Pragma("GCC unroll 8") for (int j = 0; j < G; j++) {                                                      \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                  \
                 qf[j][i] = V##_round(V##_load(q + (size_t)j * q_stride + N * i));                                  \
                 acc[j][i] = V##_zero();                                                                            \
             }                                                                                                      \
@@ -1292,15 +1318,14 @@ static inline void prefetch_head(const uint16_t *row) {
             const int n = r1 - t0 < ATTN_TILE ? r1 - t0 : ATTN_TILE;                                               \
             for (int r = 0; r < n; r++) {                                                                          \
                 const uint16_t *kr = k + (size_t)(t0 + r) * row_stride;                                            \
-                prefetch_head(kr + ATTN_TILE * row_stride); /* the next tile's keys */                            \
+                prefetch_head(kr + ATTN_TILE * row_stride); /* the next tile's keys */                             \
                 prefetch_head(v + (size_t)(t0 + r) * row_stride); /* this tile's values, for pass three */         \
                 VT kf[R];                                                                                          \
-                for (int i = 0; i < R; i++)                                                                        \
-                    kf[i] = V##_half(kr + N * i);                                                                  \
-                for (int j = 0; j < group; j++)                                                                    \
+                _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) kf[i] = V##_half(kr + N * i);                  \
+                _Pragma("GCC unroll 8") for (int j = 0; j < G; j++)                                                \
                     score[j][r] = V##_score(kf, qf[j]) * p->scale + 0.0f; /* + the mask's 0, as ggml adds it */    \
             }                                                                                                      \
-            for (int j = 0; j < group; j++)                                                                        \
+            for (int j = 0; j < G; j++)                                                                            \
                 for (int r = 0; r < n; r++) {                                                                      \
                     const float s = score[j][r];                                                                   \
                     if (s > M[j]) { /* a new maximum: the accumulator is scaled, this row weighs 1 */              \
@@ -1313,34 +1338,24 @@ static inline void prefetch_head(const uint16_t *row) {
                     }                                                                                              \
                     S[j] = p->fused_sum ? fmaf(S[j], ms[j][r], vs[j][r]) : S[j] * ms[j][r] + vs[j][r];             \
                 }                                                                                                  \
-            for (int r = 0; r < n; r++) {                                                                          \
-                const uint16_t *vr = v + (size_t)(t0 + r) * row_stride;                                            \
-                VT vf[R];                                                                                          \
-                for (int i = 0; i < R; i++)                                                                        \
-                    vf[i] = V##_half(vr + N * i);                                                                  \
-                for (int j = 0; j < group; j++) {                                                                  \
-                    if (ms[j][r] != 1.0f) { /* (times 1 leaves an F16-rounded accumulator as it is) */                \
-                        const VT scale = V##_set1(ms[j][r]);                                                       \
-                        for (int i = 0; i < R; i++)                                                                \
-                            acc[j][i] = V##_round(V##_mul(acc[j][i], scale));                                      \
-                    }                                                                                              \
-                    const VT weight = V##_set1(vs[j][r]);                                                          \
-                    for (int i = 0; i < R; i++)                                                                    \
-                        acc[j][i] = V##_round(p->fused_mad ? V##_fmadd(vf[i], weight, acc[j][i])                   \
-                                                           : V##_add(acc[j][i], V##_mul(vf[i], weight)));          \
-                }                                                                                                  \
-            }                                                                                                      \
+            if (p->fused_mad)                                                                                      \
+                ATTEND_VALUES(V, VT, N, ATTN_FMA_##V)                                                              \
+            else                                                                                                   \
+                ATTEND_VALUES(V, VT, N, ATTN_MUL_ADD_##V)                                                          \
         }                                                                                                          \
-        for (int j = 0; j < group; j++) {                                                                          \
+        _Pragma("GCC unroll 8") for (int j = 0; j < G; j++) {                                                      \
             out->M[j] = M[j];                                                                                      \
             out->S[j] = S[j];                                                                                      \
-            for (int i = 0; i < R; i++)                                                                            \
-                V##_store(out->acc[j] + N * i, acc[j][i]);                                                         \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) V##_store(out->acc[j] + N * i, acc[j][i]);         \
         }                                                                                                          \
     }
 
-ATTEND_ROWS(v512, TARGET, __m512, 16)
-ATTEND_ROWS(v256, TARGET_AVX2, __m256, 8)
+ATTEND_ROWS(v512, TARGET, __m512, 16, attend_rows_v512, group)
+ATTEND_ROWS(v512, TARGET, __m512, 16, attend_rows_v512_g3, 3)
+ATTEND_ROWS(v512, TARGET, __m512, 16, attend_rows_v512_g4, 4)
+ATTEND_ROWS(v256, TARGET_AVX2, __m256, 8, attend_rows_v256, group)
+ATTEND_ROWS(v256, TARGET_AVX2, __m256, 8, attend_rows_v256_g3, 3)
+ATTEND_ROWS(v256, TARGET_AVX2, __m256, 8, attend_rows_v256_g4, 4)
 
 /* a * b + c * d as ggml's compiler left it: two products and a sum, or one product fused into the sum */
 static inline float merged(int fused, float a, float b, float c, float d) {
@@ -1409,7 +1424,10 @@ void er_attention(struct ggml_tensor_head *dst, int ith, int nth, void *userdata
                                   *at = dst->src[4];
     const int n = (int)q->ne[2], group = p->n_heads / p->n_kv_heads;
     const size_t row_stride = kc->nb[1] / sizeof(uint16_t);
-    const attend_rows_t rows_fn = has_avx512() ? attend_rows_v512 : attend_rows_v256;
+    const int wide = has_avx512();
+    const attend_rows_t rows_fn = group == 3 ? (wide ? attend_rows_v512_g3 : attend_rows_v256_g3)
+                                  : group == 4 ? (wide ? attend_rows_v512_g4 : attend_rows_v256_g4)
+                                  : (wide ? attend_rows_v512 : attend_rows_v256);
     for (int u = ith; u < n * p->n_kv_heads; u += nth) {
         const int t = u / p->n_kv_heads, g = u % p->n_kv_heads;
         const int position = ((const int32_t *)pos->data)[t];
