@@ -1261,8 +1261,9 @@ typedef void (*attend_rows_t)(const struct er_attention_params *p, int group, co
  * The rows go in tiles of ATTN_TILE, each in three passes: every row's scores (independent of one another), then
  * each head's softmax weights in row order (the running maximum, expf, the sum), then the value rows into the
  * accumulators. Each head's arithmetic is the same as row by row, in the same order; what the passes change is
- * that no row's score waits on the last row's accumulator update, so the CPU overlaps them (row by row, a chain
- * of score, expf and F16 rounding a row kept it ~4x slower). */
+ * that no row's score waits on the last row's accumulator update, and that a tile's rows can be on their way
+ * before they are read (prefetch_head). The tiles alone gained little; with the prefetching, a step of 8 of the
+ * shipped model's sequences (positions 76-226) took 26.0-31.0 ms against 35.2-38.3 row by row. */
 #define ATTN_TILE 32
 
 /* A head's 64 F16 values (two cache lines) on their way: the caches' rows are apart by every head's values, a stride
